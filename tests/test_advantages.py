@@ -1,0 +1,289 @@
+"""Advantage estimators against hand-computed values and plain-Python loop references.
+
+The shared batch has uneven response lengths, a three-sample group with distinct scores
+("a"), a single-sample group ("b") and a group whose rewards are all equal ("c").
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+from treadle.algorithms import ADV_ESTIMATORS
+
+MASK = torch.tensor(
+    [
+        [1, 1, 1, 0],
+        [1, 1, 0, 0],
+        [1, 1, 1, 1],
+        [1, 0, 0, 0],
+        [1, 1, 1, 0],
+        [1, 1, 0, 0],
+    ],
+    dtype=torch.float32,
+)
+GROUPS = ["a", "a", "a", "b", "c", "c"]
+SCORES = [1.0, 0.0, 0.5, 0.7, 0.3, 0.3]
+
+
+def outcome_rewards(scores: list[float] = SCORES, mask: torch.Tensor = MASK) -> torch.Tensor:
+    """Each score placed on the last valid token of its row (as a reward manager does)."""
+    rewards = torch.zeros(mask.shape)
+    for i, s in enumerate(scores):
+        rewards[i, int(mask[i].nonzero().max())] = s
+    return rewards
+
+
+def spread(per_seq: list[float], mask: torch.Tensor = MASK) -> torch.Tensor:
+    return torch.tensor(per_seq, dtype=torch.float32).unsqueeze(-1) * mask
+
+
+def estimate(name: str, rewards: torch.Tensor | None = None, mask: torch.Tensor = MASK, **kw):
+    rewards = outcome_rewards() if rewards is None else rewards
+    return ADV_ESTIMATORS.get(name)(rewards, mask, group_ids=kw.pop("group_ids", GROUPS), **kw)
+
+
+# --------------------------------------------------------------------------- references
+
+
+def ref_group_baseline(scores, ids, norm_by_std, eps=1e-6):
+    """GRPO as a loop: single-sample group -> mean 0, std 1."""
+    out = []
+    for i, s in enumerate(scores):
+        group = [scores[j] for j in range(len(scores)) if ids[j] == ids[i]]
+        if len(group) == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(group) / len(group)
+            std = math.sqrt(sum((x - mean) ** 2 for x in group) / (len(group) - 1))
+        out.append((s - mean) / (std + eps) if norm_by_std else s - mean)
+    return out
+
+
+def ref_whiten(mat, mask):
+    vals = [mat[i][t] for i in range(len(mat)) for t in range(len(mat[0])) if mask[i][t]]
+    mean = sum(vals) / len(vals)
+    var = sum((v - mean) ** 2 for v in vals) / (len(vals) - 1)
+    return [
+        [
+            (mat[i][t] - mean) / math.sqrt(var + 1e-8) if mask[i][t] else 0.0
+            for t in range(len(mat[0]))
+        ]
+        for i in range(len(mat))
+    ]
+
+
+def ref_gae(rewards, values, mask, gamma, lam):
+    """GAE row by row over the list of valid positions only."""
+    adv = [[0.0] * len(rewards[0]) for _ in rewards]
+    for i in range(len(rewards)):
+        positions = [t for t in range(len(rewards[0])) if mask[i][t]]
+        next_value, next_adv = 0.0, 0.0
+        for t in reversed(positions):
+            delta = rewards[i][t] + gamma * next_value - values[i][t]
+            next_adv = delta + gamma * lam * next_adv
+            adv[i][t] = next_adv
+            next_value = values[i][t]
+    return adv
+
+
+def ref_discounted(rewards, mask, gamma):
+    out = [[0.0] * len(rewards[0]) for _ in rewards]
+    for i in range(len(rewards)):
+        running = 0.0
+        for t in reversed(range(len(rewards[0]))):
+            if mask[i][t]:
+                running = rewards[i][t] + gamma * running
+                out[i][t] = running
+    return out
+
+
+# --------------------------------------------------------------------------- GRPO family
+
+
+def test_grpo_hand_values():
+    adv, returns = estimate("grpo")
+    # group a: mean 0.5, unbiased std 0.5; b: single (mean 0, std 1); c: all equal
+    eps = 1e-6
+    expected = [0.5 / (0.5 + eps), -0.5 / (0.5 + eps), 0.0, 0.7 / (1 + eps), 0.0, 0.0]
+    assert_close(adv, spread(expected))
+    assert_close(returns, adv)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_matches_loop_reference(norm):
+    torch.manual_seed(0)
+    mask = (torch.rand(12, 7) < 0.7).float()
+    mask[:, 0] = 1
+    scores = torch.rand(12).tolist()
+    ids = [0, 0, 0, 0, 1, 1, 1, 2, 3, 3, 4, 4]
+    rewards = outcome_rewards(scores, mask)
+    adv, _ = estimate("grpo", rewards, mask, group_ids=ids, norm_adv_by_std=norm)
+    assert_close(adv, spread(ref_group_baseline(scores, ids, norm), mask))
+
+
+def test_equal_rewards_give_exactly_zero_advantage_even_after_std():
+    # 0.3 is not representable: a float32 mean could differ from 0.3 by an ulp and dividing
+    # by the (then tiny, nonzero) std would blow that ulp up to O(1e-2).
+    rewards = outcome_rewards([0.3] * 6)
+    for name in ["grpo", "dr_grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"]:
+        adv, _ = estimate(name, rewards, group_ids=["x"] * 6)
+        assert adv.abs().max().item() < 1e-6, name
+
+
+def test_dr_grpo_never_divides_by_std():
+    adv, _ = estimate("dr_grpo", norm_adv_by_std=True)
+    assert_close(adv, spread([0.5, -0.5, 0.0, 0.7, 0.0, 0.0]))
+
+
+def test_group_ids_may_be_a_tensor():
+    ids = torch.tensor([7, 7, 7, 8, 9, 9])  # 0-d tensors hash by identity; must not split groups
+    assert_close(estimate("grpo", group_ids=ids)[0], estimate("grpo")[0])
+
+
+def test_group_ids_length_must_match_batch():
+    with pytest.raises(ValueError, match="group_ids has 2 entries but the batch has 6"):
+        estimate("grpo", group_ids=["a", "b"])
+
+
+def test_rloo_hand_values():
+    adv, _ = estimate("rloo")
+    # a: 1 - (0 + .5)/2, 0 - (1 + .5)/2, .5 - (1 + 0)/2; b: no baseline; c: equal
+    assert_close(adv, spread([0.75, -0.75, 0.0, 0.7, 0.0, 0.0]))
+
+
+def test_rloo_matches_loop_reference():
+    torch.manual_seed(1)
+    scores = torch.rand(9).tolist()
+    ids = [0, 0, 0, 0, 1, 1, 2, 2, 2]
+    mask = torch.ones(9, 3)
+    adv, _ = estimate("rloo", outcome_rewards(scores, mask), mask, group_ids=ids)
+    expected = []
+    for i, s in enumerate(scores):
+        others = [scores[j] for j in range(9) if ids[j] == ids[i] and j != i]
+        expected.append(s - sum(others) / len(others))
+    assert_close(adv, spread(expected, mask))
+
+
+def test_opo_length_weighted_baseline():
+    adv, _ = estimate("opo")
+    # group a: lengths 3, 2, 4 -> baseline (3*1 + 2*0 + 4*.5) / 9 = 5/9
+    b = 5 / 9
+    assert_close(adv, spread([1 - b, -b, 0.5 - b, 0.7, 0.0, 0.0]))
+
+
+def test_gpg_bias_correction():
+    adv, _ = estimate("gpg")
+    # zero advantage: row 2 (score = group mean) and rows 4, 5 (equal group): M = 3, B = 6
+    alpha = 6 / 3
+    assert_close(adv, spread([alpha * 0.5, -alpha * 0.5, 0.0, alpha * 0.7, 0.0, 0.0]))
+
+
+def test_gpg_all_zero_advantages_is_zero_not_nan():
+    adv, _ = estimate("gpg", outcome_rewards([1.0] * 6), group_ids=["x"] * 6)
+    assert torch.equal(adv, torch.zeros_like(adv))
+
+
+# --------------------------------------------------------------------------- REINFORCE++ / ReMax
+
+
+def test_reinforce_plus_plus_discounts_over_valid_positions():
+    # row 0 has a hole at t=2 (tool output, mask 0) that must be skipped, not reset at
+    mask = torch.tensor([[1, 1, 0, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float32)
+    rewards = torch.tensor(
+        [[0.1, 0.0, 9.0, 0.0, 1.0], [0.0, 0.5, 1.0, 9.0, 0.0], [2.0, 0.0, 0.0, 0.0, 9.0]]
+    )
+    adv, returns = estimate("reinforce_plus_plus", rewards, mask, group_ids=[0, 1, 2], gamma=0.9)
+    g = 0.9
+    assert_close(returns[0], torch.tensor([0.1 + g**3, g**2, 0.0, g, 1.0]))
+    expected_returns = ref_discounted(rewards.tolist(), mask.tolist(), g)
+    assert_close(returns, torch.tensor(expected_returns))
+    assert_close(adv, torch.tensor(ref_whiten(expected_returns, mask.tolist())))
+
+
+def test_reinforce_plus_plus_baseline_matches_loop_reference():
+    adv, _ = estimate("reinforce_plus_plus_baseline")
+    centered = ref_group_baseline(SCORES, GROUPS, norm_by_std=False)
+    token = [[c * m for m in row] for c, row in zip(centered, MASK.tolist(), strict=True)]
+    assert_close(adv, torch.tensor(ref_whiten(token, MASK.tolist())))
+
+
+def test_remax_subtracts_greedy_baseline():
+    baseline = torch.tensor([0.5, 0.5, 0.5, 1.0, 0.0, 0.3])
+    adv, returns = estimate("remax", baseline_rewards=baseline)
+    assert_close(adv, spread([0.5, -0.5, 0.0, -0.3, 0.3, 0.0]))
+    assert_close(returns, spread(SCORES))
+
+
+def test_remax_without_baseline_says_what_is_missing():
+    with pytest.raises(ValueError, match="remax needs baseline_rewards"):
+        estimate("remax")
+
+
+# --------------------------------------------------------------------------- GAE
+
+
+def test_gae_gamma_lambda_one_is_reward_to_go_minus_value():
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float32)
+    rewards = torch.tensor([[0.0, 0.5, 1.0, 7.0], [1.0, 2.0, 7.0, 7.0]])
+    values = torch.tensor([[0.2, 0.4, 0.6, 5.0], [0.5, 1.0, 5.0, 5.0]])
+    adv, returns = estimate("gae", rewards, mask, group_ids=[0, 1], values=values)
+    raw = [[1.5 - 0.2, 1.5 - 0.4, 1.0 - 0.6, 0.0], [3.0 - 0.5, 2.0 - 1.0, 0.0, 0.0]]
+    assert_close(returns, torch.tensor([[1.5, 1.5, 1.0, 0.0], [3.0, 2.0, 0.0, 0.0]]))
+    assert_close(adv, torch.tensor(ref_whiten(raw, mask.tolist())))
+
+
+def test_gae_matches_loop_reference_with_holes():
+    torch.manual_seed(2)
+    mask = torch.tensor(
+        [[1, 1, 0, 0, 1, 1], [1, 1, 1, 1, 0, 0], [1, 0, 1, 0, 1, 0]], dtype=torch.float32
+    )
+    rewards, values = torch.randn(3, 6), torch.randn(3, 6)
+    adv, returns = estimate(
+        "gae", rewards, mask, group_ids=[0, 1, 2], values=values, gamma=0.95, lam=0.8
+    )
+    raw = ref_gae(rewards.tolist(), values.tolist(), mask.tolist(), 0.95, 0.8)
+    assert_close(returns, (torch.tensor(raw) + values) * mask)
+    assert_close(adv, torch.tensor(ref_whiten(raw, mask.tolist())))
+
+
+def test_gae_without_values_raises():
+    with pytest.raises(ValueError, match="gae needs values from a critic"):
+        estimate("gae")
+
+
+# --------------------------------------------------------------------------- contract
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_every_estimator_follows_the_contract(name):
+    torch.manual_seed(3)
+    rewards = outcome_rewards() + 5.0 * (1 - MASK)  # junk where the mask is 0 must not count
+    kwargs = {
+        "values": torch.randn(MASK.shape),
+        "baseline_rewards": torch.rand(6),
+        "gamma": 0.9,
+        "lam": 0.95,
+        "some_future_option": 1,
+    }
+    adv, returns = estimate(name, rewards, **kwargs)
+    clean_adv, _ = estimate(name, outcome_rewards(), **kwargs)
+    assert adv.shape == returns.shape == MASK.shape
+    assert torch.isfinite(adv).all() and torch.isfinite(returns).all()
+    assert torch.equal(adv * (1 - MASK), torch.zeros_like(adv))
+    assert torch.equal(returns * (1 - MASK), torch.zeros_like(returns))
+    assert_close(adv, clean_adv)
+    bool_adv, _ = estimate(name, rewards, MASK.bool(), **kwargs)
+    assert_close(bool_adv, adv)
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "gpg", "reinforce_plus_plus"])
+def test_empty_response_gets_zero_advantage(name):
+    mask = MASK.clone()
+    mask[1] = 0
+    adv, _ = estimate(name, outcome_rewards(), mask)
+    assert torch.isfinite(adv).all()
+    assert torch.equal(adv[1], torch.zeros(4))

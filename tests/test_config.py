@@ -1,0 +1,88 @@
+"""Config: YAML + overrides, unknown keys, wrong types, cross-field rules, the dump."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from treadle.config import load_config
+from treadle.errors import ConfigError
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_yaml_and_overrides_are_typed(tmp_path):
+    path = write(tmp_path, "trainer:\n  total_steps: 5\nactor:\n  lr: 1e-4\n")
+    cfg = load_config(
+        path,
+        [
+            "trainer.total_steps=7",
+            "data.train_files=[a.jsonl, b.jsonl]",
+            "algorithm.clip_ratio_c=null",
+            "rollout.temperature=0.5",
+        ],
+    )
+    assert cfg.trainer.total_steps == 7
+    assert cfg.actor.lr == pytest.approx(1e-4)
+    assert cfg.data.train_files == ["a.jsonl", "b.jsonl"]
+    assert cfg.algorithm.clip_ratio_c is None
+    assert cfg.rollout.temperature == 0.5
+    assert cfg.trainer.save_every == 0  # untouched default
+
+
+def test_misspelt_override_names_key_and_suggestion():
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'trainer\.totl_steps'.*did you mean "
+        r"'trainer\.total_steps'",
+    ):
+        load_config(None, ["trainer.totl_steps=2"])
+
+
+def test_unknown_section_suggests_closest(tmp_path):
+    path = write(tmp_path, "algoritm:\n  kl_coef: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'algoritm'.*did you mean 'algorithm'"):
+        load_config(path)
+
+
+def test_wrong_type_names_key_type_and_value():
+    with pytest.raises(ConfigError, match=r"trainer\.total_steps: .*integer.*'many'"):
+        load_config(None, ["trainer.total_steps=many"])
+    with pytest.raises(ConfigError, match=r"rollout\.engine: .*'hf' or 'vllm'.*'vlm'"):
+        load_config(None, ["rollout.engine=vlm"])
+
+
+def test_cross_field_rules_say_what_to_change():
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.batch_size=3 must be divisible by "
+        r"actor\.world_size=2",
+    ):
+        load_config(None, ["data.batch_size=3", "actor.world_size=2"])
+    with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=48 must divide"):
+        load_config(None, ["data.batch_size=16", "rollout.n=4", "actor.ppo_mini_batch_size=48"])
+    with pytest.raises(ConfigError, match=r"trainer\.backend=local .* actor\.world_size=1"):
+        load_config(None, ["trainer.backend=local", "actor.world_size=2"])
+
+
+def test_malformed_override_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"section\.key=value"):
+        load_config(None, ["trainer.total_steps"])
+    with pytest.raises(ConfigError, match="config file not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_dump_is_complete_and_reloads(tmp_path):
+    from treadle.config import dump_config
+
+    cfg = load_config(None, ["trainer.total_steps=3", "actor.betas=[0.8, 0.9]"])
+    out = tmp_path / "run" / "config.yaml"
+    dump_config(cfg, out)
+    data = yaml.safe_load(out.read_text())
+    assert set(data) == {"model", "data", "rollout", "reward", "algorithm", "actor", "trainer"}
+    assert data["trainer"]["total_steps"] == 3
+    assert load_config(out) == cfg

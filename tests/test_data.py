@@ -1,0 +1,266 @@
+"""Datasets from files: validation messages, templating, length filtering, padding, sampling."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pytest
+import torch
+
+from treadle.data import (
+    ResumableSampler,
+    collate_prompts,
+    collate_sft,
+    load_prompt_dataset,
+    load_sft_dataset,
+)
+from treadle.errors import DataError
+from treadle.models import load_tokenizer
+from treadle.tasks import arithmetic as ar
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    out = tmp_path_factory.mktemp("tok")
+    rows = ar.generate_problems(200, seed=0)
+    ar.build_tokenizer([t for r in rows for t in (r["prompt"], r["solution"])], out)
+    return load_tokenizer(out)
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+ROWS = [
+    {"prompt": "What is 1+2?", "answer": "3", "solution": "1+2: 1+2=3. Answer: 3"},
+    {"prompt": "What is 47+38?", "answer": 85, "solution": ar.worked_solution(47, "+", 38)},
+    {"prompt": "What is 9-4?", "answer": "5", "solution": "9-4: 9-4=5. Answer: 5"},
+]
+
+
+def load(tok, files, **kwargs):  # type: ignore[no-untyped-def]
+    args = {"tokenizer": tok, "max_prompt_length": 64, "prompt_key": "prompt"}
+    return load_prompt_dataset(files, **{**args, **kwargs})
+
+
+# --- prompts ---------------------------------------------------------------------------------
+
+
+def test_prompt_rows_are_rendered_tokenized_and_identified(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    ds = load(tok, [write_jsonl(tmp_path / "train.jsonl", ROWS)])
+    assert len(ds) == 3 and ds.n_filtered == 0 and ds.pad_id == 0
+    row = ds[1]
+    assert row["uid"] == "train.jsonl:2"
+    assert row["prompt_text"] == "What is 47+38?"
+    assert row["ground_truth"] == "85"  # numbers become strings
+    rendered = "<|im_start|>user\nWhat is 47+38?<|im_end|>\n<|im_start|>assistant\n"
+    assert row["prompt_ids"] == tok.encode(rendered, add_special_tokens=False)
+
+
+def test_raw_prompts_system_prompt_and_message_lists(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    path = write_jsonl(tmp_path / "a.jsonl", ROWS[:1])
+    raw = load(tok, [path], apply_chat_template=False)
+    assert tok.decode(raw[0]["prompt_ids"]) == "What is 1+2?"
+    system = load(tok, [path], system_prompt="Be brief.")
+    assert tok.decode(system[0]["prompt_ids"]).startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWhat is 1+2?"
+    )
+    chat = [{"role": "user", "content": "What is 1+2?"}]
+    listed = load(tok, [write_jsonl(tmp_path / "b.jsonl", [{"prompt": chat, "answer": "3"}])])
+    assert listed[0]["prompt_ids"] == load(tok, [path])[0]["prompt_ids"]
+    assert listed[0]["prompt_text"] == "What is 1+2?"
+
+
+def test_several_files_and_parquet(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    parquet = tmp_path / "more.parquet"
+    pd.DataFrame(ROWS[:2]).astype({"answer": str}).to_parquet(parquet)
+    ds = load(tok, [write_jsonl(tmp_path / "train.jsonl", ROWS), str(parquet)])
+    assert [r["uid"] for r in ds.rows] == [
+        "train.jsonl:1",
+        "train.jsonl:2",
+        "train.jsonl:3",
+        "more.parquet:1",
+        "more.parquet:2",
+    ]
+    assert ds[4]["ground_truth"] == "85"
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    twin = write_jsonl(sub / "train.jsonl", ROWS[:1])  # same name: ids carry the whole path
+    assert load(tok, [str(tmp_path / "train.jsonl"), twin])[3]["uid"] == f"{twin}:1"
+
+
+def test_missing_file_and_unknown_format(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    missing = tmp_path / "nope.jsonl"
+    with pytest.raises(DataError, match=f"^data.train_files: file '{missing}' does not exist$"):
+        load(tok, [str(missing)])
+    csv = tmp_path / "x.csv"
+    csv.write_text("prompt\nhi\n")
+    with pytest.raises(DataError, match="is not JSONL"):
+        load(tok, [str(csv)])
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text('{"prompt": "What is 1+2?", "answer": "3"}\n{"prompt": \n')
+    with pytest.raises(DataError, match=f"data.val_files: cannot read '{broken}'"):
+        load(tok, [str(broken)], config_key="data.val_files")
+
+
+@pytest.mark.parametrize(
+    ("bad_row", "message"),
+    [
+        ({"answer": "1"}, "prompt field 'prompt' is missing or empty"),
+        ({"prompt": "", "answer": "1"}, "prompt field 'prompt' is missing or empty"),
+        ({"prompt": "   ", "answer": "1"}, "prompt field 'prompt' is missing or empty"),
+        ({"prompt": "What is 1+1?"}, "answer field 'answer' is missing or empty"),
+        ({"prompt": "What is 1+1?", "answer": None}, "answer field 'answer' is missing or empty"),
+        (
+            {"prompt": [{"role": "user"}], "answer": "1"},
+            "field 'prompt' must be a string or a list of {'role': str, 'content': str} messages",
+        ),
+    ],
+)
+def test_bad_row_names_file_row_and_key(tok, tmp_path: Path, bad_row, message):  # type: ignore[no-untyped-def]
+    path = write_jsonl(tmp_path / "train.jsonl", [*ROWS[:2], bad_row])
+    with pytest.raises(DataError) as info:
+        load(tok, [path])
+    assert str(info.value) == f"data.train_files: {path} row 3: {message}"
+
+
+def test_overlong_prompts_are_filtered_with_a_count(tok, tmp_path: Path, caplog):  # type: ignore[no-untyped-def]
+    long_row = {"prompt": "What is " + "1" * 40 + "+2?", "answer": "0"}
+    path = write_jsonl(tmp_path / "train.jsonl", [ROWS[0], long_row, ROWS[2]])
+    limit = len(load(tok, [path], max_prompt_length=200)[1]["prompt_ids"]) - 1
+    with caplog.at_level(logging.WARNING, logger="treadle"):
+        ds = load(tok, [path], max_prompt_length=limit)
+    assert [r["uid"] for r in ds.rows] == ["train.jsonl:1", "train.jsonl:3"]
+    assert ds.n_filtered == 1
+    assert "filtered 1 of 3 rows longer than max_prompt_length" in caplog.text
+    with pytest.raises(DataError) as info:
+        load(tok, [path], max_prompt_length=limit, overlong="error")
+    assert str(info.value).startswith(
+        f"data.train_files: {path} row 2: prompt is {limit + 1} tokens, "
+        f"longer than max_prompt_length={limit}"
+    )
+    with pytest.raises(DataError, match="every prompt is longer"):
+        load(tok, [path], max_prompt_length=3)
+
+
+def test_collate_prompts_left_pads():
+    ids, mask = collate_prompts([[5, 6, 7], [8], []], pad_id=0)
+    assert ids.tolist() == [[5, 6, 7], [0, 0, 8], [0, 0, 0]]
+    assert mask.tolist() == [[1, 1, 1], [0, 0, 1], [0, 0, 0]]
+    assert ids.dtype == mask.dtype == torch.long
+
+
+# --- SFT -------------------------------------------------------------------------------------
+
+
+def test_sft_example_masks_the_prompt(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS)
+    ds = load_sft_dataset([path], tokenizer=tok, max_length=128)
+    row = ds[1]
+    prompt = "<|im_start|>user\nWhat is 47+38?<|im_end|>\n<|im_start|>assistant\n"
+    prompt_ids = tok.encode(prompt, add_special_tokens=False)
+    n = len(prompt_ids)
+    assert row["input_ids"][:n] == prompt_ids
+    assert row["loss_mask"] == [0] * n + [1] * (len(row["input_ids"]) - n)
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert tok.decode(target) == ar.worked_solution(47, "+", 38) + "<|im_end|>"
+    assert target[-1] == tok.eos_token_id
+
+
+def test_sft_messages_train_on_assistant_turns_only(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1+2?"},
+        {"role": "assistant", "content": "Answer: 3"},
+        {"role": "user", "content": "And 3+4?"},
+        {"role": "assistant", "content": "Answer: 7"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    row = load_sft_dataset([path], tokenizer=tok, max_length=128)[0]
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert tok.decode(target) == "Answer: 3<|im_end|>Answer: 7<|im_end|>"
+    full = tok.apply_chat_template(messages, tokenize=False)
+    assert tok.decode(row["input_ids"]) == full.removesuffix("\n")
+    no_reply = write_jsonl(tmp_path / "bad.jsonl", [{"messages": messages[:2]}])
+    with pytest.raises(DataError, match="row 1: 'messages' has no assistant turn"):
+        load_sft_dataset([no_reply], tokenizer=tok, max_length=128)
+
+
+def test_sft_errors_and_length_filter(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    path = write_jsonl(tmp_path / "train.jsonl", [ROWS[0], {"prompt": "What is 2+2?"}])
+    with pytest.raises(DataError) as info:
+        load_sft_dataset([path], tokenizer=tok, max_length=128)
+    assert str(info.value) == (
+        f"data.train_files: {path} row 2: response field 'solution' is missing or empty"
+    )
+    path = write_jsonl(tmp_path / "ok.jsonl", ROWS)
+    lengths = [
+        len(r["input_ids"]) for r in load_sft_dataset([path], tokenizer=tok, max_length=999).rows
+    ]
+    ds = load_sft_dataset([path], tokenizer=tok, max_length=max(lengths) - 1)
+    assert len(ds) == 2 and ds.n_filtered == 1
+    with pytest.raises(DataError, match=r"example is .* longer than max_length"):
+        load_sft_dataset([path], tokenizer=tok, max_length=max(lengths) - 1, overlong="error")
+
+
+def test_collate_sft_right_pads():
+    rows = [
+        {"uid": "a", "input_ids": [5, 6, 7], "loss_mask": [0, 1, 1]},
+        {"uid": "b", "input_ids": [8, 9], "loss_mask": [0, 1]},
+    ]
+    ids, mask, loss_mask = collate_sft(rows, pad_id=0)  # type: ignore[arg-type]
+    assert ids.tolist() == [[5, 6, 7], [8, 9, 0]]
+    assert mask.tolist() == [[1, 1, 1], [1, 1, 0]]
+    assert loss_mask.tolist() == [[0, 1, 1], [0, 1, 0]]
+
+
+# --- sampler ---------------------------------------------------------------------------------
+
+
+def test_sampler_epochs_are_permutations_and_seeded():
+    sampler = ResumableSampler(10, 5, seed=0, drop_last=False)
+    epoch0 = sampler.next_indices() + sampler.next_indices()
+    epoch1 = sampler.next_indices() + sampler.next_indices()
+    assert sorted(epoch0) == sorted(epoch1) == list(range(10))
+    assert epoch0 != epoch1
+    assert sampler.state_dict() == {"epoch": 1, "position": 10, "seed": 0, "n": 10}
+    other = ResumableSampler(10, 5, seed=1, drop_last=False)
+    assert other.next_indices() + other.next_indices() != epoch0
+    plain = ResumableSampler(5, 2, seed=0, shuffle=False, drop_last=False)
+    assert [plain.next_indices() for _ in range(4)] == [[0, 1], [2, 3], [4], [0, 1]]
+
+
+def test_sampler_drop_last_never_spans_epochs():
+    sampler = ResumableSampler(10, 4, seed=0)
+    assert sampler.steps_per_epoch == 2
+    batches = [sampler.next_indices() for _ in range(4)]
+    assert all(len(b) == 4 for b in batches)
+    assert len(set(batches[0] + batches[1])) == 8
+    assert sampler.state_dict()["epoch"] == 1
+    with pytest.raises(DataError, match="fewer than one batch of 16"):
+        ResumableSampler(10, 16, seed=0)
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_sampler_resume_gives_the_same_batches(drop_last: bool):
+    straight = ResumableSampler(11, 3, seed=7, drop_last=drop_last)
+    expected = [straight.next_indices() for _ in range(12)]
+    first = ResumableSampler(11, 3, seed=7, drop_last=drop_last)
+    head = [first.next_indices() for _ in range(5)]
+    state = json.loads(json.dumps(first.state_dict()))  # as a checkpoint stores it
+    resumed = ResumableSampler(11, 3, seed=7, drop_last=drop_last)
+    resumed.load_state_dict(state)
+    assert head + [resumed.next_indices() for _ in range(7)] == expected
+
+
+def test_sampler_rejects_state_of_another_dataset():
+    state = ResumableSampler(10, 2, seed=0).state_dict()
+    with pytest.raises(DataError, match="dataset of 10 rows, this one has 12"):
+        ResumableSampler(12, 2, seed=0).load_state_dict(state)
+    with pytest.raises(DataError, match="lacks"):
+        ResumableSampler(12, 2, seed=0).load_state_dict({"epoch": 0})

@@ -1,0 +1,100 @@
+"""Loading and saving HF model folders, and their errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from treadle.errors import ConfigError
+from treadle.models import count_parameters, load_causal_lm, load_tokenizer, save_hf_folder
+from treadle.tasks import arithmetic as ar
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("model")
+    rows = ar.generate_problems(100, seed=0)
+    tok = ar.build_tokenizer([r["solution"] for r in rows], out)
+    ar.build_tiny_model(tok, out, hidden_size=32, num_layers=2, intermediate_size=64)
+    return out
+
+
+def test_load_tokenizer_and_model(model_dir: Path):
+    tok = load_tokenizer(model_dir)
+    model = load_causal_lm(model_dir, "bfloat16")
+    assert model.dtype == torch.bfloat16
+    assert model.config.vocab_size == len(tok)
+    assert load_causal_lm(str(model_dir), torch.float32).dtype == torch.float32
+
+
+def test_missing_folder_names_the_key_and_path(tmp_path: Path):
+    missing = tmp_path / "nope"
+    with pytest.raises(ConfigError, match=rf"^model\.path: '{missing}' does not exist"):
+        load_causal_lm(missing)
+    with pytest.raises(ConfigError, match=r"^reference\.path: .* does not exist"):
+        load_tokenizer(missing, key="reference.path")
+
+
+def test_folder_without_config_or_tokenizer_or_weights(tmp_path: Path, model_dir: Path):
+    with pytest.raises(
+        ConfigError, match=rf"model\.path: '{tmp_path}' is not a model folder: no config\.json"
+    ):
+        load_causal_lm(tmp_path)
+    with pytest.raises(
+        ConfigError, match=rf"model\.path: '{tmp_path}' is not a model folder: no tokenizer"
+    ):
+        load_tokenizer(tmp_path)
+    (tmp_path / "config.json").write_text((model_dir / "config.json").read_text())
+    with pytest.raises(ConfigError, match="no \\*\\.safetensors weights"):
+        load_causal_lm(tmp_path)
+    with pytest.raises(ConfigError, match="is a file, not a model folder"):
+        load_causal_lm(tmp_path / "config.json")
+    with pytest.raises(ConfigError, match="not a torch dtype"):
+        load_causal_lm(model_dir, "float33")
+
+
+def test_save_hf_folder_round_trips_tied_weights(tmp_path: Path, model_dir: Path):
+    model = load_causal_lm(model_dir)
+    tok = load_tokenizer(model_dir)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.add_(1.0)  # changes lm_head too: they are one tensor
+    state = {k: v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    out = save_hf_folder(state, model.config, tok, tmp_path / "saved")
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "model.embed_tokens.weight" in keys and "lm_head.weight" not in keys
+    again = load_causal_lm(out)
+    assert again.lm_head.weight.data_ptr() == again.model.embed_tokens.weight.data_ptr()
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(again.state_dict()[name], tensor), name
+    saved_tok = json.loads((out / "tokenizer_config.json").read_text())
+    # names transformers 4 (vLLM's) knows too
+    assert saved_tok["tokenizer_class"] in {"PreTrainedTokenizerFast", "Qwen2Tokenizer"}
+    assert saved_tok["additional_special_tokens"] == ["<|im_start|>"]
+    assert load_tokenizer(out).encode("What is 12+3?") == tok.encode("What is 12+3?")
+
+
+def test_save_hf_folder_rejects_incomplete_or_foreign_state(tmp_path: Path, model_dir: Path):
+    model = load_causal_lm(model_dir)
+    state = model.state_dict()
+    partial = {k: v for k, v in state.items() if "layers.1." not in k}
+    with pytest.raises(ValueError, match="missing parameters"):
+        save_hf_folder(partial, model.config, None, tmp_path / "a")
+    with pytest.raises(ValueError, match="keys the model lacks"):
+        save_hf_folder(
+            {**state, "extra.weight": torch.zeros(1)}, model.config, None, tmp_path / "b"
+        )
+
+
+def test_count_parameters_counts_tied_weights_once(model_dir: Path):
+    model = load_causal_lm(model_dir)
+    unique = {p.data_ptr(): p.numel() for p in model.parameters()}
+    assert count_parameters(model) == sum(unique.values())
+    embed = model.model.embed_tokens.weight
+    assert count_parameters(model) < sum(t.numel() for t in model.state_dict().values())
+    embed.requires_grad_(False)
+    assert count_parameters(model, trainable_only=True) == count_parameters(model) - embed.numel()

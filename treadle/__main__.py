@@ -1,0 +1,5 @@
+import sys
+
+from treadle.cli import main
+
+sys.exit(main())

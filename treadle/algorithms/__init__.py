@@ -1,0 +1,53 @@
+"""RL algorithms as small pure functions over tensors, each registered by name.
+
+- ``advantages``: advantage estimators (``ADV_ESTIMATORS``: grpo, rloo, gae, ...)
+- ``losses``: policy losses (``POLICY_LOSSES``), loss aggregation (``LOSS_AGG_MODES``),
+  value loss, entropy
+- ``kl``: KL estimators (``KL_ESTIMATORS``) and KL-coefficient controllers
+- ``utils``: masked statistics
+- ``registry``: the ``Registry`` class and the ``register_*`` decorators
+
+Nothing here knows about Ray, models or config objects. Importing this package registers every
+built-in function, so ``ADV_ESTIMATORS.get("grpo")`` works after ``import treadle.algorithms``.
+"""
+
+from treadle.algorithms import advantages, kl, losses
+from treadle.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from treadle.algorithms.losses import agg_loss, entropy_from_logits, value_loss
+from treadle.algorithms.registry import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    Registry,
+    register_adv_estimator,
+    register_kl_estimator,
+    register_loss_agg_mode,
+    register_policy_loss,
+)
+from treadle.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
+
+__all__ = [
+    "ADV_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "Registry",
+    "advantages",
+    "agg_loss",
+    "entropy_from_logits",
+    "kl",
+    "kl_penalty",
+    "losses",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "register_adv_estimator",
+    "register_kl_estimator",
+    "register_loss_agg_mode",
+    "register_policy_loss",
+    "value_loss",
+]

@@ -1,0 +1,450 @@
+"""Actor and critic losses: policy-gradient objectives, loss aggregation, value loss, entropy.
+
+Every policy loss has one signature, so the actor picks one by name from ``POLICY_LOSSES``::
+
+    fn(log_probs, old_log_probs, advantages, response_mask, *, loss_agg_mode="token-mean",
+       clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, rollout_is_weights=None,
+       agg_kwargs=None, **_) -> (loss, metrics)
+
+All tensors are ``[B, T]`` on the response side. A loss builds a per-token loss matrix and hands
+it to ``agg_loss``, which turns it into a scalar in one of the registered modes. Choices:
+
+- Positions where the mask is 0 are replaced by 0 before any arithmetic, so padding holding
+  ``-inf`` log-probs cannot produce ``nan`` in the loss or its gradient.
+- Log importance ratios are clamped to [-20, 20] before ``exp``.
+- ``rollout_is_weights`` (truncated importance weights correcting for a rollout engine whose
+  log-probs differ from the trainer's) multiply the per-token loss as constants.
+- ``agg_kwargs`` carries ``num_tokens`` / ``num_seqs`` of the whole mini-batch (all micro-batches
+  and data-parallel ranks), so that the micro-batch losses add up to the mini-batch loss.
+- Metrics are Python floats: ``pg_clipfrac`` (fraction of valid tokens whose ratio was clipped)
+  and ``ppo_kl`` (masked mean of ``old - new`` log-prob) at least.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from treadle.algorithms.registry import LOSS_AGG_MODES, register_loss_agg_mode, register_policy_loss
+from treadle.algorithms.utils import masked_count, masked_mean, masked_sum
+
+Count = float | Tensor | None
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def agg_loss(
+    loss_mat: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    num_tokens: Count = None,
+    num_seqs: Count = None,
+    norm_constant: float | None = None,
+) -> Tensor:
+    """Reduce a per-token loss ``[B,T]`` to a scalar with the aggregation ``mode``.
+
+    ``num_tokens`` defaults to the number of valid tokens, ``num_seqs`` to the number of rows
+    with at least one valid token. Pass the totals of the whole mini-batch instead and the
+    aggregated losses of its micro-batches sum to the aggregated loss of the mini-batch.
+    """
+    fn = LOSS_AGG_MODES.get(mode)
+    return fn(loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
+
+
+def _divide(total: Tensor, count: Count) -> Tensor:
+    """``total / count`` with a zero count treated as 1 (the total is then 0 anyway)."""
+    return total / torch.as_tensor(count, dtype=total.dtype, device=total.device).clamp(min=1)
+
+
+def _seq_count(mask: Tensor, num_seqs: Count) -> Count:
+    return (masked_count(mask, dim=-1) > 0).sum() if num_seqs is None else num_seqs
+
+
+@register_loss_agg_mode("token-mean")
+def token_mean(
+    loss_mat: Tensor,
+    mask: Tensor,
+    *,
+    num_tokens: Count,
+    num_seqs: Count,
+    norm_constant: float | None,
+) -> Tensor:
+    """``Σ_{i,t} m·L / num_tokens``: every valid token weighs the same (DAPO)."""
+    count = masked_count(mask) if num_tokens is None else num_tokens
+    return _divide(masked_sum(loss_mat, mask), count)
+
+
+@register_loss_agg_mode("seq-mean-token-sum")
+def seq_mean_token_sum(
+    loss_mat: Tensor,
+    mask: Tensor,
+    *,
+    num_tokens: Count,
+    num_seqs: Count,
+    norm_constant: float | None,
+) -> Tensor:
+    """``Σ_i (Σ_t m·L) / num_seqs``: per-sequence sum, averaged over sequences."""
+    return _divide(masked_sum(loss_mat, mask), _seq_count(mask, num_seqs))
+
+
+@register_loss_agg_mode("seq-mean-token-mean")
+def seq_mean_token_mean(
+    loss_mat: Tensor,
+    mask: Tensor,
+    *,
+    num_tokens: Count,
+    num_seqs: Count,
+    norm_constant: float | None,
+) -> Tensor:
+    """``Σ_i (Σ_t m·L / Σ_t m) / num_seqs``: per-sequence mean, averaged (original GRPO)."""
+    seq_means = masked_sum(loss_mat, mask, dim=-1) / masked_count(mask, dim=-1).clamp(min=1)
+    return _divide(seq_means.sum(), _seq_count(mask, num_seqs))
+
+
+@register_loss_agg_mode("seq-mean-token-sum-norm")
+def seq_mean_token_sum_norm(
+    loss_mat: Tensor,
+    mask: Tensor,
+    *,
+    num_tokens: Count,
+    num_seqs: Count,
+    norm_constant: float | None,
+) -> Tensor:
+    """``Σ_i (Σ_t m·L / C) / num_seqs`` with a constant ``C`` (default ``T``): Dr. GRPO.
+
+    Dividing by a constant instead of each sequence's length removes GRPO's length bias
+    (arXiv 2503.20783).
+    """
+    constant = loss_mat.shape[-1] if norm_constant is None else norm_constant
+    return _divide(masked_sum(loss_mat, mask) / constant, _seq_count(mask, num_seqs))
+
+
+# --------------------------------------------------------------------------- policy losses
+
+
+def _valid_only(mask: Tensor, *tensors: Tensor) -> list[Tensor]:
+    """The tensors with masked-out positions set to 0 (gradients there are then exactly 0)."""
+    valid = mask.bool()
+    return [torch.where(valid, x, torch.zeros_like(x)) for x in tensors]
+
+
+def _log_ratio(log_probs: Tensor, old_log_probs: Tensor) -> Tensor:
+    return (log_probs - old_log_probs).clamp(-20.0, 20.0)
+
+
+def _fraction(flags: Tensor, mask: Tensor) -> float:
+    return masked_mean(flags.float(), mask).item()
+
+
+def _aggregate(
+    pg_losses: Tensor,
+    mask: Tensor,
+    loss_agg_mode: str,
+    rollout_is_weights: Tensor | None,
+    agg_kwargs: dict[str, Any] | None,
+) -> Tensor:
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * rollout_is_weights.detach()
+    return agg_loss(pg_losses, mask, loss_agg_mode, **(agg_kwargs or {}))
+
+
+def _clipped_surrogate(
+    ratio: Tensor, advantages: Tensor, low: float, high: float
+) -> tuple[Tensor, Tensor]:
+    """``max(-A·r, -A·clip(r, 1-low, 1+high))`` and where the clipped term won."""
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - low, 1.0 + high)
+    return torch.maximum(unclipped, clipped), clipped > unclipped
+
+
+def _dual_clip(pg_losses: Tensor, advantages: Tensor, clip_ratio_c: float) -> tuple[Tensor, Tensor]:
+    """For ``A < 0``: ``min(L, -A·c)``, bounding the loss when the ratio is huge."""
+    if clip_ratio_c <= 1.0:
+        raise ValueError(f"dual-clip clip_ratio_c must be > 1, got {clip_ratio_c}")
+    bound = -advantages * clip_ratio_c
+    active = (advantages < 0) & (pg_losses > bound)
+    return torch.where(active, bound, pg_losses), active
+
+
+@register_policy_loss("ppo")
+def ppo(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = None,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """PPO-clip (arXiv 1707.06347) with decoupled ratios and optional dual clip.
+
+    ``r = π/π_old``, ``L = max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high))``; ``ε_high > ε_low`` is
+    DAPO's clip-higher (arXiv 2503.14476). With ``clip_ratio_c = c > 1``, tokens with ``A < 0``
+    use ``min(L, -A·c)`` (dual-clip PPO, arXiv 1912.09729). ``pg_clipfrac_lower`` is the
+    fraction of valid tokens where that lower bound was active.
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    pg_losses, clipped = _clipped_surrogate(
+        torch.exp(log_ratio), advantages, clip_ratio_low, clip_ratio_high
+    )
+    lower_clipped = torch.zeros_like(clipped)
+    if clip_ratio_c is not None:
+        pg_losses, lower_clipped = _dual_clip(pg_losses, advantages, clip_ratio_c)
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": _fraction(clipped, response_mask),
+        "pg_clipfrac_lower": _fraction(lower_clipped, response_mask),
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+@register_policy_loss("gspo")
+def gspo(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    clip_ratio_low: float = 3e-4,
+    clip_ratio_high: float = 4e-4,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """GSPO (Zheng et al., arXiv 2507.18071): a clipped *sequence-level* importance ratio.
+
+    ``s_i = exp(mean_t (log π - log π_old))`` over the valid tokens of sequence ``i``. The
+    token form ``s_{i,t} = sg(s_i) · π_t / sg(π_t)`` has the value ``s_i`` and the gradient
+    ``s_i ∇log π_t``; ``L = max(-A·s_{i,t}, -A·clip(s_{i,t}, 1-ε_low, 1+ε_high))``. With the
+    default ``seq-mean-token-mean`` aggregation the gradient is the paper's
+    ``-(1/G) Σ_i A_i s_i (1/|y_i|) Σ_t ∇log π_{i,t}`` (other modes reweight sequences).
+    Defaults are the paper's ε (3e-4, 4e-4); a whole sequence is clipped or not.
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    seq_log_ratio = masked_mean(log_probs - old_log_probs, response_mask, dim=-1).detach()
+    token_log_ratio = log_probs - log_probs.detach() + seq_log_ratio.unsqueeze(-1)
+    ratio = torch.exp(token_log_ratio.clamp(max=10.0))
+    pg_losses, clipped = _clipped_surrogate(ratio, advantages, clip_ratio_low, clip_ratio_high)
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": _fraction(clipped, response_mask),
+        "ppo_kl": masked_mean(old_log_probs - log_probs.detach(), response_mask).item(),
+    }
+
+
+@register_policy_loss("cispo")
+def cispo(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 1.0,
+    clip_ratio_high: float = 0.2,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
+
+    ``L = -sg(clip(r, 1-ε_low, 1+ε_high)) · A · log π``: every token keeps a gradient
+    ``-ŵ A ∇log π``, only its weight is bounded. The default ``ε_low = 1`` leaves no lower
+    bound, as in the paper; ``ε_high = 0.2`` is our default, not a value from the paper.
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    ratio = torch.exp(log_ratio.detach())
+    weight = ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    pg_losses = -advantages * weight * log_probs
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": _fraction(weight != ratio, response_mask),
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+@register_policy_loss("gpg")
+def gpg(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """GPG (arXiv 2504.02546): plain policy gradient ``L = -A · log π``, no ratio, no clip."""
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    pg_losses = -advantages * log_probs
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": 0.0,
+        "ppo_kl": masked_mean(old_log_probs - log_probs.detach(), response_mask).item(),
+    }
+
+
+def _token_cov(advantages: Tensor, log_probs: Tensor, mask: Tensor) -> Tensor:
+    """``(A_t - mean A)(log π_t - mean log π)`` with means over the valid tokens (detached)."""
+    adv, logp = advantages.detach(), log_probs.detach()
+    return (adv - masked_mean(adv, mask)) * (logp - masked_mean(logp, mask))
+
+
+def _random_subset(candidates: Tensor, k: int, generator: torch.Generator | None) -> Tensor:
+    """A bool mask with ``min(k, #candidates)`` of the ``True`` positions, chosen at random."""
+    index = candidates.flatten().nonzero().squeeze(-1)
+    keep = torch.randperm(index.numel(), generator=generator)[:k].to(index.device)
+    chosen = torch.zeros(candidates.numel(), dtype=torch.bool, device=candidates.device)
+    chosen[index[keep]] = True
+    return chosen.view_as(candidates)
+
+
+def _top_fraction(scores: Tensor, mask: Tensor, fraction: float) -> Tensor:
+    """A bool mask of the ``max(1, ⌊fraction·n⌋)`` valid positions with the largest score."""
+    n_valid = int(masked_count(mask).item())
+    chosen = torch.zeros(scores.numel(), dtype=torch.bool, device=scores.device)
+    if n_valid > 0:
+        ranked = torch.where(mask.bool(), scores, float("-inf")).flatten()
+        chosen[ranked.topk(max(1, int(fraction * n_valid))).indices] = True
+    return chosen.view_as(scores)
+
+
+@register_policy_loss("clip_cov")
+def clip_cov(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    clip_cov_ratio: float = 2e-4,
+    clip_cov_lb: float = 1.0,
+    clip_cov_ub: float = 5.0,
+    generator: torch.Generator | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """Clip-Cov (Cui et al., arXiv 2505.22617): drop the gradient of high-covariance tokens.
+
+    ``Cov_t = (A_t - mean A)(log π_t - mean log π)`` over the valid tokens of this call. Of the
+    tokens not already clipped by PPO whose ``Cov_t`` lies in ``(lb, ub)``, a random
+    ``max(1, ⌊ratio·n_valid⌋)`` get loss 0; the others get the PPO-clip loss (as in verl; set
+    large clip ratios for the paper's unclipped ``-r·A``). Paper defaults: ratio 2e-4,
+    bounds (1, 5). ``generator`` (a CPU ``torch.Generator``) makes the choice reproducible.
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    pg_losses, clipped = _clipped_surrogate(
+        torch.exp(log_ratio), advantages, clip_ratio_low, clip_ratio_high
+    )
+    cov = _token_cov(advantages, log_probs, response_mask)
+    candidates = response_mask.bool() & ~clipped & (cov > clip_cov_lb) & (cov < clip_cov_ub)
+    n_drop = max(1, int(clip_cov_ratio * masked_count(response_mask).item()))
+    dropped = _random_subset(candidates, n_drop, generator)
+    pg_losses = torch.where(dropped, 0.0, pg_losses)
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": _fraction(clipped, response_mask),
+        "pg_cov_frac": _fraction(dropped, response_mask),
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+@register_policy_loss("kl_cov")
+def kl_cov(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    kl_cov_ratio: float = 2e-4,
+    ppo_kl_coef: float = 1.0,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """KL-Cov (Cui et al., arXiv 2505.22617): a KL penalty on the highest-covariance tokens.
+
+    ``L_t = -r_t·A_t`` (no clipping), plus ``β·|log π_t - log π_old,t|`` on the
+    ``max(1, ⌊ratio·n_valid⌋)`` valid tokens with the largest
+    ``Cov_t = (A_t - mean A)(log π_t - mean log π)``. ``β = ppo_kl_coef`` (paper: 1);
+    ``kl_cov_ratio`` defaults to verl's 2e-4 (the paper tunes it per model size).
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    pg_losses = -advantages * torch.exp(log_ratio)
+    cov = _token_cov(advantages, log_probs, response_mask)
+    penalised = _top_fraction(cov, response_mask, kl_cov_ratio)
+    pg_losses = torch.where(penalised, pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": 0.0,
+        "pg_cov_frac": _fraction(penalised, response_mask),
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+# --------------------------------------------------------------------------- critic, entropy
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    cliprange_value: float,
+    loss_agg_mode: str = "token-mean",
+    *,
+    agg_kwargs: dict[str, Any] | None = None,
+) -> tuple[Tensor, float]:
+    """Clipped value loss: ``½ agg(max((V - R)², (V_old + clip(V - V_old, ±c) - R)²))``.
+
+    Returns the loss and the fraction of valid tokens where the clipped term was larger.
+    """
+    values, old_values, returns = _valid_only(mask, values, old_values, returns)
+    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    unclipped_loss = (values - returns).square()
+    clipped_loss = (clipped_values - returns).square()
+    losses = torch.maximum(unclipped_loss, clipped_loss)
+    loss = 0.5 * agg_loss(losses, mask, loss_agg_mode, **(agg_kwargs or {}))
+    return loss, _fraction(clipped_loss > unclipped_loss, mask)
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Entropy of ``softmax(z)`` over the last dim: ``logsumexp(z) - Σ softmax(z)·z``.
+
+    No ``log`` of a softmax that underflowed to 0. Both terms are computed on ``z - max z``
+    (the entropy is shift-invariant), so large logits do not cancel catastrophically in float32.
+    Logits must be finite (``-inf`` vocabulary masking would give ``0·inf``).
+    """
+    shifted = logits - logits.detach().amax(dim=-1, keepdim=True)
+    probs = torch.softmax(shifted, dim=-1)
+    return torch.logsumexp(shifted, dim=-1) - (probs * shifted).sum(dim=-1)

@@ -1,0 +1,115 @@
+"""Name -> function registries for the algorithm zoo.
+
+A config names an algorithm by string (``algorithm.adv_estimator: grpo``); the driver looks the
+function up here. Adding a variant is one decorated function in the module that owns its kind:
+
+    @register_adv_estimator("my_estimator")
+    def my_estimator(token_level_rewards, response_mask, *, group_ids, **_): ...
+
+An unknown name fails with the sorted list of valid names and the closest match, so a typo in a
+config says how to fix itself. The ``Protocol`` classes below are the signatures each kind must
+follow; mypy checks every registered function against them.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
+
+from torch import Tensor
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Registry(Generic[F]):
+    """A mapping from names to functions of one kind, filled by a ``register`` decorator."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._fns: dict[str, F] = {}
+
+    def register(self, name: str) -> Callable[[F], F]:
+        """Decorator: register the function under ``name``; a name can be registered once."""
+
+        def decorator(fn: F) -> F:
+            if name in self._fns:
+                raise ValueError(f"{self.kind} {name!r} is already registered")
+            self._fns[name] = fn
+            return fn
+
+        return decorator
+
+    def get(self, name: str) -> F:
+        """The function registered under ``name``; ``ValueError`` listing valid names if none."""
+        if name in self._fns:
+            return self._fns[name]
+        message = f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}"
+        close = difflib.get_close_matches(name, self.names(), n=1)
+        if close:
+            message += f" (did you mean {close[0]!r}?)"
+        raise ValueError(message)
+
+    def names(self) -> list[str]:
+        """Registered names, sorted."""
+        return sorted(self._fns)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._fns
+
+
+class AdvantageEstimator(Protocol):
+    """``(token_level_rewards[B,T], response_mask[B,T], *, group_ids, ...) -> (adv, returns)``."""
+
+    def __call__(
+        self,
+        token_level_rewards: Tensor,
+        response_mask: Tensor,
+        *,
+        group_ids: Sequence[Hashable],
+        **kwargs: Any,
+    ) -> tuple[Tensor, Tensor]: ...
+
+
+class PolicyLoss(Protocol):
+    """``(log_probs, old_log_probs, advantages, response_mask, ...) -> (loss, metrics)``."""
+
+    def __call__(
+        self,
+        log_probs: Tensor,
+        old_log_probs: Tensor,
+        advantages: Tensor,
+        response_mask: Tensor,
+        **kwargs: Any,
+    ) -> tuple[Tensor, dict[str, float]]: ...
+
+
+class KLEstimator(Protocol):
+    """``(log_probs[B,T], ref_log_probs[B,T]) -> per-token KL estimate [B,T]``."""
+
+    def __call__(self, log_probs: Tensor, ref_log_probs: Tensor) -> Tensor: ...
+
+
+class LossAggMode(Protocol):
+    """``(loss_mat[B,T], mask[B,T], *, num_tokens, num_seqs, norm_constant) -> scalar``."""
+
+    def __call__(
+        self,
+        loss_mat: Tensor,
+        mask: Tensor,
+        *,
+        num_tokens: float | Tensor | None,
+        num_seqs: float | Tensor | None,
+        norm_constant: float | None,
+    ) -> Tensor: ...
+
+
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
+LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode")
+
+register_adv_estimator = ADV_ESTIMATORS.register
+register_policy_loss = POLICY_LOSSES.register
+register_kl_estimator = KL_ESTIMATORS.register
+register_loss_agg_mode = LOSS_AGG_MODES.register

@@ -1,0 +1,53 @@
+"""Masked statistics over response-side tensors.
+
+``mask`` (bool or 0/1 float, same shape as ``x``) is the single source of truth for which
+positions count. Masked-out positions are *selected away* with ``torch.where`` rather than
+multiplied by zero, so padding that holds ``inf``/``nan`` (e.g. log-probs of pad tokens) never
+leaks into a statistic. Every function is safe for an all-zero mask: it returns 0, not NaN.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+def masked_sum(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """``Σ_{mask=1} x``, over all elements or along ``dim``."""
+    selected = torch.where(mask.bool(), x, torch.zeros_like(x))
+    return selected.sum() if dim is None else selected.sum(dim=dim)
+
+
+def masked_count(mask: Tensor, dim: int | None = None) -> Tensor:
+    """Number of valid positions (float), over all elements or along ``dim``."""
+    valid = mask.bool().float()
+    return valid.sum() if dim is None else valid.sum(dim=dim)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """``Σ_{mask=1} x / Σ mask``; 0 where there is no valid position."""
+    return masked_sum(x, mask, dim) / masked_count(mask, dim).clamp(min=1)
+
+
+def masked_var(x: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
+    """Variance of the valid elements: ``Σ (x - mean)² / (n - 1)`` (``/ n`` if not unbiased).
+
+    Returns 0 when there are too few valid elements (n = 0, or n = 1 with ``unbiased``).
+    """
+    n = masked_count(mask)
+    centered = x - masked_mean(x, mask)
+    sq_sum = masked_sum(centered * centered, mask)
+    denom = n - 1 if unbiased else n
+    return torch.where(denom > 0, sq_sum / denom.clamp(min=1), torch.zeros_like(sq_sum))
+
+
+def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8) -> Tensor:
+    """``(x - mean) / sqrt(var + eps)`` over valid elements (unbiased var); 0 where mask is 0.
+
+    With ``shift_mean=False`` the mean is added back: only the scale changes.
+    """
+    mean = masked_mean(x, mask)
+    whitened = (x - mean) * torch.rsqrt(masked_var(x, mask) + eps)
+    if not shift_mean:
+        whitened = whitened + mean
+    return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))

@@ -1,0 +1,235 @@
+"""The typed run configuration: schema, YAML + command-line overrides, validation.
+
+A run is described by one YAML file with the sections below plus `section.key=value`
+overrides on the command line. Every field has a type, a default and a one-line doc (the
+``description``); cross-field rules are checked at start-up, before Ray or a model is touched,
+and fail with a message that says which key to change. Unknown keys are errors with the
+closest valid key suggested. The fully resolved config is written to
+``<trainer.output_dir>/config.yaml`` so a run directory says exactly what ran.
+
+The schema knows nothing of Ray or torch; it is plain pydantic.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from treadle.errors import ConfigError
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(Section):
+    path: str = Field("", description="Local Hugging Face model folder (config.json + weights).")
+    tokenizer_path: str | None = Field(None, description="Tokenizer folder; defaults to path.")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Parameter dtype of the trained model and the rollout engine."
+    )
+
+
+class DataConfig(Section):
+    train_files: list[str] = Field(default_factory=list, description="JSONL/Parquet prompt files.")
+    val_files: list[str] = Field(default_factory=list, description="Held-out files for eval.")
+    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
+    answer_key: str = Field("answer", description="Column holding the ground truth.")
+    response_key: str = Field("solution", description="Column holding SFT target responses.")
+    max_prompt_length: int = Field(128, gt=0, description="Longest prompt in tokens.")
+    overlong_prompts: Literal["filter", "error"] = Field(
+        "filter", description="What to do with a prompt over max_prompt_length."
+    )
+    apply_chat_template: bool = Field(True, description="Render prompts with the chat template.")
+    system_prompt: str | None = Field(None, description="Optional system message for prompts.")
+    batch_size: int = Field(16, gt=0, description="Prompts per RL step (SFT: samples per step).")
+    shuffle: bool = Field(True, description="Shuffle the data every epoch.")
+    val_size: int | None = Field(None, description="Evaluate on the first N held-out rows only.")
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Inference engine for generation.")
+    n: int = Field(4, gt=0, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(-1, description="Top-k sampling; -1 disables it.")
+    max_new_tokens: int = Field(32, gt=0, description="Longest response in tokens.")
+    micro_batch_size: int = Field(64, gt=0, description="Sequences per generate call per rank.")
+
+
+class RewardConfig(Section):
+    function: str = Field(
+        "arithmetic",
+        description="Built-in reward name or a user function as 'path/to/file.py:function'.",
+    )
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = Field("grpo", description="Advantage estimator, by registered name.")
+    norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std.")
+    gamma: float = Field(1.0, description="Discount factor (GAE, REINFORCE++).")
+    lam: float = Field(1.0, description="GAE lambda.")
+    policy_loss: str = Field("ppo", description="Policy loss, by registered name.")
+    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound 1 - low.")
+    clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound 1 + high.")
+    clip_ratio_c: float | None = Field(None, description="Dual-clip constant (> 1); off if null.")
+    loss_agg_mode: str = Field("token-mean", description="How token losses become one number.")
+    kl_coef: float = Field(0.001, ge=0, description="KL-to-reference loss weight; 0 drops ref.")
+    kl_estimator: str = Field("k3", description="KL estimator, by registered name.")
+    entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
+
+
+class ActorConfig(Section):
+    world_size: int = Field(1, gt=0, description="Data-parallel ranks (FSDP2 shards).")
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, optimizer steps.")
+    grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clipping threshold.")
+    ppo_epochs: int = Field(1, gt=0, description="Passes over each RL batch.")
+    ppo_mini_batch_size: int = Field(
+        64, gt=0, description="Samples (prompts x n) per optimizer step, across all ranks."
+    )
+    micro_batch_size: int = Field(16, gt=0, description="Samples per forward/backward per rank.")
+    logprob_chunk_size: int = Field(
+        512, gt=0, description="Positions per chunk when computing log-probs from hidden states."
+    )
+
+
+class TrainerConfig(Section):
+    backend: Literal["ray", "local"] = Field(
+        "ray", description="'ray': worker groups as Ray actors; 'local': one rank in-process."
+    )
+    output_dir: str = Field("runs/default", description="Run directory (metrics, checkpoints).")
+    total_steps: int = Field(10, gt=0, description="RL (or SFT) steps after which the run ends.")
+    epochs: int | None = Field(None, description="SFT: train for this many epochs instead.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = Field(2, gt=0, description="Newest checkpoints kept on disk.")
+    eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps.")
+    seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint.")
+    num_cpus: float | None = Field(None, description="CPUs given to Ray (default: all).")
+    threads_per_rank: int | None = Field(
+        None, description="torch threads per rank (default: cores / ranks, at least 1)."
+    )
+    progress: bool = Field(True, description="Show a progress bar on the console.")
+
+
+class Config(Section):
+    """A whole run: one YAML file, sections as below."""
+
+    model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
+    data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # type: ignore[arg-type]
+    reward: RewardConfig = Field(default_factory=RewardConfig)  # type: ignore[arg-type]
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)  # type: ignore[arg-type]
+    actor: ActorConfig = Field(default_factory=ActorConfig)  # type: ignore[arg-type]
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> Config:
+        samples = self.data.batch_size * self.rollout.n
+        ws = self.actor.world_size
+        if self.trainer.backend == "local" and ws != 1:
+            raise ValueError(
+                f"trainer.backend=local runs one rank in-process; set actor.world_size=1 "
+                f"(got {ws}) or use trainer.backend=ray"
+            )
+        if self.data.batch_size % ws:
+            raise ValueError(
+                f"data.batch_size={self.data.batch_size} must be divisible by "
+                f"actor.world_size={ws} so every rank gets the same number of prompts"
+            )
+        mini = self.actor.ppo_mini_batch_size
+        if samples % mini:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n "
+                f"= {samples}"
+            )
+        if mini % ws:
+            raise ValueError(
+                f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}"
+            )
+        return self
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Read a YAML file, apply ``a.b=value`` overrides and validate everything."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}")
+        loaded = yaml.safe_load(path.read_text())
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+        raw = loaded or {}
+    for item in overrides:
+        _apply_override(raw, item)
+    _check_keys(raw, Config, prefix="")
+    try:
+        return Config.model_validate(raw)
+    except ValidationError as e:
+        raise ConfigError(_describe_validation_error(e)) from None
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, value = item.partition("=")
+    if not sep or not key:
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    parts = key.strip().split(".")
+    node = raw
+    for part in parts[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node = child
+    # YAML parsing gives numbers, booleans, null and lists their types ("[a.jsonl]").
+    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+
+
+def _check_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str) -> None:
+    fields = model.model_fields
+    for key, value in raw.items():
+        if key not in fields:
+            valid = list(fields)
+            close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
+            hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            where = f"section '{prefix[:-1]}'" if prefix else "the config"
+            raise ConfigError(
+                f"unknown key '{prefix}{key}' in {where}{hint} (valid: {', '.join(valid)})"
+            )
+        sub = fields[key].annotation
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            if not isinstance(value, dict):
+                raise ConfigError(f"'{prefix}{key}' is a section: give it a mapping of keys")
+            _check_keys(value, sub, prefix=f"{prefix}{key}.")
+
+
+def _describe_validation_error(e: ValidationError) -> str:
+    lines = []
+    for err in e.errors():
+        key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+        if err["type"] == "value_error":
+            lines.append(str(err["msg"]).removeprefix("Value error, "))
+            continue
+        given = err.get("input")
+        lines.append(f"{key}: {err['msg'].lower()} (got {given!r})")
+    return "; ".join(lines)
+
+
+def dump_config(config: Config, path: str | Path) -> None:
+    """Write the fully resolved config as YAML (every field, defaults included)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = config.model_dump(mode="json")
+    path.write_text(yaml.safe_dump(data, sort_keys=False))

@@ -1,0 +1,257 @@
+"""Single controller, SPMD workers: resource pools, worker groups and dispatch.
+
+The driver owns the dataflow and calls methods on a :class:`WorkerGroup` as if it were one
+object. A worker group is N Ray actors that form one torch.distributed process group; every
+rank runs the same method on its share of the input. How a call's arguments are spread over
+the ranks and how the ranks' results are gathered is declared once, on the worker method,
+with :func:`register`, so the driver never handles ranks::
+
+    class ActorWorker(Worker):
+        @register(Dispatch.DP, Collect.CONCAT)
+        def generate(self, batch: Batch) -> Batch: ...
+
+    group = WorkerGroup(ActorWorker, world_size=2, pool=pool, kwargs={...})
+    out = group.generate(prompts)  # split by rank, run on both, concatenated
+
+``backend="local"`` builds the same worker class in the driver's process as rank 0 of a
+one-rank process group, so a whole RL step can be stepped through with a debugger.
+
+Resource pools are Ray placement groups; roles that share a pool are colocated (here: one
+fused worker class per process holds actor, rollout engine and reference).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import os
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from treadle.protocol import Batch
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Dispatch(enum.Enum):
+    ALL = "all"  # every rank gets the same arguments
+    DP = "dp"  # Batch arguments are cut into world_size contiguous chunks, one per rank
+
+
+class Collect(enum.Enum):
+    RANK0 = "rank0"  # rank 0's result
+    CONCAT = "concat"  # Batch results concatenated in rank order
+    MEAN = "mean"  # dicts of numbers averaged over ranks
+    LIST = "list"  # every rank's result, in rank order
+
+
+_ATTR = "_treadle_dispatch"
+
+
+def register(
+    dispatch: Dispatch = Dispatch.ALL, collect: Collect = Collect.RANK0
+) -> Callable[[F], F]:
+    """Declare how a worker method's input is spread over ranks and its output gathered."""
+
+    def wrap(fn: F) -> F:
+        setattr(fn, _ATTR, (dispatch, collect))
+        return fn
+
+    return wrap
+
+
+def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> list[tuple]:
+    """Per-rank (args, kwargs). DP cuts every Batch argument into world_size chunks."""
+    if mode is Dispatch.ALL:
+        return [(args, kwargs)] * world_size
+
+    def cut(value: Any) -> list[Any]:
+        if isinstance(value, Batch):
+            if len(value) % world_size:
+                raise ValueError(
+                    f"batch of {len(value)} samples cannot be split evenly over "
+                    f"{world_size} ranks; pad it first (Batch.pad_to_multiple)"
+                )
+            return value.chunk(world_size)
+        return [value] * world_size
+
+    arg_parts = [cut(a) for a in args]
+    kw_parts = {k: cut(v) for k, v in kwargs.items()}
+    return [
+        (tuple(p[r] for p in arg_parts), {k: v[r] for k, v in kw_parts.items()})
+        for r in range(world_size)
+    ]
+
+
+def collect_results(mode: Collect, results: list[Any]) -> Any:
+    if mode is Collect.RANK0:
+        return results[0]
+    if mode is Collect.CONCAT:
+        return Batch.concat(results)
+    if mode is Collect.MEAN:
+        keys = results[0].keys()
+        return {k: sum(float(r[k]) for r in results) / len(results) for k in keys}
+    return results
+
+
+# ----------------------------------------------------------------------------- workers
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def device_type() -> str:
+    """'cuda' when a GPU is visible to this process, else 'cpu'. Asked once, used everywhere."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+class Worker:
+    """Base of every SPMD worker: joins the group's torch.distributed process group.
+
+    gloo on CPU, NCCL on CUDA. In local mode the group has one rank in this process.
+    """
+
+    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device_type())
+        os.environ.update(
+            RANK=str(rank),
+            WORLD_SIZE=str(world_size),
+            MASTER_ADDR=master_addr,
+            MASTER_PORT=str(master_port),
+        )
+        if self.device.type == "cuda":
+            torch.cuda.set_device(0)  # Ray gives each rank exactly one visible GPU
+        if not dist.is_initialized():
+            dist.init_process_group(
+                backend="nccl" if self.device.type == "cuda" else "gloo",
+                rank=rank,
+                world_size=world_size,
+                init_method=f"tcp://{master_addr}:{master_port}",
+            )
+
+
+def _probe_address() -> tuple[str, int]:
+    import ray
+
+    return ray.util.get_node_ip_address(), free_port()
+
+
+@dataclass
+class ResourcePool:
+    """A Ray placement group with one bundle per rank; roles sharing it are colocated."""
+
+    world_size: int
+    cpus_per_rank: float = 1.0
+    gpus_per_rank: float = 0.0
+
+    def __post_init__(self) -> None:
+        import ray
+        from ray.util.placement_group import placement_group
+
+        bundle: dict[str, float] = {"CPU": self.cpus_per_rank}
+        if self.gpus_per_rank:
+            bundle["GPU"] = self.gpus_per_rank
+        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
+        ray.get(self.pg.ready(), timeout=120)
+
+    def remove(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(self.pg)
+
+
+class WorkerGroup:
+    """N ranks of one worker class, called from the driver as one object."""
+
+    def __init__(
+        self,
+        worker_cls: type[Worker],
+        *,
+        world_size: int,
+        backend: str = "ray",
+        pool: ResourcePool | None = None,
+        kwargs: dict[str, Any] | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.worker_cls, self.world_size, self.backend = worker_cls, world_size, backend
+        kwargs = kwargs or {}
+        if backend == "local":
+            if world_size != 1:
+                raise ValueError("the local backend runs exactly one rank")
+            self.workers: list[Any] = [worker_cls(0, 1, "127.0.0.1", free_port(), **kwargs)]
+            return
+        if pool is None:
+            raise ValueError("the ray backend needs a ResourcePool")
+        self.workers = self._spawn(worker_cls, pool, kwargs, env or {})
+
+    def _spawn(
+        self, cls: type[Worker], pool: ResourcePool, kwargs: dict, env: dict[str, str]
+    ) -> list[Any]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        remote_cls = ray.remote(cls)
+
+        def options(rank: int) -> dict[str, Any]:
+            return {
+                "num_cpus": pool.cpus_per_rank,
+                "num_gpus": pool.gpus_per_rank,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    pool.pg, placement_group_bundle_index=rank
+                ),
+                "runtime_env": {"env_vars": env},
+            }
+
+        # Rank 0's node decides the rendezvous address, as on a multi-node cluster.
+        probe = ray.remote(_probe_address).options(**options(0))
+        addr, port = ray.get(probe.remote())
+        return [
+            remote_cls.options(**options(r)).remote(r, self.world_size, addr, port, **kwargs)
+            for r in range(self.world_size)
+        ]
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        method = getattr(self.worker_cls, name, None)
+        spec = getattr(method, _ATTR, None)
+        if spec is None:
+            raise AttributeError(f"{self.worker_cls.__name__}.{name} is not a registered method")
+        return functools.partial(self._call, name, *spec)
+
+    def _call(self, name: str, dispatch: Dispatch, collect: Collect, *args: Any, **kw: Any) -> Any:
+        parts = dispatch_args(dispatch, self.world_size, args, kw)
+        if self.backend == "local":
+            results = [
+                getattr(w, name)(*a, **k) for w, (a, k) in zip(self.workers, parts, strict=True)
+            ]
+        else:
+            import ray
+
+            futures = [
+                getattr(w, name).remote(*a, **k)
+                for w, (a, k) in zip(self.workers, parts, strict=True)
+            ]
+            results = ray.get(futures)
+        return collect_results(collect, results)
+
+    def shutdown(self) -> None:
+        if self.backend == "local":
+            for w in self.workers:
+                close = getattr(w, "close", None)
+                if close:
+                    close()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            return
+        import ray
+
+        for w in self.workers:
+            ray.kill(w)

@@ -1,0 +1,519 @@
+"""Datasets from local files, prompt templating, length filtering and a resumable sampler.
+
+Files are JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`), read through `datasets`. Every bad
+row is reported with its file and 1-based row: `data.train_files: train.jsonl row 7: prompt
+field 'prompt' is missing or empty`.
+
+RL prompts (`load_prompt_dataset`) are rendered with the tokenizer's chat template (one user
+message, optionally after a system message; a prompt field may also hold a list of chat
+messages) and tokenized once, up front. Each row keeps the prompt as written in the file
+(`prompt_text`, what reward functions see), its token ids, the ground truth and a stable id
+`<file>:<row>` that the trainer uses as the base of the GRPO group id (`uid`).
+
+SFT examples (`load_sft_dataset`) are prompt + response + EOS with a loss mask over the response
+tokens, or a `messages` column for multi-turn chat with the loss on assistant turns only. The
+prompt and each assistant turn are tokenized separately and concatenated, exactly as a rollout
+sees them: prompt tokens from the template, response tokens generated up to the EOS.
+
+Layout: prompts are left-padded (`collate_prompts`), SFT sequences right-padded (`collate_sft`).
+`loss_mask[t] == 1` means token `t` is a target, predicted from position `t - 1`.
+
+`ResumableSampler` shuffles per epoch from `(seed, epoch)` alone, so its state is three integers
+and a resumed run draws exactly the batches the uninterrupted run would have.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, TypedDict
+
+import numpy as np
+import torch
+from datasets import load_dataset
+from transformers import PreTrainedTokenizerBase
+
+from treadle.errors import ConfigError, DataError
+
+logger = logging.getLogger(__name__)
+
+Overlong = Literal["filter", "error"]
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+class PromptRow(TypedDict):
+    uid: str  # "<file>:<row>", stable across runs
+    prompt_text: str  # the prompt as written in the file (last user message for a chat list)
+    prompt_ids: list[int]  # the rendered prompt, tokenized
+    ground_truth: str
+
+
+class SFTRow(TypedDict):
+    uid: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is a training target
+
+
+@dataclass
+class PromptDataset:
+    """Tokenized RL prompts; `pad_id` is the tokenizer's pad token (its EOS when it has none)."""
+
+    rows: list[PromptRow]
+    pad_id: int
+    n_filtered: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> PromptRow:
+        return self.rows[index]
+
+
+@dataclass
+class SFTDataset:
+    """Tokenized SFT examples with their loss masks."""
+
+    rows: list[SFTRow]
+    pad_id: int
+    n_filtered: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> SFTRow:
+        return self.rows[index]
+
+
+# --- reading files ---------------------------------------------------------------------------
+
+
+@dataclass
+class _Record:
+    where: str  # "data.train_files: train.jsonl row 7", for messages
+    uid: str
+    row: dict[str, Any]
+
+
+def _read_records(files: Sequence[str | Path], config_key: str) -> list[_Record]:
+    """All rows of all files, each with its message prefix and stable id."""
+    if isinstance(files, (str, Path)):
+        files = [files]
+    names = [Path(f).name for f in files]
+    unique_names = len(set(names)) == len(names)
+    records = []
+    for file, name in zip(files, names, strict=True):
+        label = name if unique_names else str(file)
+        rows = _read_file(Path(file), config_key)
+        records += [
+            _Record(f"{config_key}: {file} row {i}", f"{label}:{i}", row)
+            for i, row in enumerate(rows, start=1)
+        ]
+    if not records:
+        raise DataError(f"{config_key}: no rows in {', '.join(map(str, files)) or 'no files'}")
+    return records
+
+
+def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise DataError(f"{config_key}: file '{path}' does not exist")
+    builder = _FORMATS.get(path.suffix.lower())
+    if builder is None:
+        raise DataError(
+            f"{config_key}: '{path}' is not JSONL (.jsonl, .json) or Parquet (.parquet)"
+        )
+    if path.stat().st_size == 0:
+        return []
+    try:
+        ds = load_dataset(builder, data_files=str(path), split="train")
+    except Exception as e:  # datasets wraps parse errors in several exception types
+        raise DataError(f"{config_key}: cannot read '{path}': {e}") from e
+    return list(ds)
+
+
+def _require(record: _Record, key: str, what: str) -> Any:
+    value = record.row.get(key)
+    blank = isinstance(value, str) and not value.strip()
+    if value is None or blank or (isinstance(value, list) and not value):
+        raise DataError(f"{record.where}: {what} field '{key}' is missing or empty")
+    return value
+
+
+def _as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _check_messages(record: _Record, key: str, value: Any) -> list[dict[str, str]]:
+    ok = isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        raise DataError(
+            f"{record.where}: field '{key}' must be a string or a list of "
+            "{'role': str, 'content': str} messages"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in value]
+
+
+# --- prompts ---------------------------------------------------------------------------------
+
+
+def _pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ConfigError("model.path: the tokenizer has neither a pad nor an EOS token")
+    return int(pad)
+
+
+def _check_template(tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool) -> None:
+    if apply_chat_template and not tokenizer.chat_template:
+        raise ConfigError(
+            "data.apply_chat_template is true but the tokenizer has no chat_template: "
+            "set data.apply_chat_template=false for a base model"
+        )
+
+
+def _prompt_messages(
+    record: _Record, key: str, value: Any, system_prompt: str | None
+) -> list[dict[str, str]]:
+    messages = (
+        [{"role": "user", "content": value}]
+        if isinstance(value, str)
+        else _check_messages(record, key, value)
+    )
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, generation: bool
+) -> str:
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    assert isinstance(text, str)
+    return text
+
+
+def _prompt_text(
+    record: _Record,
+    key: str,
+    tokenizer: PreTrainedTokenizerBase,
+    apply_chat_template: bool,
+    system_prompt: str | None,
+) -> tuple[str, str]:
+    """(the prompt as written, the text the model is given)."""
+    value = _require(record, key, "prompt")
+    if not apply_chat_template:
+        if not isinstance(value, str):
+            raise DataError(
+                f"{record.where}: prompt field '{key}' is a list of messages, which needs "
+                "data.apply_chat_template=true"
+            )
+        return value, value
+    messages = _prompt_messages(record, key, value, system_prompt)
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    shown = value if isinstance(value, str) else (users[-1] if users else messages[-1]["content"])
+    return shown, _render(tokenizer, messages, generation=True)
+
+
+def _tokenize(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special: bool
+) -> list[list[int]]:
+    if not texts:
+        return []
+    ids = tokenizer(texts, add_special_tokens=special)["input_ids"]
+    return [list(x) for x in ids]
+
+
+def _keep(where: str, length: int, limit: int, overlong: Overlong, limit_name: str) -> bool:
+    if length <= limit:
+        return True
+    if overlong == "error":
+        raise DataError(
+            f"{where} {length} tokens, longer than {limit_name}={limit}: raise the limit "
+            "or set data.overlong_prompts=filter to drop such rows"
+        )
+    return False
+
+
+def _log_filtered(n_filtered: int, total: int, limit_name: str, limit: int, key: str) -> None:
+    if n_filtered:
+        logger.warning(
+            "%s: filtered %d of %d rows longer than %s=%d tokens",
+            key,
+            n_filtered,
+            total,
+            limit_name,
+            limit,
+        )
+
+
+def load_prompt_dataset(
+    files: Sequence[str | Path],
+    *,
+    prompt_key: str = "prompt",
+    answer_key: str | None = "answer",
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    overlong: Overlong = "filter",
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    config_key: str = "data.train_files",
+) -> PromptDataset:
+    """Read, validate, render and tokenize RL prompts.
+
+    Prompts longer than `max_prompt_length` tokens are dropped with a logged count
+    (`overlong="filter"`) or raise DataError naming file, row, length and limit ("error").
+    Without an `answer_key` every ground truth is "" (for reward models).
+    """
+    _check_template(tokenizer, apply_chat_template)
+    records = _read_records(files, config_key)
+    shown, texts, truths = [], [], []
+    for record in records:
+        prompt, text = _prompt_text(
+            record, prompt_key, tokenizer, apply_chat_template, system_prompt
+        )
+        shown.append(prompt)
+        texts.append(text)
+        truths.append(
+            "" if answer_key is None else _as_text(_require(record, answer_key, "answer"))
+        )
+    ids = _tokenize(tokenizer, texts, special=not apply_chat_template)
+    rows: list[PromptRow] = []
+    for record, prompt, prompt_ids, truth in zip(records, shown, ids, truths, strict=True):
+        where = f"{record.where}: prompt is"
+        if _keep(where, len(prompt_ids), max_prompt_length, overlong, "max_prompt_length"):
+            rows.append(
+                PromptRow(
+                    uid=record.uid, prompt_text=prompt, prompt_ids=prompt_ids, ground_truth=truth
+                )
+            )
+    n_filtered = len(records) - len(rows)
+    _log_filtered(n_filtered, len(records), "max_prompt_length", max_prompt_length, config_key)
+    if not rows:
+        raise DataError(
+            f"{config_key}: every prompt is longer than max_prompt_length={max_prompt_length}"
+        )
+    return PromptDataset(rows=rows, pad_id=_pad_id(tokenizer), n_filtered=n_filtered)
+
+
+def collate_prompts(
+    token_id_lists: Sequence[Sequence[int]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """LEFT-pad prompts into `(input_ids [B, P], attention_mask [B, P])`, both int64."""
+    if not token_id_lists:
+        raise ValueError("collate_prompts: empty batch")
+    width = max(len(ids) for ids in token_id_lists)
+    input_ids = torch.full((len(token_id_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(token_id_lists), width), dtype=torch.long)
+    for i, ids in enumerate(token_id_lists):
+        if ids:
+            input_ids[i, width - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
+            mask[i, width - len(ids) :] = 1
+    return input_ids, mask
+
+
+# --- supervised fine-tuning ------------------------------------------------------------------
+
+
+def _eos(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
+    if tokenizer.eos_token_id is None or tokenizer.eos_token is None:
+        raise ConfigError("model.path: the tokenizer has no EOS token, which SFT appends")
+    return int(tokenizer.eos_token_id), str(tokenizer.eos_token)
+
+
+def _encode(tokenizer: PreTrainedTokenizerBase, text: str, *, special: bool = False) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=special)) if text else []
+
+
+def _sft_pair(
+    record: _Record,
+    prompt_key: str,
+    response_key: str,
+    tokenizer: PreTrainedTokenizerBase,
+    apply_chat_template: bool,
+    system_prompt: str | None,
+) -> tuple[list[int], list[int]]:
+    _, text = _prompt_text(record, prompt_key, tokenizer, apply_chat_template, system_prompt)
+    response = _as_text(_require(record, response_key, "response"))
+    prompt_ids = _encode(tokenizer, text, special=not apply_chat_template)
+    response_ids = [*_encode(tokenizer, response), _eos(tokenizer)[0]]
+    return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
+
+
+def _sft_messages(
+    record: _Record,
+    messages_key: str,
+    tokenizer: PreTrainedTokenizerBase,
+    system_prompt: str | None,
+) -> tuple[list[int], list[int]]:
+    """Multi-turn: every assistant turn (content + EOS) is a target, everything else context.
+
+    The template must render a conversation as a prefix of its continuations, and an assistant
+    turn as its content followed by the EOS token (ChatML, Llama 3 and most templates do).
+    """
+    messages = _prompt_messages(
+        record, messages_key, _require(record, messages_key, "messages"), system_prompt
+    )
+    eos_id, eos_text = _eos(tokenizer)
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""  # the rendered text already turned into tokens
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if i == 0:
+            raise DataError(f"{record.where}: '{messages_key}' starts with an assistant turn")
+        context = _render(tokenizer, messages[:i], generation=True)
+        if not context.startswith(done):
+            raise _template_error(record)
+        context_ids = _encode(tokenizer, context[len(done) :])
+        turn_ids = [*_encode(tokenizer, message["content"]), eos_id]
+        ids += context_ids + turn_ids
+        mask += [0] * len(context_ids) + [1] * len(turn_ids)
+        done = context + message["content"] + eos_text
+        if not _render(tokenizer, messages[: i + 1], generation=False).startswith(done):
+            raise _template_error(record)
+    if not any(mask):
+        raise DataError(f"{record.where}: '{messages_key}' has no assistant turn to train on")
+    return ids, mask
+
+
+def _template_error(record: _Record) -> DataError:
+    return DataError(
+        f"{record.where}: the chat template does not render the conversation as a prefix of "
+        "its continuations with assistant turns as content + EOS, which multi-turn SFT needs; "
+        "use prompt/response columns instead"
+    )
+
+
+def load_sft_dataset(
+    files: Sequence[str | Path],
+    *,
+    prompt_key: str = "prompt",
+    response_key: str = "solution",
+    messages_key: str = "messages",
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    overlong: Overlong = "filter",
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    config_key: str = "data.train_files",
+) -> SFTDataset:
+    """Read, validate and tokenize SFT examples.
+
+    A row holds `prompt_key` and `response_key` (single turn: loss on the response and the
+    EOS) or, when it has no `prompt_key`, a `messages_key` list of chat messages (loss on every
+    assistant turn). Examples longer than `max_length` tokens are filtered or raise, as prompts.
+    """
+    _check_template(tokenizer, apply_chat_template)
+    rows: list[SFTRow] = []
+    records = _read_records(files, config_key)
+    for record in records:
+        if record.row.get(prompt_key) is None and record.row.get(messages_key) is not None:
+            if not apply_chat_template:
+                raise DataError(
+                    f"{record.where}: '{messages_key}' needs data.apply_chat_template=true"
+                )
+            ids, mask = _sft_messages(record, messages_key, tokenizer, system_prompt)
+        else:
+            ids, mask = _sft_pair(
+                record, prompt_key, response_key, tokenizer, apply_chat_template, system_prompt
+            )
+        if _keep(f"{record.where}: example is", len(ids), max_length, overlong, "max_length"):
+            rows.append(SFTRow(uid=record.uid, input_ids=ids, loss_mask=mask))
+    n_filtered = len(records) - len(rows)
+    _log_filtered(n_filtered, len(records), "max_length", max_length, config_key)
+    if not rows:
+        raise DataError(f"{config_key}: every example is longer than max_length={max_length}")
+    return SFTDataset(rows=rows, pad_id=_pad_id(tokenizer), n_filtered=n_filtered)
+
+
+def collate_sft(
+    rows: Sequence[SFTRow], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RIGHT-pad SFT rows into `(input_ids, attention_mask, loss_mask)`, each `[B, L]` int64."""
+    if not rows:
+        raise ValueError("collate_sft: empty batch")
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.long)
+    return input_ids, attention_mask, loss_mask
+
+
+# --- sampling --------------------------------------------------------------------------------
+
+
+class ResumableSampler:
+    """Batches of dataset indices, reshuffled each epoch from `(seed, epoch)`.
+
+    A batch never spans two epochs. With `drop_last` the tail of an epoch that does not fill a
+    batch is skipped (it is in a different place next epoch); without it the last batch is
+    short. The state is `{"epoch", "position", "seed"}` (plus `n` to detect a changed dataset).
+    """
+
+    def __init__(
+        self, n: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True
+    ) -> None:
+        if batch_size <= 0 or seed < 0:
+            raise ValueError(f"need batch_size > 0 and seed >= 0, got {batch_size}, {seed}")
+        if n <= 0 or (drop_last and n < batch_size):
+            raise DataError(
+                f"the dataset has {n} rows, fewer than one batch of {batch_size}: "
+                "lower data.batch_size or add rows"
+            )
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.epoch, self.position = 0, 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, permutation) cache
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.n, self.batch_size)
+        return full + int(bool(rest) and not self.drop_last)
+
+    def _permutation(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+                self._order = (self.epoch, order.tolist())
+            else:
+                self._order = (self.epoch, list(range(self.n)))
+        return self._order[1]
+
+    def next_indices(self) -> list[int]:
+        """The next batch; moves to the next epoch when this one has no full batch left."""
+        remaining = self.n - self.position
+        if remaining <= 0 or (self.drop_last and remaining < self.batch_size):
+            self.epoch, self.position = self.epoch + 1, 0
+        batch = self._permutation()[self.position : self.position + self.batch_size]
+        self.position += len(batch)
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing:
+            raise DataError(f"sampler state lacks {sorted(missing)}: got {state}")
+        if state.get("n", self.n) != self.n or not 0 <= int(state["position"]) <= self.n:
+            raise DataError(
+                f"sampler state {state} was saved for a dataset of {state.get('n')} rows, "
+                f"this one has {self.n}: the data files changed since the checkpoint"
+            )
+        self.epoch, self.position, self.seed = (
+            int(state["epoch"]),
+            int(state["position"]),
+            int(state["seed"]),
+        )
+        self._order = None

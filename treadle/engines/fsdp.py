@@ -1,0 +1,206 @@
+"""The training engine: a Hugging Face causal LM sharded with FSDP2, and its optimizer.
+
+What it owns: the sharded model, AdamW, the learning-rate schedule, gradient clipping, and
+the one forward pass every role needs: the log-prob (and entropy) of given label tokens.
+
+Choices:
+- The HF model is wrapped in :class:`LogProbHead`, which is the FSDP2 root: every decoder
+  layer is its own FSDP unit, the root holds embeddings, final norm and LM head (tied or not).
+  Its forward runs the decoder, keeps only the hidden states that predict label tokens and
+  computes log-softmax in float32 chunk by chunk over positions, each chunk recomputed in
+  backward, so a float32 ``[batch, seq, vocab]`` tensor never exists.
+- Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
+- Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
+  so the whole model never sits twice in memory beyond one parameter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from torch.utils.checkpoint import checkpoint
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = (hidden @ weight.t()).float() / temperature
+    lse = torch.logsumexp(logits, dim=-1)
+    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return logp, entropy
+
+
+class LogProbHead(nn.Module):
+    """The FSDP2 root: causal LM -> log-probs (and entropy) of the last ``num_labels`` tokens."""
+
+    def __init__(self, lm: nn.Module, chunk_size: int = 512) -> None:
+        super().__init__()
+        self.lm: Any = lm  # a transformers PreTrainedModel
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_labels: int,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        decoder = self.lm.get_decoder()
+        hidden = decoder(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+        ).last_hidden_state
+        hidden = hidden[:, -num_labels - 1 : -1]  # position t predicts token t + 1
+        labels = input_ids[:, -num_labels:]
+        weight = self.lm.get_output_embeddings().weight
+        logps, ents = [], []
+        for s in range(0, num_labels, self.chunk_size):
+            h, y = hidden[:, s : s + self.chunk_size], labels[:, s : s + self.chunk_size]
+            if torch.is_grad_enabled():
+                lp, ent = checkpoint(
+                    _chunk_logprobs, h, weight, y, temperature, use_reentrant=False
+                )
+            else:
+                lp, ent = _chunk_logprobs(h, weight, y, temperature)
+            logps.append(lp)
+            ents.append(ent)
+        return torch.cat(logps, 1), torch.cat(ents, 1)
+
+
+def shard_model(lm: Any, chunk_size: int) -> Any:
+    """Apply FSDP2: one unit per decoder layer, the wrapper as root."""
+    for layer in lm.get_decoder().layers:
+        fully_shard(layer)
+    root = LogProbHead(lm, chunk_size)
+    fully_shard(root)
+    return root
+
+
+def full_tensors(module: nn.Module, prefix: str = "lm.") -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) one parameter/buffer at a time; all ranks must iterate."""
+    for name, tensor in module.state_dict().items():
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        yield name.removeprefix(prefix), full.detach()
+
+
+class TrainEngine:
+    """FSDP2 model + AdamW + warm-up schedule. ``trainable=False`` gives a frozen reference."""
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        *,
+        chunk_size: int,
+        trainable: bool = True,
+        lr: float = 1e-5,
+        betas: tuple[float, float] = (0.9, 0.999),
+        weight_decay: float = 0.0,
+        warmup_steps: int = 0,
+        grad_clip: float = 1.0,
+    ) -> None:
+        self.module: Any = shard_model(lm, chunk_size)  # LogProbHead, now an FSDPModule
+        self.grad_clip = grad_clip
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        if not trainable:
+            self.module.requires_grad_(False)
+            self.module.eval()
+            return
+        self.optimizer = torch.optim.AdamW(
+            self.module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+        )
+        warm = max(warmup_steps, 0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
+        )
+
+    def log_probs(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_labels: int,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.module(input_ids, attention_mask, num_labels, temperature)
+
+    def step(self) -> dict[str, float]:
+        """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""
+        assert self.optimizer is not None and self.scheduler is not None
+        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        grad_norm = float(norm)
+        lr = self.scheduler.get_last_lr()[0]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": float(lr)}
+
+    def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return full_tensors(self.module)
+
+    # -------------------------------------------------------------- optimizer checkpoint
+
+    def save_optimizer(self, path: Path, rank: int) -> None:
+        """Gather the optimizer state to rank 0 and write it as safetensors + JSON (no pickle)."""
+        assert self.optimizer is not None and self.scheduler is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        osd: Any = get_optimizer_state_dict(self.module, self.optimizer, options=options)
+        if rank != 0:
+            return
+        tensors = {
+            f"{fqn}::{key}": value.contiguous()
+            for fqn, state in osd["state"].items()
+            for key, value in state.items()
+        }
+        groups = [{k: v for k, v in g.items()} for g in osd["param_groups"]]
+        save_file(tensors, str(path / "optimizer.safetensors"))
+        meta = {"param_groups": groups, "scheduler": self.scheduler.state_dict()}
+        (path / "optimizer.json").write_text(json.dumps(meta, default=_jsonable))
+
+    def load_optimizer(self, path: Path) -> None:
+        assert self.optimizer is not None and self.scheduler is not None
+        tensors = load_file(str(path / "optimizer.safetensors"))
+        meta = json.loads((path / "optimizer.json").read_text())
+        state: dict[str, dict[str, torch.Tensor]] = {}
+        for key, value in tensors.items():
+            fqn, _, name = key.rpartition("::")
+            state.setdefault(fqn, {})[name] = value
+        for group in meta["param_groups"]:
+            if isinstance(group.get("betas"), list):
+                group["betas"] = tuple(group["betas"])
+        osd = {"state": state, "param_groups": meta["param_groups"]}
+        set_optimizer_state_dict(
+            self.module, self.optimizer, osd, options=StateDictOptions(full_state_dict=True)
+        )
+        scheduler_state = meta["scheduler"]
+        scheduler_state.pop("lr_lambdas", None)
+        self.scheduler.load_state_dict({**self.scheduler.state_dict(), **scheduler_state})
+        dist.barrier()
+
+
+def _jsonable(value: object) -> object:
+    if isinstance(value, torch.Tensor):
+        return value.item()
+    if isinstance(value, tuple):
+        return list(value)
+    return str(value)

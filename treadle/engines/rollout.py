@@ -1,0 +1,130 @@
+"""The rollout engine interface and the transformers-based engine.
+
+A rollout engine turns prompt token ids into sampled responses with the log-prob of every
+sampled token, and takes new weights from the training engine after each update. Every
+engine (transformers here, vLLM beside it) implements :class:`RolloutEngine`; the workers
+and the driver know only this interface.
+
+The transformers engine is the debugging engine and the fallback: plain ``generate`` with a
+KV cache on a left-padded batch. Log-probs are taken from the raw logits divided by the
+temperature (the policy the actor trains), not from the top-p/top-k-filtered scores.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    max_new_tokens: int = 32
+    seed: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass
+class RolloutOutput:
+    """Per sequence (prompt-major, n consecutive samples per prompt)."""
+
+    token_ids: list[list[int]] = field(default_factory=list)
+    log_probs: list[list[float]] = field(default_factory=list)
+    stop_reasons: list[str] = field(default_factory=list)  # "stop" (EOS/stop token) | "length"
+
+
+class RolloutEngine(Protocol):
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
+
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def sleep(self) -> None: ...
+
+    def wake(self) -> None: ...
+
+
+class HFRolloutEngine:
+    """Batched sampling with transformers ``generate`` on a private copy of the weights."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        eos_token_ids: list[int],
+        pad_token_id: int,
+        micro_batch_size: int = 64,
+    ) -> None:
+        self.model: Any = model.eval()  # a transformers model with .generate
+        self.eos = list(eos_token_ids)
+        self.pad = pad_token_id
+        self.micro_batch_size = micro_batch_size
+        self.params = dict(self.model.named_parameters())
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        expanded = [p for p in prompts for _ in range(params.n)]
+        out = RolloutOutput()
+        torch.manual_seed(params.seed)
+        for start in range(0, len(expanded), self.micro_batch_size):
+            self._generate_chunk(expanded[start : start + self.micro_batch_size], params, out)
+        return out
+
+    def _generate_chunk(
+        self, prompts: list[list[int]], params: SamplingParams, out: RolloutOutput
+    ) -> None:
+        device = next(self.model.parameters()).device
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for i, p in enumerate(prompts):
+            ids[i, width - len(p) :] = torch.tensor(p)
+            mask[i, width - len(p) :] = 1
+        stops = self.eos + list(params.stop_token_ids)
+        greedy = params.temperature == 0
+        gen = self.model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_p=None if greedy else params.top_p,
+            top_k=None if greedy or params.top_k <= 0 else params.top_k,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=stops,
+            pad_token_id=self.pad,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        seqs = gen.sequences[:, width:].cpu()
+        logits = torch.stack(gen.logits, dim=1).float().cpu()  # [B, new, V]
+        if not greedy:
+            logits = logits / params.temperature
+        logps = torch.log_softmax(logits, -1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+        for row, lp in zip(seqs.tolist(), logps.tolist(), strict=True):
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
+            length = end if end is not None else len(row)
+            out.token_ids.append(row[:length])
+            out.log_probs.append(lp[:length])
+            out.stop_reasons.append("stop" if end is not None else "length")
+
+    @torch.no_grad()
+    def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy new weights in place. Tied parameters share storage, so one copy serves both."""
+        for name, tensor in named_tensors:
+            param = self.params.get(name)
+            if param is None:
+                if name.endswith("lm_head.weight"):  # tied head: not a separate parameter here
+                    continue
+                raise KeyError(f"rollout engine has no parameter named {name!r}")
+            param.copy_(tensor.to(param.dtype))
+
+    def sleep(self) -> None:
+        """Nothing to free on CPU; the weights are a private copy that stays."""
+
+    def wake(self) -> None:
+        """See :meth:`sleep`."""

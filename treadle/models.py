@@ -1,0 +1,139 @@
+"""Loading and saving Hugging Face model folders, with errors that name the config key.
+
+A model in treadle is an ordinary HF folder (config.json, safetensors weights, tokenizer files,
+chat template), local or a hub id. The workers load it through these helpers so a wrong path
+fails at start-up with `model.path: '<folder>' is not a model folder: no config.json` rather
+than a stack trace from deep inside transformers. Weights are written as safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+from treadle.errors import ConfigError
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def resolve_model_path(path: str | Path, *, key: str = "model.path", need: str = "model") -> str:
+    """Check that `path` is a model folder holding what `need` ("model" or "tokenizer") requires.
+
+    A path that does not exist locally but looks like a hub id (`org/name`) is passed through,
+    for transformers to fetch. Raises ConfigError naming `key` and the folder otherwise.
+    """
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if _HUB_ID_RE.match(str(path)):
+            return str(path)
+        raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder or hub id)")
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
+    if need == "tokenizer":
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(
+                f"{key}: '{folder}' is not a model folder: no tokenizer "
+                f"(none of {', '.join(TOKENIZER_FILES)})"
+            )
+    elif not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}: '{folder}' is not a model folder: no config.json")
+    elif not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ConfigError(f"{key}: '{folder}' is not a model folder: no *.safetensors weights")
+    return str(folder)
+
+
+def load_tokenizer(path: str | Path, *, key: str = "model.path") -> PreTrainedTokenizerBase:
+    """The tokenizer of the model folder (or hub id) at `path`."""
+    resolved = resolve_model_path(path, key=key, need="tokenizer")
+    try:
+        return AutoTokenizer.from_pretrained(resolved)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a tokenizer from '{path}': {e}") from e
+
+
+def load_causal_lm(
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    key: str = "model.path",
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """The causal LM of the model folder (or hub id) at `path`, on CPU in `dtype`.
+
+    `dtype` is a torch dtype or its name (`"bfloat16"`); extra kwargs go to `from_pretrained`
+    (for example `attn_implementation`). Moving to a device is the caller's business.
+    """
+    resolved = resolve_model_path(path, key=key, need="model")
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
+    try:
+        return AutoModelForCausalLM.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a causal LM from '{path}': {e}") from e
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
+    """`tokenizer.save_pretrained(out_dir)`, written so older transformers (vLLM's) read it too.
+
+    transformers 5 names a plain tokenizers-backed tokenizer `TokenizersBackend` and lists extra
+    special tokens as `extra_special_tokens`; both names are unknown to transformers 4, which
+    reads the same file as `PreTrainedTokenizerFast` with `additional_special_tokens`.
+    """
+    out = Path(out_dir)
+    tokenizer.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def save_hf_folder(
+    state_dict: Mapping[str, torch.Tensor],
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    out_dir: str | Path,
+) -> Path:
+    """Write a full (gathered) state dict as an HF model folder: safetensors, config, tokenizer.
+
+    The weights go through a model built from `config` and `save_pretrained`, so the folder
+    holds exactly what transformers writes itself (tied embeddings stored once, the generation
+    config). The model is built on the meta device and takes the given tensors without a copy.
+    """
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    result = model.load_state_dict(dict(state_dict), strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ValueError(f"state dict has keys the model lacks: {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    still_empty = [name for name, p in model.named_parameters() if p.is_meta]
+    if still_empty:
+        raise ValueError(f"state dict is missing parameters: {still_empty[:5]}")
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
+    return out
+
+
+def count_parameters(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of parameters, tied ones counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -1,0 +1,166 @@
+"""Rule-based reward functions: built-ins by name and user functions from a file.
+
+A reward function has the signature `fn(prompt: str, response: str, ground_truth: str) -> float`.
+`reward.function` names one:
+
+- a built-in, by name (`arithmetic` -> `treadle.tasks.arithmetic.compute_score`);
+- a user function, as `path/to/file.py:function`; the file is imported with importlib (it need
+  not be on `sys.path` or in a package).
+
+`load_reward_fn` returns a `RewardFn`, which pickles as its spec and loads the function again
+on unpickling, so it can be shipped to Ray workers even when the user's file is not importable
+there by module name. Problems with the spec are ConfigErrors at start-up.
+
+`score_batch` calls the function on every sample and checks each result: a raised exception,
+or a result that is not a finite number (None, a string, NaN), becomes one RewardError naming
+the function, the sample index, a shortened prompt and response, and the cause. Booleans count
+as numbers (True -> 1.0).
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import importlib
+import importlib.util
+import math
+import numbers
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from treadle.errors import ConfigError, RewardError
+
+# name -> "module:function", imported on first use
+BUILTIN_REWARDS: dict[str, str] = {
+    "arithmetic": "treadle.tasks.arithmetic:compute_score",
+}
+
+
+class RewardFn:
+    """A reward function together with the spec it was loaded from."""
+
+    def __init__(self, spec: str) -> None:
+        self.spec = spec
+        self._fn = _resolve(spec)
+
+    def __call__(self, prompt: str, response: str, ground_truth: str) -> Any:
+        return self._fn(prompt, response, ground_truth)
+
+    def __getstate__(self) -> dict[str, str]:
+        return {"spec": self.spec}
+
+    def __setstate__(self, state: dict[str, str]) -> None:
+        self.spec = state["spec"]
+        self._fn = _resolve(self.spec)
+
+    def __repr__(self) -> str:
+        return f"RewardFn({self.spec!r})"
+
+
+def load_reward_fn(spec: str) -> RewardFn:
+    """The reward function named by `spec`: a built-in name or `path/to/file.py:function`."""
+    return RewardFn(spec)
+
+
+def _resolve(spec: str) -> Callable[..., Any]:
+    if spec in BUILTIN_REWARDS:
+        module_name, _, name = BUILTIN_REWARDS[spec].partition(":")
+        fn: Callable[..., Any] = getattr(importlib.import_module(module_name), name)
+        return fn
+    if ":" not in spec:
+        close = difflib.get_close_matches(spec, BUILTIN_REWARDS, n=1)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise ConfigError(
+            f"reward.function: unknown reward '{spec}'{hint}; built-in rewards are "
+            f"{', '.join(sorted(BUILTIN_REWARDS))}, or give a user function as "
+            "'path/to/file.py:function'"
+        )
+    path_text, _, name = spec.rpartition(":")
+    module = _import_file(Path(path_text), spec)
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise ConfigError(f"reward.function: '{path_text}' has no function '{name}'")
+    if not callable(obj):
+        raise ConfigError(
+            f"reward.function: '{name}' in '{path_text}' is a {type(obj).__name__}, not a function"
+        )
+    return obj  # type: ignore[no-any-return]
+
+
+def _import_file(path: Path, spec: str) -> ModuleType:
+    if not path.is_file():
+        raise ConfigError(f"reward.function: file '{path}' does not exist (from '{spec}')")
+    resolved = path.resolve()
+    # A name unique per file, so two user files called reward.py do not collide.
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    module_name = f"treadle_user_reward_{resolved.stem}_{digest}"
+    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if module_spec is None or module_spec.loader is None:
+        raise ConfigError(f"reward.function: cannot import '{path}' as a Python file")
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # lets the user's module use dataclasses, pickle, ...
+    try:
+        module_spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ConfigError(
+            f"reward.function: importing '{path}' raised {type(e).__name__}: {e}"
+        ) from e
+    return module
+
+
+def _shorten(text: Any, limit: int = 80) -> str:
+    text = str(text)
+    return repr(text if len(text) <= limit else text[: limit - 3] + "...")
+
+
+def _fail(name: str, index: int, prompt: Any, response: Any, problem: str) -> RewardError:
+    return RewardError(
+        f"reward function '{name}' failed on sample {index}: {problem} "
+        f"(prompt {_shorten(prompt)}, response {_shorten(response)})"
+    )
+
+
+def _as_score(value: Any) -> float | None:
+    """`value` as a float when it is a finite number (bools included), else None."""
+    if isinstance(value, numbers.Real):
+        score = float(value)
+        return score if math.isfinite(score) else None
+    return None
+
+
+def score_batch(
+    fn: Callable[[str, str, str], Any],
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    *,
+    spec: str | None = None,
+) -> list[float]:
+    """`fn` on every (prompt, response, ground truth); a failure raises one RewardError.
+
+    `spec` names the function in errors; by default the RewardFn's own spec or the
+    function's name.
+    """
+    if not len(prompts) == len(responses) == len(ground_truths):
+        raise ValueError(
+            f"score_batch: {len(prompts)} prompts, {len(responses)} responses and "
+            f"{len(ground_truths)} ground truths; they must match"
+        )
+    name = str(spec or getattr(fn, "spec", None) or getattr(fn, "__qualname__", repr(fn)))
+    scores = []
+    for i, (prompt, response, truth) in enumerate(
+        zip(prompts, responses, ground_truths, strict=True)
+    ):
+        try:
+            value = fn(prompt, response, truth)
+        except Exception as e:
+            raise _fail(name, i, prompt, response, f"raised {type(e).__name__}: {e}") from e
+        score = _as_score(value)
+        if score is None:
+            raise _fail(name, i, prompt, response, f"returned {value!r}, not a finite number")
+        scores.append(score)
+    return scores

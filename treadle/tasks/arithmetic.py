@@ -1,0 +1,392 @@
+"""The built-in task: integer addition and subtraction, small enough to learn on a laptop CPU.
+
+Everything treadle needs for a run without a model hub is built here from nothing:
+
+- problems (`generate_problems`), deterministic from a seed, written as held-out JSONL splits
+  (`write_splits`: no test prompt appears in train);
+- a worked answer per problem for SFT, short and mechanical (one column of digits per step,
+  right to left, with the carry or borrow written out) so a ~1M-parameter model can learn it:
+
+      47+38: 7+8=15 carry 1, 4+3+1=8. Answer: 85
+      83-47: 13-7=6 borrow 1, 8-1-4=3. Answer: 36
+
+  Subtraction problems are drawn with the larger operand first, so results are never negative;
+- the verifier (`extract_answer`, `compute_score`) used as the RL reward: it reads the last
+  `Answer: <int>`, or failing that the last integer, so a bare `Answer: 85` also scores;
+- a byte-level BPE tokenizer trained on the data (`build_tokenizer`), every digit its own token,
+  ChatML special tokens and chat template;
+- a randomly initialised Qwen2- or Llama-shaped model saved as an ordinary HF model folder
+  (`build_tiny_model`);
+- `prepare`, which does all of the above into one directory and reuses it when its manifest
+  (the arguments) matches.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+import re
+import shutil
+from collections.abc import Iterable
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from treadle.models import count_parameters, save_tokenizer
+
+logger = logging.getLogger(__name__)
+
+OPS = "+-"
+PAD_TOKEN = "<|pad|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+# ChatML as Qwen2 writes it, without a default system message.
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2's pre-tokenizer split (transformers.models.qwen2.tokenization_qwen2): `\p{N}` alone
+# makes every digit a separate pre-token.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+ARCHS = ("qwen2", "llama")
+# Bump when the files prepare() writes change meaning, so old directories are rebuilt.
+PREPARE_FORMAT = 1
+
+_ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)", re.IGNORECASE)
+# An integer, with its minus sign only when the minus is not an operator between two numbers.
+_INT_RE = re.compile(r"(?<!\d)-?\d+")
+
+
+# --- problems --------------------------------------------------------------------------------
+
+
+def worked_solution(a: int, op: str, b: int) -> str:
+    """The SFT target for `a op b`: one step per digit column, then `Answer: <result>`."""
+    columns = [(int(x), int(y)) for x, y in zip_longest(str(a)[::-1], str(b)[::-1], fillvalue="0")]
+    if op == "+":
+        steps, result = _addition_steps(columns), a + b
+    elif op == "-":
+        steps, result = _subtraction_steps(columns), a - b
+    else:
+        raise ValueError(f"unsupported operator {op!r}: use one of {OPS!r}")
+    return f"{a}{op}{b}: {', '.join(steps)}. Answer: {result}"
+
+
+def _addition_steps(columns: list[tuple[int, int]]) -> list[str]:
+    steps, carry = [], 0
+    for x, y in columns:
+        total = x + y + carry
+        step = f"{x}+{y}{'+1' if carry else ''}={total}"
+        carry = total // 10
+        steps.append(step + (" carry 1" if carry else ""))
+    return steps
+
+
+def _subtraction_steps(columns: list[tuple[int, int]]) -> list[str]:
+    steps, borrow = [], 0
+    for x, y in columns:
+        top = f"{x}{'-1' if borrow else ''}"
+        digit = x - borrow - y
+        borrow = int(digit < 0)
+        if borrow:
+            steps.append(f"1{top}-{y}={digit + 10} borrow 1")
+        else:
+            steps.append(f"{top}-{y}={digit}")
+    return steps
+
+
+def _count_distinct(min_value: int, max_value: int, ops: str) -> int:
+    size = max_value - min_value + 1
+    return sum(size * size if op == "+" else size * (size + 1) // 2 for op in set(ops))
+
+
+def generate_problems(
+    n: int, seed: int, *, min_value: int = 0, max_value: int = 99, ops: str = OPS
+) -> list[dict[str, str]]:
+    """`n` distinct problems, the same for the same arguments.
+
+    Each row is `{"prompt": "What is 47+38?", "answer": "85", "solution": <worked answer>}`.
+    Operands are uniform in `[min_value, max_value]`; a subtraction puts the larger first.
+    """
+    if not ops or set(ops) - set(OPS):
+        raise ValueError(f"ops must be a non-empty string of {OPS!r}, got {ops!r}")
+    if not 0 <= min_value <= max_value:
+        raise ValueError(f"need 0 <= min_value <= max_value, got {min_value}, {max_value}")
+    available = _count_distinct(min_value, max_value, ops)
+    if n > available:
+        raise ValueError(
+            f"asked for {n} distinct problems but operands in [{min_value}, {max_value}] "
+            f"with ops {ops!r} give only {available}: widen the range or ask for fewer"
+        )
+    rng = random.Random(seed)
+    rows: list[dict[str, str]] = []
+    seen: set[str] = set()
+    while len(rows) < n:
+        op = rng.choice(ops)
+        a, b = rng.randint(min_value, max_value), rng.randint(min_value, max_value)
+        if op == "-" and a < b:
+            a, b = b, a
+        prompt = f"What is {a}{op}{b}?"
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        answer = a + b if op == "+" else a - b
+        rows.append(
+            {"prompt": prompt, "answer": str(answer), "solution": worked_solution(a, op, b)}
+        )
+    return rows
+
+
+def write_jsonl(rows: Iterable[dict[str, Any]], path: Path) -> None:
+    with path.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def write_splits(
+    out_dir: str | Path, *, n_train: int, n_test: int, seed: int, **gen_kwargs: Any
+) -> dict[str, Path]:
+    """Write `train.jsonl` and `test.jsonl` under `out_dir`; return `{"train": ..., "test": ...}`.
+
+    Both splits come from one stream of distinct problems (test first, so the test set does not
+    change with `n_train`), so no test prompt can appear in train; this is checked anyway.
+    """
+    rows = generate_problems(n_test + n_train, seed, **gen_kwargs)
+    test, train = rows[:n_test], rows[n_test:]
+    leaked = {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    if leaked:  # cannot happen with distinct problems; guards future changes to the generator
+        raise AssertionError(f"{len(leaked)} test prompts also in train, e.g. {min(leaked)!r}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
+    write_jsonl(train, paths["train"])
+    write_jsonl(test, paths["test"])
+    return paths
+
+
+# --- verifier --------------------------------------------------------------------------------
+
+
+def extract_answer(text: str) -> str | None:
+    """The integer after the last `Answer:`, else the last integer in `text`, else None.
+
+    Returned normalised (`"085"` -> `"85"`, `"-0"` -> `"0"`).
+    """
+    matches = _ANSWER_RE.findall(text) or _INT_RE.findall(text)
+    if not matches:
+        return None
+    # Normalised as a string: int() refuses more than 4300 digits, which a policy can emit.
+    number = matches[-1]
+    digits = number.lstrip("-").lstrip("0") or "0"
+    return "-" + digits if number.startswith("-") and digits != "0" else digits
+
+
+def compute_score(prompt: str, response: str, ground_truth: str) -> float:
+    """1.0 if the response's extracted integer equals `ground_truth`, else 0.0.
+
+    A ground truth that is not an integer raises ValueError: it is a data bug, not a wrong answer.
+    """
+    del prompt  # the answer alone decides
+    expected = str(int(str(ground_truth).strip()))
+    return 1.0 if extract_answer(response) == expected else 0.0
+
+
+# --- tokenizer and model ---------------------------------------------------------------------
+
+
+def build_tokenizer(
+    corpus_texts: Iterable[str], out_dir: str | Path, *, vocab_size: int = 320
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on `corpus_texts` and save it to `out_dir`.
+
+    The pipeline is Qwen2's (NFC, its split regex, byte-level BPE): transformers 5 rebuilds the
+    pipeline of any `qwen2` model folder that way when loading, so training with it keeps the
+    saved and the loaded tokenizer identical. The regex isolates every digit, so each digit is
+    its own token; the 256 byte symbols are always in the vocabulary, so any NFC text (all
+    task text) round-trips.
+    Special tokens: `<|pad|>` (padding), `<|im_start|>`, `<|im_end|>` (end of turn, the EOS).
+    """
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[PAD_TOKEN, IM_START, IM_END],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    # The role names of the chat template are words of the corpus too.
+    roles = ["system\n", "user\n", "assistant\n"] * 2
+    tok.train_from_iterator([*corpus_texts, *roles], trainer=trainer)
+    hf_tok = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=None,
+        unk_token=None,
+        pad_token=PAD_TOKEN,
+        eos_token=IM_END,
+        additional_special_tokens=[IM_START],
+        chat_template=CHAT_TEMPLATE,
+    )
+    save_tokenizer(hf_tok, out_dir)
+    return hf_tok
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    out_dir: str | Path,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    max_positions: int = 256,
+    seed: int = 0,
+    arch: str = "qwen2",
+) -> Path:
+    """Randomly initialise a small causal LM for `tokenizer` and save it with the tokenizer.
+
+    The folder (safetensors weights, config, generation config, tokenizer) loads with
+    `AutoModelForCausalLM.from_pretrained` like any hub model. Input and output embeddings are
+    tied. The global torch RNG is left as it was.
+    """
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    save_tokenizer(tokenizer, out)
+    logger.info("built %s model with %d parameters in %s", arch, count_parameters(model), out)
+    return out
+
+
+# --- everything at once ----------------------------------------------------------------------
+
+
+def prepare(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    n_train: int = 5000,
+    n_test: int = 500,
+    min_value: int = 0,
+    max_value: int = 99,
+    ops: str = OPS,
+    vocab_size: int = 320,
+    hidden_size: int = 128,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 384,
+    max_positions: int = 256,
+    arch: str = "qwen2",
+) -> dict[str, Path]:
+    """Build data splits, a tokenizer trained on the train split and an initial model.
+
+    Returns `{"train", "test", "model", "manifest"}` paths; the model folder is
+    `out_dir/model_init`. When `out_dir/prepare.json` records the same arguments and all the
+    files exist, nothing is rebuilt. The manifest is written last, so an interrupted run is
+    rebuilt from scratch next time.
+    """
+    gen = {"min_value": min_value, "max_value": max_value, "ops": ops}
+    model_kwargs = {
+        "hidden_size": hidden_size,
+        "num_layers": num_layers,
+        "num_heads": num_heads,
+        "num_kv_heads": num_kv_heads,
+        "intermediate_size": intermediate_size,
+        "max_positions": max_positions,
+        "arch": arch,
+    }
+    manifest = {
+        "task": "arithmetic",
+        "format": PREPARE_FORMAT,
+        "seed": seed,
+        "n_train": n_train,
+        "n_test": n_test,
+        "vocab_size": vocab_size,
+        **gen,
+        **model_kwargs,
+    }
+    out = Path(out_dir)
+    paths = {
+        "train": out / "train.jsonl",
+        "test": out / "test.jsonl",
+        "model": out / "model_init",
+        "manifest": out / "prepare.json",
+    }
+    if _is_prepared(paths, manifest):
+        logger.info("reusing prepared arithmetic task in %s", out)
+        return paths
+    paths["manifest"].unlink(missing_ok=True)
+    write_splits(out, n_train=n_train, n_test=n_test, seed=seed, **gen)
+    with paths["train"].open(encoding="utf-8") as f:
+        train_rows = [json.loads(line) for line in f]
+    corpus = [text for row in train_rows for text in (row["prompt"], row["solution"])]
+    shutil.rmtree(paths["model"], ignore_errors=True)
+    tokenizer = build_tokenizer(corpus, paths["model"], vocab_size=vocab_size)
+    build_tiny_model(
+        tokenizer,
+        paths["model"],
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_positions=max_positions,
+        seed=seed,
+        arch=arch,
+    )
+    tmp = paths["manifest"].with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(paths["manifest"])
+    return paths
+
+
+def _is_prepared(paths: dict[str, Path], manifest: dict[str, Any]) -> bool:
+    model_files = ("config.json", "model.safetensors", "tokenizer.json")
+    if not paths["manifest"].is_file():
+        return False
+    try:
+        recorded = json.loads(paths["manifest"].read_text(encoding="utf-8"))
+    except json.JSONDecodeError:
+        return False
+    return (
+        recorded == manifest
+        and paths["train"].is_file()
+        and paths["test"].is_file()
+        and all((paths["model"] / name).is_file() for name in model_files)
+    )

@@ -1,0 +1,189 @@
+"""What every driver needs before its loop: the run directory, Ray, the worker group, resume.
+
+Kept out of the loops so that each trainer's file reads as its dataflow.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treadle import checkpoint as ckpt
+from treadle.config import Config, dump_config
+from treadle.controller import ResourcePool, WorkerGroup
+from treadle.data import PromptDataset, collate_prompts, load_prompt_dataset
+from treadle.engines.rollout import SamplingParams
+from treadle.errors import ConfigError
+from treadle.models import load_tokenizer
+from treadle.protocol import Batch
+from treadle.rewards import load_reward_fn, score_batch
+from treadle.workers import ActorRolloutRefWorker
+
+log = logging.getLogger("treadle")
+
+
+def prepare_run_dir(cfg: Config) -> Path:
+    out = Path(cfg.trainer.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    dump_config(cfg, out / "config.yaml")
+    return out
+
+
+def resume_point(cfg: Config) -> tuple[Path | None, str]:
+    """(newest complete checkpoint or None, the folder the actor starts from)."""
+    latest = ckpt.latest_checkpoint(cfg.trainer.output_dir) if cfg.trainer.resume else None
+    if latest is not None:
+        return latest, str(latest / "model")
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty: give a local Hugging Face model folder")
+    return None, cfg.model.path
+
+
+def total_cpus(cfg: Config) -> float:
+    return float(cfg.trainer.num_cpus or os.cpu_count() or 1)
+
+
+def ensure_ray(cfg: Config) -> None:
+    import ray
+
+    if not ray.is_initialized():
+        ray.init(
+            num_cpus=int(total_cpus(cfg)),
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+
+
+@dataclass
+class Actors:
+    """The actor+rollout+reference worker group and the pool it lives in."""
+
+    group: WorkerGroup
+    pool: ResourcePool | None
+
+    def close(self) -> None:
+        self.group.shutdown()
+        if self.pool is not None:
+            self.pool.remove()
+
+
+def build_actors(cfg: Config, actor_path: str, with_ref: bool) -> Actors:
+    ws = cfg.actor.world_size
+    cpus = total_cpus(cfg)
+    threads = cfg.trainer.threads_per_rank or max(1, int(cpus // ws))
+    kwargs: dict[str, Any] = {
+        "config": cfg,
+        "actor_path": actor_path,
+        "with_ref": with_ref,
+        "threads": threads,
+    }
+    if cfg.trainer.backend == "local":
+        group = WorkerGroup(ActorRolloutRefWorker, world_size=1, backend="local", kwargs=kwargs)
+        return Actors(group, None)
+    ensure_ray(cfg)
+    pool = ResourcePool(
+        world_size=ws,
+        cpus_per_rank=cpus / ws,
+        gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0,
+    )
+    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    group = WorkerGroup(
+        ActorRolloutRefWorker, world_size=ws, backend="ray", pool=pool, kwargs=kwargs, env=env
+    )
+    return Actors(group, pool)
+
+
+def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
+    if not files:
+        raise ConfigError(f"{key} is empty: list at least one JSONL or Parquet file")
+    tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    d = cfg.data
+    return load_prompt_dataset(
+        files,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        tokenizer=tok,
+        max_prompt_length=d.max_prompt_length,
+        overlong=d.overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+        config_key=key,
+    )
+
+
+def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any) -> Batch:
+    rows = [ds[i] for i in indices]
+    ids, mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
+    return Batch.from_dict(
+        tensors={"prompts": ids, "prompt_mask": mask},
+        objects={
+            "uid": [r["uid"] for r in rows],
+            "prompt_text": [r["prompt_text"] for r in rows],
+            "ground_truth": [r["ground_truth"] for r in rows],
+        },
+        meta=meta,
+    )
+
+
+def evaluate(cfg: Config, actors: WorkerGroup, ds: PromptDataset, pad_id: int) -> float:
+    """Held-out accuracy (fraction of reward 1.0) with greedy decoding, one sample each."""
+    n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))
+    batch = prompt_batch(ds, list(range(n)), pad_id)
+    batch, pad = batch.pad_to_multiple(cfg.actor.world_size)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    out = actors.generate(batch, greedy).unpad(pad)
+    fn = load_reward_fn(cfg.reward.function)
+    scores = score_batch(
+        fn,
+        list(out["prompt_text"]),
+        list(out["response_text"]),
+        list(out["ground_truth"]),
+        spec=cfg.reward.function,
+    )
+    return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
+
+
+def save_checkpoint(
+    cfg: Config, group: WorkerGroup, step: int, sampler_state: dict, final: bool
+) -> Path:
+    """Checkpoint ``step`` atomically; the final one is also exported as ``final_model``."""
+    tmp = ckpt.begin(cfg.trainer.output_dir, step)
+    group.save_checkpoint(str(tmp))
+    done = ckpt.commit(tmp, {"step": step, "sampler": sampler_state}, cfg.trainer.keep_checkpoints)
+    if final:
+        export_model(done, Path(cfg.trainer.output_dir) / "final_model")
+    return done
+
+
+def export_model(checkpoint_dir: Path, dest: Path) -> Path:
+    """Hard-link the checkpoint's model folder to ``dest`` (the run's final model)."""
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    for f in (checkpoint_dir / "model").iterdir():
+        try:
+            os.link(f, dest / f.name)
+        except OSError:
+            shutil.copy2(f, dest / f.name)
+    return dest
+
+
+def evaluate_model(cfg: Config) -> float:
+    """Held-out accuracy of ``model.path`` (a model folder or a checkpoint's model)."""
+    if not cfg.data.val_files:
+        raise ConfigError("data.val_files is empty: eval needs held-out prompts")
+    val = load_prompts(cfg, cfg.data.val_files, "data.val_files")
+    if not cfg.model.path:
+        raise ConfigError("model.path is empty: give a local Hugging Face model folder")
+    actors = build_actors(cfg, cfg.model.path, with_ref=False)
+    try:
+        return evaluate(cfg, actors.group, val, val.pad_id)
+    finally:
+        actors.close()

@@ -1,0 +1,289 @@
+"""Role workers: SPMD programs over the engines, one class per colocated set of roles.
+
+:class:`ActorRolloutRefWorker` fuses three roles in one process, as verl's hybrid engine does:
+the actor (FSDP2 training engine), its rollout engine (a private inference copy, refreshed
+from the actor after every update) and the reference (frozen initial weights, FSDP2 too).
+Each public method is declared with its dispatch mode; the driver calls the group, never a
+rank. The worker knows how to compute a phase, not in which order phases run.
+
+Batch fields each method reads and adds (see :mod:`treadle.protocol` for the table):
+
+=====================  ======================================  ==================================
+method                 reads                                   adds / returns
+=====================  ======================================  ==================================
+generate               prompts, prompt_mask, objects           responses, response_mask,
+                                                               rollout_log_probs, response_text,
+                                                               stop_reason (n rows per prompt)
+compute_log_probs      prompts, prompt_mask, responses,        old_log_probs, entropy
+                       response_mask
+compute_ref_log_probs  (same)                                  ref_log_probs
+update_actor           + old_log_probs, advantages,            metrics (averaged over ranks)
+                       ref_log_probs (when kl_coef > 0)
+train_sft              input_ids, attention_mask, loss_mask    metrics
+=====================  ======================================  ==================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
+from treadle.config import Config
+from treadle.controller import Collect, Dispatch, Worker, register
+from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
+from treadle.models import load_causal_lm, load_tokenizer, save_hf_folder
+from treadle.protocol import Batch
+
+
+def _left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def _pad_right(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+class ActorRolloutRefWorker(Worker):
+    """Actor + rollout engine + reference, colocated in one process per rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        config: Config,
+        actor_path: str,
+        with_ref: bool,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(threads)
+        super().__init__(rank, world_size, master_addr, master_port)
+        self.cfg = config
+        dtype = DTYPES[config.model.dtype]
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or actor_path)
+        a = config.actor
+        self.actor = TrainEngine(
+            self._load(actor_path, dtype),
+            chunk_size=a.logprob_chunk_size,
+            lr=a.lr,
+            betas=a.betas,
+            weight_decay=a.weight_decay,
+            warmup_steps=a.warmup_steps,
+            grad_clip=a.grad_clip,
+        )
+        self.hf_config = self.actor.module.lm.config
+        self.ref = (
+            TrainEngine(
+                self._load(config.model.path, dtype),
+                chunk_size=a.logprob_chunk_size,
+                trainable=False,
+            )
+            if with_ref
+            else None
+        )
+        self.rollout: RolloutEngine = self._make_rollout(actor_path, dtype)
+
+    def _load(self, path: str, dtype: torch.dtype) -> nn.Module:
+        model: nn.Module = load_causal_lm(path, dtype)
+        return model.to(self.device)
+
+    def _make_rollout(self, path: str, dtype: torch.dtype) -> RolloutEngine:
+        tok = self.tokenizer
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        return HFRolloutEngine(
+            self._load(path, dtype),
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            micro_batch_size=self.cfg.rollout.micro_batch_size,
+        )
+
+    # ------------------------------------------------------------------ rollout
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        params = dataclasses.replace(params, seed=params.seed * 9973 + self.rank)
+        self.rollout.wake()
+        out = self.rollout.generate(_left_trim(batch["prompts"], batch["prompt_mask"]), params)
+        self.rollout.sleep()
+        expanded = batch.repeat(params.n, interleave=True)
+        width = params.max_new_tokens
+        pad = self.tokenizer.pad_token_id or 0
+        expanded["responses"] = _pad_right(out.token_ids, width, pad, torch.long)
+        expanded["response_mask"] = _pad_right(
+            [[1] * len(t) for t in out.token_ids], width, 0, torch.long
+        )
+        expanded["rollout_log_probs"] = _pad_right(out.log_probs, width, 0.0, torch.float32)
+        expanded["response_text"] = self.tokenizer.batch_decode(
+            out.token_ids, skip_special_tokens=True
+        )
+        expanded["stop_reason"] = out.stop_reasons
+        return expanded
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def sync_weights(self) -> dict[str, float]:
+        """Stream the actor's full weights into this rank's rollout engine, in memory."""
+        start = time.perf_counter()
+        self.rollout.update_weights(self.actor.full_state())
+        return {"timing/sync_weights_inner": time.perf_counter() - start}
+
+    # ------------------------------------------------------------------ log-probs
+
+    def _sequences(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(self.device)
+        mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(self.device)
+        return ids, mask, mb["responses"].shape[1]
+
+    @torch.no_grad()
+    def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        logps, ents = [], []
+        for mb in batch.split(self.cfg.actor.micro_batch_size):
+            ids, mask, r = self._sequences(mb)
+            lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
+            logps.append(lp.float().cpu())
+            ents.append(ent.float().cpu())
+        return torch.cat(logps), torch.cat(ents)
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_log_probs(self, batch: Batch) -> Batch:
+        logp, ent = self._log_probs(self.actor, batch)
+        return Batch.from_dict(tensors={"old_log_probs": logp, "entropy": ent})
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            raise RuntimeError("this worker group was built without a reference (kl_coef=0)")
+        logp, _ = self._log_probs(self.ref, batch)
+        return Batch.from_dict(tensors={"ref_log_probs": logp})
+
+    # ------------------------------------------------------------------ training
+
+    def _global_sum(self, value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def _actor_loss(self, mb: Batch, agg: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        alg = self.cfg.algorithm
+        ids, mask, r = self._sequences(mb)
+        logp, ent = self.actor.log_probs(ids, mask, r, self.cfg.rollout.temperature)
+        rmask = mb["response_mask"].to(logp.dtype)
+        loss_fn = POLICY_LOSSES.get(alg.policy_loss)
+        pg_loss, stats = loss_fn(
+            logp,
+            mb["old_log_probs"],
+            mb["advantages"],
+            rmask,
+            loss_agg_mode=alg.loss_agg_mode,
+            clip_ratio_low=alg.clip_ratio_low,
+            clip_ratio_high=alg.clip_ratio_high,
+            clip_ratio_c=alg.clip_ratio_c,
+            agg_kwargs=agg,
+        )
+        loss = pg_loss
+        metrics = {
+            "actor/pg_loss": float(pg_loss.detach()),
+            "actor/clip_frac": stats["pg_clipfrac"],
+        }
+        if alg.kl_coef > 0:
+            kl = agg_loss(
+                kl_penalty(logp, mb["ref_log_probs"], alg.kl_estimator),
+                rmask,
+                alg.loss_agg_mode,
+                **agg,
+            )
+            loss = loss + alg.kl_coef * kl
+            metrics["actor/kl"] = float(kl.detach())
+        entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **agg)
+        if alg.entropy_coef:
+            loss = loss - alg.entropy_coef * entropy
+        metrics["actor/entropy"] = float(entropy.detach())
+        return loss, metrics
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        a = self.cfg.actor
+        mini = a.ppo_mini_batch_size // self.world_size
+        per_step: list[dict[str, float]] = []
+        gen = torch.Generator().manual_seed(int(batch.meta.get("step", 0)))
+        for _ in range(a.ppo_epochs):
+            shuffled = batch.select(torch.randperm(len(batch), generator=gen))
+            for mb in shuffled.split(mini):
+                per_step.append(self._actor_step(mb))
+        return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+
+    def _actor_step(self, mb: Batch) -> dict[str, float]:
+        """One optimizer step over a mini-batch, in micro-batches with accumulated gradients."""
+        # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
+        tokens = self._global_sum(float(mb["response_mask"].sum())) / self.world_size
+        agg = {"num_tokens": max(tokens, 1.0), "num_seqs": float(len(mb))}
+        micros = mb.split(self.cfg.actor.micro_batch_size)
+        sums: dict[str, float] = defaultdict(float)
+        for i, micro in enumerate(micros):
+            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
+            loss, m = self._actor_loss(micro, agg)
+            loss.backward()
+            for k, v in m.items():
+                sums[k] += v
+        sums["actor/clip_frac"] /= len(micros)
+        sums.update({f"actor/{k}": v for k, v in self.actor.step().items()})
+        return dict(sums)
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def train_sft(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
+        tokens = self._global_sum(float(batch["loss_mask"][:, 1:].sum())) / self.world_size
+        micros = batch.split(self.cfg.actor.micro_batch_size)
+        loss_sum = 0.0
+        for i, mb in enumerate(micros):
+            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
+            ids = mb["input_ids"].to(self.device)
+            mask = mb["attention_mask"].to(self.device)
+            logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1)
+            lmask = mb["loss_mask"][:, 1:].to(logp.dtype).to(self.device)
+            loss = agg_loss(-logp, lmask, "token-mean", num_tokens=max(tokens, 1.0))
+            loss.backward()
+            loss_sum += float(loss.detach())
+        stats = self.actor.step()
+        return {"sft/loss": loss_sum, "sft/grad_norm": stats["grad_norm"], "sft/lr": stats["lr"]}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
+        """Model as an HF safetensors folder (rank 0), optimizer gathered, RNG per rank."""
+        out = Path(path)
+        state = {}
+        for name, tensor in self.actor.full_state():
+            if self.rank == 0:
+                state[name] = tensor.cpu().clone()
+        if self.rank == 0:
+            save_hf_folder(state, self.hf_config, self.tokenizer, out / "model")
+        if with_optimizer:
+            self.actor.save_optimizer(out, self.rank)
+        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
+        dist.barrier()
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def load_checkpoint(self, path: str) -> None:
+        """Optimizer and RNG; the model weights were loaded at start from ``path/model``."""
+        out = Path(path)
+        self.actor.load_optimizer(out)
+        rng = out / f"rng_rank{self.rank}.safetensors"
+        if rng.exists():
+            torch.set_rng_state(load_file(str(rng))["torch"])
