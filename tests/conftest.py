@@ -7,6 +7,8 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 @pytest.fixture(scope="session")
@@ -34,6 +36,7 @@ def tiny_task(tmp_path_factory):
 def ray_session():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     yield ray
     ray.shutdown()

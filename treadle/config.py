@@ -83,6 +83,12 @@ class AlgorithmConfig(Section):
     kl_coef: float = Field(0.001, ge=0, description="KL-to-reference loss weight; 0 drops ref.")
     kl_estimator: str = Field("k3", description="KL estimator, by registered name.")
     entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
+    rollout_is_cap: float | None = Field(
+        None,
+        gt=0,
+        description="Truncated importance sampling: weight the policy-gradient term by "
+        "min(pi_train / pi_rollout, cap) to correct the train/rollout mismatch; off if null.",
+    )
 
 
 class ActorConfig(Section):

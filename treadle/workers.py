@@ -184,6 +184,10 @@ class ActorRolloutRefWorker(Worker):
         logp, ent = self.actor.log_probs(ids, mask, r, self.cfg.rollout.temperature)
         rmask = mb["response_mask"].to(logp.dtype)
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
+        is_weights = None
+        if alg.rollout_is_cap is not None:  # truncated IS: pi_train / pi_rollout, capped
+            ratio = torch.exp(mb["old_log_probs"] - mb["rollout_log_probs"])
+            is_weights = ratio.clamp(max=alg.rollout_is_cap).to(logp.dtype)
         pg_loss, stats = loss_fn(
             logp,
             mb["old_log_probs"],
@@ -193,6 +197,7 @@ class ActorRolloutRefWorker(Worker):
             clip_ratio_low=alg.clip_ratio_low,
             clip_ratio_high=alg.clip_ratio_high,
             clip_ratio_c=alg.clip_ratio_c,
+            rollout_is_weights=is_weights,
             agg_kwargs=agg,
         )
         loss = pg_loss
