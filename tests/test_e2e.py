@@ -46,6 +46,7 @@ def grpo_config(task, out, *overrides: str):
             f"data.train_files=[{task['train']}]",
             f"data.val_files=[{task['test']}]",
             "data.batch_size=4",
+            "data.max_prompt_length=64",
             "data.val_size=8",
             "rollout.n=4",
             "rollout.max_new_tokens=16",
@@ -112,3 +113,46 @@ def test_grpo_local_backend_resume_is_deterministic(tiny_task, length_reward, tm
     wa, wb = weights(straight / "final_model"), weights(resumed / "final_model")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_grpo_vllm_rollout_two_ranks_syncs_weights(tiny_task, ray_session, length_reward, tmp_path):
+    """vLLM in each of 2 FSDP ranks: after every update its log-probs match the actor's."""
+    out = tmp_path / "vllm"
+    train(
+        grpo_config(
+            tiny_task,
+            out,
+            "actor.world_size=2",
+            "rollout.engine=vllm",
+            f"reward.function={length_reward}",
+            "trainer.total_steps=3",
+            "trainer.save_every=0",
+        )
+    )
+    metrics = check_run(tiny_task, out, 3)
+    for m in metrics:  # steps 2 and 3 sample from weights synced after an update
+        assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        assert m["rollout/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
+
+
+@pytest.mark.slow
+def test_worker_side_config_error_reaches_driver_as_itself(tiny_task, ray_session, tmp_path):
+    """A model folder without weights fails inside the Ray workers; the driver sees the
+    ConfigError naming model.path, not "the actor died"."""
+    import shutil
+
+    from treadle.errors import ConfigError
+
+    broken = tmp_path / "no_weights"
+    shutil.copytree(tiny_task["model"], broken)
+    (broken / "model.safetensors").unlink()
+    cfg = grpo_config(
+        tiny_task,
+        tmp_path / "run",
+        "actor.world_size=2",
+        f"model.path={broken}",
+        f"model.tokenizer_path={tiny_task['model']}",
+    )
+    with pytest.raises(ConfigError, match=r"model\.path: .* no \*\.safetensors weights"):
+        train(cfg)

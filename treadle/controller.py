@@ -33,6 +33,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from treadle.errors import TreadleError
 from treadle.protocol import Batch
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -130,13 +131,50 @@ class Worker:
         )
         if self.device.type == "cuda":
             torch.cuda.set_device(0)  # Ray gives each rank exactly one visible GPU
-        if not dist.is_initialized():
+        # Only a group this worker made is its to destroy (an in-process vLLM may make one).
+        self.owns_process_group = not dist.is_initialized()
+        if self.owns_process_group:
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",
                 rank=rank,
                 world_size=world_size,
                 init_method=f"tcp://{master_addr}:{master_port}",
             )
+
+
+def _guarded(cls: type[Worker]) -> type[Worker]:
+    """``cls`` whose construction keeps a user-fixable error for ``treadle_check`` to raise.
+
+    Ray reports an exception in an actor's ``__init__`` only as "the actor died"; kept and
+    raised from a method call, it reaches the driver as itself (config key, file, row...).
+    """
+
+    class Guarded(cls):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            self._treadle_init_error: TreadleError | None = None
+            try:
+                super().__init__(*args, **kwargs)
+            except TreadleError as e:
+                self._treadle_init_error = e
+
+        def treadle_check(self) -> None:
+            if self._treadle_init_error is not None:
+                raise self._treadle_init_error
+
+    Guarded.__name__ = Guarded.__qualname__ = cls.__name__
+    return Guarded
+
+
+def _ray_get(futures: list[Any]) -> list[Any]:
+    """``ray.get`` that re-raises a worker's user-fixable error as itself, not wrapped."""
+    import ray
+
+    try:
+        return list(ray.get(futures))
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, TreadleError):
+            raise e.cause from None
+        raise
 
 
 def _probe_address() -> tuple[str, int]:
@@ -199,7 +237,7 @@ class WorkerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote_cls = ray.remote(cls)
+        remote_cls: Any = ray.remote(_guarded(cls))
 
         def options(rank: int) -> dict[str, Any]:
             return {
@@ -214,10 +252,17 @@ class WorkerGroup:
         # Rank 0's node decides the rendezvous address, as on a multi-node cluster.
         probe = ray.remote(_probe_address).options(**options(0))
         addr, port = ray.get(probe.remote())
-        return [
+        workers = [
             remote_cls.options(**options(r)).remote(r, self.world_size, addr, port, **kwargs)
             for r in range(self.world_size)
         ]
+        try:
+            _ray_get([w.treadle_check.remote() for w in workers])
+        except BaseException:
+            for w in workers:
+                ray.kill(w)
+            raise
+        return workers
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         method = getattr(self.worker_cls, name, None)
@@ -233,13 +278,11 @@ class WorkerGroup:
                 getattr(w, name)(*a, **k) for w, (a, k) in zip(self.workers, parts, strict=True)
             ]
         else:
-            import ray
-
             futures = [
                 getattr(w, name).remote(*a, **k)
                 for w, (a, k) in zip(self.workers, parts, strict=True)
             ]
-            results = ray.get(futures)
+            results = _ray_get(futures)
         return collect_results(collect, results)
 
     def shutdown(self) -> None:
@@ -248,7 +291,7 @@ class WorkerGroup:
                 close = getattr(w, "close", None)
                 if close:
                     close()
-            if dist.is_initialized():
+            if all(w.owns_process_group for w in self.workers) and dist.is_initialized():
                 dist.destroy_process_group()
             return
         import ray

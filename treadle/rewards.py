@@ -36,6 +36,7 @@ from treadle.errors import ConfigError, RewardError
 # name -> "module:function", imported on first use
 BUILTIN_REWARDS: dict[str, str] = {
     "arithmetic": "treadle.tasks.arithmetic:compute_score",
+    "chat_arithmetic": "treadle.tasks.chat_arithmetic:compute_score",
 }
 
 

@@ -103,6 +103,19 @@ class ActorRolloutRefWorker(Worker):
         return model.to(self.device)
 
     def _make_rollout(self, path: str, dtype: torch.dtype) -> RolloutEngine:
+        r = self.cfg.rollout
+        if r.engine == "vllm":
+            from treadle.engines.vllm_rollout import VLLMRolloutEngine
+
+            return VLLMRolloutEngine(
+                path,
+                dtype=self.cfg.model.dtype,
+                seed=self.cfg.trainer.seed,
+                max_model_len=self.cfg.data.max_prompt_length + r.max_new_tokens,
+                bucket_mb=r.weight_sync_bucket_mb,
+                kv_cache_gib=r.kv_cache_gib,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+            )
         tok = self.tokenizer
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]

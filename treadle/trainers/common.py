@@ -97,9 +97,13 @@ def build_actors(cfg: Config, actor_path: str, with_ref: bool) -> Actors:
         gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0,
     )
     env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
-    group = WorkerGroup(
-        ActorRolloutRefWorker, world_size=ws, backend="ray", pool=pool, kwargs=kwargs, env=env
-    )
+    try:
+        group = WorkerGroup(
+            ActorRolloutRefWorker, world_size=ws, backend="ray", pool=pool, kwargs=kwargs, env=env
+        )
+    except BaseException:
+        pool.remove()  # give the CPUs back: a failed start must not starve what comes next
+        raise
     return Actors(group, pool)
 
 

@@ -166,32 +166,41 @@ class RLTrainer:
         m.update(rollout_metrics(batch))
         return m
 
+    def timed_step(self, step: int) -> dict[str, float]:
+        """:meth:`step` plus throughput and, when due, held-out accuracy."""
+        t = self.cfg.trainer
+        start = time.perf_counter()
+        metrics = self.step(step)
+        metrics["timing/step"] = time.perf_counter() - start
+        metrics["throughput/tokens_per_s"] = (
+            metrics.pop("generated_tokens") / metrics["timing/step"]
+        )
+        due = step == t.total_steps or (t.eval_every and step % t.eval_every == 0)
+        if self.val_ds is not None and due:
+            with timed(metrics, "eval"):
+                metrics["eval/accuracy"] = evaluate(
+                    self.cfg, self.group, self.val_ds, self.val_ds.pad_id
+                )
+        return metrics
+
     def fit(self) -> dict[str, float]:
         """Run until ``trainer.total_steps``; returns the last step's metrics."""
         t, metrics = self.cfg.trainer, {}
-        with Tracker(self.out, t.total_steps, self.start, t.progress) as tracker:
-            if self.resumed_from is not None:
-                tracker.print(f"resumed from {self.resumed_from} (step {self.start})")
-            for step in range(self.start + 1, t.total_steps + 1):
-                start = time.perf_counter()
-                metrics = self.step(step)
-                metrics["timing/step"] = time.perf_counter() - start
-                tokens = metrics.pop("generated_tokens")
-                metrics["throughput/tokens_per_s"] = tokens / metrics["timing/step"]
-                last = step == t.total_steps
-                if self.val_ds is not None and (
-                    last or (t.eval_every and step % t.eval_every == 0)
-                ):
-                    with timed(metrics, "eval"):
-                        metrics["eval/accuracy"] = evaluate(
-                            self.cfg, self.group, self.val_ds, self.val_ds.pad_id
-                        )
-                tracker.log(step, metrics)
-                if not all(math.isfinite(v) for v in metrics.values()):
-                    raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
-                if last or (t.save_every and step % t.save_every == 0):
-                    save_checkpoint(self.cfg, self.group, step, self.sampler.state_dict(), last)
-        self.actors.close()
+        try:
+            with Tracker(self.out, t.total_steps, self.start, t.progress) as tracker:
+                if self.resumed_from is not None:
+                    tracker.print(f"resumed from {self.resumed_from} (step {self.start})")
+                for step in range(self.start + 1, t.total_steps + 1):
+                    metrics = self.timed_step(step)
+                    tracker.log(step, metrics)
+                    if not all(math.isfinite(v) for v in metrics.values()):
+                        raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
+                    last = step == t.total_steps
+                    if last or (t.save_every and step % t.save_every == 0):
+                        state = self.sampler.state_dict()
+                        save_checkpoint(self.cfg, self.group, step, state, final=last)
+        finally:
+            self.actors.close()
         return metrics
 
 

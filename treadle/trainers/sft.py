@@ -28,61 +28,80 @@ from treadle.trainers.common import (
 )
 
 
+class SFTTrainer:
+    """Owns the SFT data and the actor group; ``fit`` runs the loop."""
+
+    def __init__(self, cfg: Config) -> None:
+        d = cfg.data
+        if not d.train_files:
+            raise ConfigError("data.train_files is empty: list at least one JSONL or Parquet file")
+        self.cfg, self.out = cfg, prepare_run_dir(cfg)
+        latest, actor_path = resume_point(cfg)
+        tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.ds = load_sft_dataset(
+            d.train_files,
+            prompt_key=d.prompt_key,
+            response_key=d.response_key,
+            tokenizer=tok,
+            max_length=d.max_prompt_length + cfg.rollout.max_new_tokens,
+            apply_chat_template=d.apply_chat_template,
+            system_prompt=d.system_prompt,
+        )
+        self.val = load_prompts(cfg, d.val_files, "data.val_files") if d.val_files else None
+        self.sampler = ResumableSampler(len(self.ds), d.batch_size, cfg.trainer.seed, d.shuffle)
+        self.steps_per_epoch = max(len(self.ds) // d.batch_size, 1)
+        t = cfg.trainer
+        self.total = t.total_steps if t.epochs is None else t.epochs * self.steps_per_epoch
+        self.start = 0
+        if latest is not None:
+            state = ckpt.read_state(latest)
+            self.start = int(state["step"])
+            self.sampler.load_state_dict(state["sampler"])
+        self.actors = build_actors(cfg, actor_path, with_ref=False)
+        self.group = self.actors.group
+        if latest is not None:
+            self.group.load_checkpoint(str(latest))
+
+    def step(self, step: int) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        start = time.perf_counter()
+        rows = [self.ds[i] for i in self.sampler.next_indices()]
+        ids, mask, loss_mask = collate_sft(rows, self.pad)
+        batch = Batch.from_dict(
+            tensors={"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+        )
+        with timed(metrics, "update_actor"):
+            metrics.update(self.group.train_sft(batch))
+        metrics["timing/step"] = time.perf_counter() - start
+        metrics["epoch"] = step / self.steps_per_epoch
+        if not math.isfinite(metrics["sft/loss"]):
+            raise FloatingPointError(f"step {step}: SFT loss is {metrics['sft/loss']}")
+        t = self.cfg.trainer
+        if self.val is not None and (
+            step == self.total or (t.eval_every and step % t.eval_every == 0)
+        ):
+            self.group.sync_weights()  # the rollout engine generates with the trained weights
+            with timed(metrics, "eval"):
+                metrics["eval/accuracy"] = evaluate(self.cfg, self.group, self.val, self.pad)
+        return metrics
+
+    def fit(self) -> dict[str, float]:
+        t, metrics = self.cfg.trainer, {}
+        try:
+            with Tracker(self.out, self.total, self.start, t.progress, "sft/loss") as tracker:
+                for step in range(self.start + 1, self.total + 1):
+                    metrics = self.step(step)
+                    tracker.log(step, metrics)
+                    last = step == self.total
+                    if last or (t.save_every and step % t.save_every == 0):
+                        state = self.sampler.state_dict()
+                        save_checkpoint(self.cfg, self.group, step, state, final=last)
+        finally:
+            self.actors.close()
+        return metrics
+
+
 def sft(cfg: Config) -> dict[str, float]:
-    out = prepare_run_dir(cfg)
-    latest, actor_path = resume_point(cfg)
-    if not cfg.data.train_files:
-        raise ConfigError("data.train_files is empty: list at least one JSONL or Parquet file")
-    d = cfg.data
-    tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
-    ds = load_sft_dataset(
-        d.train_files,
-        prompt_key=d.prompt_key,
-        response_key=d.response_key,
-        tokenizer=tok,
-        max_length=d.max_prompt_length + cfg.rollout.max_new_tokens,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-    )
-    sampler = ResumableSampler(len(ds), d.batch_size, cfg.trainer.seed, shuffle=d.shuffle)
-    steps_per_epoch = len(ds) // d.batch_size
-    total = cfg.trainer.total_steps
-    if cfg.trainer.epochs is not None:
-        total = cfg.trainer.epochs * steps_per_epoch
-    start = 0
-    if latest is not None:
-        state = ckpt.read_state(latest)
-        start = int(state["step"])
-        sampler.load_state_dict(state["sampler"])
-    actors = build_actors(cfg, actor_path, with_ref=False)
-    group = actors.group
-    if latest is not None:
-        group.load_checkpoint(str(latest))
-    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    metrics: dict[str, float] = {}
-    with Tracker(out, total, start, cfg.trainer.progress, headline="sft/loss") as tracker:
-        for step in range(start + 1, total + 1):
-            metrics = {}
-            t0 = time.perf_counter()
-            rows = [ds[i] for i in sampler.next_indices()]
-            ids, mask, loss_mask = collate_sft(rows, pad)
-            batch = Batch.from_dict(
-                tensors={"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
-            )
-            with timed(metrics, "update_actor"):
-                metrics.update(group.train_sft(batch))
-            metrics["timing/step"] = time.perf_counter() - t0
-            metrics["epoch"] = step / max(steps_per_epoch, 1)
-            if not math.isfinite(metrics["sft/loss"]):
-                raise FloatingPointError(f"step {step}: SFT loss is {metrics['sft/loss']}")
-            if cfg.data.val_files and (
-                step == total or (cfg.trainer.eval_every and step % cfg.trainer.eval_every == 0)
-            ):
-                val = load_prompts(cfg, d.val_files, "data.val_files")
-                group.sync_weights()  # the rollout engine generates with the trained weights
-                metrics["eval/accuracy"] = evaluate(cfg, group, val, pad)
-            tracker.log(step, metrics)
-            if step == total or (cfg.trainer.save_every and step % cfg.trainer.save_every == 0):
-                save_checkpoint(cfg, group, step, sampler.state_dict(), final=step == total)
-    actors.close()
-    return metrics
+    """Run SFT with ``cfg``; returns the last step's metrics."""
+    return SFTTrainer(cfg).fit()

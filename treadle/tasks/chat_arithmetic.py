@@ -1,0 +1,225 @@
+"""Arithmetic problems phrased for a chat model: the GRPO task for SmolLM2-135M-Instruct.
+
+The built-in `arithmetic` task trains a tiny model from nothing; this one asks a pretrained
+instruction-tuned model (`treadle.hub.fetch_model("smollm2-135m-instruct")`) the same kind of
+problem in words, so RL starts from some skill and climbs. The default prompt:
+
+    Example:
+    Question: What is 23 + 19?
+    Solution: 23 + 19 = 42. Answer: 42
+
+    Question: What is 47 + 38?
+    Solution:
+
+- Problems come from `treadle.tasks.arithmetic.generate_problems` (distinct, deterministic from
+  a seed, subtraction never negative) and are re-phrased by a template of `PHRASINGS`; the
+  whole instruction lives in the prompt column (the data loader renders it as one user message
+  with the tokenizer's chat template, SmolLM2's default system message included).
+- `prepare_chat` writes held-out `train.jsonl`/`test.jsonl` (`prompt`, `answer`); it reuses a
+  directory whose manifest records the same arguments.
+- `compute_score` is the reward: 1.0 when the final number of the response equals the answer.
+  `extract_final_number` reads it the way a chat model writes it: the last `Answer: <number>`,
+  else the last number, after removing markdown emphasis (`**85**`), `$`, LaTeX `\\boxed{}`,
+  thousands separators (`1,234`) and a zero fraction (`85.0`).
+
+Default difficulty and phrasing were chosen by measuring the starting greedy accuracy of
+SmolLM2-135M-Instruct (float32, transformers `generate`, 100 held-out problems, up to 96 new
+tokens, the prompt rendered as the data loader does). The aim is a start well above zero and
+far below one, so GRPO groups hold both right and wrong answers:
+
+    phrasing      operands  ops  correct  writes "Answer:"  mean reply tokens
+    answer_tag    0-99      +-   15%       0%               16
+    answer_tag    0-99      +    19%       0%               16
+    answer_tag    0-50      +-   20%       0%               13
+    answer_tag    0-20      +-   39%       0%               14
+    bare          0-99      +-   16%       0%               53 (14% hit the limit)
+    only_number   0-99      +-   25%       0%               14
+    one_shot      0-99      +-   23%      73%               15
+    one_shot_qa   0-99      +-   26%      99%               17
+    one_shot_qa   0-50      +-   41%      98%               16
+    one_shot_qa   0-20      +-   57%      95%               15
+
+The default is `one_shot_qa` over 0-99 with both operators: 26% correct, the answer line
+almost always present (so the reward reads what the model meant, not a stray number), short
+replies (cheap rollouts), and 15,050 distinct problems. The model ignores "Think briefly" and
+"Answer: <number>" instructions without an example; it copies the example's format instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+from typing import Any
+
+from treadle.tasks.arithmetic import OPS, generate_problems, write_jsonl
+
+logger = logging.getLogger(__name__)
+
+# Templates over `{a}`, `{op}`, `{b}`.
+PHRASINGS: dict[str, str] = {
+    "answer_tag": (
+        "What is {a} {op} {b}? Think briefly, then give the final answer as 'Answer: <number>'."
+    ),
+    "bare": "What is {a} {op} {b}?",
+    "only_number": "Compute {a} {op} {b}. Reply with only the number.",
+    "one_shot": (
+        "Solve the arithmetic problem. End with 'Answer: <number>'.\n\n"
+        "Example: What is 23 + 19?\n23 + 19 = 42. Answer: 42\n\n"
+        "Now: What is {a} {op} {b}?"
+    ),
+    "one_shot_qa": (
+        "Example:\nQuestion: What is 23 + 19?\nSolution: 23 + 19 = 42. Answer: 42\n\n"
+        "Question: What is {a} {op} {b}?\nSolution:"
+    ),
+}
+DEFAULT_PHRASING = "one_shot_qa"
+# Bump when the files prepare_chat writes change meaning, so old directories are rebuilt.
+PREPARE_FORMAT = 1
+
+_PROBLEM_RE = re.compile(r"What is (\d+)([+-])(\d+)\?")
+_EMPHASIS_RE = re.compile(r"\*\*|__|[*`$]")
+_BOXED_RE = re.compile(r"\\boxed\s*\{([^{}]*)\}")
+_THOUSANDS_RE = re.compile(r"(?<=\d),(?=\d{3}(?!\d))")
+_ZERO_FRACTION_RE = re.compile(r"(?<=\d)\.0+(?!\d)")
+# A number, with its minus sign only when the minus is not an operator between two numbers.
+_NUMBER = r"(?<![\d.])-?\d+(?:\.\d+)?"
+_NUMBER_RE = re.compile(_NUMBER)
+_ANSWER_RE = re.compile(r"Answer\s*:\s*(" + _NUMBER + ")", re.IGNORECASE)
+
+
+# --- problems --------------------------------------------------------------------------------
+
+
+def phrase(a: int, op: str, b: int, phrasing: str = DEFAULT_PHRASING) -> str:
+    """The chat prompt for `a op b` in the named phrasing."""
+    if phrasing not in PHRASINGS:
+        raise ValueError(f"unknown phrasing {phrasing!r}: use one of {', '.join(PHRASINGS)}")
+    return PHRASINGS[phrasing].format(a=a, op=op, b=b)
+
+
+def generate_chat_problems(
+    n: int,
+    seed: int,
+    *,
+    phrasing: str = DEFAULT_PHRASING,
+    min_value: int = 0,
+    max_value: int = 99,
+    ops: str = OPS,
+) -> list[dict[str, str]]:
+    """`n` distinct problems as `{"prompt": <chat phrasing>, "answer": "85"}` rows.
+
+    The same problems, in the same order, as `arithmetic.generate_problems` with these
+    arguments; only the wording differs.
+    """
+    rows = []
+    for row in generate_problems(n, seed, min_value=min_value, max_value=max_value, ops=ops):
+        match = _PROBLEM_RE.fullmatch(row["prompt"])
+        if match is None:  # the generator's format changed
+            raise AssertionError(f"unexpected problem text {row['prompt']!r}")
+        a, op, b = match.groups()
+        rows.append({"prompt": phrase(int(a), op, int(b), phrasing), "answer": row["answer"]})
+    return rows
+
+
+def prepare_chat(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    n_train: int = 2000,
+    n_test: int = 200,
+    phrasing: str = DEFAULT_PHRASING,
+    min_value: int = 0,
+    max_value: int = 99,
+    ops: str = OPS,
+) -> dict[str, Path]:
+    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`) under `out_dir`.
+
+    Returns `{"train": ..., "test": ...}`. Test rows come first from one stream of distinct
+    problems, so the test set does not change with `n_train` and no test problem is in train.
+    When `out_dir/prepare.json` records the same arguments and both files exist, nothing is
+    rewritten; the manifest is written last, so an interrupted run is redone.
+    """
+    manifest = {
+        "task": "chat_arithmetic",
+        "format": PREPARE_FORMAT,
+        "seed": seed,
+        "n_train": n_train,
+        "n_test": n_test,
+        "phrasing": phrasing,
+        "template": PHRASINGS.get(phrasing),
+        "min_value": min_value,
+        "max_value": max_value,
+        "ops": ops,
+    }
+    out = Path(out_dir)
+    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
+    manifest_path = out / "prepare.json"
+    if _is_prepared(manifest_path, paths, manifest):
+        logger.info("reusing prepared chat arithmetic task in %s", out)
+        return paths
+    rows = generate_chat_problems(
+        n_test + n_train,
+        seed,
+        phrasing=phrasing,
+        min_value=min_value,
+        max_value=max_value,
+        ops=ops,
+    )
+    test, train = rows[:n_test], rows[n_test:]
+    leaked = {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    if leaked:  # cannot happen with distinct problems; guards future changes to the generator
+        raise AssertionError(f"{len(leaked)} test prompts also in train, e.g. {min(leaked)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path.unlink(missing_ok=True)
+    write_jsonl(train, paths["train"])
+    write_jsonl(test, paths["test"])
+    tmp = manifest_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(manifest_path)
+    return paths
+
+
+def _is_prepared(manifest_path: Path, paths: dict[str, Path], manifest: dict[str, Any]) -> bool:
+    try:
+        recorded = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return recorded == manifest and all(p.is_file() for p in paths.values())
+
+
+# --- verifier --------------------------------------------------------------------------------
+
+
+def extract_final_number(text: str) -> str | None:
+    """The number after the last `Answer:`, else the last number in `text`, else None.
+
+    Markdown emphasis, `$`, `\\boxed{...}`, thousands separators and zero fractions are removed
+    first, so `**Answer:** $1,234.00$` reads as `1234`. An integer is returned normalised
+    (`"085"` -> `"85"`, `"-0"` -> `"0"`); a number with a non-zero fraction is returned as
+    written (`"7.5"`), so it equals no integer answer.
+    """
+    text = _BOXED_RE.sub(r"\1", text)
+    text = _EMPHASIS_RE.sub("", text)
+    text = _THOUSANDS_RE.sub("", text)
+    text = _ZERO_FRACTION_RE.sub("", text)
+    matches = _ANSWER_RE.findall(text) or _NUMBER_RE.findall(text)
+    if not matches:
+        return None
+    number = matches[-1]
+    if "." in number:
+        return number
+    # Normalised as a string: int() refuses more than 4300 digits, which a policy can emit.
+    digits = number.lstrip("-").lstrip("0") or "0"
+    return "-" + digits if number.startswith("-") and digits != "0" else digits
+
+
+def compute_score(prompt: str, response: str, ground_truth: str) -> float:
+    """1.0 if the response's final number equals `ground_truth`, else 0.0.
+
+    A ground truth that is not an integer raises ValueError: it is a data bug, not a wrong answer.
+    """
+    del prompt  # the answer alone decides
+    expected = str(int(str(ground_truth).strip()))
+    return 1.0 if extract_final_number(response) == expected else 0.0
