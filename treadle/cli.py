@@ -46,9 +46,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from treadle.tasks.arithmetic import prepare
+    if args.task == "chat_arithmetic":
+        from treadle.tasks.chat_arithmetic import prepare_chat as prepare
+    else:
+        from treadle.tasks.arithmetic import prepare
 
-    paths = prepare(args.output_dir, seed=args.seed)
+    paths = prepare(args.output_dir or f"data/{args.task}", seed=args.seed)
     for name, path in paths.items():
         print(f"{name}: {path}")
 
@@ -77,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("config", help="YAML config file")
         s.add_argument("overrides", nargs="*", help="section.key=value overrides")
         s.set_defaults(fn=fn)
-    s = sub.add_parser("prepare", help="write the built-in arithmetic task, tokenizer, model")
-    s.add_argument("--output-dir", default="data/arithmetic")
+    s = sub.add_parser("prepare", help="write a built-in task's data (arithmetic: also a model)")
+    s.add_argument("--task", choices=["arithmetic", "chat_arithmetic"], default="arithmetic")
+    s.add_argument("--output-dir", default=None, help="default: data/<task>")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_prepare)
     s = sub.add_parser("model", help="local models: `treadle model fetch smollm2-135m-instruct`")
