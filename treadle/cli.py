@@ -46,11 +46,9 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    if args.task == "chat_arithmetic":
-        from treadle.tasks.chat_arithmetic import prepare_chat as prepare
-    else:
-        from treadle.tasks.arithmetic import prepare
+    from treadle.tasks import arithmetic, chat_arithmetic
 
+    prepare = chat_arithmetic.prepare_chat if args.task == "chat_arithmetic" else arithmetic.prepare
     paths = prepare(args.output_dir or f"data/{args.task}", seed=args.seed)
     for name, path in paths.items():
         print(f"{name}: {path}")

@@ -6,6 +6,7 @@ Kept out of the loops so that each trainer's file reads as its dataflow.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import shutil
 from dataclasses import dataclass
@@ -17,12 +18,13 @@ import torch
 from treadle import checkpoint as ckpt
 from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, WorkerGroup
-from treadle.data import PromptDataset, collate_prompts, load_prompt_dataset
+from treadle.data import PromptDataset, ResumableSampler, collate_prompts, load_prompt_dataset
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn, score_batch
+from treadle.tracking import Tracker
 from treadle.workers import ActorRolloutRefWorker
 
 log = logging.getLogger("treadle")
@@ -194,3 +196,60 @@ def evaluate_model(cfg: Config) -> float:
         return evaluate(cfg, actors.group, val, val.pad_id)
     finally:
         actors.close()
+
+
+class Trainer:
+    """The loop every driver shares: resume, steps, metrics, checkpoints, clean-up.
+
+    A subclass loads its data, calls :meth:`start_workers`, and defines :meth:`run_step`
+    (one step's metrics) and ``total`` (the last step).
+    """
+
+    headline = "reward/mean"
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.out = prepare_run_dir(cfg)
+        self.total = cfg.trainer.total_steps
+        self.start = 0
+        self.resumed_from: Path | None = None
+
+    def start_workers(self, sampler: ResumableSampler, with_ref: bool) -> None:
+        """Build the actor group, from the newest complete checkpoint if there is one."""
+        self.sampler = sampler
+        latest, actor_path = resume_point(self.cfg)
+        if latest is not None:
+            state = ckpt.read_state(latest)
+            self.start, self.resumed_from = int(state["step"]), latest
+            sampler.load_state_dict(state["sampler"])
+        self.actors = build_actors(self.cfg, actor_path, with_ref=with_ref)
+        self.group = self.actors.group
+        if latest is not None:
+            self.group.load_checkpoint(str(latest))
+
+    def run_step(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return step == self.total or bool(every and step % every == 0)
+
+    def fit(self) -> dict[str, float]:
+        """Run until ``total``; returns the last step's metrics."""
+        t, metrics = self.cfg.trainer, {}
+        try:
+            with Tracker(self.out, self.total, self.start, t.progress, self.headline) as tracker:
+                if self.resumed_from is not None:
+                    tracker.print(f"resumed from {self.resumed_from} (step {self.start})")
+                for step in range(self.start + 1, self.total + 1):
+                    metrics = self.run_step(step)
+                    tracker.log(step, metrics)
+                    if not all(math.isfinite(v) for v in metrics.values()):
+                        raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
+                    last = step == self.total
+                    if last or (t.save_every and step % t.save_every == 0):
+                        state = self.sampler.state_dict()
+                        save_checkpoint(self.cfg, self.group, step, state, final=last)
+        finally:
+            self.actors.close()
+        return metrics

@@ -16,12 +16,10 @@ same samples as an uninterrupted one.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
 
-from treadle import checkpoint as ckpt
 from treadle.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 from treadle.config import Config
 from treadle.data import ResumableSampler
@@ -29,15 +27,12 @@ from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn, score_batch
-from treadle.tracking import Tracker, timed
+from treadle.tracking import timed
 from treadle.trainers.common import (
-    build_actors,
+    Trainer,
     evaluate,
     load_prompts,
-    prepare_run_dir,
     prompt_batch,
-    resume_point,
-    save_checkpoint,
 )
 
 
@@ -82,33 +77,23 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     }
 
 
-class RLTrainer:
-    """Owns the data, the actor worker group and the run directory; ``fit`` runs the loop."""
+class RLTrainer(Trainer):
+    """Owns the prompts, the reward and the actor worker group; ``fit`` runs the loop."""
 
     def __init__(self, cfg: Config) -> None:
         check_names(cfg)
-        self.cfg = cfg
-        self.out = prepare_run_dir(cfg)
-        latest, actor_path = resume_point(cfg)
+        super().__init__(cfg)
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_ds = (
             load_prompts(cfg, cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         )
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.estimator = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
-        self.sampler = ResumableSampler(
+        self.use_ref = cfg.algorithm.kl_coef > 0
+        sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.start, self.resumed_from = 0, latest
-        if latest is not None:
-            state = ckpt.read_state(latest)
-            self.start = int(state["step"])
-            self.sampler.load_state_dict(state["sampler"])
-        self.use_ref = cfg.algorithm.kl_coef > 0
-        self.actors = build_actors(cfg, actor_path, with_ref=self.use_ref)
-        self.group = self.actors.group
-        if latest is not None:
-            self.group.load_checkpoint(str(latest))
+        self.start_workers(sampler, with_ref=self.use_ref)
 
     def sampling(self, step: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -166,41 +151,19 @@ class RLTrainer:
         m.update(rollout_metrics(batch))
         return m
 
-    def timed_step(self, step: int) -> dict[str, float]:
+    def run_step(self, step: int) -> dict[str, float]:
         """:meth:`step` plus throughput and, when due, held-out accuracy."""
-        t = self.cfg.trainer
         start = time.perf_counter()
         metrics = self.step(step)
         metrics["timing/step"] = time.perf_counter() - start
         metrics["throughput/tokens_per_s"] = (
             metrics.pop("generated_tokens") / metrics["timing/step"]
         )
-        due = step == t.total_steps or (t.eval_every and step % t.eval_every == 0)
-        if self.val_ds is not None and due:
+        if self.val_ds is not None and self.eval_due(step):
             with timed(metrics, "eval"):
                 metrics["eval/accuracy"] = evaluate(
                     self.cfg, self.group, self.val_ds, self.val_ds.pad_id
                 )
-        return metrics
-
-    def fit(self) -> dict[str, float]:
-        """Run until ``trainer.total_steps``; returns the last step's metrics."""
-        t, metrics = self.cfg.trainer, {}
-        try:
-            with Tracker(self.out, t.total_steps, self.start, t.progress) as tracker:
-                if self.resumed_from is not None:
-                    tracker.print(f"resumed from {self.resumed_from} (step {self.start})")
-                for step in range(self.start + 1, t.total_steps + 1):
-                    metrics = self.timed_step(step)
-                    tracker.log(step, metrics)
-                    if not all(math.isfinite(v) for v in metrics.values()):
-                        raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
-                    last = step == t.total_steps
-                    if last or (t.save_every and step % t.save_every == 0):
-                        state = self.sampler.state_dict()
-                        save_checkpoint(self.cfg, self.group, step, state, final=last)
-        finally:
-            self.actors.close()
         return metrics
 
 
