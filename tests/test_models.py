@@ -98,3 +98,14 @@ def test_count_parameters_counts_tied_weights_once(model_dir: Path):
     assert count_parameters(model) < sum(t.numel() for t in model.state_dict().values())
     embed.requires_grad_(False)
     assert count_parameters(model, trainable_only=True) == count_parameters(model) - embed.numel()
+
+
+def test_checkpoint_directory_stands_for_its_model_folder(tmp_path):
+    from treadle.models import resolve_model_path
+
+    model = tmp_path / "checkpoints" / "step_3" / "model"
+    model.mkdir(parents=True)
+    (model / "config.json").write_text("{}")
+    (model / "model.safetensors").write_bytes(b"")
+    assert resolve_model_path(model.parent) == str(model)
+    assert resolve_model_path(model) == str(model)

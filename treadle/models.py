@@ -32,6 +32,7 @@ _HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
 def resolve_model_path(path: str | Path, *, key: str = "model.path", need: str = "model") -> str:
     """Check that `path` is a model folder holding what `need` ("model" or "tokenizer") requires.
 
+    A treadle checkpoint directory (`checkpoints/step_N`) stands for its `model/` folder.
     A path that does not exist locally but looks like a hub id (`org/name`) is passed through,
     for transformers to fetch. Raises ConfigError naming `key` and the folder otherwise.
     """
@@ -42,6 +43,8 @@ def resolve_model_path(path: str | Path, *, key: str = "model.path", need: str =
         raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder or hub id)")
     if not folder.is_dir():
         raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
+    if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
+        folder = folder / "model"  # a treadle checkpoint directory: its model folder
     if need == "tokenizer":
         if not any((folder / name).is_file() for name in TOKENIZER_FILES):
             raise ConfigError(
