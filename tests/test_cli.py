@@ -63,6 +63,7 @@ def test_sft_local_lowers_loss_and_exports(tiny_task, tmp_path, capsys):
             "actor.warmup_steps=0",
             "actor.micro_batch_size=8",
             "trainer.backend=local",
+            "rollout.engine=hf",  # the session's one in-process vLLM engine serves another model
             "trainer.total_steps=12",
             "trainer.progress=false",
             f"trainer.output_dir={out}",

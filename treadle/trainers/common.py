@@ -98,7 +98,11 @@ def build_actors(cfg: Config, actor_path: str, with_ref: bool) -> Actors:
         cpus_per_rank=cpus / ws,
         gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0,
     )
-    env = {"OMP_NUM_THREADS": str(threads), "TOKENIZERS_PARALLELISM": "false"}
+    env = {
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
     try:
         group = WorkerGroup(
             ActorRolloutRefWorker, world_size=ws, backend="ray", pool=pool, kwargs=kwargs, env=env
