@@ -121,3 +121,35 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
     for name in grads1:
         torch.testing.assert_close(grads2[name], grads1[name], atol=1e-6, rtol=1e-5)
     assert any(g.abs().sum() > 0 for g in grads1.values())
+
+
+class CheckpointedGradWorker(GradWorker):
+    def __init__(self, rank, world_size, addr, port, *, model_path: str) -> None:
+        Worker.__init__(self, rank, world_size, addr, port)
+        self.engine = TrainEngine(
+            load_causal_lm(model_path), chunk_size=4, lr=1e-3, gradient_checkpointing=True
+        )
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def checkpointing_active(self) -> bool:
+        layers = self.engine.module.lm.get_decoder().layers
+        return all(layer.gradient_checkpointing and layer.training for layer in layers)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(tiny_task):
+    path = str(tiny_task["model"])
+    batch = make_batch(vocab=100)
+    results = []
+    for cls in (GradWorker, CheckpointedGradWorker):
+        group = WorkerGroup(cls, world_size=1, backend="local", kwargs={"model_path": path})
+        try:
+            if cls is CheckpointedGradWorker:
+                assert group.checkpointing_active()
+            [(loss, grads)] = group.loss_and_grads(batch)
+        finally:
+            group.shutdown()
+        results.append((loss, grads))
+    (loss_a, grads_a), (loss_b, grads_b) = results
+    assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5)

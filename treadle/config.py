@@ -110,6 +110,9 @@ class ActorConfig(Section):
         64, gt=0, description="Samples (prompts x n) per optimizer step, across all ranks."
     )
     micro_batch_size: int = Field(16, gt=0, description="Samples per forward/backward per rank.")
+    gradient_checkpointing: bool = Field(
+        False, description="Recompute decoder activations in backward (less memory, ~1/3 slower)."
+    )
     logprob_chunk_size: int = Field(
         512, gt=0, description="Positions per chunk when computing log-probs from hidden states."
     )

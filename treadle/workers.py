@@ -85,6 +85,7 @@ class ActorRolloutRefWorker(Worker):
             weight_decay=a.weight_decay,
             warmup_steps=a.warmup_steps,
             grad_clip=a.grad_clip,
+            gradient_checkpointing=a.gradient_checkpointing,
         )
         self.hf_config = self.actor.module.lm.config
         self.ref = (

@@ -106,7 +106,7 @@ class TrainEngine:
 
     def __init__(
         self,
-        lm: nn.Module,
+        lm: Any,
         *,
         chunk_size: int,
         trainable: bool = True,
@@ -115,7 +115,10 @@ class TrainEngine:
         weight_decay: float = 0.0,
         warmup_steps: int = 0,
         grad_clip: float = 1.0,
+        gradient_checkpointing: bool = False,
     ) -> None:
+        if gradient_checkpointing and trainable:
+            lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.module: Any = shard_model(lm, chunk_size)  # LogProbHead, now an FSDPModule
         self.grad_clip = grad_clip
         self.optimizer: torch.optim.Optimizer | None = None
@@ -124,6 +127,7 @@ class TrainEngine:
             self.module.requires_grad_(False)
             self.module.eval()
             return
+        self.module.train()  # from_pretrained gives eval mode; checkpointing needs training mode
         self.optimizer = torch.optim.AdamW(
             self.module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
         )

@@ -35,6 +35,9 @@ from treadle.trainers.common import (
     prompt_batch,
 )
 
+# Estimators whose inputs the driver cannot produce yet, and what they need.
+NEEDS_MORE = {"gae": "a critic's values", "remax": "a greedy baseline rollout"}
+
 
 def check_names(cfg: Config) -> None:
     """Fail before anything starts if a registered name is wrong."""
@@ -46,6 +49,12 @@ def check_names(cfg: Config) -> None:
     ):
         if name not in registry.names():
             raise ConfigError(f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}")
+    if alg.adv_estimator in NEEDS_MORE:
+        raise ConfigError(
+            f"algorithm.adv_estimator={alg.adv_estimator} needs {NEEDS_MORE[alg.adv_estimator]}, "
+            "which treadle's RL driver does not provide yet; use grpo, dr_grpo, rloo, "
+            "reinforce_plus_plus, reinforce_plus_plus_baseline, opo or gpg"
+        )
     load_reward_fn(cfg.reward.function)
 
 
