@@ -370,23 +370,27 @@ def prepare(
         seed=seed,
         arch=arch,
     )
-    tmp = paths["manifest"].with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(paths["manifest"])
+    write_manifest(paths["manifest"], manifest)
     return paths
+
+
+def manifest_matches(path: Path, manifest: dict[str, Any], files: Iterable[Path]) -> bool:
+    """True when `path` records exactly `manifest` and every one of `files` exists."""
+    try:
+        recorded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return False
+    return bool(recorded == manifest and all(f.is_file() for f in files))
+
+
+def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
+    """Write the manifest last and atomically: a directory without it is rebuilt."""
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
+    tmp.replace(path)
 
 
 def _is_prepared(paths: dict[str, Path], manifest: dict[str, Any]) -> bool:
     model_files = ("config.json", "model.safetensors", "tokenizer.json")
-    if not paths["manifest"].is_file():
-        return False
-    try:
-        recorded = json.loads(paths["manifest"].read_text(encoding="utf-8"))
-    except json.JSONDecodeError:
-        return False
-    return (
-        recorded == manifest
-        and paths["train"].is_file()
-        and paths["test"].is_file()
-        and all((paths["model"] / name).is_file() for name in model_files)
-    )
+    files = [paths["train"], paths["test"], *(paths["model"] / name for name in model_files)]
+    return manifest_matches(paths["manifest"], manifest, files)

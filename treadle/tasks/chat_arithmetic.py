@@ -47,13 +47,17 @@ replies (cheap rollouts), and 15,050 distinct problems. The model ignores "Think
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 from pathlib import Path
-from typing import Any
 
-from treadle.tasks.arithmetic import OPS, generate_problems, write_jsonl
+from treadle.tasks.arithmetic import (
+    OPS,
+    generate_problems,
+    manifest_matches,
+    write_jsonl,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -156,7 +160,7 @@ def prepare_chat(
     out = Path(out_dir)
     paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
     manifest_path = out / "prepare.json"
-    if _is_prepared(manifest_path, paths, manifest):
+    if manifest_matches(manifest_path, manifest, paths.values()):
         logger.info("reusing prepared chat arithmetic task in %s", out)
         return paths
     rows = generate_chat_problems(
@@ -175,18 +179,8 @@ def prepare_chat(
     manifest_path.unlink(missing_ok=True)
     write_jsonl(train, paths["train"])
     write_jsonl(test, paths["test"])
-    tmp = manifest_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
-    tmp.replace(manifest_path)
+    write_manifest(manifest_path, manifest)
     return paths
-
-
-def _is_prepared(manifest_path: Path, paths: dict[str, Path], manifest: dict[str, Any]) -> bool:
-    try:
-        recorded = json.loads(manifest_path.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return False
-    return recorded == manifest and all(p.is_file() for p in paths.values())
 
 
 # --- verifier --------------------------------------------------------------------------------
