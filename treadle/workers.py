@@ -26,7 +26,6 @@ train_sft              input_ids, attention_mask, loss_mask    metrics
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -124,7 +123,7 @@ class ActorRolloutRefWorker(Worker):
             self._load(path, dtype),
             eos_token_ids=eos,
             pad_token_id=pad,
-            micro_batch_size=self.cfg.rollout.micro_batch_size,
+            micro_batch_size=r.micro_batch_size,
         )
 
     # ------------------------------------------------------------------ rollout
@@ -150,11 +149,9 @@ class ActorRolloutRefWorker(Worker):
         return expanded
 
     @register(Dispatch.ALL, Collect.RANK0)
-    def sync_weights(self) -> dict[str, float]:
+    def sync_weights(self) -> None:
         """Stream the actor's full weights into this rank's rollout engine, in memory."""
-        start = time.perf_counter()
         self.rollout.update_weights(self.actor.full_state())
-        return {"timing/sync_weights_inner": time.perf_counter() - start}
 
     # ------------------------------------------------------------------ log-probs
 

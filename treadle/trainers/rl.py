@@ -50,10 +50,10 @@ def check_names(cfg: Config) -> None:
         if name not in registry.names():
             raise ConfigError(f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}")
     if alg.adv_estimator in NEEDS_MORE:
+        usable = [n for n in ADV_ESTIMATORS.names() if n not in NEEDS_MORE]
         raise ConfigError(
             f"algorithm.adv_estimator={alg.adv_estimator} needs {NEEDS_MORE[alg.adv_estimator]}, "
-            "which treadle's RL driver does not provide yet; use grpo, dr_grpo, rloo, "
-            "reinforce_plus_plus, reinforce_plus_plus_baseline, opo or gpg"
+            f"which treadle's RL driver does not provide yet; use one of {', '.join(usable)}"
         )
     load_reward_fn(cfg.reward.function)
 
