@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForTokenClassification,
     AutoTokenizer,
     PretrainedConfig,
     PreTrainedModel,
@@ -89,6 +90,37 @@ def load_causal_lm(
         raise ConfigError(f"{key}: cannot load a causal LM from '{path}': {e}") from e
 
 
+def load_value_model(
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    key: str = "model.path",
+) -> PreTrainedModel:
+    """A value model (critic or reward model) from the folder at `path`, on CPU in `dtype`.
+
+    A value model is the ``*ForTokenClassification`` model of the folder's architecture with
+    one label: its decoder plus a linear ``score`` head, one number per position (as verl's
+    critic). From a causal LM folder the head is new and starts at zero, so a fresh critic
+    predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded.
+    """
+    resolved = resolve_model_path(path, key=key, need="model")
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            resolved, dtype=torch_dtype, num_labels=1, output_loading_info=True
+        )
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a value model from '{path}': {e}") from e
+    model.config.architectures = [type(model).__name__]  # saved folders load as value models
+    if any(k.startswith("score.") for k in info["missing_keys"]):
+        with torch.no_grad():
+            for p in model.score.parameters():
+                p.zero_()
+    return model
+
+
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
     """`tokenizer.save_pretrained(out_dir)`, written so older transformers (vLLM's) read it too.
 
@@ -117,12 +149,15 @@ def save_hf_folder(
 ) -> Path:
     """Write a full (gathered) state dict as an HF model folder: safetensors, config, tokenizer.
 
+    A config whose architecture is a ``*ForTokenClassification`` gives a value-model folder.
     The weights go through a model built from `config` and `save_pretrained`, so the folder
     holds exactly what transformers writes itself (tied embeddings stored once, the generation
     config). The model is built on the meta device and takes the given tensors without a copy.
     """
+    value_model = any(a.endswith("ForTokenClassification") for a in config.architectures or [])
+    auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = auto.from_config(config)
     result = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     if result.unexpected_keys:
         raise ValueError(f"state dict has keys the model lacks: {result.unexpected_keys[:5]}")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,21 @@ def _chunk_logprobs(
     return logp, entropy
 
 
+def response_hidden(
+    lm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_labels: int
+) -> torch.Tensor:
+    """Decoder hidden states ``[B, num_labels, H]`` that predict the last ``num_labels`` tokens.
+
+    The one decoder forward every head (log-probs, values) builds on: position t's state
+    predicts token t + 1, so a value head reads the state before each response token.
+    """
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+    hidden = lm.get_decoder()(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    ).last_hidden_state
+    return hidden[:, -num_labels - 1 : -1]
+
+
 class LogProbHead(nn.Module):
     """The FSDP2 root: causal LM -> log-probs (and entropy) of the last ``num_labels`` tokens."""
 
@@ -63,12 +78,7 @@ class LogProbHead(nn.Module):
         num_labels: int,
         temperature: float = 1.0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        decoder = self.lm.get_decoder()
-        hidden = decoder(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
-        ).last_hidden_state
-        hidden = hidden[:, -num_labels - 1 : -1]  # position t predicts token t + 1
+        hidden = response_hidden(self.lm, input_ids, attention_mask, num_labels)
         labels = input_ids[:, -num_labels:]
         weight = self.lm.get_output_embeddings().weight
         logps, ents = [], []
@@ -85,11 +95,10 @@ class LogProbHead(nn.Module):
         return torch.cat(logps, 1), torch.cat(ents, 1)
 
 
-def shard_model(lm: Any, chunk_size: int) -> Any:
-    """Apply FSDP2: one unit per decoder layer, the wrapper as root."""
+def shard_model(lm: Any, root: nn.Module) -> Any:
+    """Apply FSDP2: one unit per decoder layer of ``lm``, ``root`` (a head wrapping it) as root."""
     for layer in lm.get_decoder().layers:
         fully_shard(layer)
-    root = LogProbHead(lm, chunk_size)
     fully_shard(root)
     return root
 
@@ -102,7 +111,11 @@ def full_tensors(module: nn.Module, prefix: str = "lm.") -> Iterator[tuple[str, 
 
 
 class TrainEngine:
-    """FSDP2 model + AdamW + warm-up schedule. ``trainable=False`` gives a frozen reference."""
+    """FSDP2 model + AdamW + warm-up schedule. ``trainable=False`` gives a frozen reference.
+
+    ``head`` builds the FSDP2 root around the LM (default :class:`LogProbHead`); a value
+    model passes its own, which must hold the LM as ``.lm``.
+    """
 
     def __init__(
         self,
@@ -116,10 +129,13 @@ class TrainEngine:
         warmup_steps: int = 0,
         grad_clip: float = 1.0,
         gradient_checkpointing: bool = False,
+        head: Callable[[Any], nn.Module] | None = None,
     ) -> None:
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.module: Any = shard_model(lm, chunk_size)  # LogProbHead, now an FSDPModule
+        # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
+        root = head(lm) if head is not None else LogProbHead(lm, chunk_size)
+        self.module: Any = shard_model(lm, root)
         self.grad_clip = grad_clip
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
