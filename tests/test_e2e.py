@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -106,14 +107,30 @@ def test_grpo_local_backend_resume_is_deterministic(tiny_task, length_reward, tm
         "trainer.backend=local",
         "trainer.eval_every=3",
         "algorithm.rollout_is_cap=2.0",  # truncated IS on: the worker path runs
+        "algorithm.kl_reward_coef=0.05",  # adaptive KL in the reward: its state must resume
+        "algorithm.kl_target=0.001",
+        "algorithm.kl_horizon=20",
         f"reward.function={length_reward}",
     )
     train(grpo_config(tiny_task, straight, *local, "trainer.total_steps=3"))
     train(grpo_config(tiny_task, resumed, *local, "trainer.total_steps=2"))
     train(grpo_config(tiny_task, resumed, *local, "trainer.total_steps=3"))
     a, b = check_run(tiny_task, straight, 3), check_run(tiny_task, resumed, 3)
-    for key in ("reward/mean", "actor/pg_loss", "actor/kl", "response/length_mean"):
+    for key in (
+        "reward/mean",
+        "actor/pg_loss",
+        "actor/kl",
+        "response/length_mean",
+        "actor/reward_kl",
+        "actor/reward_kl_coef",
+    ):
         assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-5, abs=1e-7), key
+    # The adaptive coefficient moved by the rule β ← β (1 + clip(KL/target - 1, ±0.2) n/H).
+    for prev, cur in itertools.pairwise(a):
+        error = min(max(prev["actor/reward_kl"] / 0.001 - 1, -0.2), 0.2)
+        want = prev["actor/reward_kl_coef"] * (1 + error * 16 / 20)
+        assert cur["actor/reward_kl_coef"] == pytest.approx(want, rel=1e-6)
+    assert a[-1]["actor/reward_kl_coef"] != 0.05
     assert 0.0 <= a[-1]["eval/accuracy"] <= 1.0
     wa, wb = weights(straight / "final_model"), weights(resumed / "final_model")
     for k in wa:
@@ -166,7 +183,7 @@ def test_worker_side_config_error_reaches_driver_as_itself(tiny_task, ray_sessio
 def test_estimators_the_driver_cannot_feed_fail_at_start(tiny_task, tmp_path):
     from treadle.errors import ConfigError
 
-    for name, need in (("gae", "a critic's values"), ("remax", "a greedy baseline rollout")):
+    for name, need in (("gae", "a critic's values"),):
         cfg = grpo_config(tiny_task, tmp_path / name, f"algorithm.adv_estimator={name}")
         with pytest.raises(ConfigError, match=rf"adv_estimator={name} needs {need}"):
             train(cfg)

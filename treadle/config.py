@@ -75,6 +75,15 @@ class RewardConfig(Section):
         "arithmetic",
         description="Built-in reward name or a user function as 'path/to/file.py:function'.",
     )
+    overlong_buffer_len: int = Field(
+        0,
+        ge=0,
+        description="DAPO over-long shaping: a response longer than rollout.max_new_tokens minus "
+        "this many tokens loses up to overlong_penalty, linearly; 0 disables.",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0, description="DAPO over-long shaping: the penalty at rollout.max_new_tokens."
+    )
 
 
 class AlgorithmConfig(Section):
@@ -89,6 +98,36 @@ class AlgorithmConfig(Section):
     loss_agg_mode: str = Field("token-mean", description="How token losses become one number.")
     kl_coef: float = Field(0.001, ge=0, description="KL-to-reference loss weight; 0 drops ref.")
     kl_estimator: str = Field("k3", description="KL estimator, by registered name.")
+    kl_reward_coef: float = Field(
+        0.0,
+        ge=0,
+        description="KL penalty in the reward: r_t = score_t - coef * KL_t (InstructGPT); "
+        "the initial coefficient when kl_target is set; 0 disables.",
+    )
+    kl_reward_estimator: str = Field("k1", description="KL estimator of the reward penalty.")
+    kl_target: float | None = Field(
+        None,
+        gt=0,
+        description="Adaptive KL in the reward (Ziegler et al.): steer the coefficient so the "
+        "KL approaches this; null keeps kl_reward_coef fixed.",
+    )
+    kl_horizon: int = Field(10_000, gt=0, description="Adaptive KL: horizon, in samples.")
+    filter_groups: bool = Field(
+        False,
+        description="DAPO dynamic sampling: drop groups whose rewards are all equal and "
+        "generate more prompts until data.batch_size groups remain.",
+    )
+    max_gen_rounds: int = Field(
+        4,
+        gt=0,
+        description="Dynamic sampling: generation rounds per step at most; when they do not "
+        "fill the batch it is topped up with equal-reward groups (zero advantage).",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="DAPO overlong filtering: responses cut at rollout.max_new_tokens do not "
+        "count in the policy loss.",
+    )
     entropy_coef: float = Field(0.0, description="Entropy bonus weight.")
     rollout_is_cap: float | None = Field(
         None,
@@ -161,6 +200,16 @@ class Config(Section):
             raise ValueError(
                 f"data.batch_size={self.data.batch_size} must be divisible by "
                 f"actor.world_size={ws} so every rank gets the same number of prompts"
+            )
+        if self.algorithm.filter_groups and self.rollout.n < 2:
+            raise ValueError(
+                "algorithm.filter_groups=true needs groups: set rollout.n to 2 or more "
+                "(a group of one sample always has equal rewards)"
+            )
+        if self.reward.overlong_buffer_len >= self.rollout.max_new_tokens:
+            raise ValueError(
+                f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be smaller "
+                f"than rollout.max_new_tokens={self.rollout.max_new_tokens}"
             )
         mini = self.actor.ppo_mini_batch_size
         if samples % mini:

@@ -59,6 +59,26 @@ def kl_abs(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return (log_probs - ref_log_probs).abs()
 
 
+def kl_in_reward(
+    token_level_scores: Tensor,
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    response_mask: Tensor,
+    coef: float,
+    kind: str = "k1",
+) -> tuple[Tensor, Tensor]:
+    """The KL penalty as part of the reward (InstructGPT, arXiv 2203.02155; verl's
+    ``use_kl_in_reward``): ``r_t = score_t - coef * KL_t`` on valid tokens.
+
+    Returns the shaped rewards [B,T] and each sequence's mean per-token KL [B] (what an
+    adaptive controller steers).
+    """
+    mask = response_mask.to(log_probs.dtype)
+    kl = kl_penalty(log_probs, ref_log_probs, kind) * mask
+    rewards = token_level_scores - coef * kl
+    return rewards, kl.sum(-1) / mask.sum(-1).clamp(min=1)
+
+
 class FixedKLController:
     """A constant KL coefficient β."""
 

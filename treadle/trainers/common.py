@@ -164,12 +164,15 @@ def evaluate(cfg: Config, actors: WorkerGroup, ds: PromptDataset, pad_id: int) -
 
 
 def save_checkpoint(
-    cfg: Config, group: WorkerGroup, step: int, sampler_state: dict, final: bool
+    cfg: Config, group: WorkerGroup, step: int, driver_state: dict, final: bool
 ) -> Path:
-    """Checkpoint ``step`` atomically; the final one is also exported as ``final_model``."""
+    """Checkpoint ``step`` atomically; the final one is also exported as ``final_model``.
+
+    ``driver_state`` (the data position and whatever else the driver keeps) goes to state.json.
+    """
     tmp = ckpt.begin(cfg.trainer.output_dir, step)
     group.save_checkpoint(str(tmp))
-    done = ckpt.commit(tmp, {"step": step, "sampler": sampler_state}, cfg.trainer.keep_checkpoints)
+    done = ckpt.commit(tmp, {"step": step, **driver_state}, cfg.trainer.keep_checkpoints)
     if final:
         export_model(done, Path(cfg.trainer.output_dir) / "final_model")
     return done
@@ -225,7 +228,7 @@ class Trainer:
         if latest is not None:
             state = ckpt.read_state(latest)
             self.start, self.resumed_from = int(state["step"]), latest
-            sampler.load_state_dict(state["sampler"])
+            self.load_driver_state(state)
         self.actors = build_actors(self.cfg, actor_path, with_ref=with_ref)
         self.group = self.actors.group
         if latest is not None:
@@ -233,6 +236,13 @@ class Trainer:
 
     def run_step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
+
+    def driver_state(self) -> dict[str, Any]:
+        """What the driver itself must keep across a resume (saved in state.json)."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_driver_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
 
     def eval_due(self, step: int) -> bool:
         every = self.cfg.trainer.eval_every
@@ -252,7 +262,7 @@ class Trainer:
                         raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
                     last = step == self.total
                     if last or (t.save_every and step % t.save_every == 0):
-                        state = self.sampler.state_dict()
+                        state = self.driver_state()
                         save_checkpoint(self.cfg, self.group, step, state, final=last)
         finally:
             self.actors.close()

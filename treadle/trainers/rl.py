@@ -3,24 +3,45 @@
 ::
 
     prompts ─► generate ─► reward ─► old log-probs ─► ref log-probs ─► advantages
-                                                                        │
-         sync weights ◄─ update actor ◄────────────────────────────────┘
+                  ▲  (dynamic sampling: more rounds)                     │
+                                                                         ▼
+         sync weights ◄─ update actor ◄──────────────────────────────────┘
 
 Every phase is a call on the actor worker group (or a pure function here on the driver) and is
 timed into ``timing/<phase>``. Algorithms are chosen by name: the advantage estimator and the
 policy loss come from :mod:`treadle.algorithms`' registries, so a new variant never touches
-this loop. Resume: the newest complete checkpoint gives the actor weights, optimizer, data
-position and RNG; sampling seeds are derived from (seed, step), so a resumed run draws the
-same samples as an uninterrupted one.
+this loop. What an estimator needs beyond rewards is read from its signature: one that takes
+``baseline_rewards`` (ReMax) gets the scores of greedy responses, generated here.
+
+DAPO's data-side pieces (arXiv 2503.14476) are options of the same loop: over-long reward
+shaping (``reward.overlong_buffer_len``), dynamic sampling (``algorithm.filter_groups``: groups
+whose rewards are all equal are dropped and more prompts are generated, at most
+``algorithm.max_gen_rounds`` rounds), and masking truncated responses out of the loss
+(``algorithm.mask_truncated``). The KL penalty can sit in the loss (``algorithm.kl_coef``) or
+in the reward (``algorithm.kl_reward_coef``, fixed or adaptive with ``algorithm.kl_target``).
+
+Resume: the newest complete checkpoint gives the actor weights, optimizer, data position, the
+adaptive KL coefficient and RNG; sampling seeds are derived from (seed, step, round), so a
+resumed run draws the same samples as an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
+from typing import Any
 
 import torch
 
-from treadle.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
+from treadle.algorithms import (
+    ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
+    AdaptiveKLController,
+    FixedKLController,
+)
+from treadle.algorithms.kl import kl_in_reward
+from treadle.algorithms.shaping import overlong_penalty, varied_groups
 from treadle.config import Config
 from treadle.data import ResumableSampler
 from treadle.engines.rollout import SamplingParams
@@ -36,7 +57,12 @@ from treadle.trainers.common import (
 )
 
 # Estimators whose inputs the driver cannot produce yet, and what they need.
-NEEDS_MORE = {"gae": "a critic's values", "remax": "a greedy baseline rollout"}
+NEEDS_MORE = {"gae": "a critic's values"}
+
+
+def takes(fn: Any, arg: str) -> bool:
+    """Whether ``fn`` has a parameter named ``arg`` (what an estimator needs)."""
+    return arg in inspect.signature(fn).parameters
 
 
 def check_names(cfg: Config) -> None:
@@ -46,6 +72,7 @@ def check_names(cfg: Config) -> None:
         ("algorithm.adv_estimator", ADV_ESTIMATORS, alg.adv_estimator),
         ("algorithm.policy_loss", POLICY_LOSSES, alg.policy_loss),
         ("algorithm.kl_estimator", KL_ESTIMATORS, alg.kl_estimator),
+        ("algorithm.kl_reward_estimator", KL_ESTIMATORS, alg.kl_reward_estimator),
     ):
         if name not in registry.names():
             raise ConfigError(f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}")
@@ -58,13 +85,23 @@ def check_names(cfg: Config) -> None:
     load_reward_fn(cfg.reward.function)
 
 
-def outcome_rewards(batch: Batch, scores: list[float]) -> torch.Tensor:
+def outcome_rewards(mask: torch.Tensor, scores: list[float]) -> torch.Tensor:
     """The score of each response, placed on its last valid token."""
-    mask = batch["response_mask"]
     rewards = torch.zeros(mask.shape, dtype=torch.float32)
     last = (mask.sum(-1) - 1).clamp(min=0)
     rewards[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
     return rewards
+
+
+def left_pad(batch: Batch, width: int) -> Batch:
+    """``prompts``/``prompt_mask`` left-padded to ``width`` columns (to concat rounds)."""
+    extra = width - batch["prompts"].shape[1]
+    if extra == 0:
+        return batch
+    out = batch.select(list(range(len(batch))))
+    out["prompts"] = torch.nn.functional.pad(batch["prompts"], (extra, 0), value=0)
+    out["prompt_mask"] = torch.nn.functional.pad(batch["prompt_mask"], (extra, 0), value=0)
+    return out
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
@@ -72,7 +109,7 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     lengths = mask.sum(-1)
     diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
     ratio = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"]) * mask
-    scores = batch["token_level_rewards"].sum(-1)
+    scores = batch["token_level_scores"].sum(-1)
     n_tok = mask.sum().clamp(min=1)
     return {
         "reward/mean": float(scores.mean()),
@@ -92,19 +129,34 @@ class RLTrainer(Trainer):
     def __init__(self, cfg: Config) -> None:
         check_names(cfg)
         super().__init__(cfg)
+        alg = cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_ds = (
             load_prompts(cfg, cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         )
         self.reward_fn = load_reward_fn(cfg.reward.function)
-        self.estimator = ADV_ESTIMATORS.get(cfg.algorithm.adv_estimator)
-        self.use_ref = cfg.algorithm.kl_coef > 0
+        self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
+        self.greedy_baseline = takes(self.estimator, "baseline_rewards")  # ReMax
+        self.kl_ctrl = (
+            AdaptiveKLController(alg.kl_reward_coef, alg.kl_target, alg.kl_horizon)
+            if alg.kl_target is not None
+            else FixedKLController(alg.kl_reward_coef)
+        )
+        self.use_ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
         self.start_workers(sampler, with_ref=self.use_ref)
 
-    def sampling(self, step: int) -> SamplingParams:
+    def driver_state(self) -> dict[str, Any]:
+        return {**super().driver_state(), "kl_ctrl": self.kl_ctrl.state_dict()}
+
+    def load_driver_state(self, state: dict[str, Any]) -> None:
+        super().load_driver_state(state)
+        if "kl_ctrl" in state:
+            self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+
+    def sampling(self, step: int, round_: int = 0) -> SamplingParams:
         r = self.cfg.rollout
         return SamplingParams(
             n=r.n,
@@ -112,37 +164,25 @@ class RLTrainer(Trainer):
             top_p=r.top_p,
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
-            seed=self.cfg.trainer.seed * 100_003 + step,
+            seed=self.cfg.trainer.seed * 100_003 + step + round_ * 1_000_003,
         )
 
     def step(self, step: int) -> dict[str, float]:
         """One RL step: every phase a named, timed call."""
-        cfg, group = self.cfg, self.group
+        group, alg = self.group, self.cfg.algorithm
         m: dict[str, float] = {}
-        prompts = prompt_batch(self.train_ds, self.sampler.next_indices(), self.train_ds.pad_id)
-        # 1. rollout: n responses per prompt, with the engine's log-probs
-        with timed(m, "generate"):
-            batch = group.generate(prompts, self.sampling(step))
-        # 2. reward: rule or user function, on the driver
-        with timed(m, "reward"):
-            scores = score_batch(
-                self.reward_fn,
-                list(batch["prompt_text"]),
-                list(batch["response_text"]),
-                list(batch["ground_truth"]),
-                spec=cfg.reward.function,
-            )
-            batch["token_level_rewards"] = outcome_rewards(batch, scores)
+        # 1-2. rollout and reward (several rounds with dynamic sampling)
+        batch = self.rollout(step, m)
         # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy
         with timed(m, "old_log_probs"):
             batch = batch.union(group.compute_log_probs(batch))
-        # 4. the frozen reference, for the KL term
+        # 4. the frozen reference, for the KL term (in the loss, in the reward, or both)
         if self.use_ref:
             with timed(m, "ref_log_probs"):
                 batch = batch.union(group.compute_ref_log_probs(batch))
+        batch["token_level_rewards"] = self.kl_shaped_rewards(batch, m)
         # 5. advantages: a pure function on the driver
         with timed(m, "advantages"):
-            alg = cfg.algorithm
             batch["advantages"], _ = self.estimator(
                 batch["token_level_rewards"],
                 batch["response_mask"].float(),
@@ -150,15 +190,103 @@ class RLTrainer(Trainer):
                 gamma=alg.gamma,
                 lam=alg.lam,
                 norm_adv_by_std=alg.norm_adv_by_std,
+                baseline_rewards=batch["baseline_scores"] if self.greedy_baseline else None,
             )
+        m.update(rollout_metrics(batch))
+        if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer
+            kept = torch.tensor([r != "length" for r in batch["stop_reason"]])
+            batch["response_mask"] = batch["response_mask"] * kept[:, None]
         # 6. update the actor, then 7. push its weights into the rollout engine
         batch.meta["step"] = step
         with timed(m, "update_actor"):
             m.update(group.update_actor(batch))
         with timed(m, "sync_weights"):
             group.sync_weights()
-        m.update(rollout_metrics(batch))
         return m
+
+    def rollout(self, step: int, m: dict[str, float]) -> Batch:
+        """Generate ``rollout.n`` responses per prompt and score them.
+
+        With ``algorithm.filter_groups`` (DAPO dynamic sampling), groups whose scores are all
+        equal are dropped and further rounds of prompts are generated until ``data.batch_size``
+        groups are kept; if ``max_gen_rounds`` rounds do not get there, dropped groups top the
+        batch up (their advantage is zero under a group baseline).
+        """
+        cfg = self.cfg
+        kept: list[Batch] = []
+        dropped: list[Batch] = []
+        want = cfg.data.batch_size * cfg.rollout.n
+        for round_ in range(cfg.algorithm.max_gen_rounds if cfg.algorithm.filter_groups else 1):
+            prompts = prompt_batch(self.train_ds, self.sampler.next_indices(), self.train_ds.pad_id)
+            if round_:  # a prompt drawn again in a later round is a group of its own
+                prompts["uid"] = [f"{u}/{round_}" for u in prompts["uid"]]
+            with timed(m, "generate"):
+                batch = self.group.generate(prompts, self.sampling(step, round_))
+            with timed(m, "reward"):
+                batch["token_level_scores"] = self.score(batch)
+            if self.greedy_baseline:
+                with timed(m, "generate_greedy"):
+                    batch["baseline_scores"] = self.greedy_scores(prompts)
+            if not cfg.algorithm.filter_groups:
+                return batch
+            varied = varied_groups(batch["token_level_scores"].sum(-1), list(batch["uid"]))
+            kept.append(batch.select(varied.numpy()))
+            dropped.append(batch.select((~varied).numpy()))
+            if sum(map(len, kept)) >= want:
+                break
+        m["rollout/gen_rounds"] = float(round_ + 1)
+        m["rollout/kept_group_frac"] = sum(map(len, kept)) / ((round_ + 1) * want)
+        parts = [b for b in kept + dropped if len(b)]
+        width = max(b["prompts"].shape[1] for b in parts)
+        return Batch.concat([left_pad(b, width) for b in parts]).slice(0, want)
+
+    def score(self, batch: Batch) -> torch.Tensor:
+        """Token-level scores [B, R]: the reward function's score (plus DAPO's over-long
+        penalty) on each response's last valid token."""
+        scores = torch.tensor(
+            score_batch(
+                self.reward_fn,
+                list(batch["prompt_text"]),
+                list(batch["response_text"]),
+                list(batch["ground_truth"]),
+                spec=self.cfg.reward.function,
+            )
+        )
+        r = self.cfg.reward
+        if r.overlong_buffer_len:
+            lengths = batch["response_mask"].sum(-1)
+            max_len = self.cfg.rollout.max_new_tokens
+            scores = scores + overlong_penalty(
+                lengths, max_len, r.overlong_buffer_len, r.overlong_penalty
+            )
+        return outcome_rewards(batch["response_mask"], scores.tolist())
+
+    def greedy_scores(self, prompts: Batch) -> torch.Tensor:
+        """ReMax's baseline: the score of the greedy response to each prompt, per sample [B*n]."""
+        greedy = SamplingParams(
+            n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens
+        )
+        out = self.group.generate(prompts, greedy)
+        scores = self.score(out).sum(-1)
+        return scores.repeat_interleave(self.cfg.rollout.n)
+
+    def kl_shaped_rewards(self, batch: Batch, m: dict[str, float]) -> torch.Tensor:
+        """``token_level_scores`` minus the KL penalty when ``algorithm.kl_reward_coef`` > 0."""
+        alg = self.cfg.algorithm
+        if alg.kl_reward_coef == 0:
+            return batch["token_level_scores"]
+        rewards, seq_kl = kl_in_reward(
+            batch["token_level_scores"],
+            batch["old_log_probs"],
+            batch["ref_log_probs"],
+            batch["response_mask"],
+            self.kl_ctrl.value,
+            alg.kl_reward_estimator,
+        )
+        current = float(seq_kl.mean())
+        m.update({"actor/reward_kl": current, "actor/reward_kl_coef": self.kl_ctrl.value})
+        self.kl_ctrl.update(current, n_steps=len(batch))
+        return rewards
 
     def run_step(self, step: int) -> dict[str, float]:
         """:meth:`step` plus throughput and, when due, held-out accuracy."""

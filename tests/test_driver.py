@@ -1,0 +1,147 @@
+"""The RL driver's data-side options on a tiny model, local backend: DAPO dynamic sampling and
+truncation masking, ReMax's greedy baseline. (KL in the reward: tests/test_e2e.py, with resume.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.config import load_config
+from treadle.engines.rollout import SamplingParams
+from treadle.protocol import Batch
+from treadle.rewards import load_reward_fn, score_batch
+from treadle.trainers.rl import RLTrainer
+
+N = 4
+
+
+@pytest.fixture(scope="module")
+def parity_reward(tmp_path_factory):
+    """Equal rewards for every even-answer prompt; varied (by length) for odd ones."""
+    path = tmp_path_factory.mktemp("reward") / "parity.py"
+    path.write_text(
+        "def score(prompt, response, ground_truth):\n"
+        "    return 1.0 if int(ground_truth) % 2 == 0 else float(len(response) % 2)\n"
+    )
+    return f"{path}:score"
+
+
+@pytest.fixture(scope="module")
+def length_reward(tmp_path_factory):
+    path = tmp_path_factory.mktemp("reward") / "length.py"
+    path.write_text(
+        "def score(prompt, response, ground_truth):\n    return len(response) % 7 / 6\n"
+    )
+    return f"{path}:score"
+
+
+def trainer(task, out, reward, *overrides: str) -> RLTrainer:
+    cfg = load_config(
+        None,
+        [
+            f"model.path={task['model']}",
+            f"data.train_files=[{task['train']}]",
+            "data.batch_size=4",
+            "data.max_prompt_length=64",
+            f"rollout.n={N}",
+            "rollout.max_new_tokens=12",
+            "rollout.engine=hf",
+            "actor.ppo_mini_batch_size=16",
+            "actor.micro_batch_size=16",
+            "algorithm.kl_coef=0",
+            f"reward.function={reward}",
+            "trainer.backend=local",
+            "trainer.progress=false",
+            f"trainer.output_dir={out}",
+            *overrides,
+        ],
+    )
+    return RLTrainer(cfg)
+
+
+def groups(batch: Batch) -> dict[str, list[float]]:
+    scores = batch["token_level_scores"].sum(-1).tolist()
+    out: dict[str, list[float]] = {}
+    for uid, s in zip(batch["uid"], scores, strict=True):
+        out.setdefault(str(uid), []).append(s)
+    return out
+
+
+def test_dynamic_sampling_keeps_groups_with_varied_rewards(tiny_task, parity_reward, tmp_path):
+    t = trainer(
+        tiny_task,
+        tmp_path,
+        parity_reward,
+        "algorithm.filter_groups=true",
+        "algorithm.max_gen_rounds=6",
+    )
+    try:
+        m: dict[str, float] = {}
+        batch = t.rollout(1, m)
+    finally:
+        t.actors.close()
+    rounds = int(m["rollout/gen_rounds"])
+    assert len(batch) == 4 * N
+    assert t.sampler.position == 4 * rounds  # each round drew a fresh batch of prompts
+    by_group = groups(batch)
+    assert len(by_group) == 4 and all(len(s) == N for s in by_group.values())
+    varied = [len(set(s)) > 1 for s in by_group.values()]  # in batch order
+    if rounds < 6:  # filled by kept groups alone
+        assert all(varied)
+    else:  # topped up: the kept (varied) groups come first
+        assert varied == sorted(varied, reverse=True)
+    # Every even-answer group has equal rewards, so none of them is among the kept ones.
+    for uid, gt in zip(batch["uid"][::N], batch["ground_truth"][::N], strict=True):
+        if int(gt) % 2 == 0:
+            assert not varied[list(by_group).index(str(uid))]
+    assert 0 < m["rollout/kept_group_frac"] <= 1
+    assert m["timing/generate"] > 0 and m["timing/reward"] > 0
+
+
+def test_remax_baseline_is_the_greedy_response_score(tiny_task, length_reward, tmp_path):
+    t = trainer(tiny_task, tmp_path, length_reward, "algorithm.adv_estimator=remax")
+    try:
+        batch = t.rollout(1, {})
+        firsts = batch.select(list(range(0, len(batch), N))).only(
+            ["prompts", "prompt_mask"], ["uid", "prompt_text", "ground_truth"]
+        )
+        greedy = t.group.generate(firsts, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
+        m = t.step(2)
+    finally:
+        t.actors.close()
+    want = score_batch(
+        load_reward_fn(length_reward),
+        list(greedy["prompt_text"]),
+        list(greedy["response_text"]),
+        list(greedy["ground_truth"]),
+    )
+    torch.testing.assert_close(batch["baseline_scores"], torch.tensor(want).repeat_interleave(N))
+    assert m["timing/generate_greedy"] > 0 and m["actor/grad_norm"] > 0
+
+
+def test_mask_truncated_drops_cut_responses_from_the_loss(tiny_task, parity_reward, tmp_path):
+    t = trainer(
+        tiny_task,
+        tmp_path,
+        parity_reward,
+        "algorithm.mask_truncated=true",
+        "rollout.max_new_tokens=3",
+    )
+    seen: list[Batch] = []
+    update = t.group.update_actor
+
+    def spy(batch: Batch) -> dict[str, float]:
+        seen.append(batch)
+        return update(batch)
+
+    t.group.update_actor = spy  # type: ignore[method-assign]
+    try:
+        m = t.step(1)
+    finally:
+        t.actors.close()
+    [batch] = seen
+    cut = torch.tensor([r == "length" for r in batch["stop_reason"]])
+    assert 0 < int(cut.sum()) < len(batch), "need both cut and finished responses"
+    assert batch["response_mask"][cut].sum() == 0
+    assert (batch["response_mask"][~cut].sum(-1) > 0).all()
+    assert m["response/length_mean"] > 0  # metrics count every generated token
