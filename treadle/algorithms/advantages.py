@@ -199,7 +199,7 @@ def remax(
     return _broadcast(adv, response_mask), _broadcast(scores, response_mask)
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs=("values",))
 def gae(
     token_level_rewards: Tensor,
     response_mask: Tensor,

@@ -2,9 +2,9 @@
 
 ::
 
-    prompts ─► generate ─► reward ─► old log-probs ─► ref log-probs ─► advantages
-                                                                        │
-         sync weights ◄─ update actor ◄────────────────────────────────┘
+    prompts ─► generate ─► reward ─► old log-probs ─► ref log-probs ─► values ─► advantages
+                                                                                  │
+         sync weights ◄─ update actor ◄─ update critic ◄─────────────────────────┘
 
 Every phase is a call on the actor worker group (or a pure function here on the driver) and is
 timed into ``timing/<phase>``. Algorithms are chosen by name: the advantage estimator and the
@@ -12,6 +12,10 @@ policy loss come from :mod:`treadle.algorithms`' registries, so a new variant ne
 this loop. Resume: the newest complete checkpoint gives the actor weights, optimizer, data
 position and RNG; sampling seeds are derived from (seed, step), so a resumed run draws the
 same samples as an uninterrupted one.
+
+PPO's critic (values, update critic) and a reward model (inside reward) are groups of their
+own, present when the estimator reads values / ``reward.model_path`` is set
+(:mod:`treadle.trainers.roles`); a checkpoint holds the critic in ``critic/``.
 """
 
 from __future__ import annotations
@@ -34,9 +38,10 @@ from treadle.trainers.common import (
     load_prompts,
     prompt_batch,
 )
+from treadle.trainers.roles import plan_roles, start_roles
 
 # Estimators whose inputs the driver cannot produce yet, and what they need.
-NEEDS_MORE = {"gae": "a critic's values", "remax": "a greedy baseline rollout"}
+NEEDS_MORE = {"remax": "a greedy baseline rollout"}
 
 
 def check_names(cfg: Config) -> None:
@@ -91,6 +96,7 @@ class RLTrainer(Trainer):
 
     def __init__(self, cfg: Config) -> None:
         check_names(cfg)
+        layout = plan_roles(cfg)  # critic? reward model? where? (fails before anything starts)
         super().__init__(cfg)
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_ds = (
@@ -102,7 +108,14 @@ class RLTrainer(Trainer):
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.start_workers(sampler, with_ref=self.use_ref)
+        self.start_workers(sampler, self.use_ref, layout.colocated, layout.cpus_per_rank(cfg))
+        try:
+            self.critic, self.rm = start_roles(cfg, self.actors, layout, self.resumed_from)
+        except BaseException:
+            self.actors.close()
+            raise
+        if self.critic is not None:
+            self.roles["critic"] = self.critic
 
     def sampling(self, step: int) -> SamplingParams:
         r = self.cfg.rollout
@@ -123,7 +136,7 @@ class RLTrainer(Trainer):
         # 1. rollout: n responses per prompt, with the engine's log-probs
         with timed(m, "generate"):
             batch = group.generate(prompts, self.sampling(step))
-        # 2. reward: rule or user function, on the driver
+        # 2. reward: rule or user function, on the driver; a reward model's score replaces it
         with timed(m, "reward"):
             scores = score_batch(
                 self.reward_fn,
@@ -132,6 +145,9 @@ class RLTrainer(Trainer):
                 list(batch["ground_truth"]),
                 spec=cfg.reward.function,
             )
+            if self.rm is not None:
+                m["reward/rule_mean"] = sum(scores) / len(scores)
+                scores = self.rm.compute_rm_scores(batch)["rm_scores"].tolist()
             batch["token_level_rewards"] = outcome_rewards(batch, scores)
         # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy
         with timed(m, "old_log_probs"):
@@ -140,23 +156,33 @@ class RLTrainer(Trainer):
         if self.use_ref:
             with timed(m, "ref_log_probs"):
                 batch = batch.union(group.compute_ref_log_probs(batch))
-        # 5. advantages: a pure function on the driver
+        # 5. the critic's value of the state before each response token (PPO)
+        if self.critic is not None:
+            with timed(m, "values"):
+                batch = batch.union(self.critic.compute_values(batch))
+        # 6. advantages and the critic's targets: a pure function on the driver
         with timed(m, "advantages"):
             alg = cfg.algorithm
-            batch["advantages"], _ = self.estimator(
+            batch["advantages"], batch["returns"] = self.estimator(
                 batch["token_level_rewards"],
                 batch["response_mask"].float(),
                 group_ids=list(batch["uid"]),
+                values=batch.tensors.get("values"),
                 gamma=alg.gamma,
                 lam=alg.lam,
                 norm_adv_by_std=alg.norm_adv_by_std,
             )
-        # 6. update the actor, then 7. push its weights into the rollout engine
+        # 7. update the critic toward the returns; 8. the actor, unless the critic warms up;
+        # 9. push the actor's weights into the rollout engine
         batch.meta["step"] = step
-        with timed(m, "update_actor"):
-            m.update(group.update_actor(batch))
-        with timed(m, "sync_weights"):
-            group.sync_weights()
+        if self.critic is not None:
+            with timed(m, "update_critic"):
+                m.update(self.critic.update_critic(batch))
+        if step > cfg.critic.warmup_steps:
+            with timed(m, "update_actor"):
+                m.update(group.update_actor(batch))
+            with timed(m, "sync_weights"):
+                group.sync_weights()
         m.update(rollout_metrics(batch))
         return m
 
