@@ -202,6 +202,13 @@ def test_value_loss_gradient_inside_and_outside_the_clip_range():
 # --------------------------------------------------------------------------- start-up checks
 
 
+def test_estimators_declare_that_they_need_values():
+    assert ADV_ESTIMATORS.needs("gae") == ("values",)
+    assert ADV_ESTIMATORS.needs("grpo") == ()
+    with pytest.raises(ValueError, match="unknown advantage estimator 'gea'"):
+        ADV_ESTIMATORS.needs("gea")
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -276,3 +283,20 @@ def test_critic_placement_rules_are_config_errors(tiny_task):
     with pytest.raises(ConfigError, match=r"critic\.ppo_mini_batch_size=3 must divide"):
         ppo_config(tiny_task, "critic.ppo_mini_batch_size=3")
     ppo_config(tiny_task, "trainer.backend=ray", "critic.placement=split", "critic.world_size=2")
+
+
+def test_role_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, reward_model):
+    from treadle.trainers.roles import plan_roles
+
+    ray = ("trainer.backend=ray", "trainer.num_cpus=6", "data.batch_size=4")
+    colocated = plan_roles(ppo_config(tiny_task, *ray, f"reward.model_path={reward_model}"))
+    assert (colocated.critic, colocated.reward_model, colocated.colocated) == (True, True, 3)
+    assert colocated.cpus_per_rank(ppo_config(tiny_task, *ray)) is None  # all CPUs / actor ranks
+    split_cfg = ppo_config(
+        tiny_task, *ray, "actor.world_size=2", "critic.placement=split", "critic.world_size=1"
+    )
+    split = plan_roles(split_cfg)
+    assert (split.critic, split.critic_split, split.colocated) == (True, True, 1)
+    assert split.cpus_per_rank(split_cfg) == 2.0  # 6 CPUs over 2 actor + 1 critic ranks
+    grpo = plan_roles(ppo_config(tiny_task, "algorithm.adv_estimator=grpo"))
+    assert (grpo.critic, grpo.reward_model, grpo.colocated) == (False, False, 1)

@@ -123,3 +123,21 @@ def test_ppo_ray_two_ranks_colocated_critic_and_reward_model(
     assert metrics[1]["critic/values_mean"] != metrics[0]["critic/values_mean"]
     assert_all_changed(initial_critic, critic_weights(out / "checkpoints/step_2"))
     assert_all_changed(weights(tiny_task["model"]), weights(out / "final_model"))
+
+
+@pytest.mark.slow
+def test_ppo_ray_critic_in_its_own_pool(tiny_task, ray_session, length_reward, tmp_path):
+    """critic.placement=split: the critic's ranks get a placement group of their own."""
+    out = tmp_path / "split"
+    cfg = ppo_config(
+        tiny_task,
+        out,
+        "critic.placement=split",
+        f"reward.function={length_reward}",
+        "trainer.total_steps=1",
+        "trainer.save_every=0",
+        "data.val_files=[]",
+    )
+    train(cfg)
+    (m,) = read_metrics(out)
+    assert m.keys() >= CRITIC and m["critic/grad_norm"] > 0
