@@ -83,6 +83,7 @@ def test_dump_is_complete_and_reloads(tmp_path):
     out = tmp_path / "run" / "config.yaml"
     dump_config(cfg, out)
     data = yaml.safe_load(out.read_text())
-    assert set(data) == {"model", "data", "rollout", "reward", "algorithm", "actor", "trainer"}
+    sections = {"model", "data", "rollout", "reward", "algorithm", "actor", "critic", "trainer"}
+    assert set(data) == sections
     assert data["trainer"]["total_steps"] == 3
     assert load_config(out) == cfg

@@ -178,13 +178,3 @@ def test_worker_side_config_error_reaches_driver_as_itself(tiny_task, ray_sessio
     )
     with pytest.raises(ConfigError, match=r"model\.path: .* no \*\.safetensors weights"):
         train(cfg)
-
-
-def test_estimators_the_driver_cannot_feed_fail_at_start(tiny_task, tmp_path):
-    from treadle.errors import ConfigError
-
-    for name, need in (("gae", "a critic's values"),):
-        cfg = grpo_config(tiny_task, tmp_path / name, f"algorithm.adv_estimator={name}")
-        with pytest.raises(ConfigError, match=rf"adv_estimator={name} needs {need}"):
-            train(cfg)
-        assert not (tmp_path / name).exists()  # failed before anything was written

@@ -10,7 +10,7 @@ from treadle.config import load_config
 from treadle.tracking import read_metrics
 from treadle.trainers.rl import train
 
-RECIPES = ["grpo", "rloo", "reinforce_pp", "dr_grpo", "gspo", "dapo"]
+RECIPES = ["grpo", "rloo", "reinforce_pp", "dr_grpo", "gspo", "dapo", "ppo"]
 # What a recipe needs changed to fit the test's 12-token responses.
 EXTRA = {"dapo": ["reward.overlong_buffer_len=4"]}
 
@@ -40,6 +40,7 @@ def test_recipe_runs_two_steps(recipe, tiny_task, varied_reward, tmp_path):
             "actor.ppo_mini_batch_size=8",
             "actor.micro_batch_size=8",
             "actor.lr=1e-3",
+            "critic.warmup_steps=0",  # ppo: the actor trains in both steps too
             f"reward.function={varied_reward}",
             "trainer.backend=local",
             "trainer.total_steps=2",
@@ -57,6 +58,7 @@ def test_recipe_runs_two_steps(recipe, tiny_task, varied_reward, tmp_path):
         assert ("rollout/gen_rounds" in m) == cfg.algorithm.filter_groups
         assert m["actor/grad_norm"] > 0
     assert ("actor/kl" in metrics[0]) == (cfg.algorithm.kl_coef > 0)
+    assert ("critic/vf_loss" in metrics[0]) == (cfg.algorithm.adv_estimator == "gae")
     before = load_file(str(tiny_task["model"] / "model.safetensors"))
     after = load_file(str(out / "final_model" / "model.safetensors"))
     assert all(not torch.equal(before[k], after[k]) for k in before)

@@ -73,7 +73,9 @@ class RolloutConfig(Section):
 class RewardConfig(Section):
     function: str = Field(
         "arithmetic",
-        description="Built-in reward name or a user function as 'path/to/file.py:function'.",
+        description="Built-in reward name or a user function as 'path/to/file.py:function'. "
+        "With reward.model_path set it no longer trains: it is logged as reward/rule_mean and "
+        "still scores held-out evaluation.",
     )
     overlong_buffer_len: int = Field(
         0,
@@ -84,6 +86,12 @@ class RewardConfig(Section):
     overlong_penalty: float = Field(
         1.0, ge=0, description="DAPO over-long shaping: the penalty at rollout.max_new_tokens."
     )
+    model_path: str | None = Field(
+        None,
+        description="Reward model (a value-model folder, e.g. from `treadle rm`): its score at "
+        "the last token of prompt+response replaces reward.function's as the RL reward.",
+    )
+    micro_batch_size: int = Field(16, gt=0, description="Reward model: sequences per forward.")
 
 
 class AlgorithmConfig(Section):
@@ -157,6 +165,50 @@ class ActorConfig(Section):
     )
 
 
+class CriticConfig(Section):
+    """The critic of PPO: a value model trained toward the returns, beside the actor."""
+
+    enable: bool | None = Field(
+        None,
+        description="Build a critic: null = exactly when algorithm.adv_estimator reads values "
+        "(gae); true/false must agree with the estimator.",
+    )
+    model_path: str | None = Field(
+        None,
+        description="Critic start model (causal LM or value-model folder); null = model.path.",
+    )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="'colocated': on the actor's bundles, taking turns; 'split': its own pool.",
+    )
+    world_size: int | None = Field(
+        None, gt=0, description="Critic ranks (FSDP2 shards); null = actor.world_size."
+    )
+    lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Critic gradient-norm clipping threshold.")
+    cliprange_value: float = Field(
+        0.5, gt=0, description="Value clipping: new values stay within ±this of the old ones."
+    )
+    ppo_epochs: int | None = Field(
+        None, gt=0, description="Passes over each RL batch; null = actor.ppo_epochs."
+    )
+    ppo_mini_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Samples per critic optimizer step, all ranks; null = actor's.",
+    )
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="Samples per forward/backward per rank; null = actor's."
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Critic warm-up: for the first N RL steps only the critic trains, the "
+        "actor is not updated (verl's critic_warmup).",
+    )
+
+
 class TrainerConfig(Section):
     backend: Literal["ray", "local"] = Field(
         "ray", description="'ray': worker groups as Ray actors; 'local': one rank in-process."
@@ -185,6 +237,7 @@ class Config(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)  # type: ignore[arg-type]
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)  # type: ignore[arg-type]
     actor: ActorConfig = Field(default_factory=ActorConfig)  # type: ignore[arg-type]
+    critic: CriticConfig = Field(default_factory=CriticConfig)  # type: ignore[arg-type]
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)  # type: ignore[arg-type]
 
     @model_validator(mode="after")
@@ -221,7 +274,29 @@ class Config(Section):
             raise ValueError(
                 f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}"
             )
+        _check_critic(self.critic, self.actor, samples, self.trainer.backend)
         return self
+
+
+def _check_critic(critic: CriticConfig, actor: ActorConfig, samples: int, backend: str) -> None:
+    ws = critic.world_size or actor.world_size
+    if critic.placement == "colocated" and ws != actor.world_size:
+        raise ValueError(
+            f"critic.world_size={ws} must equal actor.world_size={actor.world_size} when "
+            "critic.placement=colocated (it shares the actor's bundles); set "
+            "critic.placement=split or drop critic.world_size"
+        )
+    if backend == "local" and critic.placement == "split":
+        raise ValueError(
+            "trainer.backend=local runs one rank in-process; set critic.placement=colocated "
+            "or use trainer.backend=ray"
+        )
+    mini = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
+    if samples % mini or mini % ws:
+        raise ValueError(
+            f"critic.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n = "
+            f"{samples} and be divisible by the critic's world size {ws}"
+        )
 
 
 # ----------------------------------------------------------------------------- loading

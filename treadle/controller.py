@@ -17,7 +17,10 @@ with :func:`register`, so the driver never handles ranks::
 one-rank process group, so a whole RL step can be stepped through with a debugger.
 
 Resource pools are Ray placement groups; roles that share a pool are colocated (here: one
-fused worker class per process holds actor, rollout engine and reference).
+fused worker class per process holds actor, rollout engine and reference). Several worker
+groups can also share a pool's bundles, each its own processes and process group: each asks
+for a ``share`` of every bundle (the critic and the actor take half each), so Ray places rank r
+of both on bundle r, and the driver calls them in turn.
 """
 
 from __future__ import annotations
@@ -219,7 +222,10 @@ class WorkerGroup:
         pool: ResourcePool | None = None,
         kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
+        share: float = 1.0,
     ) -> None:
+        """``share``: the fraction of each of the pool's bundles this group takes (colocated
+        groups split the bundles between them)."""
         self.worker_cls, self.world_size, self.backend = worker_cls, world_size, backend
         kwargs = kwargs or {}
         if backend == "local":
@@ -229,10 +235,12 @@ class WorkerGroup:
             return
         if pool is None:
             raise ValueError("the ray backend needs a ResourcePool")
-        self.workers = self._spawn(worker_cls, pool, kwargs, env or {})
+        if world_size > pool.world_size:
+            raise ValueError(f"{world_size} ranks do not fit a pool of {pool.world_size} bundles")
+        self.workers = self._spawn(worker_cls, pool, kwargs, env or {}, share)
 
     def _spawn(
-        self, cls: type[Worker], pool: ResourcePool, kwargs: dict, env: dict[str, str]
+        self, cls: type[Worker], pool: ResourcePool, kwargs: dict, env: dict[str, str], share: float
     ) -> list[Any]:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -241,8 +249,8 @@ class WorkerGroup:
 
         def options(rank: int) -> dict[str, Any]:
             return {
-                "num_cpus": pool.cpus_per_rank,
-                "num_gpus": pool.gpus_per_rank,
+                "num_cpus": pool.cpus_per_rank * share,
+                "num_gpus": pool.gpus_per_rank * share,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     pool.pg, placement_group_bundle_index=rank
                 ),

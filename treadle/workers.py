@@ -21,6 +21,9 @@ update_actor           + old_log_probs, advantages,            metrics (averaged
                        ref_log_probs (when kl_coef > 0)
 train_sft              input_ids, attention_mask, loss_mask    metrics
 =====================  ======================================  ==================================
+
+The critic (:class:`CriticWorker`) and the reward model (:class:`RewardModelWorker`) are value
+models, each its own worker group; they are at the end of the file with their own table.
 """
 
 from __future__ import annotations
@@ -32,15 +35,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
+from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, value_loss
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
-from treadle.models import load_causal_lm, load_tokenizer, save_hf_folder
+from treadle.engines.value import ValueHead
+from treadle.models import load_causal_lm, load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
 
 
@@ -303,3 +308,217 @@ class ActorRolloutRefWorker(Worker):
         rng = out / f"rng_rank{self.rank}.safetensors"
         if rng.exists():
             torch.set_rng_state(load_file(str(rng))["torch"])
+
+
+# ---------------------------------------------------------------------------------- value roles
+#
+# The critic and the reward model are value models (``*ForTokenClassification``, one label) run
+# through :class:`ValueHead`. Each is its own worker group (its own process group), colocated
+# on the actor's bundles by default; the driver calls the groups in turn.
+#
+# =====================  ======================================  ==================================
+# method                 reads                                   adds / returns
+# =====================  ======================================  ==================================
+# compute_values         prompts, prompt_mask, responses,        values (0 where the mask is 0)
+#                        response_mask
+# update_critic          + values, returns                       metrics critic/* (mean of ranks)
+# compute_rm_scores      (as compute_values)                     rm_scores [B]
+# =====================  ======================================  ==================================
+
+
+def _prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(device)
+    mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(device)
+    return ids, mask
+
+
+def _value_engine(
+    cfg: Config, path: str, key: str, device: torch.device, trainable: bool, **opt: Any
+) -> TrainEngine:
+    model: nn.Module = load_value_model(path, DTYPES[cfg.model.dtype], key=key)
+    return TrainEngine(
+        model.to(device),
+        chunk_size=cfg.actor.logprob_chunk_size,
+        trainable=trainable,
+        head=ValueHead,
+        **opt,
+    )
+
+
+class CriticWorker(Worker):
+    """PPO's critic: a value model (FSDP2, its own AdamW) regressed on the returns.
+
+    ``values[b, t]`` is V(state before response token t), the baseline of that token's action.
+    The update is PPO's clipped value loss (``critic.cliprange_value``), token-mean over the
+    mini-batch across ranks, in mini-batches (one optimizer step each) and micro-batches.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        config: Config,
+        critic_path: str,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(threads)
+        super().__init__(rank, world_size, master_addr, master_port)
+        a, c = config.actor, config.critic
+        self.c = c
+        self.epochs = c.ppo_epochs or a.ppo_epochs
+        self.mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) // world_size
+        self.micro = c.micro_batch_size or a.micro_batch_size
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.engine = _value_engine(
+            config,
+            critic_path,
+            "critic.model_path",
+            self.device,
+            trainable=True,
+            lr=c.lr,
+            weight_decay=c.weight_decay,
+            grad_clip=c.grad_clip,
+        )
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        ids, mask = _prompt_response(mb, self.device)
+        values = self.engine.module(ids, mask, mb["responses"].shape[1])
+        return torch.where(mb["response_mask"].to(self.device).bool(), values, 0.0)
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_values(self, batch: Batch) -> Batch:
+        with torch.no_grad():
+            parts = [self._values(mb).cpu() for mb in batch.split(self.micro)]
+        return Batch.from_dict(tensors={"values": torch.cat(parts)})
+
+    def _global_sums(self, *values: float) -> list[float]:
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """PPO value-function update; metrics averaged over optimizer steps, then over ranks."""
+        gen = torch.Generator().manual_seed(int(batch.meta.get("step", 0)))
+        per_step = []
+        for _ in range(self.epochs):
+            shuffled = batch.select(torch.randperm(len(batch), generator=gen))
+            per_step += [self._critic_step(mb) for mb in shuffled.split(self.mini)]
+        out = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+        return out | self._data_metrics(batch)
+
+    def _critic_step(self, mb: Batch) -> dict[str, float]:
+        """One optimizer step over a mini-batch, gradients accumulated over micro-batches."""
+        local = float(mb["response_mask"].sum())
+        # Global counts make the micro-batch losses (averaged over ranks) the mini-batch loss.
+        (tokens,) = self._global_sums(local)
+        agg = {"num_tokens": max(tokens / self.world_size, 1.0)}
+        micros = mb.split(self.micro)
+        loss_sum = clipped = 0.0
+        for i, micro in enumerate(micros):
+            self.engine.module.set_requires_gradient_sync(i == len(micros) - 1)
+            values = self._values(micro)
+            mask = micro["response_mask"].to(values)
+            loss, clipfrac = value_loss(
+                values,
+                micro["values"].to(values),
+                micro["returns"].to(values),
+                mask,
+                self.c.cliprange_value,
+                agg_kwargs=agg,
+            )
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clipped += clipfrac * float(mask.sum())
+        stats = self.engine.step()
+        return {
+            "critic/vf_loss": loss_sum,
+            "critic/vf_clipfrac": clipped / max(local, 1.0),
+            "critic/grad_norm": stats["grad_norm"],
+            "critic/lr": stats["lr"],
+        }
+
+    def _data_metrics(self, batch: Batch) -> dict[str, float]:
+        """Values and returns of the whole batch (before the update), exact over all ranks."""
+        mask = batch["response_mask"].bool()
+        v, r = batch["values"][mask].double(), batch["returns"][mask].double()
+        n, sv, sr, sr2, sd, sd2 = self._global_sums(
+            float(mask.sum()),
+            float(v.sum()),
+            float(r.sum()),
+            float((r * r).sum()),
+            float((r - v).sum()),
+            float(((r - v) ** 2).sum()),
+        )
+        n = max(n, 1.0)
+        var_r, var_d = sr2 / n - (sr / n) ** 2, sd2 / n - (sd / n) ** 2
+        return {
+            "critic/values_mean": sv / n,
+            "critic/returns_mean": sr / n,
+            # 1 - Var(R - V) / Var(R): 1 is a perfect critic, 0 no better than the mean
+            "critic/vf_explained_var": 1.0 - var_d / var_r if var_r > 1e-12 else 0.0,
+        }
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def save_checkpoint(self, path: str) -> None:
+        """Value-model folder ``path/model`` (rank 0), optimizer gathered, RNG per rank."""
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        state = {}
+        for name, tensor in self.engine.full_state():
+            if self.rank == 0:
+                state[name] = tensor.cpu().clone()
+        if self.rank == 0:
+            save_hf_folder(state, self.engine.module.lm.config, self.tokenizer, out / "model")
+        self.engine.save_optimizer(out, self.rank)
+        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
+        dist.barrier()
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def load_checkpoint(self, path: str) -> None:
+        """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
+        out = Path(path)
+        self.engine.load_optimizer(out)
+        rng = out / f"rng_rank{self.rank}.safetensors"
+        if rng.exists():
+            torch.set_rng_state(load_file(str(rng))["torch"])
+
+
+class RewardModelWorker(Worker):
+    """A frozen reward model: the score of each prompt+response, read at its last valid token."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        config: Config,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(threads)
+        super().__init__(rank, world_size, master_addr, master_port)
+        self.cfg = config
+        path = config.reward.model_path or ""
+        self.engine = _value_engine(config, path, "reward.model_path", self.device, False)
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_rm_scores(self, batch: Batch) -> Batch:
+        scores = []
+        with torch.no_grad():
+            for mb in batch.split(self.cfg.reward.micro_batch_size):
+                ids, mask = _prompt_response(mb, self.device)
+                # The head reads the state *before* each label, so one masked column more
+                # makes the state at every response token (and the last prompt token) readable.
+                ids, mask = F.pad(ids, (0, 1)), F.pad(mask, (0, 1))
+                width = mb["responses"].shape[1]
+                values = self.engine.module(ids, mask, width + 1)  # [b, width + 1]
+                positions = torch.arange(1, width + 1)
+                # index of the state after the last valid response token (0: the prompt's)
+                last = torch.where(mb["response_mask"].bool(), positions, 0).amax(-1)
+                scores.append(values.gather(1, last[:, None].to(self.device)).squeeze(1).cpu())
+        return Batch.from_dict(tensors={"rm_scores": torch.cat(scores)})

@@ -176,7 +176,7 @@ def reinforce_plus_plus_baseline(
     return advantages, advantages
 
 
-@register_adv_estimator("remax")
+@register_adv_estimator("remax", needs=("baseline_rewards",))
 def remax(
     token_level_rewards: Tensor,
     response_mask: Tensor,
@@ -199,7 +199,7 @@ def remax(
     return _broadcast(adv, response_mask), _broadcast(scores, response_mask)
 
 
-@register_adv_estimator("gae")
+@register_adv_estimator("gae", needs=("values",))
 def gae(
     token_level_rewards: Tensor,
     response_mask: Tensor,

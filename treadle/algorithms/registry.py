@@ -6,6 +6,10 @@ function up here. Adding a variant is one decorated function in the module that 
     @register_adv_estimator("my_estimator")
     def my_estimator(token_level_rewards, response_mask, *, group_ids, **_): ...
 
+A registration may carry facts about the function that the driver needs to build the
+dataflow, e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a critic
+because the estimator says it reads values, not because its name is ``gae``.
+
 An unknown name fails with the sorted list of valid names and the closest match, so a typo in a
 config says how to fix itself. The ``Protocol`` classes below are the signatures each kind must
 follow; mypy checks every registered function against them.
@@ -28,17 +32,31 @@ class Registry(Generic[F]):
     def __init__(self, kind: str) -> None:
         self.kind = kind
         self._fns: dict[str, F] = {}
+        self._info: dict[str, dict[str, Any]] = {}
 
-    def register(self, name: str) -> Callable[[F], F]:
-        """Decorator: register the function under ``name``; a name can be registered once."""
+    def register(self, name: str, **info: Any) -> Callable[[F], F]:
+        """Decorator: register the function under ``name``; a name can be registered once.
+
+        ``info`` are facts the driver may ask with :meth:`info` (``needs=("values",)``).
+        """
 
         def decorator(fn: F) -> F:
             if name in self._fns:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._fns[name] = fn
+            self._info[name] = dict(info)
             return fn
 
         return decorator
+
+    def info(self, name: str) -> dict[str, Any]:
+        """The facts registered with ``name`` (empty if none); unknown names fail as in get."""
+        self.get(name)
+        return dict(self._info[name])
+
+    def needs(self, name: str) -> tuple[str, ...]:
+        """Inputs beyond the defaults that ``name`` reads (its ``needs`` registration fact)."""
+        return tuple(self.info(name).get("needs", ()))
 
     def get(self, name: str) -> F:
         """The function registered under ``name``; ``ValueError`` listing valid names if none."""

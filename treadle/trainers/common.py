@@ -9,7 +9,8 @@ import logging
 import math
 import os
 import shutil
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,7 @@ import torch
 
 from treadle import checkpoint as ckpt
 from treadle.config import Config, dump_config
-from treadle.controller import ResourcePool, WorkerGroup
+from treadle.controller import ResourcePool, Worker, WorkerGroup
 from treadle.data import PromptDataset, ResumableSampler, collate_prompts, load_prompt_dataset
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
@@ -68,21 +69,52 @@ def ensure_ray(cfg: Config) -> None:
 
 @dataclass
 class Actors:
-    """The actor+rollout+reference worker group and the pool it lives in."""
+    """The actor+rollout+reference worker group, the pool it lives in, and the groups of the
+    other roles (critic, reward model), on that pool's bundles or on pools of their own."""
 
     group: WorkerGroup
     pool: ResourcePool | None
+    share: float = 1.0  # of each bundle, taken by every group colocated on ``pool``
+    others: list[tuple[WorkerGroup, ResourcePool | None]] = field(default_factory=list)
 
     def close(self) -> None:
+        for group, pool in reversed(self.others):
+            group.shutdown()
+            if pool is not None:
+                pool.remove()
         self.group.shutdown()
         if self.pool is not None:
             self.pool.remove()
 
 
-def build_actors(cfg: Config, actor_path: str, with_ref: bool) -> Actors:
+def rank_threads(cfg: Config, cpus_per_rank: float) -> int:
+    return cfg.trainer.threads_per_rank or max(1, int(cpus_per_rank))
+
+
+def _ray_env(threads: int) -> dict[str, str]:
+    return {
+        "OMP_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
+
+
+def _gpus_per_rank() -> float:
+    return 1.0 if torch.cuda.is_available() else 0.0
+
+
+def build_actors(
+    cfg: Config,
+    actor_path: str,
+    with_ref: bool,
+    colocated: int = 1,
+    cpus_per_rank: float | None = None,
+) -> Actors:
+    """The actor group. ``colocated``: how many groups will share its bundles (each takes
+    1/colocated of a bundle); ``cpus_per_rank``: a bundle's CPUs (default: all / ranks)."""
     ws = cfg.actor.world_size
-    cpus = total_cpus(cfg)
-    threads = cfg.trainer.threads_per_rank or max(1, int(cpus // ws))
+    cpus = cpus_per_rank or total_cpus(cfg) / ws
+    threads = rank_threads(cfg, cpus)
     kwargs: dict[str, Any] = {
         "config": cfg,
         "actor_path": actor_path,
@@ -93,24 +125,65 @@ def build_actors(cfg: Config, actor_path: str, with_ref: bool) -> Actors:
         group = WorkerGroup(ActorRolloutRefWorker, world_size=1, backend="local", kwargs=kwargs)
         return Actors(group, None)
     ensure_ray(cfg)
-    pool = ResourcePool(
-        world_size=ws,
-        cpus_per_rank=cpus / ws,
-        gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0,
-    )
-    env = {
-        "OMP_NUM_THREADS": str(threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-    }
+    pool = ResourcePool(world_size=ws, cpus_per_rank=cpus, gpus_per_rank=_gpus_per_rank())
     try:
         group = WorkerGroup(
-            ActorRolloutRefWorker, world_size=ws, backend="ray", pool=pool, kwargs=kwargs, env=env
+            ActorRolloutRefWorker,
+            world_size=ws,
+            backend="ray",
+            pool=pool,
+            kwargs=kwargs,
+            env=_ray_env(threads),
+            share=1.0 / colocated,
         )
     except BaseException:
         pool.remove()  # give the CPUs back: a failed start must not starve what comes next
         raise
-    return Actors(group, pool)
+    return Actors(group, pool, share=1.0 / colocated)
+
+
+def add_group(
+    actors: Actors,
+    cfg: Config,
+    cls: type[Worker],
+    kwargs: dict[str, Any],
+    *,
+    world_size: int,
+    own_cpus_per_rank: float | None = None,
+) -> WorkerGroup:
+    """Another role's group: on the actors' bundles (colocated, the same share each) or, given
+    ``own_cpus_per_rank``, on a pool of its own (split). Closed with the actors."""
+    if cfg.trainer.backend == "local":  # joins the actor's one-rank process group in-process
+        threads = rank_threads(cfg, total_cpus(cfg))  # the process's: the actor's too
+        group = WorkerGroup(
+            cls, world_size=1, backend="local", kwargs={**kwargs, "threads": threads}
+        )
+        actors.others.append((group, None))
+        return group
+    assert actors.pool is not None
+    own = own_cpus_per_rank is not None
+    pool = (
+        ResourcePool(world_size, cpus_per_rank=own_cpus_per_rank, gpus_per_rank=_gpus_per_rank())
+        if own_cpus_per_rank is not None
+        else actors.pool
+    )
+    threads = rank_threads(cfg, pool.cpus_per_rank)
+    try:
+        group = WorkerGroup(
+            cls,
+            world_size=world_size,
+            backend="ray",
+            pool=pool,
+            kwargs={**kwargs, "threads": threads},
+            env=_ray_env(threads),
+            share=1.0 if own else actors.share,
+        )
+    except BaseException:
+        if own:
+            pool.remove()
+        raise
+    actors.others.append((group, pool if own else None))
+    return group
 
 
 def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
@@ -164,14 +237,22 @@ def evaluate(cfg: Config, actors: WorkerGroup, ds: PromptDataset, pad_id: int) -
 
 
 def save_checkpoint(
-    cfg: Config, group: WorkerGroup, step: int, driver_state: dict, final: bool
+    cfg: Config,
+    group: WorkerGroup,
+    step: int,
+    driver_state: dict,
+    final: bool,
+    roles: Mapping[str, WorkerGroup] | None = None,
 ) -> Path:
     """Checkpoint ``step`` atomically; the final one is also exported as ``final_model``.
 
+    The actor's group writes the top of the directory, each of ``roles`` its own ``<name>/``;
     ``driver_state`` (the data position and whatever else the driver keeps) goes to state.json.
     """
     tmp = ckpt.begin(cfg.trainer.output_dir, step)
     group.save_checkpoint(str(tmp))
+    for name, role in (roles or {}).items():
+        role.save_checkpoint(str(tmp / name))
     done = ckpt.commit(tmp, {"step": step, **driver_state}, cfg.trainer.keep_checkpoints)
     if final:
         export_model(done, Path(cfg.trainer.output_dir) / "final_model")
@@ -220,16 +301,27 @@ class Trainer:
         self.total = cfg.trainer.total_steps
         self.start = 0
         self.resumed_from: Path | None = None
+        # Groups besides the actor's whose state a checkpoint holds, in <checkpoint>/<name>/.
+        self.roles: dict[str, WorkerGroup] = {}
 
-    def start_workers(self, sampler: ResumableSampler, with_ref: bool) -> None:
-        """Build the actor group, from the newest complete checkpoint if there is one."""
+    def start_workers(
+        self,
+        sampler: ResumableSampler,
+        with_ref: bool,
+        colocated: int = 1,
+        cpus_per_rank: float | None = None,
+    ) -> None:
+        """Build the actor group, from the newest complete checkpoint if there is one.
+
+        ``colocated`` and ``cpus_per_rank`` as in :func:`build_actors`.
+        """
         self.sampler = sampler
         latest, actor_path = resume_point(self.cfg)
         if latest is not None:
             state = ckpt.read_state(latest)
             self.start, self.resumed_from = int(state["step"]), latest
             self.load_driver_state(state)
-        self.actors = build_actors(self.cfg, actor_path, with_ref=with_ref)
+        self.actors = build_actors(self.cfg, actor_path, with_ref, colocated, cpus_per_rank)
         self.group = self.actors.group
         if latest is not None:
             self.group.load_checkpoint(str(latest))
@@ -263,7 +355,9 @@ class Trainer:
                     last = step == self.total
                     if last or (t.save_every and step % t.save_every == 0):
                         state = self.driver_state()
-                        save_checkpoint(self.cfg, self.group, step, state, final=last)
+                        save_checkpoint(
+                            self.cfg, self.group, step, state, final=last, roles=self.roles
+                        )
         finally:
             self.actors.close()
         return metrics

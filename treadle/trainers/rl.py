@@ -2,16 +2,21 @@
 
 ::
 
-    prompts ─► generate ─► reward ─► old log-probs ─► ref log-probs ─► advantages
-                  ▲  (dynamic sampling: more rounds)                     │
-                                                                         ▼
-         sync weights ◄─ update actor ◄──────────────────────────────────┘
+    prompts ─► generate ─► reward ─► old log-probs ─► ref log-probs ─► values ─► advantages
+                  ▲  (dynamic sampling: more rounds)                               │
+                                                                                   ▼
+         sync weights ◄─ update actor ◄─ update critic ◄───────────────────────────┘
 
 Every phase is a call on the actor worker group (or a pure function here on the driver) and is
 timed into ``timing/<phase>``. Algorithms are chosen by name: the advantage estimator and the
 policy loss come from :mod:`treadle.algorithms`' registries, so a new variant never touches
-this loop. What an estimator needs beyond rewards is read from its signature: one that takes
+this loop. What an estimator reads beyond rewards is part of its registration
+(``needs=...``): one that needs ``values`` (GAE) gets a critic, one that needs
 ``baseline_rewards`` (ReMax) gets the scores of greedy responses, generated here.
+
+PPO's critic (values, update critic) and a reward model (inside reward) are groups of their
+own, present when the estimator reads values / ``reward.model_path`` is set
+(:mod:`treadle.trainers.roles`); a checkpoint holds the critic in ``critic/``.
 
 DAPO's data-side pieces (arXiv 2503.14476) are options of the same loop: over-long reward
 shaping (``reward.overlong_buffer_len``), dynamic sampling (``algorithm.filter_groups``: groups
@@ -20,14 +25,13 @@ whose rewards are all equal are dropped and more prompts are generated, at most
 (``algorithm.mask_truncated``). The KL penalty can sit in the loss (``algorithm.kl_coef``) or
 in the reward (``algorithm.kl_reward_coef``, fixed or adaptive with ``algorithm.kl_target``).
 
-Resume: the newest complete checkpoint gives the actor weights, optimizer, data position, the
-adaptive KL coefficient and RNG; sampling seeds are derived from (seed, step, round), so a
-resumed run draws the same samples as an uninterrupted one.
+Resume: the newest complete checkpoint gives the actor (and critic) weights, optimizers, data
+position, the adaptive KL coefficient and RNG; sampling seeds are derived from (seed, step,
+round), so a resumed run draws the same samples as an uninterrupted one.
 """
 
 from __future__ import annotations
 
-import inspect
 import time
 from typing import Any
 
@@ -55,14 +59,7 @@ from treadle.trainers.common import (
     load_prompts,
     prompt_batch,
 )
-
-# Estimators whose inputs the driver cannot produce yet, and what they need.
-NEEDS_MORE = {"gae": "a critic's values"}
-
-
-def takes(fn: Any, arg: str) -> bool:
-    """Whether ``fn`` has a parameter named ``arg`` (what an estimator needs)."""
-    return arg in inspect.signature(fn).parameters
+from treadle.trainers.roles import plan_roles, start_roles
 
 
 def check_names(cfg: Config) -> None:
@@ -76,12 +73,6 @@ def check_names(cfg: Config) -> None:
     ):
         if name not in registry.names():
             raise ConfigError(f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}")
-    if alg.adv_estimator in NEEDS_MORE:
-        usable = [n for n in ADV_ESTIMATORS.names() if n not in NEEDS_MORE]
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} needs {NEEDS_MORE[alg.adv_estimator]}, "
-            f"which treadle's RL driver does not provide yet; use one of {', '.join(usable)}"
-        )
     load_reward_fn(cfg.reward.function)
 
 
@@ -128,6 +119,7 @@ class RLTrainer(Trainer):
 
     def __init__(self, cfg: Config) -> None:
         check_names(cfg)
+        layout = plan_roles(cfg)  # critic? reward model? where? (fails before anything starts)
         super().__init__(cfg)
         alg = cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
@@ -136,7 +128,7 @@ class RLTrainer(Trainer):
         )
         self.reward_fn = load_reward_fn(cfg.reward.function)
         self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
-        self.greedy_baseline = takes(self.estimator, "baseline_rewards")  # ReMax
+        self.greedy_baseline = "baseline_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator)
         self.kl_ctrl = (
             AdaptiveKLController(alg.kl_reward_coef, alg.kl_target, alg.kl_horizon)
             if alg.kl_target is not None
@@ -146,7 +138,14 @@ class RLTrainer(Trainer):
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.start_workers(sampler, with_ref=self.use_ref)
+        self.start_workers(sampler, self.use_ref, layout.colocated, layout.cpus_per_rank(cfg))
+        try:
+            self.critic, self.rm = start_roles(cfg, self.actors, layout, self.resumed_from)
+        except BaseException:
+            self.actors.close()
+            raise
+        if self.critic is not None:
+            self.roles["critic"] = self.critic
 
     def driver_state(self) -> dict[str, Any]:
         return {**super().driver_state(), "kl_ctrl": self.kl_ctrl.state_dict()}
@@ -181,12 +180,17 @@ class RLTrainer(Trainer):
             with timed(m, "ref_log_probs"):
                 batch = batch.union(group.compute_ref_log_probs(batch))
         batch["token_level_rewards"] = self.kl_shaped_rewards(batch, m)
-        # 5. advantages: a pure function on the driver
+        # 5. the critic's value of the state before each response token (PPO)
+        if self.critic is not None:
+            with timed(m, "values"):
+                batch = batch.union(self.critic.compute_values(batch))
+        # 6. advantages and the critic's targets: a pure function on the driver
         with timed(m, "advantages"):
-            batch["advantages"], _ = self.estimator(
+            batch["advantages"], batch["returns"] = self.estimator(
                 batch["token_level_rewards"],
                 batch["response_mask"].float(),
                 group_ids=list(batch["uid"]),
+                values=batch.tensors.get("values"),
                 gamma=alg.gamma,
                 lam=alg.lam,
                 norm_adv_by_std=alg.norm_adv_by_std,
@@ -196,12 +200,17 @@ class RLTrainer(Trainer):
         if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer
             kept = torch.tensor([r != "length" for r in batch["stop_reason"]])
             batch["response_mask"] = batch["response_mask"] * kept[:, None]
-        # 6. update the actor, then 7. push its weights into the rollout engine
+        # 7. update the critic toward the returns; 8. the actor, unless the critic warms up;
+        # 9. push the actor's weights into the rollout engine
         batch.meta["step"] = step
-        with timed(m, "update_actor"):
-            m.update(group.update_actor(batch))
-        with timed(m, "sync_weights"):
-            group.sync_weights()
+        if self.critic is not None:
+            with timed(m, "update_critic"):
+                m.update(self.critic.update_critic(batch))
+        if step > self.cfg.critic.warmup_steps:
+            with timed(m, "update_actor"):
+                m.update(group.update_actor(batch))
+            with timed(m, "sync_weights"):
+                group.sync_weights()
         return m
 
     def rollout(self, step: int, m: dict[str, float]) -> Batch:
@@ -223,7 +232,7 @@ class RLTrainer(Trainer):
             with timed(m, "generate"):
                 batch = self.group.generate(prompts, self.sampling(step, round_))
             with timed(m, "reward"):
-                batch["token_level_scores"] = self.score(batch)
+                batch["token_level_scores"] = self.score(batch, m)
             if self.greedy_baseline:
                 with timed(m, "generate_greedy"):
                     batch["baseline_scores"] = self.greedy_scores(prompts)
@@ -240,9 +249,10 @@ class RLTrainer(Trainer):
         width = max(b["prompts"].shape[1] for b in parts)
         return Batch.concat([left_pad(b, width) for b in parts]).slice(0, want)
 
-    def score(self, batch: Batch) -> torch.Tensor:
-        """Token-level scores [B, R]: the reward function's score (plus DAPO's over-long
-        penalty) on each response's last valid token."""
+    def score(self, batch: Batch, m: dict[str, float] | None = None) -> torch.Tensor:
+        """Token-level scores [B, R]: the reward function's score, or the reward model's when
+        there is one (the rule's mean is then logged as ``reward/rule_mean``), plus DAPO's
+        over-long penalty, on each response's last valid token."""
         scores = torch.tensor(
             score_batch(
                 self.reward_fn,
@@ -252,6 +262,10 @@ class RLTrainer(Trainer):
                 spec=self.cfg.reward.function,
             )
         )
+        if self.rm is not None:
+            if m is not None:
+                m["reward/rule_mean"] = float(scores.mean())
+            scores = self.rm.compute_rm_scores(batch)["rm_scores"].float()
         r = self.cfg.reward
         if r.overlong_buffer_len:
             lengths = batch["response_mask"].sum(-1)
