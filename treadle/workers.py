@@ -20,6 +20,11 @@ compute_ref_log_probs  (same)                                  ref_log_probs
 update_actor           + old_log_probs, advantages,            metrics (averaged over ranks)
                        ref_log_probs (when kl_coef > 0)
 train_sft              input_ids, attention_mask, loss_mask    metrics
+compute_pair_log_probs prompts, prompt_mask, chosen,           chosen_logps, rejected_logps [B]
+                       chosen_mask, rejected, rejected_mask
+compute_ref_pair_...   (same)                                  ref_chosen_logps, ref_rejected_...
+train_dpo              (same) + ref_chosen_logps,              metrics (dpo/*)
+                       ref_rejected_logps
 =====================  ======================================  ==================================
 """
 
@@ -35,7 +40,15 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
+from treadle.algorithms import (
+    POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    agg_loss,
+    implicit_rewards,
+    kl_penalty,
+    masked_sum,
+    pair_stats,
+)
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
@@ -46,6 +59,22 @@ from treadle.protocol import Batch
 
 def _left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def pair_sequences(
+    mb: Batch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Preference pairs as ``2B`` sequences: every prompt with its chosen, then with its rejected.
+
+    Returns ``(input_ids [2B, P+R], attention_mask, R, response_mask [2B, R])``.
+    """
+    prompts = torch.cat([mb["prompts"], mb["prompts"]])
+    pmask = torch.cat([mb["prompt_mask"], mb["prompt_mask"]])
+    responses = torch.cat([mb["chosen"], mb["rejected"]])
+    rmask = torch.cat([mb["chosen_mask"], mb["rejected_mask"]])
+    ids = torch.cat([prompts, responses], 1).to(device)
+    mask = torch.cat([pmask, rmask], 1).to(device)
+    return ids, mask, responses.shape[1], rmask
 
 
 def _pad_right(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -277,6 +306,81 @@ class ActorRolloutRefWorker(Worker):
             loss_sum += float(loss.detach())
         stats = self.actor.step()
         return {"sft/loss": loss_sum, "sft/grad_norm": stats["grad_norm"], "sft/lr": stats["lr"]}
+
+    # ------------------------------------------------------------------ preference pairs (DPO)
+
+    def _pair_logps(self, engine: TrainEngine, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence log-probs (summed over response tokens) of chosen and rejected, one forward."""
+        ids, mask, width, rmask = pair_sequences(mb, self.device)
+        logp, _ = engine.log_probs(ids, mask, width)  # temperature 1: the model's own policy
+        seq = masked_sum(logp, rmask.to(logp.device), dim=-1).float()
+        return seq[: len(mb)], seq[len(mb) :]
+
+    @torch.no_grad()
+    def _pair_logps_all(self, engine: TrainEngine, batch: Batch, prefix: str) -> Batch:
+        chosen, rejected = [], []
+        for mb in batch.split(self.cfg.actor.micro_batch_size):
+            c, r = self._pair_logps(engine, mb)
+            chosen.append(c.cpu())
+            rejected.append(r.cpu())
+        return Batch.from_dict(
+            tensors={
+                f"{prefix}chosen_logps": torch.cat(chosen),
+                f"{prefix}rejected_logps": torch.cat(rejected),
+            }
+        )
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_pair_log_probs(self, batch: Batch) -> Batch:
+        """The policy's ``chosen_logps``, ``rejected_logps`` ``[B]`` of preference pairs."""
+        return self._pair_logps_all(self.actor, batch, "")
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_ref_pair_log_probs(self, batch: Batch) -> Batch:
+        """The reference's ``ref_chosen_logps``, ``ref_rejected_logps`` ``[B]``."""
+        if self.ref is None:
+            raise RuntimeError("this worker group was built without a reference")
+        return self._pair_logps_all(self.ref, batch, "ref_")
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def train_dpo(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of a preference loss over the batch's pairs (pair-mean).
+
+        Reads the pairs and their reference log-probs; ``actor.micro_batch_size`` pairs (twice
+        as many sequences) per forward. Losses and metrics are divided by the pairs of all
+        ranks, so the sum over micro-batches and the mean over ranks are the batch means.
+        """
+        d = self.cfg.dpo
+        loss_fn = PREFERENCE_LOSSES.get(d.loss_type)
+        pairs = self._global_sum(float(len(batch))) / self.world_size
+        micros = batch.split(self.cfg.actor.micro_batch_size)
+        sums: dict[str, float] = defaultdict(float)
+        for i, mb in enumerate(micros):
+            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
+            chosen, rejected = self._pair_logps(self.actor, mb)
+            ref_c = mb["ref_chosen_logps"].to(chosen.device)
+            ref_r = mb["ref_rejected_logps"].to(chosen.device)
+            losses = loss_fn(
+                chosen, rejected, ref_c, ref_r, beta=d.beta, label_smoothing=d.label_smoothing
+            )
+            (losses.sum() / pairs).backward()
+            rewards = pair_stats(
+                implicit_rewards(chosen.detach(), ref_c, d.beta),
+                implicit_rewards(rejected.detach(), ref_r, d.beta),
+            )
+            stats = {
+                "dpo/loss": float(losses.detach().sum()),
+                "dpo/reward_accuracy": rewards["accuracy"],
+                "dpo/margin": rewards["margin"],
+                "dpo/chosen_reward": rewards["chosen"],
+                "dpo/rejected_reward": rewards["rejected"],
+                "dpo/chosen_logp": float(chosen.detach().sum()),
+                "dpo/rejected_logp": float(rejected.detach().sum()),
+            }
+            for k, v in stats.items():
+                sums[k] += v / pairs
+        step = self.actor.step()
+        return {**sums, "dpo/grad_norm": step["grad_norm"], "dpo/lr": step["lr"]}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -17,7 +17,7 @@ import torch
 
 from treadle import checkpoint as ckpt
 from treadle.config import Config, dump_config
-from treadle.controller import ResourcePool, WorkerGroup
+from treadle.controller import ResourcePool, Worker, WorkerGroup
 from treadle.data import PromptDataset, ResumableSampler, collate_prompts, load_prompt_dataset
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
@@ -80,17 +80,22 @@ class Actors:
 
 
 def build_actors(cfg: Config, actor_path: str, with_ref: bool) -> Actors:
+    """The actor+rollout+reference group, starting from the weights at ``actor_path``."""
+    kwargs = {"actor_path": actor_path, "with_ref": with_ref}
+    return build_group(cfg, ActorRolloutRefWorker, kwargs)
+
+
+def build_group(cfg: Config, worker_cls: type[Worker], kwargs: dict[str, Any]) -> Actors:
+    """``actor.world_size`` ranks of ``worker_cls`` (one in-process rank for the local backend).
+
+    Every worker is built with ``config`` and ``threads`` besides ``kwargs``.
+    """
     ws = cfg.actor.world_size
     cpus = total_cpus(cfg)
     threads = cfg.trainer.threads_per_rank or max(1, int(cpus // ws))
-    kwargs: dict[str, Any] = {
-        "config": cfg,
-        "actor_path": actor_path,
-        "with_ref": with_ref,
-        "threads": threads,
-    }
+    kwargs = {"config": cfg, "threads": threads, **kwargs}
     if cfg.trainer.backend == "local":
-        group = WorkerGroup(ActorRolloutRefWorker, world_size=1, backend="local", kwargs=kwargs)
+        group = WorkerGroup(worker_cls, world_size=1, backend="local", kwargs=kwargs)
         return Actors(group, None)
     ensure_ray(cfg)
     pool = ResourcePool(
@@ -105,7 +110,7 @@ def build_actors(cfg: Config, actor_path: str, with_ref: bool) -> Actors:
     }
     try:
         group = WorkerGroup(
-            ActorRolloutRefWorker, world_size=ws, backend="ray", pool=pool, kwargs=kwargs, env=env
+            worker_cls, world_size=ws, backend="ray", pool=pool, kwargs=kwargs, env=env
         )
     except BaseException:
         pool.remove()  # give the CPUs back: a failed start must not starve what comes next
@@ -226,10 +231,14 @@ class Trainer:
             state = ckpt.read_state(latest)
             self.start, self.resumed_from = int(state["step"]), latest
             sampler.load_state_dict(state["sampler"])
-        self.actors = build_actors(self.cfg, actor_path, with_ref=with_ref)
+        self.actors = self.build_workers(actor_path, with_ref)
         self.group = self.actors.group
         if latest is not None:
             self.group.load_checkpoint(str(latest))
+
+    def build_workers(self, start_path: str, with_ref: bool) -> Actors:
+        """The trained worker group, from the weights at ``start_path`` (default: the actor)."""
+        return build_actors(self.cfg, start_path, with_ref=with_ref)
 
     def run_step(self, step: int) -> dict[str, float]:
         raise NotImplementedError
