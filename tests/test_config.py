@@ -83,6 +83,15 @@ def test_dump_is_complete_and_reloads(tmp_path):
     out = tmp_path / "run" / "config.yaml"
     dump_config(cfg, out)
     data = yaml.safe_load(out.read_text())
-    assert set(data) == {"model", "data", "rollout", "reward", "algorithm", "actor", "trainer"}
+    assert set(data) == {
+        "model",
+        "data",
+        "rollout",
+        "reward",
+        "algorithm",
+        "dpo",
+        "actor",
+        "trainer",
+    }
     assert data["trainer"]["total_steps"] == 3
     assert load_config(out) == cfg

@@ -51,16 +51,15 @@ class DPOTrainer(Trainer):
 
     def __init__(self, cfg: Config) -> None:
         check_dpo(cfg)
-        d = cfg.data
-        train = load_pairs(cfg, d.train_files, "data.train_files")
-        super().__init__(cfg)
-        self.train = train
+        d = cfg.data  # all data is checked before the run directory is made
+        self.train = load_pairs(cfg, d.train_files, "data.train_files")
         self.val = load_pairs(cfg, d.val_files, "data.val_files") if d.val_files else None
         self.val_prompts = (
             load_prompts(cfg, d.val_files, "data.val_files") if cfg.dpo.eval_task else None
         )
         self.val_ref: Batch | None = None  # the reference never changes: score it once
-        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, train)
+        super().__init__(cfg)
+        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
         self.start_workers(sampler, with_ref=True)
 
     def run_step(self, step: int) -> dict[str, float]:

@@ -31,12 +31,11 @@ class RMTrainer(Trainer):
     headline = "rm/loss"
 
     def __init__(self, cfg: Config) -> None:
-        d = cfg.data
-        train = load_pairs(cfg, d.train_files, "data.train_files")
-        super().__init__(cfg)
-        self.train = train
+        d = cfg.data  # all data is checked before the run directory is made
+        self.train = load_pairs(cfg, d.train_files, "data.train_files")
         self.val = load_pairs(cfg, d.val_files, "data.val_files") if d.val_files else None
-        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, train)
+        super().__init__(cfg)
+        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
         self.start_workers(sampler, with_ref=False)
 
     def build_workers(self, start_path: str, with_ref: bool) -> Actors:
