@@ -485,11 +485,12 @@ class PairDataset:
 
 def _check_pair_columns(records: list[_Record], keys: dict[str, str], config_key: str) -> None:
     """Every file has the prompt/chosen/rejected columns, else say which keys to set."""
-    first: dict[str, _Record] = {}
+    present: dict[str, dict[str, None]] = {}  # file -> columns with a value in some row
     for record in records:
-        first.setdefault(record.file, record)
-    for file, record in first.items():
-        columns = [k for k, v in record.row.items() if v is not None]
+        seen = present.setdefault(record.file, {})
+        seen.update((k, None) for k, v in record.row.items() if v is not None)
+    for file, seen in present.items():
+        columns = list(seen)
         missing = [f"'{col}' (data.{key})" for key, col in keys.items() if col not in columns]
         if missing:
             raise DataError(
