@@ -84,6 +84,12 @@ def test_rm_recipe_trains_and_exports_a_value_model(tiny_task, tmp_path, capsys)
     margin = sum(c - r for c, r in zip(chosen, rejected, strict=True)) / 6
     assert metrics[1]["eval/pair_accuracy"] == accuracy
     assert metrics[1]["eval/margin"] == pytest.approx(margin, rel=1e-4, abs=1e-6)
+    # The same command with one more step resumes: the trained head, not a fresh zero one.
+    assert main(["rm", "examples/arithmetic/rm.yaml", *overrides, "trainer.total_steps=3"]) == 0
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert metrics[2]["rm/chosen_score"] != 0.0
+    assert metrics[2]["rm/loss"] != pytest.approx(math.log(2), abs=1e-5)
 
 
 @pytest.mark.slow
