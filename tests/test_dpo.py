@@ -50,12 +50,11 @@ def plain_sequence_logp(model, prompt: list[int], response: list[int]) -> torch.
     return picked[-len(response) :].sum()
 
 
-@pytest.fixture(scope="module")
-def plain(tiny_task):
-    """Log-probs and the DPO gradient norm at step 0 of the first 8 pairs, computed plainly."""
-    cfg = dpo_config(tiny_task)
+def plain_step_zero(task, nll_coef: float = 0.0) -> dict:
+    """Log-probs and the DPO (+ NLL) gradient norm at step 0 of the first 8 pairs, plainly."""
+    cfg = dpo_config(task)
     rows = load_pairs(cfg, cfg.data.train_files, "data.train_files").rows[:8]
-    model = load_causal_lm(tiny_task["model"])
+    model = load_causal_lm(task["model"])
     chosen = torch.stack(
         [plain_sequence_logp(model, r["prompt_ids"], r["chosen_ids"]) for r in rows]
     )
@@ -63,9 +62,20 @@ def plain(tiny_task):
         [plain_sequence_logp(model, r["prompt_ids"], r["rejected_ids"]) for r in rows]
     )
     h = (chosen - chosen.detach()) - (rejected - rejected.detach())  # the reference = the policy
-    (-F.logsigmoid(BETA * h)).mean().backward()
+    nll = -chosen.sum() / sum(len(r["chosen_ids"]) for r in rows)  # token-mean over the batch
+    ((-F.logsigmoid(BETA * h)).mean() + nll_coef * nll).backward()
     norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
-    return {"chosen": chosen.detach(), "rejected": rejected.detach(), "grad_norm": float(norm)}
+    return {
+        "chosen": chosen.detach(),
+        "rejected": rejected.detach(),
+        "grad_norm": float(norm),
+        "nll": float(nll),
+    }
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_task):
+    return plain_step_zero(tiny_task)
 
 
 def run_worker_step(cfg: Config) -> tuple[dict, dict]:
@@ -89,6 +99,7 @@ def check_step_zero(logps: dict, metrics: dict, plain: dict) -> None:
     assert metrics["dpo/reward_accuracy"] == 0.0  # every pair tied
     assert metrics["dpo/margin"] == pytest.approx(0.0, abs=1e-6)
     assert metrics["dpo/chosen_logp"] == pytest.approx(float(plain["chosen"].mean()), rel=1e-5)
+    assert metrics["dpo/nll"] == pytest.approx(plain["nll"], rel=1e-5)
     # Micro-batches (and ranks) add up to the gradient of the mean loss over all 8 pairs.
     assert metrics["dpo/grad_norm"] == pytest.approx(plain["grad_norm"], rel=1e-4)
 
@@ -96,6 +107,12 @@ def check_step_zero(logps: dict, metrics: dict, plain: dict) -> None:
 def test_dpo_step_zero_is_ln2_with_the_plain_gradient(tiny_task, plain):
     logps, metrics = run_worker_step(dpo_config(tiny_task, "trainer.backend=local"))
     check_step_zero(logps, metrics, plain)
+
+
+def test_dpo_nll_term_adds_the_chosen_token_mean_nll(tiny_task):
+    cfg = dpo_config(tiny_task, "trainer.backend=local", "dpo.nll_coef=0.5")
+    logps, metrics = run_worker_step(cfg)
+    check_step_zero(logps, metrics, plain_step_zero(tiny_task, nll_coef=0.5))
 
 
 @pytest.mark.slow

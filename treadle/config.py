@@ -111,6 +111,12 @@ class DPOConfig(Section):
     label_smoothing: float = Field(
         0.0, ge=0, lt=0.5, description="sigmoid: probability that a pair's labels are flipped."
     )
+    nll_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the chosen responses' token-mean NLL added to the loss "
+        "(RPO, arXiv 2404.19733); 0: the preference loss alone.",
+    )
     eval_task: bool = Field(
         False,
         description="Also report held-out task accuracy (greedy generation on data.val_files, "

@@ -342,43 +342,54 @@ class ActorRolloutRefWorker(Worker):
             raise RuntimeError("this worker group was built without a reference")
         return self._pair_logps_all(self.ref, batch, "ref_")
 
+    def _dpo_loss(self, mb: Batch, pairs: float, tokens: float) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's share of the batch loss, and its metrics (to be summed)."""
+        d = self.cfg.dpo
+        chosen, rejected = self._pair_logps(self.actor, mb)
+        ref_c = mb["ref_chosen_logps"].to(chosen.device)
+        ref_r = mb["ref_rejected_logps"].to(chosen.device)
+        loss_fn = PREFERENCE_LOSSES.get(d.loss_type)
+        losses = loss_fn(
+            chosen, rejected, ref_c, ref_r, beta=d.beta, label_smoothing=d.label_smoothing
+        )
+        nll = -chosen.sum() / tokens  # the chosen responses' token-mean NLL (RPO's SFT term)
+        loss = losses.sum() / pairs + (d.nll_coef * nll if d.nll_coef else 0.0)
+        rewards = pair_stats(
+            implicit_rewards(chosen.detach(), ref_c, d.beta),
+            implicit_rewards(rejected.detach(), ref_r, d.beta),
+        )
+        stats = {
+            "dpo/loss": float(losses.detach().sum()),
+            "dpo/reward_accuracy": rewards["accuracy"],
+            "dpo/margin": rewards["margin"],
+            "dpo/chosen_reward": rewards["chosen"],
+            "dpo/rejected_reward": rewards["rejected"],
+            "dpo/chosen_logp": float(chosen.detach().sum()),
+            "dpo/rejected_logp": float(rejected.detach().sum()),
+        }
+        stats = {k: v / pairs for k, v in stats.items()}
+        stats["dpo/nll"] = float(nll.detach())
+        return loss, stats
+
     @register(Dispatch.DP, Collect.MEAN)
     def train_dpo(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of a preference loss over the batch's pairs (pair-mean).
 
         Reads the pairs and their reference log-probs; ``actor.micro_batch_size`` pairs (twice
-        as many sequences) per forward. Losses and metrics are divided by the pairs of all
-        ranks, so the sum over micro-batches and the mean over ranks are the batch means.
+        as many sequences) per forward. Losses and metrics are divided by the pairs (chosen
+        tokens, for the NLL term) of all ranks, so the sum over micro-batches and the mean
+        over ranks are the batch means.
         """
-        d = self.cfg.dpo
-        loss_fn = PREFERENCE_LOSSES.get(d.loss_type)
         pairs = self._global_sum(float(len(batch))) / self.world_size
+        tokens = self._global_sum(float(batch["chosen_mask"].sum())) / self.world_size
         micros = batch.split(self.cfg.actor.micro_batch_size)
         sums: dict[str, float] = defaultdict(float)
         for i, mb in enumerate(micros):
             self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
-            chosen, rejected = self._pair_logps(self.actor, mb)
-            ref_c = mb["ref_chosen_logps"].to(chosen.device)
-            ref_r = mb["ref_rejected_logps"].to(chosen.device)
-            losses = loss_fn(
-                chosen, rejected, ref_c, ref_r, beta=d.beta, label_smoothing=d.label_smoothing
-            )
-            (losses.sum() / pairs).backward()
-            rewards = pair_stats(
-                implicit_rewards(chosen.detach(), ref_c, d.beta),
-                implicit_rewards(rejected.detach(), ref_r, d.beta),
-            )
-            stats = {
-                "dpo/loss": float(losses.detach().sum()),
-                "dpo/reward_accuracy": rewards["accuracy"],
-                "dpo/margin": rewards["margin"],
-                "dpo/chosen_reward": rewards["chosen"],
-                "dpo/rejected_reward": rewards["rejected"],
-                "dpo/chosen_logp": float(chosen.detach().sum()),
-                "dpo/rejected_logp": float(rejected.detach().sum()),
-            }
+            loss, stats = self._dpo_loss(mb, pairs, max(tokens, 1.0))
+            loss.backward()
             for k, v in stats.items():
-                sums[k] += v / pairs
+                sums[k] += v
         step = self.actor.step()
         return {**sums, "dpo/grad_norm": step["grad_norm"], "dpo/lr": step["lr"]}
 

@@ -8,8 +8,10 @@ It runs on the RL actor's worker group: the actor is the policy, the worker's re
 (built from ``model.path``, also on resume) is the frozen initial policy. A step is one
 optimizer step over ``data.batch_size`` pairs. The loss is chosen by name
 (``dpo.loss_type``: ``sigmoid``, ``ipo``; :mod:`treadle.algorithms.preference`), on sequence
-log-probs summed over response tokens at temperature 1. The reference log-probs of a batch
-are computed once, before the update, in their own timed phase.
+log-probs summed over response tokens at temperature 1, plus ``dpo.nll_coef`` times the
+chosen responses' token-mean NLL when set (RPO, arXiv 2404.19733: it keeps DPO from lowering
+the likelihood of the chosen answers along with the rejected ones). The reference log-probs
+of a batch are computed once, before the update, in their own timed phase.
 
 Evaluation on ``data.val_files`` (pair files): ``eval/pair_accuracy`` and ``eval/margin`` of
 the implicit reward ``β (log π - log π_ref)`` on held-out pairs (the reference's log-probs
