@@ -37,6 +37,7 @@ def dpo_config(task, *overrides: str) -> Config:
             "actor.ppo_mini_batch_size=8",
             "actor.micro_batch_size=3",  # uneven micro-batches: 3 + 3 + 2 pairs
             f"dpo.beta={BETA}",
+            "dpo.nll_coef=0",  # the plain DPO loss unless a test adds the NLL term
             "trainer.progress=false",
             *overrides,
         ],
@@ -69,7 +70,7 @@ def plain_step_zero(task, nll_coef: float = 0.0) -> dict:
         "chosen": chosen.detach(),
         "rejected": rejected.detach(),
         "grad_norm": float(norm),
-        "nll": float(nll),
+        "nll": float(nll.detach()),
     }
 
 
