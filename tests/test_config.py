@@ -83,7 +83,16 @@ def test_dump_is_complete_and_reloads(tmp_path):
     out = tmp_path / "run" / "config.yaml"
     dump_config(cfg, out)
     data = yaml.safe_load(out.read_text())
-    sections = {"model", "data", "rollout", "reward", "algorithm", "actor", "critic", "trainer"}
-    assert set(data) == sections
+    assert set(data) == {
+        "model",
+        "data",
+        "rollout",
+        "reward",
+        "algorithm",
+        "dpo",
+        "actor",
+        "critic",
+        "trainer",
+    }
     assert data["trainer"]["total_steps"] == 3
     assert load_config(out) == cfg

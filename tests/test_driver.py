@@ -145,3 +145,16 @@ def test_mask_truncated_drops_cut_responses_from_the_loss(tiny_task, parity_rewa
     assert batch["response_mask"][cut].sum() == 0
     assert (batch["response_mask"][~cut].sum(-1) > 0).all()
     assert m["response/length_mean"] > 0  # metrics count every generated token
+
+
+def test_train_refuses_a_dpo_config(tiny_task, tmp_path):
+    from treadle.errors import ConfigError
+    from treadle.trainers.rl import train
+
+    cfg = load_config(
+        "examples/arithmetic/dpo.yaml",
+        [f"model.path={tiny_task['model']}", f"trainer.output_dir={tmp_path / 'run'}"],
+    )
+    with pytest.raises(ConfigError, match=r"sets the 'dpo' section.*run `treadle dpo`"):
+        train(cfg)
+    assert not (tmp_path / "run").exists()

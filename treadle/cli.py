@@ -1,4 +1,4 @@
-"""``treadle`` command line: train | sft | eval | prepare | demo.
+"""``treadle`` command line: train | sft | dpo | rm | eval | prepare | demo.
 
 Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides.
 Problems a user can fix (config keys, data rows, reward functions) end the command with one
@@ -39,6 +39,25 @@ def cmd_sft(args: argparse.Namespace) -> None:
         print(f"held-out accuracy: {100 * metrics['eval/accuracy']:.1f}%")
 
 
+def _print_held_out(metrics: dict[str, float]) -> None:
+    if "eval/pair_accuracy" in metrics:
+        print(f"held-out pair accuracy: {100 * metrics['eval/pair_accuracy']:.1f}%")
+    if "eval/accuracy" in metrics:
+        print(f"held-out accuracy: {100 * metrics['eval/accuracy']:.1f}%")
+
+
+def cmd_dpo(args: argparse.Namespace) -> None:
+    from treadle.trainers.dpo import dpo
+
+    _print_held_out(dpo(_config(args)))
+
+
+def cmd_rm(args: argparse.Namespace) -> None:
+    from treadle.trainers.rm import rm
+
+    _print_held_out(rm(_config(args)))
+
+
 def cmd_eval(args: argparse.Namespace) -> None:
     from treadle.trainers.common import evaluate_model
 
@@ -72,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, text in (
         ("train", cmd_train, "RL training (GRPO and the PPO family)"),
         ("sft", cmd_sft, "supervised fine-tuning on worked answers"),
+        ("dpo", cmd_dpo, "direct preference optimization on chosen/rejected pairs"),
+        ("rm", cmd_rm, "train a Bradley-Terry reward model on chosen/rejected pairs"),
         ("eval", cmd_eval, "held-out accuracy of model.path (greedy)"),
     ):
         s = sub.add_parser(name, help=text)

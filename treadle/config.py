@@ -42,6 +42,13 @@ class DataConfig(Section):
     prompt_key: str = Field("prompt", description="Column holding the prompt text.")
     answer_key: str = Field("answer", description="Column holding the ground truth.")
     response_key: str = Field("solution", description="Column holding SFT target responses.")
+    messages_key: str = Field(
+        "messages", description="SFT: column of multi-turn chat messages (loss on assistant turns)."
+    )
+    chosen_key: str = Field("chosen", description="DPO/RM: column holding the preferred response.")
+    rejected_key: str = Field(
+        "rejected", description="DPO/RM: column holding the dispreferred response."
+    )
     max_prompt_length: int = Field(128, gt=0, description="Longest prompt in tokens.")
     overlong_prompts: Literal["filter", "error"] = Field(
         "filter", description="What to do with a prompt over max_prompt_length."
@@ -145,6 +152,34 @@ class AlgorithmConfig(Section):
     )
 
 
+class DPOConfig(Section):
+    beta: float = Field(0.1, gt=0, description="DPO beta (IPO: tau): strength of the reference.")
+    loss_type: str = Field("sigmoid", description="Preference loss, by registered name (ipo...).")
+    label_smoothing: float = Field(
+        0.0, ge=0, lt=0.5, description="sigmoid: probability that a pair's labels are flipped."
+    )
+    nll_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the chosen responses' token-mean NLL added to the loss "
+        "(RPO, arXiv 2404.19733); 0: the preference loss alone.",
+    )
+    eval_task: bool = Field(
+        False,
+        description="Also report held-out task accuracy (greedy generation on data.val_files, "
+        "scored by reward.function; the rows need data.answer_key).",
+    )
+
+    @model_validator(mode="after")
+    def _smoothing_is_for_sigmoid(self) -> DPOConfig:
+        if self.label_smoothing and self.loss_type != "sigmoid":
+            raise ValueError(
+                f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss_type=sigmoid "
+                f"only (got {self.loss_type}): set dpo.label_smoothing=0"
+            )
+        return self
+
+
 class ActorConfig(Section):
     world_size: int = Field(1, gt=0, description="Data-parallel ranks (FSDP2 shards).")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
@@ -236,6 +271,7 @@ class Config(Section):
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)  # type: ignore[arg-type]
     reward: RewardConfig = Field(default_factory=RewardConfig)  # type: ignore[arg-type]
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)  # type: ignore[arg-type]
+    dpo: DPOConfig = Field(default_factory=DPOConfig)  # type: ignore[arg-type]
     actor: ActorConfig = Field(default_factory=ActorConfig)  # type: ignore[arg-type]
     critic: CriticConfig = Field(default_factory=CriticConfig)  # type: ignore[arg-type]
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)  # type: ignore[arg-type]

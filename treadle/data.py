@@ -15,6 +15,11 @@ tokens, or a `messages` column for multi-turn chat with the loss on assistant tu
 prompt and each assistant turn are tokenized separately and concatenated, exactly as a rollout
 sees them: prompt tokens from the template, response tokens generated up to the EOS.
 
+Preference pairs (`load_pair_dataset`, for DPO and reward models) are a prompt, rendered as
+the RL prompts are, with a chosen and a rejected response (text, or one assistant message),
+each tokenized as a rollout's response: content + EOS. A file without the chosen/rejected
+columns fails naming the file and the keys to set (`data.chosen_key`, `data.rejected_key`).
+
 Layout: prompts are left-padded (`collate_prompts`), SFT sequences right-padded (`collate_sft`).
 `loss_mask[t] == 1` means token `t` is a target, predicted from position `t - 1`.
 
@@ -95,6 +100,7 @@ class _Record:
     where: str  # "data.train_files: train.jsonl row 7", for messages
     uid: str
     row: dict[str, Any]
+    file: str = ""
 
 
 def _read_records(files: Sequence[str | Path], config_key: str) -> list[_Record]:
@@ -108,7 +114,7 @@ def _read_records(files: Sequence[str | Path], config_key: str) -> list[_Record]
         label = name if unique_names else str(file)
         rows = _read_file(Path(file), config_key)
         records += [
-            _Record(f"{config_key}: {file} row {i}", f"{label}:{i}", row)
+            _Record(f"{config_key}: {file} row {i}", f"{label}:{i}", row, str(file))
             for i, row in enumerate(rows, start=1)
         ]
     if not records:
@@ -448,6 +454,176 @@ def collate_sft(
         attention_mask[i, :n] = 1
         loss_mask[i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.long)
     return input_ids, attention_mask, loss_mask
+
+
+# --- preference pairs -----------------------------------------------------------------------
+
+
+class PairRow(TypedDict):
+    uid: str
+    prompt_text: str
+    prompt_ids: list[int]
+    chosen_ids: list[int]  # response tokens + EOS
+    rejected_ids: list[int]
+    ground_truth: str  # the answer column when the file has one, else ""
+
+
+@dataclass
+class PairDataset:
+    """Tokenized preference pairs."""
+
+    rows: list[PairRow]
+    pad_id: int
+    n_filtered: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> PairRow:
+        return self.rows[index]
+
+
+def _check_pair_columns(records: list[_Record], keys: dict[str, str], config_key: str) -> None:
+    """Every file has the prompt/chosen/rejected columns, else say which keys to set."""
+    present: dict[str, dict[str, None]] = {}  # file -> columns with a value in some row
+    for record in records:
+        seen = present.setdefault(record.file, {})
+        seen.update((k, None) for k, v in record.row.items() if v is not None)
+    for file, seen in present.items():
+        columns = list(seen)
+        missing = [f"'{col}' (data.{key})" for key, col in keys.items() if col not in columns]
+        if missing:
+            raise DataError(
+                f"{config_key}: {file} has no column {', '.join(missing)}; its columns are "
+                f"{', '.join(columns) or 'none'}. A preference file needs a prompt, a chosen and "
+                "a rejected response: set data.prompt_key, data.chosen_key and "
+                "data.rejected_key to the columns that hold them"
+            )
+
+
+def _response_text(record: _Record, key: str) -> str:
+    value = _require(record, key, "response")
+    if isinstance(value, str):
+        return value
+    ok = isinstance(value, list) and len(value) == 1
+    message = _check_messages(record, key, value)[0] if ok else None
+    if message is None or message["role"] != "assistant":
+        raise DataError(
+            f"{record.where}: field '{key}' must be a string or a list of one "
+            "{'role': 'assistant', 'content': str} message"
+        )
+    return message["content"]
+
+
+def _pair_row(
+    record: _Record,
+    keys: dict[str, str],
+    tokenizer: PreTrainedTokenizerBase,
+    apply_chat_template: bool,
+    system_prompt: str | None,
+) -> PairRow:
+    shown, text = _prompt_text(
+        record, keys["prompt_key"], tokenizer, apply_chat_template, system_prompt
+    )
+    chosen = _response_text(record, keys["chosen_key"])
+    rejected = _response_text(record, keys["rejected_key"])
+    if chosen == rejected:
+        raise DataError(
+            f"{record.where}: the chosen and rejected responses are the same, "
+            "which teaches nothing: fix or drop the row"
+        )
+    eos = _eos(tokenizer)[0]
+    answer = record.row.get(keys["answer_key"])
+    return PairRow(
+        uid=record.uid,
+        prompt_text=shown,
+        prompt_ids=_encode(tokenizer, text, special=not apply_chat_template),
+        chosen_ids=[*_encode(tokenizer, chosen), eos],
+        rejected_ids=[*_encode(tokenizer, rejected), eos],
+        ground_truth="" if answer is None else _as_text(answer),
+    )
+
+
+def load_pair_dataset(
+    files: Sequence[str | Path],
+    *,
+    prompt_key: str = "prompt",
+    chosen_key: str = "chosen",
+    rejected_key: str = "rejected",
+    answer_key: str = "answer",
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    max_response_length: int,
+    overlong: Overlong = "filter",
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    config_key: str = "data.train_files",
+) -> PairDataset:
+    """Read, validate and tokenize preference pairs (prompt, chosen, rejected).
+
+    A prompt longer than `max_prompt_length` tokens or a response (with its EOS) longer than
+    `max_response_length` drops the pair with a logged count or raises, as for prompts. The
+    `answer_key` column is optional (kept as `ground_truth` for a task evaluation).
+    """
+    _check_template(tokenizer, apply_chat_template)
+    records = _read_records(files, config_key)
+    keys = {"prompt_key": prompt_key, "chosen_key": chosen_key, "rejected_key": rejected_key}
+    _check_pair_columns(records, keys, config_key)
+    keys["answer_key"] = answer_key
+    rows: list[PairRow] = []
+    limits = {
+        "prompt": ("data.max_prompt_length", max_prompt_length),
+        "chosen": ("rollout.max_new_tokens", max_response_length),
+        "rejected": ("rollout.max_new_tokens", max_response_length),
+    }
+    for record in records:
+        row = _pair_row(record, keys, tokenizer, apply_chat_template, system_prompt)
+        lengths = {
+            "prompt": len(row["prompt_ids"]),
+            "chosen": len(row["chosen_ids"]),
+            "rejected": len(row["rejected_ids"]),
+        }
+        if all(
+            _keep(f"{record.where}: {part} is", lengths[part], limit, overlong, name)
+            for part, (name, limit) in limits.items()
+        ):
+            rows.append(row)
+    n_filtered = len(records) - len(rows)
+    if n_filtered:
+        logger.warning(
+            "%s: filtered %d of %d pairs with a prompt over %d or a response over %d tokens",
+            config_key,
+            n_filtered,
+            len(records),
+            max_prompt_length,
+            max_response_length,
+        )
+    if not rows:
+        raise DataError(f"{config_key}: every pair is over the length limits")
+    return PairDataset(rows=rows, pad_id=_pad_id(tokenizer), n_filtered=n_filtered)
+
+
+def collate_pairs(rows: Sequence[PairRow], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompts LEFT-padded, chosen and rejected RIGHT-padded to one response width.
+
+    Keys: `prompts`, `prompt_mask` `[B, P]`; `chosen`, `chosen_mask`, `rejected`,
+    `rejected_mask` `[B, R]`; all int64. Row i of `prompts` followed by row i of either
+    response is a whole sequence, as a rollout lays it out.
+    """
+    if not rows:
+        raise ValueError("collate_pairs: empty batch")
+    prompts, prompt_mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
+    width = max(max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows)
+    out = {"prompts": prompts, "prompt_mask": prompt_mask}
+    for name in ("chosen", "rejected"):
+        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.long)
+        for i, row in enumerate(rows):
+            seq = row[f"{name}_ids"]  # type: ignore[literal-required]
+            ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            mask[i, : len(seq)] = 1
+        out[name], out[f"{name}_mask"] = ids, mask
+    return out
 
 
 # --- sampling --------------------------------------------------------------------------------

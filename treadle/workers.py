@@ -20,6 +20,11 @@ compute_ref_log_probs  (same)                                  ref_log_probs
 update_actor           + old_log_probs, advantages,            metrics (averaged over ranks)
                        ref_log_probs (when kl_coef > 0)
 train_sft              input_ids, attention_mask, loss_mask    metrics
+compute_pair_log_probs prompts, prompt_mask, chosen,           chosen_logps, rejected_logps [B]
+                       chosen_mask, rejected, rejected_mask
+compute_ref_pair_...   (same)                                  ref_chosen_logps, ref_rejected_...
+train_dpo              (same) + ref_chosen_logps,              metrics (dpo/*)
+                       ref_rejected_logps
 =====================  ======================================  ==================================
 
 The critic (:class:`CriticWorker`) and the reward model (:class:`RewardModelWorker`) are value
@@ -35,22 +40,46 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, value_loss
+from treadle.algorithms import (
+    POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    agg_loss,
+    implicit_rewards,
+    kl_penalty,
+    masked_sum,
+    pair_stats,
+    value_loss,
+)
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
-from treadle.engines.value import ValueHead
+from treadle.engines.value import ValueHead, last_token_values
 from treadle.models import load_causal_lm, load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
 
 
 def _left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def pair_sequences(
+    mb: Batch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Preference pairs as ``2B`` sequences: every prompt with its chosen, then with its rejected.
+
+    Returns ``(input_ids [2B, P+R], attention_mask, R, response_mask [2B, R])``.
+    """
+    prompts = torch.cat([mb["prompts"], mb["prompts"]])
+    pmask = torch.cat([mb["prompt_mask"], mb["prompt_mask"]])
+    responses = torch.cat([mb["chosen"], mb["rejected"]])
+    rmask = torch.cat([mb["chosen_mask"], mb["rejected_mask"]])
+    ids = torch.cat([prompts, responses], 1).to(device)
+    mask = torch.cat([pmask, rmask], 1).to(device)
+    return ids, mask, responses.shape[1], rmask
 
 
 def _pad_right(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -283,6 +312,92 @@ class ActorRolloutRefWorker(Worker):
         stats = self.actor.step()
         return {"sft/loss": loss_sum, "sft/grad_norm": stats["grad_norm"], "sft/lr": stats["lr"]}
 
+    # ------------------------------------------------------------------ preference pairs (DPO)
+
+    def _pair_logps(self, engine: TrainEngine, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sequence log-probs (summed over response tokens) of chosen and rejected, one forward."""
+        ids, mask, width, rmask = pair_sequences(mb, self.device)
+        logp, _ = engine.log_probs(ids, mask, width)  # temperature 1: the model's own policy
+        seq = masked_sum(logp, rmask.to(logp.device), dim=-1).float()
+        return seq[: len(mb)], seq[len(mb) :]
+
+    @torch.no_grad()
+    def _pair_logps_all(self, engine: TrainEngine, batch: Batch, prefix: str) -> Batch:
+        chosen, rejected = [], []
+        for mb in batch.split(self.cfg.actor.micro_batch_size):
+            c, r = self._pair_logps(engine, mb)
+            chosen.append(c.cpu())
+            rejected.append(r.cpu())
+        return Batch.from_dict(
+            tensors={
+                f"{prefix}chosen_logps": torch.cat(chosen),
+                f"{prefix}rejected_logps": torch.cat(rejected),
+            }
+        )
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_pair_log_probs(self, batch: Batch) -> Batch:
+        """The policy's ``chosen_logps``, ``rejected_logps`` ``[B]`` of preference pairs."""
+        return self._pair_logps_all(self.actor, batch, "")
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_ref_pair_log_probs(self, batch: Batch) -> Batch:
+        """The reference's ``ref_chosen_logps``, ``ref_rejected_logps`` ``[B]``."""
+        if self.ref is None:
+            raise RuntimeError("this worker group was built without a reference")
+        return self._pair_logps_all(self.ref, batch, "ref_")
+
+    def _dpo_loss(self, mb: Batch, pairs: float, tokens: float) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's share of the batch loss, and its metrics (to be summed)."""
+        d = self.cfg.dpo
+        chosen, rejected = self._pair_logps(self.actor, mb)
+        ref_c = mb["ref_chosen_logps"].to(chosen.device)
+        ref_r = mb["ref_rejected_logps"].to(chosen.device)
+        loss_fn = PREFERENCE_LOSSES.get(d.loss_type)
+        losses = loss_fn(
+            chosen, rejected, ref_c, ref_r, beta=d.beta, label_smoothing=d.label_smoothing
+        )
+        nll = -chosen.sum() / tokens  # the chosen responses' token-mean NLL (RPO's SFT term)
+        loss = losses.sum() / pairs + (d.nll_coef * nll if d.nll_coef else 0.0)
+        rewards = pair_stats(
+            implicit_rewards(chosen.detach(), ref_c, d.beta),
+            implicit_rewards(rejected.detach(), ref_r, d.beta),
+        )
+        stats = {
+            "dpo/loss": float(losses.detach().sum()),
+            "dpo/reward_accuracy": rewards["accuracy"],
+            "dpo/margin": rewards["margin"],
+            "dpo/chosen_reward": rewards["chosen"],
+            "dpo/rejected_reward": rewards["rejected"],
+            "dpo/chosen_logp": float(chosen.detach().sum()),
+            "dpo/rejected_logp": float(rejected.detach().sum()),
+        }
+        stats = {k: v / pairs for k, v in stats.items()}
+        stats["dpo/nll"] = float(nll.detach())
+        return loss, stats
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def train_dpo(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of a preference loss over the batch's pairs (pair-mean).
+
+        Reads the pairs and their reference log-probs; ``actor.micro_batch_size`` pairs (twice
+        as many sequences) per forward. Losses and metrics are divided by the pairs (chosen
+        tokens, for the NLL term) of all ranks, so the sum over micro-batches and the mean
+        over ranks are the batch means.
+        """
+        pairs = self._global_sum(float(len(batch))) / self.world_size
+        tokens = self._global_sum(float(batch["chosen_mask"].sum())) / self.world_size
+        micros = batch.split(self.cfg.actor.micro_batch_size)
+        sums: dict[str, float] = defaultdict(float)
+        for i, mb in enumerate(micros):
+            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
+            loss, stats = self._dpo_loss(mb, pairs, max(tokens, 1.0))
+            loss.backward()
+            for k, v in stats.items():
+                sums[k] += v
+        step = self.actor.step()
+        return {**sums, "dpo/grad_norm": step["grad_norm"], "dpo/lr": step["lr"]}
+
     # ------------------------------------------------------------------ checkpoints
 
     @register(Dispatch.ALL, Collect.RANK0)
@@ -512,13 +627,5 @@ class RewardModelWorker(Worker):
         with torch.no_grad():
             for mb in batch.split(self.cfg.reward.micro_batch_size):
                 ids, mask = _prompt_response(mb, self.device)
-                # The head reads the state *before* each label, so one masked column more
-                # makes the state at every response token (and the last prompt token) readable.
-                ids, mask = F.pad(ids, (0, 1)), F.pad(mask, (0, 1))
-                width = mb["responses"].shape[1]
-                values = self.engine.module(ids, mask, width + 1)  # [b, width + 1]
-                positions = torch.arange(1, width + 1)
-                # index of the state after the last valid response token (0: the prompt's)
-                last = torch.where(mb["response_mask"].bool(), positions, 0).amax(-1)
-                scores.append(values.gather(1, last[:, None].to(self.device)).squeeze(1).cpu())
+                scores.append(last_token_values(self.engine.module, ids, mask).cpu())
         return Batch.from_dict(tensors={"rm_scores": torch.cat(scores)})

@@ -4,6 +4,8 @@
 - ``losses``: policy losses (``POLICY_LOSSES``), loss aggregation (``LOSS_AGG_MODES``),
   value loss, entropy
 - ``kl``: KL estimators (``KL_ESTIMATORS``) and KL-coefficient controllers
+- ``preference``: losses on chosen/rejected pairs: DPO variants (``PREFERENCE_LOSSES``:
+  sigmoid, ipo) and the Bradley-Terry reward-model loss
 - ``utils``: masked statistics
 - ``registry``: the ``Registry`` class and the ``register_*`` decorators
 
@@ -11,19 +13,22 @@ Nothing here knows about Ray, models or config objects. Importing this package r
 built-in function, so ``ADV_ESTIMATORS.get("grpo")`` works after ``import treadle.algorithms``.
 """
 
-from treadle.algorithms import advantages, kl, losses
+from treadle.algorithms import advantages, kl, losses, preference
 from treadle.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from treadle.algorithms.losses import agg_loss, entropy_from_logits, value_loss
+from treadle.algorithms.preference import bradley_terry_loss, implicit_rewards, pair_stats
 from treadle.algorithms.registry import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    PREFERENCE_LOSSES,
     Registry,
     register_adv_estimator,
     register_kl_estimator,
     register_loss_agg_mode,
     register_policy_loss,
+    register_preference_loss,
 )
 from treadle.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -32,12 +37,15 @@ __all__ = [
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
+    "PREFERENCE_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
     "advantages",
     "agg_loss",
+    "bradley_terry_loss",
     "entropy_from_logits",
+    "implicit_rewards",
     "kl",
     "kl_penalty",
     "losses",
@@ -45,9 +53,12 @@ __all__ = [
     "masked_sum",
     "masked_var",
     "masked_whiten",
+    "pair_stats",
+    "preference",
     "register_adv_estimator",
     "register_kl_estimator",
     "register_loss_agg_mode",
     "register_policy_loss",
+    "register_preference_loss",
     "value_loss",
 ]

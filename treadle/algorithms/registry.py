@@ -122,12 +122,32 @@ class LossAggMode(Protocol):
     ) -> Tensor: ...
 
 
+class PreferenceLoss(Protocol):
+    """``(policy_chosen, policy_rejected, ref_chosen, ref_rejected [B], *, beta, ...) -> [B]``.
+
+    Sequence log-probs (summed over response tokens) of each pair in, one loss per pair out.
+    """
+
+    def __call__(
+        self,
+        policy_chosen_logps: Tensor,
+        policy_rejected_logps: Tensor,
+        ref_chosen_logps: Tensor,
+        ref_rejected_logps: Tensor,
+        *,
+        beta: float,
+        label_smoothing: float = 0.0,
+    ) -> Tensor: ...
+
+
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode")
+PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
 
 register_adv_estimator = ADV_ESTIMATORS.register
 register_policy_loss = POLICY_LOSSES.register
 register_kl_estimator = KL_ESTIMATORS.register
 register_loss_agg_mode = LOSS_AGG_MODES.register
+register_preference_loss = PREFERENCE_LOSSES.register

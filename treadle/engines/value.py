@@ -28,3 +28,25 @@ class ValueHead(nn.Module):
     ) -> torch.Tensor:
         hidden = response_hidden(self.lm, input_ids, attention_mask, num_labels)
         return self.lm.score(hidden).squeeze(-1).float()
+
+
+def last_token_values(
+    head: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
+    """``[B]``: the value at each row's last valid token (a reward model's score of the row).
+
+    ``head`` is a :class:`ValueHead` (FSDP2 root). It reads the state *before* each label
+    position, so one masked column is appended: then ``values[:, j]`` is the state at token j,
+    and the last token of the row (the response's EOS) is scored having seen the whole text.
+    Works for left-padded prompts followed by right-padded responses.
+    """
+    batch, length = input_ids.shape
+    pad = torch.zeros(batch, 1, dtype=input_ids.dtype, device=input_ids.device)
+    values = head(
+        torch.cat([input_ids, pad], 1),
+        torch.cat([attention_mask, torch.zeros_like(pad, dtype=attention_mask.dtype)], 1),
+        length,
+    )
+    positions = torch.arange(length, device=input_ids.device)
+    last = (attention_mask.bool() * positions).argmax(-1)
+    return values[torch.arange(batch, device=values.device), last]

@@ -11,6 +11,9 @@ Everything treadle needs for a run without a model hub is built here from nothin
       83-47: 13-7=6 borrow 1, 8-1-4=3. Answer: 36
 
   Subtraction problems are drawn with the larger operand first, so results are never negative;
+- preference pairs for DPO and reward models (`write_pairs`): the worked answer as chosen, a
+  plausible wrong one (`wrong_solution`: a carry or borrow not applied, or a column off by
+  one, carried through to the answer) as rejected;
 - the verifier (`extract_answer`, `compute_score`) used as the RL reward: it reads the last
   `Answer: <int>`, or failing that the last integer, so a bare `Answer: 85` also scores;
 - a byte-level BPE tokenizer trained on the data (`build_tokenizer`), every digit its own token,
@@ -60,7 +63,7 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 ARCHS = ("qwen2", "llama")
 # Bump when the files prepare() writes change meaning, so old directories are rebuilt.
-PREPARE_FORMAT = 1
+PREPARE_FORMAT = 2  # 2: preference pairs
 
 _ANSWER_RE = re.compile(r"Answer:\s*(-?\d+)", re.IGNORECASE)
 # An integer, with its minus sign only when the minus is not an operator between two numbers.
@@ -72,37 +75,75 @@ _INT_RE = re.compile(r"(?<!\d)-?\d+")
 
 def worked_solution(a: int, op: str, b: int) -> str:
     """The SFT target for `a op b`: one step per digit column, then `Answer: <result>`."""
-    columns = [(int(x), int(y)) for x, y in zip_longest(str(a)[::-1], str(b)[::-1], fillvalue="0")]
-    if op == "+":
-        steps, result = _addition_steps(columns), a + b
-    elif op == "-":
-        steps, result = _subtraction_steps(columns), a - b
-    else:
-        raise ValueError(f"unsupported operator {op!r}: use one of {OPS!r}")
+    steps, result = _column_steps(a, op, b)
+    if result != (a + b if op == "+" else a - b):  # the column arithmetic is the task's ground
+        raise AssertionError(f"column steps of {a}{op}{b} give {result}")
     return f"{a}{op}{b}: {', '.join(steps)}. Answer: {result}"
 
 
-def _addition_steps(columns: list[tuple[int, int]]) -> list[str]:
-    steps, carry = [], 0
-    for x, y in columns:
-        total = x + y + carry
-        step = f"{x}+{y}{'+1' if carry else ''}={total}"
-        carry = total // 10
-        steps.append(step + (" carry 1" if carry else ""))
-    return steps
+def wrong_solution(a: int, op: str, b: int, rng: random.Random) -> str:
+    """A plausible wrong worked answer for `a op b` (a DPO / reward-model "rejected" response).
 
+    One slip, carried through to the answer: a carry or borrow announced but not applied to
+    the next column (when there is one, half of the time), or one column's result off by one:
 
-def _subtraction_steps(columns: list[tuple[int, int]]) -> list[str]:
-    steps, borrow = [], 0
-    for x, y in columns:
-        top = f"{x}{'-1' if borrow else ''}"
-        digit = x - borrow - y
-        borrow = int(digit < 0)
-        if borrow:
-            steps.append(f"1{top}-{y}={digit + 10} borrow 1")
+        47+38: 7+8=15 carry 1, 4+3=7. Answer: 75
+        47+38: 7+8=16 carry 1, 4+3+1=8. Answer: 86
+    """
+    correct = a + b if op == "+" else a - b
+    steps, _ = _column_steps(a, op, b)
+    dropped = [k for k, step in enumerate(steps[:-1]) if step.endswith(("carry 1", "borrow 1"))]
+    while True:
+        if dropped and rng.random() < 0.5:
+            steps, result = _column_steps(a, op, b, drop=rng.choice(dropped))
         else:
-            steps.append(f"{top}-{y}={digit}")
-    return steps
+            slip = (rng.randrange(len(steps)), rng.choice((-1, 1)))
+            steps, result = _column_steps(a, op, b, slip=slip)
+        if result != correct:
+            return f"{a}{op}{b}: {', '.join(steps)}. Answer: {result}"
+
+
+def _column_steps(
+    a: int, op: str, b: int, *, drop: int | None = None, slip: tuple[int, int] | None = None
+) -> tuple[list[str], int]:
+    """The written steps of `a op b`, right to left, and the result they arrive at.
+
+    `drop`: the column whose carry/borrow is not applied to the next one; `slip`:
+    `(column, delta)`, that column's result written off by `delta`. Both are mistakes, for
+    rejected responses; without them the steps are the worked solution.
+    """
+    columns = [(int(x), int(y)) for x, y in zip_longest(str(a)[::-1], str(b)[::-1], fillvalue="0")]
+    if op not in OPS:
+        raise ValueError(f"unsupported operator {op!r}: use one of {OPS!r}")
+    column = _addition_column if op == "+" else _subtraction_column
+    steps, digits, carry = [], [], 0
+    for k, (x, y) in enumerate(columns):
+        delta = slip[1] if slip is not None and slip[0] == k else 0
+        step, digit, carry = column(x, y, carry, delta)
+        steps.append(step)
+        digits.append(digit)
+        if k == drop:
+            carry = 0
+    result = sum(d * 10**k for k, d in enumerate(digits)) + carry * 10 ** len(digits)
+    return steps, result
+
+
+def _addition_column(x: int, y: int, carry: int, delta: int) -> tuple[str, int, int]:
+    """`x+y(+1)=total`, then `carry 1` when total >= 10; returns (step, digit, carry out)."""
+    total = max(x + y + carry + delta, 0)
+    step = f"{x}+{y}{'+1' if carry else ''}={total}"
+    return step + (" carry 1" if total >= 10 else ""), total % 10, total // 10
+
+
+def _subtraction_column(x: int, y: int, borrow: int, delta: int) -> tuple[str, int, int]:
+    """`x(-1)-y=digit`, or `1x(-1)-y=digit borrow 1`; returns (step, digit, borrow out)."""
+    top = f"{x}{'-1' if borrow else ''}"
+    digit = x - borrow - y
+    if digit < 0:
+        digit = (digit + 10 + delta) % 10
+        return f"1{top}-{y}={digit} borrow 1", digit, 1
+    digit = (digit + delta) % 10
+    return f"{top}-{y}={digit}", digit, 0
 
 
 def _count_distinct(min_value: int, max_value: int, ops: str) -> int:
@@ -172,6 +213,45 @@ def write_splits(
     write_jsonl(train, paths["train"])
     write_jsonl(test, paths["test"])
     return paths
+
+
+def write_pairs(out_dir: str | Path, *, seed: int) -> dict[str, Path]:
+    """Preference pairs of both splits: `pairs_train.jsonl`, `pairs_test.jsonl` under `out_dir`.
+
+    One pair per problem of `train.jsonl` / `test.jsonl` (which must exist): `prompt`,
+    `answer`, `chosen` (the worked solution) and `rejected` (`wrong_solution`, seeded).
+    """
+    out = Path(out_dir)
+    paths = {}
+    for split in ("train", "test"):
+        rng = random.Random(f"pairs:{seed}:{split}")
+        rows = []
+        with (out / f"{split}.jsonl").open(encoding="utf-8") as f:
+            for line in f:
+                row = json.loads(line)
+                a, op, b = _parse_prompt(row["prompt"])
+                rejected = wrong_solution(a, op, b, rng)
+                rows.append(
+                    {
+                        "prompt": row["prompt"],
+                        "answer": row["answer"],
+                        "chosen": row["solution"],
+                        "rejected": rejected,
+                    }
+                )
+        paths[f"pairs_{split}"] = out / f"pairs_{split}.jsonl"
+        write_jsonl(rows, paths[f"pairs_{split}"])
+    return paths
+
+
+_PROMPT_RE = re.compile(r"^What is (\d+)([+-])(\d+)\?$")
+
+
+def _parse_prompt(prompt: str) -> tuple[int, str, int]:
+    match = _PROMPT_RE.match(prompt)
+    if match is None:
+        raise ValueError(f"not an arithmetic prompt: {prompt!r}")
+    return int(match.group(1)), match.group(2), int(match.group(3))
 
 
 # --- verifier --------------------------------------------------------------------------------
@@ -316,7 +396,8 @@ def prepare(
 ) -> dict[str, Path]:
     """Build data splits, a tokenizer trained on the train split and an initial model.
 
-    Returns `{"train", "test", "model", "manifest"}` paths; the model folder is
+    Returns `{"train", "test", "pairs_train", "pairs_test", "model", "manifest"}` paths
+    (`write_pairs`: preference pairs of each split); the model folder is
     `out_dir/model_init`. When `out_dir/prepare.json` records the same arguments and all the
     files exist, nothing is rebuilt. The manifest is written last, so an interrupted run is
     rebuilt from scratch next time.
@@ -345,6 +426,8 @@ def prepare(
     paths = {
         "train": out / "train.jsonl",
         "test": out / "test.jsonl",
+        "pairs_train": out / "pairs_train.jsonl",
+        "pairs_test": out / "pairs_test.jsonl",
         "model": out / "model_init",
         "manifest": out / "prepare.json",
     }
@@ -353,6 +436,7 @@ def prepare(
         return paths
     paths["manifest"].unlink(missing_ok=True)
     write_splits(out, n_train=n_train, n_test=n_test, seed=seed, **gen)
+    write_pairs(out, seed=seed)
     with paths["train"].open(encoding="utf-8") as f:
         train_rows = [json.loads(line) for line in f]
     corpus = [text for row in train_rows for text in (row["prompt"], row["solution"])]
@@ -392,5 +476,6 @@ def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
 
 def _is_prepared(paths: dict[str, Path], manifest: dict[str, Any]) -> bool:
     model_files = ("config.json", "model.safetensors", "tokenizer.json")
-    files = [paths["train"], paths["test"], *(paths["model"] / name for name in model_files)]
+    data = [paths[k] for k in ("train", "test", "pairs_train", "pairs_test")]
+    files = [*data, *(paths["model"] / name for name in model_files)]
     return manifest_matches(paths["manifest"], manifest, files)

@@ -110,25 +110,36 @@ def build_actors(
     colocated: int = 1,
     cpus_per_rank: float | None = None,
 ) -> Actors:
-    """The actor group. ``colocated``: how many groups will share its bundles (each takes
-    1/colocated of a bundle); ``cpus_per_rank``: a bundle's CPUs (default: all / ranks)."""
+    """The actor+rollout+reference group, starting from the weights at ``actor_path``."""
+    kwargs = {"actor_path": actor_path, "with_ref": with_ref}
+    return build_group(cfg, ActorRolloutRefWorker, kwargs, colocated, cpus_per_rank)
+
+
+def build_group(
+    cfg: Config,
+    worker_cls: type[Worker],
+    kwargs: dict[str, Any],
+    colocated: int = 1,
+    cpus_per_rank: float | None = None,
+) -> Actors:
+    """``actor.world_size`` ranks of ``worker_cls`` (one in-process rank for the local backend).
+
+    Every worker is built with ``config`` and ``threads`` besides ``kwargs``. ``colocated``:
+    how many groups will share the pool's bundles (each takes 1/colocated of a bundle);
+    ``cpus_per_rank``: a bundle's CPUs (default: all / ranks).
+    """
     ws = cfg.actor.world_size
     cpus = cpus_per_rank or total_cpus(cfg) / ws
     threads = rank_threads(cfg, cpus)
-    kwargs: dict[str, Any] = {
-        "config": cfg,
-        "actor_path": actor_path,
-        "with_ref": with_ref,
-        "threads": threads,
-    }
+    kwargs = {"config": cfg, "threads": threads, **kwargs}
     if cfg.trainer.backend == "local":
-        group = WorkerGroup(ActorRolloutRefWorker, world_size=1, backend="local", kwargs=kwargs)
+        group = WorkerGroup(worker_cls, world_size=1, backend="local", kwargs=kwargs)
         return Actors(group, None)
     ensure_ray(cfg)
     pool = ResourcePool(world_size=ws, cpus_per_rank=cpus, gpus_per_rank=_gpus_per_rank())
     try:
         group = WorkerGroup(
-            ActorRolloutRefWorker,
+            worker_cls,
             world_size=ws,
             backend="ray",
             pool=pool,
@@ -321,10 +332,20 @@ class Trainer:
             state = ckpt.read_state(latest)
             self.start, self.resumed_from = int(state["step"]), latest
             self.load_driver_state(state)
-        self.actors = build_actors(self.cfg, actor_path, with_ref, colocated, cpus_per_rank)
+        self.actors = self.build_workers(actor_path, with_ref, colocated, cpus_per_rank)
         self.group = self.actors.group
         if latest is not None:
             self.group.load_checkpoint(str(latest))
+
+    def build_workers(
+        self,
+        start_path: str,
+        with_ref: bool,
+        colocated: int = 1,
+        cpus_per_rank: float | None = None,
+    ) -> Actors:
+        """The trained worker group, from the weights at ``start_path`` (default: the actor)."""
+        return build_actors(self.cfg, start_path, with_ref, colocated, cpus_per_rank)
 
     def run_step(self, step: int) -> dict[str, float]:
         raise NotImplementedError

@@ -46,7 +46,7 @@ from treadle.algorithms import (
 )
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty, varied_groups
-from treadle.config import Config
+from treadle.config import Config, DPOConfig
 from treadle.data import ResumableSampler
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
@@ -73,6 +73,11 @@ def check_names(cfg: Config) -> None:
     ):
         if name not in registry.names():
             raise ConfigError(f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}")
+    if cfg.dpo != DPOConfig.model_validate({}):
+        raise ConfigError(
+            "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "
+            "`treadle train` runs RL: remove the section or run `treadle dpo`"
+        )
     load_reward_fn(cfg.reward.function)
 
 

@@ -1,7 +1,9 @@
 """The SFT driver: next-token loss on response tokens, with the same actor workers.
 
-It uses the RL actor's worker group (FSDP2 engine, optimizer, checkpoints) without a
-reference; a step is one optimizer step over ``data.batch_size`` samples. The run ends at
+A row is a prompt and a response (loss on the response) or, without a prompt, a
+``data.messages_key`` list of chat messages (loss on every assistant turn). It uses the RL
+actor's worker group (FSDP2 engine, optimizer, checkpoints) without a reference; a step is
+one optimizer step over ``data.batch_size`` samples. The run ends at
 ``trainer.total_steps`` (or after ``trainer.epochs`` passes), writes a checkpoint and exports
 ``<output_dir>/final_model``, and reports held-out accuracy when ``data.val_files`` is set.
 """
@@ -35,6 +37,7 @@ class SFTTrainer(Trainer):
             d.train_files,
             prompt_key=d.prompt_key,
             response_key=d.response_key,
+            messages_key=d.messages_key,
             tokenizer=tok,
             max_length=d.max_prompt_length + cfg.rollout.max_new_tokens,
             apply_chat_template=d.apply_chat_template,

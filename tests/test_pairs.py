@@ -1,0 +1,132 @@
+"""Preference-pair data: layout, chat-format responses, errors by message, the task's pairs."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from treadle.config import load_config
+from treadle.data import collate_pairs, load_pair_dataset, load_prompt_dataset
+from treadle.errors import DataError
+from treadle.models import load_tokenizer
+from treadle.tasks import arithmetic as ar
+from treadle.trainers.pairs import load_pairs
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_task):  # type: ignore[no-untyped-def]
+    return load_tokenizer(tiny_task["model"])
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+PAIRS = [
+    {"prompt": "What is 1+2?", "answer": "3", "chosen": "Answer: 3", "rejected": "Answer: 4"},
+    {
+        "prompt": "What is 47+38?",
+        "answer": "85",
+        "chosen": [{"role": "assistant", "content": ar.worked_solution(47, "+", 38)}],
+        "rejected": [{"role": "assistant", "content": "47+38: 7+8=15. Answer: 75"}],
+    },
+]
+
+
+def load(tok, path, **kwargs):  # type: ignore[no-untyped-def]
+    args = {"tokenizer": tok, "max_prompt_length": 64, "max_response_length": 48}
+    return load_pair_dataset([path], **{**args, **kwargs})
+
+
+def test_pairs_are_prompt_plus_response_and_eos(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
+    ds = load(tok, path)
+    prompts = load_prompt_dataset([path], tokenizer=tok, max_prompt_length=64)
+    eos = tok.eos_token_id
+    for row, prompt in zip(ds.rows, prompts.rows, strict=True):
+        assert row["prompt_ids"] == prompt["prompt_ids"]  # rendered as the RL prompts are
+        assert row["chosen_ids"][-1] == eos and row["rejected_ids"][-1] == eos
+    assert tok.decode(ds[0]["chosen_ids"]) == "Answer: 3<|im_end|>"
+    # A chat-format response (one assistant message) is its content.
+    assert ds[1]["chosen_ids"] == [*tok.encode(ar.worked_solution(47, "+", 38)), eos]
+    assert ds[1]["ground_truth"] == "85"
+    batch = collate_pairs(ds.rows, ds.pad_id)
+    assert batch["prompts"].shape[0] == 2 and batch["chosen"].shape == batch["rejected"].shape
+    assert batch["prompt_mask"][0, 0] == 0 and batch["prompt_mask"][:, -1].all()  # left-padded
+    n = len(ds[0]["rejected_ids"])
+    assert batch["rejected_mask"][0].tolist() == [1] * n + [0] * (batch["rejected"].shape[1] - n)
+    assert torch.equal(batch["rejected"][0, :n], torch.tensor(ds[0]["rejected_ids"]))
+
+
+def test_file_without_pair_columns_says_which_keys_to_set(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    rows = [{"prompt": "What is 1+2?", "good": "Answer: 3", "bad": "Answer: 4"}]
+    path = write_jsonl(tmp_path / "prefs.jsonl", rows)
+    with pytest.raises(DataError) as info:
+        load(tok, path)
+    assert str(info.value) == (
+        f"data.train_files: {path} has no column 'chosen' (data.chosen_key), 'rejected' "
+        "(data.rejected_key); its columns are prompt, good, bad. A preference file needs a "
+        "prompt, a chosen and a rejected response: set data.prompt_key, data.chosen_key and "
+        "data.rejected_key to the columns that hold them"
+    )
+    # ... and with those keys set in the config, the same file loads.
+    cfg = load_config(
+        "examples/arithmetic/dpo.yaml",
+        [f"model.path={Path(tok.name_or_path)}", "data.chosen_key=good", "data.rejected_key=bad"],
+    )
+    assert len(load_pairs(cfg, [path], "data.train_files")) == 1
+
+
+@pytest.mark.parametrize(
+    ("bad_row", "message"),
+    [
+        ({**PAIRS[0], "rejected": ""}, "row 2: response field 'rejected' is missing or empty"),
+        ({**PAIRS[0], "rejected": "Answer: 3"}, "row 2: the chosen and rejected responses are"),
+        (
+            {**PAIRS[0], "chosen": [{"role": "user", "content": "Answer: 3"}]},
+            "row 2: field 'chosen' must be a string or a list of one {'role': 'assistant'",
+        ),
+    ],
+)
+def test_bad_pair_row_names_file_and_row(tok, tmp_path: Path, bad_row, message):  # type: ignore[no-untyped-def]
+    first = {**PAIRS[0], "chosen": [{"role": "assistant", "content": "Answer: 3"}]}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [first, bad_row])
+    with pytest.raises(
+        DataError, match=rf"^data.train_files: {path} {message}".replace("{", r"\{")
+    ):
+        load(tok, path)
+
+
+def test_overlong_pairs_are_filtered_or_rejected(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    long = {**PAIRS[0], "rejected": "Answer: " + "4" * 30}
+    path = write_jsonl(tmp_path / "pairs.jsonl", [PAIRS[0], long])
+    ds = load(tok, path, max_response_length=20)
+    assert len(ds) == 1 and ds.n_filtered == 1
+    with pytest.raises(DataError, match=r"row 2: rejected is \d+ tokens, longer than rollout"):
+        load(tok, path, max_response_length=20, overlong="error")
+
+
+def test_task_pairs_prefer_the_correct_worked_answer(tiny_task):  # type: ignore[no-untyped-def]
+    for split in ("train", "test"):
+        problems = [json.loads(x) for x in tiny_task[split].read_text().splitlines()]
+        pairs = [json.loads(x) for x in tiny_task[f"pairs_{split}"].read_text().splitlines()]
+        assert [p["prompt"] for p in pairs] == [p["prompt"] for p in problems]
+        for pair in pairs:
+            assert ar.compute_score(pair["prompt"], pair["chosen"], pair["answer"]) == 1.0
+            assert ar.compute_score(pair["prompt"], pair["rejected"], pair["answer"]) == 0.0
+            head = pair["chosen"].split(":")[0]
+            assert pair["rejected"].startswith(head + ": ")  # the same problem, worked wrongly
+    # The slips, written out as a student would: a carry not applied, a column off by one.
+    variants = {ar.wrong_solution(47, "+", 38, random.Random(s)) for s in range(60)}
+    assert "47+38: 7+8=15 carry 1, 4+3=7. Answer: 75" in variants
+    assert "47+38: 7+8=16 carry 1, 4+3+1=8. Answer: 86" in variants
+    assert "83-47: 13-7=6 borrow 1, 8-4=4. Answer: 46" in {
+        ar.wrong_solution(83, "-", 47, random.Random(s)) for s in range(60)
+    }
+    assert all(ar.extract_answer(v) != "85" for v in variants)

@@ -1,0 +1,99 @@
+"""Preference losses (DPO sigmoid, IPO, Bradley-Terry) against plain implementations."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from treadle.algorithms import PREFERENCE_LOSSES, bradley_terry_loss, implicit_rewards, pair_stats
+from treadle.config import load_config
+from treadle.errors import ConfigError
+
+
+def plain_sigmoid_dpo(pc, pr, rc, rr, beta, eps=0.0):  # type: ignore[no-untyped-def]
+    """DPO / cDPO for one pair, in Python floats."""
+    h = (pc - rc) - (pr - rr)
+
+    def log_sigmoid(x: float) -> float:
+        return -math.log1p(math.exp(-x))
+
+    return -(1 - eps) * log_sigmoid(beta * h) - eps * log_sigmoid(-beta * h)
+
+
+def plain_ipo(pc, pr, rc, rr, beta):  # type: ignore[no-untyped-def]
+    h = (pc - rc) - (pr - rr)
+    return (h - 1 / (2 * beta)) ** 2
+
+
+def sequence_logps(n: int = 6, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [-(torch.rand(n, generator=g, dtype=torch.float64) * 30) for _ in range(4)]
+
+
+@pytest.mark.parametrize(("beta", "eps"), [(0.1, 0.0), (0.5, 0.0), (0.1, 0.2)])
+def test_sigmoid_loss_and_gradient_match_plain_dpo(beta: float, eps: float):
+    pc, pr, rc, rr = sequence_logps()
+    expected = [
+        plain_sigmoid_dpo(*(float(t[i]) for t in (pc, pr, rc, rr)), beta, eps) for i in range(6)
+    ]
+    pc.requires_grad_(True)
+    pr.requires_grad_(True)
+    losses = PREFERENCE_LOSSES.get("sigmoid")(pc, pr, rc, rr, beta=beta, label_smoothing=eps)
+    torch.testing.assert_close(losses, torch.tensor(expected, dtype=torch.float64))
+    losses.sum().backward()
+    # d/d log pi(y_w) of -(1-e) log s(b h) - e log s(-b h) = -b [(1-e) s(-b h) - e s(b h)]
+    h = ((pc - rc) - (pr - rr)).detach()
+    grad = -beta * ((1 - eps) * torch.sigmoid(-beta * h) - eps * torch.sigmoid(beta * h))
+    torch.testing.assert_close(pc.grad, grad)
+    torch.testing.assert_close(pr.grad, -grad)
+
+
+def test_ipo_loss_and_gradient_match_the_paper():
+    pc, pr, rc, rr = sequence_logps(seed=1)
+    expected = [plain_ipo(*(float(t[i]) for t in (pc, pr, rc, rr)), 0.25) for i in range(6)]
+    pc.requires_grad_(True)
+    losses = PREFERENCE_LOSSES.get("ipo")(pc, pr, rc, rr, beta=0.25)
+    torch.testing.assert_close(losses, torch.tensor(expected, dtype=torch.float64))
+    losses.sum().backward()
+    h = ((pc - rc) - (pr - rr)).detach()
+    torch.testing.assert_close(pc.grad, 2 * (h - 2.0))  # 1 / (2 beta) = 2
+    with pytest.raises(ValueError, match="ipo has no label smoothing"):
+        PREFERENCE_LOSSES.get("ipo")(pc, pr, rc, rr, beta=0.25, label_smoothing=0.1)
+
+
+def test_dpo_loss_is_ln2_when_policy_equals_reference():
+    logps = torch.tensor([-12.5, -3.0, -40.0])
+    other = torch.tensor([-7.0, -9.5, -1.0])
+    losses = PREFERENCE_LOSSES.get("sigmoid")(logps, other, logps, other, beta=0.3)
+    torch.testing.assert_close(losses, torch.full((3,), math.log(2)))
+    # IPO at the same point: (0 - 1/(2 beta))^2
+    ipo = PREFERENCE_LOSSES.get("ipo")(logps, other, logps, other, beta=0.5)
+    torch.testing.assert_close(ipo, torch.ones(3))
+
+
+def test_bradley_terry_loss_by_hand():
+    chosen = torch.tensor([2.0, 0.0, -1.0])
+    rejected = torch.tensor([0.5, 0.0, 1.0])
+    # -log sigmoid(d) = log(1 + e^-d): d = 1.5, 0, -2
+    expected = torch.tensor([math.log(1 + math.exp(-1.5)), math.log(2), math.log(1 + math.exp(2))])
+    torch.testing.assert_close(bradley_terry_loss(chosen, rejected), expected)
+    assert expected[0].item() == pytest.approx(0.2014133, abs=1e-6)
+
+
+def test_implicit_rewards_and_pair_stats():
+    rewards = implicit_rewards(torch.tensor([-1.0, -5.0]), torch.tensor([-2.0, -4.0]), 0.5)
+    torch.testing.assert_close(rewards, torch.tensor([0.5, -0.5]))
+    stats = pair_stats(torch.tensor([1.0, 0.0, 2.0]), torch.tensor([0.0, 0.0, 3.0]))
+    assert stats == {"accuracy": 1.0, "margin": 0.0, "chosen": 3.0, "rejected": 3.0}
+
+
+def test_names_and_config_rules():
+    assert PREFERENCE_LOSSES.names() == ["ipo", "sigmoid"]
+    with pytest.raises(ValueError, match="valid: ipo, sigmoid"):
+        PREFERENCE_LOSSES.get("sigmod")
+    with pytest.raises(ConfigError, match=r"applies to dpo\.loss_type=sigmoid only"):
+        load_config(None, ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"])
+    with pytest.raises(ConfigError, match=r"dpo\.beta"):
+        load_config(None, ["dpo.beta=0"])

@@ -1,0 +1,94 @@
+"""Multi-turn SFT through `treadle sft`: the loss is on assistant turns only."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from treadle.cli import main
+from treadle.models import load_causal_lm, load_tokenizer
+from treadle.tracking import read_metrics
+
+
+def conversations(train_file, n: int) -> list[list[dict[str, str]]]:
+    rows = [json.loads(x) for x in train_file.read_text().splitlines()[: 2 * n]]
+    return [
+        [
+            {"role": "system", "content": "Be exact."},
+            {"role": "user", "content": first["prompt"]},
+            {"role": "assistant", "content": first["solution"]},
+            {"role": "user", "content": second["prompt"]},
+            {"role": "assistant", "content": second["solution"]},
+        ]
+        for first, second in zip(rows[::2], rows[1::2], strict=True)
+    ]
+
+
+def plain_losses(model, tok, chats) -> tuple[float, float]:
+    """Token-mean NLL over assistant turns (content + <|im_end|>), and over every token.
+
+    Computed on the whole conversation rendered by the chat template and tokenized at once;
+    the assistant spans are found in the tokens: after `<|im_start|>assistant\\n`, up to and
+    including the next `<|im_end|>`.
+    """
+    start, end = tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"])
+    header = tok.encode("<|im_start|>assistant\n", add_special_tokens=False)
+    nll_sum, count, all_sum, all_count = 0.0, 0, 0.0, 0
+    for chat in chats:
+        text = tok.apply_chat_template(chat, tokenize=False).removesuffix("\n")
+        ids = tok.encode(text, add_special_tokens=False)
+        mask = [0] * len(ids)
+        for i in range(len(ids)):
+            if ids[i] == start and ids[i : i + len(header)] == header:
+                j = i + len(header)
+                while ids[j] != end:
+                    mask[j] = 1
+                    j += 1
+                mask[j] = 1
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+        nll = -F.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+        target = torch.tensor(mask[1:], dtype=torch.bool)
+        nll_sum += float(nll[target].sum())
+        count += int(target.sum())
+        all_sum += float(nll.sum())
+        all_count += len(nll)
+    return nll_sum / count, all_sum / all_count
+
+
+@pytest.mark.slow
+def test_multi_turn_sft_loss_is_on_assistant_turns_only(tiny_task, tmp_path):
+    chats = conversations(tiny_task["train"], 12)
+    data = tmp_path / "chats.jsonl"
+    data.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    out = tmp_path / "sft"
+    code = main(
+        [
+            "sft",
+            "examples/arithmetic/sft.yaml",
+            f"model.path={tiny_task['model']}",
+            f"data.train_files=[{data}]",
+            "data.val_files=[]",
+            "data.max_prompt_length=80",  # + rollout.max_new_tokens=48: the 128 positions
+            "data.batch_size=12",  # the whole file: step 1's loss is the loss over all chats
+            "actor.micro_batch_size=5",
+            "actor.ppo_mini_batch_size=12",
+            "rollout.n=1",
+            "rollout.engine=hf",
+            "trainer.backend=local",
+            "trainer.total_steps=2",
+            "trainer.progress=false",
+            f"trainer.output_dir={out}",
+        ]
+    )
+    assert code == 0
+    metrics = read_metrics(out)
+    assistant, everything = plain_losses(
+        load_causal_lm(tiny_task["model"]), load_tokenizer(tiny_task["model"]), chats
+    )
+    assert metrics[0]["sft/loss"] == pytest.approx(assistant, rel=1e-5)
+    assert everything != pytest.approx(assistant, rel=1e-3)  # the check tells the two apart
+    assert metrics[1]["sft/loss"] < metrics[0]["sft/loss"]

@@ -1,0 +1,141 @@
+"""The reward-model trainer's worker: a value model learning a Bradley-Terry score on pairs.
+
+:class:`RewardTrainerWorker` holds one FSDP2 :class:`~treadle.engines.fsdp.TrainEngine` around
+a value model (``*ForTokenClassification``, one label; from a causal LM folder its head starts
+at zero, so every pair starts tied). A response's score is the value at the last valid token
+of prompt + response (its EOS), :func:`~treadle.engines.value.last_token_values`: the same
+number a reward-model role computes when it loads the saved folder.
+
+=================  =============================================  ===========================
+method             reads                                          returns
+=================  =============================================  ===========================
+train_rm           prompts, prompt_mask, chosen, chosen_mask,     metrics (rm/*), one optimizer
+                   rejected, rejected_mask                        step over the batch
+score_pairs        (same)                                         chosen_scores, rejected_scores
+save_checkpoint    a directory                                    value-model folder + optimizer
+=================  =============================================  ===========================
+
+Checkpoints hold ``model/`` as a value-model folder (what ``final_model`` becomes), the
+optimizer and the RNG state, as the actor's do.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from treadle.algorithms import bradley_terry_loss, pair_stats
+from treadle.config import Config
+from treadle.controller import Collect, Dispatch, Worker, register
+from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.value import ValueHead, last_token_values
+from treadle.models import load_tokenizer, load_value_model, save_hf_folder
+from treadle.protocol import Batch
+from treadle.workers import pair_sequences
+
+
+class RewardTrainerWorker(Worker):
+    """A value model trained as a reward model; optimizer settings from the ``actor`` section."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        config: Config,
+        model_path: str,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(threads)
+        super().__init__(rank, world_size, master_addr, master_port)
+        self.cfg = config
+        a = config.actor
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or model_path)
+        model: nn.Module = load_value_model(model_path, DTYPES[config.model.dtype])
+        self.engine = TrainEngine(
+            model.to(self.device),
+            chunk_size=a.logprob_chunk_size,
+            lr=a.lr,
+            betas=a.betas,
+            weight_decay=a.weight_decay,
+            warmup_steps=a.warmup_steps,
+            grad_clip=a.grad_clip,
+            gradient_checkpointing=a.gradient_checkpointing,
+            head=ValueHead,
+        )
+        self.hf_config = self.engine.module.lm.config
+
+    def _scores(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask, _, _ = pair_sequences(mb, self.device)
+        scores = last_token_values(self.engine.module, ids, mask)
+        return scores[: len(mb)], scores[len(mb) :]
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def train_rm(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of the Bradley-Terry loss, pair-mean over micro-batches and ranks."""
+        pairs = torch.tensor([float(len(batch))], dtype=torch.float64)
+        dist.all_reduce(pairs)
+        per_rank = float(pairs.item()) / self.world_size
+        micros = batch.split(self.cfg.actor.micro_batch_size)
+        sums: dict[str, float] = defaultdict(float)
+        for i, mb in enumerate(micros):
+            self.engine.module.set_requires_gradient_sync(i == len(micros) - 1)
+            chosen, rejected = self._scores(mb)
+            losses = bradley_terry_loss(chosen, rejected)
+            (losses.sum() / per_rank).backward()
+            pair = pair_stats(chosen, rejected)
+            stats = {
+                "rm/loss": float(losses.detach().sum()),
+                "rm/accuracy": pair["accuracy"],
+                "rm/margin": pair["margin"],
+                "rm/chosen_score": pair["chosen"],
+                "rm/rejected_score": pair["rejected"],
+            }
+            for k, v in stats.items():
+                sums[k] += v / per_rank
+        step = self.engine.step()
+        return {**sums, "rm/grad_norm": step["grad_norm"], "rm/lr": step["lr"]}
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    @torch.no_grad()
+    def score_pairs(self, batch: Batch) -> Batch:
+        """``chosen_scores``, ``rejected_scores`` ``[B]``."""
+        chosen, rejected = [], []
+        for mb in batch.split(self.cfg.actor.micro_batch_size):
+            c, r = self._scores(mb)
+            chosen.append(c.float().cpu())
+            rejected.append(r.float().cpu())
+        return Batch.from_dict(
+            tensors={"chosen_scores": torch.cat(chosen), "rejected_scores": torch.cat(rejected)}
+        )
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
+        """``model/`` as a value-model folder (rank 0), optimizer gathered, RNG per rank."""
+        out = Path(path)
+        state = {}
+        for name, tensor in self.engine.full_state():
+            if self.rank == 0:
+                state[name] = tensor.cpu().clone()
+        if self.rank == 0:
+            save_hf_folder(state, self.hf_config, self.tokenizer, out / "model")
+        if with_optimizer:
+            self.engine.save_optimizer(out, self.rank)
+        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
+        dist.barrier()
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def load_checkpoint(self, path: str) -> None:
+        """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
+        out = Path(path)
+        self.engine.load_optimizer(out)
+        rng = out / f"rng_rank{self.rank}.safetensors"
+        if rng.exists():
+            torch.set_rng_state(load_file(str(rng))["torch"])

@@ -1,0 +1,104 @@
+"""The DPO driver: a policy learns from chosen/rejected pairs against a frozen reference.
+
+::
+
+    pairs ─► reference log-probs ─► update actor (preference loss) ─► [eval]
+
+It runs on the RL actor's worker group: the actor is the policy, the worker's reference
+(built from ``model.path``, also on resume) is the frozen initial policy. A step is one
+optimizer step over ``data.batch_size`` pairs. The loss is chosen by name
+(``dpo.loss_type``: ``sigmoid``, ``ipo``; :mod:`treadle.algorithms.preference`), on sequence
+log-probs summed over response tokens at temperature 1, plus ``dpo.nll_coef`` times the
+chosen responses' token-mean NLL when set (RPO, arXiv 2404.19733: it keeps DPO from lowering
+the likelihood of the chosen answers along with the rejected ones). The reference log-probs
+of a batch are computed once, before the update, in their own timed phase.
+
+Evaluation on ``data.val_files`` (pair files): ``eval/pair_accuracy`` and ``eval/margin`` of
+the implicit reward ``β (log π - log π_ref)`` on held-out pairs (the reference's log-probs
+of them are computed once) and, with ``dpo.eval_task``, the held-out task accuracy of greedy
+generations (``eval/accuracy``), as ``treadle eval`` measures it. Checkpoints, resume and
+``final_model`` are the SFT driver's.
+"""
+
+from __future__ import annotations
+
+import time
+
+from treadle.algorithms import PREFERENCE_LOSSES, implicit_rewards
+from treadle.config import Config
+from treadle.errors import ConfigError
+from treadle.protocol import Batch
+from treadle.rewards import load_reward_fn
+from treadle.tracking import timed
+from treadle.trainers.common import Trainer, evaluate, load_prompts
+from treadle.trainers.pairs import held_out_batch, load_pairs, pair_batch, pair_means, pair_sampler
+
+
+def check_dpo(cfg: Config) -> None:
+    """Fail before anything starts on a wrong loss name or a task eval without held-out data."""
+    d = cfg.dpo
+    if d.loss_type not in PREFERENCE_LOSSES:
+        names = ", ".join(PREFERENCE_LOSSES.names())
+        raise ConfigError(f"dpo.loss_type: unknown name {d.loss_type!r}; valid: {names}")
+    if d.eval_task:
+        if not cfg.data.val_files:
+            raise ConfigError("dpo.eval_task=true needs data.val_files (held-out prompts)")
+        load_reward_fn(cfg.reward.function)
+
+
+class DPOTrainer(Trainer):
+    """Owns the pairs and the actor group (with its reference); ``fit`` runs the loop."""
+
+    headline = "dpo/loss"
+
+    def __init__(self, cfg: Config) -> None:
+        check_dpo(cfg)
+        d = cfg.data  # all data is checked before the run directory is made
+        self.train = load_pairs(cfg, d.train_files, "data.train_files")
+        self.val = load_pairs(cfg, d.val_files, "data.val_files") if d.val_files else None
+        self.val_prompts = (
+            load_prompts(cfg, d.val_files, "data.val_files") if cfg.dpo.eval_task else None
+        )
+        self.val_ref: Batch | None = None  # the reference never changes: score it once
+        super().__init__(cfg)
+        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
+        self.start_workers(sampler, with_ref=True)
+
+    def run_step(self, step: int) -> dict[str, float]:
+        m: dict[str, float] = {}
+        start = time.perf_counter()
+        batch = pair_batch(self.train, self.sampler.next_indices())
+        with timed(m, "ref_log_probs"):
+            batch = batch.union(self.group.compute_ref_pair_log_probs(batch))
+        with timed(m, "update_actor"):
+            m.update(self.group.train_dpo(batch))
+        m["timing/step"] = time.perf_counter() - start
+        m["epoch"] = step / self.steps_per_epoch
+        if self.val is not None and self.eval_due(step):
+            with timed(m, "eval"):
+                m.update(self.evaluate())
+        return m
+
+    def evaluate(self) -> dict[str, float]:
+        """Implicit-reward accuracy and margin on held-out pairs; task accuracy if asked."""
+        assert self.val is not None
+        batch, pad = held_out_batch(self.cfg, self.val)
+        if self.val_ref is None:
+            self.val_ref = self.group.compute_ref_pair_log_probs(batch).unpad(pad)
+        policy = self.group.compute_pair_log_probs(batch).unpad(pad)
+        beta, ref = self.cfg.dpo.beta, self.val_ref
+        metrics = pair_means(
+            implicit_rewards(policy["chosen_logps"], ref["ref_chosen_logps"], beta),
+            implicit_rewards(policy["rejected_logps"], ref["ref_rejected_logps"], beta),
+            prefix="eval/",
+        )
+        if self.val_prompts is not None:
+            self.group.sync_weights()  # the rollout engine generates with the trained weights
+            pad_id = self.val_prompts.pad_id
+            metrics["eval/accuracy"] = evaluate(self.cfg, self.group, self.val_prompts, pad_id)
+        return metrics
+
+
+def dpo(cfg: Config) -> dict[str, float]:
+    """Run DPO with ``cfg``; returns the last step's metrics."""
+    return DPOTrainer(cfg).fit()
