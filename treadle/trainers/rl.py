@@ -113,6 +113,7 @@ class RLTrainer(Trainer):
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
             seed=self.cfg.trainer.seed * 100_003 + step,
+            ignore_eos=r.ignore_eos,
         )
 
     def step(self, step: int) -> dict[str, float]:
