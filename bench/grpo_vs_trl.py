@@ -29,8 +29,11 @@ iteration it reuses the detached current ones). treadle runs its product path: o
 with FSDP2 on one rank and an in-process vLLM engine (`rollout.engine=vllm`,
 `trainer.backend=ray`), micro-batches of `--micro-batch` samples without gradient
 checkpointing, a separate old-log-prob forward pass, and a weight sync into vLLM after the
-update. Both use `--threads` torch threads. TRL's reward is a plain last-integer check, treadle's
-the task's built-in reward (rewards only change advantage values, not the work).
+update. treadle's vLLM KV cache is sized to the workload (`--kv-cache-gib`, default: room for
+the 32 sequences of 128 + 64 tokens, x1.5), since vLLM on CPU allocates and fills all of it at
+start, where transformers' cache grows with the batch. Both use `--threads` torch threads.
+TRL's reward is a plain last-integer check, treadle's the task's built-in reward (rewards only
+change advantage values, not the work).
 
 What is measured, per step:
 
