@@ -1,6 +1,8 @@
 """GRPO step time and memory: treadle against TRL's `GRPOTrainer`, the same workload on both.
 
-    .venv/bin/python bench/grpo_vs_trl.py [--models tiny,smollm2-135m] [--steps 5 --warmup 2]
+    python bench/grpo_vs_trl.py [--models tiny,smollm2-135m] [--steps 5 --warmup 2]
+
+after `make install` (run by another python, the script re-runs itself under `.venv/bin/python`).
 
 Setup, done by the script when missing: TRL's own environment `.venv-trl/` at the repo root
 (`python -m venv`, then `torch==2.13.0` first, so pip takes the CPU wheel, then `trl==1.16.*`
@@ -65,6 +67,7 @@ treadle/trl <model>: <r>` lines, step time first, in the order of `--models`.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -78,7 +81,10 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-import psutil
+try:
+    import psutil
+except ImportError:  # not treadle's environment: main() re-runs this under .venv/bin/python
+    psutil = None
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_SIDE = Path(__file__).resolve().with_name("grpo_trl_side.py")
@@ -592,7 +598,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def ensure_project_python() -> None:
+    """Re-run this script under the repo's `.venv` python when this one lacks treadle's stack."""
+    if all(importlib.util.find_spec(m) for m in ("treadle", "torch", "vllm", "psutil")):
+        return
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if not venv_python.exists() or Path(sys.executable) == venv_python:
+        sys.exit("bench/grpo_vs_trl.py needs treadle's environment: run `make install` first")
+    os.execv(venv_python, [str(venv_python), *sys.argv])
+
+
 def main() -> None:
+    ensure_project_python()
     args = parse_args()
     if args.side == "treadle":
         treadle_side(args)
