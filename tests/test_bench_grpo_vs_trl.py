@@ -53,6 +53,9 @@ def test_tree_memory_sums_a_process_and_its_descendants(bench):
     try:
         assert proc.stdout.readline().strip() == "ready"
         processes = bench.tree_memory(proc.pid)
+        cheap = bench.tree_memory(proc.pid, with_pss=False)
+        peak = bench.TreePeak(proc.pid)
+        peak.sample()  # the first sample is a new peak: PSS is read
     finally:
         proc.stdin.close()
         proc.wait(timeout=60)
@@ -62,6 +65,8 @@ def test_tree_memory_sums_a_process_and_its_descendants(bench):
     # 300 MiB held, plus two interpreters (~10-20 MiB each).
     assert 300 * MIB <= rss <= 380 * MIB
     assert 290 * MIB <= pss <= rss
+    assert [p[2] for p in cheap] == [0, 0]
+    assert 300 * MIB <= peak.rss <= 380 * MIB and 290 * MIB <= peak.pss <= peak.rss
     biggest = max(processes, key=lambda p: p[1])
     assert 200 * MIB <= biggest[1] <= 240 * MIB
 
