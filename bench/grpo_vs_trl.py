@@ -315,8 +315,7 @@ def measure_trl(python: Path, wl: Workload, args: argparse.Namespace) -> dict[st
     ]
     log = Path(args.workdir) / wl.name / "trl.log"
     memory = run_measured(command, side_env(args.threads, None), log)
-    result = json.loads(out.read_text(encoding="utf-8"))
-    return {"memory": memory, "steps": result["steps"], "settings": result["settings"]}
+    return measured_result(out, memory)
 
 
 def measure_treadle(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
@@ -337,8 +336,14 @@ def measure_treadle(wl: Workload, args: argparse.Namespace) -> dict[str, Any]:
     log = Path(args.workdir) / wl.name / "treadle.log"
     pythonpath = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     memory = run_measured(command, side_env(args.threads, pythonpath), log)
-    result = json.loads(out.read_text(encoding="utf-8"))
-    return {"memory": memory, "steps": result["steps"], "settings": result["settings"]}
+    return measured_result(out, memory)
+
+
+def measured_result(side_out: Path, memory: dict[str, Any]) -> dict[str, Any]:
+    """A side's steps and settings with the memory measured around it; kept as <side>.full.json."""
+    result = {**json.loads(side_out.read_text(encoding="utf-8")), "memory": memory}
+    side_out.with_suffix(".full.json").write_text(json.dumps(result), encoding="utf-8")
+    return result
 
 
 # ----------------------------------------------------------------------------- treadle side
