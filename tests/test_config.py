@@ -96,3 +96,14 @@ def test_dump_is_complete_and_reloads(tmp_path):
     }
     assert data["trainer"]["total_steps"] == 3
     assert load_config(out) == cfg
+
+
+def test_rollout_ignore_eos_reaches_the_sampling_params():
+    from types import SimpleNamespace
+
+    from treadle.trainers.rl import RLTrainer
+
+    for value in (False, True):
+        cfg = load_config(None, [f"rollout.ignore_eos={str(value).lower()}"])
+        params = RLTrainer.sampling(SimpleNamespace(cfg=cfg), 3)  # type: ignore[arg-type]
+        assert params.ignore_eos is value

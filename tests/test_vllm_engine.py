@@ -8,6 +8,7 @@ the folder's weights.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -221,6 +222,38 @@ def test_stops_at_eos(engine, vllm_model, tokenizer):
     out = engine.generate([prompt], params)
     assert out.token_ids == expected.token_ids == [[eos]]
     assert out.stop_reasons == expected.stop_reasons == ["stop"]
+
+
+def test_ignore_eos_runs_every_response_to_max_new_tokens(engine, vllm_model, tokenizer):
+    """With EOS the greedy first token, ignore_eos makes both engines generate on past it."""
+    eos = tokenizer.eos_token_id
+    prompt = tokenizer("What is 7+5?", add_special_tokens=False)["input_ids"]
+    model = load_causal_lm(vllm_model)
+    with torch.no_grad():
+        top = int(model(torch.tensor([prompt])).logits[0, -1].argmax())
+        model.model.embed_tokens.weight[eos] = 2 * model.model.embed_tokens.weight[top]
+    engine.update_weights(model.state_dict().items())
+    hf = hf_engine(model, tokenizer)
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    expected = hf.generate([prompt], greedy)
+    out = engine.generate([prompt], greedy)
+    assert out.token_ids[0][0] == eos and len(out.token_ids[0]) == 8
+    assert out.stop_reasons == expected.stop_reasons == ["length"]
+    assert_same_greedy(out, expected)
+    sampled = SamplingParams(n=3, temperature=1.0, max_new_tokens=8, seed=1, ignore_eos=True)
+    for result in (engine.generate([prompt] * 2, sampled), hf.generate([prompt] * 2, sampled)):
+        assert [len(t) for t in result.token_ids] == [8] * 6
+        assert result.stop_reasons == ["length"] * 6
+    # Without it both stop at EOS (see test_stops_at_eos); an explicit stop token still stops.
+    assert engine.generate([prompt], dataclasses.replace(greedy, ignore_eos=False)).token_ids == [
+        [eos]
+    ]
+    stop = out.token_ids[0][3]
+    cut = dataclasses.replace(greedy, stop_token_ids=(stop,))
+    first = out.token_ids[0].index(stop)
+    for result in (engine.generate([prompt], cut), hf.generate([prompt], cut)):
+        assert result.token_ids == [out.token_ids[0][: first + 1]]
+        assert result.stop_reasons == ["stop"]
 
 
 def test_one_engine_per_process(vllm_session, vllm_model, tmp_path, prompts):

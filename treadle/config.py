@@ -67,6 +67,10 @@ class RolloutConfig(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
     top_k: int = Field(-1, description="Top-k sampling; -1 disables it.")
     max_new_tokens: int = Field(32, gt=0, description="Longest response in tokens.")
+    ignore_eos: bool = Field(
+        False,
+        description="Generate max_new_tokens tokens for every response, ignoring EOS (benchmarks).",
+    )
     micro_batch_size: int = Field(64, gt=0, description="hf engine: sequences per generate call.")
     weight_sync_bucket_mb: float = Field(
         64, gt=0, description="vllm engine: size of one weight-sync message, MiB."

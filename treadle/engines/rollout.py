@@ -8,6 +8,8 @@ and the driver know only this interface.
 The transformers engine is the debugging engine and the fallback: plain ``generate`` with a
 KV cache on a left-padded batch. Log-probs are taken from the raw logits divided by the
 temperature (the policy the actor trains), not from the top-p/top-k-filtered scores.
+``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
+response (every response runs to ``max_new_tokens``, for benchmarks); stop tokens still do.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ class SamplingParams:
     max_new_tokens: int = 32
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False  # run every response to max_new_tokens (stop_token_ids still stop)
 
 
 @dataclass
@@ -85,7 +88,7 @@ class HFRolloutEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        stops = self.eos + list(params.stop_token_ids)
+        stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
         greedy = params.temperature == 0
         gen = self.model.generate(
             input_ids=ids.to(device),
@@ -95,7 +98,7 @@ class HFRolloutEngine:
             top_p=None if greedy else params.top_p,
             top_k=None if greedy or params.top_k <= 0 else params.top_k,
             max_new_tokens=params.max_new_tokens,
-            eos_token_id=stops,
+            eos_token_id=stops or None,  # None: no stopping, not the model's default EOS
             pad_token_id=self.pad,
             return_dict_in_generate=True,
             output_logits=True,

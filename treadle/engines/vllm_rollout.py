@@ -219,6 +219,7 @@ class VLLMRolloutEngine:
             "top_k": params.top_k if params.top_k > 0 else 0,
             "max_tokens": params.max_new_tokens,
             "stop_token_ids": list(params.stop_token_ids),
+            "ignore_eos": params.ignore_eos,
             "logprobs": 0,  # the sampled token's log-prob only
             "detokenize": False,
         }

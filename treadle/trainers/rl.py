@@ -169,6 +169,7 @@ class RLTrainer(Trainer):
             top_k=r.top_k,
             max_new_tokens=r.max_new_tokens,
             seed=self.cfg.trainer.seed * 100_003 + step + round_ * 1_000_003,
+            ignore_eos=r.ignore_eos,
         )
 
     def step(self, step: int) -> dict[str, float]:
