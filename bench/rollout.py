@@ -1,6 +1,7 @@
 """Rollout throughput: the vLLM engine against the transformers engine, and one weight sync.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/rollout.py [--prompts 32 --n 4 --new-tokens 64]
+        [--dtypes float32,bfloat16]
 
 Two models: the built-in tiny arithmetic model (`treadle.tasks.arithmetic.prepare` at its
 default sizes, into a temporary directory) and SmolLM2-135M-Instruct (`treadle.hub.fetch_model`,
@@ -11,10 +12,13 @@ generate the same number of tokens; the count is checked. Each engine has
 a short warm-up call first; tokens/s is generated tokens over the wall time of one `generate`.
 The transformers engine gets every sequence in one batch. Weight sync is
 `update_weights(state_dict().items())` with the model's own weights, median of three.
+Each `--dtypes` entry runs both engines with weights (and compute) in that dtype, so the ratio
+of a row pair is at equal precision; bfloat16 uses the CPU's AVX-512 BF16 matmuls.
 
-vLLM allows one engine per process, so each model runs in a child process of its own, one
-after the other; the parent prints the table. The last line is
-`ratio vllm/hf smollm2-135m: <tokens/s of vLLM / tokens/s of transformers>`.
+vLLM allows one engine per process, so each (model, dtype) runs in a child process of its own,
+one after the other; the parent prints the table. The last line is
+`ratio vllm/hf smollm2-135m: <tokens/s of vLLM / tokens/s of transformers>` for the last dtype
+given (bfloat16 by default, the precision `examples/smollm2/grpo_arithmetic.yaml` rolls out in).
 """
 
 from __future__ import annotations
@@ -92,9 +96,10 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     params = SamplingParams(
         n=args.n, temperature=1.0, max_new_tokens=args.new_tokens, seed=0, ignore_eos=True
     )
-    source = load_causal_lm(path)  # the weights each sync sends
+    source = load_causal_lm(path, args.dtype)  # the weights each sync sends
     result: dict[str, Any] = {
         "model": name,
+        "dtype": args.dtype,
         "load_average": os.getloadavg()[0],
         "params": count_parameters(source),
         "prompt_tokens_mean": sum(map(len, prompts)) / len(prompts),
@@ -103,6 +108,7 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     start_s, vllm = timed(
         lambda: VLLMRolloutEngine(
             path,
+            dtype=args.dtype,
             max_model_len=max(map(len, prompts)) + args.new_tokens,
             kv_cache_gib=args.kv_cache_gib,
         )
@@ -112,7 +118,8 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
-    hf = HFRolloutEngine(load_causal_lm(path), eos, pad, micro_batch_size=len(prompts) * args.n)
+    model = load_causal_lm(path, args.dtype)
+    hf = HFRolloutEngine(model, eos, pad, micro_batch_size=len(prompts) * args.n)
     result["hf"] = measure_engine(hf, prompts, params)
     result["hf"]["sync_s"] = measure_sync(hf, source)
     out_file.write_text(json.dumps(result), encoding="utf-8")
@@ -120,16 +127,24 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
 
 def run_children(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
-    for name in MODELS:
-        out_file = Path(args.workdir) / f"{name}.json"
-        log_file = Path(args.workdir) / f"{name}.log"
-        command = [sys.executable, __file__, "--child", name, *forwarded(args)]
-        print(f"measuring {name} (log: {log_file}) ...", flush=True)
-        with log_file.open("w") as log:
-            code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
-        if code != 0:
-            sys.exit(f"{name}: the measuring process failed with code {code}; see {log_file}")
-        results.append(json.loads(out_file.read_text(encoding="utf-8")))
+    for dtype in args.dtypes.split(","):
+        for name in MODELS:
+            out_file = Path(args.workdir) / f"{name}-{dtype}.json"
+            log_file = Path(args.workdir) / f"{name}-{dtype}.log"
+            command = [
+                sys.executable,
+                __file__,
+                "--child",
+                name,
+                f"--dtype={dtype}",
+                *forwarded(args),
+            ]
+            print(f"measuring {name} {dtype} (log: {log_file}) ...", flush=True)
+            with log_file.open("w") as log:
+                code = subprocess.call(command, stdout=log, stderr=subprocess.STDOUT)
+            if code != 0:
+                sys.exit(f"{name}: the measuring process failed with code {code}; see {log_file}")
+            results.append(json.loads(out_file.read_text(encoding="utf-8")))
     return results
 
 
@@ -147,18 +162,19 @@ def forwarded(args: argparse.Namespace) -> list[str]:
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print(
         f"\n{args.prompts} prompts x {args.n} samples x {args.new_tokens} new tokens (forced), "
-        f"temperature 1, float32, {args.threads} threads; 1-min load average at the start of "
-        + ", ".join(f"{r['model']} {r['load_average']:.1f}" for r in results)
+        f"temperature 1, {args.threads} threads; 1-min load average at the start of "
+        + ", ".join(f"{r['model']} {r['dtype']} {r['load_average']:.1f}" for r in results)
         + " (other work shares this machine)"
     )
-    header = f"{'model':<14}{'params':>9}  {'engine':<6}{'start s':>9}{'tokens':>8}"
+    header = f"{'model':<14}{'params':>9}  {'dtype':<9}{'engine':<6}{'start s':>9}{'tokens':>8}"
     print(header + f"{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
     for r in results:
         for engine in ("vllm", "hf"):
             m = r[engine]
             start = f"{m['start_s']:9.1f}" if "start_s" in m else f"{'-':>9}"
             print(
-                f"{r['model']:<14}{r['params'] / 1e6:8.1f}M  {engine:<6}{start}{m['tokens']:8d}"
+                f"{r['model']:<14}{r['params'] / 1e6:8.1f}M  {r['dtype']:<9}{engine:<6}{start}"
+                f"{m['tokens']:8d}"
                 f"{m['gen_s']:8.1f}{m['tokens_per_s']:10.0f}{m['sync_s']:9.3f}"
             )
     for r in results:
@@ -166,7 +182,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
             print(f"warning: {r['model']}: the engines generated different token counts")
     for r in results:
         ratio = r["vllm"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
-        print(f"ratio vllm/hf {r['model']}: {ratio:.2f}")
+        print(f"ratio vllm/hf {r['model']} {r['dtype']}: {ratio:.2f}")
+    last = next(r for r in reversed(results) if r["model"] == "smollm2-135m")
+    ratio = last["vllm"]["tokens_per_s"] / last["hf"]["tokens_per_s"]
+    print(f"ratio vllm/hf smollm2-135m: {ratio:.2f}")
 
 
 def main() -> None:
@@ -176,11 +195,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
+    parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--child", choices=MODELS, help=argparse.SUPPRESS)
+    parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        child(args.child, args, Path(args.workdir) / f"{args.child}.json")
+        child(args.child, args, Path(args.workdir) / f"{args.child}-{args.dtype}.json")
         return
     with tempfile.TemporaryDirectory(prefix="treadle-bench-") as tmp:
         args.workdir = args.workdir or tmp

@@ -158,3 +158,19 @@ def test_train_refuses_a_dpo_config(tiny_task, tmp_path):
     with pytest.raises(ConfigError, match=r"sets the 'dpo' section.*run `treadle dpo`"):
         train(cfg)
     assert not (tmp_path / "run").exists()
+
+
+def test_rollout_dtype_bfloat16_engine_gets_cast_weights(tiny_task, length_reward, tmp_path):
+    t = trainer(tiny_task, tmp_path, length_reward, "rollout.dtype=bfloat16")
+    try:
+        m = t.step(1)
+        worker = t.group.workers[0]  # local backend: the worker object itself
+        engine_params = dict(worker.rollout.model.named_parameters())
+        actor = {name: tensor.clone() for name, tensor in worker.actor.full_state()}
+    finally:
+        t.actors.close()
+    assert {p.dtype for p in engine_params.values()} == {torch.bfloat16}
+    for name, param in engine_params.items():  # the synced weights are the trained ones, cast
+        assert torch.equal(param, actor[name].to(torch.bfloat16)), name
+    # bfloat16 sampling differs from the float32 actor a little, and the metrics see it.
+    assert 0 < m["rollout/logprob_diff_mean"] < 0.1

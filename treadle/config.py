@@ -62,6 +62,12 @@ class DataConfig(Section):
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="Inference engine for generation.")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None,
+        description="Weight dtype of the rollout engine (null: model.dtype). bfloat16 generates "
+        "faster on CPUs with AVX-512 BF16 and on GPUs; the train/rollout log-prob mismatch it "
+        "adds is logged (rollout/logprob_diff_*) and algorithm.rollout_is_cap corrects for it.",
+    )
     n: int = Field(4, gt=0, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")

@@ -130,20 +130,21 @@ class ActorRolloutRefWorker(Worker):
             if with_ref
             else None
         )
-        self.rollout: RolloutEngine = self._make_rollout(actor_path, dtype)
+        self.rollout: RolloutEngine = self._make_rollout(actor_path)
 
     def _load(self, path: str, dtype: torch.dtype) -> nn.Module:
         model: nn.Module = load_causal_lm(path, dtype)
         return model.to(self.device)
 
-    def _make_rollout(self, path: str, dtype: torch.dtype) -> RolloutEngine:
+    def _make_rollout(self, path: str) -> RolloutEngine:
         r = self.cfg.rollout
+        dtype = r.dtype or self.cfg.model.dtype
         if r.engine == "vllm":
             from treadle.engines.vllm_rollout import VLLMRolloutEngine
 
             return VLLMRolloutEngine(
                 path,
-                dtype=self.cfg.model.dtype,
+                dtype=dtype,
                 seed=self.cfg.trainer.seed,
                 max_model_len=self.cfg.data.max_prompt_length + r.max_new_tokens,
                 bucket_mb=r.weight_sync_bucket_mb,
@@ -154,7 +155,7 @@ class ActorRolloutRefWorker(Worker):
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
         return HFRolloutEngine(
-            self._load(path, dtype),
+            self._load(path, DTYPES[dtype]),
             eos_token_ids=eos,
             pad_token_id=pad,
             micro_batch_size=r.micro_batch_size,
