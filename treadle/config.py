@@ -114,7 +114,24 @@ class ActorConfig(Section):
         False, description="Recompute decoder activations in backward (less memory, ~1/3 slower)."
     )
     logprob_chunk_size: int = Field(
-        512, gt=0, description="Positions per chunk when computing log-probs from hidden states."
+        512, gt=0, description="Label tokens per chunk when computing log-probs from hidden states."
+    )
+    remove_padding: bool = Field(
+        True,
+        description="Forward passes (actor, reference) on packed sequences: no compute on pad "
+        "tokens, attention kept within each sequence; same results as the padded forward.",
+    )
+    pack_row_tokens: int = Field(
+        256,
+        gt=0,
+        description="remove_padding: tokens per packed row (a longer sequence gets its own "
+        "row). On CPU attention costs grow with it; ~2x the typical sequence is best.",
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        gt=0,
+        description="Form micro-batches by this many valid tokens per rank (a longer sample "
+        "goes alone) instead of micro_batch_size samples; null: by micro_batch_size.",
     )
 
 

@@ -39,6 +39,7 @@ from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.packing import first_fit_decreasing, token_micro_batches
 from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from treadle.models import load_causal_lm, load_tokenizer, save_hf_folder
 from treadle.protocol import Batch
@@ -76,9 +77,11 @@ class ActorRolloutRefWorker(Worker):
         dtype = DTYPES[config.model.dtype]
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or actor_path)
         a = config.actor
+        row_tokens = a.pack_row_tokens if a.remove_padding else None
         self.actor = TrainEngine(
             self._load(actor_path, dtype),
             chunk_size=a.logprob_chunk_size,
+            row_tokens=row_tokens,
             lr=a.lr,
             betas=a.betas,
             weight_decay=a.weight_decay,
@@ -91,6 +94,7 @@ class ActorRolloutRefWorker(Worker):
             TrainEngine(
                 self._load(config.model.path, dtype),
                 chunk_size=a.logprob_chunk_size,
+                row_tokens=row_tokens,
                 trainable=False,
             )
             if with_ref
@@ -160,15 +164,33 @@ class ActorRolloutRefWorker(Worker):
         mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(self.device)
         return ids, mask, mb["responses"].shape[1]
 
+    def _micro_batches(self, batch: Batch, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Index groups of ``batch``, one per micro-batch, the same count on every rank.
+
+        By ``actor.max_tokens_per_micro_batch`` (``lengths`` = valid tokens per sample) when
+        set, else ``actor.micro_batch_size`` samples each.
+        """
+        a = self.cfg.actor
+        if a.max_tokens_per_micro_batch is None:
+            return list(torch.arange(len(batch)).split(a.micro_batch_size))
+        lens = lengths.tolist()
+        need = torch.tensor([len(first_fit_decreasing(lens, a.max_tokens_per_micro_batch))])
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere
+        groups = token_micro_batches(lens, a.max_tokens_per_micro_batch, int(need))
+        return [torch.tensor(g, dtype=torch.long) for g in groups]
+
     @torch.no_grad()
     def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+        groups = self._micro_batches(batch, lengths)
         logps, ents = [], []
-        for mb in batch.split(self.cfg.actor.micro_batch_size):
-            ids, mask, r = self._sequences(mb)
+        for idx in groups:
+            ids, mask, r = self._sequences(batch.select(idx))
             lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
             logps.append(lp.float().cpu())
             ents.append(ent.float().cpu())
-        return torch.cat(logps), torch.cat(ents)
+        order = torch.cat(groups).argsort()  # back to the batch's order
+        return torch.cat(logps)[order], torch.cat(ents)[order]
 
     @register(Dispatch.DP, Collect.CONCAT)
     def compute_log_probs(self, batch: Batch) -> Batch:
@@ -248,7 +270,8 @@ class ActorRolloutRefWorker(Worker):
         # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
         tokens = self._global_sum(float(mb["response_mask"].sum())) / self.world_size
         agg = {"num_tokens": max(tokens, 1.0), "num_seqs": float(len(mb))}
-        micros = mb.split(self.cfg.actor.micro_batch_size)
+        lengths = mb["prompt_mask"].sum(1) + mb["response_mask"].sum(1)
+        micros = [mb.select(idx) for idx in self._micro_batches(mb, lengths)]
         sums: dict[str, float] = defaultdict(float)
         for i, micro in enumerate(micros):
             self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
@@ -264,14 +287,17 @@ class ActorRolloutRefWorker(Worker):
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
         tokens = self._global_sum(float(batch["loss_mask"][:, 1:].sum())) / self.world_size
-        micros = batch.split(self.cfg.actor.micro_batch_size)
+        groups = self._micro_batches(batch, batch["attention_mask"].sum(1))
         loss_sum = 0.0
-        for i, mb in enumerate(micros):
-            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
+        for i, idx in enumerate(groups):
+            mb = batch.select(idx)
+            self.actor.module.set_requires_gradient_sync(i == len(groups) - 1)
             ids = mb["input_ids"].to(self.device)
             mask = mb["attention_mask"].to(self.device)
-            logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1)
-            lmask = mb["loss_mask"][:, 1:].to(logp.dtype).to(self.device)
+            lmask = mb["loss_mask"][:, 1:].to(self.device)
+            # Log-probs of loss positions only: no LM-head compute on the prompts.
+            logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
+            lmask = lmask.to(logp.dtype)
             loss = agg_loss(-logp, lmask, "token-mean", num_tokens=max(tokens, 1.0))
             loss.backward()
             loss_sum += float(loss.detach())

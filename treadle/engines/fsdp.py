@@ -35,6 +35,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from treadle.engines.packing import label_positions, pack, scatter_labels
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -49,27 +51,59 @@ def _chunk_logprobs(
 
 
 def response_hidden(
-    lm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_labels: int
-) -> torch.Tensor:
-    """Decoder hidden states ``[B, num_labels, H]`` that predict the last ``num_labels`` tokens.
+    lm: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_labels: int,
+    *,
+    label_mask: torch.Tensor | None = None,
+    row_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder hidden states that predict the selected labels among the last ``num_labels``.
 
-    The one decoder forward every head (log-probs, values) builds on: position t's state
-    predicts token t + 1, so a value head reads the state before each response token.
+    The one decoder forward every head (log-probs, values) builds on. Returns ``(hidden [N, H],
+    where [B, num_labels])``: ``where`` marks the selected labels (see
+    :func:`~treadle.engines.packing.label_positions`) and ``hidden`` holds, in row-major order
+    of ``where``, the state of the token before each one (position t's state predicts token
+    t + 1, so a value head reads the state before each response token). Heads compute on these
+    N states only and put results back with :func:`~treadle.engines.packing.scatter_labels`.
+
+    ``row_tokens`` set: the forward runs on the valid tokens only, packed into rows of at most
+    that many tokens (:func:`~treadle.engines.packing.pack`); ``None``: on the padded batch.
+    Both give the same states (within float rounding).
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = lm.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    where = label_positions(attention_mask, num_labels, label_mask)
+    decoder = lm.get_decoder()
+    if row_tokens is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        return hidden[:, -num_labels - 1 : -1][where], where
+    layout = pack(input_ids, attention_mask, where, row_tokens)
+    # No attention mask and no cache: transformers then builds the block-diagonal causal mask
+    # from the position ids (with a cache it silently attends across the whole row).
+    hidden = decoder(
+        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
     ).last_hidden_state
-    return hidden[:, -num_labels - 1 : -1]
+    return hidden.flatten(0, 1)[layout.gather], where
 
 
 class LogProbHead(nn.Module):
-    """The FSDP2 root: causal LM -> log-probs (and entropy) of the last ``num_labels`` tokens."""
+    """The FSDP2 root: causal LM -> log-probs (and entropy) of the last ``num_labels`` tokens.
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 512) -> None:
+    Outputs are ``[B, num_labels]`` float32, 0 where a label is not selected (padding, or
+    outside ``label_mask``): the LM head runs on selected positions only.
+    """
+
+    def __init__(self, lm: nn.Module, chunk_size: int = 512, row_tokens: int | None = None):
         super().__init__()
         self.lm: Any = lm  # a transformers PreTrainedModel
         self.chunk_size = chunk_size
+        self.row_tokens = row_tokens
 
     def forward(
         self,
@@ -77,13 +111,21 @@ class LogProbHead(nn.Module):
         attention_mask: torch.Tensor,
         num_labels: int,
         temperature: float = 1.0,
+        label_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = response_hidden(self.lm, input_ids, attention_mask, num_labels)
-        labels = input_ids[:, -num_labels:]
+        hidden, where = response_hidden(
+            self.lm,
+            input_ids,
+            attention_mask,
+            num_labels,
+            label_mask=label_mask,
+            row_tokens=self.row_tokens,
+        )
+        labels = input_ids[:, -num_labels:][where]
         weight = self.lm.get_output_embeddings().weight
         logps, ents = [], []
-        for s in range(0, num_labels, self.chunk_size):
-            h, y = hidden[:, s : s + self.chunk_size], labels[:, s : s + self.chunk_size]
+        for s in range(0, len(labels), self.chunk_size):
+            h, y = hidden[s : s + self.chunk_size], labels[s : s + self.chunk_size]
             if torch.is_grad_enabled():
                 lp, ent = checkpoint(
                     _chunk_logprobs, h, weight, y, temperature, use_reentrant=False
@@ -92,7 +134,10 @@ class LogProbHead(nn.Module):
                 lp, ent = _chunk_logprobs(h, weight, y, temperature)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps, 1), torch.cat(ents, 1)
+        empty = hidden.new_zeros(0, dtype=torch.float32)
+        logp = torch.cat(logps) if logps else empty
+        ent = torch.cat(ents) if ents else empty
+        return scatter_labels(logp, where), scatter_labels(ent, where)
 
 
 def shard_model(lm: Any, root: nn.Module) -> Any:
@@ -114,7 +159,9 @@ class TrainEngine:
     """FSDP2 model + AdamW + warm-up schedule. ``trainable=False`` gives a frozen reference.
 
     ``head`` builds the FSDP2 root around the LM (default :class:`LogProbHead`); a value
-    model passes its own, which must hold the LM as ``.lm``.
+    model passes its own, called as ``head(lm, row_tokens=row_tokens)``, which must hold the
+    LM as ``.lm``. ``row_tokens`` set: forwards run packed, without padding
+    (:func:`response_hidden`).
     """
 
     def __init__(
@@ -129,12 +176,17 @@ class TrainEngine:
         warmup_steps: int = 0,
         grad_clip: float = 1.0,
         gradient_checkpointing: bool = False,
-        head: Callable[[Any], nn.Module] | None = None,
+        row_tokens: int | None = None,
+        head: Callable[..., nn.Module] | None = None,
     ) -> None:
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
-        root = head(lm) if head is not None else LogProbHead(lm, chunk_size)
+        root = (
+            head(lm, row_tokens=row_tokens)
+            if head is not None
+            else LogProbHead(lm, chunk_size, row_tokens)
+        )
         self.module: Any = shard_model(lm, root)
         self.grad_clip = grad_clip
         self.optimizer: torch.optim.Optimizer | None = None
@@ -158,8 +210,9 @@ class TrainEngine:
         attention_mask: torch.Tensor,
         num_labels: int,
         temperature: float = 1.0,
+        label_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.module(input_ids, attention_mask, num_labels, temperature)
+        return self.module(input_ids, attention_mask, num_labels, temperature, label_mask)
 
     def step(self) -> dict[str, float]:
         """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""

@@ -23,6 +23,7 @@ import torch
 from treadle.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES
 from treadle.config import Config
 from treadle.data import ResumableSampler
+from treadle.engines.packing import balance_ranks
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch
@@ -133,6 +134,8 @@ class RLTrainer(Trainer):
                 spec=cfg.reward.function,
             )
             batch["token_level_rewards"] = outcome_rewards(batch, scores)
+        # Every rank gets a similar token count (the dispatcher cuts contiguous chunks).
+        batch = balance_ranks(batch, cfg.actor.world_size)
         # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy
         with timed(m, "old_log_probs"):
             batch = batch.union(group.compute_log_probs(batch))
