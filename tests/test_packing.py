@@ -342,3 +342,28 @@ def test_two_ranks_with_token_budgets_match_the_plain_update(tiny_task, ray_sess
     finally:
         group.shutdown()
         pool.remove()
+
+
+def test_bf16_mixed_precision_keeps_float32_parameters_and_log_probs(tiny_task):
+    path = str(tiny_task["model"])
+    batch = uneven_batch(vocab=100)
+    group = local_actor(path, "actor.mixed_precision=bf16")
+    try:
+        out = group.compute_log_probs(batch)
+        [(_, grads, _)] = group.update_grads(batch, "token-mean")
+        [worker] = group.workers
+        dtypes = {p.dtype for p in worker.actor.module.parameters()}
+    finally:
+        group.shutdown()
+    ids, mask = joined(batch)
+    with torch.no_grad():
+        want, _ = plain_log_probs(load_causal_lm(path), ids, mask, 8)
+    rmask = batch["response_mask"].bool()
+    assert out["old_log_probs"].dtype == torch.float32 and dtypes == {torch.float32}
+    diff = (out["old_log_probs"] - want)[rmask].abs()
+    assert 0 < diff.max() < 0.05  # computed in bfloat16 (not exact), close to float32
+    _, want_grads = plain_ppo_update(path, batch, "token-mean")
+    for name, value in want_grads.items():
+        assert grads[name].dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(grads[name].flatten(), value.flatten(), 0)
+        assert cos > 0.99, name

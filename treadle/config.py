@@ -127,6 +127,11 @@ class ActorConfig(Section):
         description="remove_padding: tokens per packed row (a longer sequence gets its own "
         "row). On CPU attention costs grow with it; ~2x the typical sequence is best.",
     )
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none",
+        description="bf16: decoder layers of actor and reference compute in bfloat16 from "
+        "float32 parameters (FSDP2 MixedPrecisionPolicy); embeddings, heads, log-probs float32.",
+    )
     max_tokens_per_micro_batch: int | None = Field(
         None,
         gt=0,

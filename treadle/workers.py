@@ -78,10 +78,12 @@ class ActorRolloutRefWorker(Worker):
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or actor_path)
         a = config.actor
         row_tokens = a.pack_row_tokens if a.remove_padding else None
+        compute = torch.bfloat16 if a.mixed_precision == "bf16" else None
         self.actor = TrainEngine(
             self._load(actor_path, dtype),
             chunk_size=a.logprob_chunk_size,
             row_tokens=row_tokens,
+            compute_dtype=compute,
             lr=a.lr,
             betas=a.betas,
             weight_decay=a.weight_decay,
@@ -95,6 +97,7 @@ class ActorRolloutRefWorker(Worker):
                 self._load(config.model.path, dtype),
                 chunk_size=a.logprob_chunk_size,
                 row_tokens=row_tokens,
+                compute_dtype=compute,
                 trainable=False,
             )
             if with_ref

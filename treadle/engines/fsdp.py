@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
@@ -43,7 +43,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _chunk_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ weight.t()).float() / temperature
+    logits = (hidden.to(weight.dtype) @ weight.t()).float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
@@ -140,10 +140,19 @@ class LogProbHead(nn.Module):
         return scatter_labels(logp, where), scatter_labels(ent, where)
 
 
-def shard_model(lm: Any, root: nn.Module) -> Any:
-    """Apply FSDP2: one unit per decoder layer of ``lm``, ``root`` (a head wrapping it) as root."""
+def shard_model(lm: Any, root: nn.Module, compute_dtype: torch.dtype | None = None) -> Any:
+    """Apply FSDP2: one unit per decoder layer of ``lm``, ``root`` (a head wrapping it) as root.
+
+    ``compute_dtype`` (e.g. bfloat16): decoder layers compute in it from parameters kept in
+    their own dtype (the optimizer's), gradients reduced in float32. The root (embeddings,
+    final norm, heads) keeps the parameter dtype, so log-softmax and values see full-precision
+    weights.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
-        fully_shard(layer)
+        fully_shard(
+            layer, mp_policy=policy if compute_dtype is not None else MixedPrecisionPolicy()
+        )
     fully_shard(root)
     return root
 
@@ -161,7 +170,7 @@ class TrainEngine:
     ``head`` builds the FSDP2 root around the LM (default :class:`LogProbHead`); a value
     model passes its own, called as ``head(lm, row_tokens=row_tokens)``, which must hold the
     LM as ``.lm``. ``row_tokens`` set: forwards run packed, without padding
-    (:func:`response_hidden`).
+    (:func:`response_hidden`). ``compute_dtype``: mixed precision (:func:`shard_model`).
     """
 
     def __init__(
@@ -177,6 +186,7 @@ class TrainEngine:
         grad_clip: float = 1.0,
         gradient_checkpointing: bool = False,
         row_tokens: int | None = None,
+        compute_dtype: torch.dtype | None = None,
         head: Callable[..., nn.Module] | None = None,
     ) -> None:
         if gradient_checkpointing and trainable:
@@ -187,7 +197,7 @@ class TrainEngine:
             if head is not None
             else LogProbHead(lm, chunk_size, row_tokens)
         )
-        self.module: Any = shard_model(lm, root)
+        self.module: Any = shard_model(lm, root, compute_dtype)
         self.grad_clip = grad_clip
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None

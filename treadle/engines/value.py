@@ -33,4 +33,5 @@ class ValueHead(nn.Module):
         hidden, where = response_hidden(
             self.lm, input_ids, attention_mask, num_labels, row_tokens=self.row_tokens
         )
-        return scatter_labels(self.lm.score(hidden).squeeze(-1).float(), where)
+        score = self.lm.score
+        return scatter_labels(score(hidden.to(score.weight.dtype)).squeeze(-1).float(), where)
