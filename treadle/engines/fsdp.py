@@ -6,9 +6,14 @@ the one forward pass every role needs: the log-prob (and entropy) of given label
 Choices:
 - The HF model is wrapped in :class:`LogProbHead`, which is the FSDP2 root: every decoder
   layer is its own FSDP unit, the root holds embeddings, final norm and LM head (tied or not).
-  Its forward runs the decoder, keeps only the hidden states that predict label tokens and
-  computes log-softmax in float32 chunk by chunk over positions, each chunk recomputed in
-  backward, so a float32 ``[batch, seq, vocab]`` tensor never exists.
+  Its forward runs the decoder (:func:`response_hidden`, shared with the value head), keeps
+  only the hidden states that predict selected label tokens and computes log-softmax in
+  float32 chunk by chunk over those tokens, each chunk recomputed in backward, so a float32
+  ``[batch, seq, vocab]`` tensor never exists and no head compute is spent on padding.
+- Packed forwards (``row_tokens``): the decoder runs on the valid tokens only, several
+  sequences per row with attention kept within each (:mod:`treadle.engines.packing`).
+- Mixed precision (``compute_dtype``): decoder layers compute in bfloat16 from float32
+  parameters; the root, and so the log-softmax, stays in the parameter dtype.
 - Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
 - Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
   so the whole model never sits twice in memory beyond one parameter.
