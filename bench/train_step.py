@@ -1,20 +1,26 @@
 """One actor update: treadle's worker against a minimal plain PyTorch loop, and the FLOP/s.
 
     OMP_NUM_THREADS=2 .venv/bin/python bench/train_step.py [--model smollm2|tiny]
+        [--lengths uniform|uneven] [--variant NAME=key=value,key=value ...]
 
-Both sides get the same model weights, the same batch (``--seqs`` sequences of ``--prompt``
-prompt and ``--response`` response tokens, random ids, every position valid), the same AdamW,
-the same micro-batch size and the same PPO-clip token-mean loss on the response tokens:
+Both sides get the same model weights, the same batch (``--seqs`` sequences of random ids),
+the same AdamW, the same micro-batch size and the same PPO-clip token-mean loss on the
+response tokens. ``--lengths uniform``: every sequence ``--prompt`` + ``--response`` tokens,
+no padding; ``uneven``: prompts of 20-60 and responses of 5-64 tokens, left- and right-padded
+to the longest as treadle's batches are (the realistic case the packed path is for).
 
-- treadle: ``ActorRolloutRefWorker.update_actor`` through a local-backend ``WorkerGroup`` (FSDP2
-  on one rank, log-probs chunked over positions with recompute);
-- plain: ``model(...).logits`` -> float32 log_softmax -> PPO loss -> backward -> clip -> step.
+- treadle: ``ActorRolloutRefWorker.update_actor`` through a local-backend ``WorkerGroup``
+  (FSDP2 on one rank, log-probs chunked over positions with recompute), once per
+  ``--variant`` (a name and config overrides; the default is treadle's defaults, then the
+  padded path, then bf16 mixed precision);
+- plain: ``model(...).logits`` -> float32 log_softmax -> PPO loss -> backward -> clip -> step,
+  on the padded batch, in float32.
 
-Tokens/s counts every token of every sequence (prompt + response) per update, median of
+Tokens/s counts the valid tokens (prompt + response, padding excluded) per update, median of
 ``--repeats`` updates after one warm-up. Achieved FLOP/s uses 6 x parameters x tokens (the
 usual forward + backward estimate, attention ignored) and is shown against a measured peak: the
 median of five 2048^3 float32 matrix products on the same threads. The last line is
-``ratio tokens_per_s treadle/plain: <r>``.
+``ratio tokens_per_s treadle/plain: <r>`` for the first variant.
 """
 
 from __future__ import annotations
@@ -47,12 +53,20 @@ def make_batch(vocab: int, args: argparse.Namespace):
 
     g = torch.Generator().manual_seed(0)
     n, p, r = args.seqs, args.prompt, args.response
+    if args.lengths == "uniform":
+        p_len, r_len = torch.full((n,), p), torch.full((n,), r)
+    else:
+        p_len = torch.randint(20, 61, (n,), generator=g)
+        r_len = torch.randint(5, 65, (n,), generator=g)
+        p, r = int(p_len.max()), int(r_len.max())
+    pmask = (torch.arange(p)[None] >= (p - p_len)[:, None]).long()  # left-padded
+    rmask = (torch.arange(r)[None] < r_len[:, None]).long()  # right-padded
     return Batch.from_dict(
         tensors={
-            "prompts": torch.randint(3, vocab, (n, p), generator=g),
-            "prompt_mask": torch.ones(n, p, dtype=torch.long),
-            "responses": torch.randint(3, vocab, (n, r), generator=g),
-            "response_mask": torch.ones(n, r, dtype=torch.long),
+            "prompts": torch.randint(3, vocab, (n, p), generator=g) * pmask,
+            "prompt_mask": pmask,
+            "responses": torch.randint(3, vocab, (n, r), generator=g) * rmask,
+            "response_mask": rmask,
             "old_log_probs": -torch.rand(n, r, generator=g) * 5,
             "advantages": torch.randn(n, r, generator=g),
         },
@@ -70,7 +84,7 @@ def time_updates(update, repeats: int) -> float:
     return statistics.median(times)
 
 
-def treadle_seconds(path: Path, batch, args: argparse.Namespace) -> float:
+def treadle_seconds(path: Path, batch, args: argparse.Namespace, overrides: list[str]) -> float:
     from treadle.config import load_config
     from treadle.trainers.common import build_actors
 
@@ -86,6 +100,7 @@ def treadle_seconds(path: Path, batch, args: argparse.Namespace) -> float:
             f"actor.ppo_mini_batch_size={args.seqs}",
             f"actor.micro_batch_size={args.micro}",
             "actor.lr=1e-6",
+            *overrides,
         ],
     )
     actors = build_actors(cfg, str(path), with_ref=False)
@@ -100,7 +115,7 @@ def plain_seconds(path: Path, batch, args: argparse.Namespace) -> float:
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
-    r = args.response
+    r = batch["responses"].shape[1]
 
     def update() -> None:
         for mb in batch.split(args.micro):
@@ -113,7 +128,7 @@ def plain_seconds(path: Path, batch, args: argparse.Namespace) -> float:
             ratio = torch.exp(logp - mb["old_log_probs"])
             adv = mb["advantages"]
             pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2))
-            loss = pg.sum() / batch["response_mask"].sum()
+            loss = (pg * mb["response_mask"]).sum() / batch["response_mask"].sum()
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -133,15 +148,35 @@ def matmul_peak() -> float:
     return 2 * 2048**3 / statistics.median(times)
 
 
+DEFAULT_VARIANTS = [
+    "treadle=",
+    "padded=actor.remove_padding=false",
+    "bf16=actor.mixed_precision=bf16",
+]
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    name, _, overrides = text.partition("=")
+    return name, [o for o in overrides.split(",") if o]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
+    parser.add_argument("--lengths", choices=["uniform", "uneven"], default="uniform")
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=64)
     parser.add_argument("--micro", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--variant",
+        action="append",
+        help="NAME=key=value,key=value: a treadle run with these config overrides "
+        f"(repeatable; default: {' '.join(DEFAULT_VARIANTS)})",
+    )
     args = parser.parse_args()
+    variants = [parse_variant(v) for v in (args.variant or DEFAULT_VARIANTS)]
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -151,23 +186,25 @@ def main() -> None:
         from treadle.models import count_parameters, load_causal_lm
 
         params = count_parameters(load_causal_lm(path))
-        plain = plain_seconds(path, batch, args)
-        ours = treadle_seconds(path, batch, args)
+        results = [("plain", plain_seconds(path, batch, args))]
+        for name, overrides in variants:
+            results.append((name, treadle_seconds(path, batch, args, overrides)))
     peak = matmul_peak()
-    tokens = args.seqs * (args.prompt + args.response)
+    tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
+    padded = batch["prompts"].numel() + batch["responses"].numel()
     print(
-        f"\n{args.model} ({params / 1e6:.1f}M params), {args.seqs} seqs x "
-        f"{args.prompt}+{args.response} tokens, micro-batch {args.micro}, float32, "
-        f"{torch.get_num_threads()} threads; matmul peak {peak / 1e9:.0f} GFLOP/s"
+        f"\n{args.model} ({params / 1e6:.1f}M params), {args.seqs} seqs, {args.lengths} "
+        f"lengths: {tokens} tokens ({padded} padded), micro-batch {args.micro}, "
+        f"{torch.get_num_threads()} threads; float32 matmul peak {peak / 1e9:.0f} GFLOP/s"
     )
-    print(f"{'side':8} {'update s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'of peak':>8}")
-    for side, seconds in (("plain", plain), ("treadle", ours)):
+    print(f"{'side':10} {'update s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'of peak':>8}  overrides")
+    for (side, seconds), extra in zip(results, [[]] + [o for _, o in variants], strict=True):
         flops = 6 * params * tokens / seconds
         print(
-            f"{side:8} {seconds:9.2f} {tokens / seconds:9.0f} {flops / 1e9:8.1f} "
-            f"{flops / peak:8.1%}"
+            f"{side:10} {seconds:9.2f} {tokens / seconds:9.0f} {flops / 1e9:8.1f} "
+            f"{flops / peak:8.1%}  {' '.join(extra)}"
         )
-    print(f"ratio tokens_per_s treadle/plain: {plain / ours:.2f}")
+    print(f"ratio tokens_per_s treadle/plain: {results[0][1] / results[1][1]:.2f}")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ from test_engine import make_batch
 
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.fsdp import TrainEngine
-from treadle.engines.value import ValueHead
+from treadle.engines.value import ValueHead, last_token_values
 from treadle.models import load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
 
@@ -66,3 +66,19 @@ def test_value_model_starts_at_zero_trains_saves_and_reloads(tiny_task, tmp_path
         torch.testing.assert_close(group.values(batch)["values"], trained, atol=1e-5, rtol=1e-5)
     finally:
         group.shutdown()
+
+
+def test_last_token_values_padded_and_packed_equal_a_plain_forward(tiny_task):
+    torch.manual_seed(0)
+    model = load_value_model(tiny_task["model"])
+    with torch.no_grad():
+        model.score.weight.normal_()
+    batch = make_batch(vocab=100)  # left-padded prompts; some responses right-padded, some full
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    want = []
+    with torch.no_grad():
+        for row, m in zip(ids, mask, strict=True):
+            want.append(model(input_ids=row[m.bool()][None]).logits[0, -1, 0])
+        for row_tokens in (None, 16):
+            got = last_token_values(ValueHead(model, row_tokens), ids, mask)
+            torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-5)

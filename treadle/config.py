@@ -206,7 +206,31 @@ class ActorConfig(Section):
         False, description="Recompute decoder activations in backward (less memory, ~1/3 slower)."
     )
     logprob_chunk_size: int = Field(
-        512, gt=0, description="Positions per chunk when computing log-probs from hidden states."
+        512, gt=0, description="Label tokens per chunk when computing log-probs from hidden states."
+    )
+    remove_padding: bool = Field(
+        True,
+        description="Forward passes (actor, reference) on packed sequences: no compute on pad "
+        "tokens, attention kept within each sequence; same results as the padded forward.",
+    )
+    pack_row_tokens: int = Field(
+        256,
+        gt=0,
+        description="remove_padding: tokens per packed row (a longer sequence gets its own "
+        "row). Attention is computed over whole rows (block-diagonal mask), so its cost per "
+        "token grows with this; one long row loses to padding on CPU.",
+    )
+    mixed_precision: Literal["none", "bf16"] = Field(
+        "none",
+        description="bf16: decoder layers of actor and reference compute in bfloat16 from "
+        "float32 parameters (FSDP2 MixedPrecisionPolicy); embeddings, heads, log-probs float32. "
+        "Measured on an AVX-512 BF16 CPU, SmolLM2-135M actor update: 2.2-2.8x faster.",
+    )
+    max_tokens_per_micro_batch: int | None = Field(
+        None,
+        gt=0,
+        description="Form micro-batches by this many valid tokens per rank (a longer sample "
+        "goes alone) instead of micro_batch_size samples; null: by micro_batch_size.",
     )
 
 

@@ -36,7 +36,7 @@ from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.value import ValueHead, last_token_values
 from treadle.models import load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
-from treadle.workers import pair_sequences
+from treadle.workers import engine_options, pair_sequences
 
 
 class RewardTrainerWorker(Worker):
@@ -61,7 +61,7 @@ class RewardTrainerWorker(Worker):
         model: nn.Module = load_value_model(model_path, DTYPES[config.model.dtype])
         self.engine = TrainEngine(
             model.to(self.device),
-            chunk_size=a.logprob_chunk_size,
+            **engine_options(config),
             lr=a.lr,
             betas=a.betas,
             weight_decay=a.weight_decay,

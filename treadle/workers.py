@@ -56,10 +56,22 @@ from treadle.algorithms import (
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.packing import first_fit_decreasing, token_micro_batches
 from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from treadle.engines.value import ValueHead, last_token_values
 from treadle.models import load_causal_lm, load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
+
+
+def engine_options(cfg: Config) -> dict[str, Any]:
+    """How every training engine (actor, reference, critic, reward model) runs its forward:
+    packed without padding (``actor.remove_padding``), in ``actor.mixed_precision``."""
+    a = cfg.actor
+    return {
+        "chunk_size": a.logprob_chunk_size,
+        "row_tokens": a.pack_row_tokens if a.remove_padding else None,
+        "compute_dtype": torch.bfloat16 if a.mixed_precision == "bf16" else None,
+    }
 
 
 def _left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
@@ -112,7 +124,7 @@ class ActorRolloutRefWorker(Worker):
         a = config.actor
         self.actor = TrainEngine(
             self._load(actor_path, dtype),
-            chunk_size=a.logprob_chunk_size,
+            **engine_options(config),
             lr=a.lr,
             betas=a.betas,
             weight_decay=a.weight_decay,
@@ -123,9 +135,7 @@ class ActorRolloutRefWorker(Worker):
         self.hf_config = self.actor.module.lm.config
         self.ref = (
             TrainEngine(
-                self._load(config.model.path, dtype),
-                chunk_size=a.logprob_chunk_size,
-                trainable=False,
+                self._load(config.model.path, dtype), **engine_options(config), trainable=False
             )
             if with_ref
             else None
@@ -195,15 +205,33 @@ class ActorRolloutRefWorker(Worker):
         mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(self.device)
         return ids, mask, mb["responses"].shape[1]
 
+    def _micro_batches(self, batch: Batch, lengths: torch.Tensor) -> list[torch.Tensor]:
+        """Index groups of ``batch``, one per micro-batch, the same count on every rank.
+
+        By ``actor.max_tokens_per_micro_batch`` (``lengths`` = valid tokens per sample) when
+        set, else ``actor.micro_batch_size`` samples each.
+        """
+        a = self.cfg.actor
+        if a.max_tokens_per_micro_batch is None:
+            return list(torch.arange(len(batch)).split(a.micro_batch_size))
+        lens = lengths.tolist()
+        need = torch.tensor([len(first_fit_decreasing(lens, a.max_tokens_per_micro_batch))])
+        dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere
+        groups = token_micro_batches(lens, a.max_tokens_per_micro_batch, int(need))
+        return [torch.tensor(g, dtype=torch.long) for g in groups]
+
     @torch.no_grad()
     def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+        groups = self._micro_batches(batch, lengths)
         logps, ents = [], []
-        for mb in batch.split(self.cfg.actor.micro_batch_size):
-            ids, mask, r = self._sequences(mb)
+        for idx in groups:
+            ids, mask, r = self._sequences(batch.select(idx))
             lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
             logps.append(lp.float().cpu())
             ents.append(ent.float().cpu())
-        return torch.cat(logps), torch.cat(ents)
+        order = torch.cat(groups).argsort()  # back to the batch's order
+        return torch.cat(logps)[order], torch.cat(ents)[order]
 
     @register(Dispatch.DP, Collect.CONCAT)
     def compute_log_probs(self, batch: Batch) -> Batch:
@@ -283,7 +311,8 @@ class ActorRolloutRefWorker(Worker):
         # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
         tokens = self._global_sum(float(mb["response_mask"].sum())) / self.world_size
         agg = {"num_tokens": max(tokens, 1.0), "num_seqs": float(len(mb))}
-        micros = mb.split(self.cfg.actor.micro_batch_size)
+        lengths = mb["prompt_mask"].sum(1) + mb["response_mask"].sum(1)
+        micros = [mb.select(idx) for idx in self._micro_batches(mb, lengths)]
         sums: dict[str, float] = defaultdict(float)
         for i, micro in enumerate(micros):
             self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
@@ -299,14 +328,17 @@ class ActorRolloutRefWorker(Worker):
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
         tokens = self._global_sum(float(batch["loss_mask"][:, 1:].sum())) / self.world_size
-        micros = batch.split(self.cfg.actor.micro_batch_size)
+        groups = self._micro_batches(batch, batch["attention_mask"].sum(1))
         loss_sum = 0.0
-        for i, mb in enumerate(micros):
-            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
+        for i, idx in enumerate(groups):
+            mb = batch.select(idx)
+            self.actor.module.set_requires_gradient_sync(i == len(groups) - 1)
             ids = mb["input_ids"].to(self.device)
             mask = mb["attention_mask"].to(self.device)
-            logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1)
-            lmask = mb["loss_mask"][:, 1:].to(logp.dtype).to(self.device)
+            lmask = mb["loss_mask"][:, 1:].to(self.device)
+            # Log-probs of loss positions only: no LM-head compute on the prompts.
+            logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
+            lmask = lmask.to(logp.dtype)
             loss = agg_loss(-logp, lmask, "token-mean", num_tokens=max(tokens, 1.0))
             loss.backward()
             loss_sum += float(loss.detach())
@@ -453,11 +485,7 @@ def _value_engine(
 ) -> TrainEngine:
     model: nn.Module = load_value_model(path, DTYPES[cfg.model.dtype], key=key)
     return TrainEngine(
-        model.to(device),
-        chunk_size=cfg.actor.logprob_chunk_size,
-        trainable=trainable,
-        head=ValueHead,
-        **opt,
+        model.to(device), **engine_options(cfg), trainable=trainable, head=ValueHead, **opt
     )
 
 

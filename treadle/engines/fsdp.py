@@ -6,9 +6,14 @@ the one forward pass every role needs: the log-prob (and entropy) of given label
 Choices:
 - The HF model is wrapped in :class:`LogProbHead`, which is the FSDP2 root: every decoder
   layer is its own FSDP unit, the root holds embeddings, final norm and LM head (tied or not).
-  Its forward runs the decoder, keeps only the hidden states that predict label tokens and
-  computes log-softmax in float32 chunk by chunk over positions, each chunk recomputed in
-  backward, so a float32 ``[batch, seq, vocab]`` tensor never exists.
+  Its forward runs the decoder (:func:`response_hidden`, shared with the value head), keeps
+  only the hidden states that predict selected label tokens and computes log-softmax in
+  float32 chunk by chunk over those tokens, each chunk recomputed in backward, so a float32
+  ``[batch, seq, vocab]`` tensor never exists and no head compute is spent on padding.
+- Packed forwards (``row_tokens``): the decoder runs on the valid tokens only, several
+  sequences per row with attention kept within each (:mod:`treadle.engines.packing`).
+- Mixed precision (``compute_dtype``): decoder layers compute in bfloat16 from float32
+  parameters; the root, and so the log-softmax, stays in the parameter dtype.
 - Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
 - Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
   so the whole model never sits twice in memory beyond one parameter.
@@ -31,9 +36,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
+
+from treadle.engines.packing import label_positions, pack, scatter_labels
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -41,7 +48,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 def _chunk_logprobs(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden @ weight.t()).float() / temperature
+    logits = (hidden.to(weight.dtype) @ weight.t()).float() / temperature
     lse = torch.logsumexp(logits, dim=-1)
     logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
     entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
@@ -49,27 +56,59 @@ def _chunk_logprobs(
 
 
 def response_hidden(
-    lm: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_labels: int
-) -> torch.Tensor:
-    """Decoder hidden states ``[B, num_labels, H]`` that predict the last ``num_labels`` tokens.
+    lm: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_labels: int,
+    *,
+    label_mask: torch.Tensor | None = None,
+    row_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder hidden states that predict the selected labels among the last ``num_labels``.
 
-    The one decoder forward every head (log-probs, values) builds on: position t's state
-    predicts token t + 1, so a value head reads the state before each response token.
+    The one decoder forward every head (log-probs, values) builds on. Returns ``(hidden [N, H],
+    where [B, num_labels])``: ``where`` marks the selected labels (see
+    :func:`~treadle.engines.packing.label_positions`) and ``hidden`` holds, in row-major order
+    of ``where``, the state of the token before each one (position t's state predicts token
+    t + 1, so a value head reads the state before each response token). Heads compute on these
+    N states only and put results back with :func:`~treadle.engines.packing.scatter_labels`.
+
+    ``row_tokens`` set: the forward runs on the valid tokens only, packed into rows of at most
+    that many tokens (:func:`~treadle.engines.packing.pack`); ``None``: on the padded batch.
+    Both give the same states (within float rounding).
     """
-    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-    hidden = lm.get_decoder()(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    where = label_positions(attention_mask, num_labels, label_mask)
+    decoder = lm.get_decoder()
+    if row_tokens is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        return hidden[:, -num_labels - 1 : -1][where], where
+    layout = pack(input_ids, attention_mask, where, row_tokens)
+    # No attention mask and no cache: transformers then builds the block-diagonal causal mask
+    # from the position ids (with a cache it silently attends across the whole row).
+    hidden = decoder(
+        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
     ).last_hidden_state
-    return hidden[:, -num_labels - 1 : -1]
+    return hidden.flatten(0, 1)[layout.gather], where
 
 
 class LogProbHead(nn.Module):
-    """The FSDP2 root: causal LM -> log-probs (and entropy) of the last ``num_labels`` tokens."""
+    """The FSDP2 root: causal LM -> log-probs (and entropy) of the last ``num_labels`` tokens.
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 512) -> None:
+    Outputs are ``[B, num_labels]`` float32, 0 where a label is not selected (padding, or
+    outside ``label_mask``): the LM head runs on selected positions only.
+    """
+
+    def __init__(self, lm: nn.Module, chunk_size: int = 512, row_tokens: int | None = None):
         super().__init__()
         self.lm: Any = lm  # a transformers PreTrainedModel
         self.chunk_size = chunk_size
+        self.row_tokens = row_tokens
 
     def forward(
         self,
@@ -77,13 +116,21 @@ class LogProbHead(nn.Module):
         attention_mask: torch.Tensor,
         num_labels: int,
         temperature: float = 1.0,
+        label_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden = response_hidden(self.lm, input_ids, attention_mask, num_labels)
-        labels = input_ids[:, -num_labels:]
+        hidden, where = response_hidden(
+            self.lm,
+            input_ids,
+            attention_mask,
+            num_labels,
+            label_mask=label_mask,
+            row_tokens=self.row_tokens,
+        )
+        labels = input_ids[:, -num_labels:][where]
         weight = self.lm.get_output_embeddings().weight
         logps, ents = [], []
-        for s in range(0, num_labels, self.chunk_size):
-            h, y = hidden[:, s : s + self.chunk_size], labels[:, s : s + self.chunk_size]
+        for s in range(0, len(labels), self.chunk_size):
+            h, y = hidden[s : s + self.chunk_size], labels[s : s + self.chunk_size]
             if torch.is_grad_enabled():
                 lp, ent = checkpoint(
                     _chunk_logprobs, h, weight, y, temperature, use_reentrant=False
@@ -92,13 +139,28 @@ class LogProbHead(nn.Module):
                 lp, ent = _chunk_logprobs(h, weight, y, temperature)
             logps.append(lp)
             ents.append(ent)
-        return torch.cat(logps, 1), torch.cat(ents, 1)
+        # No selected label (every response masked out): still a result on the autograd
+        # graph through the decoder and the head, so backward (and FSDP's gradient
+        # reduction, which every rank must join) runs as for any micro-batch.
+        empty = (hidden @ weight[:1].t()).sum(-1).float()
+        logp = torch.cat(logps) if logps else empty
+        ent = torch.cat(ents) if ents else empty
+        return scatter_labels(logp, where), scatter_labels(ent, where)
 
 
-def shard_model(lm: Any, root: nn.Module) -> Any:
-    """Apply FSDP2: one unit per decoder layer of ``lm``, ``root`` (a head wrapping it) as root."""
+def shard_model(lm: Any, root: nn.Module, compute_dtype: torch.dtype | None = None) -> Any:
+    """Apply FSDP2: one unit per decoder layer of ``lm``, ``root`` (a head wrapping it) as root.
+
+    ``compute_dtype`` (e.g. bfloat16): decoder layers compute in it from parameters kept in
+    their own dtype (the optimizer's), gradients reduced in float32. The root (embeddings,
+    final norm, heads) keeps the parameter dtype, so log-softmax and values see full-precision
+    weights.
+    """
+    policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
-        fully_shard(layer)
+        fully_shard(
+            layer, mp_policy=policy if compute_dtype is not None else MixedPrecisionPolicy()
+        )
     fully_shard(root)
     return root
 
@@ -114,7 +176,9 @@ class TrainEngine:
     """FSDP2 model + AdamW + warm-up schedule. ``trainable=False`` gives a frozen reference.
 
     ``head`` builds the FSDP2 root around the LM (default :class:`LogProbHead`); a value
-    model passes its own, which must hold the LM as ``.lm``.
+    model passes its own, called as ``head(lm, row_tokens=row_tokens)``, which must hold the
+    LM as ``.lm``. ``row_tokens`` set: forwards run packed, without padding
+    (:func:`response_hidden`). ``compute_dtype``: mixed precision (:func:`shard_model`).
     """
 
     def __init__(
@@ -129,13 +193,19 @@ class TrainEngine:
         warmup_steps: int = 0,
         grad_clip: float = 1.0,
         gradient_checkpointing: bool = False,
-        head: Callable[[Any], nn.Module] | None = None,
+        row_tokens: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+        head: Callable[..., nn.Module] | None = None,
     ) -> None:
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
-        root = head(lm) if head is not None else LogProbHead(lm, chunk_size)
-        self.module: Any = shard_model(lm, root)
+        root = (
+            head(lm, row_tokens=row_tokens)
+            if head is not None
+            else LogProbHead(lm, chunk_size, row_tokens)
+        )
+        self.module: Any = shard_model(lm, root, compute_dtype)
         self.grad_clip = grad_clip
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -158,8 +228,9 @@ class TrainEngine:
         attention_mask: torch.Tensor,
         num_labels: int,
         temperature: float = 1.0,
+        label_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.module(input_ids, attention_mask, num_labels, temperature)
+        return self.module(input_ids, attention_mask, num_labels, temperature, label_mask)
 
     def step(self) -> dict[str, float]:
         """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""

@@ -3,7 +3,8 @@
 Used by the critic (values for GAE) and by reward models (the score at a response's last
 token). The model is a ``*ForTokenClassification`` with one label (:func:`load_value_model`);
 this root runs its decoder through :func:`response_hidden`, the same forward the log-prob head
-uses, and applies the ``score`` head directly (no classifier dropout), in float32 out.
+uses (packed, without padding, when ``row_tokens`` is set), and applies the ``score`` head
+directly (no classifier dropout) on the valid positions only, in float32 out (0 on padding).
 """
 
 from __future__ import annotations
@@ -11,23 +12,40 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from treadle.engines.fsdp import response_hidden
+from treadle.engines.packing import scatter_labels
 
 
 class ValueHead(nn.Module):
     """The FSDP2 root of a value model: ``values[b, t]`` is V(state before response token t)."""
 
-    def __init__(self, lm: nn.Module) -> None:
+    def __init__(self, lm: nn.Module, row_tokens: int | None = None) -> None:
         super().__init__()
         self.lm: Any = lm  # a transformers *ForTokenClassification with num_labels=1
+        self.row_tokens = row_tokens  # set: packed forward, no compute on padding
 
     def forward(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, num_labels: int
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_labels: int,
+        label_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        hidden = response_hidden(self.lm, input_ids, attention_mask, num_labels)
-        return self.lm.score(hidden).squeeze(-1).float()
+        """``[B, num_labels]`` float32 values; 0 where the position is padding (or outside
+        ``label_mask``, which narrows the positions computed)."""
+        hidden, where = response_hidden(
+            self.lm,
+            input_ids,
+            attention_mask,
+            num_labels,
+            label_mask=label_mask,
+            row_tokens=self.row_tokens,
+        )
+        score = self.lm.score
+        return scatter_labels(score(hidden.to(score.weight.dtype)).squeeze(-1).float(), where)
 
 
 def last_token_values(
@@ -35,18 +53,20 @@ def last_token_values(
 ) -> torch.Tensor:
     """``[B]``: the value at each row's last valid token (a reward model's score of the row).
 
-    ``head`` is a :class:`ValueHead` (FSDP2 root). It reads the state *before* each label
-    position, so one masked column is appended: then ``values[:, j]`` is the state at token j,
-    and the last token of the row (the response's EOS) is scored having seen the whole text.
+    ``head`` is a :class:`ValueHead` (FSDP2 root), which reads the state *before* each valid
+    label. So a dummy token is made valid right after each row's last token (in a column
+    appended for rows that end at the edge): the label slot it fills reads the state at the
+    last token, which causal attention keeps blind to the dummy. Only that slot is computed.
     Works for left-padded prompts followed by right-padded responses.
     """
     batch, length = input_ids.shape
-    pad = torch.zeros(batch, 1, dtype=input_ids.dtype, device=input_ids.device)
-    values = head(
-        torch.cat([input_ids, pad], 1),
-        torch.cat([attention_mask, torch.zeros_like(pad, dtype=attention_mask.dtype)], 1),
-        length,
-    )
+    rows = torch.arange(batch, device=input_ids.device)
     positions = torch.arange(length, device=input_ids.device)
     last = (attention_mask.bool() * positions).argmax(-1)
-    return values[torch.arange(batch, device=values.device), last]
+    ids = F.pad(input_ids, (0, 1))
+    mask = F.pad(attention_mask, (0, 1))
+    mask[rows, last + 1] = 1
+    label_mask = torch.zeros_like(mask)
+    label_mask[rows, last + 1] = 1
+    values = head(ids, mask, length, label_mask[:, 1:])  # label column c + 1 reads state c
+    return values[rows, last]

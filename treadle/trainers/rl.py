@@ -48,6 +48,7 @@ from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty, varied_groups
 from treadle.config import Config, DPOConfig
 from treadle.data import ResumableSampler
+from treadle.engines.packing import balance_ranks
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch
@@ -178,6 +179,8 @@ class RLTrainer(Trainer):
         m: dict[str, float] = {}
         # 1-2. rollout and reward (several rounds with dynamic sampling)
         batch = self.rollout(step, m)
+        # Every rank gets a similar token count (the dispatcher cuts contiguous chunks).
+        batch = balance_ranks(batch, self.cfg.actor.world_size)
         # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy
         with timed(m, "old_log_probs"):
             batch = batch.union(group.compute_log_probs(batch))

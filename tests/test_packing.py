@@ -1,0 +1,385 @@
+"""No compute on padding: packed rows, token-budget micro-batches, balanced ranks.
+
+Every path is checked against a plain padded computation written here: a Hugging Face forward
+on the padded batch, full-vocabulary float32 log-softmax, the PPO-clip loss by hand.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from treadle.config import load_config
+from treadle.controller import Collect, Dispatch, WorkerGroup, register
+from treadle.engines.fsdp import LogProbHead
+from treadle.engines.packing import (
+    balance_ranks,
+    balanced_order,
+    first_fit_decreasing,
+    label_positions,
+    pack,
+    scatter_labels,
+    token_micro_batches,
+)
+from treadle.engines.value import ValueHead
+from treadle.models import load_causal_lm, load_value_model
+from treadle.protocol import Batch
+from treadle.workers import ActorRolloutRefWorker
+
+# ----------------------------------------------------------------------------- pure functions
+
+
+def test_first_fit_decreasing_fills_groups_longest_first():
+    assert first_fit_decreasing([3, 8, 5, 2, 12], capacity=10) == [[4], [1, 3], [2, 0]]
+
+
+def test_token_micro_batches_respect_the_budget_and_reach_the_count():
+    lengths = [3, 8, 5, 2, 6, 1]
+    assert token_micro_batches(lengths, budget=10) == [[1, 3], [4, 0, 5], [2]]
+    groups = token_micro_batches(lengths, budget=10, count=5)
+    assert len(groups) == 5
+    assert sorted(i for g in groups for i in g) == list(range(6))
+    assert all(sum(lengths[i] for i in g) <= 10 for g in groups)
+    loads = [sum(lengths[i] for i in g) for g in groups]
+    assert loads == sorted(loads, reverse=True)
+    with pytest.raises(ValueError, match="cannot make 2 micro-batches of 6 samples"):
+        token_micro_batches(lengths, budget=10, count=2)
+
+
+def test_balanced_order_gives_equal_sized_parts_of_similar_tokens():
+    lengths = [100, 90, 10, 5, 80, 20]
+    order = balanced_order(lengths, 2)
+    assert sorted(order) == list(range(6))
+    # Greedy: 100 -> A, 90 -> B, 80 -> B, 20 -> A, 10 -> A (now full), 5 -> B.
+    assert order == [0, 2, 5, 1, 3, 4]  # 130 and 175 tokens (the input order: 200 and 105)
+    assert balanced_order(lengths, 1) == list(range(6))
+    with pytest.raises(ValueError, match="5 samples cannot be cut into 2 equal parts"):
+        balanced_order(lengths[:5], 2)
+
+
+def test_balance_ranks_reorders_whole_samples():
+    lengths = torch.tensor([9, 8, 2, 1])
+    batch = Batch.from_dict(
+        tensors={
+            "prompt_mask": torch.ones(4, 1, dtype=torch.long),
+            "response_mask": (torch.arange(9)[None] < lengths[:, None] - 1).long(),
+        },
+        objects={"uid": ["a", "b", "c", "d"]},
+    )
+    out = balance_ranks(batch, 2)
+    assert list(out["uid"]) == ["a", "d", "b", "c"]  # 9 + 1 against 8 + 2
+    torch.testing.assert_close(out["response_mask"], batch["response_mask"][[0, 3, 1, 2]])
+
+
+def test_pack_lays_valid_tokens_in_rows_with_restarting_positions():
+    # Left-padded prompt + right-padded response, lengths 3, 4 and 2 (pad id 0).
+    ids = torch.tensor([[0, 11, 12, 13, 0], [21, 22, 23, 24, 0], [0, 0, 31, 32, 0]])
+    mask = (ids != 0).long()
+    where = label_positions(mask, num_labels=2)
+    assert where.tolist() == [[True, False], [True, False], [True, False]]
+    layout = pack(ids, mask, where, row_tokens=5, pad_id=-1)
+    # First fit, longest first: [seq 1], [seq 0, seq 2] in rows of width 5.
+    assert layout.input_ids.tolist() == [[21, 22, 23, 24, -1], [11, 12, 13, 31, 32]]
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    # Label (row b, column 3) is predicted by the state of column 2 of row b.
+    assert layout.gather.tolist() == [6, 2, 8]
+    values = scatter_labels(torch.tensor([1.0, 2.0, 3.0]), where)
+    assert values.tolist() == [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
+
+
+# ----------------------------------------------------------------------------- heads
+
+
+def uneven_batch(vocab: int, n: int = 6, prompt: int = 7, response: int = 8, seed: int = 0):
+    """Left-padded prompts and right-padded responses of different lengths, as in treadle."""
+    g = torch.Generator().manual_seed(seed)
+    p_len = torch.randint(2, prompt + 1, (n,), generator=g)
+    r_len = torch.randint(1, response + 1, (n,), generator=g)
+    p_len[0], r_len[0] = prompt, response  # one full row: the padded width is needed
+    pmask = (torch.arange(prompt)[None] >= (prompt - p_len)[:, None]).long()
+    rmask = (torch.arange(response)[None] < r_len[:, None]).long()
+    prompts = torch.randint(3, vocab, (n, prompt), generator=g) * pmask
+    responses = torch.randint(3, vocab, (n, response), generator=g) * rmask
+    return Batch.from_dict(
+        tensors={
+            "prompts": prompts,
+            "prompt_mask": pmask,
+            "responses": responses,
+            "response_mask": rmask,
+            "old_log_probs": -torch.rand(n, response, generator=g) * 2 - 4.5,
+            "advantages": torch.randn(n, response, generator=g),
+        },
+        meta={"step": 1},
+    )
+
+
+def joined(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat([batch["prompts"], batch["responses"]], 1)
+    return ids, torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+
+
+def plain_log_probs(model, ids, mask, r: int) -> tuple[torch.Tensor, torch.Tensor]:
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    logp_all = torch.log_softmax(logits[:, -r - 1 : -1], -1)
+    logp = logp_all.gather(-1, ids[:, -r:, None]).squeeze(-1)
+    return logp, -(logp_all.exp() * logp_all).sum(-1)
+
+
+def grads_of(module) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("lm."): p.grad.clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("row_tokens", [1, 16, 1000])
+def test_packed_log_probs_and_gradients_equal_the_padded_forward(tiny_task, row_tokens):
+    path = str(tiny_task["model"])
+    batch = uneven_batch(vocab=100)
+    ids, mask = joined(batch)
+    rmask = batch["response_mask"].bool()
+    head = LogProbHead(load_causal_lm(path), chunk_size=5, row_tokens=row_tokens)
+    logp, ent = head(ids, mask, 8)
+    (logp * rmask).sum().backward()
+    model = load_causal_lm(path)
+    want_logp, want_ent = plain_log_probs(model, ids, mask, 8)
+    (want_logp * rmask).sum().backward()
+    torch.testing.assert_close(logp[rmask], want_logp[rmask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(ent[rmask], want_ent[rmask], atol=1e-5, rtol=1e-5)
+    assert (logp[~rmask] == 0).all()  # no head compute on padding
+    got, want = grads_of(head), grads_of(model)
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4)
+    rows = pack(ids, mask, label_positions(mask, 8), row_tokens).input_ids.shape[0]
+    assert rows > 1 if row_tokens < 1000 else rows == 1  # 1000: all six sequences in a row
+
+
+def test_packing_with_16_token_rows_puts_several_sequences_in_a_row(tiny_task):
+    ids, mask = joined(uneven_batch(vocab=100))
+    rows = pack(ids, mask, label_positions(mask, 8), 16).input_ids.shape[0]
+    assert rows < 6 and int(mask.sum()) <= 16 * rows
+
+
+def test_packed_values_equal_padded_values(tiny_task):
+    path = str(tiny_task["model"])
+    batch = uneven_batch(vocab=100)
+    ids, mask = joined(batch)
+    lm = load_value_model(path)
+    torch.nn.init.normal_(lm.score.weight)  # a zero head would make every value equal
+    padded = ValueHead(lm)(ids, mask, 8)
+    packed = ValueHead(lm, row_tokens=20)(ids, mask, 8)
+    rmask = batch["response_mask"].bool()
+    assert padded[rmask].abs().min() > 0
+    torch.testing.assert_close(packed, padded * rmask, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- worker updates
+
+
+def plain_ppo_update(path: str, batch: Batch, mode: str) -> tuple[float, dict[str, torch.Tensor]]:
+    """The padded reference: full forward, PPO-clip (0.2) on response tokens, one backward."""
+    model = load_causal_lm(path)
+    ids, mask = joined(batch)
+    r = batch["responses"].shape[1]
+    logp, _ = plain_log_probs(model, ids, mask, r)
+    m = batch["response_mask"].float()
+    ratio = torch.exp(logp - batch["old_log_probs"])
+    adv = batch["advantages"]
+    pg = torch.maximum(-adv * ratio, -adv * ratio.clamp(0.8, 1.2)) * m
+    # token-mean, or else seq-mean-token-mean
+    loss = pg.sum() / m.sum() if mode == "token-mean" else (pg.sum(1) / m.sum(1)).mean()
+    loss.backward()
+    return float(loss.detach()), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+class GradActor(ActorRolloutRefWorker):
+    """The real worker; ``actor.step`` is replaced to hand back the gradients it would apply."""
+
+    def _capture(self) -> dict[str, torch.Tensor]:
+        grads: dict[str, torch.Tensor] = {}
+
+        def step() -> dict[str, float]:
+            for n, p in self.actor.module.named_parameters():
+                grads[n.removeprefix("lm.")] = p.grad.full_tensor().clone()
+            self.actor.optimizer.zero_grad(set_to_none=True)
+            return {"grad_norm": 0.0, "lr": 0.0}
+
+        self.actor.step = step
+        return grads
+
+    @register(Dispatch.DP, Collect.LIST)
+    def update_grads(self, batch: Batch, mode: str) -> tuple[float, dict, int]:
+        self.cfg.algorithm.loss_agg_mode = mode
+        grads = self._capture()
+        lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+        count = len(self._micro_batches(batch, lengths))
+        metrics = self._actor_step(batch)
+        return metrics["actor/pg_loss"], grads, count
+
+    @register(Dispatch.DP, Collect.RANK0)
+    def sft_grads(self, batch: Batch) -> tuple[float, dict]:
+        grads = self._capture()
+        return self.train_sft(batch)["sft/loss"], grads
+
+
+def actor_config(path: str, *overrides: str):
+    return load_config(
+        None,
+        [
+            f"model.path={path}",
+            "algorithm.kl_coef=0",
+            "rollout.n=1",
+            "data.batch_size=6",
+            "actor.ppo_mini_batch_size=6",
+            "actor.micro_batch_size=4",
+            "trainer.threads_per_rank=1",
+            *overrides,
+        ],
+    )
+
+
+def local_actor(path: str, *overrides: str) -> WorkerGroup:
+    cfg = actor_config(path, "trainer.backend=local", *overrides)
+    kwargs = {"config": cfg, "actor_path": path, "with_ref": False}
+    return WorkerGroup(GradActor, world_size=1, backend="local", kwargs=kwargs)
+
+
+def assert_same_grads(got: dict, want: dict) -> None:
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, atol=1e-6, rtol=1e-4)
+    assert any(g.abs().sum() > 0 for g in want.values())
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("actor.remove_padding=false",),
+        ("actor.pack_row_tokens=24", "actor.max_tokens_per_micro_batch=30"),
+    ],
+    ids=["padded", "packed+token-budget"],
+)
+def test_update_gives_the_plain_padded_loss_and_gradients(tiny_task, overrides):
+    path = str(tiny_task["model"])
+    batch = uneven_batch(vocab=100)
+    group = local_actor(path, *overrides)
+    try:
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            [(loss, grads, micros)] = group.update_grads(batch, mode)
+            want_loss, want_grads = plain_ppo_update(path, batch, mode)
+            assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+            assert_same_grads(grads, want_grads)
+            assert micros == (2 if "actor.remove_padding=false" in overrides else 3)
+        # old log-probs: micro-batches in budget order come back in the batch's order
+        out = group.compute_log_probs(batch)
+    finally:
+        group.shutdown()
+    ids, mask = joined(batch)
+    with torch.no_grad():
+        want, want_ent = plain_log_probs(load_causal_lm(path), ids, mask, 8)
+    rmask = batch["response_mask"].bool()
+    torch.testing.assert_close(out["old_log_probs"][rmask], want[rmask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out["entropy"][rmask], want_ent[rmask], atol=1e-5, rtol=1e-5)
+
+
+def test_sft_update_gives_the_plain_loss_and_gradients(tiny_task):
+    path = str(tiny_task["model"])
+    rl = uneven_batch(vocab=100)
+    ids, mask = joined(rl)
+    # SFT layout: right-padded, loss on the response tokens only.
+    order = (1 - mask).argsort(dim=1, stable=True)
+    ids, mask = ids.gather(1, order), mask.gather(1, order)
+    loss_mask = torch.cat([torch.zeros_like(rl["prompt_mask"]), rl["response_mask"]], 1)
+    loss_mask = loss_mask.gather(1, order)
+    batch = Batch.from_dict(
+        tensors={"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+    )
+    group = local_actor(path, "actor.pack_row_tokens=24", "actor.max_tokens_per_micro_batch=30")
+    try:
+        loss, grads = group.sft_grads(batch)
+    finally:
+        group.shutdown()
+    model = load_causal_lm(path)
+    logp, _ = plain_log_probs(model, ids, mask, ids.shape[1] - 1)
+    lm = loss_mask[:, 1:].float()
+    want = -(logp * lm).sum() / lm.sum()
+    want.backward()
+    assert loss == pytest.approx(float(want.detach()), rel=1e-5)
+    assert_same_grads(grads, {n: p.grad for n, p in model.named_parameters()})
+
+
+@pytest.mark.slow
+def test_two_ranks_with_token_budgets_match_the_plain_update(tiny_task, ray_session):
+    """Rank 0 gets the long samples and needs more micro-batches: both must run as many."""
+    from ray import cloudpickle
+
+    from treadle.controller import ResourcePool
+
+    cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    path = str(tiny_task["model"])
+    batch = uneven_batch(vocab=100, n=8, seed=3)
+    lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+    batch = batch.select(lengths.argsort(descending=True))  # unbalanced on purpose
+    cfg = actor_config(
+        path,
+        "actor.world_size=2",
+        "data.batch_size=8",
+        "actor.ppo_mini_batch_size=8",
+        "actor.pack_row_tokens=24",
+        "actor.max_tokens_per_micro_batch=30",
+    )
+    pool = ResourcePool(world_size=2, cpus_per_rank=1.0)
+    kwargs = {"config": cfg, "actor_path": path, "with_ref": False}
+    group = WorkerGroup(GradActor, world_size=2, backend="ray", pool=pool, kwargs=kwargs)
+    try:
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            results = group.update_grads(batch, mode)
+            want_loss, want_grads = plain_ppo_update(path, batch, mode)
+            (loss0, grads0, n0), (loss1, _, n1) = results
+            assert (loss0 + loss1) / 2 == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+            assert_same_grads(grads0, want_grads)
+            assert n0 == n1
+    finally:
+        group.shutdown()
+        pool.remove()
+
+
+def test_bf16_mixed_precision_keeps_float32_parameters_and_log_probs(tiny_task):
+    path = str(tiny_task["model"])
+    batch = uneven_batch(vocab=100)
+    group = local_actor(path, "actor.mixed_precision=bf16")
+    try:
+        out = group.compute_log_probs(batch)
+        [(_, grads, _)] = group.update_grads(batch, "token-mean")
+        [worker] = group.workers
+        dtypes = {p.dtype for p in worker.actor.module.parameters()}
+    finally:
+        group.shutdown()
+    ids, mask = joined(batch)
+    with torch.no_grad():
+        want, _ = plain_log_probs(load_causal_lm(path), ids, mask, 8)
+    rmask = batch["response_mask"].bool()
+    assert out["old_log_probs"].dtype == torch.float32 and dtypes == {torch.float32}
+    diff = (out["old_log_probs"] - want)[rmask].abs()
+    assert 0 < diff.max() < 0.05  # computed in bfloat16 (not exact), close to float32
+    _, want_grads = plain_ppo_update(path, batch, "token-mean")
+    for name, value in want_grads.items():
+        assert grads[name].dtype == torch.float32
+        cos = torch.nn.functional.cosine_similarity(grads[name].flatten(), value.flatten(), 0)
+        assert cos > 0.99, name
+
+
+@pytest.mark.parametrize("row_tokens", [None, 16])
+def test_a_micro_batch_without_labels_still_backpropagates(tiny_task, row_tokens):
+    """Every response masked out (DAPO's truncation masking can do that to a micro-batch):
+    the log-probs are all 0 but stay on the graph, so backward runs and gives zero gradients."""
+    lm = load_causal_lm(tiny_task["model"])
+    head = LogProbHead(lm, chunk_size=4, row_tokens=row_tokens)
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[:, 5:] = 0  # the 3 response columns are all padding
+    logp, _ = head(ids, mask, 3)
+    assert torch.equal(logp, torch.zeros(2, 3)) and logp.requires_grad
+    logp.sum().backward()
+    grads = [p.grad for p in lm.parameters()]
+    assert all(g is not None and not g.any() for g in grads)

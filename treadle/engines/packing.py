@@ -1,0 +1,191 @@
+"""Sequences without their padding: packed rows, token-budget micro-batches, balanced ranks.
+
+treadle's batches are padded (prompts left-padded, responses right-padded: see
+:mod:`treadle.protocol`), which suits the driver and the algorithms. A decoder forward on that
+layout computes on every pad position. Here are the pieces that take the padding out:
+
+- :func:`pack` lays the valid tokens of a padded batch into a few rows, several sequences per
+  row, each sequence's position ids restarting at 0. transformers recognises that layout from
+  the position ids (``masking_utils.find_packed_sequence_indices``, used when the attention
+  mask is ``None``) and builds a block-diagonal causal mask, so attention stays within each
+  sequence for every attention implementation (sdpa, eager, flex; flash-attention takes the
+  varlen path). Rows hold at most ``row_tokens`` tokens (or the longest sequence when it is
+  longer), filled first-fit-decreasing: one long row would make attention quadratic in the
+  total length, and on CPU sdpa computes the whole masked square (measured in
+  ``bench/train_step.py``; see the actor config). The layout also says where, in the packed
+  rows, the hidden state predicting each selected label sits, so heads run on those states
+  only and scatter back to the ``[batch, num_labels]`` layout.
+- :func:`token_micro_batches` groups a rank's samples into micro-batches by a token budget
+  instead of a sample count, with the same number of micro-batches on every rank (FSDP's
+  collectives run once per micro-batch; a rank with fewer would hang the others).
+- :func:`balanced_order` reorders a batch before it is cut into contiguous per-rank chunks so
+  that every rank gets a similar number of tokens (verl's ``seqlen_balancing``).
+
+Everything here is plain index bookkeeping on small integer tensors; no model is involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from treadle.protocol import Batch
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
+    """Groups of indices whose lengths sum to at most ``capacity``, longest items placed first.
+
+    An item longer than ``capacity`` gets a group of its own. Groups come out in the order they
+    were opened (the first holds the longest item).
+    """
+    groups: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        for g, load in enumerate(loads):
+            if load + lengths[i] <= capacity:
+                groups[g].append(i)
+                loads[g] += lengths[i]
+                break
+        else:
+            groups.append([i])
+            loads.append(lengths[i])
+    return groups
+
+
+def token_micro_batches(
+    lengths: Sequence[int], budget: int, count: int | None = None
+) -> list[list[int]]:
+    """Split samples into micro-batches of at most ``budget`` tokens (a longer sample alone).
+
+    With ``count`` (at least the number the budget needs, at most ``len(lengths)``), the
+    heaviest micro-batch with two or more samples is halved until there are ``count``: every
+    rank can then run the same number of micro-batches without any exceeding the budget.
+    Micro-batches are ordered heaviest first, so the i-th ones of different ranks are alike.
+    """
+    groups = first_fit_decreasing(lengths, budget)
+    count = len(groups) if count is None else count
+    if not len(groups) <= count <= len(lengths):
+        raise ValueError(
+            f"cannot make {count} micro-batches of {len(lengths)} samples "
+            f"(the budget of {budget} tokens needs {len(groups)})"
+        )
+
+    def load(g: list[int]) -> int:
+        return sum(lengths[i] for i in g)
+
+    while len(groups) < count:
+        heavy = max((g for g in groups if len(g) > 1), key=load)
+        groups.remove(heavy)
+        groups += [heavy[::2], heavy[1::2]]  # heavy is sorted by length: alternate halves
+    return sorted(groups, key=load, reverse=True)
+
+
+def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
+    """A permutation after which ``parts`` contiguous equal chunks have similar token sums.
+
+    Greedy: the longest remaining sample goes to the lightest part that still has room
+    (every part holds ``len(lengths) // parts`` samples, as the data-parallel dispatch needs).
+    """
+    n = len(lengths)
+    if n % parts:
+        raise ValueError(f"{n} samples cannot be cut into {parts} equal parts")
+    size = n // parts
+    members: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for i in sorted(range(n), key=lambda i: -lengths[i]):
+        p = min((p for p in range(parts) if len(members[p]) < size), key=lambda p: loads[p])
+        members[p].append(i)
+        loads[p] += lengths[i]
+    return [i for part in members for i in sorted(part)]
+
+
+def balance_ranks(batch: Batch, ranks: int) -> Batch:
+    """``batch`` reordered by :func:`balanced_order` of its valid tokens (prompt + response)."""
+    lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+    return batch.select(balanced_order(lengths.tolist(), ranks))
+
+
+@dataclass
+class PackedLayout:
+    """A padded batch's valid tokens packed into rows, and where its labels' states are.
+
+    ``input_ids`` / ``position_ids`` are ``[rows, width]``; positions restart at 0 for every
+    sequence (and for the filler after the last sequence of a row). ``where`` is the
+    ``[batch, num_labels]`` mask of selected labels; ``gather`` holds, for each selected label
+    in row-major order of ``where``, the flat index into ``rows * width`` of the hidden state
+    that predicts it.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    where: torch.Tensor
+    gather: torch.Tensor
+
+
+def label_positions(
+    attention_mask: torch.Tensor, num_labels: int, label_mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``[B, num_labels]`` bool: labels that are valid tokens preceded by a valid token.
+
+    The state predicting column c is that of column c - 1; without a valid token there (an
+    empty prompt) there is nothing to predict from. ``label_mask`` narrows the selection
+    further (e.g. SFT's loss mask: no head compute on prompt positions).
+    """
+    valid = attention_mask.bool()
+    where = valid[:, -num_labels:] & valid[:, -num_labels - 1 : -1]
+    if label_mask is not None:
+        where = where & label_mask.bool()
+    return where
+
+
+def pack(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    where: torch.Tensor,
+    row_tokens: int,
+    pad_id: int = 0,
+) -> PackedLayout:
+    """Pack the valid tokens of ``input_ids [B, L]`` into rows of at most ``row_tokens``.
+
+    Each sequence keeps its tokens in order with positions ``0 .. n-1`` (what the padded
+    forward gives through ``cumsum(mask) - 1``); rows are filled first-fit-decreasing.
+    """
+    valid = attention_mask.bool()
+    lengths = valid.sum(1)
+    device = input_ids.device
+    groups = first_fit_decreasing(lengths.tolist(), max(row_tokens, int(lengths.max())))
+    width = max(int(lengths[g].sum()) for g in groups)
+    # Where each sequence starts in the flat [rows * width] layout.
+    seq_start = torch.zeros(len(lengths), dtype=torch.long)
+    for r, g in enumerate(groups):
+        offsets = torch.cumsum(lengths[g], 0) - lengths[g]
+        seq_start[g] = r * width + offsets.cpu()
+    seq_start = seq_start.to(device)
+    # Every valid token's local position and its flat destination.
+    local = (valid.long().cumsum(1) - 1).clamp(min=0)
+    dest = torch.full(valid.shape, -1, dtype=torch.long, device=device)
+    dest[valid] = (seq_start[:, None] + local)[valid]
+    flat_ids = torch.full((len(groups) * width,), pad_id, dtype=input_ids.dtype, device=device)
+    flat_ids[dest[valid]] = input_ids[valid]
+    # Filler positions count up from 0 too, so they form a "sequence" of their own.
+    flat_pos = torch.arange(len(groups) * width, device=device) % width
+    row_fill = torch.tensor([int(lengths[g].sum()) for g in groups], device=device)
+    filler = flat_pos >= row_fill.repeat_interleave(width)
+    flat_pos = torch.where(filler, flat_pos - row_fill.repeat_interleave(width), flat_pos)
+    flat_pos[dest[valid]] = local[valid]
+    num_labels = where.shape[1]
+    gather = dest[:, -num_labels - 1 : -1][where]
+    return PackedLayout(
+        input_ids=flat_ids.view(len(groups), width),
+        position_ids=flat_pos.view(len(groups), width),
+        where=where,
+        gather=gather,
+    )
+
+
+def scatter_labels(values: torch.Tensor, where: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Put per-label ``values [N]`` back into the ``[B, num_labels]`` layout of ``where``."""
+    out = values.new_full(where.shape, fill)
+    return out.masked_scatter(where, values)
