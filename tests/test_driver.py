@@ -174,3 +174,49 @@ def test_rollout_dtype_bfloat16_engine_gets_cast_weights(tiny_task, length_rewar
         assert torch.equal(param, actor[name].to(torch.bfloat16)), name
     # bfloat16 sampling differs from the float32 actor a little, and the metrics see it.
     assert 0 < m["rollout/logprob_diff_mean"] < 0.1
+
+
+def test_on_policy_update_without_the_old_log_prob_pass_is_the_same(
+    tiny_task, length_reward, tmp_path
+):
+    """One optimizer step a batch: the update's own forward stands for the old policy. The
+    run equals one with the separate pass: same metrics (mismatch included), same weights."""
+    runs = {}
+    for name, flag in (("pass", "true"), ("fused", "null")):
+        t = trainer(
+            tiny_task, tmp_path / name, length_reward, f"actor.recompute_old_log_probs={flag}"
+        )
+        try:
+            assert t.old_log_prob_pass == (flag == "true")
+            metrics = [t.step(1), t.step(2)]
+            weights = {k: v.clone() for k, v in t.group.workers[0].actor.full_state()}
+        finally:
+            t.actors.close()
+        runs[name] = metrics, weights
+    (m_pass, w_pass), (m_fused, w_fused) = runs["pass"], runs["fused"]
+    assert "timing/old_log_probs" in m_pass[0] and "timing/old_log_probs" not in m_fused[0]
+    for a, b in zip(m_pass, m_fused, strict=True):
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "rollout/logprob_diff_mean",
+            "rollout/logprob_diff_max",
+            "rollout/is_ratio_mean",
+        ):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    for k in w_pass:
+        torch.testing.assert_close(w_fused[k], w_pass[k], rtol=1e-5, atol=1e-6)
+
+
+def test_recompute_old_log_probs_false_is_refused_when_needed(tiny_task):
+    from treadle.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"actor.recompute_old_log_probs=false needs one"):
+        load_config(
+            None,
+            [
+                f"model.path={tiny_task['model']}",
+                "actor.ppo_epochs=2",
+                "actor.recompute_old_log_probs=false",
+            ],
+        )

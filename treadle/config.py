@@ -205,6 +205,13 @@ class ActorConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute decoder activations in backward (less memory, ~1/3 slower)."
     )
+    recompute_old_log_probs: bool | None = Field(
+        None,
+        description="Compute the policy's log-probs before the update in a pass of their own "
+        "(PPO's 'old' policy). null: only when needed (more than one optimizer step a batch, "
+        "KL in the reward); otherwise the update's first forward gives them, detached: the "
+        "same ratio (1) and gradient, one forward pass fewer.",
+    )
     logprob_chunk_size: int = Field(
         512, gt=0, description="Label tokens per chunk when computing log-probs from hidden states."
     )
@@ -309,6 +316,33 @@ class Config(Section):
     actor: ActorConfig = Field(default_factory=ActorConfig)  # type: ignore[arg-type]
     critic: CriticConfig = Field(default_factory=CriticConfig)  # type: ignore[arg-type]
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)  # type: ignore[arg-type]
+
+    @model_validator(mode="after")
+    def _check_old_log_probs(self) -> Config:
+        a = self.actor
+        if (
+            a.recompute_old_log_probs is False
+            and self.model_copy(
+                update={"actor": a.model_copy(update={"recompute_old_log_probs": None})}
+            ).needs_old_log_prob_pass()
+        ):
+            raise ValueError(
+                "actor.recompute_old_log_probs=false needs one optimizer step a batch without "
+                "KL in the reward: set it to null (automatic), or actor.ppo_epochs=1, "
+                "actor.ppo_mini_batch_size = data.batch_size x rollout.n and "
+                "algorithm.kl_reward_coef=0"
+            )
+        return self
+
+    def needs_old_log_prob_pass(self) -> bool:
+        """Whether RL computes the old log-probs before the update (``actor.recompute_...``)."""
+        a = self.actor
+        needed = (
+            a.ppo_epochs > 1
+            or a.ppo_mini_batch_size < self.data.batch_size * self.rollout.n
+            or self.algorithm.kl_reward_coef > 0
+        )
+        return needed if a.recompute_old_log_probs is None else a.recompute_old_log_probs
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Config:

@@ -53,6 +53,7 @@ from treadle.algorithms import (
     pair_stats,
     value_loss,
 )
+from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
@@ -257,14 +258,21 @@ class ActorRolloutRefWorker(Worker):
         ids, mask, r = self._sequences(mb)
         logp, ent = self.actor.log_probs(ids, mask, r, self.cfg.rollout.temperature)
         rmask = mb["response_mask"].to(logp.dtype)
+        if "old_log_probs" in mb:
+            old = mb["old_log_probs"]
+        else:  # on-policy, one optimizer step: this forward is the old policy (see update_actor)
+            old = logp.detach()
+            self._mismatch.append(
+                mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
+            )
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
         is_weights = None
         if alg.rollout_is_cap is not None:  # truncated IS: pi_train / pi_rollout, capped
-            ratio = torch.exp(mb["old_log_probs"] - mb["rollout_log_probs"])
+            ratio = torch.exp(old - mb["rollout_log_probs"])
             is_weights = ratio.clamp(max=alg.rollout_is_cap).to(logp.dtype)
         pg_loss, stats = loss_fn(
             logp,
-            mb["old_log_probs"],
+            old,
             mb["advantages"],
             rmask,
             loss_agg_mode=alg.loss_agg_mode,
@@ -296,15 +304,29 @@ class ActorRolloutRefWorker(Worker):
 
     @register(Dispatch.DP, Collect.MEAN)
     def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs over mini-batches, one optimizer step each; metrics averaged.
+
+        Without ``old_log_probs`` in the batch (the driver skipped that pass: on-policy, one
+        optimizer step) each micro-batch's own forward is the old policy, and the rollout
+        mismatch is measured here, over every rank's tokens.
+        """
         a = self.cfg.actor
         mini = a.ppo_mini_batch_size // self.world_size
         per_step: list[dict[str, float]] = []
+        self._mismatch: list[torch.Tensor] = []
         gen = torch.Generator().manual_seed(int(batch.meta.get("step", 0)))
         for _ in range(a.ppo_epochs):
             shuffled = batch.select(torch.randperm(len(batch), generator=gen))
             for mb in shuffled.split(mini):
                 per_step.append(self._actor_step(mb))
-        return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+        metrics = {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}
+        if "old_log_probs" not in batch:
+            stats = torch.stack(self._mismatch)
+            sums, top = stats[:, :3].sum(0), stats[:, 3].max().reshape(1)
+            dist.all_reduce(sums)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            metrics.update(mismatch_metrics(torch.cat([sums, top])))
+        return metrics
 
     def _actor_step(self, mb: Batch) -> dict[str, float]:
         """One optimizer step over a mini-batch, in micro-batches with accumulated gradients."""

@@ -51,3 +51,28 @@ def masked_whiten(x: Tensor, mask: Tensor, shift_mean: bool = True, eps: float =
     if not shift_mean:
         whitened = whitened + mean
     return torch.where(mask.bool(), whitened, torch.zeros_like(whitened))
+
+
+def mismatch_stats(log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor) -> Tensor:
+    """How far the rollout engine's log-probs are from the trainer's on the same tokens.
+
+    Returns float64 ``[Σ|Δ|, Σ π/π_rollout, n tokens, max|Δ|]`` over valid positions with
+    ``Δ = log π - log π_rollout``: sums, so pieces (micro-batches, ranks) combine by adding the
+    first three and taking the max of the last; :func:`mismatch_metrics` turns them into means.
+    """
+    delta = (log_probs.detach() - rollout_log_probs).double()
+    valid = mask.bool()
+    absd = torch.where(valid, delta.abs(), torch.zeros_like(delta))
+    ratio = torch.where(valid, delta.clamp(max=20.0).exp(), torch.zeros_like(delta))
+    return torch.stack([absd.sum(), ratio.sum(), valid.sum().double(), absd.max()])
+
+
+def mismatch_metrics(stats: Tensor) -> dict[str, float]:
+    """``rollout/logprob_diff_mean``, ``_max`` and ``rollout/is_ratio_mean`` from
+    :func:`mismatch_stats` (combined)."""
+    tokens = max(float(stats[2]), 1.0)
+    return {
+        "rollout/logprob_diff_mean": float(stats[0]) / tokens,
+        "rollout/logprob_diff_max": float(stats[3]),
+        "rollout/is_ratio_mean": float(stats[1]) / tokens,
+    }

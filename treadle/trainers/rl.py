@@ -46,6 +46,7 @@ from treadle.algorithms import (
 )
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty, varied_groups
+from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config, DPOConfig
 from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
@@ -102,22 +103,22 @@ def left_pad(batch: Batch, width: int) -> Batch:
 
 
 def rollout_metrics(batch: Batch) -> dict[str, float]:
+    """Rewards, lengths and, when the old log-probs were computed here, the rollout/train
+    mismatch (otherwise the update reports it)."""
     mask = batch["response_mask"].float()
     lengths = mask.sum(-1)
-    diff = (batch["rollout_log_probs"] - batch["old_log_probs"]).abs() * mask
-    ratio = torch.exp(batch["old_log_probs"] - batch["rollout_log_probs"]) * mask
     scores = batch["token_level_scores"].sum(-1)
-    n_tok = mask.sum().clamp(min=1)
-    return {
+    m = {
         "reward/mean": float(scores.mean()),
         "reward/max": float(scores.max()),
         "response/length_mean": float(lengths.mean()),
         "response/clip_ratio": float(sum(r == "length" for r in batch["stop_reason"]) / len(batch)),
-        "rollout/logprob_diff_mean": float(diff.sum() / n_tok),
-        "rollout/logprob_diff_max": float(diff.max()),
-        "rollout/is_ratio_mean": float(ratio.sum() / n_tok),
         "generated_tokens": float(mask.sum()),
     }
+    if "old_log_probs" in batch:
+        stats = mismatch_stats(batch["old_log_probs"], batch["rollout_log_probs"], mask)
+        m.update(mismatch_metrics(stats))
+    return m
 
 
 class RLTrainer(Trainer):
@@ -141,6 +142,7 @@ class RLTrainer(Trainer):
             else FixedKLController(alg.kl_reward_coef)
         )
         self.use_ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
+        self.old_log_prob_pass = cfg.needs_old_log_prob_pass()
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
@@ -181,9 +183,11 @@ class RLTrainer(Trainer):
         batch = self.rollout(step, m)
         # Every rank gets a similar token count (the dispatcher cuts contiguous chunks).
         batch = balance_ranks(batch, self.cfg.actor.world_size)
-        # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy
-        with timed(m, "old_log_probs"):
-            batch = batch.union(group.compute_log_probs(batch))
+        # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy (on-policy,
+        # one optimizer step a batch: the update's first forward gives them, one pass fewer)
+        if self.old_log_prob_pass:
+            with timed(m, "old_log_probs"):
+                batch = batch.union(group.compute_log_probs(batch))
         # 4. the frozen reference, for the KL term (in the loss, in the reward, or both)
         if self.use_ref:
             with timed(m, "ref_log_probs"):
