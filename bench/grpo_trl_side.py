@@ -5,12 +5,13 @@ treadle); not meant to be run by hand. It trains `--steps` + `--warmup` optimize
 rows of `--prompts` (a JSONL file of `prompt`, `answer`; each step takes all of them, so every
 step sees the same prompts) and writes one record per step to `--out` as JSON.
 
-TRL runs with its defaults except: `use_cpu=True`; `bf16` follows `--dtype` (TRL's default is
-bf16 autocast); one optimizer step per generation batch (`per_device_train_batch_size` = prompts
-x samples, `gradient_accumulation_steps=1`); `min_new_tokens` = `max_completion_length`, so every
-completion has exactly that many tokens; the learning rate and seed given; no logging backend,
-no checkpoints. Defaults kept: `beta=0` (no reference model), `loss_type="dapo"`, gradient
-checkpointing on, `num_iterations=1` (so TRL computes no separate old-log-prob pass).
+TRL runs with its defaults except: `use_cpu=True`; float32 weights, with `bf16` autocast when
+`--dtype bfloat16` (TRL's default is bf16 autocast); one optimizer step per generation batch
+(`per_device_train_batch_size` = prompts x samples, `gradient_accumulation_steps=1`);
+`min_new_tokens` = `max_completion_length`, so every completion has exactly that many tokens;
+the learning rate and seed given; no logging backend, no checkpoints. Defaults kept: `beta=0`
+(no reference model), `loss_type="dapo"`, gradient checkpointing on, `num_iterations=1` (so TRL
+computes no separate old-log-prob pass).
 
 Timing, by a subclass of `GRPOTrainer` and a callback, per optimizer step:
 
@@ -127,7 +128,7 @@ def main() -> None:
         output_dir=str(Path(args.workdir) / "trl_out"),
         use_cpu=True,
         bf16=args.dtype == "bfloat16",
-        model_init_kwargs={"dtype": args.dtype},
+        model_init_kwargs={"dtype": "float32"},  # bf16 is mixed precision: float32 weights
         per_device_train_batch_size=len(rows) * args.n,
         gradient_accumulation_steps=1,
         num_generations=args.n,

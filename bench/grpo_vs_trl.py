@@ -13,8 +13,10 @@ chat_arithmetic` -> `data/chat_arithmetic/`).
 
 The workload, the same on both sides, per model:
 
-- the same model folder and precision (`--dtype`, float32 by default; with bfloat16 both load
-  the weights in bfloat16, TRL also with its `bf16` autocast on);
+- the same model folder and precision (`--dtype`, float32 by default; `bfloat16` is mixed
+  precision on both sides: float32 weights and optimizer, bfloat16 matmuls: TRL's default
+  `bf16` autocast; treadle's `actor.mixed_precision=bf16` and a bfloat16 vLLM engine,
+  `rollout.dtype=bfloat16`);
 - the same 8 prompts every step (the first rows of the task's `train.jsonl`, rendered with the
   tokenizer's chat template by each side), 4 samples each at temperature 1, exactly 64 new
   tokens per sample (treadle: `rollout.ignore_eos=true`; TRL: `min_new_tokens=64`); the prompt
@@ -30,8 +32,9 @@ on (its default) and fused LM-head log-probs, and makes no separate old-log-prob
 iteration it reuses the detached current ones). treadle runs its product path: one Ray actor
 with FSDP2 on one rank and an in-process vLLM engine (`rollout.engine=vllm`,
 `trainer.backend=ray`), micro-batches of `--micro-batch` samples without gradient
-checkpointing, a separate old-log-prob forward pass, and a weight sync into vLLM after the
-update. treadle's vLLM KV cache is sized to the workload (`--kv-cache-gib`, default: room for
+checkpointing, no separate old-log-prob pass either (on-policy: the update's first forward
+stands for the old policy), and a weight sync into vLLM after the update. treadle's vLLM KV
+cache is sized to the workload (`--kv-cache-gib`, default: room for
 the 32 sequences of 128 + 64 tokens, x1.5), since vLLM on CPU allocates and fills all of it at
 start, where transformers' cache grows with the batch. Both use `--threads` torch threads.
 TRL's reward is a plain last-integer check, treadle's the task's built-in reward (rewards only
@@ -46,8 +49,8 @@ What is measured, per step:
   `timing/generate` (vLLM sampling and building the response tensors);
 - training: TRL, the step less its `_generate_and_score_completions` (so loss forward,
   backward, clip and optimizer step; plus any log-prob pass made while preparing, none with
-  these settings); treadle, `timing/old_log_probs` + `timing/update_actor` +
-  `timing/sync_weights` (+ `timing/ref_log_probs` when a KL term is on);
+  these settings); treadle, `timing/update_actor` + `timing/sync_weights` (+
+  `timing/old_log_probs` / `timing/ref_log_probs` when those passes run);
 - other: step - generation - training (decoding, reward, advantages, driver overhead);
 - generated tokens/s: generated tokens of the step / generation time;
 - peak RSS and peak PSS: each side runs in its own process, one side after the other, never
@@ -353,7 +356,9 @@ def treadle_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
     rows = len(Path(args.prompts).read_text(encoding="utf-8").splitlines())
     return [
         f"model.path={args.model_path}",
-        f"model.dtype={args.dtype}",
+        "model.dtype=float32",
+        f"rollout.dtype={args.dtype}",
+        f"actor.mixed_precision={'bf16' if args.dtype == 'bfloat16' else 'none'}",
         f"data.train_files=[{args.prompts}]",
         f"data.batch_size={rows}",
         "data.shuffle=false",
