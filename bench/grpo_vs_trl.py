@@ -560,9 +560,11 @@ def print_header(args: argparse.Namespace, settings: dict[str, Any]) -> None:
         f"{args.prompts_per_step * args.n} samples, no old-log-prob pass; bf16={s['bf16']} "
         "(TRL's default is bf16 autocast)"
     )
+    mixed = "bf16 mixed precision, bf16 vLLM" if args.dtype == "bfloat16" else "float32"
     print(
-        f"treadle: Ray, FSDP2 on 1 rank, vLLM rollout, micro-batch {args.micro_batch}, no gradient"
-        " checkpointing, old-log-prob pass, weight sync to vLLM every step"
+        f"treadle: Ray, FSDP2 on 1 rank, vLLM rollout, micro-batch {args.micro_batch}, packed "
+        f"sequences, {mixed}, no gradient checkpointing, no old-log-prob pass (on-policy), "
+        "weight sync to vLLM every step"
     )
 
 

@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from treadle.algorithms import bradley_terry_loss, pair_stats
@@ -34,7 +33,7 @@ from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.value import ValueHead, last_token_values
-from treadle.models import load_tokenizer, load_value_model, save_hf_folder
+from treadle.models import load_tokenizer, load_value_model
 from treadle.protocol import Batch
 from treadle.workers import engine_options, pair_sequences
 
@@ -70,7 +69,6 @@ class RewardTrainerWorker(Worker):
             gradient_checkpointing=a.gradient_checkpointing,
             head=ValueHead,
         )
-        self.hf_config = self.engine.module.lm.config
 
     def _scores(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask, _, _ = pair_sequences(mb, self.device)
@@ -119,23 +117,9 @@ class RewardTrainerWorker(Worker):
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
         """``model/`` as a value-model folder (rank 0), optimizer gathered, RNG per rank."""
-        out = Path(path)
-        state = {}
-        for name, tensor in self.engine.full_state():
-            if self.rank == 0:
-                state[name] = tensor.cpu().clone()
-        if self.rank == 0:
-            save_hf_folder(state, self.hf_config, self.tokenizer, out / "model")
-        if with_optimizer:
-            self.engine.save_optimizer(out, self.rank)
-        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
-        dist.barrier()
+        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
         """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
-        out = Path(path)
-        self.engine.load_optimizer(out)
-        rng = out / f"rng_rank{self.rank}.safetensors"
-        if rng.exists():
-            torch.set_rng_state(load_file(str(rng))["torch"])
+        self.engine.load_checkpoint(Path(path), self.rank)

@@ -40,7 +40,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
 from torch import nn
 
 from treadle.algorithms import (
@@ -60,7 +59,7 @@ from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.packing import first_fit_decreasing, token_micro_batches
 from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from treadle.engines.value import ValueHead, last_token_values
-from treadle.models import load_causal_lm, load_tokenizer, load_value_model, save_hf_folder
+from treadle.models import load_causal_lm, load_tokenizer, load_value_model
 from treadle.protocol import Batch
 
 
@@ -133,7 +132,6 @@ class ActorRolloutRefWorker(Worker):
             grad_clip=a.grad_clip,
             gradient_checkpointing=a.gradient_checkpointing,
         )
-        self.hf_config = self.actor.module.lm.config
         self.ref = (
             TrainEngine(
                 self._load(config.model.path, dtype), **engine_options(config), trainable=False
@@ -458,26 +456,12 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
         """Model as an HF safetensors folder (rank 0), optimizer gathered, RNG per rank."""
-        out = Path(path)
-        state = {}
-        for name, tensor in self.actor.full_state():
-            if self.rank == 0:
-                state[name] = tensor.cpu().clone()
-        if self.rank == 0:
-            save_hf_folder(state, self.hf_config, self.tokenizer, out / "model")
-        if with_optimizer:
-            self.actor.save_optimizer(out, self.rank)
-        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
-        dist.barrier()
+        self.actor.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
         """Optimizer and RNG; the model weights were loaded at start from ``path/model``."""
-        out = Path(path)
-        self.actor.load_optimizer(out)
-        rng = out / f"rng_rank{self.rank}.safetensors"
-        if rng.exists():
-            torch.set_rng_state(load_file(str(rng))["torch"])
+        self.actor.load_checkpoint(Path(path), self.rank)
 
 
 # ---------------------------------------------------------------------------------- value roles
@@ -631,26 +615,12 @@ class CriticWorker(Worker):
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str) -> None:
         """Value-model folder ``path/model`` (rank 0), optimizer gathered, RNG per rank."""
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        state = {}
-        for name, tensor in self.engine.full_state():
-            if self.rank == 0:
-                state[name] = tensor.cpu().clone()
-        if self.rank == 0:
-            save_hf_folder(state, self.engine.module.lm.config, self.tokenizer, out / "model")
-        self.engine.save_optimizer(out, self.rank)
-        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{self.rank}.safetensors"))
-        dist.barrier()
+        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
         """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
-        out = Path(path)
-        self.engine.load_optimizer(out)
-        rng = out / f"rng_rank{self.rank}.safetensors"
-        if rng.exists():
-            torch.set_rng_state(load_file(str(rng))["torch"])
+        self.engine.load_checkpoint(Path(path), self.rank)
 
 
 class RewardModelWorker(Worker):

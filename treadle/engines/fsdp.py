@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from treadle.engines.packing import label_positions, pack, scatter_labels
+from treadle.models import save_hf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -249,7 +250,28 @@ class TrainEngine:
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         return full_tensors(self.module)
 
-    # -------------------------------------------------------------- optimizer checkpoint
+    # -------------------------------------------------------------- checkpoint
+
+    def save_checkpoint(
+        self, out: Path, rank: int, tokenizer: Any, with_optimizer: bool = True
+    ) -> None:
+        """``out/model`` (an HF folder, written by rank 0), the optimizer gathered to rank 0,
+        this rank's RNG state. Every rank must call it (the full tensors are collectives)."""
+        out.mkdir(parents=True, exist_ok=True)
+        state = {name: t.cpu().clone() for name, t in self.full_state() if rank == 0}
+        if rank == 0:
+            save_hf_folder(state, self.module.lm.config, tokenizer, out / "model")
+        if with_optimizer:
+            self.save_optimizer(out, rank)
+        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{rank}.safetensors"))
+        dist.barrier()
+
+    def load_checkpoint(self, out: Path, rank: int) -> None:
+        """Optimizer and RNG of :meth:`save_checkpoint`; the weights were loaded at start."""
+        self.load_optimizer(out)
+        rng = out / f"rng_rank{rank}.safetensors"
+        if rng.exists():
+            torch.set_rng_state(load_file(str(rng))["torch"])
 
     def save_optimizer(self, path: Path, rank: int) -> None:
         """Gather the optimizer state to rank 0 and write it as safetensors + JSON (no pickle)."""
