@@ -8,12 +8,13 @@ Choices:
   layer is its own FSDP unit, the root holds embeddings, final norm and LM head (tied or not).
   Its forward runs the decoder (:func:`response_hidden`, shared with the value head), keeps
   only the hidden states that predict selected label tokens and computes log-softmax in
-  float32 chunk by chunk over those tokens, each chunk recomputed in backward, so a float32
-  ``[batch, seq, vocab]`` tensor never exists and no head compute is spent on padding.
+  float32 chunk by chunk over those tokens (:mod:`treadle.engines.lm_head`, one fused
+  autograd function, each chunk recomputed in backward), so a float32 ``[batch, seq, vocab]``
+  tensor never exists and no head compute is spent on padding.
 - Packed forwards (``row_tokens``): the decoder runs on the valid tokens only, several
   sequences per row with attention kept within each (:mod:`treadle.engines.packing`).
-- Mixed precision (``compute_dtype``): decoder layers compute in bfloat16 from float32
-  parameters; the root, and so the log-softmax, stays in the parameter dtype.
+- Mixed precision (``compute_dtype``): decoder layers and the LM head's matrix products
+  compute in bfloat16 from float32 parameters; norms, softmax and the optimizer stay float32.
 - Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
 - Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
   so the whole model never sits twice in memory beyond one parameter.
@@ -38,22 +39,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from torch.utils.checkpoint import checkpoint
 
+from treadle.engines.lm_head import linear_log_probs
 from treadle.engines.packing import label_positions, pack, scatter_labels
 from treadle.models import save_hf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-def _chunk_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, temperature: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    logits = (hidden.to(weight.dtype) @ weight.t()).float() / temperature
-    lse = torch.logsumexp(logits, dim=-1)
-    logp = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(logits, dim=-1) * logits).sum(-1)
-    return logp, entropy
 
 
 def response_hidden(
@@ -102,14 +93,23 @@ class LogProbHead(nn.Module):
     """The FSDP2 root: causal LM -> log-probs (and entropy) of the last ``num_labels`` tokens.
 
     Outputs are ``[B, num_labels]`` float32, 0 where a label is not selected (padding, or
-    outside ``label_mask``): the LM head runs on selected positions only.
+    outside ``label_mask``): the LM head runs on selected positions only, ``chunk_size`` label
+    tokens at a time (:func:`~treadle.engines.lm_head.linear_log_probs`), its matrix products in
+    ``compute_dtype`` when given.
     """
 
-    def __init__(self, lm: nn.Module, chunk_size: int = 512, row_tokens: int | None = None):
+    def __init__(
+        self,
+        lm: nn.Module,
+        chunk_size: int = 512,
+        row_tokens: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ):
         super().__init__()
         self.lm: Any = lm  # a transformers PreTrainedModel
         self.chunk_size = chunk_size
         self.row_tokens = row_tokens
+        self.compute_dtype = compute_dtype
 
     def forward(
         self,
@@ -129,23 +129,15 @@ class LogProbHead(nn.Module):
         )
         labels = input_ids[:, -num_labels:][where]
         weight = self.lm.get_output_embeddings().weight
-        logps, ents = [], []
-        for s in range(0, len(labels), self.chunk_size):
-            h, y = hidden[s : s + self.chunk_size], labels[s : s + self.chunk_size]
-            if torch.is_grad_enabled():
-                lp, ent = checkpoint(
-                    _chunk_logprobs, h, weight, y, temperature, use_reentrant=False
-                )
-            else:
-                lp, ent = _chunk_logprobs(h, weight, y, temperature)
-            logps.append(lp)
-            ents.append(ent)
-        # No selected label (every response masked out): still a result on the autograd
-        # graph through the decoder and the head, so backward (and FSDP's gradient
-        # reduction, which every rank must join) runs as for any micro-batch.
-        empty = (hidden @ weight[:1].t()).sum(-1).float()
-        logp = torch.cat(logps) if logps else empty
-        ent = torch.cat(ents) if ents else empty
+        if len(labels):
+            logp, ent = linear_log_probs(
+                hidden, weight, labels, temperature, self.chunk_size, self.compute_dtype
+            )
+        else:
+            # No selected label (every response masked out): still a result on the autograd
+            # graph through the decoder and the head, so backward (and FSDP's gradient
+            # reduction, which every rank must join) runs as for any micro-batch.
+            logp = ent = (hidden @ weight[:1].t()).sum(-1).float()
         return scatter_labels(logp, where), scatter_labels(ent, where)
 
 
@@ -154,8 +146,8 @@ def shard_model(lm: Any, root: nn.Module, compute_dtype: torch.dtype | None = No
 
     ``compute_dtype`` (e.g. bfloat16): decoder layers compute in it from parameters kept in
     their own dtype (the optimizer's), gradients reduced in float32. The root (embeddings,
-    final norm, heads) keeps the parameter dtype, so log-softmax and values see full-precision
-    weights.
+    final norm, heads) keeps the parameter dtype; :class:`LogProbHead` casts the LM head for
+    its matrix products only, and value heads read full-precision weights.
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
@@ -204,7 +196,7 @@ class TrainEngine:
         root = (
             head(lm, row_tokens=row_tokens)
             if head is not None
-            else LogProbHead(lm, chunk_size, row_tokens)
+            else LogProbHead(lm, chunk_size, row_tokens, compute_dtype)
         )
         self.module: Any = shard_model(lm, root, compute_dtype)
         self.grad_clip = grad_clip

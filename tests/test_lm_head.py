@@ -1,0 +1,75 @@
+"""The fused chunked LM head: log-probs and entropy against the naive computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.engines.lm_head import linear_log_probs
+
+
+def naive(h, w, y, temperature):
+    logp = torch.log_softmax((h @ w.t()).float() / temperature, -1)
+    return logp.gather(-1, y[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+
+
+def inputs(n=13, hidden=8, vocab=17, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g, dtype=dtype).requires_grad_()
+    w = torch.randn(vocab, hidden, generator=g, dtype=dtype).requires_grad_()
+    y = torch.randint(0, vocab, (n,), generator=g)
+    return h, w, y
+
+
+def test_gradcheck_both_outputs_in_float64():
+    h, w, y = inputs(dtype=torch.float64)
+    # 13 tokens in chunks of 4: the last chunk is short.
+    assert torch.autograd.gradcheck(lambda h, w: linear_log_probs(h, w, y, 0.7, 4), (h, w))
+
+
+@pytest.mark.parametrize("use", ["logp", "entropy", "both"])
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_values_and_gradients_equal_the_naive_head(use, chunk):
+    h, w, y = inputs()
+    g = torch.Generator().manual_seed(1)
+    a, b = torch.randn(13, generator=g), torch.randn(13, generator=g)
+    results = []
+    for fn in (lambda: linear_log_probs(h, w, y, 0.7, chunk), lambda: naive(h, w, y, 0.7)):
+        logp, ent = fn()
+        loss = {"logp": (a * logp).sum(), "entropy": (b * ent).sum()}.get(use)
+        if loss is None:
+            loss = (a * logp).sum() + (b * ent).sum()
+        gh, gw = torch.autograd.grad(loss, (h, w))
+        results.append((logp, ent, gh, gw))
+    for got, want in zip(*results, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_hand_computed_uniform_case():
+    # Zero weights: every token has probability 1/V, so log p = -ln V and entropy = ln V.
+    h = torch.randn(3, 4)
+    w = torch.zeros(5, 4)
+    logp, ent = linear_log_probs(h, w, torch.tensor([0, 2, 4]), 1.0, 2)
+    torch.testing.assert_close(logp, torch.full((3,), -torch.log(torch.tensor(5.0)).item()))
+    torch.testing.assert_close(ent, torch.full((3,), torch.log(torch.tensor(5.0)).item()))
+
+
+def test_nothing_of_vocabulary_size_is_kept_for_backward():
+    h, w, y = inputs(n=6, hidden=4, vocab=1000)
+    logp, _ = linear_log_probs(h, w, y, 1.0, 2)
+    saved = logp.grad_fn.saved_tensors
+    # hidden, weight, labels, and two numbers a token: no [tokens, vocab] tensor.
+    assert max(t.numel() for t in saved) == w.numel()
+    assert all(t.shape[-1] != 1000 for t in saved)
+
+
+def test_bfloat16_products_stay_close_and_outputs_float32():
+    h, w, y = inputs(n=32, hidden=64, vocab=300)
+    logp, ent = linear_log_probs(h, w, y, 1.0, 8, compute_dtype=torch.bfloat16)
+    assert logp.dtype == ent.dtype == torch.float32
+    want_logp, want_ent = naive(h, w, y, 1.0)
+    torch.testing.assert_close(logp, want_logp, atol=0.3, rtol=0.05)
+    torch.testing.assert_close(ent, want_ent, atol=0.3, rtol=0.05)
+    logp.sum().backward()
+    assert h.grad.dtype == w.grad.dtype == torch.float32
+    assert torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
