@@ -89,6 +89,25 @@ def test_pack_lays_valid_tokens_in_rows_with_restarting_positions():
     assert values.tolist() == [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
 
 
+def test_pack_takes_the_capacity_with_fewer_row_positions():
+    # Four sequences of 3 tokens: rows of 8 hold two each (2 rows x 6 = 12 positions, attention
+    # over squares of 6); rows as long as the longest sequence hold one (4 x 3 = 12): the tie
+    # goes to the narrower rows.
+    ids = torch.arange(1, 13).view(4, 3)
+    mask = torch.ones_like(ids)
+    layout = pack(ids, mask, label_positions(mask, 1), row_tokens=8)
+    assert layout.input_ids.shape == (4, 3)
+    # Lengths 5, 3, 3, 3: one sequence a row is 4 x 5 = 20 positions; rows of 8 hold [5, 3]
+    # and [3, 3]: 2 x 8 = 16.
+    ids = torch.tensor([[1, 2, 3, 4, 5]] + [[0, 0, 6, 7, 8]] * 3)
+    mask = (ids != 0).long()
+    layout = pack(ids, mask, label_positions(mask, 1), row_tokens=8, pad_id=-1)
+    assert layout.input_ids.tolist() == [
+        [1, 2, 3, 4, 5, 6, 7, 8],
+        [6, 7, 8, 6, 7, 8, -1, -1],
+    ]
+
+
 # ----------------------------------------------------------------------------- heads
 
 

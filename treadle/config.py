@@ -225,7 +225,8 @@ class ActorConfig(Section):
         gt=0,
         description="remove_padding: tokens per packed row (a longer sequence gets its own "
         "row). Attention is computed over whole rows (block-diagonal mask), so its cost per "
-        "token grows with this; one long row loses to padding on CPU.",
+        "token grows with this; one long row loses to padding on CPU. Rows as long as the "
+        "longest sequence are used instead when they need fewer row positions.",
     )
     mixed_precision: Literal["none", "bf16"] = Field(
         "none",

@@ -150,13 +150,22 @@ def pack(
     """Pack the valid tokens of ``input_ids [B, L]`` into rows of at most ``row_tokens``.
 
     Each sequence keeps its tokens in order with positions ``0 .. n-1`` (what the padded
-    forward gives through ``cumsum(mask) - 1``); rows are filled first-fit-decreasing.
+    forward gives through ``cumsum(mask) - 1``); rows are filled first-fit-decreasing. Rows
+    are as wide as the fullest one, so two capacities are tried: ``row_tokens`` and the longest
+    sequence (one sequence a row at equal lengths); the one with fewer row positions wins, the
+    narrower at a tie, as attention computes the whole square of every row. Measured on the
+    tiny model, 32 sequences of 80 tokens: rows of 80 0.14 s an update, of 256 (three
+    sequences a row) 0.17 s; with uneven lengths the fuller rows of 256 win.
     """
     valid = attention_mask.bool()
     lengths = valid.sum(1)
     device = input_ids.device
-    groups = first_fit_decreasing(lengths.tolist(), max(row_tokens, int(lengths.max())))
-    width = max(int(lengths[g].sum()) for g in groups)
+    layouts = []
+    for capacity in sorted({int(lengths.max()), max(row_tokens, int(lengths.max()))}):
+        rows = first_fit_decreasing(lengths.tolist(), capacity)
+        wide = max(int(lengths[g].sum()) for g in rows)
+        layouts.append((len(rows) * wide, wide, rows))
+    _, width, groups = min(layouts, key=lambda t: t[:2])
     # Where each sequence starts in the flat [rows * width] layout.
     seq_start = torch.zeros(len(lengths), dtype=torch.long)
     for r, g in enumerate(groups):
