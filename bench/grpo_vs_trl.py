@@ -2,7 +2,8 @@
 
     python bench/grpo_vs_trl.py [--models tiny,smollm2-135m] [--steps 5 --warmup 2]
 
-after `make install` (run by another python, the script re-runs itself under `.venv/bin/python`).
+(run by another python, the script re-runs itself under `.venv/bin/python`, running `make install`
+first when needed).
 
 Setup, done by the script when missing: TRL's own environment `.venv-trl/` at the repo root
 (`python -m venv`, then `torch==2.13.0` first, so pip takes the CPU wheel, then `trl==1.16.*`
@@ -72,7 +73,6 @@ treadle/trl <model>: <r>` lines, step time first, in the order of `--models`.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -648,17 +648,10 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def ensure_project_python() -> None:
-    """Re-run this script under the repo's `.venv` python when this one lacks treadle's stack."""
-    if all(importlib.util.find_spec(m) for m in ("treadle", "torch", "vllm", "psutil")):
-        return
-    venv_python = ROOT / ".venv" / "bin" / "python"
-    if not venv_python.exists() or Path(sys.executable) == venv_python:
-        sys.exit("bench/grpo_vs_trl.py needs treadle's environment: run `make install` first")
-    os.execv(venv_python, [str(venv_python), *sys.argv])
-
-
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _env import ensure_project_python
+
     ensure_project_python()
     args = parse_args()
     if args.side == "treadle":

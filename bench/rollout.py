@@ -1,6 +1,6 @@
 """Rollout throughput: the vLLM engine against the transformers engine, and one weight sync.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/rollout.py [--prompts 32 --n 4 --new-tokens 64]
+    OMP_NUM_THREADS=2 python bench/rollout.py [--prompts 32 --n 4 --new-tokens 64]
         [--dtypes float32,bfloat16]
 
 Two models: the built-in tiny arithmetic model (`treadle.tasks.arithmetic.prepare` at its
@@ -18,7 +18,7 @@ of a row pair is at equal precision; bfloat16 uses the CPU's AVX-512 BF16 matmul
 vLLM allows one engine per process, so each (model, dtype) runs in a child process of its own,
 one after the other; the parent prints the table. The last line is
 `ratio vllm/hf smollm2-135m: <tokens/s of vLLM / tokens/s of transformers>` for the last dtype
-given (bfloat16 by default, the precision `examples/smollm2/grpo_arithmetic.yaml` rolls out in).
+given (bfloat16 by default: `rollout.dtype=bfloat16`, where vLLM gains most on a CPU with bf16).
 """
 
 from __future__ import annotations
@@ -189,6 +189,10 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 def main() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _env import ensure_project_python
+
+    ensure_project_python()
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=32)
     parser.add_argument("--n", type=int, default=4)

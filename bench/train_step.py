@@ -1,6 +1,6 @@
 """One actor update: treadle's worker against a minimal plain PyTorch loop, and the FLOP/s.
 
-    OMP_NUM_THREADS=2 .venv/bin/python bench/train_step.py [--model smollm2|tiny]
+    OMP_NUM_THREADS=2 python bench/train_step.py [--model smollm2|tiny]
         [--lengths uniform|uneven] [--variant NAME=key=value,key=value ...]
 
 Both sides get the same model weights, the same batch (``--seqs`` sequences of random ids),
@@ -28,9 +28,16 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
+
+if __name__ == "__main__":  # under treadle's .venv, set up when missing (bench/_env.py)
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from _env import ensure_project_python
+
+    ensure_project_python()
 
 import torch
 

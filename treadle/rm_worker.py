@@ -26,16 +26,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from treadle.algorithms import bradley_terry_loss, pair_stats
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
-from treadle.engines.fsdp import DTYPES, TrainEngine
-from treadle.engines.value import ValueHead, last_token_values
-from treadle.models import load_tokenizer, load_value_model
+from treadle.engines.value import last_token_values
+from treadle.models import load_tokenizer
 from treadle.protocol import Batch
-from treadle.workers import engine_options, pair_sequences
+from treadle.workers import actor_optimizer, pair_sequences, value_engine
 
 
 class RewardTrainerWorker(Worker):
@@ -55,19 +53,9 @@ class RewardTrainerWorker(Worker):
         torch.set_num_threads(threads)
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config
-        a = config.actor
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or model_path)
-        model: nn.Module = load_value_model(model_path, DTYPES[config.model.dtype])
-        self.engine = TrainEngine(
-            model.to(self.device),
-            **engine_options(config),
-            lr=a.lr,
-            betas=a.betas,
-            weight_decay=a.weight_decay,
-            warmup_steps=a.warmup_steps,
-            grad_clip=a.grad_clip,
-            gradient_checkpointing=a.gradient_checkpointing,
-            head=ValueHead,
+        self.engine = value_engine(
+            config, model_path, "model.path", self.device, True, **actor_optimizer(config)
         )
 
     def _scores(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:

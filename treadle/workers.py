@@ -74,6 +74,19 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     }
 
 
+def actor_optimizer(cfg: Config) -> dict[str, Any]:
+    """The ``actor`` section's optimizer settings (the actor's, and the reward-model trainer's)."""
+    a = cfg.actor
+    return {
+        "lr": a.lr,
+        "betas": a.betas,
+        "weight_decay": a.weight_decay,
+        "warmup_steps": a.warmup_steps,
+        "grad_clip": a.grad_clip,
+        "gradient_checkpointing": a.gradient_checkpointing,
+    }
+
+
 def _left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
 
@@ -121,16 +134,8 @@ class ActorRolloutRefWorker(Worker):
         self.cfg = config
         dtype = DTYPES[config.model.dtype]
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or actor_path)
-        a = config.actor
         self.actor = TrainEngine(
-            self._load(actor_path, dtype),
-            **engine_options(config),
-            lr=a.lr,
-            betas=a.betas,
-            weight_decay=a.weight_decay,
-            warmup_steps=a.warmup_steps,
-            grad_clip=a.grad_clip,
-            gradient_checkpointing=a.gradient_checkpointing,
+            self._load(actor_path, dtype), **engine_options(config), **actor_optimizer(config)
         )
         self.ref = (
             TrainEngine(
@@ -486,9 +491,10 @@ def _prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, tor
     return ids, mask
 
 
-def _value_engine(
+def value_engine(
     cfg: Config, path: str, key: str, device: torch.device, trainable: bool, **opt: Any
 ) -> TrainEngine:
+    """A value model (critic, reward model) as a training engine; ``opt``: optimizer settings."""
     model: nn.Module = load_value_model(path, DTYPES[cfg.model.dtype], key=key)
     return TrainEngine(
         model.to(device), **engine_options(cfg), trainable=trainable, head=ValueHead, **opt
@@ -522,7 +528,7 @@ class CriticWorker(Worker):
         self.mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) // world_size
         self.micro = c.micro_batch_size or a.micro_batch_size
         self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
-        self.engine = _value_engine(
+        self.engine = value_engine(
             config,
             critic_path,
             "critic.model_path",
@@ -640,7 +646,7 @@ class RewardModelWorker(Worker):
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config
         path = config.reward.model_path or ""
-        self.engine = _value_engine(config, path, "reward.model_path", self.device, False)
+        self.engine = value_engine(config, path, "reward.model_path", self.device, False)
 
     @register(Dispatch.DP, Collect.CONCAT)
     def compute_rm_scores(self, batch: Batch) -> Batch:
