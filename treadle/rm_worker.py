@@ -25,7 +25,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from treadle.algorithms import bradley_terry_loss, pair_stats
 from treadle.config import Config
@@ -33,7 +32,7 @@ from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.value import last_token_values
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
-from treadle.workers import actor_optimizer, pair_sequences, value_engine
+from treadle.workers import actor_optimizer, global_sums, pair_sequences, value_engine
 
 
 class RewardTrainerWorker(Worker):
@@ -66,9 +65,7 @@ class RewardTrainerWorker(Worker):
     @register(Dispatch.DP, Collect.MEAN)
     def train_rm(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the Bradley-Terry loss, pair-mean over micro-batches and ranks."""
-        pairs = torch.tensor([float(len(batch))], dtype=torch.float64)
-        dist.all_reduce(pairs)
-        per_rank = float(pairs.item()) / self.world_size
+        per_rank = global_sums(len(batch))[0] / self.world_size
         micros = batch.split(self.cfg.actor.micro_batch_size)
         sums: dict[str, float] = defaultdict(float)
         for i, mb in enumerate(micros):

@@ -87,6 +87,20 @@ def actor_optimizer(cfg: Config) -> dict[str, Any]:
     }
 
 
+def global_sums(*values: float) -> list[float]:
+    """Each value summed over the ranks of the default process group, in float64."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+def _prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt then response: token ids and attention mask ``[B, P + R]`` on ``device``."""
+    ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(device)
+    mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(device)
+    return ids, mask
+
+
 def _left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
 
@@ -205,19 +219,21 @@ class ActorRolloutRefWorker(Worker):
     # ------------------------------------------------------------------ log-probs
 
     def _sequences(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
-        ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(self.device)
-        mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(self.device)
-        return ids, mask, mb["responses"].shape[1]
+        return *_prompt_response(mb, self.device), mb["responses"].shape[1]
 
-    def _micro_batches(self, batch: Batch, lengths: torch.Tensor) -> list[torch.Tensor]:
+    def _micro_batches(
+        self, batch: Batch, lengths: torch.Tensor | None = None
+    ) -> list[torch.Tensor]:
         """Index groups of ``batch``, one per micro-batch, the same count on every rank.
 
-        By ``actor.max_tokens_per_micro_batch`` (``lengths`` = valid tokens per sample) when
-        set, else ``actor.micro_batch_size`` samples each.
+        By ``actor.max_tokens_per_micro_batch`` (``lengths`` = valid tokens per sample;
+        default: prompt + response tokens) when set, else ``actor.micro_batch_size`` samples each.
         """
         a = self.cfg.actor
         if a.max_tokens_per_micro_batch is None:
             return list(torch.arange(len(batch)).split(a.micro_batch_size))
+        if lengths is None:
+            lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
         lens = lengths.tolist()
         need = torch.tensor([len(first_fit_decreasing(lens, a.max_tokens_per_micro_batch))])
         dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere
@@ -226,8 +242,7 @@ class ActorRolloutRefWorker(Worker):
 
     @torch.no_grad()
     def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
-        groups = self._micro_batches(batch, lengths)
+        groups = self._micro_batches(batch)
         logps, ents = [], []
         for idx in groups:
             ids, mask, r = self._sequences(batch.select(idx))
@@ -250,11 +265,6 @@ class ActorRolloutRefWorker(Worker):
         return Batch.from_dict(tensors={"ref_log_probs": logp})
 
     # ------------------------------------------------------------------ training
-
-    def _global_sum(self, value: float) -> float:
-        t = torch.tensor([value], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item())
 
     def _actor_loss(self, mb: Batch, agg: dict[str, float]) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
@@ -334,10 +344,9 @@ class ActorRolloutRefWorker(Worker):
     def _actor_step(self, mb: Batch) -> dict[str, float]:
         """One optimizer step over a mini-batch, in micro-batches with accumulated gradients."""
         # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
-        tokens = self._global_sum(float(mb["response_mask"].sum())) / self.world_size
+        tokens = global_sums(float(mb["response_mask"].sum()))[0] / self.world_size
         agg = {"num_tokens": max(tokens, 1.0), "num_seqs": float(len(mb))}
-        lengths = mb["prompt_mask"].sum(1) + mb["response_mask"].sum(1)
-        micros = [mb.select(idx) for idx in self._micro_batches(mb, lengths)]
+        micros = [mb.select(idx) for idx in self._micro_batches(mb)]
         sums: dict[str, float] = defaultdict(float)
         for i, micro in enumerate(micros):
             self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
@@ -352,7 +361,7 @@ class ActorRolloutRefWorker(Worker):
     @register(Dispatch.DP, Collect.MEAN)
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
-        tokens = self._global_sum(float(batch["loss_mask"][:, 1:].sum())) / self.world_size
+        tokens = global_sums(float(batch["loss_mask"][:, 1:].sum()))[0] / self.world_size
         groups = self._micro_batches(batch, batch["attention_mask"].sum(1))
         loss_sum = 0.0
         for i, idx in enumerate(groups):
@@ -443,8 +452,9 @@ class ActorRolloutRefWorker(Worker):
         tokens, for the NLL term) of all ranks, so the sum over micro-batches and the mean
         over ranks are the batch means.
         """
-        pairs = self._global_sum(float(len(batch))) / self.world_size
-        tokens = self._global_sum(float(batch["chosen_mask"].sum())) / self.world_size
+        pairs, tokens = (
+            x / self.world_size for x in global_sums(len(batch), float(batch["chosen_mask"].sum()))
+        )
         micros = batch.split(self.cfg.actor.micro_batch_size)
         sums: dict[str, float] = defaultdict(float)
         for i, mb in enumerate(micros):
@@ -483,12 +493,6 @@ class ActorRolloutRefWorker(Worker):
 # update_critic          + values, returns                       metrics critic/* (mean of ranks)
 # compute_rm_scores      (as compute_values)                     rm_scores [B]
 # =====================  ======================================  ==================================
-
-
-def _prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(device)
-    mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(device)
-    return ids, mask
 
 
 def value_engine(
@@ -541,19 +545,14 @@ class CriticWorker(Worker):
 
     def _values(self, mb: Batch) -> torch.Tensor:
         ids, mask = _prompt_response(mb, self.device)
-        values = self.engine.module(ids, mask, mb["responses"].shape[1])
-        return torch.where(mb["response_mask"].to(self.device).bool(), values, 0.0)
+        values: torch.Tensor = self.engine.module(ids, mask, mb["responses"].shape[1])
+        return values  # 0 on padding (ValueHead)
 
     @register(Dispatch.DP, Collect.CONCAT)
     def compute_values(self, batch: Batch) -> Batch:
         with torch.no_grad():
             parts = [self._values(mb).cpu() for mb in batch.split(self.micro)]
         return Batch.from_dict(tensors={"values": torch.cat(parts)})
-
-    def _global_sums(self, *values: float) -> list[float]:
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
-        return t.tolist()
 
     @register(Dispatch.DP, Collect.MEAN)
     def update_critic(self, batch: Batch) -> dict[str, float]:
@@ -570,7 +569,7 @@ class CriticWorker(Worker):
         """One optimizer step over a mini-batch, gradients accumulated over micro-batches."""
         local = float(mb["response_mask"].sum())
         # Global counts make the micro-batch losses (averaged over ranks) the mini-batch loss.
-        (tokens,) = self._global_sums(local)
+        (tokens,) = global_sums(local)
         agg = {"num_tokens": max(tokens / self.world_size, 1.0)}
         micros = mb.split(self.micro)
         loss_sum = clipped = 0.0
@@ -601,7 +600,7 @@ class CriticWorker(Worker):
         """Values and returns of the whole batch (before the update), exact over all ranks."""
         mask = batch["response_mask"].bool()
         v, r = batch["values"][mask].double(), batch["returns"][mask].double()
-        n, sv, sr, sr2, sd, sd2 = self._global_sums(
+        n, sv, sr, sr2, sd, sd2 = global_sums(
             float(mask.sum()),
             float(v.sum()),
             float(r.sum()),
