@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from treadle import checkpoint as ckpt
+from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, Worker, WorkerGroup
 from treadle.data import PromptDataset, ResumableSampler, collate_prompts, load_prompt_dataset
@@ -46,25 +47,6 @@ def resume_point(cfg: Config) -> tuple[Path | None, str]:
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
     return None, cfg.model.path
-
-
-def total_cpus(cfg: Config) -> float:
-    return float(cfg.trainer.num_cpus or os.cpu_count() or 1)
-
-
-def ensure_ray(cfg: Config) -> None:
-    import ray
-
-    if not ray.is_initialized():
-        # Ray starts workers at nice 15; ours do the run's compute and must not yield to
-        # every other process on the machine (measured: 15-30x slower steps under load).
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(
-            num_cpus=int(total_cpus(cfg)),
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-        )
 
 
 @dataclass
