@@ -26,7 +26,7 @@ from treadle.engines.packing import (
 from treadle.engines.value import ValueHead
 from treadle.models import load_causal_lm, load_value_model
 from treadle.protocol import Batch
-from treadle.workers import ActorRolloutRefWorker
+from treadle.workers import ActorRolloutRefWorker, micro_batches
 
 # ----------------------------------------------------------------------------- pure functions
 
@@ -231,7 +231,7 @@ class GradActor(ActorRolloutRefWorker):
         self.cfg.algorithm.loss_agg_mode = mode
         grads = self._capture()
         lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
-        count = len(self._micro_batches(batch, lengths))
+        count = len(micro_batches(batch, self.cfg.actor, lengths))
         metrics = self._actor_step(batch)
         return metrics["actor/pg_loss"], grads, count
 

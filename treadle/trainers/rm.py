@@ -19,10 +19,10 @@ from __future__ import annotations
 import time
 
 from treadle.config import Config
-from treadle.rm_worker import RewardTrainerWorker
 from treadle.tracking import timed
 from treadle.trainers.common import Actors, Trainer, build_group
 from treadle.trainers.pairs import held_out_batch, load_pairs, pair_batch, pair_means, pair_sampler
+from treadle.workers import RewardTrainerWorker
 
 
 class RMTrainer(Trainer):

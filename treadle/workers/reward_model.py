@@ -1,22 +1,27 @@
-"""The reward-model trainer's worker: a value model learning a Bradley-Terry score on pairs.
+"""The reward model's workers: a frozen scorer for RL, and the trainer that makes one.
 
-:class:`RewardTrainerWorker` holds one FSDP2 :class:`~treadle.engines.fsdp.TrainEngine` around
-a value model (``*ForTokenClassification``, one label; from a causal LM folder its head starts
-at zero, so every pair starts tied). A response's score is the value at the last valid token
-of prompt + response (its EOS), :func:`~treadle.engines.value.last_token_values`: the same
-number a reward-model role computes when it loads the saved folder.
+A reward model is a value model (``*ForTokenClassification``, one label) held by one FSDP2
+:class:`~treadle.engines.fsdp.TrainEngine`. A response's score is the value at the last valid
+token of prompt + response (its EOS), :func:`~treadle.engines.value.last_token_values`: the
+trainer and the RL role read the same number from the same saved folder.
+
+- :class:`RewardModelWorker` scores RL rollouts (``reward.model_path``), frozen, its own
+  worker group colocated on the actor's bundles.
+- :class:`RewardTrainerWorker` learns a Bradley-Terry score on preference pairs (``treadle
+  rm``); from a causal LM folder its head starts at zero, so every pair starts tied. Its
+  checkpoints hold ``model/`` as a value-model folder (what ``final_model`` becomes), the
+  optimizer and the RNG state, as the actor's do.
 
 =================  =============================================  ===========================
 method             reads                                          returns
 =================  =============================================  ===========================
+compute_rm_scores  prompts, prompt_mask, responses,               rm_scores [B]
+                   response_mask
 train_rm           prompts, prompt_mask, chosen, chosen_mask,     metrics (rm/*), one optimizer
                    rejected, rejected_mask                        step over the batch
 score_pairs        (same)                                         chosen_scores, rejected_scores
 save_checkpoint    a directory                                    value-model folder + optimizer
 =================  =============================================  ===========================
-
-Checkpoints hold ``model/`` as a value-model folder (what ``final_model`` becomes), the
-optimizer and the RNG state, as the actor's do.
 """
 
 from __future__ import annotations
@@ -32,7 +37,42 @@ from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.value import last_token_values
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
-from treadle.workers import actor_optimizer, global_sums, pair_sequences, value_engine
+from treadle.workers.common import (
+    actor_optimizer,
+    global_sums,
+    pair_sequences,
+    prompt_response,
+    value_engine,
+)
+
+
+class RewardModelWorker(Worker):
+    """A frozen reward model: the score of each prompt+response, read at its last valid token."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        config: Config,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(threads)
+        super().__init__(rank, world_size, master_addr, master_port)
+        self.cfg = config
+        path = config.reward.model_path or ""
+        self.engine = value_engine(config, path, "reward.model_path", self.device, False)
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_rm_scores(self, batch: Batch) -> Batch:
+        scores = []
+        with torch.no_grad():
+            for mb in batch.split(self.cfg.reward.micro_batch_size):
+                ids, mask = prompt_response(mb, self.device)
+                scores.append(last_token_values(self.engine.module, ids, mask).cpu())
+        return Batch.from_dict(tensors={"rm_scores": torch.cat(scores)})
 
 
 class RewardTrainerWorker(Worker):

@@ -1,0 +1,43 @@
+"""Role workers: SPMD programs over the engines, one module per role.
+
+=======================  ===================================================================
+module                   what it holds
+=======================  ===================================================================
+:mod:`.actor`            :class:`ActorRolloutRefWorker`: actor + rollout engine + reference,
+                         colocated (RL, SFT; :mod:`.preference` adds DPO's methods)
+:mod:`.critic`           :class:`CriticWorker`: PPO's value model
+:mod:`.reward_model`     :class:`RewardModelWorker` (RL scores), :class:`RewardTrainerWorker`
+:mod:`.common`           engine settings, batch layouts, micro-batch planning
+=======================  ===================================================================
+
+Every method is declared with :func:`~treadle.controller.register`: how its input is spread
+over ranks and gathered, and the batch fields it reads (only those cross to the ranks). Each
+module's docstring tables what its methods read and return.
+"""
+
+from treadle.workers.actor import ActorRolloutRefWorker
+from treadle.workers.common import (
+    actor_optimizer,
+    engine_options,
+    global_sums,
+    micro_batches,
+    pair_sequences,
+    prompt_response,
+    value_engine,
+)
+from treadle.workers.critic import CriticWorker
+from treadle.workers.reward_model import RewardModelWorker, RewardTrainerWorker
+
+__all__ = [
+    "ActorRolloutRefWorker",
+    "CriticWorker",
+    "RewardModelWorker",
+    "RewardTrainerWorker",
+    "actor_optimizer",
+    "engine_options",
+    "global_sums",
+    "micro_batches",
+    "pair_sequences",
+    "prompt_response",
+    "value_engine",
+]

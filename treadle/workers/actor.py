@@ -1,0 +1,303 @@
+"""The actor's worker: actor, rollout engine and reference, colocated in one process per rank.
+
+:class:`ActorRolloutRefWorker` fuses three roles in one process, as verl's hybrid engine does:
+the actor (FSDP2 training engine), its rollout engine (a private inference copy, refreshed
+from the actor after every update) and the reference (frozen initial weights, FSDP2 too).
+Each public method is declared with its dispatch mode and the batch fields it reads; only
+those fields cross to the ranks. The driver calls the group, never a rank. The worker knows
+how to compute a phase, not in which order phases run. SFT and preference-pair (DPO) training
+use the same engines and live beside it (:mod:`treadle.workers.preference`).
+
+Batch fields each method reads and adds (see :mod:`treadle.protocol` for the table):
+
+=====================  ======================================  ==================================
+method                 reads                                   adds / returns
+=====================  ======================================  ==================================
+generate               prompts, prompt_mask; uid,              the input fields, n rows per
+                       prompt_text, ground_truth if present    prompt, + responses,
+                                                               response_mask, rollout_log_probs,
+                                                               response_text, stop_reason
+compute_log_probs      prompts, prompt_mask, responses,        old_log_probs, entropy
+                       response_mask
+compute_ref_log_probs  (same)                                  ref_log_probs
+update_actor           (same) + advantages; old_log_probs,     metrics actor/* (mean of ranks)
+                       ref_log_probs, rollout_log_probs if
+                       present
+train_sft              input_ids, attention_mask, loss_mask    metrics sft/*
+=====================  ======================================  ==================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
+from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
+from treadle.config import Config
+from treadle.controller import Collect, Dispatch, Worker, register
+from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
+from treadle.models import load_causal_lm, load_tokenizer
+from treadle.protocol import Batch
+from treadle.workers.common import (
+    actor_optimizer,
+    engine_options,
+    global_sums,
+    left_trim,
+    mean_over_steps,
+    micro_batches,
+    pad_right,
+    ppo_mini_batches,
+    prompt_response,
+)
+from treadle.workers.preference import PreferenceMixin
+
+
+class ActorRolloutRefWorker(PreferenceMixin, Worker):
+    """Actor + rollout engine + reference, colocated in one process per rank."""
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        config: Config,
+        actor_path: str,
+        with_ref: bool,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(threads)
+        super().__init__(rank, world_size, master_addr, master_port)
+        self.cfg = config
+        dtype = DTYPES[config.model.dtype]
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or actor_path)
+        self.actor = TrainEngine(
+            self._load(actor_path, dtype), **engine_options(config), **actor_optimizer(config)
+        )
+        self.ref = (
+            TrainEngine(
+                self._load(config.model.path, dtype), **engine_options(config), trainable=False
+            )
+            if with_ref
+            else None
+        )
+        self.rollout: RolloutEngine = self._make_rollout(actor_path)
+
+    def _load(self, path: str, dtype: torch.dtype) -> nn.Module:
+        model: nn.Module = load_causal_lm(path, dtype)
+        return model.to(self.device)
+
+    # ------------------------------------------------------------------ rollout
+    #
+    # The in-process rollout engine: built here, woken for ``generate``, refreshed in memory
+    # by ``sync_weights``. These three are the seam where a rollout service (replicas behind
+    # a client, :mod:`treadle.workers.rollout`) takes over; nothing else here touches
+    # ``self.rollout``.
+
+    def _make_rollout(self, path: str) -> RolloutEngine:
+        r = self.cfg.rollout
+        dtype = r.dtype or self.cfg.model.dtype
+        if r.engine == "vllm":
+            from treadle.engines.vllm_rollout import VLLMRolloutEngine
+
+            return VLLMRolloutEngine(
+                path,
+                dtype=dtype,
+                seed=self.cfg.trainer.seed,
+                max_model_len=self.cfg.data.max_prompt_length + r.max_new_tokens,
+                bucket_mb=r.weight_sync_bucket_mb,
+                kv_cache_gib=r.kv_cache_gib,
+                gpu_memory_utilization=r.gpu_memory_utilization,
+            )
+        tok = self.tokenizer
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
+        return HFRolloutEngine(
+            self._load(path, DTYPES[dtype]),
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            micro_batch_size=r.micro_batch_size,
+        )
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
+        params = dataclasses.replace(params, seed=params.seed * 9973 + self.rank)
+        self.rollout.wake()
+        out = self.rollout.generate(left_trim(batch["prompts"], batch["prompt_mask"]), params)
+        self.rollout.sleep()
+        expanded = batch.repeat(params.n, interleave=True)
+        width = params.max_new_tokens
+        pad = self.tokenizer.pad_token_id or 0
+        expanded["responses"] = pad_right(out.token_ids, width, pad, torch.long)
+        expanded["response_mask"] = pad_right(
+            [[1] * len(t) for t in out.token_ids], width, 0, torch.long
+        )
+        expanded["rollout_log_probs"] = pad_right(out.log_probs, width, 0.0, torch.float32)
+        expanded["response_text"] = self.tokenizer.batch_decode(
+            out.token_ids, skip_special_tokens=True
+        )
+        expanded["stop_reason"] = out.stop_reasons
+        return expanded
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def sync_weights(self) -> None:
+        """Stream the actor's full weights into this rank's rollout engine, in memory."""
+        self.rollout.update_weights(self.actor.full_state())
+
+    # ------------------------------------------------------------------ log-probs
+
+    def _sequences(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
+        return *prompt_response(mb, self.device), mb["responses"].shape[1]
+
+    @torch.no_grad()
+    def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        groups = micro_batches(batch, self.cfg.actor)
+        logps, ents = [], []
+        for idx in groups:
+            ids, mask, r = self._sequences(batch.select(idx))
+            lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
+            logps.append(lp.float().cpu())
+            ents.append(ent.float().cpu())
+        order = torch.cat(groups).argsort()  # back to the batch's order
+        return torch.cat(logps)[order], torch.cat(ents)[order]
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_log_probs(self, batch: Batch) -> Batch:
+        logp, ent = self._log_probs(self.actor, batch)
+        return Batch.from_dict(tensors={"old_log_probs": logp, "entropy": ent})
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_ref_log_probs(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            raise RuntimeError("this worker group was built without a reference (kl_coef=0)")
+        logp, _ = self._log_probs(self.ref, batch)
+        return Batch.from_dict(tensors={"ref_log_probs": logp})
+
+    # ------------------------------------------------------------------ training
+
+    def _actor_loss(self, mb: Batch, agg: dict[str, float]) -> tuple[torch.Tensor, dict]:
+        alg = self.cfg.algorithm
+        ids, mask, r = self._sequences(mb)
+        logp, ent = self.actor.log_probs(ids, mask, r, self.cfg.rollout.temperature)
+        rmask = mb["response_mask"].to(logp.dtype)
+        if "old_log_probs" in mb:
+            old = mb["old_log_probs"]
+        else:  # on-policy, one optimizer step: this forward is the old policy (see update_actor)
+            old = logp.detach()
+            self._mismatch.append(
+                mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
+            )
+        loss_fn = POLICY_LOSSES.get(alg.policy_loss)
+        is_weights = None
+        if alg.rollout_is_cap is not None:  # truncated IS: pi_train / pi_rollout, capped
+            ratio = torch.exp(old - mb["rollout_log_probs"])
+            is_weights = ratio.clamp(max=alg.rollout_is_cap).to(logp.dtype)
+        pg_loss, stats = loss_fn(
+            logp,
+            old,
+            mb["advantages"],
+            rmask,
+            loss_agg_mode=alg.loss_agg_mode,
+            clip_ratio_low=alg.clip_ratio_low,
+            clip_ratio_high=alg.clip_ratio_high,
+            clip_ratio_c=alg.clip_ratio_c,
+            rollout_is_weights=is_weights,
+            agg_kwargs=agg,
+        )
+        loss = pg_loss
+        metrics = {
+            "actor/pg_loss": float(pg_loss.detach()),
+            "actor/clip_frac": stats["pg_clipfrac"],
+        }
+        if alg.kl_coef > 0:
+            kl = agg_loss(
+                kl_penalty(logp, mb["ref_log_probs"], alg.kl_estimator),
+                rmask,
+                alg.loss_agg_mode,
+                **agg,
+            )
+            loss = loss + alg.kl_coef * kl
+            metrics["actor/kl"] = float(kl.detach())
+        entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **agg)
+        if alg.entropy_coef:
+            loss = loss - alg.entropy_coef * entropy
+        metrics["actor/entropy"] = float(entropy.detach())
+        return loss, metrics
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def update_actor(self, batch: Batch) -> dict[str, float]:
+        """PPO epochs over mini-batches, one optimizer step each; metrics averaged.
+
+        Without ``old_log_probs`` in the batch (the driver skipped that pass: on-policy, one
+        optimizer step) each micro-batch's own forward is the old policy, and the rollout
+        mismatch is measured here, over every rank's tokens.
+        """
+        a = self.cfg.actor
+        self._mismatch: list[torch.Tensor] = []
+        minis = ppo_mini_batches(batch, a.ppo_epochs, a.ppo_mini_batch_size // self.world_size)
+        metrics = mean_over_steps(self._actor_step, minis)
+        if "old_log_probs" not in batch:
+            stats = torch.stack(self._mismatch)
+            sums, top = stats[:, :3].sum(0), stats[:, 3].max().reshape(1)
+            dist.all_reduce(sums)
+            dist.all_reduce(top, op=dist.ReduceOp.MAX)
+            metrics.update(mismatch_metrics(torch.cat([sums, top])))
+        return metrics
+
+    def _actor_step(self, mb: Batch) -> dict[str, float]:
+        """One optimizer step over a mini-batch, in micro-batches with accumulated gradients."""
+        # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
+        tokens = global_sums(float(mb["response_mask"].sum()))[0] / self.world_size
+        agg = {"num_tokens": max(tokens, 1.0), "num_seqs": float(len(mb))}
+        micros = [mb.select(idx) for idx in micro_batches(mb, self.cfg.actor)]
+        sums: dict[str, float] = defaultdict(float)
+        for i, micro in enumerate(micros):
+            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
+            loss, m = self._actor_loss(micro, agg)
+            loss.backward()
+            for k, v in m.items():
+                sums[k] += v
+        sums["actor/clip_frac"] /= len(micros)
+        sums.update({f"actor/{k}": v for k, v in self.actor.step().items()})
+        return dict(sums)
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def train_sft(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
+        tokens = global_sums(float(batch["loss_mask"][:, 1:].sum()))[0] / self.world_size
+        groups = micro_batches(batch, self.cfg.actor, batch["attention_mask"].sum(1))
+        loss_sum = 0.0
+        for i, idx in enumerate(groups):
+            mb = batch.select(idx)
+            self.actor.module.set_requires_gradient_sync(i == len(groups) - 1)
+            ids = mb["input_ids"].to(self.device)
+            mask = mb["attention_mask"].to(self.device)
+            lmask = mb["loss_mask"][:, 1:].to(self.device)
+            # Log-probs of loss positions only: no LM-head compute on the prompts.
+            logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
+            lmask = lmask.to(logp.dtype)
+            loss = agg_loss(-logp, lmask, "token-mean", num_tokens=max(tokens, 1.0))
+            loss.backward()
+            loss_sum += float(loss.detach())
+        stats = self.actor.step()
+        return {"sft/loss": loss_sum, "sft/grad_norm": stats["grad_norm"], "sft/lr": stats["lr"]}
+
+    # ------------------------------------------------------------------ checkpoints
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
+        """Model as an HF safetensors folder (rank 0), optimizer gathered, RNG per rank."""
+        self.actor.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def load_checkpoint(self, path: str) -> None:
+        """Optimizer and RNG; the model weights were loaded at start from ``path/model``."""
+        self.actor.load_checkpoint(Path(path), self.rank)

@@ -1,0 +1,143 @@
+"""What every role's worker shares: engine settings, batch layouts, micro-batch planning.
+
+A role module (:mod:`~treadle.workers.actor`, :mod:`~treadle.workers.critic`,
+:mod:`~treadle.workers.reward_model`) builds its engines with :func:`engine_options` (and
+:func:`value_engine` for value models), lays a batch out as token sequences with
+:func:`prompt_response` or :func:`pair_sequences`, cuts it with :func:`micro_batches` (or
+:func:`ppo_mini_batches`) and makes its losses global over ranks with :func:`global_sums`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from treadle.config import ActorConfig, Config
+from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.packing import first_fit_decreasing, token_micro_batches
+from treadle.engines.value import ValueHead
+from treadle.models import load_value_model
+from treadle.protocol import Batch
+
+
+def engine_options(cfg: Config) -> dict[str, Any]:
+    """How every training engine (actor, reference, critic, reward model) runs its forward:
+    packed without padding (``actor.remove_padding``), in ``actor.mixed_precision``."""
+    a = cfg.actor
+    return {
+        "chunk_size": a.logprob_chunk_size,
+        "row_tokens": a.pack_row_tokens if a.remove_padding else None,
+        "compute_dtype": torch.bfloat16 if a.mixed_precision == "bf16" else None,
+    }
+
+
+def actor_optimizer(cfg: Config) -> dict[str, Any]:
+    """The ``actor`` section's optimizer settings (the actor's, and the reward-model trainer's)."""
+    a = cfg.actor
+    return {
+        "lr": a.lr,
+        "betas": a.betas,
+        "weight_decay": a.weight_decay,
+        "warmup_steps": a.warmup_steps,
+        "grad_clip": a.grad_clip,
+        "gradient_checkpointing": a.gradient_checkpointing,
+    }
+
+
+def value_engine(
+    cfg: Config, path: str, key: str, device: torch.device, trainable: bool, **opt: Any
+) -> TrainEngine:
+    """A value model (critic, reward model) as a training engine; ``opt``: optimizer settings."""
+    model: nn.Module = load_value_model(path, DTYPES[cfg.model.dtype], key=key)
+    return TrainEngine(
+        model.to(device), **engine_options(cfg), trainable=trainable, head=ValueHead, **opt
+    )
+
+
+def global_sums(*values: float) -> list[float]:
+    """Each value summed over the ranks of the default process group, in float64."""
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return t.tolist()
+
+
+# ----------------------------------------------------------------------------- batch layouts
+
+
+def prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt then response: token ids and attention mask ``[B, P + R]`` on ``device``."""
+    ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(device)
+    mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(device)
+    return ids, mask
+
+
+def pair_sequences(
+    mb: Batch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int, torch.Tensor]:
+    """Preference pairs as ``2B`` sequences: every prompt with its chosen, then with its rejected.
+
+    Returns ``(input_ids [2B, P+R], attention_mask, R, response_mask [2B, R])``.
+    """
+    prompts = torch.cat([mb["prompts"], mb["prompts"]])
+    pmask = torch.cat([mb["prompt_mask"], mb["prompt_mask"]])
+    responses = torch.cat([mb["chosen"], mb["rejected"]])
+    rmask = torch.cat([mb["chosen_mask"], mb["rejected_mask"]])
+    ids = torch.cat([prompts, responses], 1).to(device)
+    mask = torch.cat([pmask, rmask], 1).to(device)
+    return ids, mask, responses.shape[1], rmask
+
+
+def left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """Each row's valid tokens (a left-padded prompt without its padding)."""
+    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
+
+
+def pad_right(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    """Rows of different lengths as one ``[len(rows), width]`` tensor, right-padded."""
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+# ----------------------------------------------------------------------------- batch plans
+
+
+def micro_batches(
+    batch: Batch, actor: ActorConfig, lengths: torch.Tensor | None = None
+) -> list[torch.Tensor]:
+    """Index groups of ``batch``, one per micro-batch, the same count on every rank.
+
+    By ``actor.max_tokens_per_micro_batch`` (``lengths`` = valid tokens per sample;
+    default: prompt + response tokens) when set, else ``actor.micro_batch_size`` samples each.
+    """
+    if actor.max_tokens_per_micro_batch is None:
+        return list(torch.arange(len(batch)).split(actor.micro_batch_size))
+    if lengths is None:
+        lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+    lens = lengths.tolist()
+    need = torch.tensor([len(first_fit_decreasing(lens, actor.max_tokens_per_micro_batch))])
+    dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere
+    groups = token_micro_batches(lens, actor.max_tokens_per_micro_batch, int(need))
+    return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def ppo_mini_batches(batch: Batch, epochs: int, size: int) -> Iterator[Batch]:
+    """``epochs`` shuffled passes over ``batch`` in mini-batches of ``size`` (one optimizer
+    step each); the shuffle is seeded by ``batch.meta["step"]``, so a resumed run repeats it."""
+    gen = torch.Generator().manual_seed(int(batch.meta.get("step", 0)))
+    for _ in range(epochs):
+        shuffled = batch.select(torch.randperm(len(batch), generator=gen))
+        yield from shuffled.split(size)
+
+
+def mean_over_steps(
+    step: Callable[[Batch], dict[str, float]], minis: Iterator[Batch]
+) -> dict[str, float]:
+    """``step`` run on every mini-batch; each metric averaged over the optimizer steps."""
+    per_step = [step(mb) for mb in minis]
+    return {k: sum(m[k] for m in per_step) / len(per_step) for k in per_step[0]}

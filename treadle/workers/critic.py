@@ -1,0 +1,152 @@
+"""The critic's worker: PPO's value model, regressed on the returns.
+
+The critic is a value model (``*ForTokenClassification``, one label) run through
+:class:`~treadle.engines.value.ValueHead`, its own worker group (its own process group),
+colocated on the actor's bundles by default or on a pool of its own
+(``critic.placement=split``); the driver calls the groups in turn.
+
+=================  ======================================  ==================================
+method             reads                                   adds / returns
+=================  ======================================  ==================================
+compute_values     prompts, prompt_mask, responses,        values (0 where the mask is 0)
+                   response_mask
+update_critic      (same) + values, returns                metrics critic/* (mean of ranks)
+=================  ======================================  ==================================
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from treadle.algorithms import value_loss
+from treadle.config import Config
+from treadle.controller import Collect, Dispatch, Worker, register
+from treadle.models import load_tokenizer
+from treadle.protocol import Batch
+from treadle.workers.common import (
+    global_sums,
+    mean_over_steps,
+    ppo_mini_batches,
+    prompt_response,
+    value_engine,
+)
+
+
+class CriticWorker(Worker):
+    """PPO's critic: a value model (FSDP2, its own AdamW) regressed on the returns.
+
+    ``values[b, t]`` is V(state before response token t), the baseline of that token's action.
+    The update is PPO's clipped value loss (``critic.cliprange_value``), token-mean over the
+    mini-batch across ranks, in mini-batches (one optimizer step each) and micro-batches.
+    """
+
+    def __init__(
+        self,
+        rank: int,
+        world_size: int,
+        master_addr: str,
+        master_port: int,
+        *,
+        config: Config,
+        critic_path: str,
+        threads: int = 1,
+    ) -> None:
+        torch.set_num_threads(threads)
+        super().__init__(rank, world_size, master_addr, master_port)
+        a, c = config.actor, config.critic
+        self.c = c
+        self.epochs = c.ppo_epochs or a.ppo_epochs
+        self.mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) // world_size
+        self.micro = c.micro_batch_size or a.micro_batch_size
+        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.engine = value_engine(
+            config,
+            critic_path,
+            "critic.model_path",
+            self.device,
+            trainable=True,
+            lr=c.lr,
+            weight_decay=c.weight_decay,
+            grad_clip=c.grad_clip,
+        )
+
+    def _values(self, mb: Batch) -> torch.Tensor:
+        ids, mask = prompt_response(mb, self.device)
+        values: torch.Tensor = self.engine.module(ids, mask, mb["responses"].shape[1])
+        return values  # 0 on padding (ValueHead)
+
+    @register(Dispatch.DP, Collect.CONCAT)
+    def compute_values(self, batch: Batch) -> Batch:
+        with torch.no_grad():
+            parts = [self._values(mb).cpu() for mb in batch.split(self.micro)]
+        return Batch.from_dict(tensors={"values": torch.cat(parts)})
+
+    @register(Dispatch.DP, Collect.MEAN)
+    def update_critic(self, batch: Batch) -> dict[str, float]:
+        """PPO value-function update; metrics averaged over optimizer steps, then over ranks."""
+        minis = ppo_mini_batches(batch, self.epochs, self.mini)
+        return mean_over_steps(self._critic_step, minis) | self._data_metrics(batch)
+
+    def _critic_step(self, mb: Batch) -> dict[str, float]:
+        """One optimizer step over a mini-batch, gradients accumulated over micro-batches."""
+        local = float(mb["response_mask"].sum())
+        # Global counts make the micro-batch losses (averaged over ranks) the mini-batch loss.
+        (tokens,) = global_sums(local)
+        agg = {"num_tokens": max(tokens / self.world_size, 1.0)}
+        micros = mb.split(self.micro)
+        loss_sum = clipped = 0.0
+        for i, micro in enumerate(micros):
+            self.engine.module.set_requires_gradient_sync(i == len(micros) - 1)
+            values = self._values(micro)
+            mask = micro["response_mask"].to(values)
+            loss, clipfrac = value_loss(
+                values,
+                micro["values"].to(values),
+                micro["returns"].to(values),
+                mask,
+                self.c.cliprange_value,
+                agg_kwargs=agg,
+            )
+            loss.backward()
+            loss_sum += float(loss.detach())
+            clipped += clipfrac * float(mask.sum())
+        stats = self.engine.step()
+        return {
+            "critic/vf_loss": loss_sum,
+            "critic/vf_clipfrac": clipped / max(local, 1.0),
+            "critic/grad_norm": stats["grad_norm"],
+            "critic/lr": stats["lr"],
+        }
+
+    def _data_metrics(self, batch: Batch) -> dict[str, float]:
+        """Values and returns of the whole batch (before the update), exact over all ranks."""
+        mask = batch["response_mask"].bool()
+        v, r = batch["values"][mask].double(), batch["returns"][mask].double()
+        n, sv, sr, sr2, sd, sd2 = global_sums(
+            float(mask.sum()),
+            float(v.sum()),
+            float(r.sum()),
+            float((r * r).sum()),
+            float((r - v).sum()),
+            float(((r - v) ** 2).sum()),
+        )
+        n = max(n, 1.0)
+        var_r, var_d = sr2 / n - (sr / n) ** 2, sd2 / n - (sd / n) ** 2
+        return {
+            "critic/values_mean": sv / n,
+            "critic/returns_mean": sr / n,
+            # 1 - Var(R - V) / Var(R): 1 is a perfect critic, 0 no better than the mean
+            "critic/vf_explained_var": 1.0 - var_d / var_r if var_r > 1e-12 else 0.0,
+        }
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def save_checkpoint(self, path: str) -> None:
+        """Value-model folder ``path/model`` (rank 0), optimizer gathered, RNG per rank."""
+        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer)
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def load_checkpoint(self, path: str) -> None:
+        """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
+        self.engine.load_checkpoint(Path(path), self.rank)
