@@ -52,6 +52,31 @@ class GradWorker(Worker):
         dist.all_reduce(value)
         return float(value), grads
 
+    @register(Dispatch.ALL, Collect.RANK0)
+    def train_step_grads(self, batch: Batch, micro: int) -> tuple[dict, dict[str, torch.Tensor]]:
+        """``TrainEngine.train_step`` over micro-batches of ``micro`` samples: its metrics and
+        the gradients its optimizer step applied."""
+        total = float(batch["rmask"].sum())
+        grads: dict[str, torch.Tensor] = {}
+        step = self.engine.step
+
+        def capture() -> dict[str, float]:
+            for n, p in self.engine.module.named_parameters():
+                grads[n] = p.grad.full_tensor().clone()
+            return step()
+
+        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            rmask = mb["rmask"].float()
+            logp, _ = self.engine.log_probs(mb["input_ids"], mb["attention_mask"], rmask.shape[1])
+            loss = -(logp * rmask).sum() / total
+            return loss, {"nll": float(loss.detach()), "tokens": float(rmask.sum())}
+
+        self.engine.step = capture
+        try:
+            return self.engine.train_step(batch.split(micro), loss_fn, prefix="x/"), grads
+        finally:
+            del self.engine.step
+
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:
         with torch.no_grad():
@@ -151,5 +176,27 @@ def test_gradient_checkpointing_gives_the_same_gradients(tiny_task):
         results.append((loss, grads))
     (loss_a, grads_a), (loss_b, grads_b) = results
     assert loss_b == pytest.approx(loss_a, rel=1e-6)
+    for name in grads_a:
+        torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5)
+
+
+def test_train_step_sums_micro_batches_into_one_optimizer_step(tiny_task):
+    """The one update loop of every role: micro-batches of 1 give the full batch's gradient
+    and loss, metrics are summed, the optimizer step's norm and rate come back prefixed."""
+    path = str(tiny_task["model"])
+    batch = make_batch(vocab=100)
+    runs = []
+    for micro in (4, 1):
+        group = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs={"model_path": path})
+        try:
+            runs.append(group.train_step_grads(batch, micro))
+        finally:
+            group.shutdown()
+    (whole, grads_a), (parts, grads_b) = runs
+    assert set(parts) == {"nll", "tokens", "x/grad_norm", "x/lr"}
+    assert parts["tokens"] == whole["tokens"] == float(batch["rmask"].sum())
+    assert parts["nll"] == pytest.approx(whole["nll"], rel=1e-6)
+    assert parts["x/grad_norm"] == pytest.approx(whole["x/grad_norm"], rel=1e-5)
+    assert whole["x/grad_norm"] > 0 and whole["x/lr"] == pytest.approx(1e-3)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5)

@@ -1,7 +1,9 @@
 """The training engine: a Hugging Face causal LM sharded with FSDP2, and its optimizer.
 
-What it owns: the sharded model, AdamW, the learning-rate schedule, gradient clipping, and
-the one forward pass every role needs: the log-prob (and entropy) of given label tokens.
+What it owns: the sharded model, AdamW, the learning-rate schedule, gradient clipping, the
+one forward pass every role needs (the log-prob, and entropy, of given label tokens) and the
+one update loop every role runs (:meth:`TrainEngine.train_step`: micro-batches, backward,
+summed metrics, one optimizer step).
 
 Choices:
 - The HF model is wrapped in :class:`LogProbHead`, which is the FSDP2 root: every decoder
@@ -24,9 +26,10 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -45,6 +48,8 @@ from treadle.engines.packing import label_positions, pack, scatter_labels
 from treadle.models import save_hf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+M = TypeVar("M")  # a micro-batch, whatever the role's loss function takes
 
 
 def response_hidden(
@@ -224,6 +229,30 @@ class TrainEngine:
         label_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self.module(input_ids, attention_mask, num_labels, temperature, label_mask)
+
+    def train_step(
+        self,
+        micros: Sequence[M],
+        loss_fn: Callable[[M], tuple[torch.Tensor, dict[str, float]]],
+        prefix: str = "",
+    ) -> dict[str, float]:
+        """One optimizer step over ``micros``: every role's update loop (actor, critic, reward
+        model, SFT, DPO) is this one.
+
+        ``loss_fn(micro)`` returns the micro-batch's share of the step's loss (already scaled
+        by global counts: the gradients are summed over micro-batches and averaged over
+        ranks) and its metrics. Gradients are reduced across ranks after the last micro-batch
+        only. Returns the metrics summed over micro-batches plus ``<prefix>grad_norm`` and
+        ``<prefix>lr`` of :meth:`step`.
+        """
+        sums: dict[str, float] = defaultdict(float)
+        for i, micro in enumerate(micros):
+            self.module.set_requires_gradient_sync(i == len(micros) - 1)
+            loss, metrics = loss_fn(micro)
+            loss.backward()
+            for k, v in metrics.items():
+                sums[k] += v
+        return {**sums, **{prefix + k: v for k, v in self.step().items()}}
 
     def step(self) -> dict[str, float]:
         """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""

@@ -30,7 +30,6 @@ train_sft              input_ids, attention_mask, loss_mask    metrics sft/*
 from __future__ import annotations
 
 import dataclasses
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -258,37 +257,26 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
         tokens = global_sums(float(mb["response_mask"].sum()))[0] / self.world_size
         agg = {"num_tokens": max(tokens, 1.0), "num_seqs": float(len(mb))}
         micros = [mb.select(idx) for idx in micro_batches(mb, self.cfg.actor)]
-        sums: dict[str, float] = defaultdict(float)
-        for i, micro in enumerate(micros):
-            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
-            loss, m = self._actor_loss(micro, agg)
-            loss.backward()
-            for k, v in m.items():
-                sums[k] += v
-        sums["actor/clip_frac"] /= len(micros)
-        sums.update({f"actor/{k}": v for k, v in self.actor.step().items()})
-        return dict(sums)
+        out = self.actor.train_step(micros, lambda m: self._actor_loss(m, agg), prefix="actor/")
+        out["actor/clip_frac"] /= len(micros)
+        return out
 
     @register(Dispatch.DP, Collect.MEAN)
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
         tokens = global_sums(float(batch["loss_mask"][:, 1:].sum()))[0] / self.world_size
         groups = micro_batches(batch, self.cfg.actor, batch["attention_mask"].sum(1))
-        loss_sum = 0.0
-        for i, idx in enumerate(groups):
-            mb = batch.select(idx)
-            self.actor.module.set_requires_gradient_sync(i == len(groups) - 1)
-            ids = mb["input_ids"].to(self.device)
-            mask = mb["attention_mask"].to(self.device)
-            lmask = mb["loss_mask"][:, 1:].to(self.device)
-            # Log-probs of loss positions only: no LM-head compute on the prompts.
-            logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
-            lmask = lmask.to(logp.dtype)
-            loss = agg_loss(-logp, lmask, "token-mean", num_tokens=max(tokens, 1.0))
-            loss.backward()
-            loss_sum += float(loss.detach())
-        stats = self.actor.step()
-        return {"sft/loss": loss_sum, "sft/grad_norm": stats["grad_norm"], "sft/lr": stats["lr"]}
+        micros = [batch.select(idx) for idx in groups]
+        return self.actor.train_step(micros, lambda mb: self._sft_loss(mb, tokens), prefix="sft/")
+
+    def _sft_loss(self, mb: Batch, tokens: float) -> tuple[torch.Tensor, dict[str, float]]:
+        ids = mb["input_ids"].to(self.device)
+        mask = mb["attention_mask"].to(self.device)
+        lmask = mb["loss_mask"][:, 1:].to(self.device)
+        # Log-probs of loss positions only: no LM-head compute on the prompts.
+        logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
+        loss = agg_loss(-logp, lmask.to(logp.dtype), "token-mean", num_tokens=max(tokens, 1.0))
+        return loss, {"sft/loss": float(loss.detach())}
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -95,30 +95,27 @@ class CriticWorker(Worker):
         # Global counts make the micro-batch losses (averaged over ranks) the mini-batch loss.
         (tokens,) = global_sums(local)
         agg = {"num_tokens": max(tokens / self.world_size, 1.0)}
-        micros = mb.split(self.micro)
-        loss_sum = clipped = 0.0
-        for i, micro in enumerate(micros):
-            self.engine.module.set_requires_gradient_sync(i == len(micros) - 1)
-            values = self._values(micro)
-            mask = micro["response_mask"].to(values)
-            loss, clipfrac = value_loss(
-                values,
-                micro["values"].to(values),
-                micro["returns"].to(values),
-                mask,
-                self.c.cliprange_value,
-                agg_kwargs=agg,
-            )
-            loss.backward()
-            loss_sum += float(loss.detach())
-            clipped += clipfrac * float(mask.sum())
-        stats = self.engine.step()
-        return {
-            "critic/vf_loss": loss_sum,
-            "critic/vf_clipfrac": clipped / max(local, 1.0),
-            "critic/grad_norm": stats["grad_norm"],
-            "critic/lr": stats["lr"],
-        }
+        out = self.engine.train_step(
+            mb.split(self.micro), lambda m: self._critic_loss(m, agg), prefix="critic/"
+        )
+        out["critic/vf_clipfrac"] /= max(local, 1.0)  # clipped tokens / the rank's tokens
+        return out
+
+    def _critic_loss(
+        self, micro: Batch, agg: dict[str, float]
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        values = self._values(micro)
+        mask = micro["response_mask"].to(values)
+        loss, clipfrac = value_loss(
+            values,
+            micro["values"].to(values),
+            micro["returns"].to(values),
+            mask,
+            self.c.cliprange_value,
+            agg_kwargs=agg,
+        )
+        clipped = clipfrac * float(mask.sum())
+        return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": clipped}
 
     def _data_metrics(self, batch: Batch) -> dict[str, float]:
         """Values and returns of the whole batch (before the update), exact over all ranks."""

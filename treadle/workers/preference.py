@@ -18,8 +18,6 @@ train_dpo               (same) + ref_chosen_logps,              metrics (dpo/*)
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from treadle.algorithms import PREFERENCE_LOSSES, implicit_rewards, masked_sum, pair_stats
@@ -114,12 +112,7 @@ class PreferenceMixin:
             x / self.world_size for x in global_sums(len(batch), float(batch["chosen_mask"].sum()))
         )
         micros = batch.split(self.cfg.actor.micro_batch_size)
-        sums: dict[str, float] = defaultdict(float)
-        for i, mb in enumerate(micros):
-            self.actor.module.set_requires_gradient_sync(i == len(micros) - 1)
-            loss, stats = self._dpo_loss(mb, pairs, max(tokens, 1.0))
-            loss.backward()
-            for k, v in stats.items():
-                sums[k] += v
-        step = self.actor.step()
-        return {**sums, "dpo/grad_norm": step["grad_norm"], "dpo/lr": step["lr"]}
+        tokens = max(tokens, 1.0)
+        return self.actor.train_step(
+            micros, lambda mb: self._dpo_loss(mb, pairs, tokens), prefix="dpo/"
+        )

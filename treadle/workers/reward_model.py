@@ -26,7 +26,6 @@ save_checkpoint    a directory                                    value-model fo
 
 from __future__ import annotations
 
-from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -107,24 +106,21 @@ class RewardTrainerWorker(Worker):
         """One optimizer step of the Bradley-Terry loss, pair-mean over micro-batches and ranks."""
         per_rank = global_sums(len(batch))[0] / self.world_size
         micros = batch.split(self.cfg.actor.micro_batch_size)
-        sums: dict[str, float] = defaultdict(float)
-        for i, mb in enumerate(micros):
-            self.engine.module.set_requires_gradient_sync(i == len(micros) - 1)
-            chosen, rejected = self._scores(mb)
-            losses = bradley_terry_loss(chosen, rejected)
-            (losses.sum() / per_rank).backward()
-            pair = pair_stats(chosen, rejected)
-            stats = {
-                "rm/loss": float(losses.detach().sum()),
-                "rm/accuracy": pair["accuracy"],
-                "rm/margin": pair["margin"],
-                "rm/chosen_score": pair["chosen"],
-                "rm/rejected_score": pair["rejected"],
-            }
-            for k, v in stats.items():
-                sums[k] += v / per_rank
-        step = self.engine.step()
-        return {**sums, "rm/grad_norm": step["grad_norm"], "rm/lr": step["lr"]}
+        return self.engine.train_step(micros, lambda mb: self._rm_loss(mb, per_rank), "rm/")
+
+    def _rm_loss(self, mb: Batch, per_rank: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """A micro-batch's share of the pair-mean loss, and its metrics (to be summed)."""
+        chosen, rejected = self._scores(mb)
+        losses = bradley_terry_loss(chosen, rejected)
+        pair = pair_stats(chosen, rejected)
+        stats = {
+            "rm/loss": float(losses.detach().sum()),
+            "rm/accuracy": pair["accuracy"],
+            "rm/margin": pair["margin"],
+            "rm/chosen_score": pair["chosen"],
+            "rm/rejected_score": pair["rejected"],
+        }
+        return losses.sum() / per_rank, {k: v / per_rank for k, v in stats.items()}
 
     @register(Dispatch.DP, Collect.CONCAT)
     @torch.no_grad()
