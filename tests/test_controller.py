@@ -1,11 +1,23 @@
-"""Dispatch and collect: how the driver's call is spread over ranks and gathered back."""
+"""Dispatch and collect: how the driver's call is spread over ranks and gathered back, and
+the batch fields a worker method declares."""
 
 from __future__ import annotations
+
+import pickle
 
 import pytest
 import torch
 
-from treadle.controller import Collect, Dispatch, collect_results, dispatch_args
+from treadle.controller import (
+    Collect,
+    Dispatch,
+    Worker,
+    WorkerGroup,
+    collect_results,
+    dispatch_args,
+    method_spec,
+    register,
+)
 from treadle.protocol import Batch
 
 
@@ -40,3 +52,99 @@ def test_collect_modes():
     }
     cat = collect_results(Collect.CONCAT, numbered(4).chunk(2))
     assert cat["x"].tolist() == [0, 1, 2, 3]
+
+
+class Echo(Worker):
+    """Methods that hand back what reached the rank."""
+
+    @register(Dispatch.DP, Collect.RANK0, reads=("x",), optional=("uid", "absent"))
+    def received(self, batch: Batch, other: Batch | None = None) -> tuple[list, dict, list]:
+        return batch.keys(), batch.meta, other.keys() if other is not None else []
+
+    @register(Dispatch.DP, Collect.RANK0)
+    def undeclared(self, batch: Batch) -> list[str]:
+        return batch.keys()
+
+    @register(Dispatch.DP, Collect.CONCAT, reads=("x",), returns=("y",))
+    def adds(self, batch: Batch, keys: list[str]) -> Batch:
+        return Batch.from_dict(tensors={k: batch["x"] for k in keys})
+
+
+@pytest.fixture
+def echo():
+    group = WorkerGroup(Echo, world_size=1, backend="local")
+    yield group
+    group.shutdown()
+
+
+def rl_like(n: int = 4) -> Batch:
+    return Batch.from_dict(
+        tensors={"x": torch.arange(n), "y": torch.ones(n, 3)},
+        objects={"uid": list(range(n)), "text": ["a long decoded response"] * n},
+        meta={"step": 7},
+    )
+
+
+def test_a_method_receives_only_the_fields_it_declares(echo):
+    keys, meta, other = echo.received(rl_like())
+    assert keys == ["x", "uid"]  # "y" and "text" stay on the driver; "absent" is optional
+    assert meta == {"step": 7}
+    _, _, other = echo.received(rl_like(), other=rl_like())  # keyword batches too
+    assert other == ["x", "uid"]
+    assert echo.undeclared(rl_like()) == ["x", "y", "uid", "text"]  # undeclared: everything
+
+
+def test_a_missing_declared_field_names_the_method_and_the_field(echo):
+    batch = rl_like().pop(["uid", "text", "y"])  # has uid, text, y but no x
+    with pytest.raises(KeyError, match=r"Echo.received reads \['x'\].*it has \['y', 'uid'"):
+        echo.received(batch)
+
+
+def test_returned_fields_are_checked_against_the_declaration(echo):
+    assert echo.adds(rl_like(), ["y"]).keys() == ["y"]
+    assert echo.adds(rl_like(), ["y", "x"]).keys() == ["y", "x"]  # a field it read may return
+    with pytest.raises(ValueError, match=r"Echo.adds declares returns=\['y'\].*missing \['y'\]"):
+        echo.adds(rl_like(), [])
+    with pytest.raises(ValueError, match=r"undeclared \['z'\]"):
+        echo.adds(rl_like(), ["y", "z"])
+
+
+def test_the_actor_update_ships_no_rollout_text():
+    """The update reads token tensors and advantages; a rollout batch also holds the prompts'
+    and responses' text, the ground truth and the per-token scores: they stay on the driver."""
+    from treadle.workers import ActorRolloutRefWorker
+
+    n, p, r = 8, 16, 64
+    batch = Batch.from_dict(
+        tensors={
+            "prompts": torch.ones(n, p, dtype=torch.long),
+            "prompt_mask": torch.ones(n, p, dtype=torch.long),
+            **{k: torch.ones(n, r, dtype=torch.long) for k in ("responses", "response_mask")},
+            **{
+                k: torch.zeros(n, r)
+                for k in (
+                    "rollout_log_probs",
+                    "token_level_scores",
+                    "token_level_rewards",
+                    "advantages",
+                    "returns",
+                )
+            },
+        },
+        objects={
+            "uid": [str(i // 2) for i in range(n)],
+            "prompt_text": [f"What is {i} + 30? Answer with a number." * 4 for i in range(n)],
+            "response_text": [f"Let me think step by step, {i} times." * 8 for i in range(n)],
+            "ground_truth": ["42"] * n,
+            "stop_reason": ["stop"] * n,
+        },
+    )
+    spec = method_spec(ActorRolloutRefWorker.update_actor)
+    assert spec is not None
+    sent = spec.narrow("update_actor", batch)
+    assert sorted(sent.keys()) == sorted(
+        ["prompts", "prompt_mask", "responses", "response_mask", "advantages", "rollout_log_probs"]
+    )
+    dropped = sum(batch[k].nbytes for k in batch.tensors if k not in sent)
+    dropped += sum(len(t) for k in batch.objects for t in batch[k])
+    assert len(pickle.dumps(batch)) - len(pickle.dumps(sent)) >= dropped > 0.4 * sent.nbytes

@@ -4,10 +4,14 @@ The driver owns the dataflow and calls methods on a :class:`WorkerGroup` as if i
 object. A worker group is N Ray actors that form one torch.distributed process group; every
 rank runs the same method on its share of the input. How a call's arguments are spread over
 the ranks and how the ranks' results are gathered is declared once, on the worker method,
-with :func:`register`, so the driver never handles ranks::
+with :func:`register`, so the driver never handles ranks. So are the batch fields the method
+reads and returns: only the fields it reads cross to the ranks (a rollout's text does not
+travel to the actor's update), a missing one fails on the driver naming the method and the
+field, and a returned batch must hold what the method declares::
 
     class ActorWorker(Worker):
-        @register(Dispatch.DP, Collect.CONCAT)
+        @register(Dispatch.DP, Collect.CONCAT, reads=("prompts", "prompt_mask"),
+                  returns=("responses", "response_mask"))
         def generate(self, batch: Batch) -> Batch: ...
 
     group = WorkerGroup(ActorWorker, world_size=2, pool=pool, kwargs={...})
@@ -29,7 +33,7 @@ import enum
 import functools
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -57,16 +61,80 @@ class Collect(enum.Enum):
 _ATTR = "_treadle_dispatch"
 
 
+@dataclass(frozen=True)
+class MethodSpec:
+    """What :func:`register` declares about a worker method (see there)."""
+
+    dispatch: Dispatch
+    collect: Collect
+    reads: tuple[str, ...] | None = None
+    optional: tuple[str, ...] = ()
+    returns: tuple[str, ...] | None = None
+
+    def narrow(self, method: str, batch: Batch) -> Batch:
+        """The fields of ``batch`` this method reads (no copy), or all of them if undeclared."""
+        if self.reads is None:
+            return batch
+        missing = [k for k in self.reads if k not in batch]
+        if missing:
+            raise KeyError(
+                f"{method} reads {missing}, which the batch does not have; it has {batch.keys()}"
+            )
+        keys = [*self.reads, *(k for k in self.optional if k in batch)]
+        return batch.only(
+            [k for k in keys if k in batch.tensors], [k for k in keys if k in batch.objects]
+        )
+
+    def check_returns(self, method: str, result: Any) -> None:
+        """A returned batch holds every declared field, and nothing undeclared but what the
+        method read (``returns`` lists what it adds; a method may hand its input back)."""
+        if self.returns is None or not isinstance(result, Batch):
+            return
+        missing = [k for k in self.returns if k not in result]
+        allowed = {*self.returns, *(self.reads or ()), *self.optional}
+        extra = [k for k in result if k not in allowed]
+        if missing or extra:
+            raise ValueError(
+                f"{method} declares returns={list(self.returns)} but returned {result.keys()}"
+                + (f"; missing {missing}" if missing else "")
+                + (f"; undeclared {extra}" if extra else "")
+            )
+
+
 def register(
-    dispatch: Dispatch = Dispatch.ALL, collect: Collect = Collect.RANK0
+    dispatch: Dispatch = Dispatch.ALL,
+    collect: Collect = Collect.RANK0,
+    *,
+    reads: Sequence[str] | None = None,
+    optional: Sequence[str] = (),
+    returns: Sequence[str] | None = None,
 ) -> Callable[[F], F]:
-    """Declare how a worker method's input is spread over ranks and its output gathered."""
+    """Declare how a worker method's input is spread over ranks and its output gathered.
+
+    ``reads``: the batch fields (tensors or objects) the method reads from every
+    :class:`Batch` argument; only those (and ``optional`` ones, when the batch has them)
+    are sent, with the batch's meta, and a missing one is a ``KeyError`` naming the method
+    and the field. ``None`` (the default) sends whole batches. ``returns``: the fields a
+    returned batch adds, checked on the driver.
+    """
+    spec = MethodSpec(
+        dispatch,
+        collect,
+        tuple(reads) if reads is not None else None,
+        tuple(optional),
+        tuple(returns) if returns is not None else None,
+    )
 
     def wrap(fn: F) -> F:
-        setattr(fn, _ATTR, (dispatch, collect))
+        setattr(fn, _ATTR, spec)
         return fn
 
     return wrap
+
+
+def method_spec(method: Any) -> MethodSpec | None:
+    """The declaration :func:`register` put on a worker method, if any."""
+    return getattr(method, _ATTR, None)
 
 
 def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> list[tuple]:
@@ -273,14 +341,20 @@ class WorkerGroup:
         return workers
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        method = getattr(self.worker_cls, name, None)
-        spec = getattr(method, _ATTR, None)
+        spec = method_spec(getattr(self.worker_cls, name, None))
         if spec is None:
             raise AttributeError(f"{self.worker_cls.__name__}.{name} is not a registered method")
-        return functools.partial(self._call, name, *spec)
+        return functools.partial(self._call, name, spec)
 
-    def _call(self, name: str, dispatch: Dispatch, collect: Collect, *args: Any, **kw: Any) -> Any:
-        parts = dispatch_args(dispatch, self.world_size, args, kw)
+    def _call(self, name: str, spec: MethodSpec, *args: Any, **kw: Any) -> Any:
+        method = f"{self.worker_cls.__name__}.{name}"
+
+        def narrow(value: Any) -> Any:
+            return spec.narrow(method, value) if isinstance(value, Batch) else value
+
+        args = tuple(narrow(a) for a in args)
+        kw = {k: narrow(v) for k, v in kw.items()}
+        parts = dispatch_args(spec.dispatch, self.world_size, args, kw)
         if self.backend == "local":
             results = [
                 getattr(w, name)(*a, **k) for w, (a, k) in zip(self.workers, parts, strict=True)
@@ -291,7 +365,9 @@ class WorkerGroup:
                 for w, (a, k) in zip(self.workers, parts, strict=True)
             ]
             results = _ray_get(futures)
-        return collect_results(collect, results)
+        out = collect_results(spec.collect, results)
+        spec.check_returns(method, out)
+        return out
 
     def shutdown(self) -> None:
         if self.backend == "local":

@@ -45,6 +45,7 @@ from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingPara
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
 from treadle.workers.common import (
+    SEQUENCES,
     actor_optimizer,
     engine_options,
     global_sums,
@@ -126,7 +127,13 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
             micro_batch_size=r.micro_batch_size,
         )
 
-    @register(Dispatch.DP, Collect.CONCAT)
+    @register(
+        Dispatch.DP,
+        Collect.CONCAT,
+        reads=("prompts", "prompt_mask"),
+        optional=("uid", "prompt_text", "ground_truth"),  # handed back, n copies each
+        returns=("responses", "response_mask", "rollout_log_probs", "response_text", "stop_reason"),
+    )
     def generate(self, batch: Batch, params: SamplingParams) -> Batch:
         params = dataclasses.replace(params, seed=params.seed * 9973 + self.rank)
         self.rollout.wake()
@@ -168,12 +175,12 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
         order = torch.cat(groups).argsort()  # back to the batch's order
         return torch.cat(logps)[order], torch.cat(ents)[order]
 
-    @register(Dispatch.DP, Collect.CONCAT)
+    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, returns=("old_log_probs", "entropy"))
     def compute_log_probs(self, batch: Batch) -> Batch:
         logp, ent = self._log_probs(self.actor, batch)
         return Batch.from_dict(tensors={"old_log_probs": logp, "entropy": ent})
 
-    @register(Dispatch.DP, Collect.CONCAT)
+    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, returns=("ref_log_probs",))
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         if self.ref is None:
             raise RuntimeError("this worker group was built without a reference (kl_coef=0)")
@@ -231,7 +238,14 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
         metrics["actor/entropy"] = float(entropy.detach())
         return loss, metrics
 
-    @register(Dispatch.DP, Collect.MEAN)
+    @register(
+        Dispatch.DP,
+        Collect.MEAN,
+        reads=(*SEQUENCES, "advantages"),
+        # old: unless the update's own forward stands for it; ref: with kl_coef > 0;
+        # rollout: without old log-probs (mismatch) or with algorithm.rollout_is_cap
+        optional=("old_log_probs", "ref_log_probs", "rollout_log_probs"),
+    )
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches, one optimizer step each; metrics averaged.
 
@@ -261,7 +275,7 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
         out["actor/clip_frac"] /= len(micros)
         return out
 
-    @register(Dispatch.DP, Collect.MEAN)
+    @register(Dispatch.DP, Collect.MEAN, reads=("input_ids", "attention_mask", "loss_mask"))
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
         tokens = global_sums(float(batch["loss_mask"][:, 1:].sum()))[0] / self.world_size

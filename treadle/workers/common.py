@@ -67,6 +67,12 @@ def global_sums(*values: float) -> list[float]:
 
 # ----------------------------------------------------------------------------- batch layouts
 
+SEQUENCES = ("prompts", "prompt_mask", "responses", "response_mask")
+"""The fields of prompt + response sequences (:func:`prompt_response`), for ``reads=``."""
+
+PAIRS = ("prompts", "prompt_mask", "chosen", "chosen_mask", "rejected", "rejected_mask")
+"""The fields of preference pairs (:func:`pair_sequences`), for ``reads=``."""
+
 
 def prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt then response: token ids and attention mask ``[B, P + R]`` on ``device``."""

@@ -25,7 +25,7 @@ from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
 from treadle.engines.fsdp import TrainEngine
 from treadle.protocol import Batch
-from treadle.workers.common import global_sums, pair_sequences
+from treadle.workers.common import PAIRS, global_sums, pair_sequences
 
 
 class PreferenceMixin:
@@ -58,12 +58,17 @@ class PreferenceMixin:
             }
         )
 
-    @register(Dispatch.DP, Collect.CONCAT)
+    @register(Dispatch.DP, Collect.CONCAT, reads=PAIRS, returns=("chosen_logps", "rejected_logps"))
     def compute_pair_log_probs(self, batch: Batch) -> Batch:
         """The policy's ``chosen_logps``, ``rejected_logps`` ``[B]`` of preference pairs."""
         return self._pair_logps_all(self.actor, batch, "")
 
-    @register(Dispatch.DP, Collect.CONCAT)
+    @register(
+        Dispatch.DP,
+        Collect.CONCAT,
+        reads=PAIRS,
+        returns=("ref_chosen_logps", "ref_rejected_logps"),
+    )
     def compute_ref_pair_log_probs(self, batch: Batch) -> Batch:
         """The reference's ``ref_chosen_logps``, ``ref_rejected_logps`` ``[B]``."""
         if self.ref is None:
@@ -99,7 +104,7 @@ class PreferenceMixin:
         stats["dpo/nll"] = float(nll.detach())
         return loss, stats
 
-    @register(Dispatch.DP, Collect.MEAN)
+    @register(Dispatch.DP, Collect.MEAN, reads=(*PAIRS, "ref_chosen_logps", "ref_rejected_logps"))
     def train_dpo(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of a preference loss over the batch's pairs (pair-mean).
 

@@ -37,6 +37,8 @@ from treadle.engines.value import last_token_values
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.workers.common import (
+    PAIRS,
+    SEQUENCES,
     actor_optimizer,
     global_sums,
     pair_sequences,
@@ -64,7 +66,7 @@ class RewardModelWorker(Worker):
         path = config.reward.model_path or ""
         self.engine = value_engine(config, path, "reward.model_path", self.device, False)
 
-    @register(Dispatch.DP, Collect.CONCAT)
+    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, returns=("rm_scores",))
     def compute_rm_scores(self, batch: Batch) -> Batch:
         scores = []
         with torch.no_grad():
@@ -101,7 +103,7 @@ class RewardTrainerWorker(Worker):
         scores = last_token_values(self.engine.module, ids, mask)
         return scores[: len(mb)], scores[len(mb) :]
 
-    @register(Dispatch.DP, Collect.MEAN)
+    @register(Dispatch.DP, Collect.MEAN, reads=PAIRS)
     def train_rm(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of the Bradley-Terry loss, pair-mean over micro-batches and ranks."""
         per_rank = global_sums(len(batch))[0] / self.world_size
@@ -122,7 +124,9 @@ class RewardTrainerWorker(Worker):
         }
         return losses.sum() / per_rank, {k: v / per_rank for k, v in stats.items()}
 
-    @register(Dispatch.DP, Collect.CONCAT)
+    @register(
+        Dispatch.DP, Collect.CONCAT, reads=PAIRS, returns=("chosen_scores", "rejected_scores")
+    )
     @torch.no_grad()
     def score_pairs(self, batch: Batch) -> Batch:
         """``chosen_scores``, ``rejected_scores`` ``[B]``."""
