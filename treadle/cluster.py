@@ -1,27 +1,143 @@
-"""Ray for a run: start a local cluster, or join a running one.
+"""Ray for a run: join a running cluster, or start one inside this run.
 
-Filled in below; kept importable from treadle.trainers.common.
+Which cluster. ``trainer.ray_address`` wins; else the ``RAY_ADDRESS`` environment variable (set
+by the user, or by Ray itself for a driver that ``ray job submit`` started); else treadle starts
+a one-node cluster that lives as long as the driver. ``"local"`` in either place also means the
+latter. ``trainer.backend=local`` never touches Ray, whatever the address says.
+
+Joining (``ray.init(address=...)``, no resources given: the cluster has them). The run's CPUs
+are the cluster's CPU total, or ``trainer.num_cpus`` if set and no larger. Before Ray is asked,
+a plain TCP connect to ``host:port`` checks that something listens there: Ray itself would
+retry an unreachable address for minutes. Ray 2.60's ``ray start --head`` requires a token
+wherever one exists (``~/.ray/auth_token``, which any local ``ray.init()`` writes), but a
+driver given an explicit address only sends one under ``RAY_AUTH_MODE=token``; without it Ray
+retries for ~20 s and raises a bare ``ConnectionError``. Both failures become one-line
+ConfigErrors that say which variable to set and where the token lives. Ray itself sets
+``RAY_ADDRESS`` (and passes the head's auth mode on) for a ``ray job submit`` driver.
+
+Starting. ``ray.init(num_cpus=trainer.num_cpus or os.cpu_count())``, no dashboard, workers at
+nice 0. What listens where (measured on Ray 2.60): the GCS and raylet bind all interfaces
+and advertise the node's address, whatever ``--node-ip-address`` says; worker and driver
+gRPC servers bind 127.0.0.1; the dashboard (``ray job submit`` talks to it) binds
+``--dashboard-host`` (default 127.0.0.1), the dashboard agent of every node all interfaces.
 """
 
 from __future__ import annotations
 
 import os
+import socket
+from typing import Any
 
 from treadle.config import Config
+from treadle.errors import ConfigError
+
+TOKEN_FILE = "~/.ray/auth_token"
+
+
+def ray_address(cfg: Config) -> tuple[str, str] | None:
+    """(address, where it came from) of the cluster to join, or None to start one."""
+    for address, source in (
+        (cfg.trainer.ray_address, "trainer.ray_address"),
+        (os.environ.get("RAY_ADDRESS"), "RAY_ADDRESS"),
+    ):
+        if address:
+            return None if address == "local" else (address, source)
+    return None
 
 
 def total_cpus(cfg: Config) -> float:
-    return float(cfg.trainer.num_cpus or os.cpu_count() or 1)
+    """The CPUs the run may use: trainer.num_cpus, else this machine's or the joined cluster's."""
+    wanted = cfg.trainer.num_cpus
+    joined = ray_address(cfg) if cfg.trainer.backend == "ray" else None
+    if joined is None:
+        return float(wanted or os.cpu_count() or 1)
+    import ray
+
+    ensure_ray(cfg)
+    have = float(ray.cluster_resources().get("CPU", 0.0))
+    if wanted is not None and wanted > have:
+        raise ConfigError(
+            f"trainer.num_cpus={wanted:g} is more than the {have:g} CPUs of the Ray cluster at "
+            f"{joined[0]} ({joined[1]}): lower trainer.num_cpus or add nodes to the cluster"
+        )
+    return float(wanted or have)
 
 
 def ensure_ray(cfg: Config) -> None:
+    """Connect this driver to Ray once: join the configured cluster or start a local one."""
     import ray
 
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(
-            num_cpus=int(total_cpus(cfg)),
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
+    if ray.is_initialized():
+        return
+    joined = ray_address(cfg)
+    if joined is not None:
+        _join(*joined)
+        return
+    # Ray starts workers at nice 15; ours do the run's compute and must not yield to
+    # every other process on the machine (measured: 15-30x slower steps under load).
+    os.environ.setdefault("RAY_worker_niceness", "0")
+    ray.init(
+        num_cpus=int(total_cpus(cfg)),
+        include_dashboard=False,
+        log_to_driver=True,
+        configure_logging=False,
+    )
+
+
+def _join(address: str, source: str) -> None:
+    import ray
+    from ray.exceptions import AuthenticationError
+
+    _check_reachable(address, source)
+    where = f"the Ray cluster at {address} ({source})"
+    try:
+        ray.init(address=address, log_to_driver=True, configure_logging=False)
+    except AuthenticationError as e:  # token mode on, but no token on this machine
+        raise ConfigError(f"{where}: {_token_hint(rejected=False)}") from e
+    except ConnectionError as e:
+        if _is_auth_failure(e):
+            raise ConfigError(f"{where} refused this driver: {_token_hint(rejected=True)}") from e
+        raise ConfigError(
+            f"could not join {where}: {e}; check the address and `ray status --address={address}`"
+        ) from e
+
+
+def _token_hint(rejected: bool) -> str:
+    token_on = os.environ.get("RAY_AUTH_MODE", "").lower() == "token"
+    if token_on and rejected:
+        return (
+            f"its auth token differs from this machine's: copy the head's {TOKEN_FILE} here "
+            "(or point RAY_AUTH_TOKEN_PATH at it, or set RAY_AUTH_TOKEN)"
         )
+    if token_on:
+        return (
+            f"RAY_AUTH_MODE=token but no auth token here: copy the head's {TOKEN_FILE} to this "
+            "machine's (or point RAY_AUTH_TOKEN_PATH at it, or set RAY_AUTH_TOKEN)"
+        )
+    return (
+        f"it requires its auth token; run with RAY_AUTH_MODE=token and the head's {TOKEN_FILE} "
+        "readable here (or RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH)"
+    )
+
+
+def _is_auth_failure(e: BaseException) -> bool:
+    """Ray wraps the GCS's auth refusal in a ConnectionError whose cause holds the traceback."""
+    from ray.exceptions import AuthenticationError
+
+    cause: Any = e.__cause__
+    return isinstance(cause, AuthenticationError) or "InvalidAuthToken" in str(cause)
+
+
+def _check_reachable(address: str, source: str) -> None:
+    """Fail in seconds where Ray would retry an address nobody listens on for minutes."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # "auto", ray://...: Ray's own lookup
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(
+            f"nothing answers at {address} ({source}): {e.strerror or e}; start a head there "
+            f"with `ray start --head --port={port}`, fix the address, or unset it to let "
+            "treadle start a local cluster"
+        ) from e

@@ -1,0 +1,281 @@
+"""Joining a running Ray cluster: which address wins, the errors, and real runs on a two-node
+cluster (a head and a second raylet on this machine, loopback addresses, token auth on)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from treadle import cluster
+from treadle.config import load_config
+from treadle.errors import ConfigError
+from treadle.tracking import read_metrics
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+GRPO = ROOT / "examples/arithmetic/grpo.yaml"
+AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def config(*overrides: str):
+    return load_config(None, ["model.path=unused", "trainer.backend=ray", *overrides])
+
+
+# --- which cluster: no Ray started -----------------------------------------------------------
+
+
+@pytest.fixture
+def fake_ray(monkeypatch):
+    """ray.init recorded instead of run; a 2-CPU cluster once 'joined'."""
+    ray = pytest.importorskip("ray")
+    calls: list[dict] = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(calls))
+    monkeypatch.setattr(ray, "init", lambda **kw: calls.append(kw))
+    monkeypatch.setattr(ray, "cluster_resources", lambda: {"CPU": 2.0})
+    monkeypatch.setattr(cluster, "_check_reachable", lambda address, source: None)
+    for var in AUTH_VARS:
+        monkeypatch.delenv(var, raising=False)
+    return calls
+
+
+def test_config_address_wins_over_env(fake_ray, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6380")
+    cluster.ensure_ray(config("trainer.ray_address=10.0.0.1:6380"))
+    assert fake_ray[0]["address"] == "10.0.0.1:6380" and "num_cpus" not in fake_ray[0]
+
+
+def test_env_address_joins(fake_ray, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6380")
+    cfg = config()
+    assert cluster.total_cpus(cfg) == 2.0  # the cluster's CPUs, not this machine's
+    assert [c["address"] for c in fake_ray] == ["10.0.0.2:6380"]
+
+
+@pytest.mark.parametrize("env", [None, "local"])
+def test_no_address_starts_a_local_cluster(fake_ray, monkeypatch, env):
+    if env:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    cluster.ensure_ray(config("trainer.num_cpus=3"))
+    assert "address" not in fake_ray[0] and fake_ray[0]["num_cpus"] == 3
+
+
+def test_local_backend_ignores_the_address(fake_ray, monkeypatch):
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.2:6380")
+    cfg = load_config(None, ["model.path=unused", "trainer.backend=local", "trainer.num_cpus=1"])
+    assert cluster.total_cpus(cfg) == 1.0 and not fake_ray
+
+
+def test_num_cpus_within_the_cluster(fake_ray):
+    assert cluster.total_cpus(config("trainer.ray_address=h:1", "trainer.num_cpus=1")) == 1.0
+    with pytest.raises(ConfigError, match=r"trainer.num_cpus=4 is more than the 2 CPUs"):
+        cluster.total_cpus(config("trainer.ray_address=h:1", "trainer.num_cpus=4"))
+
+
+def test_auth_refusal_is_one_line(fake_ray, monkeypatch):
+    def refused(**kw):
+        try:
+            raise RuntimeError("Traceback ... RPC error: InvalidAuthToken: token is missing")
+        except RuntimeError as e:
+            raise ConnectionError("Failed to connect to Ray cluster at h:1") from e
+
+    monkeypatch.setattr("ray.init", refused)
+    with pytest.raises(ConfigError) as err:
+        cluster.ensure_ray(config("trainer.ray_address=h:1"))
+    msg = str(err.value)
+    assert "\n" not in msg and "RAY_AUTH_MODE=token" in msg and "~/.ray/auth_token" in msg
+    assert "trainer.ray_address" in msg
+
+
+def test_unreachable_address_fails_fast(monkeypatch):
+    ray = pytest.importorskip("ray")
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kw: pytest.fail("ray.init called"))
+    port = free_port()  # nobody listens there now
+    monkeypatch.setenv("RAY_ADDRESS", f"127.0.0.1:{port}")
+    start = time.monotonic()
+    with pytest.raises(ConfigError, match=rf"nothing answers at 127.0.0.1:{port} \(RAY_ADDRESS\)"):
+        cluster.ensure_ray(config())
+    assert time.monotonic() - start < 6
+
+
+# --- a real two-node cluster ------------------------------------------------------------------
+
+
+@dataclass
+class Cluster:
+    address: str  # GCS, host:port
+    dashboard: str  # http://host:port, for `ray job submit`
+    env: dict[str, str]  # token auth on, for drivers and the ray CLI
+
+
+def _start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
+    """``ray start --block`` in a session of its own: its process group is the node's."""
+    proc = subprocess.Popen(
+        [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", *args],
+        env=env,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 90
+    while "Ray runtime started" not in log.read_text():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            _stop_node(proc)
+            raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
+        time.sleep(0.5)
+    return proc
+
+
+def _stop_node(*procs: subprocess.Popen) -> None:
+    """SIGTERM to each node's process group (raylet, GCS, workers), SIGKILL what is left."""
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        for proc in procs:
+            with contextlib.suppress(ProcessLookupError):  # a group may outlive its leader
+                os.killpg(proc.pid, sig)
+        deadline = time.monotonic() + wait
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    pytest.importorskip("ray")
+    tmp = Path(tempfile.mkdtemp(prefix="trc", dir="/tmp"))  # short: Ray's socket paths
+    token = tmp / "auth_token"
+    token.write_text(secrets.token_hex(32))
+    env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
+    env |= {
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),  # not ~/.ray/auth_token: this cluster's own
+        "RAY_worker_niceness": "0",
+        "RAY_COLOR_PREFIX": "0",
+        "OMP_NUM_THREADS": "1",
+    }
+    port, dash = free_port(), free_port()
+    loopback = [
+        "--node-ip-address=127.0.0.1",
+        "--num-cpus=1",
+    ]
+    nodes: list[subprocess.Popen] = []
+    try:
+        nodes.append(
+            _start_node(
+                [
+                    "--head",
+                    f"--port={port}",
+                    f"--temp-dir={tmp / 'head'}",
+                    "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dash}",
+                    f"--ray-client-server-port={free_port()}",
+                    f"--dashboard-agent-listen-port={free_port()}",
+                    *loopback,
+                ],
+                env,
+                tmp / "head.log",
+            )
+        )
+        nodes.append(
+            _start_node(
+                [
+                    f"--address=127.0.0.1:{port}",
+                    f"--temp-dir={tmp / 'node2'}",
+                    f"--dashboard-agent-listen-port={free_port()}",
+                    '--resources={"second_node": 1}',
+                    *loopback,
+                ],
+                env,
+                tmp / "node2.log",
+            )
+        )
+        yield Cluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", env)
+    finally:
+        _stop_node(*nodes)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        cmd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def tiny_run(task: dict, out: Path, *extra: str) -> list[str]:
+    """`treadle train` of the GRPO recipe at test size, two ranks: one on each 1-CPU node."""
+    return [
+        str(BIN / "treadle"),
+        "train",
+        str(GRPO),
+        f"model.path={task['model']}",
+        f"data.train_files=[{task['train']}]",
+        f"data.val_files=[{task['test']}]",
+        "data.batch_size=4",
+        "data.val_size=4",
+        "rollout.engine=hf",
+        "rollout.n=4",
+        "rollout.max_new_tokens=12",
+        "actor.world_size=2",
+        "actor.ppo_mini_batch_size=8",
+        "actor.micro_batch_size=8",
+        "trainer.total_steps=2",
+        "trainer.save_every=0",
+        "trainer.progress=false",
+        f"trainer.output_dir={out}",
+        *extra,
+    ]
+
+
+@pytest.mark.slow
+def test_train_joins_by_ray_address(ray_cluster, tiny_task, tmp_path):
+    out = tmp_path / "run"
+    env = ray_cluster.env | {"RAY_ADDRESS": ray_cluster.address}
+    done = run(tiny_run(tiny_task, out), env, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    # two 1-CPU ranks on two 1-CPU nodes: the run cannot have placed them on one
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_train_under_ray_job_submit(ray_cluster, tiny_task, tmp_path):
+    out = tmp_path / "job"
+    job_id = f"treadle-test-{secrets.token_hex(4)}"
+    ray_cli = [str(BIN / "ray"), "job"]
+    address = f"--address={ray_cluster.dashboard}"
+    entrypoint = tiny_run(tiny_task, out)  # ray quotes each word for the job's shell
+    cmd = [*ray_cli, "submit", address, f"--submission-id={job_id}", "--", *entrypoint]
+    submit = run(cmd, ray_cluster.env, timeout=300)
+    status = run([*ray_cli, "status", address, job_id], ray_cluster.env, timeout=60)
+    assert f"Job '{job_id}' succeeded" in status.stdout, (
+        submit.stdout[-4000:] + submit.stderr[-2000:]
+    )
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+
+
+@pytest.mark.slow
+def test_joining_without_the_token_is_one_clear_line(ray_cluster, tiny_task, tmp_path):
+    env = {k: v for k, v in ray_cluster.env.items() if k not in AUTH_VARS}
+    cmd = tiny_run(tiny_task, tmp_path / "run", f"trainer.ray_address={ray_cluster.address}")
+    done = run(cmd, env, timeout=120)
+    assert done.returncode == 2, done.stderr[-4000:]
+    errors = [line for line in done.stderr.splitlines() if line.startswith("treadle: error:")]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr[-4000:]
+    assert "RAY_AUTH_MODE=token" in errors[0] and "~/.ray/auth_token" in errors[0]
+    assert f"at {ray_cluster.address} (trainer.ray_address)" in errors[0]
