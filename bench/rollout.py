@@ -16,9 +16,12 @@ Each `--dtypes` entry runs both engines with weights (and compute) in that dtype
 of a row pair is at equal precision; bfloat16 uses the CPU's AVX-512 BF16 matmuls.
 
 vLLM allows one engine per process, so each (model, dtype) runs in a child process of its own,
-one after the other; the parent prints the table. The last line is
+one after the other; the parent prints the table. The last two lines are
 `ratio vllm/hf smollm2-135m: <tokens/s of vLLM / tokens/s of transformers>` for the last dtype
-given (bfloat16 by default: `rollout.dtype=bfloat16`, where vLLM gains most on a CPU with bf16).
+given (bfloat16 by default: `rollout.dtype=bfloat16`, where vLLM gains most on a CPU with bf16),
+then `ratio service/inprocess smollm2-135m: <r>`: the same workload through a rollout replica
+(a Ray actor with its own vLLM engine, `treadle.workers.rollout.RolloutReplica`) and the
+rollout client, one request per sample, over the in-process vLLM engine's tokens/s.
 """
 
 from __future__ import annotations
@@ -81,6 +84,59 @@ def measure_sync(engine: Any, source: Any) -> float:
     )
 
 
+def measure_service(
+    path: Path, prompts: list[list[int]], params: Any, args: argparse.Namespace
+) -> dict[str, float]:
+    """The same workload through a rollout replica (a Ray actor with its own vLLM engine) and
+    the client: one request per sample, routed and answered as the trainer's are."""
+    from dataclasses import replace
+
+    import ray
+
+    from treadle.config import load_config
+    from treadle.controller import _guarded
+    from treadle.rollout import RayReplica, Request, RolloutClient
+    from treadle.workers.rollout import RolloutReplica
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={path}",
+            "rollout.engine=vllm",
+            f"rollout.dtype={args.dtype}",
+            f"rollout.kv_cache_gib={args.kv_cache_gib}",
+            f"data.max_prompt_length={max(map(len, prompts))}",
+            f"rollout.max_new_tokens={args.new_tokens}",
+        ],
+    )
+    ray.init(num_cpus=args.threads, include_dashboard=False, configure_logging=False)
+    env = {"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
+    actor: Any = ray.remote(_guarded(RolloutReplica)).options(  # type: ignore[arg-type]
+        num_cpus=args.threads, runtime_env={"env_vars": env}
+    )
+    start = time.perf_counter()
+    replica = actor.remote(0, config=cfg, model_path=str(path), version=0, threads=args.threads)
+    ray.get(replica.treadle_check.remote())
+    start_s = time.perf_counter() - start
+    client = RolloutClient([RayReplica(replica, "rollout replica 0")])
+    single = replace(params, n=1)
+
+    def requests(batch: list[list[int]], p: Any, n: int) -> list[Any]:
+        return [Request(client.new_id(), tuple(x), p) for x in batch for _ in range(n)]
+
+    client.generate(requests(prompts[:2], replace(single, max_new_tokens=4), 1))  # warm-up
+    seconds, out = timed(lambda: client.generate(requests(prompts, single, params.n)))
+    tokens = sum(len(r.token_ids) for r in out)
+    client.close()
+    ray.shutdown()
+    return {
+        "start_s": start_s,
+        "gen_s": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
+    }
+
+
 def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     """Measure both engines on one model; write the numbers as JSON."""
     import torch
@@ -115,6 +171,8 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     )
     result["vllm"] = {"start_s": start_s, **measure_engine(vllm, prompts, params)}
     result["vllm"]["sync_s"] = measure_sync(vllm, source)
+
+    result["service"] = measure_service(path, prompts, params, args)
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -166,26 +224,29 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         + ", ".join(f"{r['model']} {r['dtype']} {r['load_average']:.1f}" for r in results)
         + " (other work shares this machine)"
     )
-    header = f"{'model':<14}{'params':>9}  {'dtype':<9}{'engine':<6}{'start s':>9}{'tokens':>8}"
+    header = f"{'model':<14}{'params':>9}  {'dtype':<9}{'engine':<8}{'start s':>9}{'tokens':>8}"
     print(header + f"{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
     for r in results:
-        for engine in ("vllm", "hf"):
+        for engine in ("vllm", "service", "hf"):
             m = r[engine]
             start = f"{m['start_s']:9.1f}" if "start_s" in m else f"{'-':>9}"
+            sync = f"{m['sync_s']:9.3f}" if "sync_s" in m else f"{'-':>9}"
             print(
-                f"{r['model']:<14}{r['params'] / 1e6:8.1f}M  {r['dtype']:<9}{engine:<6}{start}"
-                f"{m['tokens']:8d}"
-                f"{m['gen_s']:8.1f}{m['tokens_per_s']:10.0f}{m['sync_s']:9.3f}"
+                f"{r['model']:<14}{r['params'] / 1e6:8.1f}M  {r['dtype']:<9}{engine:<8}{start}"
+                f"{m['tokens']:8d}{m['gen_s']:8.1f}{m['tokens_per_s']:10.0f}{sync}"
             )
     for r in results:
-        if r["vllm"]["tokens"] != r["hf"]["tokens"]:
+        if not r["vllm"]["tokens"] == r["service"]["tokens"] == r["hf"]["tokens"]:
             print(f"warning: {r['model']}: the engines generated different token counts")
-    for r in results:
-        ratio = r["vllm"]["tokens_per_s"] / r["hf"]["tokens_per_s"]
-        print(f"ratio vllm/hf {r['model']} {r['dtype']}: {ratio:.2f}")
     last = next(r for r in reversed(results) if r["model"] == "smollm2-135m")
-    ratio = last["vllm"]["tokens_per_s"] / last["hf"]["tokens_per_s"]
-    print(f"ratio vllm/hf smollm2-135m: {ratio:.2f}")
+    for r, where in [*((r, f"{r['model']} {r['dtype']}") for r in results), (last, last["model"])]:
+        for label, a, b in RATIOS:
+            print(f"ratio {label} {where}: {r[a]['tokens_per_s'] / r[b]['tokens_per_s']:.2f}")
+
+
+# (label, numerator, denominator): vLLM over transformers in-process; the rollout service (a
+# replica behind the client) over the same vLLM engine called in-process.
+RATIOS = (("vllm/hf", "vllm", "hf"), ("service/inprocess", "service", "vllm"))
 
 
 def main() -> None:

@@ -254,6 +254,26 @@ def test_train_joins_by_ray_address(ray_cluster, tiny_task, tmp_path):
 
 
 @pytest.mark.slow
+def test_split_rollout_replica_on_the_second_node(ray_cluster, tiny_task, tmp_path):
+    """rollout.ray_resources pins the replica to the node started with `second_node`; its pool
+    is reserved first, so the actor takes the head's CPU; weights cross over the gloo group."""
+    out = tmp_path / "split"
+    env = ray_cluster.env | {"RAY_ADDRESS": ray_cluster.address}
+    split = [
+        "actor.world_size=1",
+        "rollout.placement=split",
+        "rollout.replicas=1",
+        "rollout.num_cpus=1",
+        "rollout.ray_resources={second_node: 1}",
+    ]
+    done = run(tiny_run(tiny_task, out, *split), env, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    metrics = read_metrics(out)
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
+    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics)
+
+
+@pytest.mark.slow
 def test_train_under_ray_job_submit(ray_cluster, tiny_task, tmp_path):
     out = tmp_path / "job"
     job_id = f"treadle-test-{secrets.token_hex(4)}"

@@ -77,7 +77,7 @@ def test_dynamic_sampling_keeps_groups_with_varied_rewards(tiny_task, parity_rew
     )
     try:
         m: dict[str, float] = {}
-        batch = t.rollout(1, m)
+        batch = t.sample(1, m)
     finally:
         t.actors.close()
     rounds = int(m["rollout/gen_rounds"])
@@ -101,11 +101,11 @@ def test_dynamic_sampling_keeps_groups_with_varied_rewards(tiny_task, parity_rew
 def test_remax_baseline_is_the_greedy_response_score(tiny_task, length_reward, tmp_path):
     t = trainer(tiny_task, tmp_path, length_reward, "algorithm.adv_estimator=remax")
     try:
-        batch = t.rollout(1, {})
+        batch = t.sample(1, {})
         firsts = batch.select(list(range(0, len(batch), N))).only(
             ["prompts", "prompt_mask"], ["uid", "prompt_text", "ground_truth"]
         )
-        greedy = t.group.generate(firsts, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
+        greedy = t.rollout.generate(firsts, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
         m = t.step(2)
     finally:
         t.actors.close()
@@ -165,7 +165,7 @@ def test_rollout_dtype_bfloat16_engine_gets_cast_weights(tiny_task, length_rewar
     try:
         m = t.step(1)
         worker = t.group.workers[0]  # local backend: the worker object itself
-        engine_params = dict(worker.rollout.model.named_parameters())
+        engine_params = dict(worker.server.engine.model.named_parameters())
         actor = {name: tensor.clone() for name, tensor in worker.actor.full_state()}
     finally:
         t.actors.close()

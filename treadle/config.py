@@ -85,6 +85,38 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = Field(
         0.5, gt=0, le=1, description="vllm engine on CUDA: fraction of GPU memory it may take."
     )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="'colocated': one replica in every actor rank's process, on its devices, "
+        "sleeping while the actor trains, weights synced in memory; 'split': rollout.replicas "
+        "replicas in a resource pool of their own, weights broadcast over a process group.",
+    )
+    replicas: int | None = Field(
+        None,
+        gt=0,
+        description="Rollout replicas (each one inference engine serving requests); null: one "
+        "per actor rank when colocated (it must equal actor.world_size), 1 when split.",
+    )
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="GPUs per replica (vLLM tensor parallelism); 1 on CPU."
+    )
+    num_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="split: CPUs of the rollout pool, divided equally over the replicas "
+        "(null: half of trainer.num_cpus); the actor's ranks get the rest.",
+    )
+    ray_resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="split: Ray custom resources each replica's bundle also asks for, to place "
+        "the replicas on the nodes that have them (`ray start --resources='{\"rollout\": 2}'`).",
+    )
+    max_inflight_per_replica: int = Field(
+        256, gt=0, description="Requests in flight per replica at most (the client waits)."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request not answered within this many seconds stops the run."
+    )
 
 
 class RewardConfig(Section):
@@ -299,7 +331,14 @@ class TrainerConfig(Section):
     eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps.")
     seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
     resume: bool = Field(True, description="Resume from the newest complete checkpoint.")
-    num_cpus: float | None = Field(None, description="CPUs given to Ray (default: all).")
+    num_cpus: float | None = Field(
+        None, description="CPUs the run uses (default: all of this machine, or of the cluster)."
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Join this running Ray cluster ('host:port', 'auto') instead of starting "
+        "one; null: the RAY_ADDRESS environment variable if set, else a new local cluster.",
+    )
     threads_per_rank: int | None = Field(
         None, description="torch threads per rank (default: cores / ranks, at least 1)."
     )
@@ -381,7 +420,43 @@ class Config(Section):
                 f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}"
             )
         _check_critic(self.critic, self.actor, samples, self.trainer.backend)
+        _check_rollout(self.rollout, self.actor, self.trainer)
         return self
+
+    def rollout_replicas(self) -> int:
+        """How many rollout replicas the run has (``rollout.replicas`` resolved)."""
+        r = self.rollout
+        if r.replicas is not None:
+            return r.replicas
+        return self.actor.world_size if r.placement == "colocated" else 1
+
+
+def _check_rollout(rollout: RolloutConfig, actor: ActorConfig, trainer: TrainerConfig) -> None:
+    if rollout.placement == "colocated":
+        if rollout.replicas is not None and rollout.replicas != actor.world_size:
+            raise ValueError(
+                f"rollout.replicas={rollout.replicas} must equal actor.world_size="
+                f"{actor.world_size} when rollout.placement=colocated (one replica in each "
+                "actor rank's process); set rollout.placement=split or drop rollout.replicas"
+            )
+        if rollout.num_cpus is not None or rollout.ray_resources:
+            raise ValueError(
+                "rollout.num_cpus and rollout.ray_resources shape the rollout pool of "
+                "rollout.placement=split; colocated replicas use the actor's bundles: drop "
+                "them or set rollout.placement=split"
+            )
+        return
+    if trainer.backend == "local":
+        raise ValueError(
+            "trainer.backend=local runs one rank in-process; set rollout.placement=colocated "
+            "or use trainer.backend=ray"
+        )
+    cpus = trainer.num_cpus
+    if cpus is not None and rollout.num_cpus is not None and rollout.num_cpus >= cpus:
+        raise ValueError(
+            f"rollout.num_cpus={rollout.num_cpus} leaves nothing of trainer.num_cpus={cpus} "
+            "for the actor: give the rollout pool fewer CPUs or the run more"
+        )
 
 
 def _check_critic(critic: CriticConfig, actor: ActorConfig, samples: int, backend: str) -> None:

@@ -34,7 +34,7 @@ import functools
 import os
 import socket
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import torch
@@ -256,21 +256,34 @@ def _probe_address() -> tuple[str, int]:
 
 @dataclass
 class ResourcePool:
-    """A Ray placement group with one bundle per rank; roles sharing it are colocated."""
+    """A Ray placement group with one bundle per rank; roles sharing it are colocated.
+
+    ``resources``: Ray custom resources every bundle also holds, which places the pool on the
+    nodes started with them (``ray start --resources='{"rollout": 2}'``)."""
 
     world_size: int
     cpus_per_rank: float = 1.0
     gpus_per_rank: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         import ray
         from ray.util.placement_group import placement_group
 
-        bundle: dict[str, float] = {"CPU": self.cpus_per_rank}
+        bundle: dict[str, float] = {"CPU": self.cpus_per_rank, **self.resources}
         if self.gpus_per_rank:
             bundle["GPU"] = self.gpus_per_rank
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy="PACK")
-        ray.get(self.pg.ready(), timeout=120)
+        try:
+            ray.get(self.pg.ready(), timeout=120)
+        except ray.exceptions.GetTimeoutError:
+            self.remove()
+            free = {k: v for k, v in ray.available_resources().items() if "memory" not in k}
+            raise TreadleError(
+                f"{self.world_size} bundles of {bundle} did not fit the Ray cluster in 120 s "
+                f"(free now: {free}): ask for fewer CPUs/GPUs (trainer.num_cpus, "
+                "rollout.num_cpus, rollout.replicas) or add nodes"
+            ) from None
 
     def remove(self) -> None:
         from ray.util.placement_group import remove_placement_group

@@ -2,8 +2,15 @@
 
 A rollout engine turns prompt token ids into sampled responses with the log-prob of every
 sampled token, and takes new weights from the training engine after each update. Every
-engine (transformers here, vLLM beside it) implements :class:`RolloutEngine`; the workers
-and the driver know only this interface.
+engine (transformers here, vLLM beside it) implements :class:`RolloutEngine`; the rollout
+server (:mod:`treadle.rollout.server`) knows only this interface. Two ways in:
+
+- request by request: ``add_request`` then ``step`` until ``has_unfinished`` is false, each
+  ``step`` returning the requests it finished (:class:`Finished`). vLLM batches whatever is in
+  flight itself (continuous batching); the transformers engine generates everything added
+  since its last step in one batched ``generate`` call (requests with equal sampling
+  parameters together, seeded by the first one's ``seed``).
+- a whole batch in one call: ``generate`` (the in-process baseline of ``bench/rollout.py``).
 
 The transformers engine is the debugging engine and the fallback: plain ``generate`` with a
 KV cache on a left-padded batch. Log-probs are taken from the raw logits divided by the
@@ -14,11 +21,13 @@ response (every response runs to ``max_new_tokens``, for benchmarks); stop token
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
 
@@ -43,10 +52,30 @@ class RolloutOutput:
     stop_reasons: list[str] = field(default_factory=list)  # "stop" (EOS/stop token) | "length"
 
 
+@dataclass(frozen=True)
+class Finished:
+    """One finished request of :meth:`RolloutEngine.step`."""
+
+    request_id: str
+    token_ids: list[int]
+    log_probs: list[float]
+    stop_reason: str  # "stop" | "length"
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
 
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None: ...
+
+    def step(self) -> list[Finished]: ...
+
+    def has_unfinished(self) -> bool: ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def load_payloads(self, payloads: Iterable[bytes]) -> None:
+        """Weights as safetensors buckets (:func:`treadle.rollout.weight_sync.weight_buckets`)."""
+        ...
 
     def sleep(self) -> None: ...
 
@@ -68,6 +97,7 @@ class HFRolloutEngine:
         self.pad = pad_token_id
         self.micro_batch_size = micro_batch_size
         self.params = dict(self.model.named_parameters())
+        self._pending: list[tuple[str, list[int], SamplingParams]] = []
 
     @torch.no_grad()
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
@@ -114,6 +144,37 @@ class HFRolloutEngine:
             out.token_ids.append(row[:length])
             out.log_probs.append(lp[:length])
             out.stop_reasons.append("stop" if end is not None else "length")
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        if params.n != 1:
+            raise ValueError(f"a request samples one response, got n={params.n}")
+        self._pending.append((request_id, list(prompt), params))
+
+    def has_unfinished(self) -> bool:
+        return bool(self._pending)
+
+    def step(self) -> list[Finished]:
+        """Generate every request added since the last step; equal parameters together."""
+        pending, self._pending = self._pending, []
+        groups: dict[SamplingParams, tuple[int, list[tuple[str, list[int]]]]] = {}
+        for rid, prompt, params in pending:
+            key = dataclasses.replace(params, seed=0)
+            groups.setdefault(key, (params.seed, []))[1].append((rid, prompt))
+        done = []
+        for key, (seed, requests) in groups.items():
+            out = self.generate([p for _, p in requests], dataclasses.replace(key, seed=seed))
+            done += [
+                Finished(rid, t, lp, r)
+                for (rid, _), t, lp, r in zip(
+                    requests, out.token_ids, out.log_probs, out.stop_reasons, strict=True
+                )
+            ]
+        return done
+
+    def load_payloads(self, payloads: Iterable[bytes]) -> None:
+        self.update_weights(
+            (name, t) for payload in payloads for name, t in load_safetensors_bytes(payload).items()
+        )
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -78,11 +78,11 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors_bytes
-from safetensors.torch import save as save_safetensors_bytes
 
-from treadle.engines.rollout import RolloutOutput, SamplingParams
+from treadle.engines.rollout import Finished, RolloutOutput, SamplingParams
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
+from treadle.rollout.weight_sync import weight_buckets
 
 logger = logging.getLogger("treadle")
 
@@ -171,12 +171,44 @@ class VLLMRolloutEngine:
 
     # ------------------------------------------------------------------ generate
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def _check_weights(self) -> None:
         if not self._live.weights_ok:
             raise RuntimeError(
                 "the vLLM engine's weights are incomplete: the last weight update failed or did "
                 "not cover every parameter; call update_weights again with the full state"
             )
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Queue one request (one sample); `step` runs it with everything else in flight."""
+        from vllm.inputs import TokensPrompt
+
+        if params.n != 1:
+            raise ValueError(f"a request samples one response, got n={params.n}")
+        self._check_weights()
+        self._warn_truncated_logprobs(params)
+        self.llm.llm_engine.add_request(
+            request_id, TokensPrompt(prompt_token_ids=list(prompt)), self._request_params(params)
+        )
+
+    def has_unfinished(self) -> bool:
+        return bool(self.llm.llm_engine.has_unfinished_requests())
+
+    def step(self) -> list[Finished]:
+        """One engine step over every request in flight; the requests it finished."""
+        done = []
+        for result in self.llm.llm_engine.step():
+            if not result.finished:
+                continue
+            (sample,) = result.outputs
+            tokens = list(sample.token_ids)
+            logps = [step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=True)]
+            done.append(
+                Finished(result.request_id, tokens, logps, _stop_reason(sample.finish_reason))
+            )
+        return done
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+        self._check_weights()
         out = RolloutOutput()
         if not prompts:
             return out
@@ -241,16 +273,21 @@ class VLLMRolloutEngine:
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Stream `(HF name, full tensor)` pairs into the live engine, one bucket at a time."""
+        skip = frozenset({"lm_head.weight"} if self._live.tied_embeddings else ())
+        self.load_payloads(weight_buckets(named_tensors, self.bucket_bytes, self.dtype, skip))
+
+    @torch.no_grad()
+    def load_payloads(self, payloads: Iterable[bytes]) -> None:
+        """Load safetensors buckets (`weight_buckets`) into the live engine as one reload."""
         live = self._live
         resleep = live.asleep
         if resleep:  # on CUDA the weights' memory is released while asleep
             self.wake()
-        skip = {"lm_head.weight"} if live.tied_embeddings else set()
         live.llm.collective_rpc("treadle_begin_weight_update")
         live.weights_ok = False
         missing: list[str] = []
         try:
-            for payload in _buckets(named_tensors, self.bucket_bytes, self.dtype, skip):
+            for payload in payloads:  # a tied model's lm_head.weight must not be in them
                 live.llm.collective_rpc("treadle_load_weight_bucket", args=(payload,))
         finally:
             # Closing the reload puts back the layers the stream never reached; after an
@@ -463,31 +500,6 @@ def _stop_reason(finish_reason: str | None) -> str:
     if finish_reason in ("stop", "length"):
         return finish_reason
     raise RuntimeError(f"vLLM finished a sample with reason {finish_reason!r}")
-
-
-def _buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    dtype: torch.dtype,
-    skip: set[str],
-) -> Iterator[bytes]:
-    """safetensors bytes of consecutive groups of ~`bucket_bytes`; floats cast to `dtype`."""
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in named_tensors:
-        if name in skip:
-            continue
-        t = tensor.detach()
-        t = t.to("cpu", dtype=dtype if t.is_floating_point() else t.dtype).contiguous()
-        if any(t.data_ptr() == other.data_ptr() for other in bucket.values()):
-            t = t.clone()  # safetensors refuses tensors that share memory
-        bucket[name] = t
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield save_safetensors_bytes(bucket)
-            bucket, size = {}, 0
-    if bucket:
-        yield save_safetensors_bytes(bucket)
 
 
 # ---------------------------------------------------------------------- worker side

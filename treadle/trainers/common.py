@@ -12,7 +12,7 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -28,6 +28,9 @@ from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn, score_batch
 from treadle.tracking import Tracker
 from treadle.workers import ActorRolloutRefWorker
+
+if TYPE_CHECKING:
+    from treadle.trainers.rollout import Rollout
 
 log = logging.getLogger("treadle")
 
@@ -73,7 +76,7 @@ def rank_threads(cfg: Config, cpus_per_rank: float) -> int:
     return cfg.trainer.threads_per_rank or max(1, int(cpus_per_rank))
 
 
-def _ray_env(threads: int) -> dict[str, str]:
+def ray_env(threads: int) -> dict[str, str]:
     return {
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
@@ -126,7 +129,7 @@ def build_group(
             backend="ray",
             pool=pool,
             kwargs=kwargs,
-            env=_ray_env(threads),
+            env=ray_env(threads),
             share=1.0 / colocated,
         )
     except BaseException:
@@ -168,7 +171,7 @@ def add_group(
             backend="ray",
             pool=pool,
             kwargs={**kwargs, "threads": threads},
-            env=_ray_env(threads),
+            env=ray_env(threads),
             share=1.0 if own else actors.share,
         )
     except BaseException:
@@ -211,13 +214,12 @@ def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any
     )
 
 
-def evaluate(cfg: Config, actors: WorkerGroup, ds: PromptDataset, pad_id: int) -> float:
+def evaluate(cfg: Config, rollout: Rollout, ds: PromptDataset, pad_id: int) -> float:
     """Held-out accuracy (fraction of reward 1.0) with greedy decoding, one sample each."""
     n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))
     batch = prompt_batch(ds, list(range(n)), pad_id)
-    batch, pad = batch.pad_to_multiple(cfg.actor.world_size)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
-    out = actors.generate(batch, greedy).unpad(pad)
+    out = rollout.generate(batch, greedy)
     fn = load_reward_fn(cfg.reward.function)
     scores = score_batch(
         fn,
@@ -272,9 +274,15 @@ def evaluate_model(cfg: Config) -> float:
     val = load_prompts(cfg, cfg.data.val_files, "data.val_files")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
+    from treadle.trainers.rollout import start_rollout
+
     actors = build_actors(cfg, cfg.model.path, with_ref=False)
     try:
-        return evaluate(cfg, actors.group, val, val.pad_id)
+        rollout = start_rollout(cfg, actors, cfg.model.path, 0)
+        try:
+            return evaluate(cfg, rollout, val, val.pad_id)
+        finally:
+            rollout.close()
     finally:
         actors.close()
 
@@ -296,6 +304,7 @@ class Trainer:
         self.resumed_from: Path | None = None
         # Groups besides the actor's whose state a checkpoint holds, in <checkpoint>/<name>/.
         self.roles: dict[str, WorkerGroup] = {}
+        self.rollout: Rollout  # set by start_workers, for workers that serve rollouts
 
     def start_workers(
         self,
@@ -314,10 +323,27 @@ class Trainer:
             state = ckpt.read_state(latest)
             self.start, self.resumed_from = int(state["step"]), latest
             self.load_driver_state(state)
-        self.actors = self.build_workers(actor_path, with_ref, colocated, cpus_per_rank)
-        self.group = self.actors.group
-        if latest is not None:
-            self.group.load_checkpoint(str(latest))
+        from treadle.trainers.rollout import reserve_rollout_pool, start_rollout
+        from treadle.workers.rollout import ServesRollout
+
+        pool = reserve_rollout_pool(self.cfg)  # split: before the actor's pool (see there)
+        try:
+            self.actors = self.build_workers(actor_path, with_ref, colocated, cpus_per_rank)
+            self.group = self.actors.group
+            try:
+                if latest is not None:
+                    self.group.load_checkpoint(str(latest))
+                if issubclass(self.group.worker_cls, ServesRollout):  # not the RM trainer's
+                    given, pool = pool, None  # the rollout's from here, removed by it
+                    self.rollout = start_rollout(
+                        self.cfg, self.actors, actor_path, self.start, given
+                    )
+            except BaseException:
+                self.actors.close()
+                raise
+        finally:
+            if pool is not None:
+                pool.remove()
 
     def build_workers(
         self,
@@ -362,5 +388,10 @@ class Trainer:
                             self.cfg, self.group, step, state, final=last, roles=self.roles
                         )
         finally:
-            self.actors.close()
+            self.close()
         return metrics
+
+    def close(self) -> None:
+        if hasattr(self, "rollout"):
+            self.rollout.close()
+        self.actors.close()

@@ -76,10 +76,10 @@ class DPOTrainer(Trainer):
         m["epoch"] = step / self.steps_per_epoch
         if self.val is not None and self.eval_due(step):
             with timed(m, "eval"):
-                m.update(self.evaluate())
+                m.update(self.evaluate(step))
         return m
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
         """Implicit-reward accuracy and margin on held-out pairs; task accuracy if asked."""
         assert self.val is not None
         batch, pad = held_out_batch(self.cfg, self.val)
@@ -93,9 +93,9 @@ class DPOTrainer(Trainer):
             prefix="eval/",
         )
         if self.val_prompts is not None:
-            self.group.sync_weights()  # the rollout engine generates with the trained weights
+            self.rollout.sync_weights(version=step)  # generate with the trained weights
             pad_id = self.val_prompts.pad_id
-            metrics["eval/accuracy"] = evaluate(self.cfg, self.group, self.val_prompts, pad_id)
+            metrics["eval/accuracy"] = evaluate(self.cfg, self.rollout, self.val_prompts, pad_id)
         return metrics
 
 

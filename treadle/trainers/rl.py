@@ -114,6 +114,8 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         "response/length_mean": float(lengths.mean()),
         "response/clip_ratio": float(sum(r == "length" for r in batch["stop_reason"]) / len(batch)),
         "generated_tokens": float(mask.sum()),
+        # the oldest weights any sample was generated with (all equal in a synchronous step)
+        "rollout/weight_version": float(batch["weight_version"].min()),
     }
     if "old_log_probs" in batch:
         stats = mismatch_stats(batch["old_log_probs"], batch["rollout_log_probs"], mask)
@@ -180,7 +182,7 @@ class RLTrainer(Trainer):
         group, alg = self.group, self.cfg.algorithm
         m: dict[str, float] = {}
         # 1-2. rollout and reward (several rounds with dynamic sampling)
-        batch = self.rollout(step, m)
+        batch = self.sample(step, m)
         # Every rank gets a similar token count (the dispatcher cuts contiguous chunks).
         batch = balance_ranks(batch, self.cfg.actor.world_size)
         # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy (on-policy,
@@ -223,10 +225,10 @@ class RLTrainer(Trainer):
             with timed(m, "update_actor"):
                 m.update(group.update_actor(batch))
             with timed(m, "sync_weights"):
-                group.sync_weights()
+                m.update(self.rollout.sync_weights(version=step))
         return m
 
-    def rollout(self, step: int, m: dict[str, float]) -> Batch:
+    def sample(self, step: int, m: dict[str, float]) -> Batch:
         """Generate ``rollout.n`` responses per prompt and score them.
 
         With ``algorithm.filter_groups`` (DAPO dynamic sampling), groups whose scores are all
@@ -243,7 +245,7 @@ class RLTrainer(Trainer):
             if round_:  # a prompt drawn again in a later round is a group of its own
                 prompts["uid"] = [f"{u}/{round_}" for u in prompts["uid"]]
             with timed(m, "generate"):
-                batch = self.group.generate(prompts, self.sampling(step, round_))
+                batch = self.rollout.generate(prompts, self.sampling(step, round_))
             with timed(m, "reward"):
                 batch["token_level_scores"] = self.score(batch, m)
             if self.greedy_baseline:
@@ -293,7 +295,7 @@ class RLTrainer(Trainer):
         greedy = SamplingParams(
             n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens
         )
-        out = self.group.generate(prompts, greedy)
+        out = self.rollout.generate(prompts, greedy)
         scores = self.score(out).sum(-1)
         return scores.repeat_interleave(self.cfg.rollout.n)
 
@@ -326,7 +328,7 @@ class RLTrainer(Trainer):
         if self.val_ds is not None and self.eval_due(step):
             with timed(metrics, "eval"):
                 metrics["eval/accuracy"] = evaluate(
-                    self.cfg, self.group, self.val_ds, self.val_ds.pad_id
+                    self.cfg, self.rollout, self.val_ds, self.val_ds.pad_id
                 )
         return metrics
 

@@ -40,6 +40,7 @@ from treadle.controller import WorkerGroup
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
 from treadle.trainers.common import Actors, add_group, total_cpus
+from treadle.trainers.rollout import rollout_cpus
 from treadle.workers import CriticWorker, RewardModelWorker
 
 
@@ -129,10 +130,14 @@ class Layout:
         return 1 + (self.critic and not self.critic_split) + self.reward_model
 
     def cpus_per_rank(self, cfg: Config) -> float | None:
-        """A bundle's CPUs: all CPUs over all ranks when the critic has a pool of its own."""
-        if not self.critic_split:
+        """A bundle's CPUs: the training side's CPUs (all but a split rollout pool's) over the
+        actor's ranks, and the critic's when it has a pool of its own; None: all over the
+        actor's ranks."""
+        rollout = rollout_cpus(cfg)
+        if not self.critic_split and not rollout:
             return None
-        return total_cpus(cfg) / (cfg.actor.world_size + self.critic_world_size)
+        ranks = cfg.actor.world_size + (self.critic_world_size if self.critic_split else 0)
+        return (total_cpus(cfg) - rollout) / ranks
 
 
 def plan_roles(cfg: Config) -> Layout:

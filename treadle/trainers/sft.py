@@ -63,9 +63,9 @@ class SFTTrainer(Trainer):
         metrics["timing/step"] = time.perf_counter() - start
         metrics["epoch"] = step / self.steps_per_epoch
         if self.val is not None and self.eval_due(step):
-            self.group.sync_weights()  # the rollout engine generates with the trained weights
+            self.rollout.sync_weights(version=step)  # generate with the trained weights
             with timed(metrics, "eval"):
-                metrics["eval/accuracy"] = evaluate(self.cfg, self.group, self.val, self.pad)
+                metrics["eval/accuracy"] = evaluate(self.cfg, self.rollout, self.val, self.pad)
         return metrics
 
 

@@ -29,7 +29,7 @@ train_sft              input_ids, attention_mask, loss_mask    metrics sft/*
 
 from __future__ import annotations
 
-import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -39,27 +39,27 @@ from torch import nn
 from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
-from treadle.controller import Collect, Dispatch, Worker, register
+from treadle.controller import Collect, Dispatch, Worker, free_port, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
-from treadle.engines.rollout import HFRolloutEngine, RolloutEngine, SamplingParams
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
+from treadle.rollout.server import RolloutServer
+from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
 from treadle.workers.common import (
     SEQUENCES,
     actor_optimizer,
     engine_options,
     global_sums,
-    left_trim,
     mean_over_steps,
     micro_batches,
-    pad_right,
     ppo_mini_batches,
     prompt_response,
 )
 from treadle.workers.preference import PreferenceMixin
+from treadle.workers.rollout import ServesRollout, make_engine
 
 
-class ActorRolloutRefWorker(PreferenceMixin, Worker):
+class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
     """Actor + rollout engine + reference, colocated in one process per rank."""
 
     def __init__(
@@ -72,6 +72,7 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
         config: Config,
         actor_path: str,
         with_ref: bool,
+        version: int = 0,
         threads: int = 1,
     ) -> None:
         torch.set_num_threads(threads)
@@ -89,7 +90,19 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
             if with_ref
             else None
         )
-        self.rollout: RolloutEngine = self._make_rollout(actor_path)
+        # Colocated rollout: this rank's replica, served from this process (rollout_generate).
+        self.server = (
+            RolloutServer(
+                make_engine(config, actor_path, self.device),
+                f"rollout replica {rank} (actor rank {rank})",
+                index=rank,
+                sleep_when_idle=self.device.type == "cuda",
+                version=version,
+            )
+            if config.rollout.placement == "colocated"
+            else None
+        )
+        self.weight_sync: WeightSyncGroup | None = None  # split: rank 0 -> the replicas
 
     def _load(self, path: str, dtype: torch.dtype) -> nn.Module:
         model: nn.Module = load_causal_lm(path, dtype)
@@ -97,66 +110,51 @@ class ActorRolloutRefWorker(PreferenceMixin, Worker):
 
     # ------------------------------------------------------------------ rollout
     #
-    # The in-process rollout engine: built here, woken for ``generate``, refreshed in memory
-    # by ``sync_weights``. These three are the seam where a rollout service (replicas behind
-    # a client, :mod:`treadle.workers.rollout`) takes over; nothing else here touches
-    # ``self.rollout``.
-
-    def _make_rollout(self, path: str) -> RolloutEngine:
-        r = self.cfg.rollout
-        dtype = r.dtype or self.cfg.model.dtype
-        if r.engine == "vllm":
-            from treadle.engines.vllm_rollout import VLLMRolloutEngine
-
-            return VLLMRolloutEngine(
-                path,
-                dtype=dtype,
-                seed=self.cfg.trainer.seed,
-                max_model_len=self.cfg.data.max_prompt_length + r.max_new_tokens,
-                bucket_mb=r.weight_sync_bucket_mb,
-                kv_cache_gib=r.kv_cache_gib,
-                gpu_memory_utilization=r.gpu_memory_utilization,
-            )
-        tok = self.tokenizer
-        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-        pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-        return HFRolloutEngine(
-            self._load(path, DTYPES[dtype]),
-            eos_token_ids=eos,
-            pad_token_id=pad,
-            micro_batch_size=r.micro_batch_size,
-        )
-
-    @register(
-        Dispatch.DP,
-        Collect.CONCAT,
-        reads=("prompts", "prompt_mask"),
-        optional=("uid", "prompt_text", "ground_truth"),  # handed back, n copies each
-        returns=("responses", "response_mask", "rollout_log_probs", "response_text", "stop_reason"),
-    )
-    def generate(self, batch: Batch, params: SamplingParams) -> Batch:
-        params = dataclasses.replace(params, seed=params.seed * 9973 + self.rank)
-        self.rollout.wake()
-        out = self.rollout.generate(left_trim(batch["prompts"], batch["prompt_mask"]), params)
-        self.rollout.sleep()
-        expanded = batch.repeat(params.n, interleave=True)
-        width = params.max_new_tokens
-        pad = self.tokenizer.pad_token_id or 0
-        expanded["responses"] = pad_right(out.token_ids, width, pad, torch.long)
-        expanded["response_mask"] = pad_right(
-            [[1] * len(t) for t in out.token_ids], width, 0, torch.long
-        )
-        expanded["rollout_log_probs"] = pad_right(out.log_probs, width, 0.0, torch.float32)
-        expanded["response_text"] = self.tokenizer.batch_decode(
-            out.token_ids, skip_special_tokens=True
-        )
-        expanded["stop_reason"] = out.stop_reasons
-        return expanded
+    # The rollout side of this worker: serving requests from the colocated replica
+    # (``rollout_generate``, from ServesRollout) and sending the actor's weights to the
+    # replicas, in memory (colocated) or over the weight-sync group (split).
 
     @register(Dispatch.ALL, Collect.RANK0)
-    def sync_weights(self) -> None:
-        """Stream the actor's full weights into this rank's rollout engine, in memory."""
-        self.rollout.update_weights(self.actor.full_state())
+    def sync_weights(self, version: int) -> int:
+        """The actor's full weights to the rollout as ``version``; returns the bytes moved.
+
+        Every rank walks the full tensors (gathering one is a collective). Colocated: each
+        rank loads them into its own replica. Split: rank 0 broadcasts them in buckets."""
+        r = self.cfg.rollout
+        dtype = DTYPES[r.dtype or self.cfg.model.dtype]
+        tied = bool(getattr(self.actor.module.lm.config, "tie_word_embeddings", False))
+        skip = frozenset({"lm_head.weight"} if tied else ())
+        bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
+        buckets = weight_buckets(self.actor.full_state(), bucket, dtype, skip)
+        if self.server is not None:
+            sent = 0
+
+            def counted() -> Iterator[bytes]:
+                nonlocal sent
+                for payload in buckets:
+                    sent += len(payload)
+                    yield payload
+
+            self.server.update_weights(lambda engine: engine.load_payloads(counted()), version)
+            return sent
+        if self.weight_sync is not None:
+            return self.weight_sync.send(buckets)
+        for _ in self.actor.full_state():  # ranks > 0 of split: join the gathers only
+            pass
+        return 0
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def weight_sync_address(self) -> tuple[str, int]:
+        """Where rank 0 will listen for the weight-sync group: its node's address, a free port."""
+        import ray
+
+        return ray.util.get_node_ip_address(), free_port()
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def init_weight_sync(self, addr: str, port: int, world_size: int) -> None:
+        """Rank 0 joins the weight-sync group as its rank 0 (the replicas join as 1..R)."""
+        if self.rank == 0:
+            self.weight_sync = WeightSyncGroup(addr, port, 0, world_size)
 
     # ------------------------------------------------------------------ log-probs
 

@@ -97,19 +97,6 @@ def pair_sequences(
     return ids, mask, responses.shape[1], rmask
 
 
-def left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
-    """Each row's valid tokens (a left-padded prompt without its padding)."""
-    return [row[m.bool()].tolist() for row, m in zip(ids, mask, strict=True)]
-
-
-def pad_right(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) -> torch.Tensor:
-    """Rows of different lengths as one ``[len(rows), width]`` tensor, right-padded."""
-    out = torch.full((len(rows), width), value, dtype=dtype)
-    for i, row in enumerate(rows):
-        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
-    return out
-
-
 # ----------------------------------------------------------------------------- batch plans
 
 

@@ -1,0 +1,203 @@
+"""Rollout as a service, request by request: the server, the client and its router.
+
+Routing, bounds and timeouts are checked against replicas that record what they are sent (a
+test double); serving, versions and determinism against real servers over the transformers
+and vLLM engines on the tiny model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from treadle.engines.rollout import HFRolloutEngine, SamplingParams
+from treadle.models import load_causal_lm, load_tokenizer
+from treadle.rollout import LocalReplica, Request, Response, RolloutClient, RolloutError
+from treadle.rollout.server import RolloutServer
+
+SAMPLE = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=5)
+GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
+
+
+class RecordingReplica:
+    """Answers after ``delay`` seconds with empty responses; records what it was sent."""
+
+    def __init__(self, name: str, delay: float = 0.0) -> None:
+        self.name, self.delay = name, delay
+        self.calls: list[list[Request]] = []
+        self.inflight = self.peak = 0
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        self.calls.append(list(requests))
+        self.inflight += len(requests)
+        self.peak = max(self.peak, self.inflight)
+        await asyncio.sleep(self.delay)
+        self.inflight -= len(requests)
+        return [Response(r.request_id, [1], [-0.5], "stop", 0, self.name) for r in requests]
+
+
+def _req(client: RolloutClient, session: str | None = None, prompt=(1, 2, 3)) -> Request:
+    return Request(client.new_id(), tuple(prompt), SAMPLE, session_id=session)
+
+
+def test_batch_spreads_evenly_and_keeps_request_order():
+    replicas = [RecordingReplica("a"), RecordingReplica("b"), RecordingReplica("c")]
+    client = RolloutClient(replicas)
+    try:
+        requests = [_req(client) for _ in range(7)]
+        out = client.generate(requests)
+        assert [r.request_id for r in out] == [r.request_id for r in requests]
+        # one call per replica; least-outstanding with ties to the lowest index: 3, 2, 2
+        assert [len(rep.calls) for rep in replicas] == [1, 1, 1]
+        assert [len(rep.calls[0]) for rep in replicas] == [3, 2, 2]
+        assert [r.replica for r in out] == ["a", "b", "c", "a", "b", "c", "a"]
+        assert client.outstanding == [0, 0, 0]
+    finally:
+        client.close()
+
+
+def test_sessions_stay_on_their_replica_and_new_work_goes_to_the_least_loaded():
+    replicas = [RecordingReplica("a", delay=0.3), RecordingReplica("b", delay=0.3)]
+    client = RolloutClient(replicas)
+
+    async def scenario() -> list[Response]:
+        first = asyncio.ensure_future(client.submit(_req(client, session="s1")))  # -> a
+        await asyncio.sleep(0.05)
+        second = asyncio.ensure_future(client.submit(_req(client)))  # a busy -> b
+        await asyncio.sleep(0.05)
+        # a and b have one each: the session's next turn still goes to a (now two there), a
+        # new session to the least loaded b, then a plain request to a (a tie: lowest index)
+        third = asyncio.ensure_future(client.submit(_req(client, session="s1")))
+        fourth = asyncio.ensure_future(client.submit(_req(client, session="s2")))
+        fifth = asyncio.ensure_future(client.submit(_req(client)))
+        return list(await asyncio.gather(first, second, third, fourth, fifth))
+
+    try:
+        out = client.run(scenario())
+        assert [r.replica for r in out] == ["a", "b", "a", "b", "a"]
+        assert client.sessions == {"s1": 0, "s2": 1}
+        client.end_session("s1")
+        assert client.sessions == {"s2": 1}
+    finally:
+        client.close()
+
+
+def test_requests_in_flight_per_replica_are_bounded():
+    replica = RecordingReplica("a", delay=0.05)
+    client = RolloutClient([replica], max_inflight=4)
+
+    async def many() -> list[Response]:
+        singles = [client.submit(_req(client)) for _ in range(10)]
+        batch = client.submit_many([_req(client) for _ in range(9)])
+        done = await asyncio.gather(batch, *singles)
+        return [*done[0], *done[1:]]
+
+    try:
+        assert len(client.run(many())) == 19
+        assert replica.peak == 4
+        assert max(len(c) for c in replica.calls) == 4  # a batch travels in calls of <= 4
+    finally:
+        client.close()
+
+
+def test_a_replica_that_does_not_answer_stops_with_its_name():
+    client = RolloutClient([RecordingReplica("rollout replica 7", delay=5.0)], timeout_s=0.2)
+    try:
+        with pytest.raises(RolloutError, match=r"^rollout replica 7 did not answer 2 request"):
+            client.generate([_req(client), _req(client)])
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------------- real servers
+
+
+@pytest.fixture(scope="module")
+def hf_server(tiny_task):
+    path = str(tiny_task["model"])
+    tok = load_tokenizer(path)
+    engine = HFRolloutEngine(
+        load_causal_lm(path, torch.float32), [tok.eos_token_id], tok.pad_token_id
+    )
+    server = RolloutServer(engine, "rollout replica 0")
+    yield server, tok
+    server.close()
+
+
+def _prompts(tok, n: int) -> list[tuple[int, ...]]:
+    return [tuple(tok(f"{i}+{i + 1}=")["input_ids"]) for i in range(n)]
+
+
+def test_many_concurrent_callers_are_all_answered(hf_server):
+    server, tok = hf_server
+    client = RolloutClient([LocalReplica(server)])
+    prompts = _prompts(tok, 8)
+    results: dict[int, list[Response]] = {}
+
+    def caller(k: int) -> None:
+        results[k] = client.generate(
+            [Request(f"t{k}-{i}", p, SAMPLE) for i, p in enumerate(prompts)]
+        )
+
+    try:
+        threads = [threading.Thread(target=caller, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert sorted(results) == list(range(6))
+        for k, responses in results.items():
+            assert [r.request_id for r in responses] == [f"t{k}-{i}" for i in range(8)]
+            for r in responses:
+                assert 1 <= len(r.token_ids) <= 6 and len(r.log_probs) == len(r.token_ids)
+                assert r.stop_reason in ("stop", "length")
+                assert all(lp <= 0 for lp in r.log_probs)
+    finally:
+        client.close()
+
+
+def test_a_batch_into_an_idle_server_is_reproducible_and_leaves_the_host_rng(hf_server):
+    server, tok = hf_server
+    prompts = _prompts(tok, 6)
+    torch.manual_seed(123)
+    before = torch.random.get_rng_state()
+    a = server.generate([Request(f"a{i}", p, SAMPLE) for i, p in enumerate(prompts)])
+    assert torch.equal(torch.random.get_rng_state(), before)  # the host's stream did not move
+    b = server.generate([Request(f"b{i}", p, SAMPLE) for i, p in enumerate(prompts)])
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    assert [r.log_probs for r in a] == [r.log_probs for r in b]
+
+
+def test_versions_rise_with_weight_updates(hf_server, tiny_task):
+    server, tok = hf_server
+    prompt = _prompts(tok, 1)[0]
+    start = server.version
+    assert server.generate([Request("v0", prompt, GREEDY)])[0].weight_version == start
+    weights = load_causal_lm(str(tiny_task["model"]), torch.float32).state_dict()
+    for version in (start + 1, start + 2):
+        server.update_weights(weights.items(), version)
+        assert (
+            server.generate([Request(f"v{version}", prompt, GREEDY)])[0].weight_version == version
+        )
+
+
+def test_update_waits_for_requests_in_flight(hf_server, tiny_task):
+    server, tok = hf_server
+    weights = load_causal_lm(str(tiny_task["model"]), torch.float32).state_dict()
+    long = SamplingParams(n=1, temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=1)
+    future = server.submit([Request(f"w{i}", p, long) for i, p in enumerate(_prompts(tok, 32))])
+    time.sleep(0.01)
+    server.update_weights(weights.items(), server.version + 1)
+    assert future.done()  # the update waited for the batch
+    assert {r.weight_version for r in future.result()} == {server.version - 1}
+
+
+def test_duplicate_request_ids_in_flight_are_refused(hf_server):
+    server, tok = hf_server
+    (p,) = _prompts(tok, 1)
+    with pytest.raises(ValueError, match="request id 'dup' is already in flight"):
+        server.generate([Request("dup", p, SAMPLE), Request("dup", p, SAMPLE)])

@@ -1,0 +1,197 @@
+"""The rollout client: one entry point to every replica, request by request.
+
+The driver (and, later, agent loops) never picks a replica. :class:`RolloutClient` routes each
+:class:`~treadle.rollout.server.Request`:
+
+- to the replica holding its **session** (``session_id``), whose prefix cache already has the
+  conversation so far; a new session goes where a new request would;
+- otherwise to the replica with the **fewest outstanding requests** (ties: the lowest index, so a
+  batch spreads evenly and the same batch is always routed the same way);
+- never more than ``max_inflight`` requests are outstanding on one replica: the rest wait.
+
+Requests routed together to one replica travel in one call (the driver's fan-out costs one Ray
+call per replica, not per sample) and enter its engine together. A replica that dies or does not
+answer within ``timeout_s`` stops everything with one :class:`RolloutError` naming it.
+
+The client is asynchronous (``await client.submit(request)``) and owns an event loop on a thread
+of its own, so the synchronous driver calls :meth:`RolloutClient.generate` and agent loops later
+run on the same loop. Replicas are reached through :class:`ReplicaHandle`: a Ray actor
+(:class:`RayReplica`) or a server in this process (:class:`LocalReplica`, the local backend).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+from collections.abc import Coroutine, Sequence
+from typing import Any, Protocol, TypeVar
+
+from treadle.errors import TreadleError
+from treadle.rollout.server import Request, Response, RolloutServer
+
+T = TypeVar("T")
+
+
+class RolloutError(TreadleError):
+    """A rollout replica died or did not answer; the message names it."""
+
+
+class ReplicaHandle(Protocol):
+    name: str
+
+    async def generate(self, requests: list[Request]) -> list[Response]: ...
+
+
+class LocalReplica:
+    """A :class:`RolloutServer` in this process."""
+
+    def __init__(self, server: RolloutServer) -> None:
+        self.server, self.name = server, server.name
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        responses: list[Response] = await asyncio.wrap_future(self.server.submit(requests))
+        return responses
+
+
+class RayReplica:
+    """A Ray actor serving requests through its async ``rollout_generate`` method."""
+
+    def __init__(self, actor: Any, name: str) -> None:
+        self.actor, self.name = actor, name
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        import ray
+
+        try:
+            responses: list[Response] = await self.actor.rollout_generate.remote(requests)
+        except ray.exceptions.RayActorError as e:
+            raise RolloutError(f"{self.name} died during a rollout ({cause_line(e)})") from None
+        return responses
+
+
+def cause_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    first = next((line.strip() for line in text if line.strip()), type(error).__name__)
+    return first.rstrip(".")[:200]
+
+
+class RolloutClient:
+    """Routes requests over ``replicas``; see the module docstring."""
+
+    def __init__(
+        self,
+        replicas: Sequence[ReplicaHandle],
+        *,
+        max_inflight: int = 256,
+        timeout_s: float = 600.0,
+    ) -> None:
+        if not replicas:
+            raise ValueError("a rollout client needs at least one replica")
+        self.replicas = list(replicas)
+        self.max_inflight, self.timeout_s = max_inflight, timeout_s
+        self.outstanding = [0] * len(self.replicas)
+        self.sessions: dict[str, int] = {}
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, name="treadle rollout client", daemon=True
+        )
+        self._thread.start()
+        # One admission at a time per replica, each taking all its permits: no two partial
+        # admissions can wait on each other.
+        self._admit = self.run(self._make_locks())
+
+    async def _make_locks(self) -> list[tuple[asyncio.Lock, asyncio.Semaphore]]:
+        return [(asyncio.Lock(), asyncio.Semaphore(self.max_inflight)) for _ in self.replicas]
+
+    # ------------------------------------------------------------------ sync entry points
+
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run ``coro`` on the client's loop and wait for it (from any other thread)."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    def generate(self, requests: list[Request]) -> list[Response]:
+        """All ``requests``, routed and answered; responses in request order."""
+        return self.run(self.submit_many(requests))
+
+    def new_id(self, prefix: str = "r") -> str:
+        return f"{prefix}{next(self._ids)}"
+
+    def close(self) -> None:
+        """Cancel what is still in flight and stop the loop."""
+
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        if self._loop.is_running():
+            self.run(cancel_all())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ async API
+
+    async def submit(self, request: Request) -> Response:
+        """One request, routed."""
+        (response,) = await self.submit_many([request])
+        return response
+
+    async def submit_many(self, requests: Sequence[Request]) -> list[Response]:
+        """Route each request, send each replica its share in calls of at most max_inflight."""
+        shares: dict[int, list[int]] = {}
+        for i, request in enumerate(requests):
+            shares.setdefault(self.route(request), []).append(i)
+        m = self.max_inflight
+        chunks = [(k, idx[s : s + m]) for k, idx in shares.items() for s in range(0, len(idx), m)]
+        calls = [
+            asyncio.ensure_future(self._call(k, [requests[i] for i in chunk]))
+            for k, chunk in chunks
+        ]
+        try:
+            results = await asyncio.gather(*calls)
+        except BaseException:
+            for call in calls:  # one replica failed: the others' answers are not wanted
+                call.cancel()
+            raise
+        out: list[Any] = [None] * len(requests)
+        for (_, chunk), responses in zip(chunks, results, strict=True):
+            for i, response in zip(chunk, responses, strict=True):
+                out[i] = response
+        return out
+
+    def route(self, request: Request) -> int:
+        """The replica for ``request``; counts it as outstanding there."""
+        session = request.session_id
+        index = self.sessions.get(session) if session is not None else None
+        if index is None:
+            index = min(range(len(self.replicas)), key=lambda k: (self.outstanding[k], k))
+            if session is not None:
+                self.sessions[session] = index
+        self.outstanding[index] += 1
+        return index
+
+    def end_session(self, session_id: str) -> None:
+        self.sessions.pop(session_id, None)
+
+    async def _call(self, index: int, requests: list[Request]) -> list[Response]:
+        replica = self.replicas[index]
+        lock, permits = self._admit[index]
+        held = 0
+        try:
+            async with lock:
+                for _ in requests:
+                    await permits.acquire()
+                    held += 1
+            return await asyncio.wait_for(replica.generate(requests), self.timeout_s)
+        except TimeoutError:
+            raise RolloutError(
+                f"{replica.name} did not answer {len(requests)} request(s) within "
+                f"rollout.request_timeout_s={self.timeout_s:g} s"
+            ) from None
+        finally:
+            for _ in range(held):
+                permits.release()
+            self.outstanding[index] -= len(requests)

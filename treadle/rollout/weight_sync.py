@@ -1,0 +1,119 @@
+"""Weights from the actor to the rollout replicas, in buckets, without a file.
+
+A weight update is a stream of ``(HF name, full tensor)`` pairs gathered one parameter at a time
+from the FSDP2 actor (:meth:`~treadle.engines.fsdp.TrainEngine.full_state`). It is cut into
+buckets of about ``rollout.weight_sync_bucket_mb``; each bucket travels as safetensors bytes, so
+names, shapes and dtypes travel with the data and nothing is unpickled on arrival.
+
+- **Colocated** (the replica lives in the actor rank's process): the buckets go straight into the
+  engine, a copy in memory.
+- **Split** (replicas in processes of their own, on other devices or nodes): a
+  torch.distributed process group of its own joins the actor's rank 0 (group rank 0) and every
+  replica (group ranks 1..R), made from a ``TCPStore`` on rank 0's node, gloo on CPU and NCCL on
+  GPU, as verl, slime and OpenRLHF do. It is not the default group, so the actor's FSDP group and
+  vLLM's own are untouched. Rank 0 broadcasts each bucket as a length, then the bytes; a length
+  of 0 ends the update. Every actor rank walks the stream (gathering a full tensor is a
+  collective of the FSDP group); only rank 0 sends.
+
+Each update carries a version number, chosen by the driver (the step whose update it is); the
+replica stamps every response with the version of the weights that produced it.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save as save_safetensors_bytes
+
+_END = 0
+
+
+def weight_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int,
+    dtype: torch.dtype | None = None,
+    skip: frozenset[str] = frozenset(),
+) -> Iterator[bytes]:
+    """safetensors bytes of consecutive groups of ~``bucket_bytes``; floats cast to ``dtype``.
+
+    Never more than one bucket is held at once; names in ``skip`` are left out.
+    """
+    bucket: dict[str, torch.Tensor] = {}
+    size = 0
+    for name, tensor in named_tensors:
+        if name in skip:
+            continue
+        t = tensor.detach()
+        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        t = t.to("cpu", dtype=cast).contiguous()
+        if any(t.data_ptr() == other.data_ptr() for other in bucket.values()):
+            t = t.clone()  # safetensors refuses tensors that share memory
+        bucket[name] = t
+        size += t.numel() * t.element_size()
+        if size >= bucket_bytes:
+            yield save_safetensors_bytes(bucket)
+            bucket, size = {}, 0
+    if bucket:
+        yield save_safetensors_bytes(bucket)
+
+
+class WeightSyncGroup:
+    """One end of the actor-to-replicas process group (rank 0: the actor's rank 0).
+
+    Every member must construct it at about the same time (the constructor is a rendezvous):
+    the driver starts the replicas' calls, then the actor's, then waits for all.
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        *,
+        timeout_s: float = 600.0,
+    ) -> None:
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        timeout = datetime.timedelta(seconds=timeout_s)
+        store = dist.TCPStore(
+            addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+        )
+        prefixed = dist.PrefixStore("treadle-weight-sync", store)
+        self._store = store  # the master's server lives as long as this object
+        self.group: Any
+        if self.device.type == "cuda":
+            self.group = dist.ProcessGroupNCCL(
+                prefixed, rank, world_size, dist.ProcessGroupNCCL.Options()
+            )
+        else:
+            self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+
+    def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cuda":
+            tensor = tensor.to(self.device)
+        self.group.broadcast(tensor, 0).wait()
+        return tensor.cpu()
+
+    def send(self, payloads: Iterable[bytes]) -> int:
+        """Rank 0: broadcast every payload, then the end mark; returns the bytes sent."""
+        total = 0
+        for payload in payloads:
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            self._broadcast(torch.tensor([len(payload)], dtype=torch.int64))
+            self._broadcast(data)
+            total += len(payload)
+        self._broadcast(torch.tensor([_END], dtype=torch.int64))
+        return total
+
+    def receive(self) -> Iterator[bytes]:
+        """Ranks 1..R: the payloads rank 0 sends, until its end mark."""
+        while True:
+            size = int(self._broadcast(torch.zeros(1, dtype=torch.int64)))
+            if size == _END:
+                return
+            yield self._broadcast(torch.empty(size, dtype=torch.uint8)).numpy().tobytes()

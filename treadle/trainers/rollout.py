@@ -1,0 +1,266 @@
+"""The driver's rollout: replicas placed as the config says, a client over them, weight sync.
+
+:class:`Rollout` is all the driver knows of generation. ``generate`` turns a batch of prompts
+into ``rollout.n`` requests each (one per sample; one per prompt when greedy), sends them
+through the :class:`~treadle.rollout.client.RolloutClient` and builds the response side of the
+batch; ``sync_weights`` pushes the actor's new weights to every replica under a version number.
+
+- ``rollout.placement=colocated``: the replicas are the actor's own ranks (each process holds
+  a server next to its FSDP shard, :class:`~treadle.workers.rollout.ServesRollout`); a sync is
+  an in-memory copy on every rank. In the local backend the one replica is the in-process
+  server.
+- ``rollout.placement=split``: ``rollout.replicas`` :class:`~treadle.workers.rollout.RolloutReplica`
+  actors in a placement group of their own, ``rollout.num_cpus`` CPUs (default: half the run's)
+  divided equally, ``rollout.tensor_parallel_size`` GPUs each on GPU machines; the actor's
+  rank 0 broadcasts the weights to them over a process group of their own. On a Ray cluster
+  the pool goes wherever it fits, another node included.
+
+The version of the weights a replica holds is the step whose update produced them: the start
+weights are version ``start`` (0, or the resumed step), and the sync after step ``t`` makes
+them ``t``; every response carries its version into the batch (``weight_version``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from treadle.config import Config
+from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get
+from treadle.engines.rollout import SamplingParams
+from treadle.errors import ConfigError
+from treadle.models import load_tokenizer
+from treadle.protocol import Batch
+from treadle.rollout.client import (
+    LocalReplica,
+    RayReplica,
+    ReplicaHandle,
+    RolloutClient,
+    RolloutError,
+    cause_line,
+)
+from treadle.rollout.server import Request, Response
+from treadle.trainers.common import Actors, ensure_ray, rank_threads, ray_env, total_cpus
+from treadle.workers.rollout import RolloutReplica
+
+
+def rollout_cpus(cfg: Config) -> float:
+    """CPUs of the split rollout pool (0 when colocated)."""
+    if cfg.rollout.placement == "colocated":
+        return 0.0
+    return cfg.rollout.num_cpus or total_cpus(cfg) / 2
+
+
+def _left_trim(ids: torch.Tensor, mask: torch.Tensor) -> list[tuple[int, ...]]:
+    return [tuple(row[m.bool()].tolist()) for row, m in zip(ids, mask, strict=True)]
+
+
+def _pad_right(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype) -> torch.Tensor:
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, : len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+class Rollout:
+    """Generation and weight sync for the driver; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        group: WorkerGroup,
+        client: RolloutClient,
+        decode: Callable[[list[list[int]]], list[str]],
+        pad_id: int,
+        replicas: list[Any] | None = None,
+        pool: ResourcePool | None = None,
+    ) -> None:
+        """``replicas``, ``pool``: the split pool's Ray actors and placement group."""
+        self.cfg, self.group, self.client = cfg, group, client
+        self.decode, self.pad_id = decode, pad_id
+        self.replicas, self.pool = replicas or [], pool
+        self.names = [h.name for h in client.replicas] if self.replicas else []
+
+    # ------------------------------------------------------------------ generate
+
+    def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """``params.n`` samples per prompt (consecutive rows), with the response-side fields:
+        responses, response_mask, rollout_log_probs, response_text, stop_reason,
+        weight_version."""
+        copies = params.n if params.temperature == 0 else 1  # greedy samples are all equal
+        single = dataclasses.replace(params, n=1)
+        # A prompt's samples share a session: one replica, whose prefix cache has the prompt.
+        sessions = [self.client.new_id("s") for _ in range(len(prompts))]
+        requests = [
+            Request(self.client.new_id(), ids, single, session_id=session)
+            for ids, session in zip(
+                _left_trim(prompts["prompts"], prompts["prompt_mask"]), sessions, strict=True
+            )
+            for _ in range(params.n // copies)
+        ]
+        try:
+            responses = [r for r in self.client.generate(requests) for _ in range(copies)]
+        finally:
+            for session in sessions:
+                self.client.end_session(session)
+        return self.response_batch(prompts.repeat(params.n, interleave=True), responses, params)
+
+    def response_batch(
+        self, batch: Batch, responses: list[Response], params: SamplingParams
+    ) -> Batch:
+        tokens = [r.token_ids for r in responses]
+        width = params.max_new_tokens
+        batch["responses"] = _pad_right(tokens, width, self.pad_id, torch.long)
+        batch["response_mask"] = _pad_right([[1] * len(t) for t in tokens], width, 0, torch.long)
+        batch["rollout_log_probs"] = _pad_right(
+            [r.log_probs for r in responses], width, 0.0, torch.float32
+        )
+        batch["weight_version"] = torch.tensor([r.weight_version for r in responses])
+        batch["response_text"] = self.decode(tokens)
+        batch["stop_reason"] = [r.stop_reason for r in responses]
+        return batch
+
+    # ------------------------------------------------------------------ weights
+
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Push the actor's weights to every replica as ``version``; the bytes sent (the time
+        is the driver's ``timing/sync_weights``)."""
+        receiving = [r.receive_weights.remote(version) for r in self.replicas]
+        sent = self.group.sync_weights(version)
+        for name, ref in zip(self.names, receiving, strict=True):
+            _get(ref, f"{name} died during a weight sync")
+        return {"rollout/weight_sync_bytes": float(sent)}
+
+    def close(self) -> None:
+        self.client.close()
+        if self.replicas:
+            import ray
+
+            for r in self.replicas:
+                ray.kill(r)
+        if self.pool is not None:
+            self.pool.remove()
+
+
+def reserve_rollout_pool(cfg: Config) -> ResourcePool | None:
+    """The split rollout pool (None when colocated), reserved before the actor's so that
+    replicas pinned to nodes (``rollout.ray_resources``) get them before others choose."""
+    if cfg.rollout.placement == "colocated":
+        return None
+    ensure_ray(cfg)
+    r, total, cpus = cfg.rollout, total_cpus(cfg), rollout_cpus(cfg)
+    if cpus >= total:
+        raise ConfigError(
+            f"rollout.num_cpus={cpus:g} leaves nothing of the run's {total:g} CPUs for the "
+            "actor: give the rollout pool fewer CPUs or the run more (trainer.num_cpus)"
+        )
+    gpus = float(r.tensor_parallel_size) if torch.cuda.is_available() else 0.0
+    if not gpus and r.tensor_parallel_size > 1:
+        raise ConfigError(
+            f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs GPUs; on CPU a "
+            "replica is one process: set it to 1"
+        )
+    count = cfg.rollout_replicas()
+    return ResourcePool(count, cpus / count, gpus, dict(r.ray_resources))
+
+
+def start_rollout(
+    cfg: Config, actors: Actors, actor_path: str, version: int, pool: ResourcePool | None = None
+) -> Rollout:
+    """Replicas as ``rollout.placement`` says, a client over them. Split: replicas started from
+    ``actor_path`` in ``pool`` (:func:`reserve_rollout_pool`; reserved here if not given).
+
+    ``version``: the version of the weights at ``actor_path`` (the step they come from)."""
+    tok = load_tokenizer(cfg.model.tokenizer_path or actor_path)
+
+    def decode(tokens: list[list[int]]) -> list[str]:
+        return list(tok.batch_decode(tokens, skip_special_tokens=True))
+
+    pad_id = tok.pad_token_id or 0
+    group = actors.group
+    r = cfg.rollout
+    opts: dict[str, Any] = {
+        "max_inflight": r.max_inflight_per_replica,
+        "timeout_s": r.request_timeout_s,
+    }
+    if r.placement == "colocated":
+        handles: list[ReplicaHandle]
+        if group.backend == "local":
+            handles = [LocalReplica(w.server) for w in group.workers]
+        else:
+            handles = [
+                RayReplica(w, f"rollout replica {i} (actor rank {i})")
+                for i, w in enumerate(group.workers)
+            ]
+        return Rollout(cfg, group, RolloutClient(handles, **opts), decode, pad_id)
+    if pool is None:
+        pool = reserve_rollout_pool(cfg)
+        assert pool is not None
+    replicas = _start_replicas(cfg, pool, actor_path, version)
+    try:
+        _join_weight_sync(group, replicas)
+        names = [f"rollout replica {i}" for i in range(len(replicas))]
+        client = RolloutClient(
+            [RayReplica(a, n) for a, n in zip(replicas, names, strict=True)], **opts
+        )
+    except BaseException:
+        _kill(replicas, pool)
+        raise
+    return Rollout(cfg, group, client, decode, pad_id, replicas, pool)
+
+
+def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) -> list[Any]:
+    """One :class:`RolloutReplica` actor on each bundle of ``pool`` (removed on failure)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cpus, gpus = pool.cpus_per_rank, pool.gpus_per_rank
+    threads = rank_threads(cfg, cpus)
+    remote_cls: Any = ray.remote(_guarded(RolloutReplica))  # type: ignore[arg-type]
+    replicas = [
+        remote_cls.options(
+            num_cpus=cpus,
+            num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pool.pg, placement_group_bundle_index=i
+            ),
+            runtime_env={"env_vars": ray_env(threads)},
+        ).remote(i, config=cfg, model_path=path, version=version, threads=threads)
+        for i in range(pool.world_size)
+    ]
+    try:
+        _ray_get([a.treadle_check.remote() for a in replicas])
+    except BaseException:
+        _kill(replicas, pool)
+        raise
+    return replicas
+
+
+def _get(ref: Any, dead: str) -> Any:
+    """``ray.get(ref)``; a dead replica is a RolloutError saying ``dead``."""
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayActorError as e:
+        raise RolloutError(f"{dead} ({cause_line(e)})") from None
+
+
+def _join_weight_sync(group: WorkerGroup, replicas: list[Any]) -> None:
+    """The actor's rank 0 and every replica form the weight-sync process group."""
+    addr, port = group.weight_sync_address()
+    world = len(replicas) + 1
+    joining = [a.join_weight_sync.remote(addr, port, i + 1, world) for i, a in enumerate(replicas)]
+    group.init_weight_sync(addr, port, world)
+    _ray_get(joining)
+
+
+def _kill(replicas: list[Any], pool: ResourcePool) -> None:
+    import ray
+
+    for a in replicas:
+        ray.kill(a)
+    pool.remove()
