@@ -8,13 +8,11 @@ and vLLM engines on the tiny model.
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import pytest
 import torch
 
-from treadle.engines.rollout import HFRolloutEngine, SamplingParams
+from treadle.engines.rollout import Finished, HFRolloutEngine, SamplingParams
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.rollout import LocalReplica, Request, Response, RolloutClient, RolloutError
 from treadle.rollout.server import RolloutServer
@@ -124,8 +122,7 @@ def hf_server(tiny_task):
         load_causal_lm(path, torch.float32), [tok.eos_token_id], tok.pad_token_id
     )
     server = RolloutServer(engine, "rollout replica 0")
-    yield server, tok
-    server.close()
+    return server, tok
 
 
 def _prompts(tok, n: int) -> list[tuple[int, ...]]:
@@ -133,31 +130,36 @@ def _prompts(tok, n: int) -> list[tuple[int, ...]]:
 
 
 def test_many_concurrent_callers_are_all_answered(hf_server):
+    """Six callers at once (as agent loops would be), each a batch of eight; what arrives while
+    the engine works joins it between steps."""
     server, tok = hf_server
     client = RolloutClient([LocalReplica(server)])
     prompts = _prompts(tok, 8)
-    results: dict[int, list[Response]] = {}
 
-    def caller(k: int) -> None:
-        results[k] = client.generate(
+    async def caller(k: int) -> list[Response]:
+        await asyncio.sleep(0.01 * k)
+        return await client.submit_many(
             [Request(f"t{k}-{i}", p, SAMPLE) for i, p in enumerate(prompts)]
         )
 
+    async def everyone() -> list[list[Response]]:
+        return list(await asyncio.gather(*(caller(k) for k in range(6))))
+
     try:
-        threads = [threading.Thread(target=caller, args=(k,)) for k in range(6)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=120)
-        assert sorted(results) == list(range(6))
-        for k, responses in results.items():
+        results = client.run(everyone())
+        for k, responses in enumerate(results):
             assert [r.request_id for r in responses] == [f"t{k}-{i}" for i in range(8)]
             for r in responses:
                 assert 1 <= len(r.token_ids) <= 6 and len(r.log_probs) == len(r.token_ids)
                 assert r.stop_reason in ("stop", "length")
                 assert all(lp <= 0 for lp in r.log_probs)
+        assert server.in_flight == 0
     finally:
         client.close()
+
+
+def _serve(server: RolloutServer, requests: list[Request]) -> list[Response]:
+    return asyncio.run(server.generate(requests))
 
 
 def test_a_batch_into_an_idle_server_is_reproducible_and_leaves_the_host_rng(hf_server):
@@ -165,9 +167,9 @@ def test_a_batch_into_an_idle_server_is_reproducible_and_leaves_the_host_rng(hf_
     prompts = _prompts(tok, 6)
     torch.manual_seed(123)
     before = torch.random.get_rng_state()
-    a = server.generate([Request(f"a{i}", p, SAMPLE) for i, p in enumerate(prompts)])
+    a = _serve(server, [Request(f"a{i}", p, SAMPLE) for i, p in enumerate(prompts)])
     assert torch.equal(torch.random.get_rng_state(), before)  # the host's stream did not move
-    b = server.generate([Request(f"b{i}", p, SAMPLE) for i, p in enumerate(prompts)])
+    b = _serve(server, [Request(f"b{i}", p, SAMPLE) for i, p in enumerate(prompts)])
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert [r.log_probs for r in a] == [r.log_probs for r in b]
 
@@ -176,28 +178,66 @@ def test_versions_rise_with_weight_updates(hf_server, tiny_task):
     server, tok = hf_server
     prompt = _prompts(tok, 1)[0]
     start = server.version
-    assert server.generate([Request("v0", prompt, GREEDY)])[0].weight_version == start
+    assert _serve(server, [Request("v0", prompt, GREEDY)])[0].weight_version == start
     weights = load_causal_lm(str(tiny_task["model"]), torch.float32).state_dict()
     for version in (start + 1, start + 2):
         server.update_weights(weights.items(), version)
-        assert (
-            server.generate([Request(f"v{version}", prompt, GREEDY)])[0].weight_version == version
-        )
+        (response,) = _serve(server, [Request(f"v{version}", prompt, GREEDY)])
+        assert response.weight_version == version
 
 
-def test_update_waits_for_requests_in_flight(hf_server, tiny_task):
-    server, tok = hf_server
-    weights = load_causal_lm(str(tiny_task["model"]), torch.float32).state_dict()
-    long = SamplingParams(n=1, temperature=1.0, max_new_tokens=100, ignore_eos=True, seed=1)
-    future = server.submit([Request(f"w{i}", p, long) for i, p in enumerate(_prompts(tok, 32))])
-    time.sleep(0.01)
-    server.update_weights(weights.items(), server.version + 1)
-    assert future.done()  # the update waited for the batch
-    assert {r.weight_version for r in future.result()} == {server.version - 1}
+class ThreeStepEngine:
+    """A test double: every request finishes on the third step after it was added."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, int] = {}
+        self.loaded: list[int] = []
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.running[request_id] = 0
+
+    def step(self) -> list[Finished]:
+        for rid in self.running:
+            self.running[rid] += 1
+        done = [rid for rid, n in self.running.items() if n == 3]
+        for rid in done:
+            del self.running[rid]
+        return [Finished(rid, [7], [-0.1], "stop") for rid in done]
+
+    def update_weights(self, named_tensors) -> None:
+        self.loaded.append(len(list(named_tensors)))
+
+
+def test_no_weight_update_while_requests_are_in_flight():
+    engine = ThreeStepEngine()
+    server = RolloutServer(engine, "rollout replica 3", version=4)
+    refused: list[str] = []
+
+    async def update_midway() -> None:
+        await asyncio.sleep(0)  # the pump has taken the batch and stepped once
+        try:
+            server.update_weights([("w", torch.zeros(1))], 5)
+        except RuntimeError as e:
+            refused.append(str(e))
+
+    async def both() -> list[Response]:
+        batch = server.generate([Request(f"w{i}", (1, 2), SAMPLE) for i in range(4)])
+        responses, _ = await asyncio.gather(batch, update_midway())
+        return responses
+
+    responses = asyncio.run(both())
+    assert refused == [
+        "rollout replica 3: a weight update with 4 requests in flight; weights change between "
+        "requests"
+    ]
+    assert engine.loaded == [] and {r.weight_version for r in responses} == {4}
+    server.update_weights([("w", torch.zeros(1))], 5)  # idle now
+    assert engine.loaded == [1] and server.version == 5
 
 
 def test_duplicate_request_ids_in_flight_are_refused(hf_server):
     server, tok = hf_server
     (p,) = _prompts(tok, 1)
     with pytest.raises(ValueError, match="request id 'dup' is already in flight"):
-        server.generate([Request("dup", p, SAMPLE), Request("dup", p, SAMPLE)])
+        _serve(server, [Request("dup", p, SAMPLE), Request("dup", p, SAMPLE)])
+    assert server.in_flight == 0

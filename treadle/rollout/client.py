@@ -13,17 +13,18 @@ Requests routed together to one replica travel in one call (the driver's fan-out
 call per replica, not per sample) and enter its engine together. A replica that dies or does not
 answer within ``timeout_s`` stops everything with one :class:`RolloutError` naming it.
 
-The client is asynchronous (``await client.submit(request)``) and owns an event loop on a thread
-of its own, so the synchronous driver calls :meth:`RolloutClient.generate` and agent loops later
-run on the same loop. Replicas are reached through :class:`ReplicaHandle`: a Ray actor
-(:class:`RayReplica`) or a server in this process (:class:`LocalReplica`, the local backend).
+The client is asynchronous (``await client.submit(request)``) and owns an event loop that the
+synchronous driver runs in its own thread (:meth:`RolloutClient.run`,
+:meth:`RolloutClient.generate`); agent loops will run on it too. Replicas are reached through
+:class:`ReplicaHandle`: a Ray actor (:class:`RayReplica`) or a server in this process
+(:class:`LocalReplica`, the local backend, whose engine then steps in the driver's thread,
+the one that made it: see :mod:`treadle.rollout.server`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -50,8 +51,7 @@ class LocalReplica:
         self.server, self.name = server, server.name
 
     async def generate(self, requests: list[Request]) -> list[Response]:
-        responses: list[Response] = await asyncio.wrap_future(self.server.submit(requests))
-        return responses
+        return await self.server.generate(requests)
 
 
 class RayReplica:
@@ -94,22 +94,15 @@ class RolloutClient:
         self.sessions: dict[str, int] = {}
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="treadle rollout client", daemon=True
-        )
-        self._thread.start()
         # One admission at a time per replica, each taking all its permits: no two partial
         # admissions can wait on each other.
-        self._admit = self.run(self._make_locks())
-
-    async def _make_locks(self) -> list[tuple[asyncio.Lock, asyncio.Semaphore]]:
-        return [(asyncio.Lock(), asyncio.Semaphore(self.max_inflight)) for _ in self.replicas]
+        self._admit = [(asyncio.Lock(), asyncio.Semaphore(max_inflight)) for _ in self.replicas]
 
     # ------------------------------------------------------------------ sync entry points
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the client's loop and wait for it (from any other thread)."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+        """Run ``coro`` on the client's loop, in this thread, until it is done."""
+        return self._loop.run_until_complete(coro)
 
     def generate(self, requests: list[Request]) -> list[Response]:
         """All ``requests``, routed and answered; responses in request order."""
@@ -127,10 +120,9 @@ class RolloutClient:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        if self._loop.is_running():
+        if not self._loop.is_closed():
             self.run(cancel_all())
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=10)
+            self._loop.close()
 
     # ------------------------------------------------------------------ async API
 

@@ -11,11 +11,15 @@ process (colocated).
 
 Choices:
 
-- **One engine thread.** The engine is not thread-safe and its steps are compute-bound, so a
-  single thread adds, steps and answers (with the creating thread's torch thread count);
-  callers get :class:`concurrent.futures.Future` objects (awaitable with
-  ``asyncio.wrap_future``), so the Ray actor serving them can be asynchronous and take
-  thousands of requests in flight.
+- **The engine runs in the thread that made it, on an event loop.** :meth:`RolloutServer.generate`
+  is a coroutine: the first request starts a pump task on the running loop, which adds what has
+  arrived, runs one engine step (blocking the loop for that step), answers what finished and
+  yields, until nothing is in flight. In a Ray actor that loop is the actor's own (an async
+  actor: its ``__init__``, training methods and the pump share one thread); in the local
+  backend it is the rollout client's, run by the driver's thread. Measured on the 2-core CPU:
+  stepping vLLM's CPU engine from a second thread of the same process made every later phase
+  of a GRPO step ~40% slower (update, log-probs and generation alike: 5.4-5.7 s a step against
+  3.8-4.1 s on the tiny demo), so no thread of its own.
 - **Requests that arrive together are added together**: a list submitted in one call enters the
   engine before its next step, so the driver's synchronous batch is batched exactly as before.
 - **Sampling noise.** vLLM draws it from the global torch RNG (per-request seeds crash vLLM 0.32
@@ -26,22 +30,19 @@ Choices:
   sampled reproducibly (resume stays bit-identical), and the host process's own random stream
   (the actor's, when colocated) does not move. Requests that overlap others are sampled
   correctly but not reproducibly, as in any serving engine.
-- **Weights change between requests, not inside one.** :meth:`update_weights` waits until no
-  request is in flight (new ones wait for it), loads, and sets the version; every response
-  reports the version it was generated with. (Partial rollouts, issue 3/6, will relax this.)
+- **Weights change between requests, not inside one.** :meth:`update_weights` refuses while a
+  request is in flight (the synchronous trainer syncs between rollouts), loads, and sets the
+  version; every response reports the version it was generated with. (Partial rollouts, issue
+  3/6, will pause requests instead.)
 - **Sleep.** Colocated on a GPU the engine sleeps whenever it is idle, so the actor trains with
   the memory; on CPU sleep is a no-op.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import queue
-import threading
+import asyncio
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 import torch
 
@@ -75,12 +76,12 @@ class _Group:
     """Requests submitted in one call, answered together."""
 
     requests: list[Request]
-    future: Future
-    done: dict[str, Response] = dataclasses.field(default_factory=dict)
+    future: asyncio.Future
+    done: dict[str, Response] = field(default_factory=dict)
 
 
 class RolloutServer:
-    """Serves ``engine`` on a thread of its own; ``name`` appears in every response and error."""
+    """Serves ``engine`` from the running event loop; ``name`` is in every response and error."""
 
     def __init__(
         self,
@@ -95,32 +96,24 @@ class RolloutServer:
         same seed must not draw the same noise)."""
         self.engine, self.name, self.version, self.index = engine, name, version, index
         self.sleep_when_idle = sleep_when_idle
-        self._inbox: queue.Queue[_Group | None] = queue.Queue()
+        self._arrived: list[_Group] = []
         self._groups: dict[str, _Group] = {}  # request id -> its group, while in flight
-        self._lock = threading.Lock()  # held by the engine thread while the engine works
-        self._idle = threading.Condition(self._lock)
+        self._pump: asyncio.Task | None = None
         self._rng: list[torch.Tensor] | None = None  # the host's RNG states while busy
-        self._error: BaseException | None = None
-        self._threads = torch.get_num_threads()  # the creator's; OpenMP's count is per thread
-        self._thread = threading.Thread(target=self._run, name=f"treadle {name}", daemon=True)
-        self._thread.start()
 
-    # ------------------------------------------------------------------ callers
+    @property
+    def in_flight(self) -> int:
+        return len(self._groups) + sum(len(g.requests) for g in self._arrived)
 
-    def submit(self, requests: list[Request]) -> Future:
-        """A future of the responses to ``requests``, in their order."""
-        future: Future = Future()
-        if self._error is not None:
-            future.set_exception(RuntimeError(f"{self.name}: engine failed: {self._error}"))
-        elif not requests:
-            future.set_result([])
-        else:
-            self._inbox.put(_Group(list(requests), future))
-        return future
-
-    def generate(self, requests: list[Request]) -> list[Response]:
-        """:meth:`submit` and wait."""
-        responses: list[Response] = self.submit(requests).result()
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        """The responses to ``requests``, in their order."""
+        if not requests:
+            return []
+        group = _Group(list(requests), asyncio.get_running_loop().create_future())
+        self._arrived.append(group)
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._run(), name=f"treadle {self.name}")
+        responses: list[Response] = await group.future
         return responses
 
     def update_weights(
@@ -128,66 +121,43 @@ class RolloutServer:
         load: Callable[[RolloutEngine], None] | Iterable[tuple[str, torch.Tensor]],
         version: int,
     ) -> None:
-        """Once no request is in flight: load new weights (named tensors, or ``load(engine)``)
-        and stamp later responses with ``version``."""
-        with self._idle:
-            self._idle.wait_for(lambda: not self._groups)
-            if callable(load):
-                load(self.engine)
-            else:
-                self.engine.update_weights(load)
-            self.version = version
+        """Load new weights (named tensors, or ``load(engine)``); later responses carry
+        ``version``. Only between requests."""
+        if self.in_flight:
+            raise RuntimeError(
+                f"{self.name}: a weight update with {self.in_flight} requests in flight; "
+                "weights change between requests"
+            )
+        if callable(load):
+            load(self.engine)
+        else:
+            self.engine.update_weights(load)
+        self.version = version
 
-    def close(self) -> None:
-        self._inbox.put(None)
-        self._thread.join(timeout=30)
+    # ------------------------------------------------------------------ the pump
 
-    # ------------------------------------------------------------------ engine thread
-
-    def _run(self) -> None:
-        error: BaseException = RuntimeError(f"{self.name} was closed")
-        # A new thread starts at OpenMP's default count; vLLM's CPU attention checks that the
-        # thread running a step has the count its metadata was built for (torch's).
-        torch.set_num_threads(self._threads)
+    async def _run(self) -> None:
         try:
-            while self._serve_once():
-                pass
+            while self._arrived or self._groups:
+                while self._arrived:
+                    self._add(self._arrived.pop(0))
+                if self._groups:
+                    for finished in self.engine.step():  # blocks the loop for one step
+                        self._answer(finished)
+                await asyncio.sleep(0)  # let new requests arrive
         except BaseException as e:  # answer everyone: nobody waits forever on a dead engine
-            error = self._error = e
-        with self._lock:
-            groups = {id(g): g for g in self._groups.values()}
+            groups = {id(g): g for g in [*self._groups.values(), *self._arrived]}
             self._groups.clear()
-            self._idle.notify_all()
-        for g in groups.values():
-            g.future.set_exception(RuntimeError(f"{self.name}: engine failed: {error}"))
-
-    def _serve_once(self) -> bool:
-        """Add what has arrived (waiting for it when idle), step the engine once; False: stop."""
-        item = self._next_nowait() if self._groups else self._inbox.get()
-        with self._lock:
-            while item is not _NOTHING:
-                if item is None:
-                    return False
-                self._add(item)
-                item = self._next_nowait()
-            if self._groups:
-                self._step()
-            if not self._groups:
-                self._become_idle()
-        return True
-
-    def _next_nowait(self) -> Any:
-        try:
-            return self._inbox.get_nowait()
-        except queue.Empty:
-            return _NOTHING
+            self._arrived.clear()
+            for g in groups.values():
+                if not g.future.done():
+                    g.future.set_exception(RuntimeError(f"{self.name}: engine failed: {e}"))
+            if not isinstance(e, Exception):
+                raise
+        finally:
+            self._become_idle()
 
     def _add(self, group: _Group) -> None:
-        if not self._groups:  # idle -> busy: seed the sampling noise, keep the host's stream
-            self._rng = _rng_state()
-            torch.manual_seed(group.requests[0].params.seed * 9973 + self.index)
-            if self.sleep_when_idle:
-                self.engine.wake()
         ids = [r.request_id for r in group.requests]
         taken = [i for k, i in enumerate(ids) if i in self._groups or i in ids[:k]]
         if taken:
@@ -195,20 +165,21 @@ class RolloutServer:
                 ValueError(f"{self.name}: request id {taken[0]!r} is already in flight")
             )
             return
+        if self._rng is None:  # idle -> busy: seed the sampling noise, keep the host's stream
+            self._rng = _rng_state()
+            torch.manual_seed(group.requests[0].params.seed * 9973 + self.index)
+            if self.sleep_when_idle:
+                self.engine.wake()
         for r in group.requests:
             self._groups[r.request_id] = group
             self.engine.add_request(r.request_id, list(r.prompt_ids), r.params)
-
-    def _step(self) -> None:
-        for f in self.engine.step():
-            self._answer(f)
 
     def _answer(self, f: Finished) -> None:
         group = self._groups.pop(f.request_id)
         group.done[f.request_id] = Response(
             f.request_id, f.token_ids, f.log_probs, f.stop_reason, self.version, self.name
         )
-        if len(group.done) == len(group.requests):
+        if len(group.done) == len(group.requests) and not group.future.done():
             group.future.set_result([group.done[r.request_id] for r in group.requests])
 
     def _become_idle(self) -> None:
@@ -217,10 +188,6 @@ class RolloutServer:
             self._rng = None
             if self.sleep_when_idle:
                 self.engine.sleep()
-        self._idle.notify_all()
-
-
-_NOTHING: Any = object()
 
 
 def _rng_state() -> list[torch.Tensor]:

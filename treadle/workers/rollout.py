@@ -3,8 +3,9 @@
 :class:`RolloutReplica` is a rollout replica of its own (``rollout.placement=split``): a Ray
 actor, in a resource pool apart from the actor's, owning one inference engine behind a
 :class:`~treadle.rollout.server.RolloutServer`. It is an asynchronous Ray actor, so thousands of
-requests can be in flight while the server's engine thread batches them. Its weights come from
-the actor's rank 0 over a process group of their own (:mod:`treadle.rollout.weight_sync`).
+requests can be in flight while the engine batches them, stepped in the actor's one thread.
+Its weights come from the actor's rank 0 over a process group of their own
+(:mod:`treadle.rollout.weight_sync`).
 
 Colocated (``rollout.placement=colocated``), each actor rank's process holds the server instead
 (:class:`~treadle.workers.actor.ActorRolloutRefWorker` mixes in :class:`ServesRollout`) and the
@@ -23,7 +24,6 @@ describe           nothing                                     name, node id and
 
 from __future__ import annotations
 
-import asyncio
 import os
 from typing import Any
 
@@ -77,13 +77,7 @@ class ServesRollout:
 
     async def rollout_generate(self, requests: list[Request]) -> list[Response]:
         assert self.server is not None, "this worker has no rollout engine"
-        responses: list[Response] = await asyncio.wrap_future(self.server.submit(requests))
-        return responses
-
-    def close(self) -> None:
-        """Stop the server's engine thread (the local backend's shutdown calls this)."""
-        if self.server is not None:
-            self.server.close()
+        return await self.server.generate(requests)
 
 
 class RolloutReplica(ServesRollout):
