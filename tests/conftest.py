@@ -35,6 +35,16 @@ def tiny_task(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def length_reward(tmp_path_factory):
+    """A user reward function that varies across samples even for an untrained model."""
+    path = tmp_path_factory.mktemp("reward") / "length_reward.py"
+    path.write_text(
+        "def score(prompt, response, ground_truth):\n    return (len(response) % 7) / 6\n"
+    )
+    return f"{path}:score"
+
+
+@pytest.fixture(scope="session")
 def ray_session():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():

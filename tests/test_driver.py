@@ -26,15 +26,6 @@ def parity_reward(tmp_path_factory):
     return f"{path}:score"
 
 
-@pytest.fixture(scope="module")
-def length_reward(tmp_path_factory):
-    path = tmp_path_factory.mktemp("reward") / "length.py"
-    path.write_text(
-        "def score(prompt, response, ground_truth):\n    return len(response) % 7 / 6\n"
-    )
-    return f"{path}:score"
-
-
 def trainer(task, out, reward, *overrides: str) -> RLTrainer:
     cfg = load_config(
         None,

@@ -29,16 +29,6 @@ REQUIRED = {
 }
 
 
-@pytest.fixture(scope="module")
-def length_reward(tmp_path_factory):
-    """A user reward function that varies across samples even for an untrained model."""
-    path = tmp_path_factory.mktemp("reward") / "length_reward.py"
-    path.write_text(
-        "def score(prompt, response, ground_truth):\n    return (len(response) % 7) / 6\n"
-    )
-    return f"{path}:score"
-
-
 def grpo_config(task, out, *overrides: str):
     return load_config(
         None,

@@ -30,16 +30,6 @@ from treadle.trainers.rl import RLTrainer
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def length_reward(tmp_path_factory):
-    """A reward that varies between samples of an untrained model, so the weights move."""
-    path = tmp_path_factory.mktemp("reward") / "length_reward.py"
-    path.write_text(
-        "def score(prompt, response, ground_truth):\n    return (len(response) % 7) / 6\n"
-    )
-    return f"{path}:score"
-
-
 def _overrides(task, out, reward, *extra: str) -> list[str]:
     return [
         f"reward.function={reward}",

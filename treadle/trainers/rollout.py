@@ -70,7 +70,6 @@ class Rollout:
 
     def __init__(
         self,
-        cfg: Config,
         group: WorkerGroup,
         client: RolloutClient,
         decode: Callable[[list[list[int]]], list[str]],
@@ -79,7 +78,7 @@ class Rollout:
         pool: ResourcePool | None = None,
     ) -> None:
         """``replicas``, ``pool``: the split pool's Ray actors and placement group."""
-        self.cfg, self.group, self.client = cfg, group, client
+        self.group, self.client = group, client
         self.decode, self.pad_id = decode, pad_id
         self.replicas, self.pool = replicas or [], pool
         self.names = [h.name for h in client.replicas] if self.replicas else []
@@ -195,7 +194,7 @@ def start_rollout(
                 RayReplica(w, f"rollout replica {i} (actor rank {i})")
                 for i, w in enumerate(group.workers)
             ]
-        return Rollout(cfg, group, RolloutClient(handles, **opts), decode, pad_id)
+        return Rollout(group, RolloutClient(handles, **opts), decode, pad_id)
     if pool is None:
         pool = reserve_rollout_pool(cfg)
         assert pool is not None
@@ -209,7 +208,7 @@ def start_rollout(
     except BaseException:
         _kill(replicas, pool)
         raise
-    return Rollout(cfg, group, client, decode, pad_id, replicas, pool)
+    return Rollout(group, client, decode, pad_id, replicas, pool)
 
 
 def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) -> list[Any]:
