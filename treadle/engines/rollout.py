@@ -5,11 +5,11 @@ sampled token, and takes new weights from the training engine after each update.
 engine (transformers here, vLLM beside it) implements :class:`RolloutEngine`; the rollout
 server (:mod:`treadle.rollout.server`) knows only this interface. Two ways in:
 
-- request by request: ``add_request`` then ``step`` until ``has_unfinished`` is false, each
-  ``step`` returning the requests it finished (:class:`Finished`). vLLM batches whatever is in
-  flight itself (continuous batching); the transformers engine generates everything added
-  since its last step in one batched ``generate`` call (requests with equal sampling
-  parameters together, seeded by the first one's ``seed``).
+- request by request: ``add_request``, then ``step`` until every request has come back from
+  one (:class:`Finished`). vLLM batches whatever is in flight itself (continuous batching);
+  the transformers engine generates everything added since its last step in one batched
+  ``generate`` call (requests with equal sampling parameters together, seeded by the first
+  one's ``seed``).
 - a whole batch in one call: ``generate`` (the in-process baseline of ``bench/rollout.py``).
 
 The transformers engine is the debugging engine and the fallback: plain ``generate`` with a
@@ -68,8 +68,6 @@ class RolloutEngine(Protocol):
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None: ...
 
     def step(self) -> list[Finished]: ...
-
-    def has_unfinished(self) -> bool: ...
 
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
@@ -149,9 +147,6 @@ class HFRolloutEngine:
         if params.n != 1:
             raise ValueError(f"a request samples one response, got n={params.n}")
         self._pending.append((request_id, list(prompt), params))
-
-    def has_unfinished(self) -> bool:
-        return bool(self._pending)
 
     def step(self) -> list[Finished]:
         """Generate every request added since the last step; equal parameters together."""

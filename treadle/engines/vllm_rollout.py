@@ -190,9 +190,6 @@ class VLLMRolloutEngine:
             request_id, TokensPrompt(prompt_token_ids=list(prompt)), self._request_params(params)
         )
 
-    def has_unfinished(self) -> bool:
-        return bool(self.llm.llm_engine.has_unfinished_requests())
-
     def step(self) -> list[Finished]:
         """One engine step over every request in flight; the requests it finished."""
         done = []

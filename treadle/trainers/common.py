@@ -276,6 +276,11 @@ def evaluate_model(cfg: Config) -> float:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
     from treadle.trainers.rollout import start_rollout
 
+    # A one-off greedy pass: the replicas live in the actor's processes whatever the placement.
+    colocated = cfg.rollout.model_copy(
+        update={"placement": "colocated", "replicas": None, "num_cpus": None, "ray_resources": {}}
+    )
+    cfg = cfg.model_copy(update={"rollout": colocated})
     actors = build_actors(cfg, cfg.model.path, with_ref=False)
     try:
         rollout = start_rollout(cfg, actors, cfg.model.path, 0)
