@@ -152,7 +152,7 @@ class RLTrainer(Trainer):
         try:
             self.critic, self.rm = start_roles(cfg, self.actors, layout, self.resumed_from)
         except BaseException:
-            self.actors.close()
+            self.close()  # the rollout (split replicas) and the actors
             raise
         if self.critic is not None:
             self.roles["critic"] = self.critic
