@@ -65,9 +65,12 @@ def cmd_eval(args: argparse.Namespace) -> None:
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
-    from treadle.tasks import arithmetic, chat_arithmetic
+    import importlib
 
-    prepare = chat_arithmetic.prepare_chat if args.task == "chat_arithmetic" else arithmetic.prepare
+    from treadle.tasks import PREPARERS
+
+    module, _, name = PREPARERS[args.task].partition(":")
+    prepare = getattr(importlib.import_module(module), name)
     paths = prepare(args.output_dir or f"data/{args.task}", seed=args.seed)
     for name, path in paths.items():
         print(f"{name}: {path}")
@@ -86,6 +89,8 @@ def cmd_model_fetch(args: argparse.Namespace) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treadle.tasks import PREPARERS
+
     p = argparse.ArgumentParser(prog="treadle", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in (
@@ -100,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("overrides", nargs="*", help="section.key=value overrides")
         s.set_defaults(fn=fn)
     s = sub.add_parser("prepare", help="write a built-in task's data (arithmetic: also a model)")
-    s.add_argument("--task", choices=["arithmetic", "chat_arithmetic"], default="arithmetic")
+    s.add_argument("--task", choices=sorted(PREPARERS), default="arithmetic")
     s.add_argument("--output-dir", default=None, help="default: data/<task>")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_prepare)

@@ -117,6 +117,33 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request not answered within this many seconds stops the run."
     )
+    agent_loop: str = Field(
+        "single_turn",
+        description="How a sample is generated: single_turn (one response), tools (multi-turn "
+        "with rollout.tools, Hermes <tool_call> blocks), or a custom async loop given as "
+        "'module:function' or 'path/to/file.py:function'.",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools of the tools loop: plain Python functions with type hints and a "
+        "docstring, as 'module:function' or 'path/to/file.py:function'.",
+    )
+    max_turns: int = Field(4, gt=0, description="Model turns per trajectory at most.")
+    max_tool_response_tokens: int = Field(
+        256, gt=0, description="A tool result longer than this many tokens is cut."
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="A tool call running longer becomes an error message."
+    )
+    max_concurrent_trajectories: int = Field(
+        256, gt=0, description="Agent loops running at once (each turn a request)."
+    )
+    max_response_length: int | None = Field(
+        None,
+        gt=0,
+        description="Agent loops: tokens after the prompt at most (model and tool tokens); "
+        "null: max_turns * (max_new_tokens + max_tool_response_tokens).",
+    )
 
 
 class RewardConfig(Section):
@@ -141,6 +168,12 @@ class RewardConfig(Section):
         "the last token of prompt+response replaces reward.function's as the RL reward.",
     )
     micro_batch_size: int = Field(16, gt=0, description="Reward model: sequences per forward.")
+    sandbox_workers: int = Field(
+        2, gt=0, description="Code rewards: sandboxed programs run at once at most."
+    )
+    sandbox_timeout_s: float = Field(
+        10.0, gt=0, description="Code rewards: wall-clock seconds a graded program may run."
+    )
 
 
 class AlgorithmConfig(Section):

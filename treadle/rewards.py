@@ -37,6 +37,8 @@ from treadle.errors import ConfigError, RewardError
 BUILTIN_REWARDS: dict[str, str] = {
     "arithmetic": "treadle.tasks.arithmetic:compute_score",
     "chat_arithmetic": "treadle.tasks.chat_arithmetic:compute_score",
+    "calculator": "treadle.tasks.calculator:compute_score",
+    "code": "treadle.tasks.code:compute_score",
 }
 
 

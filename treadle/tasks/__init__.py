@@ -4,3 +4,11 @@
 and end-to-end tests train on; `treadle prepare` writes it to a directory. Its verifier is the
 built-in reward `arithmetic` (see `treadle.rewards`).
 """
+
+# `treadle prepare --task NAME`: NAME -> "module:function(out_dir, *, seed) -> {name: path}"
+PREPARERS: dict[str, str] = {
+    "arithmetic": "treadle.tasks.arithmetic:prepare",
+    "chat_arithmetic": "treadle.tasks.chat_arithmetic:prepare_chat",
+    "calculator": "treadle.tasks.calculator:prepare",
+    "code": "treadle.tasks.code:prepare",
+}
