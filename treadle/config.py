@@ -454,7 +454,18 @@ class Config(Section):
             )
         _check_critic(self.critic, self.actor, samples, self.trainer.backend)
         _check_rollout(self.rollout, self.actor, self.trainer)
+        _check_agents(self.rollout, self.data)
         return self
+
+    def response_length(self) -> int:
+        """Tokens after the prompt a sample may have: ``rollout.max_new_tokens`` for one turn;
+        for an agent loop ``rollout.max_response_length`` or its default."""
+        r = self.rollout
+        if r.agent_loop == "single_turn":
+            return r.max_new_tokens
+        if r.max_response_length is not None:
+            return r.max_response_length
+        return r.max_turns * (r.max_new_tokens + r.max_tool_response_tokens)
 
     def rollout_replicas(self) -> int:
         """How many rollout replicas the run has (``rollout.replicas`` resolved)."""
@@ -462,6 +473,24 @@ class Config(Section):
         if r.replicas is not None:
             return r.replicas
         return self.actor.world_size if r.placement == "colocated" else 1
+
+
+def _check_agents(rollout: RolloutConfig, data: DataConfig) -> None:
+    if rollout.agent_loop == "single_turn" and rollout.tools:
+        raise ValueError(
+            "rollout.tools are called by an agent loop: set rollout.agent_loop=tools (or a "
+            "loop of your own), or remove rollout.tools"
+        )
+    if rollout.agent_loop == "tools" and not rollout.tools:
+        raise ValueError(
+            "rollout.agent_loop=tools needs rollout.tools: list the tools as "
+            "['module:function', ...] or ['path/to/file.py:function', ...]"
+        )
+    if rollout.tools and not data.apply_chat_template:
+        raise ValueError(
+            "rollout.tools are shown to the model through the chat template: set "
+            "data.apply_chat_template=true"
+        )
 
 
 def _check_rollout(rollout: RolloutConfig, actor: ActorConfig, trainer: TrainerConfig) -> None:

@@ -54,6 +54,7 @@ class PromptRow(TypedDict):
     prompt_text: str  # the prompt as written in the file (last user message for a chat list)
     prompt_ids: list[int]  # the rendered prompt, tokenized
     ground_truth: str
+    row: dict[str, Any]  # every column of the file's row (agent loops read extra ones)
 
 
 class SFTRow(TypedDict):
@@ -196,9 +197,20 @@ def _prompt_messages(
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]], *, generation: bool
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    *,
+    generation: bool,
+    tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    kwargs: dict[str, Any] = {}
+    if tools:
+        from treadle.agents.tools import tool_messages
+
+        messages, kwargs = tool_messages(tokenizer, messages, tools)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation, tokenize=False, **kwargs
+    )
     assert isinstance(text, str)
     return text
 
@@ -209,6 +221,7 @@ def _prompt_text(
     tokenizer: PreTrainedTokenizerBase,
     apply_chat_template: bool,
     system_prompt: str | None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> tuple[str, str]:
     """(the prompt as written, the text the model is given)."""
     value = _require(record, key, "prompt")
@@ -222,7 +235,7 @@ def _prompt_text(
     messages = _prompt_messages(record, key, value, system_prompt)
     users = [m["content"] for m in messages if m["role"] == "user"]
     shown = value if isinstance(value, str) else (users[-1] if users else messages[-1]["content"])
-    return shown, _render(tokenizer, messages, generation=True)
+    return shown, _render(tokenizer, messages, generation=True, tools=tools)
 
 
 def _tokenize(
@@ -268,19 +281,22 @@ def load_prompt_dataset(
     apply_chat_template: bool = True,
     system_prompt: str | None = None,
     config_key: str = "data.train_files",
+    tools: list[dict[str, Any]] | None = None,
 ) -> PromptDataset:
     """Read, validate, render and tokenize RL prompts.
 
     Prompts longer than `max_prompt_length` tokens are dropped with a logged count
     (`overlong="filter"`) or raise DataError naming file, row, length and limit ("error").
-    Without an `answer_key` every ground truth is "" (for reward models).
+    Without an `answer_key` every ground truth is "" (for reward models). `tools`: JSON
+    schemas of the agent loop's tools, given to the chat template (or put into the system
+    message: `treadle.agents.tools.tool_messages`).
     """
     _check_template(tokenizer, apply_chat_template)
     records = _read_records(files, config_key)
     shown, texts, truths = [], [], []
     for record in records:
         prompt, text = _prompt_text(
-            record, prompt_key, tokenizer, apply_chat_template, system_prompt
+            record, prompt_key, tokenizer, apply_chat_template, system_prompt, tools
         )
         shown.append(prompt)
         texts.append(text)
@@ -294,7 +310,11 @@ def load_prompt_dataset(
         if _keep(where, len(prompt_ids), max_prompt_length, overlong, "max_prompt_length"):
             rows.append(
                 PromptRow(
-                    uid=record.uid, prompt_text=prompt, prompt_ids=prompt_ids, ground_truth=truth
+                    uid=record.uid,
+                    prompt_text=prompt,
+                    prompt_ids=prompt_ids,
+                    ground_truth=truth,
+                    row=record.row,
                 )
             )
     n_filtered = len(records) - len(rows)

@@ -16,6 +16,9 @@ Standard fields of one RL step (B = batch, P = prompt length, R = response lengt
     responses             [B, R]   response token ids, right-padded         rollout
     response_mask         [B, R]   1 on positions that count (the only      rollout
                                    source of truth; tool output is 0)
+    response_attention_mask [B, R] 1 on every real response token, tool     rollout
+                                   output included; present only when it
+                                   differs from response_mask (agent loops)
     rollout_log_probs     [B, R]   log-probs from the rollout engine        rollout
     old_log_probs         [B, R]   log-probs of the policy before update    actor
     ref_log_probs         [B, R]   log-probs of the frozen reference        reference
@@ -63,7 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["STANDARD_SHAPES", "Batch"]
+__all__ = ["STANDARD_SHAPES", "Batch", "response_attention"]
 
 _RESPONSE = ("batch", "response")
 _PER_SAMPLE = ("batch",)
@@ -73,6 +76,7 @@ STANDARD_SHAPES: dict[str, tuple[str, ...]] = {
     "prompt_mask": ("batch", "prompt"),
     "responses": _RESPONSE,
     "response_mask": _RESPONSE,
+    "response_attention_mask": _RESPONSE,
     "rollout_log_probs": _RESPONSE,
     "old_log_probs": _RESPONSE,
     "ref_log_probs": _RESPONSE,
@@ -464,3 +468,9 @@ def _unpack_batch(
 ) -> Batch:
     tensors = {k: _unpack_tensor(arr, dtype) for k, (arr, dtype) in packed.items()}
     return Batch(tensors, objects, meta)
+
+
+def response_attention(batch: Batch) -> torch.Tensor:
+    """Which response tokens are attended to: ``response_attention_mask`` when the batch has
+    one (trajectories with tool tokens), else ``response_mask``."""
+    return batch.tensors.get("response_attention_mask", batch["response_mask"])

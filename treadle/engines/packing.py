@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from treadle.protocol import Batch
+from treadle.protocol import Batch, response_attention
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[list[int]]:
@@ -103,7 +103,7 @@ def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
 
 def balance_ranks(batch: Batch, ranks: int) -> Batch:
     """``batch`` reordered by :func:`balanced_order` of its valid tokens (prompt + response)."""
-    lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+    lengths = batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
     return batch.select(balanced_order(lengths.tolist(), ranks))
 
 

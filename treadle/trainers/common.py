@@ -197,7 +197,15 @@ def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
         apply_chat_template=d.apply_chat_template,
         system_prompt=d.system_prompt,
         config_key=key,
+        tools=tool_schemas(cfg),
     )
+
+
+def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:
+    """The JSON schemas of ``rollout.tools``, which the prompts show the model."""
+    from treadle.agents.tools import Toolbox
+
+    return Toolbox.load(cfg.rollout.tools).schemas if cfg.rollout.tools else None
 
 
 def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any) -> Batch:
@@ -209,6 +217,7 @@ def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any
             "uid": [r["uid"] for r in rows],
             "prompt_text": [r["prompt_text"] for r in rows],
             "ground_truth": [r["ground_truth"] for r in rows],
+            "row": [r["row"] for r in rows],
         },
         meta=meta,
     )

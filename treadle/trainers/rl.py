@@ -52,7 +52,7 @@ from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
-from treadle.protocol import Batch
+from treadle.protocol import Batch, response_attention
 from treadle.rewards import load_reward_fn, score_batch
 from treadle.tracking import timed
 from treadle.trainers.common import (
@@ -84,9 +84,11 @@ def check_names(cfg: Config) -> None:
 
 
 def outcome_rewards(mask: torch.Tensor, scores: list[float]) -> torch.Tensor:
-    """The score of each response, placed on its last valid token."""
+    """The score of each response, placed on its last valid token (the model's last token of a
+    multi-turn trajectory, whose mask has gaps where tool tokens are)."""
     rewards = torch.zeros(mask.shape, dtype=torch.float32)
-    last = (mask.sum(-1) - 1).clamp(min=0)
+    positions = torch.arange(mask.shape[-1]).expand(mask.shape)
+    last = torch.where(mask.bool(), positions, 0).amax(-1)
     rewards[torch.arange(len(scores)), last] = torch.tensor(scores, dtype=torch.float32)
     return rewards
 
@@ -117,6 +119,13 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         # the oldest weights any sample was generated with (all equal in a synchronous step)
         "rollout/weight_version": float(batch["weight_version"].min()),
     }
+    if "turns" in batch:  # an agent loop: per-trajectory turns and what its info reported
+        m["agent/turns_mean"] = float(batch["turns"].mean())
+        m["agent/turns_max"] = float(batch["turns"].max())
+        m["response/total_length_mean"] = float(response_attention(batch).sum(-1).float().mean())
+        for key in batch.tensors:
+            if key.startswith("agent_"):
+                m[f"agent/{key[len('agent_') :]}_mean"] = float(batch[key].mean())
     if "old_log_probs" in batch:
         stats = mismatch_stats(batch["old_log_probs"], batch["rollout_log_probs"], mask)
         m.update(mismatch_metrics(stats))

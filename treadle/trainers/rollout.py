@@ -22,14 +22,18 @@ them ``t``; every response carries its version into the batch (``weight_version`
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from treadle.agents.loops import AgentLoop, Limits, Sample, load_agent_loop, run_agents, single_turn
+from treadle.agents.tools import Toolbox
+from treadle.agents.trajectory import Trajectory
 from treadle.config import Config
 from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get
+from treadle.data import collate_prompts
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
@@ -42,7 +46,6 @@ from treadle.rollout.client import (
     RolloutError,
     cause_line,
 )
-from treadle.rollout.server import Request, Response
 from treadle.trainers.common import Actors, ensure_ray, rank_threads, ray_env, total_cpus
 from treadle.workers.rollout import RolloutReplica
 
@@ -65,6 +68,40 @@ def _pad_right(rows: list[list[Any]], width: int, value: Any, dtype: torch.dtype
     return out
 
 
+@dataclass
+class Agents:
+    """The agent loop of a run, its tools and bounds (``rollout.agent_loop`` and friends)."""
+
+    loop: AgentLoop
+    tools: Toolbox
+    tokenizer: Any
+    max_turns: int = 1
+    max_response_length: int | None = None  # None: one turn, params.max_new_tokens
+    max_tool_response_tokens: int = 256
+    max_concurrent: int = 256
+
+    @classmethod
+    def from_config(cls, cfg: Config, tokenizer: Any) -> Agents:
+        r = cfg.rollout
+        loop = load_agent_loop(r.agent_loop)
+        return cls(
+            loop,
+            Toolbox.load(r.tools, r.tool_timeout_s),
+            tokenizer,
+            r.max_turns,
+            None if loop is single_turn else cfg.response_length(),
+            r.max_tool_response_tokens,
+            r.max_concurrent_trajectories,
+        )
+
+    def width(self, params: SamplingParams) -> int:
+        """Response columns of a batch: the most tokens a trajectory may have after its prompt."""
+        return self.max_response_length or params.max_new_tokens
+
+    def limits(self, params: SamplingParams) -> Limits:
+        return Limits(self.max_turns, self.width(params), self.max_tool_response_tokens)
+
+
 class Rollout:
     """Generation and weight sync for the driver; see the module docstring."""
 
@@ -74,52 +111,93 @@ class Rollout:
         client: RolloutClient,
         decode: Callable[[list[list[int]]], list[str]],
         pad_id: int,
+        agents: Agents,
         replicas: list[Any] | None = None,
         pool: ResourcePool | None = None,
     ) -> None:
         """``replicas``, ``pool``: the split pool's Ray actors and placement group."""
         self.group, self.client = group, client
-        self.decode, self.pad_id = decode, pad_id
+        self.decode, self.pad_id, self.agents = decode, pad_id, agents
         self.replicas, self.pool = replicas or [], pool
         self.names = [h.name for h in client.replicas] if self.replicas else []
 
     # ------------------------------------------------------------------ generate
 
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """``params.n`` samples per prompt (consecutive rows), with the response-side fields:
-        responses, response_mask, rollout_log_probs, response_text, stop_reason,
-        weight_version."""
+        """``params.n`` samples per prompt (consecutive rows), each a trajectory of the agent
+        loop, with the response-side fields: responses, response_mask (the loss mask),
+        rollout_log_probs, response_text, stop_reason, weight_version; and, when some
+        trajectory has tokens the model did not sample, response_attention_mask."""
         copies = params.n if params.temperature == 0 else 1  # greedy samples are all equal
-        single = dataclasses.replace(params, n=1)
-        # A prompt's samples share a session: one replica, whose prefix cache has the prompt.
-        sessions = [self.client.new_id("s") for _ in range(len(prompts))]
-        requests = [
-            Request(self.client.new_id(), ids, single, session_id=session)
-            for ids, session in zip(
-                _left_trim(prompts["prompts"], prompts["prompt_mask"]), sessions, strict=True
+        a = self.agents
+        samples = [
+            Sample(uid, list(ids), text, truth, row)
+            for uid, ids, text, truth, row in zip(
+                prompts["uid"],
+                _left_trim(prompts["prompts"], prompts["prompt_mask"]),
+                prompts["prompt_text"],
+                prompts["ground_truth"],
+                prompts.objects.get("row", [{}] * len(prompts)),
+                strict=True,
             )
-            for _ in range(params.n // copies)
         ]
-        try:
-            responses = [r for r in self.client.generate(requests) for _ in range(copies)]
-        finally:
-            for session in sessions:
-                self.client.end_session(session)
-        return self.response_batch(prompts.repeat(params.n, interleave=True), responses, params)
-
-    def response_batch(
-        self, batch: Batch, responses: list[Response], params: SamplingParams
-    ) -> Batch:
-        tokens = [r.token_ids for r in responses]
-        width = params.max_new_tokens
-        batch["responses"] = _pad_right(tokens, width, self.pad_id, torch.long)
-        batch["response_mask"] = _pad_right([[1] * len(t) for t in tokens], width, 0, torch.long)
-        batch["rollout_log_probs"] = _pad_right(
-            [r.log_probs for r in responses], width, 0.0, torch.float32
+        coro = run_agents(
+            a.loop,
+            self.client,
+            samples,
+            params.n // copies,
+            params,
+            tokenizer=a.tokenizer,
+            tools=a.tools,
+            limits=a.limits(params),
+            max_concurrent=a.max_concurrent,
         )
-        batch["weight_version"] = torch.tensor([r.weight_version for r in responses])
-        batch["response_text"] = self.decode(tokens)
-        batch["stop_reason"] = [r.stop_reason for r in responses]
+        trajectories = [t for t in self.client.run(coro) for _ in range(copies)]
+        batch = prompts.repeat(params.n, interleave=True)
+        return self.trajectory_batch(batch, trajectories, a.width(params))
+
+    def trajectory_batch(self, batch: Batch, trajectories: list[Trajectory], width: int) -> Batch:
+        if any(
+            t.prompt_ids != list(ids)
+            for t, ids in zip(
+                trajectories, _left_trim(batch["prompts"], batch["prompt_mask"]), strict=True
+            )
+        ):
+            ids, mask = collate_prompts([t.prompt_ids for t in trajectories], self.pad_id)
+            batch["prompts"], batch["prompt_mask"] = ids, mask  # a loop rewrote its prompt
+        longest = max(len(t.token_ids) for t in trajectories)
+        if longest > width:
+            raise RolloutError(
+                f"an agent loop returned {longest} tokens after the prompt, more than its "
+                f"budget of {width} (rollout.max_response_length)"
+            )
+        batch["responses"] = _pad_right(
+            [t.token_ids for t in trajectories], width, self.pad_id, torch.long
+        )
+        batch["response_mask"] = _pad_right(
+            [t.loss_mask for t in trajectories], width, 0, torch.long
+        )
+        if self.agents.loop is not single_turn:  # tool tokens are attended, not trained
+            batch["response_attention_mask"] = _pad_right(
+                [[1] * len(t.token_ids) for t in trajectories], width, 0, torch.long
+            )
+        batch["rollout_log_probs"] = _pad_right(
+            [t.log_probs for t in trajectories], width, 0.0, torch.float32
+        )
+        batch["weight_version"] = torch.tensor([min(t.weight_versions) for t in trajectories])
+        batch["response_text"] = [
+            t.response_text if t.response_text is not None else text
+            for t, text in zip(
+                trajectories, self.decode([t.model_token_ids for t in trajectories]), strict=True
+            )
+        ]
+        batch["stop_reason"] = [t.stop_reason for t in trajectories]
+        if self.agents.loop is not single_turn:
+            batch["turns"] = torch.tensor([float(t.turns) for t in trajectories])
+            for key in sorted({k for t in trajectories for k in t.info}):
+                values = [t.info.get(key) for t in trajectories]
+                if all(isinstance(v, (int, float)) for v in values):
+                    batch[f"agent_{key}"] = torch.tensor([float(v) for v in values])  # type: ignore[arg-type]
         return batch
 
     # ------------------------------------------------------------------ weights
@@ -135,6 +213,7 @@ class Rollout:
 
     def close(self) -> None:
         self.client.close()
+        self.agents.tools.close()
         if self.replicas:
             import ray
 
@@ -179,6 +258,7 @@ def start_rollout(
         return list(tok.batch_decode(tokens, skip_special_tokens=True))
 
     pad_id = tok.pad_token_id or 0
+    agents = Agents.from_config(cfg, tok)
     group = actors.group
     r = cfg.rollout
     opts: dict[str, Any] = {
@@ -194,7 +274,7 @@ def start_rollout(
                 RayReplica(w, f"rollout replica {i} (actor rank {i})")
                 for i, w in enumerate(group.workers)
             ]
-        return Rollout(group, RolloutClient(handles, **opts), decode, pad_id)
+        return Rollout(group, RolloutClient(handles, **opts), decode, pad_id, agents)
     if pool is None:
         pool = reserve_rollout_pool(cfg)
         assert pool is not None
@@ -208,7 +288,7 @@ def start_rollout(
     except BaseException:
         _kill(replicas, pool)
         raise
-    return Rollout(group, client, decode, pad_id, replicas, pool)
+    return Rollout(group, client, decode, pad_id, agents, replicas, pool)
 
 
 def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) -> list[Any]:

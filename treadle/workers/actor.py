@@ -46,6 +46,7 @@ from treadle.protocol import Batch
 from treadle.rollout.server import RolloutServer
 from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
 from treadle.workers.common import (
+    ATTENTION,
     SEQUENCES,
     actor_optimizer,
     engine_options,
@@ -173,12 +174,20 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         order = torch.cat(groups).argsort()  # back to the batch's order
         return torch.cat(logps)[order], torch.cat(ents)[order]
 
-    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, returns=("old_log_probs", "entropy"))
+    @register(
+        Dispatch.DP,
+        Collect.CONCAT,
+        reads=SEQUENCES,
+        optional=ATTENTION,
+        returns=("old_log_probs", "entropy"),
+    )
     def compute_log_probs(self, batch: Batch) -> Batch:
         logp, ent = self._log_probs(self.actor, batch)
         return Batch.from_dict(tensors={"old_log_probs": logp, "entropy": ent})
 
-    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, returns=("ref_log_probs",))
+    @register(
+        Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("ref_log_probs",)
+    )
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
         if self.ref is None:
             raise RuntimeError("this worker group was built without a reference (kl_coef=0)")
@@ -242,7 +251,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         reads=(*SEQUENCES, "advantages"),
         # old: unless the update's own forward stands for it; ref: with kl_coef > 0;
         # rollout: without old log-probs (mismatch) or with algorithm.rollout_is_cap
-        optional=("old_log_probs", "ref_log_probs", "rollout_log_probs"),
+        optional=(*ATTENTION, "old_log_probs", "ref_log_probs", "rollout_log_probs"),
     )
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """PPO epochs over mini-batches, one optimizer step each; metrics averaged.

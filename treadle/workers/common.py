@@ -21,7 +21,7 @@ from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.packing import first_fit_decreasing, token_micro_batches
 from treadle.engines.value import ValueHead
 from treadle.models import load_value_model
-from treadle.protocol import Batch
+from treadle.protocol import Batch, response_attention
 
 
 def engine_options(cfg: Config) -> dict[str, Any]:
@@ -70,6 +70,9 @@ def global_sums(*values: float) -> list[float]:
 SEQUENCES = ("prompts", "prompt_mask", "responses", "response_mask")
 """The fields of prompt + response sequences (:func:`prompt_response`), for ``reads=``."""
 
+ATTENTION = ("response_attention_mask",)
+"""What :func:`prompt_response` also reads when the batch has it, for ``optional=``."""
+
 PAIRS = ("prompts", "prompt_mask", "chosen", "chosen_mask", "rejected", "rejected_mask")
 """The fields of preference pairs (:func:`pair_sequences`), for ``reads=``."""
 
@@ -77,7 +80,7 @@ PAIRS = ("prompts", "prompt_mask", "chosen", "chosen_mask", "rejected", "rejecte
 def prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt then response: token ids and attention mask ``[B, P + R]`` on ``device``."""
     ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(device)
-    mask = torch.cat([mb["prompt_mask"], mb["response_mask"]], 1).to(device)
+    mask = torch.cat([mb["prompt_mask"], response_attention(mb)], 1).to(device)
     return ids, mask
 
 
@@ -111,7 +114,7 @@ def micro_batches(
     if actor.max_tokens_per_micro_batch is None:
         return list(torch.arange(len(batch)).split(actor.micro_batch_size))
     if lengths is None:
-        lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
+        lengths = batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
     lens = lengths.tolist()
     need = torch.tensor([len(first_fit_decreasing(lens, actor.max_tokens_per_micro_batch))])
     dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere

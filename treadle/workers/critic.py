@@ -26,6 +26,7 @@ from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.workers.common import (
+    ATTENTION,
     SEQUENCES,
     global_sums,
     mean_over_steps,
@@ -78,13 +79,15 @@ class CriticWorker(Worker):
         values: torch.Tensor = self.engine.module(ids, mask, mb["responses"].shape[1])
         return values  # 0 on padding (ValueHead)
 
-    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, returns=("values",))
+    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("values",))
     def compute_values(self, batch: Batch) -> Batch:
         with torch.no_grad():
             parts = [self._values(mb).cpu() for mb in batch.split(self.micro)]
         return Batch.from_dict(tensors={"values": torch.cat(parts)})
 
-    @register(Dispatch.DP, Collect.MEAN, reads=(*SEQUENCES, "values", "returns"))
+    @register(
+        Dispatch.DP, Collect.MEAN, reads=(*SEQUENCES, "values", "returns"), optional=ATTENTION
+    )
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """PPO value-function update; metrics averaged over optimizer steps, then over ranks."""
         minis = ppo_mini_batches(batch, self.epochs, self.mini)

@@ -37,6 +37,7 @@ from treadle.engines.value import last_token_values
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.workers.common import (
+    ATTENTION,
     PAIRS,
     SEQUENCES,
     actor_optimizer,
@@ -66,7 +67,9 @@ class RewardModelWorker(Worker):
         path = config.reward.model_path or ""
         self.engine = value_engine(config, path, "reward.model_path", self.device, False)
 
-    @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, returns=("rm_scores",))
+    @register(
+        Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("rm_scores",)
+    )
     def compute_rm_scores(self, batch: Batch) -> Batch:
         scores = []
         with torch.no_grad():

@@ -48,7 +48,7 @@ def make_engine(cfg: Config, path: str, device: torch.device) -> RolloutEngine:
             path,
             dtype=dtype,
             seed=cfg.trainer.seed,
-            max_model_len=cfg.data.max_prompt_length + r.max_new_tokens,
+            max_model_len=cfg.data.max_prompt_length + cfg.response_length(),
             bucket_mb=r.weight_sync_bucket_mb,
             kv_cache_gib=r.kv_cache_gib,
             gpu_memory_utilization=r.gpu_memory_utilization,

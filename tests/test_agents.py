@@ -1,0 +1,310 @@
+"""Agent loops, tools and trajectories: parsing, tool calls, loss masks token by token, bounds.
+
+The model is a scripted replica here (a test double behind the real client and loops); the
+end-to-end runs on the tiny model are in tests/test_agents_e2e.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from treadle.agents.loops import (
+    AgentLoopError,
+    Limits,
+    Sample,
+    load_agent_loop,
+    run_agents,
+    single_turn,
+    tool_loop,
+)
+from treadle.agents.tools import (
+    HERMES_TOOLS_PROMPT,
+    Tool,
+    Toolbox,
+    ToolCall,
+    parse_tool_calls,
+    tool_messages,
+    tool_schema,
+)
+from treadle.agents.trajectory import Trajectory
+from treadle.engines.rollout import SamplingParams
+from treadle.errors import ConfigError
+from treadle.rollout.client import RolloutClient
+from treadle.rollout.server import Request, Response
+from treadle.trainers.rl import outcome_rewards
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: The first.
+        b: The second.
+    """
+    return a + b
+
+
+def boom(x: int) -> int:
+    """Always fails.
+
+    Args:
+        x: Anything.
+    """
+    raise RuntimeError(f"no luck with {x}")
+
+
+def slow(seconds: float) -> str:
+    """Sleeps.
+
+    Args:
+        seconds: How long.
+    """
+    time.sleep(seconds)
+    return "woke"
+
+
+async def nap(seconds: float) -> str:
+    """Sleeps, asynchronously.
+
+    Args:
+        seconds: How long.
+    """
+    await asyncio.sleep(seconds)
+    return "woke"
+
+
+def toolbox(timeout_s: float = 5.0) -> Toolbox:
+    return Toolbox([Tool(f.__name__, f, tool_schema(f)) for f in (add, boom, slow, nap)], timeout_s)
+
+
+# ----------------------------------------------------------------------------- tool calls
+
+
+def test_parse_tool_calls_takes_every_block_and_names_what_is_wrong():
+    text = (
+        'think <tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call> and '
+        '<tool_call>{"name": "add", "arguments": "{\\"a\\": 3, \\"b\\": 4}"}</tool_call>'
+        "<tool_call>{not json}</tool_call><tool_call>[1]</tool_call>"
+        '<tool_call>{"name": "add", "arguments": [1]}</tool_call><tool_call>{"name": "add"'
+    )
+    calls = parse_tool_calls(text)
+    assert calls[0] == ToolCall("add", {"a": 1, "b": 2})
+    assert calls[1] == ToolCall("add", {"a": 3, "b": 4})  # arguments sent as a JSON string
+    assert "not valid JSON" in calls[2].error
+    assert '{"name": <tool name>' in calls[3].error
+    assert "must be a JSON object" in calls[4].error
+    assert calls[5].error == "the <tool_call> block is not closed"
+    assert parse_tool_calls("The answer is 42.") == []
+
+
+def test_tool_calls_never_raise_errors_become_messages():
+    box = toolbox(timeout_s=0.3)
+
+    async def calls():
+        return await asyncio.gather(
+            box.call(ToolCall("add", {"a": 2, "b": 40})),
+            box.call(ToolCall("nope", {})),
+            box.call(ToolCall("boom", {"x": 7})),
+            box.call(ToolCall("add", {"a": 1})),
+            box.call(ToolCall("slow", {"seconds": 2.0})),
+            box.call(ToolCall("nap", {"seconds": 2.0})),
+            box.call(ToolCall(None, {}, "the tool call is not valid JSON (x)")),
+        )
+
+    ok, unknown, raised, missing, slow_sync, slow_async, bad = asyncio.run(calls())
+    box.close()
+    assert (ok.content, ok.error) == ("42", False)
+    assert unknown.error and unknown.content == (
+        "Error: unknown tool 'nope' (tools: add, boom, slow, nap)"
+    )
+    assert raised.content == "Error: boom raised RuntimeError: no luck with 7"
+    assert missing.error and missing.content.startswith("Error: add raised TypeError")
+    assert slow_sync.content == slow_async.content.replace("nap", "slow")
+    assert slow_async.content == "Error: nap timed out after 0.3 s"
+    assert slow_sync.seconds < 1.0 and slow_async.seconds < 1.0
+    assert bad.content == "Error: the tool call is not valid JSON (x)"
+
+
+def test_a_tool_without_docstring_args_is_a_config_error(tmp_path):
+    path = tmp_path / "tools.py"
+    path.write_text("def f(x):\n    return x\n")
+    with pytest.raises(ConfigError, match=r"rollout.tools: tool 'f' needs type hints"):
+        Toolbox.load([f"{path}:f"])
+    with pytest.raises(ConfigError, match="has no function 'g'"):
+        Toolbox.load([f"{path}:g"])
+
+
+def test_schemas_go_into_the_system_message_without_template_support(tiny_task):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_task["model"])
+    schema = tool_schema(add)
+    user = [{"role": "user", "content": "hi"}]
+    messages, kwargs = tool_messages(tok, user, [schema])
+    assert kwargs == {} and messages[1] == user[0]
+    assert messages[0]["role"] == "system"
+    assert '"name": "add"' in messages[0]["content"] and "<tool_call>" in messages[0]["content"]
+    with_system, _ = tool_messages(
+        tok, [{"role": "system", "content": "Be brief."}, *user], [schema]
+    )
+    assert with_system[0]["content"].startswith("Be brief.\n\n# Tools")
+    assert HERMES_TOOLS_PROMPT.split("{tools}")[0] in with_system[0]["content"]
+
+
+# ----------------------------------------------------------------------------- loops
+
+
+class ScriptedReplica:
+    """Answers each request with the next scripted text (+ EOS), log-prob -0.25 per token."""
+
+    def __init__(self, tok, script: list[str], eos: bool = True) -> None:
+        self.name, self.tok, self.script = "scripted", tok, list(script)
+        self.eos = eos
+        self.calls: list[list[Request]] = []
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        self.calls.append(list(requests))
+        out = []
+        for r in requests:
+            text = self.script.pop(0)
+            ids = self.tok(text, add_special_tokens=False)["input_ids"]
+            ids = [*ids, self.tok.eos_token_id] if self.eos else ids
+            ids = ids[: r.params.max_new_tokens]
+            stop = "length" if len(ids) == r.params.max_new_tokens else "stop"
+            out.append(Response(r.request_id, ids, [-0.25] * len(ids), stop, 3, self.name))
+        return out
+
+
+def run_loop(tok, script, loop=tool_loop, limits=None, copies=1, samples=None):
+    replica = ScriptedReplica(tok, script)
+    client = RolloutClient([replica])
+    prompt = tok("<|im_start|>user\nWhat is 2+40?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    samples = samples or [Sample("u:1", prompt, "What is 2+40?", "42", {})]
+    params = SamplingParams(n=copies, max_new_tokens=120)
+    limits = limits or Limits(4, 600, 32)
+    trajectories = client.run(
+        run_agents(
+            loop,
+            client,
+            samples,
+            copies,
+            params,
+            tokenizer=tok,
+            tools=toolbox(),
+            limits=limits,
+            max_concurrent=8,
+        )
+    )
+    client.close()
+    return trajectories, replica
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_task):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_task["model"])
+
+
+def test_tool_loop_loss_mask_token_by_token(tok):
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>'
+    (t,), replica = run_loop(tok, [call, "Answer: 42"])
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]  # noqa: E731
+    eos = tok.eos_token_id
+    turn1, turn2 = [*enc(call), eos], [*enc("Answer: 42"), eos]
+    # What follows the model's <|im_end|>: ChatML's newline, the tool message, the next header.
+    between = enc(
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert t.token_ids == turn1 + between + turn2
+    assert t.loss_mask == [1] * len(turn1) + [0] * len(between) + [1] * len(turn2)
+    assert t.log_probs == [-0.25] * len(turn1) + [0.0] * len(between) + [-0.25] * len(turn2)
+    assert (t.turns, t.stop_reason, t.response_text) == (2, "stop", "Answer: 42")
+    assert t.info == {"tool_calls": 1, "tool_errors": 0, "tool_seconds": pytest.approx(0, abs=0.5)}
+    # Turn 2 was asked to continue exactly the conversation so far (token-in, token-out).
+    second = replica.calls[1][0]
+    assert list(second.prompt_ids) == t.prompt_ids + turn1 + between
+    assert second.session_id == replica.calls[0][0].session_id
+
+
+def test_tool_errors_go_back_to_the_model_and_turns_are_bounded(tok):
+    bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
+    (t,), _ = run_loop(tok, [bad] * 3, limits=Limits(3, 800, 32))
+    assert (t.turns, t.stop_reason) == (3, "max_turns")
+    assert t.info["tool_calls"] == 2 and t.info["tool_errors"] == 2
+    assert "Error: unknown tool 'nope'" in tok.decode(t.token_ids)
+
+
+def test_the_budget_bounds_a_trajectory_and_tool_output_is_cut(tok):
+    call = '<tool_call>{"name": "slow", "arguments": {"seconds": 0}}</tool_call>'
+    (t,), replica = run_loop(tok, [call] * 4, limits=Limits(8, 200, 2))
+    assert len(t.token_ids) <= 200 and t.stop_reason == "length"
+    assert "<tool_response>\nwo ...(cut)\n</tool_response>" in tok.decode(t.token_ids)
+    # every turn asked for at most what was left of the budget
+    assert len(replica.calls) == t.turns
+    for (request,) in replica.calls:
+        used = len(request.prompt_ids) - len(t.prompt_ids)
+        assert request.params.max_new_tokens == min(120, 200 - used)
+
+
+def test_single_turn_sends_the_whole_batch_in_one_call(tok):
+    samples = [
+        Sample(f"u:{i}", tok(f"What is {i}+1?")["input_ids"], f"{i}+1", str(i + 1), {})
+        for i in range(3)
+    ]
+    trajectories, replica = run_loop(
+        tok, ["1", "2", "3", "4", "5", "6"], loop=single_turn, copies=2, samples=samples
+    )
+    assert len(replica.calls) == 1 and len(replica.calls[0]) == 6  # one fan-out, as before
+    sessions = [r.session_id for r in replica.calls[0]]
+    assert sessions[0] == sessions[1] != sessions[2] == sessions[3]  # a prompt's samples
+    assert [t.turns for t in trajectories] == [1] * 6
+    assert all(t.loss_mask == [1] * len(t.token_ids) for t in trajectories)
+
+
+def test_a_failing_custom_loop_names_itself_and_the_sample(tok, tmp_path):
+    path = tmp_path / "loop.py"
+    path.write_text(
+        "from treadle.agents import Trajectory\n"
+        "async def broken(client, sample, tools):\n"
+        "    raise ValueError('oops')\n"
+        "async def empty(client, sample, tools):\n"
+        "    return Trajectory(list(sample.prompt_ids))\n"
+        "def not_async(client, sample, tools):\n"
+        "    pass\n"
+    )
+    with pytest.raises(
+        AgentLoopError, match=r"agent loop 'broken' failed on sample u:1: ValueError: oops"
+    ):
+        run_loop(tok, ["x"], loop=load_agent_loop(f"{path}:broken"))
+    with pytest.raises(AgentLoopError, match="no model turn"):
+        run_loop(tok, ["x"], loop=load_agent_loop(f"{path}:empty"))
+    with pytest.raises(ConfigError, match="must be an async function"):
+        load_agent_loop(f"{path}:not_async")
+    with pytest.raises(ConfigError, match="unknown loop 'tool'"):
+        load_agent_loop("tool")
+
+
+def test_trajectory_check_names_inconsistent_lengths():
+    t = Trajectory([1, 2])
+    t.add_response(Response("r", [5, 6], [-1.0, -1.0], "stop", 0, "x"))
+    t.add_tokens([7])
+    t.check()
+    t.log_probs.append(0.0)
+    with pytest.raises(ValueError, match="3 token ids, 3 loss-mask entries and 4 log-probs"):
+        t.check()
+
+
+def test_outcome_reward_lands_on_the_last_model_token_of_a_gapped_mask():
+    mask = torch.tensor([[1, 1, 0, 0, 1, 1, 0], [1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0, 0]])
+    rewards = outcome_rewards(mask, [1.0, 0.5, 2.0])
+    assert rewards.tolist() == [
+        [0, 0, 0, 0, 0, 1.0, 0],
+        [0.5, 0, 0, 0, 0, 0, 0],
+        [2.0, 0, 0, 0, 0, 0, 0],
+    ]

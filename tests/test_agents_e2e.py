@@ -1,0 +1,132 @@
+"""Agent loops end to end on a tiny model: a custom two-turn loop by path (hf engine, local
+backend) and the tools loop through `treadle train` (vLLM replicas, Ray)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from treadle.cli import main
+from treadle.config import load_config
+from treadle.trainers.rl import RLTrainer
+
+EXAMPLE_LOOP = Path(__file__).parent.parent / "examples" / "tools" / "check_loop.py"
+CALCULATOR = "treadle.tasks.calculator:calculator"
+
+
+@pytest.fixture(scope="module")
+def long_task(tmp_path_factory):
+    """The tiny task with room for tool instructions and several turns: 1152 positions (the
+    tool instructions alone are ~800 tokens of its small vocabulary)."""
+    from treadle.tasks.arithmetic import prepare
+
+    return prepare(
+        tmp_path_factory.mktemp("arithmetic_long"),
+        seed=0,
+        n_train=64,
+        n_test=16,
+        max_value=20,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        max_positions=1152,
+    )
+
+
+def overrides(task, out, *extra: str) -> list[str]:
+    return [
+        f"model.path={task['model']}",
+        f"data.train_files=[{task['train']}]",
+        "data.batch_size=2",
+        "data.max_prompt_length=896",
+        "rollout.n=2",
+        "rollout.max_new_tokens=12",
+        "actor.ppo_mini_batch_size=4",
+        "actor.micro_batch_size=4",
+        "algorithm.kl_coef=0",
+        "reward.function=arithmetic",
+        "trainer.progress=false",
+        f"trainer.output_dir={out}",
+        *extra,
+    ]
+
+
+def test_custom_loop_by_path_two_turns_masks_and_trains(long_task, length_reward, tmp_path):
+    cfg = load_config(
+        None,
+        overrides(
+            long_task,
+            tmp_path / "run",
+            "rollout.engine=hf",
+            "trainer.backend=local",
+            f"rollout.agent_loop={EXAMPLE_LOOP}:answer_then_check",
+            f"rollout.tools=[{CALCULATOR}]",
+            "rollout.max_response_length=160",
+            f"reward.function={length_reward}",
+        ),
+    )
+    trainer = RLTrainer(cfg)
+    try:
+        m: dict[str, float] = {}
+        batch = trainer.sample(1, m)
+        mask, attention = batch["response_mask"], batch["response_attention_mask"]
+        assert batch["responses"].shape[1] == 160
+        assert batch["turns"].tolist() == [2.0] * 4
+        assert bool((mask <= attention).all())  # trained tokens are attended tokens
+        for row in range(4):
+            env = batch["responses"][row][(attention[row] == 1) & (mask[row] == 0)]
+            text = trainer.rollout.agents.tokenizer.decode(env)
+            question = batch["prompt_text"][row].removeprefix("What is ").rstrip("?")
+            truth = batch["ground_truth"][row]
+            assert f"The calculator says {question} = {truth}." in text
+            # model tokens, then the note, then model tokens: the mask has exactly one gap
+            on = mask[row][: int(attention[row].sum())].tolist()
+            assert on[0] == 1 and on[-1] == 1
+            assert sum(1 for a, b in itertools.pairwise(on) if a != b) == 2
+        engine = trainer.group.workers[0].server.engine.model  # synced after the update
+        before = {n: p.detach().clone() for n, p in engine.named_parameters()}
+        metrics = trainer.run_step(1)
+        after = dict(engine.named_parameters())
+    finally:
+        trainer.close()
+    assert metrics["agent/turns_mean"] == 2.0
+    assert metrics["agent/calculator_errors_mean"] == 0.0
+    assert metrics["response/total_length_mean"] > metrics["response/length_mean"]
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+
+
+def test_tools_loop_end_to_end_with_vllm_replicas(long_task, tmp_path, ray_session):
+    out, empty = tmp_path / "run", tmp_path / "empty.yaml"
+    empty.write_text("")
+    code = main(
+        [
+            "train",
+            str(empty),
+            *overrides(
+                long_task,
+                out,
+                "rollout.engine=vllm",
+                "rollout.kv_cache_gib=0.25",
+                "trainer.backend=ray",
+                "trainer.total_steps=2",
+                "trainer.save_every=0",
+                "rollout.agent_loop=tools",
+                f"rollout.tools=[{CALCULATOR}]",
+                "rollout.max_turns=3",
+                "rollout.max_tool_response_tokens=16",
+                "rollout.max_response_length=200",
+            ),
+        ]
+    )
+    assert code == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 1.0 <= r["agent/turns_mean"] <= 3.0
+        assert r["agent/tool_calls_mean"] >= 0.0 and "agent/tool_errors_mean" in r

@@ -1,0 +1,293 @@
+"""Agent loops: async functions that turn one sample into one trajectory over the rollout client.
+
+::
+
+    async def my_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Trajectory
+
+``rollout.agent_loop`` picks one: ``single_turn`` (one response, the classic RL rollout),
+``tools`` (multi-turn: the model calls ``rollout.tools`` in Hermes ``<tool_call>`` blocks and
+reads their results until it answers, at most ``rollout.max_turns`` turns), or a custom loop by
+path (``module:function`` or ``path/to/file.py:function``). A loop calls the model as often
+as it likes with :meth:`AgentClient.generate` (token ids in, a
+:class:`~treadle.rollout.server.Response` out) and appends what it wants the model to read with
+:meth:`AgentClient.encode_messages` and :meth:`Trajectory.add_tokens`.
+
+:func:`run_agents` runs the loops of a batch concurrently (at most
+``rollout.max_concurrent_trajectories``), each turn a request to the client. Requests issued
+in the same event-loop tick go to the client together, so the single-turn loop sends the whole
+batch as one fan-out, as the driver did before agent loops: same routing, same engine batches,
+same numbers. A later turn's requests join the engine while others run (continuous batching).
+The samples of one prompt share a session, so every turn of a group lands on one replica,
+whose prefix cache holds the prompt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from treadle.agents.tools import Toolbox, parse_tool_calls, result_message
+from treadle.agents.trajectory import Trajectory
+from treadle.engines.rollout import SamplingParams
+from treadle.errors import ConfigError, TreadleError
+from treadle.plugins import load_callable
+from treadle.rollout.client import RolloutClient, RolloutError
+from treadle.rollout.server import Request, Response
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One row of the prompt data: its rendered prompt tokens and every column of the file."""
+
+    uid: str
+    prompt_ids: list[int]
+    prompt_text: str
+    ground_truth: str
+    row: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_turns: int = 1
+    max_response_length: int = 32  # tokens after the prompt, model and tool tokens together
+    max_tool_response_tokens: int = 256
+
+
+class AgentLoopError(TreadleError):
+    """An agent loop raised, or returned something that is not a consistent trajectory."""
+
+
+AgentLoop = Callable[["AgentClient", Sample, Toolbox], Awaitable[Trajectory]]
+
+
+class _Batcher:
+    """Requests made in the same event-loop tick go to the client as one ``submit_many``."""
+
+    def __init__(self, client: RolloutClient) -> None:
+        self.client = client
+        self.pending: list[tuple[Request, asyncio.Future[Response]]] = []
+        self.running: set[asyncio.Future[list[Response]]] = set()
+
+    def submit(self, request: Request) -> asyncio.Future[Response]:
+        future = asyncio.get_running_loop().create_future()
+        if not self.pending:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self.pending.append((request, future))
+        return future
+
+    def _flush(self) -> None:
+        batch, self.pending = self.pending, []
+        requests = [r for r, _ in batch]
+        task = asyncio.ensure_future(self.client.submit_many(requests))
+        self.running.add(task)
+        task.add_done_callback(self.running.discard)
+        task.add_done_callback(lambda t: _deliver(t, [f for _, f in batch]))
+
+
+def _deliver(task: asyncio.Future[list[Response]], futures: list[asyncio.Future[Response]]) -> None:
+    for i, future in enumerate(futures):
+        if future.done():
+            continue
+        if task.cancelled():
+            future.cancel()
+        elif task.exception() is not None:
+            future.set_exception(task.exception())  # type: ignore[arg-type]
+        else:
+            future.set_result(task.result()[i])
+
+
+class AgentClient:
+    """What a loop sees of the model for one trajectory: generate, tokenizer, limits."""
+
+    def __init__(
+        self,
+        batcher: _Batcher,
+        tokenizer: PreTrainedTokenizerBase,
+        params: SamplingParams,
+        limits: Limits,
+        session_id: str,
+    ) -> None:
+        self._batcher, self.tokenizer = batcher, tokenizer
+        self.params, self.limits, self.session_id = params, limits, session_id
+
+    async def generate(
+        self, token_ids: Sequence[int], max_new_tokens: int | None = None
+    ) -> Response:
+        """One turn: the model continues ``token_ids`` (the whole conversation so far)."""
+        params = self.params
+        if max_new_tokens is not None and max_new_tokens != params.max_new_tokens:
+            params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
+        client = self._batcher.client
+        request = Request(client.new_id(), tuple(token_ids), params, self.session_id)
+        return await self._batcher.submit(request)
+
+    def encode_messages(
+        self, messages: list[dict[str, Any]], after: Sequence[int] = ()
+    ) -> list[int]:
+        """Tokens of chat ``messages`` appended to a conversation, then the header of the
+        model's next turn. ``after``: the model's last turn; if it ended with its end-of-turn
+        token, the template's text that follows that token (ChatML's newline) comes first."""
+        tok = self.tokenizer
+        base = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}]
+        base_ids = _encode(tok, _render(tok, base, generation=False))
+        full_ids = _encode(tok, _render(tok, base + messages, generation=True))
+        eos = tok.eos_token_id
+        tail: list[int] = []
+        if after and after[-1] == eos and eos in base_ids:
+            last = len(base_ids) - 1 - base_ids[::-1].index(eos)
+            tail = base_ids[last + 1 :]
+        return tail + full_ids[len(base_ids) :]
+
+    def remaining(self, trajectory: Trajectory) -> int:
+        """Tokens of the trajectory's budget still free."""
+        return self.limits.max_response_length - len(trajectory.token_ids)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def _render(
+    tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *, generation: bool
+) -> str:
+    text = tok.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
+    assert isinstance(text, str)
+    return text
+
+
+def _encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
+    return list(tok(text, add_special_tokens=False)["input_ids"])
+
+
+# ----------------------------------------------------------------------------- built-in loops
+
+
+async def single_turn(client: AgentClient, sample: Sample, tools: Toolbox) -> Trajectory:
+    """One response to the prompt."""
+    trajectory = Trajectory(list(sample.prompt_ids))
+    trajectory.add_response(await client.generate(sample.prompt_ids))
+    return trajectory
+
+
+async def tool_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Trajectory:
+    """Generate; run the turn's ``<tool_call>`` blocks; append their results; until the model
+    answers without a call (``response_text`` is that answer), a turn is cut by its length or
+    the budget, or ``max_turns`` turns are used."""
+    t = Trajectory(list(sample.prompt_ids))
+    calls = errors = 0
+    seconds = 0.0
+    while True:
+        budget = client.remaining(t)
+        response = await client.generate(t.all_token_ids, min(client.params.max_new_tokens, budget))
+        t.add_response(response)
+        text = client.decode(response.token_ids)
+        t.response_text = text
+        if response.stop_reason == "length":
+            break
+        requested = parse_tool_calls(text)
+        if not requested:
+            break
+        if t.turns >= client.limits.max_turns:
+            t.stop_reason = "max_turns"
+            break
+        results = await asyncio.gather(*(tools.call(c) for c in requested))
+        calls += len(results)
+        errors += sum(r.error for r in results)
+        seconds += sum(r.seconds for r in results)
+        messages = [result_message(client.tokenizer, _cut(client, r.content)) for r in results]
+        ids = client.encode_messages(messages, after=response.token_ids)
+        if len(ids) >= client.remaining(t):  # no room left for the model to read and answer
+            t.stop_reason = "length"
+            break
+        t.add_tokens(ids)
+    t.info.update(tool_calls=calls, tool_errors=errors, tool_seconds=seconds)
+    return t
+
+
+def _cut(client: AgentClient, content: str) -> str:
+    """A tool result cut to ``max_tool_response_tokens`` tokens."""
+    limit = client.limits.max_tool_response_tokens
+    ids = _encode(client.tokenizer, content)
+    if len(ids) <= limit:
+        return content
+    return client.decode(ids[:limit]) + " ...(cut)"
+
+
+BUILTIN_LOOPS: dict[str, AgentLoop] = {"single_turn": single_turn, "tools": tool_loop}
+
+
+def load_agent_loop(spec: str) -> AgentLoop:
+    """``rollout.agent_loop``: a built-in name or a function by path; it must be async."""
+    if spec in BUILTIN_LOOPS:
+        return BUILTIN_LOOPS[spec]
+    if ":" not in spec:
+        raise ConfigError(
+            f"rollout.agent_loop: unknown loop {spec!r}; built-in loops are "
+            f"{', '.join(BUILTIN_LOOPS)}, or give 'module:function' or 'path/to/file.py:function'"
+        )
+    fn = load_callable(spec, "rollout.agent_loop")
+    if not asyncio.iscoroutinefunction(fn):
+        raise ConfigError(
+            f"rollout.agent_loop: {spec!r} must be an async function "
+            "(async def loop(client, sample, tools) -> Trajectory)"
+        )
+    return fn  # type: ignore[return-value]
+
+
+# ----------------------------------------------------------------------------- running a batch
+
+
+async def run_agents(
+    loop: AgentLoop,
+    client: RolloutClient,
+    samples: Sequence[Sample],
+    copies: int,
+    params: SamplingParams,
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: Toolbox,
+    limits: Limits,
+    max_concurrent: int,
+) -> list[Trajectory]:
+    """``copies`` trajectories of every sample (consecutive), loops run concurrently."""
+    batcher = _Batcher(client)
+    gate = asyncio.Semaphore(max_concurrent)
+    single = dataclasses.replace(params, n=1)
+    sessions = [client.new_id("s") for _ in samples]
+
+    async def one(sample: Sample, session: str) -> Trajectory:
+        async with gate:
+            agent = AgentClient(batcher, tokenizer, single, limits, session)
+            try:
+                trajectory = await loop(agent, sample, tools)
+                if not isinstance(trajectory, Trajectory):
+                    raise TypeError(f"it returned {type(trajectory).__name__}, not a Trajectory")
+                trajectory.check()
+            except (RolloutError, asyncio.CancelledError):
+                raise
+            except Exception as e:
+                name = getattr(loop, "__qualname__", repr(loop))
+                raise AgentLoopError(
+                    f"agent loop {name!r} failed on sample {sample.uid}: {type(e).__name__}: {e}"
+                ) from e
+        return trajectory
+
+    tasks = [
+        asyncio.ensure_future(one(s, session))
+        for s, session in zip(samples, sessions, strict=True)
+        for _ in range(copies)
+    ]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:  # one loop failed: the others' trajectories are not wanted
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+    finally:
+        for session in sessions:
+            client.end_session(session)

@@ -1,0 +1,64 @@
+"""User code named in a config: ``module:function`` or ``path/to/file.py:function``.
+
+Agent loops and tools are given by such a spec. A spec whose left side ends in ``.py`` or
+contains a path separator is a file, imported with importlib under a name unique to the file
+(it need not be on ``sys.path`` or in a package); anything else is an importable module. A
+problem with the spec is a :class:`~treadle.errors.ConfigError` naming the config key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from treadle.errors import ConfigError
+
+
+def load_callable(spec: str, key: str) -> Callable[..., Any]:
+    """The function ``spec`` names (``module:function`` or ``file.py:function``)."""
+    left, sep, name = spec.rpartition(":")
+    if not sep or not left or not name:
+        raise ConfigError(f"{key}: {spec!r} is not 'module:function' or 'path/to/file.py:function'")
+    is_file = left.endswith(".py") or "/" in left
+    module = _import_file(Path(left), key) if is_file else _import_module(left, key)
+    obj = getattr(module, name, None)
+    if obj is None:
+        raise ConfigError(f"{key}: {left!r} has no function {name!r}")
+    if not callable(obj):
+        raise ConfigError(f"{key}: {name!r} in {left!r} is a {type(obj).__name__}, not a function")
+    return obj  # type: ignore[no-any-return]
+
+
+def _import_module(name: str, key: str) -> ModuleType:
+    try:
+        return importlib.import_module(name)
+    except ImportError as e:
+        raise ConfigError(f"{key}: cannot import module {name!r} ({e})") from e
+
+
+def _import_file(path: Path, key: str) -> ModuleType:
+    if not path.is_file():
+        raise ConfigError(f"{key}: file '{path}' does not exist")
+    resolved = path.resolve()
+    # A name unique per file, so two user files called tools.py do not collide.
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    module_name = f"treadle_user_{resolved.stem}_{digest}"
+    if module_name in sys.modules:
+        return sys.modules[module_name]
+    spec = importlib.util.spec_from_file_location(module_name, resolved)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"{key}: cannot import '{path}' as a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # lets the module use dataclasses, pickle, ...
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[module_name]
+        raise ConfigError(f"{key}: importing '{path}' raised {type(e).__name__}: {e}") from e
+    return module
