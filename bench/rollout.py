@@ -21,7 +21,10 @@ one after the other; the parent prints the table. The last two lines are
 given (bfloat16 by default: `rollout.dtype=bfloat16`, where vLLM gains most on a CPU with bf16),
 then `ratio service/inprocess smollm2-135m: <r>`: the same workload through a rollout replica
 (a Ray actor with its own vLLM engine, `treadle.workers.rollout.RolloutReplica`) and the
-rollout client, one request per sample, over the in-process vLLM engine's tokens/s.
+rollout client, one request per sample, over the in-process vLLM engine's tokens/s; then
+`ratio single_turn_loop/fanout smollm2-135m: <r>`: the same requests made by single-turn agent
+loops (`treadle.agents.run_agents`, the trainer's path since agent loops) over the plain fan-out
+(the better of one before and one after), which must not be slower.
 """
 
 from __future__ import annotations
@@ -93,6 +96,8 @@ def measure_service(
 
     import ray
 
+    from treadle.agents import Limits, Sample, Toolbox, run_agents
+    from treadle.agents.loops import single_turn
     from treadle.config import load_config
     from treadle.controller import _guarded
     from treadle.rollout import RayReplica, Request, RolloutClient
@@ -124,17 +129,26 @@ def measure_service(
     def requests(batch: list[list[int]], p: Any, n: int) -> list[Any]:
         return [Request(client.new_id(), tuple(x), p) for x in batch for _ in range(n)]
 
+    def agents() -> list[Any]:
+        samples = [Sample(str(i), x, "", "", {}) for i, x in enumerate(prompts)]
+        coro = run_agents(
+            single_turn, client, samples, params.n, params, tokenizer=None,
+            tools=Toolbox([]), limits=Limits(), max_concurrent=len(samples) * params.n,
+        )  # fmt: skip
+        return [t for t in client.run(coro)]
+
     client.generate(requests(prompts[:2], replace(single, max_new_tokens=4), 1))  # warm-up
-    seconds, out = timed(lambda: client.generate(requests(prompts, single, params.n)))
+    # fan-out, single-turn agent loops, fan-out again: the better of the two fan-outs counts
+    fan_s, out = timed(lambda: client.generate(requests(prompts, single, params.n)))
+    loop_s, trajectories = timed(agents)
+    fan_s = min(fan_s, timed(lambda: client.generate(requests(prompts, single, params.n)))[0])
     tokens = sum(len(r.token_ids) for r in out)
+    loop_tokens = sum(len(t.token_ids) for t in trajectories)
     client.close()
     ray.shutdown()
-    return {
-        "start_s": start_s,
-        "gen_s": seconds,
-        "tokens": tokens,
-        "tokens_per_s": tokens / seconds,
-    }
+    service = {"start_s": start_s, "gen_s": fan_s, "tokens": tokens, "tokens_per_s": tokens / fan_s}
+    loop = {"gen_s": loop_s, "tokens": loop_tokens, "tokens_per_s": loop_tokens / loop_s}
+    return {"service": service, "agents": loop}
 
 
 def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
@@ -172,7 +186,7 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     result["vllm"] = {"start_s": start_s, **measure_engine(vllm, prompts, params)}
     result["vllm"]["sync_s"] = measure_sync(vllm, source)
 
-    result["service"] = measure_service(path, prompts, params, args)
+    result.update(measure_service(path, prompts, params, args))
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     eos = [tokenizer.eos_token_id] if tokenizer.eos_token_id is not None else []
@@ -227,7 +241,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     header = f"{'model':<14}{'params':>9}  {'dtype':<9}{'engine':<8}{'start s':>9}{'tokens':>8}"
     print(header + f"{'gen s':>8}{'tokens/s':>10}{'sync s':>9}")
     for r in results:
-        for engine in ("vllm", "service", "hf"):
+        for engine in ("vllm", "service", "agents", "hf"):
             m = r[engine]
             start = f"{m['start_s']:9.1f}" if "start_s" in m else f"{'-':>9}"
             sync = f"{m['sync_s']:9.3f}" if "sync_s" in m else f"{'-':>9}"
@@ -236,7 +250,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 f"{m['tokens']:8d}{m['gen_s']:8.1f}{m['tokens_per_s']:10.0f}{sync}"
             )
     for r in results:
-        if not r["vllm"]["tokens"] == r["service"]["tokens"] == r["hf"]["tokens"]:
+        if len({r[e]["tokens"] for e in ("vllm", "service", "agents", "hf")}) > 1:
             print(f"warning: {r['model']}: the engines generated different token counts")
     last = next(r for r in reversed(results) if r["model"] == "smollm2-135m")
     for r, where in [*((r, f"{r['model']} {r['dtype']}") for r in results), (last, last["model"])]:
@@ -245,8 +259,13 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
 
 
 # (label, numerator, denominator): vLLM over transformers in-process; the rollout service (a
-# replica behind the client) over the same vLLM engine called in-process.
-RATIOS = (("vllm/hf", "vllm", "hf"), ("service/inprocess", "service", "vllm"))
+# replica behind the client) over the same vLLM engine called in-process; the same requests
+# made by single-turn agent loops over the plain fan-out.
+RATIOS = (
+    ("vllm/hf", "vllm", "hf"),
+    ("service/inprocess", "service", "vllm"),
+    ("single_turn_loop/fanout", "agents", "service"),
+)
 
 
 def main() -> None:

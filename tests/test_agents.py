@@ -308,3 +308,32 @@ def test_outcome_reward_lands_on_the_last_model_token_of_a_gapped_mask():
         [0.5, 0, 0, 0, 0, 0, 0],
         [2.0, 0, 0, 0, 0, 0, 0],
     ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.tools=[m:f]"], "rollout.tools are called by an agent loop"),
+        (["rollout.agent_loop=tools"], "rollout.agent_loop=tools needs rollout.tools"),
+        (
+            ["rollout.agent_loop=tools", "rollout.tools=[m:f]", "data.apply_chat_template=false"],
+            "set data.apply_chat_template=true",
+        ),
+    ],
+)
+def test_agent_config_mistakes_are_named(overrides, message):
+    from treadle.config import load_config
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_response_length_of_agent_loops():
+    from treadle.config import load_config
+
+    one = load_config(None, ["rollout.max_new_tokens=16"])
+    assert one.response_length() == 16
+    tools = ["rollout.agent_loop=tools", "rollout.tools=[m:f]", "rollout.max_new_tokens=16"]
+    cfg = load_config(None, [*tools, "rollout.max_turns=3", "rollout.max_tool_response_tokens=8"])
+    assert cfg.response_length() == 3 * (16 + 8)
+    assert load_config(None, [*tools, "rollout.max_response_length=50"]).response_length() == 50

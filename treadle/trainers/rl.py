@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 
+from treadle.agents.loops import load_agent_loop
 from treadle.algorithms import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
@@ -81,6 +82,7 @@ def check_names(cfg: Config) -> None:
             "`treadle train` runs RL: remove the section or run `treadle dpo`"
         )
     load_reward_fn(cfg.reward.function)
+    load_agent_loop(cfg.rollout.agent_loop)
 
 
 def outcome_rewards(mask: torch.Tensor, scores: list[float]) -> torch.Tensor:
