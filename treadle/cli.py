@@ -1,8 +1,13 @@
-"""``treadle`` command line: train | sft | dpo | rm | eval | prepare | demo.
+"""``treadle`` command line: train | sft | dpo | rm | eval | prepare | demo | model | sandbox.
 
 Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides.
 Problems a user can fix (config keys, data rows, reward functions) end the command with one
 line on stderr and exit code 2; nothing already written is removed.
+
+``treadle sandbox grade --solution FILE --tests FILE [--timeout SECONDS]`` prints exactly one
+JSON line, ``{"reward", "passed", "total", "status", "seconds"}``, and exits 0 whatever the
+solution does (a reason for a status other than ok goes to stderr); only a problem outside the
+solution (no bubblewrap, an unreadable file, tests that do not parse) exits 2.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from treadle.errors import TreadleError
 
@@ -88,6 +94,33 @@ def cmd_model_fetch(args: argparse.Namespace) -> None:
     print(fetch_model(args.name, cache_dir=args.cache_dir))
 
 
+def cmd_sandbox_grade(args: argparse.Namespace) -> None:
+    from treadle.sandbox import SandboxError, grade
+
+    texts = []
+    for flag, path in (("--solution", args.solution), ("--tests", args.tests)):
+        try:
+            texts.append(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError) as e:
+            raise SandboxError(f"{flag}: cannot read '{path}': {e}") from e
+    verdict = grade(texts[0], texts[1], timeout_s=args.timeout)
+    print(verdict.to_json(), flush=True)
+    if verdict.detail:
+        print(f"treadle: {verdict.status}: {verdict.detail}", file=sys.stderr)
+
+
+def _add_sandbox(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser("sandbox", help="run untrusted code: `treadle sandbox grade ...`")
+    sandbox_sub = s.add_subparsers(dest="sandbox_command", required=True)
+    g = sandbox_sub.add_parser(
+        "grade", help="run a solution and a tests file of top-level asserts in the sandbox"
+    )
+    g.add_argument("--solution", required=True, help="Python file to grade")
+    g.add_argument("--tests", required=True, help="Python file of top-level assert statements")
+    g.add_argument("--timeout", type=float, default=10.0, help="wall-clock and CPU seconds")
+    g.set_defaults(fn=cmd_sandbox_grade)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from treadle.tasks import PREPARERS
 
@@ -118,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("demo", help="prepare, SFT warm start, GRPO, held-out accuracy")
     s.add_argument("--examples", default="examples/arithmetic")
     s.set_defaults(fn=cmd_demo)
+    _add_sandbox(sub)
     return p
 
 
