@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import math
 import pickle
+import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from treadle.errors import ConfigError, RewardError
-from treadle.rewards import load_reward_fn, score_batch
+from treadle.rewards import load_reward_fn, sandboxed_reward, score_batch
 
 USER_FILE = """
 def length(prompt, response, ground_truth):
@@ -127,3 +129,48 @@ def test_plain_callables_and_long_texts_are_shortened():
     assert math.isclose(score_batch(lambda p, r, g: 0.25, ["p"], ["r"], ["g"])[0], 0.25)
     with pytest.raises(ValueError, match="must match"):
         score_batch(lambda p, r, g: 1, ["p", "q"], ["r"], ["g"])
+
+
+def test_sandboxed_rewards_run_in_parallel_up_to_workers_with_the_timeout():
+    running, peak, seen, lock = 0, 0, [], threading.Lock()
+
+    @sandboxed_reward
+    def slow(prompt: str, response: str, ground_truth: str, *, timeout_s: float = 0) -> float:
+        nonlocal running, peak
+        with lock:
+            running += 1
+            peak = max(peak, running)
+            seen.append(timeout_s)
+        time.sleep(0.05)
+        with lock:
+            running -= 1
+        return len(response)
+
+    responses = ["x" * i for i in range(9)]
+    assert score_batch(slow, ["p"] * 9, responses, ["g"] * 9, workers=3, timeout_s=2.5) == [
+        float(i) for i in range(9)
+    ]
+    assert peak == 3 and seen == [2.5] * 9
+    assert score_batch(slow, ["p"], ["abc"], ["g"]) == [3.0] and seen[-1] == 0  # no timeout_s
+
+
+def test_plain_rewards_stay_sequential_and_parallel_errors_name_the_first_sample():
+    threads = set()
+
+    def plain(prompt: str, response: str, ground_truth: str) -> float:
+        threads.add(threading.get_ident())
+        return 1.0
+
+    assert score_batch(plain, ["p"] * 4, ["r"] * 4, ["g"] * 4, workers=4, timeout_s=1) == [1.0] * 4
+    assert threads == {threading.get_ident()}
+
+    @sandboxed_reward
+    def picky(prompt: str, response: str, ground_truth: str, *, timeout_s: float = 0) -> float:
+        if response in ("b", "d"):
+            raise ValueError(f"bad {response}")
+        return 1.0
+
+    with pytest.raises(RewardError, match="failed on sample 1: raised ValueError: bad b"):
+        score_batch(picky, ["p"] * 4, ["a", "b", "c", "d"], ["g"] * 4, workers=4)
+    assert load_reward_fn("code").treadle_sandboxed
+    assert not load_reward_fn("arithmetic").treadle_sandboxed
