@@ -339,6 +339,16 @@ HOSTILE = [
         "import math\nassert math.isclose(f(1), 2.0)\n",
     ),
     _hostile(
+        "shadow_a_star_import",
+        """
+        def isclose(*args, **kwargs):
+            return True
+        def f(x):
+            return 0
+        """,
+        "from math import *\nassert isclose(f(1), 2.0)\n",
+    ),
+    _hostile(
         "walk_the_frames",
         """
         import sys

@@ -353,7 +353,7 @@ def _run_steps(
     report: Report,
 ) -> None:
     imports = {k: v for k, v in tests_ns.items() if k not in ("__name__", "__builtins__")}
-    protected = frozenset(payload["owned"]) | frozenset(_PRISTINE)
+    protected = frozenset(payload["owned"]) | frozenset(_PRISTINE) | frozenset(imports)
     for kind, index, obj in steps:
         if kind in ("import", "broken"):
             continue
