@@ -25,7 +25,7 @@ from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
-from treadle.rewards import load_reward_fn, score_batch
+from treadle.rewards import RewardFn, load_reward_fn, score_batch
 from treadle.tracking import Tracker
 from treadle.workers import ActorRolloutRefWorker
 
@@ -229,15 +229,23 @@ def evaluate(cfg: Config, rollout: Rollout, ds: PromptDataset, pad_id: int) -> f
     batch = prompt_batch(ds, list(range(n)), pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
     out = rollout.generate(batch, greedy)
-    fn = load_reward_fn(cfg.reward.function)
-    scores = score_batch(
-        fn,
-        list(out["prompt_text"]),
-        list(out["response_text"]),
-        list(out["ground_truth"]),
-        spec=cfg.reward.function,
-    )
+    scores = rule_scores(cfg, load_reward_fn(cfg.reward.function), out)
     return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
+
+
+def rule_scores(cfg: Config, fn: RewardFn, batch: Batch) -> list[float]:
+    """``fn`` on every sample of ``batch``; a sandboxed reward (code) grades up to
+    ``reward.sandbox_workers`` programs at once, each for ``reward.sandbox_timeout_s``."""
+    r = cfg.reward
+    return score_batch(
+        fn,
+        list(batch["prompt_text"]),
+        list(batch["response_text"]),
+        list(batch["ground_truth"]),
+        spec=r.function,
+        workers=r.sandbox_workers,
+        timeout_s=r.sandbox_timeout_s,
+    )
 
 
 def save_checkpoint(

@@ -54,13 +54,14 @@ from treadle.engines.packing import balance_ranks
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch, response_attention
-from treadle.rewards import load_reward_fn, score_batch
+from treadle.rewards import load_reward_fn
 from treadle.tracking import timed
 from treadle.trainers.common import (
     Trainer,
     evaluate,
     load_prompts,
     prompt_batch,
+    rule_scores,
 )
 from treadle.trainers.roles import plan_roles, start_roles
 
@@ -279,15 +280,7 @@ class RLTrainer(Trainer):
         """Token-level scores [B, R]: the reward function's score, or the reward model's when
         there is one (the rule's mean is then logged as ``reward/rule_mean``), plus DAPO's
         over-long penalty, on each response's last valid token."""
-        scores = torch.tensor(
-            score_batch(
-                self.reward_fn,
-                list(batch["prompt_text"]),
-                list(batch["response_text"]),
-                list(batch["ground_truth"]),
-                spec=self.cfg.reward.function,
-            )
-        )
+        scores = torch.tensor(rule_scores(self.cfg, self.reward_fn, batch))
         if self.rm is not None:
             if m is not None:
                 m["reward/rule_mean"] = float(scores.mean())
