@@ -99,6 +99,7 @@ def test_parse_tool_calls_takes_every_block_and_names_what_is_wrong():
     assert "must be a JSON object" in calls[4].error
     assert calls[5].error == "the <tool_call> block is not closed"
     assert parse_tool_calls("The answer is 42.") == []
+    assert parse_tool_calls("I reply within <tool_call></tool_call> tags.") == []
 
 
 def test_tool_calls_never_raise_errors_become_messages():

@@ -175,8 +175,9 @@ async def single_turn(client: AgentClient, sample: Sample, tools: Toolbox) -> Tr
 
 async def tool_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Trajectory:
     """Generate; run the turn's ``<tool_call>`` blocks; append their results; until the model
-    answers without a call (``response_text`` is that answer), a turn is cut by its length or
-    the budget, or ``max_turns`` turns are used."""
+    answers without a call (``response_text`` is that answer), the budget runs out, or
+    ``max_turns`` turns are used. A turn cut by its length ends the trajectory unless it holds
+    complete calls (the text after them is kept: it was sampled)."""
     t = Trajectory(list(sample.prompt_ids))
     calls = errors = 0
     seconds = 0.0
@@ -186,9 +187,10 @@ async def tool_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Traj
         t.add_response(response)
         text = client.decode(response.token_ids)
         t.response_text = text
-        if response.stop_reason == "length":
-            break
         requested = parse_tool_calls(text)
+        # A turn cut by its length still made the calls it closed (small models ramble on).
+        if response.stop_reason == "length":
+            requested = [c for c in requested if c.error is None]
         if not requested:
             break
         if t.turns >= client.limits.max_turns:

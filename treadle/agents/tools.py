@@ -166,9 +166,12 @@ def _as_text(value: Any) -> str:
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
-    """Every ``<tool_call>...</tool_call>`` block in ``text`` (an unclosed last block too)."""
+    """Every ``<tool_call>...</tool_call>`` block in ``text`` (an unclosed last block too); an
+    empty block is a mention of the tag (``within <tool_call></tool_call> tags``), not a call."""
     calls = []
     for body, closing in _CALL_RE.findall(text):
+        if not body.strip():
+            continue
         if not closing:
             calls.append(ToolCall(None, {}, "the <tool_call> block is not closed"))
             continue
