@@ -164,7 +164,7 @@ class ScriptedReplica:
 
     def __init__(self, tok, script: list[str], eos: bool = True) -> None:
         self.name, self.tok, self.script = "scripted", tok, list(script)
-        self.eos = eos
+        self.eos = eos  # False: every turn is cut by its length
         self.calls: list[list[Request]] = []
 
     async def generate(self, requests: list[Request]) -> list[Response]:
@@ -175,13 +175,13 @@ class ScriptedReplica:
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
             ids = [*ids, self.tok.eos_token_id] if self.eos else ids
             ids = ids[: r.params.max_new_tokens]
-            stop = "length" if len(ids) == r.params.max_new_tokens else "stop"
+            stop = "length" if len(ids) == r.params.max_new_tokens or not self.eos else "stop"
             out.append(Response(r.request_id, ids, [-0.25] * len(ids), stop, 3, self.name))
         return out
 
 
-def run_loop(tok, script, loop=tool_loop, limits=None, copies=1, samples=None):
-    replica = ScriptedReplica(tok, script)
+def run_loop(tok, script, loop=tool_loop, limits=None, copies=1, samples=None, eos=True):
+    replica = ScriptedReplica(tok, script, eos)
     client = RolloutClient([replica])
     prompt = tok("<|im_start|>user\nWhat is 2+40?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
     samples = samples or [Sample("u:1", prompt, "What is 2+40?", "42", {})]
@@ -338,3 +338,12 @@ def test_response_length_of_agent_loops():
     cfg = load_config(None, [*tools, "rollout.max_turns=3", "rollout.max_tool_response_tokens=8"])
     assert cfg.response_length() == 3 * (16 + 8)
     assert load_config(None, [*tools, "rollout.max_response_length=50"]).response_length() == 50
+
+
+def test_a_turn_cut_by_length_still_runs_the_calls_it_closed(tok):
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call> and so'
+    (t,), _ = run_loop(tok, [call, "Answer: 42 and", "never asked"], eos=False)
+    assert (t.turns, t.stop_reason, t.info["tool_calls"]) == (2, "length", 1)
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(t.token_ids)
+    (t,), _ = run_loop(tok, ['<tool_call>{"name": "add", "argum'], eos=False)
+    assert (t.turns, t.stop_reason, t.info["tool_calls"]) == (1, "length", 0)
