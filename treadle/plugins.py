@@ -1,8 +1,9 @@
 """User code named in a config: ``module:function`` or ``path/to/file.py:function``.
 
-Agent loops and tools are given by such a spec. A spec whose left side ends in ``.py`` or
-contains a path separator is a file, imported with importlib under a name unique to the file
-(it need not be on ``sys.path`` or in a package); anything else is an importable module. A
+Reward functions, agent loops and tools are given by such a spec. A spec whose left side ends
+in ``.py`` or contains a path separator is a file, imported with importlib under a name unique
+to the file (it need not be on ``sys.path`` or in a package); anything else is an importable
+module. A
 problem with the spec is a :class:`~treadle.errors.ConfigError` naming the config key.
 """
 
@@ -49,8 +50,6 @@ def _import_file(path: Path, key: str) -> ModuleType:
     # A name unique per file, so two user files called tools.py do not collide.
     digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
     module_name = f"treadle_user_{resolved.stem}_{digest}"
-    if module_name in sys.modules:
-        return sys.modules[module_name]
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{key}: cannot import '{path}' as a Python file")

@@ -27,19 +27,15 @@ before, and never receives `timeout_s`.
 from __future__ import annotations
 
 import difflib
-import hashlib
 import importlib
-import importlib.util
 import math
 import numbers
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from types import ModuleType
 from typing import Any, TypeVar
 
 from treadle.errors import ConfigError, RewardError
+from treadle.plugins import load_callable
 
 # name -> "module:function", imported on first use
 BUILTIN_REWARDS: dict[str, str] = {
@@ -108,38 +104,7 @@ def _resolve(spec: str) -> Callable[..., Any]:
             f"{', '.join(sorted(BUILTIN_REWARDS))}, or give a user function as "
             "'path/to/file.py:function'"
         )
-    path_text, _, name = spec.rpartition(":")
-    module = _import_file(Path(path_text), spec)
-    obj = getattr(module, name, None)
-    if obj is None:
-        raise ConfigError(f"reward.function: '{path_text}' has no function '{name}'")
-    if not callable(obj):
-        raise ConfigError(
-            f"reward.function: '{name}' in '{path_text}' is a {type(obj).__name__}, not a function"
-        )
-    return obj  # type: ignore[no-any-return]
-
-
-def _import_file(path: Path, spec: str) -> ModuleType:
-    if not path.is_file():
-        raise ConfigError(f"reward.function: file '{path}' does not exist (from '{spec}')")
-    resolved = path.resolve()
-    # A name unique per file, so two user files called reward.py do not collide.
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
-    module_name = f"treadle_user_reward_{resolved.stem}_{digest}"
-    module_spec = importlib.util.spec_from_file_location(module_name, resolved)
-    if module_spec is None or module_spec.loader is None:
-        raise ConfigError(f"reward.function: cannot import '{path}' as a Python file")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[module_name] = module  # lets the user's module use dataclasses, pickle, ...
-    try:
-        module_spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[module_name]
-        raise ConfigError(
-            f"reward.function: importing '{path}' raised {type(e).__name__}: {e}"
-        ) from e
-    return module
+    return load_callable(spec, "reward.function")
 
 
 def _shorten(text: Any, limit: int = 80) -> str:
