@@ -130,3 +130,53 @@ def test_tools_loop_end_to_end_with_vllm_replicas(long_task, tmp_path, ray_sessi
     for r in rows:
         assert 1.0 <= r["agent/turns_mean"] <= 3.0
         assert r["agent/tool_calls_mean"] >= 0.0 and "agent/tool_errors_mean" in r
+
+
+def test_single_turn_loop_samples_what_the_plain_fan_out_samples(tiny_task, tmp_path):
+    """The single-turn agent loop against the driver's generate before agent loops (one request
+    per sample, all sent at once, a prompt's samples in one session): the same tokens and
+    log-probs, so every number downstream is the same."""
+    from dataclasses import replace
+
+    from treadle.rollout.server import Request
+    from treadle.trainers.common import prompt_batch
+
+    cfg = load_config(
+        None,
+        [
+            f"model.path={tiny_task['model']}",
+            f"data.train_files=[{tiny_task['train']}]",
+            "data.batch_size=4",
+            "rollout.n=3",
+            "rollout.max_new_tokens=12",
+            "rollout.engine=hf",
+            "actor.ppo_mini_batch_size=12",
+            "trainer.backend=local",
+            "trainer.progress=false",
+            f"trainer.output_dir={tmp_path}",
+        ],
+    )
+    trainer = RLTrainer(cfg)
+    try:
+        prompts = prompt_batch(trainer.train_ds, [0, 1, 2, 3], trainer.train_ds.pad_id)
+        params = trainer.sampling(step=1)
+        batch = trainer.rollout.generate(prompts, params)
+        client = trainer.rollout.client
+        sessions = [client.new_id("s") for _ in range(4)]
+        requests = [
+            Request(
+                client.new_id(), tuple(trainer.train_ds[i]["prompt_ids"]), replace(params, n=1), s
+            )
+            for i, s in enumerate(sessions)
+            for _ in range(3)
+        ]
+        responses = client.generate(requests)
+    finally:
+        trainer.close()
+    assert "response_attention_mask" not in batch and "turns" not in batch
+    for row, r in enumerate(responses):
+        n = len(r.token_ids)
+        assert batch["responses"][row, :n].tolist() == r.token_ids
+        assert batch["response_mask"][row].tolist() == [1] * n + [0] * (12 - n)
+        assert batch["rollout_log_probs"][row, :n].tolist() == r.log_probs
+    assert len({tuple(r.token_ids) for r in responses}) > 1  # sampled, not all alike
