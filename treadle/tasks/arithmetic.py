@@ -31,7 +31,7 @@ import logging
 import random
 import re
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from itertools import zip_longest
 from pathlib import Path
 from typing import Any
@@ -472,6 +472,36 @@ def write_manifest(path: Path, manifest: dict[str, Any]) -> None:
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(manifest, indent=2) + "\n", encoding="utf-8")
     tmp.replace(path)
+
+
+def write_held_out(
+    out_dir: str | Path,
+    manifest: dict[str, Any],
+    rows: Callable[[], list[dict[str, str]]],
+    n_test: int,
+) -> dict[str, Path]:
+    """Write `test.jsonl` (the first `n_test` of `rows()`) and `train.jsonl` (the rest) under
+    `out_dir`, unless its `prepare.json` already records `manifest`; the manifest goes last.
+
+    `rows()` yields distinct problems, test first, so the test set does not depend on how many
+    train rows there are and no test prompt is in train."""
+    out = Path(out_dir)
+    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
+    manifest_path = out / "prepare.json"
+    if manifest_matches(manifest_path, manifest, paths.values()):
+        logger.info("reusing prepared %s task in %s", manifest.get("task", ""), out)
+        return paths
+    every = rows()
+    test, train = every[:n_test], every[n_test:]
+    leaked = {r["prompt"] for r in test} & {r["prompt"] for r in train}
+    if leaked:  # cannot happen with distinct problems; guards future changes to a generator
+        raise AssertionError(f"{len(leaked)} test prompts also in train, e.g. {min(leaked)!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest_path.unlink(missing_ok=True)
+    write_jsonl(train, paths["train"])
+    write_jsonl(test, paths["test"])
+    write_manifest(manifest_path, manifest)
+    return paths
 
 
 def _is_prepared(paths: dict[str, Path], manifest: dict[str, Any]) -> bool:

@@ -62,7 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from treadle.tasks.arithmetic import manifest_matches, write_jsonl, write_manifest
+from treadle.tasks.arithmetic import write_held_out
 from treadle.tasks.chat_arithmetic import extract_final_number
 
 logger = logging.getLogger(__name__)
@@ -259,22 +259,14 @@ def prepare(
         "min_value": min_value,
         "max_value": max_value,
     }
-    out = Path(out_dir)
-    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
-    manifest_path = out / "prepare.json"
-    if manifest_matches(manifest_path, manifest, paths.values()):
-        logger.info("reusing prepared calculator task in %s", out)
-        return paths
-    rows = generate_problems(
-        n_test + n_train, seed, phrasing=phrasing, min_value=min_value, max_value=max_value
+    return write_held_out(
+        out_dir,
+        manifest,
+        lambda: generate_problems(
+            n_test + n_train, seed, phrasing=phrasing, min_value=min_value, max_value=max_value
+        ),
+        n_test,
     )
-    test, train = rows[:n_test], rows[n_test:]
-    out.mkdir(parents=True, exist_ok=True)
-    manifest_path.unlink(missing_ok=True)
-    write_jsonl(train, paths["train"])
-    write_jsonl(test, paths["test"])
-    write_manifest(manifest_path, manifest)
-    return paths
 
 
 # --- verifier --------------------------------------------------------------------------------

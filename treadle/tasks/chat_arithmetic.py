@@ -51,13 +51,7 @@ import logging
 import re
 from pathlib import Path
 
-from treadle.tasks.arithmetic import (
-    OPS,
-    generate_problems,
-    manifest_matches,
-    write_jsonl,
-    write_manifest,
-)
+from treadle.tasks.arithmetic import OPS, generate_problems, write_held_out
 
 logger = logging.getLogger(__name__)
 
@@ -157,30 +151,19 @@ def prepare_chat(
         "max_value": max_value,
         "ops": ops,
     }
-    out = Path(out_dir)
-    paths = {"train": out / "train.jsonl", "test": out / "test.jsonl"}
-    manifest_path = out / "prepare.json"
-    if manifest_matches(manifest_path, manifest, paths.values()):
-        logger.info("reusing prepared chat arithmetic task in %s", out)
-        return paths
-    rows = generate_chat_problems(
-        n_test + n_train,
-        seed,
-        phrasing=phrasing,
-        min_value=min_value,
-        max_value=max_value,
-        ops=ops,
+    return write_held_out(
+        out_dir,
+        manifest,
+        lambda: generate_chat_problems(
+            n_test + n_train,
+            seed,
+            phrasing=phrasing,
+            min_value=min_value,
+            max_value=max_value,
+            ops=ops,
+        ),
+        n_test,
     )
-    test, train = rows[:n_test], rows[n_test:]
-    leaked = {r["prompt"] for r in test} & {r["prompt"] for r in train}
-    if leaked:  # cannot happen with distinct problems; guards future changes to the generator
-        raise AssertionError(f"{len(leaked)} test prompts also in train, e.g. {min(leaked)!r}")
-    out.mkdir(parents=True, exist_ok=True)
-    manifest_path.unlink(missing_ok=True)
-    write_jsonl(train, paths["train"])
-    write_jsonl(test, paths["test"])
-    write_manifest(manifest_path, manifest)
-    return paths
 
 
 # --- verifier --------------------------------------------------------------------------------
