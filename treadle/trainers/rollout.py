@@ -1,9 +1,11 @@
 """The driver's rollout: replicas placed as the config says, a client over them, weight sync.
 
-:class:`Rollout` is all the driver knows of generation. ``generate`` turns a batch of prompts
-into ``rollout.n`` requests each (one per sample; one per prompt when greedy), sends them
-through the :class:`~treadle.rollout.client.RolloutClient` and builds the response side of the
-batch; ``sync_weights`` pushes the actor's new weights to every replica under a version number.
+:class:`Rollout` is all the driver knows of generation. ``generate`` runs the agent loop
+(``rollout.agent_loop``, :mod:`treadle.agents`) ``rollout.n`` times on each prompt (once when
+greedy) over the :class:`~treadle.rollout.client.RolloutClient` and builds the response side of
+the batch from the trajectories (single_turn: one request per sample, all sent at once, as
+before agent loops); ``sync_weights`` pushes the actor's new weights to every replica under a
+version number.
 
 - ``rollout.placement=colocated``: the replicas are the actor's own ranks (each process holds
   a server next to its FSDP shard, :class:`~treadle.workers.rollout.ServesRollout`); a sync is
@@ -126,8 +128,8 @@ class Rollout:
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` samples per prompt (consecutive rows), each a trajectory of the agent
         loop, with the response-side fields: responses, response_mask (the loss mask),
-        rollout_log_probs, response_text, stop_reason, weight_version; and, when some
-        trajectory has tokens the model did not sample, response_attention_mask."""
+        rollout_log_probs, response_text, stop_reason, weight_version; for agent loops other
+        than single_turn also response_attention_mask, turns and agent_<info key>."""
         copies = params.n if params.temperature == 0 else 1  # greedy samples are all equal
         a = self.agents
         samples = [
@@ -157,12 +159,9 @@ class Rollout:
         return self.trajectory_batch(batch, trajectories, a.width(params))
 
     def trajectory_batch(self, batch: Batch, trajectories: list[Trajectory], width: int) -> Batch:
-        if any(
-            t.prompt_ids != list(ids)
-            for t, ids in zip(
-                trajectories, _left_trim(batch["prompts"], batch["prompt_mask"]), strict=True
-            )
-        ):
+        """The response side of ``batch`` (one row per trajectory) padded to ``width``."""
+        given = [list(ids) for ids in _left_trim(batch["prompts"], batch["prompt_mask"])]
+        if [t.prompt_ids for t in trajectories] != given:
             ids, mask = collate_prompts([t.prompt_ids for t in trajectories], self.pad_id)
             batch["prompts"], batch["prompt_mask"] = ids, mask  # a loop rewrote its prompt
         longest = max(len(t.token_ids) for t in trajectories)
@@ -171,33 +170,24 @@ class Rollout:
                 f"an agent loop returned {longest} tokens after the prompt, more than its "
                 f"budget of {width} (rollout.max_response_length)"
             )
-        batch["responses"] = _pad_right(
-            [t.token_ids for t in trajectories], width, self.pad_id, torch.long
-        )
-        batch["response_mask"] = _pad_right(
-            [t.loss_mask for t in trajectories], width, 0, torch.long
-        )
-        if self.agents.loop is not single_turn:  # tool tokens are attended, not trained
-            batch["response_attention_mask"] = _pad_right(
-                [[1] * len(t.token_ids) for t in trajectories], width, 0, torch.long
-            )
-        batch["rollout_log_probs"] = _pad_right(
-            [t.log_probs for t in trajectories], width, 0.0, torch.float32
-        )
+
+        def pad(rows: list[list[Any]], value: Any, dtype: torch.dtype) -> torch.Tensor:
+            return _pad_right(rows, width, value, dtype)
+
+        batch["responses"] = pad([t.token_ids for t in trajectories], self.pad_id, torch.long)
+        batch["response_mask"] = pad([t.loss_mask for t in trajectories], 0, torch.long)
+        batch["rollout_log_probs"] = pad([t.log_probs for t in trajectories], 0.0, torch.float32)
         batch["weight_version"] = torch.tensor([min(t.weight_versions) for t in trajectories])
+        decoded = self.decode([t.model_token_ids for t in trajectories])
         batch["response_text"] = [
-            t.response_text if t.response_text is not None else text
-            for t, text in zip(
-                trajectories, self.decode([t.model_token_ids for t in trajectories]), strict=True
-            )
+            text if t.response_text is None else t.response_text
+            for t, text in zip(trajectories, decoded, strict=True)
         ]
         batch["stop_reason"] = [t.stop_reason for t in trajectories]
-        if self.agents.loop is not single_turn:
-            batch["turns"] = torch.tensor([float(t.turns) for t in trajectories])
-            for key in sorted({k for t in trajectories for k in t.info}):
-                values = [t.info.get(key) for t in trajectories]
-                if all(isinstance(v, (int, float)) for v in values):
-                    batch[f"agent_{key}"] = torch.tensor([float(v) for v in values])  # type: ignore[arg-type]
+        if self.agents.loop is not single_turn:  # tool tokens are attended, not trained
+            ones = [[1] * len(t.token_ids) for t in trajectories]
+            batch["response_attention_mask"] = pad(ones, 0, torch.long)
+            batch.update(tensors=_agent_fields(trajectories))
         return batch
 
     # ------------------------------------------------------------------ weights
@@ -221,6 +211,16 @@ class Rollout:
                 ray.kill(r)
         if self.pool is not None:
             self.pool.remove()
+
+
+def _agent_fields(trajectories: list[Trajectory]) -> dict[str, torch.Tensor]:
+    """``turns`` and ``agent_<key>`` for every number each trajectory's info has [B]."""
+    fields = {"turns": torch.tensor([float(t.turns) for t in trajectories])}
+    for key in sorted(set.intersection(*(set(t.info) for t in trajectories))):
+        values = [t.info[key] for t in trajectories]
+        if all(isinstance(v, int | float) for v in values):
+            fields[f"agent_{key}"] = torch.tensor([float(v) for v in values])
+    return fields
 
 
 def reserve_rollout_pool(cfg: Config) -> ResourcePool | None:
