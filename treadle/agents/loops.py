@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -133,14 +134,9 @@ class AgentClient:
         model's next turn. ``after``: the model's last turn; if it ended with its end-of-turn
         token, the template's text that follows that token (ChatML's newline) comes first."""
         tok = self.tokenizer
-        base = [{"role": "system", "content": "x"}, {"role": "user", "content": "x"}]
-        base_ids = _encode(tok, _render(tok, base, generation=False))
-        full_ids = _encode(tok, _render(tok, base + messages, generation=True))
-        eos = tok.eos_token_id
-        tail: list[int] = []
-        if after and after[-1] == eos and eos in base_ids:
-            last = len(base_ids) - 1 - base_ids[::-1].index(eos)
-            tail = base_ids[last + 1 :]
+        base_ids, after_eos = _base_conversation(tok)
+        full_ids = _encode(tok, _render(tok, [*_BASE, *messages], generation=True))
+        tail = after_eos if after and after[-1] == tok.eos_token_id else []
         return tail + full_ids[len(base_ids) :]
 
     def remaining(self, trajectory: Trajectory) -> int:
@@ -149,6 +145,21 @@ class AgentClient:
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+_BASE = ({"role": "system", "content": "x"}, {"role": "user", "content": "x"})
+
+
+@functools.lru_cache(maxsize=8)
+def _base_conversation(tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
+    """The tokens of a short conversation that appended messages are cut from, and what the
+    template writes after its last end-of-turn token (rendered once per tokenizer)."""
+    base_ids = _encode(tok, _render(tok, list(_BASE), generation=False))
+    eos = tok.eos_token_id
+    if eos not in base_ids:
+        return base_ids, []
+    last = len(base_ids) - 1 - base_ids[::-1].index(eos)
+    return base_ids, base_ids[last + 1 :]
 
 
 def _render(
