@@ -7,7 +7,8 @@ rank's process, weights copied in memory) and split (two replicas in a pool of t
 weights over a gloo group), both with vLLM under Ray (one vLLM engine per process: not in
 this test process, whose engine belongs to test_vllm_engine). The tiny model has tied
 embeddings, the case vLLM gets wrong unless re-tied.
-A replica killed mid-rollout stops the run with one line naming it; what was written stays.
+A replica killed mid-rollout or before a weight sync stops the run with one line naming it;
+what was written stays.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ import sys
 import time
 
 import pytest
+import ray
 import torch
 
 from treadle.config import load_config
 from treadle.engines.rollout import SamplingParams
 from treadle.models import load_causal_lm
+from treadle.rollout.client import RolloutError
 from treadle.trainers.rl import RLTrainer
 
 pytestmark = pytest.mark.slow
@@ -115,6 +118,10 @@ def test_split_replicas_after_a_sync_match_the_actor(
         assert names == ["rollout replica 0", "rollout replica 1"]
         _check_against_actor(t, tiny_task, tmp_path)
         assert set(t.sample(2, {})["weight_version"].tolist()) == {1}  # both replicas
+        # a replica that dies before a sync breaks the actor's broadcast: the error names it
+        ray.kill(t.rollout.replicas[1])
+        with pytest.raises(RolloutError, match=r"^rollout replica 1 died during a weight sync"):
+            t.rollout.sync_weights(version=2)
     finally:
         t.close()
 

@@ -196,7 +196,11 @@ class Rollout:
         """Push the actor's weights to every replica as ``version``; the bytes sent (the time
         is the driver's ``timing/sync_weights``)."""
         receiving = [r.receive_weights.remote(version) for r in self.replicas]
-        sent = self.group.sync_weights(version)
+        try:
+            sent = self.group.sync_weights(version)
+        except Exception:  # a replica that died mid-broadcast breaks the sender's group
+            _name_dead_replica(self.names, receiving)
+            raise
         for name, ref in zip(self.names, receiving, strict=True):
             _get(ref, f"{name} died during a weight sync")
         return {"rollout/weight_sync_bytes": float(sent)}
@@ -326,6 +330,22 @@ def _get(ref: Any, dead: str) -> Any:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:
         raise RolloutError(f"{dead} ({cause_line(e)})") from None
+
+
+def _name_dead_replica(names: list[str], receiving: list[Any], wait_s: float = 10.0) -> None:
+    """Raise the RolloutError of the first replica whose ``receive_weights`` died; the others'
+    calls are left to fail as their group breaks."""
+    import ray
+
+    done, _ = ray.wait(receiving, num_returns=len(receiving), timeout=wait_s)
+    for name, ref in zip(names, receiving, strict=True):
+        if ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                raise RolloutError(f"{name} died during a weight sync ({cause_line(e)})") from None
+            except Exception:
+                pass
 
 
 def _join_weight_sync(group: WorkerGroup, replicas: list[Any]) -> None:
