@@ -93,8 +93,10 @@ def test_dump_is_complete_and_reloads(tmp_path):
         "actor",
         "critic",
         "trainer",
+        "async",
     }
     assert data["trainer"]["total_steps"] == 3
+    assert data["async"]["max_staleness"] == 1
     assert load_config(out) == cfg
 
 

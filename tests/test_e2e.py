@@ -96,7 +96,7 @@ def test_grpo_local_backend_resume_is_deterministic(tiny_task, length_reward, tm
     local = (
         "trainer.backend=local",
         "trainer.eval_every=3",
-        "algorithm.rollout_is_cap=2.0",  # truncated IS on: the worker path runs
+        "algorithm.rollout_correction=tis",  # truncated IS on: the worker path runs
         "algorithm.kl_reward_coef=0.05",  # adaptive KL in the reward: its state must resume
         "algorithm.kl_target=0.001",
         "algorithm.kl_horizon=20",

@@ -82,6 +82,12 @@ def check_names(cfg: Config) -> None:
             "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "
             "`treadle train` runs RL: remove the section or run `treadle dpo`"
         )
+    if cfg.trainer.mode != "sync" and "baseline_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator):
+        raise ConfigError(
+            f"algorithm.adv_estimator={alg.adv_estimator} needs greedy baselines generated with "
+            f"the learner's weights, which trainer.mode={cfg.trainer.mode} does not have; use "
+            "trainer.mode=sync"
+        )
     load_reward_fn(cfg.reward.function)
     load_agent_loop(cfg.rollout.agent_loop)
 

@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
+from treadle.algorithms.correction import rollout_correction
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, free_port, register
@@ -209,20 +210,26 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
                 mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
             )
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
-        is_weights = None
-        if alg.rollout_is_cap is not None:  # truncated IS: pi_train / pi_rollout, capped
-            ratio = torch.exp(old - mb["rollout_log_probs"])
-            is_weights = ratio.clamp(max=alg.rollout_is_cap).to(logp.dtype)
+        # pi_old / pi_rollout: the engine's numerics, and stale weights in the async modes
+        is_weights, pg_mask, over_cap = None, rmask, 0.0
+        if alg.rollout_correction != "none":
+            is_weights, pg_mask, over_cap = rollout_correction(
+                old,
+                mb["rollout_log_probs"].to(old.device),
+                rmask,
+                alg.rollout_correction,
+                alg.rollout_correction_cap,
+            )
         pg_loss, stats = loss_fn(
             logp,
             old,
             mb["advantages"],
-            rmask,
+            pg_mask,
             loss_agg_mode=alg.loss_agg_mode,
             clip_ratio_low=alg.clip_ratio_low,
             clip_ratio_high=alg.clip_ratio_high,
             clip_ratio_c=alg.clip_ratio_c,
-            rollout_is_weights=is_weights,
+            rollout_is_weights=None if is_weights is None else is_weights.to(logp.dtype),
             agg_kwargs=agg,
         )
         loss = pg_loss
@@ -230,6 +237,8 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
             "actor/pg_loss": float(pg_loss.detach()),
             "actor/clip_frac": stats["pg_clipfrac"],
         }
+        if is_weights is not None:
+            metrics["actor/rollout_corr_over_cap_frac"] = over_cap
         if alg.kl_coef > 0:
             kl = agg_loss(
                 kl_penalty(logp, mb["ref_log_probs"], alg.kl_estimator),
@@ -250,7 +259,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         Collect.MEAN,
         reads=(*SEQUENCES, "advantages"),
         # old: unless the update's own forward stands for it; ref: with kl_coef > 0;
-        # rollout: without old log-probs (mismatch) or with algorithm.rollout_is_cap
+        # rollout: without old log-probs (mismatch) or with algorithm.rollout_correction
         optional=(*ATTENTION, "old_log_probs", "ref_log_probs", "rollout_log_probs"),
     )
     def update_actor(self, batch: Batch) -> dict[str, float]:
@@ -280,6 +289,8 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         micros = [mb.select(idx) for idx in micro_batches(mb, self.cfg.actor)]
         out = self.actor.train_step(micros, lambda m: self._actor_loss(m, agg), prefix="actor/")
         out["actor/clip_frac"] /= len(micros)
+        if "actor/rollout_corr_over_cap_frac" in out:
+            out["actor/rollout_corr_over_cap_frac"] /= len(micros)
         return out
 
     @register(Dispatch.DP, Collect.MEAN, reads=("input_ids", "attention_mask", "loss_mask"))
