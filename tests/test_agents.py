@@ -296,8 +296,9 @@ def test_trajectory_check_names_inconsistent_lengths():
     t.add_response(Response("r", [5, 6], [-1.0, -1.0], "stop", 0, "x"))
     t.add_tokens([7])
     t.check()
+    assert t.token_versions == [0, 0, -1]  # the tool token was not sampled
     t.log_probs.append(0.0)
-    with pytest.raises(ValueError, match="3 token ids, 3 loss-mask entries and 4 log-probs"):
+    with pytest.raises(ValueError, match="3 token ids, 3 loss-mask entries, 4 log-probs and 3 "):
         t.check()
 
 

@@ -8,6 +8,7 @@ and vLLM engines on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 import torch
@@ -228,11 +229,70 @@ def test_no_weight_update_while_requests_are_in_flight():
     responses = asyncio.run(both())
     assert refused == [
         "rollout replica 3: a weight update with 4 requests in flight; weights change between "
-        "requests"
+        "requests (or pass interrupt=True)"
     ]
     assert engine.loaded == [] and {r.weight_version for r in responses} == {4}
     server.update_weights([("w", torch.zeros(1))], 5)  # idle now
     assert engine.loaded == [1] and server.version == 5
+
+
+class TokenEngine:
+    """A test double: one token a step per request (``10 * version + position``, log-prob
+    ``-position``) until ``max_new_tokens``; records every request it is given."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self.running: dict[str, tuple[list[int], int]] = {}  # id -> (tokens, budget)
+        self.added: list[tuple[str, list[int], int]] = []
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        self.running[request_id] = ([], params.max_new_tokens)
+        self.added.append((request_id, list(prompt), params.max_new_tokens))
+
+    def step(self) -> list[Finished]:
+        done = []
+        for rid, (tokens, budget) in list(self.running.items()):
+            tokens.append(10 * self.version + len(tokens))
+            if len(tokens) == budget:
+                del self.running[rid]
+                done.append(Finished(rid, tokens, [-float(i) for i in range(budget)], "length"))
+        return done
+
+    def abort(self, request_id: str) -> tuple[list[int], list[float]]:
+        tokens, _ = self.running.pop(request_id)
+        return tokens, [-float(i) for i in range(len(tokens))]
+
+    def update_weights(self, named_tensors) -> None:
+        self.version = int(next(iter(named_tensors))[1])
+
+
+def test_a_partial_rollout_pauses_loads_and_goes_on_with_per_token_versions():
+    """Two steps at version 4, a weight update with interrupt=True, three more at version 5:
+    the request goes on from its prompt plus its two tokens with a budget of three."""
+    engine = TokenEngine()
+    engine.version = 4
+    server = RolloutServer(engine, "rollout replica 0", version=4)
+    params = dataclasses.replace(SAMPLE, max_new_tokens=5)
+
+    async def update_after_two_steps() -> None:
+        for _ in range(2):
+            await asyncio.sleep(0)  # the pump steps once per turn of the loop
+        server.update_weights([("w", torch.tensor(5))], 5, interrupt=True)
+
+    async def both() -> list[Response]:
+        batch = server.generate([Request("a", (1, 2), params), Request("b", (3,), params)])
+        responses, _ = await asyncio.gather(batch, update_after_two_steps())
+        return responses
+
+    a, b = asyncio.run(both())
+    assert a.token_ids == [40, 41, 50, 51, 52] and b.token_ids == [40, 41, 50, 51, 52]
+    assert a.token_versions == (4, 4, 5, 5, 5) and a.versions() == [4, 4, 5, 5, 5]
+    assert a.weight_version == 4 and a.stop_reason == "length"
+    assert a.log_probs == [0.0, -1.0, 0.0, -1.0, -2.0]  # each piece as its engine gave it
+    assert engine.added[2:] == [("a", [1, 2, 40, 41], 3), ("b", [3, 40, 41], 3)]
+    assert server.in_flight == 0 and server.version == 5
+    (c,) = asyncio.run(server.generate([Request("c", (1,), params)]))  # not paused
+    assert c.token_versions == () and c.versions() == [5] * 5 and c.weight_version == 5
 
 
 def test_duplicate_request_ids_in_flight_are_refused(hf_server):

@@ -141,6 +141,44 @@ def test_update_weights_matches_transformers(engine, vllm_model, tokenizer, prom
     assert_same_greedy(engine.generate(prompts, GREEDY), before)
 
 
+def test_a_partial_rollout_goes_on_with_the_new_weights(engine, vllm_model, tokenizer, prompts):
+    """Greedy requests paused after a few engine steps by an update to other weights: the tokens
+    before the pause are the old model's, the rest the new model's continuation of the prompt
+    and those tokens, each tagged with its version."""
+    import asyncio
+
+    from treadle.rollout.server import Request, RolloutServer
+
+    server = RolloutServer(engine, "rollout replica 0", version=0)
+    new_model = perturbed(load_causal_lm(vllm_model), seed=2)
+
+    async def update_after_steps() -> None:
+        for _ in range(4):
+            await asyncio.sleep(0)  # the pump steps once per turn of the loop
+        server.update_weights(new_model.state_dict().items(), 1, interrupt=True)
+
+    async def both():
+        batch = server.generate([Request(f"p{i}", tuple(p), GREEDY) for i, p in enumerate(prompts)])
+        responses, _ = await asyncio.gather(batch, update_after_steps())
+        return responses
+
+    responses = asyncio.run(both())
+    old = hf_engine(load_causal_lm(vllm_model), tokenizer).generate(prompts, GREEDY)
+    new = hf_engine(new_model, tokenizer)
+    resumed = 0
+    for prompt, r, before in zip(prompts, responses, old.token_ids, strict=True):
+        k = r.versions().count(0)
+        assert r.versions() == [0] * k + [1] * (len(r.token_ids) - k)
+        assert r.token_ids[:k] == before[:k]
+        if k < len(r.token_ids):
+            resumed += 1
+            rest = dataclasses.replace(GREEDY, max_new_tokens=GREEDY.max_new_tokens - k)
+            expected = new.generate([prompt + r.token_ids[:k]], rest).token_ids[0]
+            assert r.token_ids[k:] == expected and r.weight_version == 0
+    assert resumed >= len(prompts) // 2  # most were paused mid-way
+    assert server.version == 1 and server.in_flight == 0
+
+
 def test_update_weights_needs_the_full_state(engine, vllm_model, prompts):
     state = [(n, t) for n, t in load_causal_lm(vllm_model).state_dict().items() if "mlp" not in n]
     with pytest.raises(ValueError, match=r"left .* vLLM parameters unset"):

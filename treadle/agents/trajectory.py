@@ -34,7 +34,8 @@ class Trajectory:
     log_probs: list[float] = field(default_factory=list)
     turns: int = 0
     stop_reason: str = "stop"
-    weight_versions: list[int] = field(default_factory=list)  # one per turn
+    weight_versions: list[int] = field(default_factory=list)  # one per turn: its oldest token's
+    token_versions: list[int] = field(default_factory=list)  # per token; -1 if not sampled
     response_text: str | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
@@ -49,6 +50,7 @@ class Trajectory:
         self.loss_mask += [1] * len(response.token_ids)
         self.log_probs += response.log_probs
         self.weight_versions.append(response.weight_version)
+        self.token_versions += response.versions()
         self.turns += 1
         self.stop_reason = response.stop_reason
 
@@ -57,6 +59,7 @@ class Trajectory:
         self.token_ids += token_ids
         self.loss_mask += [0] * len(token_ids)
         self.log_probs += [0.0] * len(token_ids)
+        self.token_versions += [-1] * len(token_ids)
 
     @property
     def model_token_ids(self) -> list[int]:
@@ -65,10 +68,11 @@ class Trajectory:
     def check(self) -> None:
         """A loop's trajectory is consistent (a custom loop's mistakes named here, not later)."""
         n = len(self.token_ids)
-        if not len(self.loss_mask) == len(self.log_probs) == n:
+        if not len(self.loss_mask) == len(self.log_probs) == len(self.token_versions) == n:
             raise ValueError(
-                f"trajectory: {n} token ids, {len(self.loss_mask)} loss-mask entries and "
-                f"{len(self.log_probs)} log-probs; they must match"
+                f"trajectory: {n} token ids, {len(self.loss_mask)} loss-mask entries, "
+                f"{len(self.log_probs)} log-probs and {len(self.token_versions)} token versions; "
+                "they must match (build it with add_response and add_tokens)"
             )
         if not self.turns or not any(self.loss_mask):
             raise ValueError("trajectory: no model turn (call add_response at least once)")

@@ -69,6 +69,10 @@ class RolloutEngine(Protocol):
 
     def step(self) -> list[Finished]: ...
 
+    def abort(self, request_id: str) -> tuple[list[int], list[float]]:
+        """Stop a request in flight; the tokens (and their log-probs) it has so far."""
+        ...
+
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None: ...
 
     def load_payloads(self, payloads: Iterable[bytes]) -> None:
@@ -165,6 +169,11 @@ class HFRolloutEngine:
                 )
             ]
         return done
+
+    def abort(self, request_id: str) -> tuple[list[int], list[float]]:
+        """Drop a request not yet generated (a step generates what it has to the end)."""
+        self._pending = [p for p in self._pending if p[0] != request_id]
+        return [], []
 
     def load_payloads(self, payloads: Iterable[bytes]) -> None:
         self.update_weights(

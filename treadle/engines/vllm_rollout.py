@@ -112,6 +112,8 @@ class _LiveEngine:
     asleep: bool = False
     weights_ok: bool = True  # False after a weight update that failed part-way
     warned: set[str] = field(default_factory=set)
+    # request id -> its tokens and log-probs so far (step() returns deltas)
+    so_far: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
 
 
 _LIVE: _LiveEngine | None = None
@@ -186,23 +188,35 @@ class VLLMRolloutEngine:
             raise ValueError(f"a request samples one response, got n={params.n}")
         self._check_weights()
         self._warn_truncated_logprobs(params)
+        from vllm.sampling_params import RequestOutputKind
+
+        request_params = self._request_params(params)
+        request_params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
         self.llm.llm_engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=list(prompt)), self._request_params(params)
+            request_id, TokensPrompt(prompt_token_ids=list(prompt)), request_params
         )
+        self._live.so_far[request_id] = ([], [])
 
     def step(self) -> list[Finished]:
         """One engine step over every request in flight; the requests it finished."""
         done = []
         for result in self.llm.llm_engine.step():
-            if not result.finished:
-                continue
             (sample,) = result.outputs
-            tokens = list(sample.token_ids)
-            logps = [step[t].logprob for step, t in zip(sample.logprobs, tokens, strict=True)]
-            done.append(
-                Finished(result.request_id, tokens, logps, _stop_reason(sample.finish_reason))
-            )
+            tokens, logps = self._live.so_far[result.request_id]
+            new = list(sample.token_ids)
+            tokens += new
+            logps += [step[t].logprob for step, t in zip(sample.logprobs or [], new, strict=True)]
+            if result.finished:
+                del self._live.so_far[result.request_id]
+                done.append(
+                    Finished(result.request_id, tokens, logps, _stop_reason(sample.finish_reason))
+                )
         return done
+
+    def abort(self, request_id: str) -> tuple[list[int], list[float]]:
+        """Abort a request in flight; the tokens and log-probs it had."""
+        self.llm.llm_engine.abort_request([request_id])
+        return self._live.so_far.pop(request_id, ([], []))
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         self._check_weights()

@@ -15,7 +15,11 @@ answer within ``timeout_s`` stops everything with one :class:`RolloutError` nami
 
 The client is asynchronous (``await client.submit(request)``) and owns an event loop that the
 synchronous driver runs in its own thread (:meth:`RolloutClient.run`,
-:meth:`RolloutClient.generate`); agent loops will run on it too. Replicas are reached through
+:meth:`RolloutClient.generate`); agent loops run on it too. In the asynchronous training modes
+the loop runs in a thread of its own (:meth:`RolloutClient.start_background`), generating
+while the driver trains; ``run`` then hands coroutines to it and waits. :meth:`pause` stops
+new requests from being sent and waits until those in flight are answered (a weight sync that
+does not interrupt requests); :meth:`resume` lets them go. Replicas are reached through
 :class:`ReplicaHandle`: a Ray actor (:class:`RayReplica`) or a server in this process
 (:class:`LocalReplica`, the local backend, whose engine then steps in the driver's thread,
 the one that made it: see :mod:`treadle.rollout.server`).
@@ -24,8 +28,10 @@ the one that made it: see :mod:`treadle.rollout.server`).
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
-from collections.abc import Coroutine, Sequence
+import threading
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from treadle.errors import TreadleError
@@ -97,12 +103,47 @@ class RolloutClient:
         # One admission at a time per replica, each taking all its permits: no two partial
         # admissions can wait on each other.
         self._admit = [(asyncio.Lock(), asyncio.Semaphore(max_inflight)) for _ in self.replicas]
+        self._open = asyncio.Event()  # cleared while paused
+        self._open.set()
+        self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------------ sync entry points
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run ``coro`` on the client's loop, in this thread, until it is done."""
+        """Run ``coro`` on the client's loop until it is done: in this thread, or in the
+        loop's own thread after :meth:`start_background` (this one waits)."""
+        if self._thread is not None:
+            return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
         return self._loop.run_until_complete(coro)
+
+    def start_background(self) -> None:
+        """Run the loop in a thread of its own from now on (only Ray replicas: a local
+        server's engine must step in the thread that made it)."""
+        if any(isinstance(r, LocalReplica) for r in self.replicas):
+            raise RuntimeError("a local replica's engine steps in the driver's thread")
+        if self._thread is None:
+            self._thread = threading.Thread(
+                target=self._loop.run_forever, name="treadle rollout client", daemon=True
+            )
+            self._thread.start()
+
+    def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
+        """Start ``coro`` on the background loop; its result comes through the future."""
+        assert self._thread is not None, "start_background first"
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
+
+    def call_soon(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` on the client's loop (thread-safe)."""
+        self._loop.call_soon_threadsafe(fn)
+
+    async def pause(self) -> None:
+        """Send no new requests; return once those in flight have been answered."""
+        self._open.clear()
+        while any(self.outstanding):
+            await asyncio.sleep(0.005)
+
+    async def resume(self) -> None:
+        self._open.set()
 
     def generate(self, requests: list[Request]) -> list[Response]:
         """All ``requests``, routed and answered; responses in request order."""
@@ -120,9 +161,14 @@ class RolloutClient:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-        if not self._loop.is_closed():
-            self.run(cancel_all())
-            self._loop.close()
+        if self._loop.is_closed():
+            return
+        self.run(cancel_all())
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=30)
+            self._thread = None
+        self._loop.close()
 
     # ------------------------------------------------------------------ async API
 
@@ -133,6 +179,7 @@ class RolloutClient:
 
     async def submit_many(self, requests: Sequence[Request]) -> list[Response]:
         """Route each request, send each replica its share in calls of at most max_inflight."""
+        await self._open.wait()
         shares: dict[int, list[int]] = {}
         for i, request in enumerate(requests):
             shares.setdefault(self.route(request), []).append(i)

@@ -30,10 +30,16 @@ Choices:
   sampled reproducibly (resume stays bit-identical), and the host process's own random stream
   (the actor's, when colocated) does not move. Requests that overlap others are sampled
   correctly but not reproducibly, as in any serving engine.
-- **Weights change between requests, not inside one.** :meth:`update_weights` refuses while a
+- **Weights change between requests, or pause them.** :meth:`update_weights` refuses while a
   request is in flight (the synchronous trainer syncs between rollouts), loads, and sets the
-  version; every response reports the version it was generated with. (Partial rollouts, issue
-  3/6, will pause requests instead.)
+  version. With ``interrupt=True`` (partial rollouts, ``async.partial_rollout``) it pauses what
+  is in flight instead: each request is aborted in the engine with the tokens it has so far,
+  the new weights load, and it goes on as a new engine request whose prompt is its prompt plus
+  those tokens (their KV cache is recomputed with the new weights, as AReaL does) and whose
+  budget is what is left. Every response reports the version of each of its tokens
+  (``token_versions``) and the oldest of them (``weight_version``).
+- **Busy time.** :attr:`RolloutServer.busy_seconds` counts the time the engine had work, so
+  the driver can report how much of the run a replica idled.
 - **Sleep.** Colocated on a GPU the engine sleeps whenever it is idle, so the actor trains with
   the memory; on CPU sleep is a no-op.
 """
@@ -41,6 +47,8 @@ Choices:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -67,8 +75,22 @@ class Response:
     token_ids: list[int]
     log_probs: list[float]
     stop_reason: str  # "stop" | "length"
-    weight_version: int
+    weight_version: int  # the oldest version of its tokens
     replica: str
+    token_versions: tuple[int, ...] = ()  # per token; empty: every token is weight_version
+
+    def versions(self) -> list[int]:
+        """The version of the weights that sampled each token."""
+        return list(self.token_versions) or [self.weight_version] * len(self.token_ids)
+
+
+@dataclass
+class _Progress:
+    """What a request paused by a weight update had generated, and with which versions."""
+
+    token_ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -98,8 +120,18 @@ class RolloutServer:
         self.sleep_when_idle = sleep_when_idle
         self._arrived: list[_Group] = []
         self._groups: dict[str, _Group] = {}  # request id -> its group, while in flight
+        self._requests: dict[str, Request] = {}  # request id -> the request, while in flight
+        self._progress: dict[str, _Progress] = {}  # paused by a weight update, then resumed
         self._pump: asyncio.Task | None = None
         self._rng: list[torch.Tensor] | None = None  # the host's RNG states while busy
+        self._busy = 0.0
+        self._busy_since: float | None = None
+
+    @property
+    def busy_seconds(self) -> float:
+        """Seconds this server has had requests in flight, in all."""
+        now = time.perf_counter()
+        return self._busy + (now - self._busy_since if self._busy_since is not None else 0.0)
 
     @property
     def in_flight(self) -> int:
@@ -120,19 +152,41 @@ class RolloutServer:
         self,
         load: Callable[[RolloutEngine], None] | Iterable[tuple[str, torch.Tensor]],
         version: int,
+        *,
+        interrupt: bool = False,
     ) -> None:
-        """Load new weights (named tensors, or ``load(engine)``); later responses carry
-        ``version``. Only between requests."""
-        if self.in_flight:
+        """Load new weights (named tensors, or ``load(engine)``); later tokens carry
+        ``version``. Only between requests, unless ``interrupt``: then the requests in the
+        engine pause and go on with the new weights (see the module docstring)."""
+        if self.in_flight and not interrupt:
             raise RuntimeError(
                 f"{self.name}: a weight update with {self.in_flight} requests in flight; "
-                "weights change between requests"
+                "weights change between requests (or pass interrupt=True)"
             )
+        paused = list(self._groups)
+        for rid in paused:
+            tokens, log_probs = self.engine.abort(rid)
+            p = self._progress.setdefault(rid, _Progress())
+            p.token_ids += tokens
+            p.log_probs += log_probs
+            p.versions += [self.version] * len(tokens)
         if callable(load):
             load(self.engine)
         else:
             self.engine.update_weights(load)
         self.version = version
+        for rid in paused:
+            self._resume(rid)
+
+    def _resume(self, rid: str) -> None:
+        """Send a paused request on with the tokens it has as part of its prompt."""
+        r, p = self._requests[rid], self._progress[rid]
+        left = r.params.max_new_tokens - len(p.token_ids)
+        if left <= 0:  # its budget ran out exactly at the pause
+            self._answer(Finished(rid, [], [], "length"))
+            return
+        params = dataclasses.replace(r.params, max_new_tokens=left)
+        self.engine.add_request(rid, [*r.prompt_ids, *p.token_ids], params)
 
     # ------------------------------------------------------------------ the pump
 
@@ -148,6 +202,8 @@ class RolloutServer:
         except BaseException as e:  # answer everyone: nobody waits forever on a dead engine
             groups = {id(g): g for g in [*self._groups.values(), *self._arrived]}
             self._groups.clear()
+            self._requests.clear()
+            self._progress.clear()
             self._arrived.clear()
             for g in groups.values():
                 if not g.future.done():
@@ -170,19 +226,39 @@ class RolloutServer:
             torch.manual_seed(group.requests[0].params.seed * 9973 + self.index)
             if self.sleep_when_idle:
                 self.engine.wake()
+            self._busy_since = time.perf_counter()
         for r in group.requests:
             self._groups[r.request_id] = group
+            self._requests[r.request_id] = r
             self.engine.add_request(r.request_id, list(r.prompt_ids), r.params)
 
     def _answer(self, f: Finished) -> None:
         group = self._groups.pop(f.request_id)
-        group.done[f.request_id] = Response(
-            f.request_id, f.token_ids, f.log_probs, f.stop_reason, self.version, self.name
-        )
+        del self._requests[f.request_id]
+        p = self._progress.pop(f.request_id, None)
+        if p is None:
+            response = Response(
+                f.request_id, f.token_ids, f.log_probs, f.stop_reason, self.version, self.name
+            )
+        else:
+            versions = p.versions + [self.version] * len(f.token_ids)
+            response = Response(
+                f.request_id,
+                p.token_ids + f.token_ids,
+                p.log_probs + f.log_probs,
+                f.stop_reason,
+                min(versions, default=self.version),
+                self.name,
+                tuple(versions),
+            )
+        group.done[f.request_id] = response
         if len(group.done) == len(group.requests) and not group.future.done():
             group.future.set_result([group.done[r.request_id] for r in group.requests])
 
     def _become_idle(self) -> None:
+        if self._busy_since is not None:
+            self._busy += time.perf_counter() - self._busy_since
+            self._busy_since = None
         if self._rng is not None:
             _set_rng_state(self._rng)
             self._rng = None

@@ -128,8 +128,14 @@ class Rollout:
     def generate(self, prompts: Batch, params: SamplingParams) -> Batch:
         """``params.n`` samples per prompt (consecutive rows), each a trajectory of the agent
         loop, with the response-side fields: responses, response_mask (the loss mask),
-        rollout_log_probs, response_text, stop_reason, weight_version; for agent loops other
-        than single_turn also response_attention_mask, turns and agent_<info key>."""
+        rollout_log_probs, response_text, stop_reason, weight_version (the oldest of the
+        sample's tokens), token_versions (per token; -1 where the model did not sample); for
+        agent loops other than single_turn also response_attention_mask, turns and
+        agent_<info key>."""
+        return self.client.run(self.agenerate(prompts, params))
+
+    async def agenerate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        """:meth:`generate` as a coroutine on the client's loop."""
         copies = params.n if params.temperature == 0 else 1  # greedy samples are all equal
         a = self.agents
         samples = [
@@ -154,7 +160,7 @@ class Rollout:
             limits=a.limits(params),
             max_concurrent=a.max_concurrent,
         )
-        trajectories = [t for t in self.client.run(coro) for _ in range(copies)]
+        trajectories = [t for t in await coro for _ in range(copies)]
         batch = prompts.repeat(params.n, interleave=True)
         return self.trajectory_batch(batch, trajectories, a.width(params))
 
@@ -178,6 +184,7 @@ class Rollout:
         batch["response_mask"] = pad([t.loss_mask for t in trajectories], 0, torch.long)
         batch["rollout_log_probs"] = pad([t.log_probs for t in trajectories], 0.0, torch.float32)
         batch["weight_version"] = torch.tensor([min(t.weight_versions) for t in trajectories])
+        batch["token_versions"] = pad([t.token_versions for t in trajectories], -1, torch.long)
         decoded = self.decode([t.model_token_ids for t in trajectories])
         batch["response_text"] = [
             text if t.response_text is None else t.response_text
@@ -192,10 +199,11 @@ class Rollout:
 
     # ------------------------------------------------------------------ weights
 
-    def sync_weights(self, version: int) -> dict[str, float]:
+    def sync_weights(self, version: int, interrupt: bool = False) -> dict[str, float]:
         """Push the actor's weights to every replica as ``version``; the bytes sent (the time
-        is the driver's ``timing/sync_weights``)."""
-        receiving = [r.receive_weights.remote(version) for r in self.replicas]
+        is the driver's ``timing/sync_weights``). ``interrupt``: split replicas pause the
+        requests in flight instead of refusing them (partial rollouts)."""
+        receiving = [r.receive_weights.remote(version, interrupt) for r in self.replicas]
         try:
             sent = self.group.sync_weights(version)
         except Exception:  # a replica that died mid-broadcast breaks the sender's group
@@ -204,6 +212,12 @@ class Rollout:
         for name, ref in zip(self.names, receiving, strict=True):
             _get(ref, f"{name} died during a weight sync")
         return {"rollout/weight_sync_bytes": float(sent)}
+
+    def busy_seconds(self) -> list[float]:
+        """Per split replica, the seconds its engine has had requests in flight."""
+        import ray
+
+        return [float(x) for x in ray.get([r.busy_seconds.remote() for r in self.replicas])]
 
     def close(self) -> None:
         self.client.close()

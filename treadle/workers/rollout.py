@@ -17,7 +17,8 @@ method             takes                                       returns
 =================  ==========================================  ================================
 rollout_generate   list of Request                             list of Response (in order)
 join_weight_sync   address, port, group rank, group size       (the group is made)
-receive_weights    version                                     (weights loaded, version set)
+receive_weights    version, interrupt                          (weights loaded, version set)
+busy_seconds       nothing                                     seconds with requests in flight
 describe           nothing                                     name, node id and address, pid
 =================  ==========================================  ================================
 """
@@ -107,8 +108,17 @@ class RolloutReplica(ServesRollout):
     def join_weight_sync(self, addr: str, port: int, rank: int, world_size: int) -> None:
         self.sync = WeightSyncGroup(addr, port, rank, world_size)
 
-    def receive_weights(self, version: int) -> None:
-        """Load the buckets the actor's rank 0 broadcasts, once no request is in flight."""
+    def receive_weights(self, version: int, interrupt: bool = False) -> None:
+        """Load the buckets the actor's rank 0 broadcasts: once no request is in flight, or,
+        with ``interrupt``, pausing those in flight (partial rollouts). A method of the async
+        actor that is not a coroutine, so the engine does not step while it runs."""
         assert self.sync is not None and self.server is not None, "join_weight_sync first"
         sync = self.sync
-        self.server.update_weights(lambda engine: engine.load_payloads(sync.receive()), version)
+        self.server.update_weights(
+            lambda engine: engine.load_payloads(sync.receive()), version, interrupt=interrupt
+        )
+
+    def busy_seconds(self) -> float:
+        """Seconds the engine has had requests in flight since the replica started."""
+        assert self.server is not None
+        return self.server.busy_seconds
