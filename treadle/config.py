@@ -530,6 +530,18 @@ def _check_mode(cfg: Config) -> None:
             "their own: set rollout.placement=split (and trainer.backend=ray), or "
             "trainer.mode=sync"
         )
+    a = cfg.async_
+    if mode == "async" and a.sync_every > a.max_staleness + 1:
+        raise ValueError(
+            f"async.sync_every={a.sync_every} lets the replicas fall more than "
+            f"async.max_staleness={a.max_staleness} versions behind, so no sample could be "
+            "trained: set sync_every to at most max_staleness + 1"
+        )
+    if mode == "async" and a.buffer_groups is not None and a.buffer_groups < cfg.data.batch_size:
+        raise ValueError(
+            f"async.buffer_groups={a.buffer_groups} cannot hold one batch of "
+            f"data.batch_size={cfg.data.batch_size} groups: raise it or leave it unset"
+        )
 
 
 def _check_agents(rollout: RolloutConfig, data: DataConfig) -> None:

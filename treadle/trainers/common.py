@@ -223,6 +223,17 @@ def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any
     )
 
 
+def left_pad(batch: Batch, width: int) -> Batch:
+    """``prompts``/``prompt_mask`` left-padded to ``width`` columns (to concat rounds)."""
+    extra = width - batch["prompts"].shape[1]
+    if extra == 0:
+        return batch
+    out = batch.select(list(range(len(batch))))
+    out["prompts"] = torch.nn.functional.pad(batch["prompts"], (extra, 0), value=0)
+    out["prompt_mask"] = torch.nn.functional.pad(batch["prompt_mask"], (extra, 0), value=0)
+    return out
+
+
 def evaluate(cfg: Config, rollout: Rollout, ds: PromptDataset, pad_id: int) -> float:
     """Held-out accuracy (fraction of reward 1.0) with greedy decoding, one sample each."""
     n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))

@@ -25,6 +25,11 @@ whose rewards are all equal are dropped and more prompts are generated, at most
 (``algorithm.mask_truncated``). The KL penalty can sit in the loss (``algorithm.kl_coef``) or
 in the reward (``algorithm.kl_reward_coef``, fixed or adaptive with ``algorithm.kl_target``).
 
+``trainer.mode`` one_step_off and async overlap generation with training: the split replicas
+generate ahead into a buffer the step takes its batch from, and weights are synced as
+``async.sync_every`` says (:mod:`treadle.trainers.async_rollout`); the rest of the step is
+the same.
+
 Resume: the newest complete checkpoint gives the actor (and critic) weights, optimizers, data
 position, the adaptive KL coefficient and RNG; sampling seeds are derived from (seed, step,
 round), so a resumed run draws the same samples as an uninterrupted one.
@@ -56,9 +61,11 @@ from treadle.errors import ConfigError
 from treadle.protocol import Batch, response_attention
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed
+from treadle.trainers.async_rollout import AsyncRollout
 from treadle.trainers.common import (
     Trainer,
     evaluate,
+    left_pad,
     load_prompts,
     prompt_batch,
     rule_scores,
@@ -102,17 +109,6 @@ def outcome_rewards(mask: torch.Tensor, scores: list[float]) -> torch.Tensor:
     return rewards
 
 
-def left_pad(batch: Batch, width: int) -> Batch:
-    """``prompts``/``prompt_mask`` left-padded to ``width`` columns (to concat rounds)."""
-    extra = width - batch["prompts"].shape[1]
-    if extra == 0:
-        return batch
-    out = batch.select(list(range(len(batch))))
-    out["prompts"] = torch.nn.functional.pad(batch["prompts"], (extra, 0), value=0)
-    out["prompt_mask"] = torch.nn.functional.pad(batch["prompt_mask"], (extra, 0), value=0)
-    return out
-
-
 def rollout_metrics(batch: Batch) -> dict[str, float]:
     """Rewards, lengths and, when the old log-probs were computed here, the rollout/train
     mismatch (otherwise the update reports it)."""
@@ -148,6 +144,7 @@ class RLTrainer(Trainer):
         check_names(cfg)
         layout = plan_roles(cfg)  # critic? reward model? where? (fails before anything starts)
         super().__init__(cfg)
+        self._async_state: dict[str, Any] | None = None  # the producer's, when resumed
         alg = cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_ds = (
@@ -174,14 +171,30 @@ class RLTrainer(Trainer):
             raise
         if self.critic is not None:
             self.roles["critic"] = self.critic
+        self.producer: AsyncRollout | None = None
+        if cfg.trainer.mode != "sync":  # the replicas generate ahead (async_rollout)
+            self.producer = AsyncRollout(
+                cfg,
+                self.rollout,
+                self.train_ds,
+                self.sampler,
+                self.sampling,
+                self.start,
+                self._async_state,
+            )
 
     def driver_state(self) -> dict[str, Any]:
-        return {**super().driver_state(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        state = {**super().driver_state(), "kl_ctrl": self.kl_ctrl.state_dict()}
+        if self.producer is not None:  # the sampler's position at what is not yet trained
+            state["async"] = self.producer.state()
+            state["sampler"] = state["async"].pop("sampler")
+        return state
 
     def load_driver_state(self, state: dict[str, Any]) -> None:
         super().load_driver_state(state)
         if "kl_ctrl" in state:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
+        self._async_state = state.get("async")
 
     def sampling(self, step: int, round_: int = 0) -> SamplingParams:
         r = self.cfg.rollout
@@ -199,8 +212,12 @@ class RLTrainer(Trainer):
         """One RL step: every phase a named, timed call."""
         group, alg = self.group, self.cfg.algorithm
         m: dict[str, float] = {}
-        # 1-2. rollout and reward (several rounds with dynamic sampling)
-        batch = self.sample(step, m)
+        # 1-2. rollout and reward (several rounds with dynamic sampling); in the async modes
+        # the replicas generated it ahead, and it is taken from their buffer
+        if self.producer is None:
+            batch = self.sample(step, m)
+        else:
+            batch = self.producer.sample(step, m, self.score)
         # Every rank gets a similar token count (the dispatcher cuts contiguous chunks).
         batch = balance_ranks(batch, self.cfg.actor.world_size)
         # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy (on-policy,
@@ -243,7 +260,10 @@ class RLTrainer(Trainer):
             with timed(m, "update_actor"):
                 m.update(group.update_actor(batch))
             with timed(m, "sync_weights"):
-                m.update(self.rollout.sync_weights(version=step))
+                if self.producer is None:
+                    m.update(self.rollout.sync_weights(version=step))
+                else:  # every async.sync_every updates
+                    m.update(self.producer.after_update(step))
         return m
 
     def sample(self, step: int, m: dict[str, float]) -> Batch:
@@ -335,7 +355,13 @@ class RLTrainer(Trainer):
         metrics["throughput/tokens_per_s"] = (
             metrics.pop("generated_tokens") / metrics["timing/step"]
         )
+        if self.producer is not None:
+            metrics.update(
+                self.producer.idle_metrics(metrics["timing/step"], metrics["timing/wait_rollout"])
+            )
         if self.val_ds is not None and self.eval_due(step):
+            if self.producer is not None:  # evaluate the learner's weights
+                self.producer.sync()
             with timed(metrics, "eval"):
                 metrics["eval/accuracy"] = evaluate(
                     self.cfg, self.rollout, self.val_ds, self.val_ds.pad_id

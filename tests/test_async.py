@@ -1,0 +1,224 @@
+"""Asynchronous training (trainer.mode one_step_off / async, treadle.trainers.async_rollout).
+
+The producer's rules (when a step-batch may start, what is dropped as stale, what a checkpoint
+keeps) are checked against a rollout double that records the weight version each step-batch
+started with; the modes end to end with Ray, split vLLM replicas and the tiny model: async with
+max_staleness 0 samples and trains exactly as sync, and an async run killed with SIGKILL is
+completed by running the same command again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+
+from treadle.config import load_config
+from treadle.data import PromptDataset, ResumableSampler
+from treadle.engines.rollout import SamplingParams
+from treadle.errors import ConfigError
+from treadle.protocol import Batch
+from treadle.rollout import Request, Response, RolloutClient
+from treadle.trainers.async_rollout import AsyncRollout
+
+N = 2  # samples per prompt
+BATCH = 4  # prompts per step
+
+
+class IdleReplica:
+    name = "rollout replica 0"
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        raise AssertionError("the double's rollout does not send requests")
+
+
+class FakeRollout:
+    """Generates a step-batch after ``delay`` seconds: every sample's one token is the step,
+    its version the replicas' version when the step-batch started (``started`` records it)."""
+
+    def __init__(self, version: int = 0, delay: float = 0.01) -> None:
+        self.client = RolloutClient([IdleReplica()])
+        self.version, self.delay = version, delay
+        self.started: dict[int, int] = {}  # step-batch (its seed) -> version at its start
+        self.syncs: list[tuple[int, bool]] = []
+
+    async def agenerate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        step, version = params.seed, self.version
+        self.started[step] = version
+        await asyncio.sleep(self.delay)
+        batch = prompts.repeat(params.n, interleave=True)
+        batch["responses"] = torch.full((len(batch), 1), step)
+        batch["response_mask"] = torch.ones(len(batch), 1, dtype=torch.long)
+        batch["weight_version"] = torch.full((len(batch),), version)
+        return batch
+
+    def sync_weights(self, version: int, interrupt: bool = False) -> dict[str, float]:
+        self.syncs.append((version, interrupt))
+        self.version = version
+        return {}
+
+    def busy_seconds(self) -> list[float]:
+        return [0.0]
+
+
+def _dataset(rows: int = 40) -> PromptDataset:
+    return PromptDataset(
+        [
+            {
+                "uid": f"p{i}",
+                "prompt_text": "",
+                "prompt_ids": [1] * (1 + i % 3),
+                "ground_truth": "",
+                "row": {},
+            }
+            for i in range(rows)
+        ],  # type: ignore[misc]
+        pad_id=0,
+    )
+
+
+def _producer(rollout: FakeRollout, start: int = 0, state=None, sampler_state=None, **kw):
+    overrides = [
+        "trainer.mode=async",
+        "rollout.placement=split",
+        f"rollout.n={N}",
+        f"data.batch_size={BATCH}",
+        f"actor.ppo_mini_batch_size={N * BATCH}",
+        *[f"async.{k}={v}" for k, v in kw.items()],
+    ]
+    cfg = load_config(None, overrides)
+    sampler = ResumableSampler(40, BATCH, seed=3)
+    if sampler_state is not None:
+        sampler.load_state_dict(sampler_state)
+    sampling = lambda step: SamplingParams(n=N, seed=step)  # noqa: E731
+    return AsyncRollout(cfg, rollout, _dataset(), sampler, sampling, start, state)  # type: ignore[arg-type]
+
+
+def _score(batch: Batch) -> torch.Tensor:
+    return torch.arange(len(batch), dtype=torch.float32)[:, None]  # varied: nothing filtered
+
+
+def _run(producer: AsyncRollout, first: int, last: int) -> list[tuple[list[str], dict]]:
+    """Steps first..last: take a batch, 'update', sync as due; the uids and metrics."""
+    out = []
+    for step in range(first, last + 1):
+        m: dict[str, float] = {}
+        batch = producer.sample(step, m, _score)
+        assert len(batch) == N * BATCH
+        out.append((list(batch["uid"]), m))
+        producer.after_update(step)
+    return out
+
+
+def test_staleness_stays_within_the_bound_and_step_batches_wait_for_fresh_weights():
+    rollout = FakeRollout()
+    producer = _producer(rollout, max_staleness=1)
+    try:
+        steps = _run(producer, 1, 6)
+        for _, m in steps:
+            assert m["async/staleness_max"] <= 1 and m["async/dropped"] == 0
+        assert max(m["async/staleness_max"] for _, m in steps) == 1  # it did run ahead
+        # step-batch s started only with version >= s - 2 (s - 1 - max_staleness)
+        assert all(v >= s - 2 for s, v in rollout.started.items())
+        assert rollout.syncs == [(s, False) for s in range(1, 7)]  # waits for requests in flight
+    finally:
+        rollout.client.close()
+
+
+def test_max_staleness_zero_is_synchronous_sample_for_sample():
+    """Each step trains the prompts a sync run draws for it, sampled by the learner's weights."""
+    rollout = FakeRollout()
+    producer = _producer(rollout, max_staleness=0)
+    sampler = ResumableSampler(40, BATCH, seed=3)
+    try:
+        for step, (uids, m) in enumerate(_run(producer, 1, 5), start=1):
+            expected = [f"p{i}" for i in sampler.next_indices() for _ in range(N)]
+            assert uids == expected
+            assert rollout.started[step] == step - 1 and m["async/staleness_max"] == 0
+    finally:
+        rollout.client.close()
+
+
+def test_samples_older_than_the_bound_are_dropped_and_counted():
+    rollout = FakeRollout()
+    producer = _producer(rollout, max_staleness=1, partial_rollout="true")
+    try:
+        _run(producer, 1, 1)
+        while len(producer.buffer) < 2 * BATCH:  # step-batches 2 and 3, versions 0 and 1
+            time.sleep(0.01)
+        producer.learner = 3  # as if two more updates had passed them by
+        producer.sync()
+        m: dict[str, float] = {}
+        batch = producer.sample(4, m, _score)
+        assert m["async/dropped"] == 2 * N * BATCH and m["async/dropped_total"] == 2 * N * BATCH
+        assert set(batch["weight_version"].tolist()) == {3}
+        assert rollout.syncs[-1] == (3, True)  # partial rollouts: the sync interrupts
+    finally:
+        rollout.client.close()
+
+
+def test_a_checkpoint_resumes_generation_at_the_first_group_not_trained():
+    rollout = FakeRollout()
+    producer = _producer(rollout, max_staleness=2)
+    try:
+        before = [u for uids, _ in _run(producer, 1, 3) for u in uids]
+        state = producer.state()
+    finally:
+        rollout.client.close()
+    assert state["next_step"] == 4 and state["consumed"] == []  # three step-batches, all taken
+    again = FakeRollout(version=3)  # the replicas start with the resumed weights
+    resumed = _producer(again, 3, state, state.pop("sampler"), max_staleness=2)
+    try:
+        after = [u for uids, _ in _run(resumed, 4, 6) for u in uids]
+    finally:
+        again.client.close()
+    sampler = ResumableSampler(40, BATCH, seed=3)
+    everything = [f"p{i}" for _ in range(6) for i in sampler.next_indices() for _ in range(N)]
+    assert before + after == everything  # nothing trained twice, nothing skipped
+
+
+def test_a_partly_trained_step_batch_is_drawn_again_without_its_trained_groups():
+    """A checkpoint taken while a step-batch is half trained (dynamic sampling took part of
+    it): the resumed producer generates only its other groups."""
+    rollout = FakeRollout()
+    producer = _producer(rollout, max_staleness=1)
+    try:
+        _run(producer, 1, 1)
+        taken = producer.client.run(producer._take(1))  # one group of step-batch 2
+        state = producer.state()
+    finally:
+        rollout.client.close()
+    assert state["next_step"] == 2 and state["consumed"] == [[2, taken[0].index]]
+    again = FakeRollout(version=1)
+    resumed = _producer(again, 1, state, state.pop("sampler"), max_staleness=1)
+    try:
+        uids = [u for uids, _ in _run(resumed, 2, 2) for u in uids]
+    finally:
+        again.client.close()
+    sampler = ResumableSampler(40, BATCH, seed=3)
+    sampler.next_indices()
+    second, third = sampler.next_indices(), sampler.next_indices()
+    rest = [f"p{i}" for k, i in enumerate(second) if k != taken[0].index]
+    assert uids[: N * (BATCH - 1)] == [u for u in rest for _ in range(N)]
+    assert uids[N * (BATCH - 1) :] == [f"p{third[0]}"] * N  # then the next step-batch
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["trainer.mode=async"], "needs replicas of their own: set rollout.placement=split"),
+        (
+            ["trainer.mode=async", "rollout.placement=split", "async.sync_every=3"],
+            "async.sync_every=3 lets the replicas fall more than async.max_staleness=1",
+        ),
+        (
+            ["trainer.mode=async", "rollout.placement=split", "async.buffer_groups=2"],
+            "async.buffer_groups=2 cannot hold one batch",
+        ),
+    ],
+)
+def test_async_config_errors_name_the_key(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
