@@ -205,6 +205,27 @@ def test_a_partly_trained_step_batch_is_drawn_again_without_its_trained_groups()
     assert uids[N * (BATCH - 1) :] == [f"p{third[0]}"] * N  # then the next step-batch
 
 
+def test_dynamic_sampling_takes_more_groups_even_past_the_staleness_gate():
+    """filter_groups with max_staleness 0: groups of equal rewards (prompts with an even
+    number here) are dropped, and the starving trainer gets further step-batches at once."""
+    rollout = FakeRollout()
+    producer = _producer(rollout, max_staleness=0)
+    producer.cfg.algorithm.filter_groups = True
+
+    def score(batch: Batch) -> torch.Tensor:
+        odd = torch.tensor([int(u[1:]) % 2 for u in batch["uid"]], dtype=torch.float32)
+        return (odd * torch.arange(len(batch)))[:, None]  # even prompts: all zero
+
+    try:
+        m: dict[str, float] = {}
+        batch = producer.sample(1, m, score)
+    finally:
+        rollout.client.close()
+    assert all(int(u[1:]) % 2 for u in batch["uid"]) and len(batch) == N * BATCH
+    assert len(rollout.started) > 1 and set(rollout.started.values()) == {0}
+    assert 0 < m["rollout/kept_group_frac"] < 1
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -222,3 +243,14 @@ def test_a_partly_trained_step_batch_is_drawn_again_without_its_trained_groups()
 def test_async_config_errors_name_the_key(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides)
+
+
+def test_remax_is_refused_in_the_async_modes():
+    from treadle.trainers.rl import check_names
+
+    cfg = load_config(
+        None,
+        ["trainer.mode=one_step_off", "rollout.placement=split", "algorithm.adv_estimator=remax"],
+    )
+    with pytest.raises(ConfigError, match=r"remax needs greedy baselines .* trainer\.mode=sync"):
+        check_names(cfg)

@@ -1,0 +1,133 @@
+"""Asynchronous training against synchronous, on the same cores and the same workload.
+
+    OMP_NUM_THREADS=1 python bench/async.py [--steps 20]
+
+The workload is `examples/arithmetic/grpo_async.yaml`: GRPO on the built-in arithmetic task
+from the SFT warm start, vLLM rollout, 32 prompts x 8 samples a step, one optimizer step on
+all 256, no reference model. If the warm start `runs/arithmetic/sft/final_model` is missing it
+is made first (`treadle prepare`, then `examples/arithmetic/sft.yaml`, about two minutes).
+Four runs, one after the other, each a `treadle train` process of its own for `--steps` steps
+(the same number of trained samples):
+
+- `sync_colocated`: trainer.mode=sync, the replica inside the actor's process: all cores for
+  each phase in turn (the default of `grpo.yaml`);
+- `sync_split`: trainer.mode=sync, the replica in a pool of its own (the cores divided between
+  actor and replica: `rollout.num_cpus`, half by default);
+- `one_step_off`: split, step t+1 generated while step t trains;
+- `async`: split, the config's `async` section (max_staleness 1, partial rollouts, TIS).
+
+Trained tokens/s is the response tokens of every trained batch over the summed step times
+(`timing/step`: generation, or waiting for it, plus training and weight sync; start-up,
+checkpoint and evaluation excluded). Held-out accuracy is greedy, on all 500 held-out problems,
+after the last step. The table is followed by
+`ratio async/sync_split: <r>`, `ratio async/sync_colocated: <r>`,
+`ratio one_step_off/sync_split: <r>` (tokens/s) and `accuracy async-sync: <points>` (async
+minus sync_split, the run that differs from it only in the mode).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIG = "examples/arithmetic/grpo_async.yaml"
+WARM_START = Path("runs/arithmetic/sft/final_model")
+RUNS = {
+    "sync_colocated": ["trainer.mode=sync", "rollout.placement=colocated"],
+    "sync_split": ["trainer.mode=sync", "rollout.placement=split"],
+    "one_step_off": ["trainer.mode=one_step_off", "rollout.placement=split"],
+    "async": ["trainer.mode=async", "rollout.placement=split"],
+}
+
+
+def treadle(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "treadle.cli", *args], check=True)
+
+
+def warm_start() -> None:
+    if (WARM_START / "config.json").is_file():
+        return
+    from treadle.tasks.arithmetic import prepare
+
+    print(f"making the SFT warm start {WARM_START} ...", flush=True)
+    prepare("data/arithmetic")
+    treadle("sft", "examples/arithmetic/sft.yaml", "trainer.progress=false")
+
+
+def run(name: str, steps: int, out: Path) -> dict[str, float]:
+    started = time.perf_counter()
+    treadle(
+        "train",
+        CONFIG,
+        *RUNS[name],
+        f"trainer.total_steps={steps}",
+        f"trainer.output_dir={out}",
+        "trainer.save_every=0",
+        "trainer.progress=false",
+        "data.val_size=null",
+    )
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    seconds = sum(m["timing/step"] for m in metrics)
+    tokens = sum(m["throughput/tokens_per_s"] * m["timing/step"] for m in metrics)
+    return {
+        "steps": len(metrics),
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "accuracy": 100 * metrics[-1]["eval/accuracy"],
+        "staleness": sum(m.get("async/staleness_mean", 0.0) for m in metrics) / len(metrics),
+        "rollout_idle": _mean(metrics, "async/rollout_idle_frac"),
+        "trainer_idle": _mean(metrics, "async/trainer_idle_frac"),
+        "wall": time.perf_counter() - started,
+    }
+
+
+def _mean(metrics: list[dict], key: str) -> float:
+    values = [m[key] for m in metrics if key in m]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    warm_start()
+    results = {}
+    with tempfile.TemporaryDirectory(prefix="treadle-bench-async-") as tmp:
+        for name in RUNS:
+            print(f"[{name}] {args.steps} steps ...", flush=True)
+            results[name] = run(name, args.steps, Path(tmp) / name)
+    print()
+    print(
+        "| run | trained tokens | step time (s) | trained tokens/s | held-out accuracy "
+        "| staleness mean | replica idle | trainer idle |"
+    )
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['tokens']:.0f} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} "
+            f"| {r['accuracy']:.1f}% | {r['staleness']:.2f} | {_pct(r['rollout_idle'])} "
+            f"| {_pct(r['trainer_idle'])} |"
+        )
+    speed = {name: r["tokens_per_s"] for name, r in results.items()}
+    print(f"ratio async/sync_split: {speed['async'] / speed['sync_split']:.2f}")
+    print(f"ratio async/sync_colocated: {speed['async'] / speed['sync_colocated']:.2f}")
+    print(f"ratio one_step_off/sync_split: {speed['one_step_off'] / speed['sync_split']:.2f}")
+    gap = results["async"]["accuracy"] - results["sync_split"]["accuracy"]
+    print(f"accuracy async-sync: {gap:+.1f}")
+
+
+def _pct(x: float) -> str:
+    return "-" if math.isnan(x) else f"{100 * x:.0f}%"
+
+
+if __name__ == "__main__":
+    main()
