@@ -115,8 +115,7 @@ def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(
     assert "resumed from" in done.stdout + done.stderr
     state = json.loads((out / "checkpoints" / "step_5" / "state.json").read_text())
     assert state["step"] == 5 and "async" in state
-    steps = [m["step"] for m in _metrics(out)]
-    assert steps[-3:] == [3, 4, 5] and set(steps) == {1, 2, 3, 4, 5}
+    assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5]  # steps redone: once
     for m in _metrics(out):
         assert m["async/staleness_max"] <= 2
     assert (out / "final_model" / "model.safetensors").is_file()

@@ -1,38 +1,104 @@
-"""Checkpoint directories: written under a temporary name, renamed when complete.
+"""Checkpoint directories: written under a temporary name, sealed by a manifest, renamed.
 
 ``<output_dir>/checkpoints/step_<N>/`` holds ``model/`` (an HF safetensors folder),
-``optimizer.safetensors`` + ``optimizer.json``, ``rng_rank<r>.safetensors`` and
-``state.json`` (step, data position, driver state). ``state.json`` is written last, then the
-directory is renamed from ``step_<N>.tmp``: a directory named ``step_<N>`` is complete by
-construction, so resuming takes the newest one and ignores anything half written.
+``optimizer.safetensors`` + ``optimizer.json``, ``rng_rank<r>.safetensors``, the other roles'
+folders, ``state.json`` (step, data position, driver state) and, written last and atomically,
+``manifest.json``: every other file with its size and sha256. Then the directory is renamed
+from ``step_<N>.tmp``.
+
+A checkpoint is complete when its manifest is there and every file matches it. Resuming
+verifies the newest: a file missing, truncated or with other bytes (a flipped bit included)
+makes it fall back to the one before, with a warning naming the file; when no complete
+checkpoint is left the run stops with one error naming what is damaged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
 import re
 import shutil
 from pathlib import Path
 from typing import Any
 
+from treadle.errors import TreadleError
+
 _STEP = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+log = logging.getLogger("treadle")
+
+
+class CheckpointError(TreadleError):
+    """No complete checkpoint to resume from although there are checkpoints; names the damage."""
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint directory, or None."""
-    root = checkpoint_root(output_dir)
+def _steps(root: Path) -> list[tuple[int, Path]]:
     if not root.is_dir():
-        return None
-    done = [
-        (int(m.group(1)), p)
-        for p in root.iterdir()
-        if (m := _STEP.match(p.name)) and (p / "state.json").is_file()
-    ]
-    return max(done)[1] if done else None
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)))
+
+
+def _sha256(path: Path) -> str:
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file() and p.relative_to(directory) != Path(MANIFEST)
+    )
+
+
+def damage(path: Path) -> str | None:
+    """What is wrong with checkpoint ``path`` (naming the file), or None if it is complete."""
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest} is missing (the checkpoint was not finished)"
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{manifest} is unreadable ({e})"
+    for name, entry in entries.items():
+        f = path / name
+        if not f.is_file():
+            return f"{f} is missing"
+        size = f.stat().st_size
+        if size != entry["size"]:
+            return f"{f} has {size} bytes, the manifest says {entry['size']}"
+        if _sha256(f) != entry["sha256"]:
+            return f"{f} is corrupted (its sha256 differs from the manifest's)"
+    return None
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint directory; None when there is none at all.
+
+    A damaged checkpoint is skipped with a warning naming the damage; if every checkpoint is
+    damaged, :class:`CheckpointError` names the newest one's."""
+    found = _steps(checkpoint_root(output_dir))
+    problems: list[str] = []
+    for _, path in reversed(found):
+        problem = damage(path)
+        if problem is None:
+            if problems:
+                log.warning("resuming from %s: newer checkpoints are damaged", path)
+            return path
+        log.warning("checkpoint %s is damaged, not resumed from: %s", path.name, problem)
+        problems.append(problem)
+    if problems:
+        raise CheckpointError(
+            f"no complete checkpoint to resume from: {problems[0]}; delete the damaged "
+            "checkpoints (or the run directory) or set trainer.resume=false to start over"
+        )
+    return None
 
 
 def begin(output_dir: str | Path, step: int) -> Path:
@@ -45,18 +111,27 @@ def begin(output_dir: str | Path, step: int) -> Path:
 
 
 def commit(tmp: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write state.json, rename to its final name, and prune older checkpoints."""
+    """Write state.json and the manifest, rename to its final name, prune older checkpoints."""
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
+    files = {
+        str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
+        for f in _files(tmp)
+    }
+    partial = tmp / (MANIFEST + ".tmp")
+    with partial.open("w") as out:
+        json.dump({"files": files}, out, indent=1)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(partial, tmp / MANIFEST)
     final = tmp.with_name(tmp.name.removesuffix(".tmp"))
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    root = final.parent
-    done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)))
-    for _, old in done[:-keep]:
+    for _, old in _steps(final.parent)[:-keep]:
         shutil.rmtree(old)
     return final
 
 
 def read_state(path: Path) -> dict[str, Any]:
-    return dict(json.loads((path / "state.json").read_text()))
+    state: dict[str, Any] = json.loads((path / "state.json").read_text())
+    return state

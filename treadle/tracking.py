@@ -1,7 +1,9 @@
 """Metrics out of a run: one JSON line per step, a console progress bar, phase timers.
 
 Every step appends ``{"step": N, ...}`` to ``<output_dir>/metrics.jsonl`` (flushed at once,
-so a crash loses nothing written). The console shows a progress bar with the current reward.
+so a crash loses nothing written). A run that resumes after step N first drops the lines of
+steps after N (written before the crash, and about to be run again), so the file holds each
+step once. The console shows a progress bar with the current reward.
 Phase timers write ``timing/<phase>`` in seconds.
 """
 
@@ -50,6 +52,7 @@ class Tracker:
         self.path = Path(output_dir) / "metrics.jsonl"
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.headline = headline
+        _keep_steps_up_to(self.path, start_step)
         self._file = self.path.open("a")
         self._progress = Progress(
             TextColumn("[bold]treadle"),
@@ -81,6 +84,26 @@ class Tracker:
 
     def print(self, message: str) -> None:
         self._progress.console.print(message)
+
+
+def _keep_steps_up_to(path: Path, last: int) -> None:
+    """Rewrite ``path`` (atomically) without the records of steps after ``last``."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and _step(line) <= last]
+    if len(kept) == len(lines):
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    tmp.replace(path)
+
+
+def _step(line: str) -> float:
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):  # a line cut by a crash: drop it
+        return math.inf
 
 
 def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:

@@ -291,8 +291,14 @@ class TrainEngine:
         """Optimizer and RNG of :meth:`save_checkpoint`; the weights were loaded at start."""
         self.load_optimizer(out)
         rng = out / f"rng_rank{rank}.safetensors"
-        if rng.exists():
-            torch.set_rng_state(load_file(str(rng))["torch"])
+        if not rng.is_file():
+            from treadle.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
+                "resume with the same actor.world_size, or set trainer.resume=false"
+            )
+        torch.set_rng_state(load_file(str(rng))["torch"])
 
     def save_optimizer(self, path: Path, rank: int) -> None:
         """Gather the optimizer state to rank 0 and write it as safetensors + JSON (no pickle)."""

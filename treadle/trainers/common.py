@@ -5,10 +5,12 @@ Kept out of the loops so that each trainer's file reads as its dataflow.
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import math
 import os
 import shutil
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +37,47 @@ if TYPE_CHECKING:
 log = logging.getLogger("treadle")
 
 
-def prepare_run_dir(cfg: Config) -> Path:
+class RunLock:
+    """``<output_dir>/.lock``: held (``flock``) by the run working on the directory, with its
+    pid inside. A second run stops at once naming the holder; the lock of a run that died
+    goes with its process and is taken over with a warning."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / ".lock"
+        self.file = self.path.open("a+")
+        self.file.seek(0)
+        holder = self.file.read().strip()
+        try:
+            fcntl.flock(self.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.file.close()
+            raise ConfigError(
+                f"{out} is in use by another run ({holder or 'pid unknown'}): wait for it to "
+                "end or stop it, or set trainer.output_dir to another directory"
+            ) from None
+        if holder:
+            log.warning(
+                "%s: took over the lock of a run that ended without releasing it (%s)", out, holder
+            )
+        self.file.seek(0)
+        self.file.truncate()
+        self.file.write(f"pid {os.getpid()} on {socket.gethostname()}")
+        self.file.flush()
+
+    def release(self) -> None:
+        if not self.file.closed:
+            self.file.seek(0)
+            self.file.truncate()
+            self.file.close()  # closing releases the flock
+
+
+def prepare_run_dir(cfg: Config) -> tuple[Path, RunLock]:
+    """The run directory, locked, with the resolved config written into it."""
     out = Path(cfg.trainer.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    lock = RunLock(out)
     dump_config(cfg, out / "config.yaml")
-    return out
+    return out, lock
 
 
 def resume_point(cfg: Config) -> tuple[Path | None, str]:
@@ -283,15 +321,15 @@ def save_checkpoint(
 
 
 def export_model(checkpoint_dir: Path, dest: Path) -> Path:
-    """Hard-link the checkpoint's model folder to ``dest`` (the run's final model)."""
+    """Copy the checkpoint's model folder to ``dest`` (the run's final model): files of its
+    own, which checkpoint rotation cannot touch."""
     if dest.exists():
         shutil.rmtree(dest)
-    dest.mkdir(parents=True)
-    for f in (checkpoint_dir / "model").iterdir():
-        try:
-            os.link(f, dest / f.name)
-        except OSError:
-            shutil.copy2(f, dest / f.name)
+    tmp = dest.with_name(dest.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    shutil.copytree(checkpoint_dir / "model", tmp)
+    tmp.rename(dest)
     return dest
 
 
@@ -331,7 +369,7 @@ class Trainer:
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.out = prepare_run_dir(cfg)
+        self.out, self.lock = prepare_run_dir(cfg)
         self.total = cfg.trainer.total_steps
         self.start = 0
         self.resumed_from: Path | None = None
@@ -425,6 +463,9 @@ class Trainer:
         return metrics
 
     def close(self) -> None:
-        if hasattr(self, "rollout"):
-            self.rollout.close()
-        self.actors.close()
+        try:
+            if hasattr(self, "rollout"):
+                self.rollout.close()
+            self.actors.close()
+        finally:
+            self.lock.release()
