@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from treadle.errors import TreadleError
+from treadle.errors import Stopped, Terminated, TreadleError
 
 
 def _config(args: argparse.Namespace):
@@ -163,12 +164,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
+    signal.signal(signal.SIGTERM, _terminate)
     try:
         args.fn(args)
+    except Stopped as e:
+        print(f"treadle: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:  # before a run's loop started, or outside one
+        how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        print(f"treadle: stopped by {how}", file=sys.stderr)
+        return code
     except TreadleError as e:
         print(f"treadle: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise Terminated()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,11 @@ gRPC servers bind 127.0.0.1; the dashboard (``ray job submit`` talks to it) bind
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from treadle.config import Config
@@ -70,18 +74,31 @@ def ensure_ray(cfg: Config) -> None:
     if ray.is_initialized():
         return
     joined = ray_address(cfg)
-    if joined is not None:
-        _join(*joined)
-        return
-    # Ray starts workers at nice 15; ours do the run's compute and must not yield to
-    # every other process on the machine (measured: 15-30x slower steps under load).
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    ray.init(
-        num_cpus=int(total_cpus(cfg)),
-        include_dashboard=False,
-        log_to_driver=True,
-        configure_logging=False,
-    )
+    with _keep_sigterm_handler():
+        if joined is not None:
+            _join(*joined)
+            return
+        # Ray starts workers at nice 15; ours do the run's compute and must not yield to
+        # every other process on the machine (measured: 15-30x slower steps under load).
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        ray.init(
+            num_cpus=int(total_cpus(cfg)),
+            include_dashboard=False,
+            log_to_driver=True,
+            configure_logging=False,
+        )
+
+
+@contextmanager
+def _keep_sigterm_handler() -> Iterator[None]:
+    """Ray's core worker installs a C++ SIGTERM handler that aborts the driver (exit -6, a
+    stack dump); put the Python handler back (the command line's: stop like Ctrl-C)."""
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if callable(handler) and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
 
 
 def _join(address: str, source: str) -> None:

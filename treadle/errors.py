@@ -21,3 +21,15 @@ class DataError(TreadleError):
 
 class RewardError(TreadleError):
     """A reward function raised or returned something that is not a finite number."""
+
+
+class Stopped(TreadleError):
+    """A run stopped by a signal (Ctrl-C, SIGTERM); the message says where and how to resume."""
+
+    def __init__(self, message: str, exit_code: int) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class Terminated(KeyboardInterrupt):
+    """Raised by the command line's SIGTERM handler, so a SIGTERM unwinds like Ctrl-C."""

@@ -31,7 +31,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from treadle.errors import TreadleError
@@ -131,10 +131,6 @@ class RolloutClient:
         """Start ``coro`` on the background loop; its result comes through the future."""
         assert self._thread is not None, "start_background first"
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
-
-    def call_soon(self, fn: Callable[[], None]) -> None:
-        """Run ``fn`` on the client's loop (thread-safe)."""
-        self._loop.call_soon_threadsafe(fn)
 
     async def pause(self) -> None:
         """Send no new requests; return once those in flight have been answered."""

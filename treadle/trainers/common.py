@@ -24,7 +24,7 @@ from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, Worker, WorkerGroup
 from treadle.data import PromptDataset, ResumableSampler, collate_prompts, load_prompt_dataset
 from treadle.engines.rollout import SamplingParams
-from treadle.errors import ConfigError
+from treadle.errors import ConfigError, Stopped, Terminated
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.rewards import RewardFn, load_reward_fn, score_batch
@@ -441,8 +441,10 @@ class Trainer:
         return step == self.total or bool(every and step % every == 0)
 
     def fit(self) -> dict[str, float]:
-        """Run until ``total``; returns the last step's metrics."""
+        """Run until ``total``; returns the last step's metrics. Ctrl-C (or SIGTERM, from the
+        command line) stops it with :class:`Stopped`, after the workers are shut down."""
         t, metrics = self.cfg.trainer, {}
+        step = self.start
         try:
             with Tracker(self.out, self.total, self.start, t.progress, self.headline) as tracker:
                 if self.resumed_from is not None:
@@ -458,9 +460,21 @@ class Trainer:
                         save_checkpoint(
                             self.cfg, self.group, step, state, final=last, roles=self.roles
                         )
+        except KeyboardInterrupt as e:
+            raise self._stopped(e, step) from None
         finally:
             self.close()
         return metrics
+
+    def _stopped(self, signal: KeyboardInterrupt, step: int) -> Stopped:
+        how, code = ("SIGTERM", 143) if isinstance(signal, Terminated) else ("Ctrl-C", 130)
+        latest = ckpt.latest_checkpoint(self.out) if self.cfg.trainer.resume else None
+        where = (
+            f"the last checkpoint is {latest}: the same command resumes from it"
+            if latest is not None
+            else "there is no checkpoint yet: the same command starts over"
+        )
+        return Stopped(f"stopped by {how} during step {step}; {where}", code)
 
     def close(self) -> None:
         try:
