@@ -176,6 +176,12 @@ def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_
     last = stderr.strip().splitlines()[-1]
     assert last.startswith("treadle: error: rollout replica "), stderr[-3000:]
     assert " died during a " in last
+    # the kill lands in step 2 or, on a fast machine, a later step; whatever finished is intact:
+    # every finished step's metrics once, and the newest checkpoint is the last finished step
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert lines[0]["step"] == 1 and lines[0]["rollout/weight_version"] == 0
-    assert (out / "checkpoints" / "step_1" / "model" / "model.safetensors").is_file()
+    steps = [line["step"] for line in lines]
+    assert steps == list(range(1, len(steps) + 1)) and 1 <= len(steps) < 5
+    assert lines[0]["rollout/weight_version"] == 0
+    newest = out / "checkpoints" / f"step_{steps[-1]}"
+    assert (newest / "manifest.json").is_file()
+    assert (newest / "model" / "model.safetensors").is_file()
