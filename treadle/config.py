@@ -34,6 +34,11 @@ class ModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32", description="Parameter dtype of the trained model and the rollout engine."
     )
+    allow_download: bool = Field(
+        False,
+        description="Let a path that is not a local folder be fetched from the Hugging Face "
+        "hub as a model id; off: it is an error.",
+    )
 
 
 class DataConfig(Section):
@@ -168,11 +173,19 @@ class RewardConfig(Section):
         "the last token of prompt+response replaces reward.function's as the RL reward.",
     )
     micro_batch_size: int = Field(16, gt=0, description="Reward model: sequences per forward.")
-    sandbox_workers: int = Field(
-        2, gt=0, description="Code rewards: sandboxed programs run at once at most."
+    num_workers: int = Field(
+        2,
+        ge=0,
+        description="Worker processes that call the reward function, each call under "
+        "reward.timeout_s; 0: call it in the trainer's process, without a time limit. Code "
+        "rewards: sandboxed programs run at once.",
     )
-    sandbox_timeout_s: float = Field(
-        10.0, gt=0, description="Code rewards: wall-clock seconds a graded program may run."
+    timeout_s: float = Field(
+        10.0,
+        gt=0,
+        allow_inf_nan=False,
+        description="Wall-clock seconds one reward call (a code reward: one graded program) may "
+        "take.",
     )
 
 
@@ -381,6 +394,9 @@ class TrainerConfig(Section):
         None, description="torch threads per rank (default: cores / ranks, at least 1)."
     )
     progress: bool = Field(True, description="Show a progress bar on the console.")
+    ray_dashboard: bool = Field(
+        False, description="Start Ray's dashboard (on 127.0.0.1) with the local cluster."
+    )
     mode: Literal["sync", "one_step_off", "async"] = Field(
         "sync",
         description="RL: 'sync' generates, then trains, step after step; 'one_step_off' "

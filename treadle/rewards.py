@@ -19,8 +19,8 @@ failing sample's, in sample order). Booleans count as numbers (True -> 1.0).
 Rewards that run programs (the built-in `code`) are marked `@sandboxed_reward`: they spend
 their time waiting on a sandboxed process, not holding the GIL, and take a `timeout_s`
 keyword. `score_batch(..., workers=N, timeout_s=T)` calls such a function from up to N threads
-at once (N sandboxes at once: `reward.sandbox_workers`) and passes it `timeout_s=T`
-(`reward.sandbox_timeout_s`); every other function is called one sample after another, as
+at once (N sandboxes at once: `reward.num_workers`) and passes it `timeout_s=T`
+(`reward.timeout_s`); every other function is called one sample after another, as
 before, and never receives `timeout_s`.
 """
 

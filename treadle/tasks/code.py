@@ -14,7 +14,7 @@ reference in a ```python block.
   (`extract_program`: the last ```python block, else the last bare ``` block, else the whole
   text) and returns the fraction of the tests' asserts it passes in the sandbox
   (`treadle.sandbox.grade`). It is a `sandboxed_reward`: `score_batch` runs
-  `reward.sandbox_workers` of them at once, each with `reward.sandbox_timeout_s`.
+  `reward.num_workers` of them at once, each with `reward.timeout_s`.
 """
 
 from __future__ import annotations

@@ -284,7 +284,7 @@ def evaluate(cfg: Config, rollout: Rollout, ds: PromptDataset, pad_id: int) -> f
 
 def rule_scores(cfg: Config, fn: RewardFn, batch: Batch) -> list[float]:
     """``fn`` on every sample of ``batch``; a sandboxed reward (code) grades up to
-    ``reward.sandbox_workers`` programs at once, each for ``reward.sandbox_timeout_s``."""
+    ``reward.num_workers`` programs at once, each for ``reward.timeout_s``."""
     r = cfg.reward
     return score_batch(
         fn,
@@ -292,8 +292,8 @@ def rule_scores(cfg: Config, fn: RewardFn, batch: Batch) -> list[float]:
         list(batch["response_text"]),
         list(batch["ground_truth"]),
         spec=r.function,
-        workers=r.sandbox_workers,
-        timeout_s=r.sandbox_timeout_s,
+        workers=max(1, r.num_workers),
+        timeout_s=r.timeout_s,
     )
 
 
