@@ -10,7 +10,13 @@ import torch
 from safetensors import safe_open
 
 from treadle.errors import ConfigError
-from treadle.models import count_parameters, load_causal_lm, load_tokenizer, save_hf_folder
+from treadle.models import (
+    count_parameters,
+    load_causal_lm,
+    load_tokenizer,
+    resolve_model_path,
+    save_hf_folder,
+)
 from treadle.tasks import arithmetic as ar
 
 
@@ -109,3 +115,17 @@ def test_checkpoint_directory_stands_for_its_model_folder(tmp_path):
     (model / "model.safetensors").write_bytes(b"")
     assert resolve_model_path(model.parent) == str(model)
     assert resolve_model_path(model) == str(model)
+
+
+def test_a_hub_id_is_an_error_unless_downloads_are_allowed(monkeypatch, tmp_path: Path):
+    """A path that is not a local folder never reaches the hub by default."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(
+        ConfigError,
+        match=r"^model.path: 'org/model' is not a local folder; treadle does not download "
+        r"models unless model.allow_download=true",
+    ):
+        load_tokenizer("org/model")
+    assert resolve_model_path("org/model", allow_download=True) == "org/model"
+    with pytest.raises(ConfigError, match=r"'not a hub id' does not exist"):
+        resolve_model_path("not a hub id", allow_download=True)

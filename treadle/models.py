@@ -30,18 +30,30 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
-def resolve_model_path(path: str | Path, *, key: str = "model.path", need: str = "model") -> str:
+def resolve_model_path(
+    path: str | Path,
+    *,
+    key: str = "model.path",
+    need: str = "model",
+    allow_download: bool = False,
+) -> str:
     """Check that `path` is a model folder holding what `need` ("model" or "tokenizer") requires.
 
     A treadle checkpoint directory (`checkpoints/step_N`) stands for its `model/` folder.
-    A path that does not exist locally but looks like a hub id (`org/name`) is passed through,
-    for transformers to fetch. Raises ConfigError naming `key` and the folder otherwise.
+    A path that does not exist locally is an error; with `allow_download` (`model.allow_download`)
+    one that looks like a hub id (`org/name`) is passed through, for transformers to fetch.
+    Raises ConfigError naming `key` and the folder otherwise.
     """
     folder = Path(path).expanduser()
     if not folder.exists():
         if _HUB_ID_RE.match(str(path)):
-            return str(path)
-        raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder or hub id)")
+            if allow_download:
+                return str(path)
+            raise ConfigError(
+                f"{key}: '{path}' is not a local folder; treadle does not download models "
+                "unless model.allow_download=true (then it is fetched from the Hugging Face hub)"
+            )
+        raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder)")
     if not folder.is_dir():
         raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
     if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
@@ -59,9 +71,11 @@ def resolve_model_path(path: str | Path, *, key: str = "model.path", need: str =
     return str(folder)
 
 
-def load_tokenizer(path: str | Path, *, key: str = "model.path") -> PreTrainedTokenizerBase:
-    """The tokenizer of the model folder (or hub id) at `path`."""
-    resolved = resolve_model_path(path, key=key, need="tokenizer")
+def load_tokenizer(
+    path: str | Path, *, key: str = "model.path", allow_download: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model folder (or, with `allow_download`, hub id) at `path`."""
+    resolved = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
     try:
         return AutoTokenizer.from_pretrained(resolved)
     except (OSError, ValueError) as e:
@@ -73,6 +87,7 @@ def load_causal_lm(
     dtype: torch.dtype | str = torch.float32,
     *,
     key: str = "model.path",
+    allow_download: bool = False,
     **kwargs: Any,
 ) -> PreTrainedModel:
     """The causal LM of the model folder (or hub id) at `path`, on CPU in `dtype`.
@@ -80,7 +95,7 @@ def load_causal_lm(
     `dtype` is a torch dtype or its name (`"bfloat16"`); extra kwargs go to `from_pretrained`
     (for example `attn_implementation`). Moving to a device is the caller's business.
     """
-    resolved = resolve_model_path(path, key=key, need="model")
+    resolved = resolve_model_path(path, key=key, need="model", allow_download=allow_download)
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
@@ -95,6 +110,7 @@ def load_value_model(
     dtype: torch.dtype | str = torch.float32,
     *,
     key: str = "model.path",
+    allow_download: bool = False,
 ) -> PreTrainedModel:
     """A value model (critic or reward model) from the folder at `path`, on CPU in `dtype`.
 
@@ -103,7 +119,7 @@ def load_value_model(
     critic). From a causal LM folder the head is new and starts at zero, so a fresh critic
     predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded.
     """
-    resolved = resolve_model_path(path, key=key, need="model")
+    resolved = resolve_model_path(path, key=key, need="model", allow_download=allow_download)
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")

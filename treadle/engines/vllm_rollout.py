@@ -140,9 +140,10 @@ class VLLMRolloutEngine:
         bucket_mb: float = 64,
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
+        allow_download: bool = False,
         **engine_kwargs: Any,
     ) -> None:
-        path = resolve_model_path(model_path, key="model.path")
+        path = resolve_model_path(model_path, key="model.path", allow_download=allow_download)
         if bucket_mb <= 0:
             raise ConfigError(f"bucket_mb must be positive, got {bucket_mb}")
         torch_dtype = getattr(torch, dtype, None)

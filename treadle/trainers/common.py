@@ -223,7 +223,9 @@ def add_group(
 def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
     if not files:
         raise ConfigError(f"{key} is empty: list at least one JSONL or Parquet file")
-    tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+    tok = load_tokenizer(
+        cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
+    )
     d = cfg.data
     return load_prompt_dataset(
         files,

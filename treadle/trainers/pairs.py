@@ -30,7 +30,9 @@ def load_pairs(cfg: Config, files: list[str], key: str) -> PairDataset:
         chosen_key=d.chosen_key,
         rejected_key=d.rejected_key,
         answer_key=d.answer_key,
-        tokenizer=load_tokenizer(cfg.model.tokenizer_path or cfg.model.path),
+        tokenizer=load_tokenizer(
+            cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
+        ),
         max_prompt_length=d.max_prompt_length,
         max_response_length=cfg.rollout.max_new_tokens,
         overlong=d.overlong_prompts,

@@ -70,9 +70,9 @@ def uses_critic(cfg: Config) -> bool:
     return needs
 
 
-def _model_config(path: str, key: str) -> dict[str, Any]:
+def _model_config(path: str, key: str, allow_download: bool) -> dict[str, Any]:
     """The folder's config.json; empty for a hub id (checked when transformers fetches it)."""
-    file = Path(resolve_model_path(path, key=key)) / "config.json"
+    file = Path(resolve_model_path(path, key=key, allow_download=allow_download)) / "config.json"
     config: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
     return config
 
@@ -91,10 +91,14 @@ def check_value_models(cfg: Config, critic: bool) -> None:
         paths.append(("reward.model_path", cfg.reward.model_path))
     if not paths:
         return
-    actor = _model_config(cfg.model.path, "model.path") if cfg.model.path else {}
+    actor = (
+        _model_config(cfg.model.path, "model.path", cfg.model.allow_download)
+        if cfg.model.path
+        else {}
+    )
     actor_vocab = _vocab_size(actor)
     for key, path in paths:
-        config = _model_config(path, key)
+        config = _model_config(path, key, cfg.model.allow_download)
         vocab = _vocab_size(config)
         if vocab and actor_vocab and vocab != actor_vocab:
             raise ConfigError(

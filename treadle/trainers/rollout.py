@@ -270,7 +270,9 @@ def start_rollout(
     ``actor_path`` in ``pool`` (:func:`reserve_rollout_pool`; reserved here if not given).
 
     ``version``: the version of the weights at ``actor_path`` (the step they come from)."""
-    tok = load_tokenizer(cfg.model.tokenizer_path or actor_path)
+    tok = load_tokenizer(
+        cfg.model.tokenizer_path or actor_path, allow_download=cfg.model.allow_download
+    )
 
     def decode(tokens: list[list[int]]) -> list[str]:
         return list(tok.batch_decode(tokens, skip_special_tokens=True))

@@ -31,7 +31,9 @@ class SFTTrainer(Trainer):
         if not d.train_files:
             raise ConfigError("data.train_files is empty: list at least one JSONL or Parquet file")
         super().__init__(cfg)
-        tok = load_tokenizer(cfg.model.tokenizer_path or cfg.model.path)
+        tok = load_tokenizer(
+            cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
+        )
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
         self.ds = load_sft_dataset(
             d.train_files,

@@ -81,7 +81,9 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config
         dtype = DTYPES[config.model.dtype]
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or actor_path)
+        self.tokenizer = load_tokenizer(
+            config.model.tokenizer_path or actor_path, allow_download=config.model.allow_download
+        )
         self.actor = TrainEngine(
             self._load(actor_path, dtype), **engine_options(config), **actor_optimizer(config)
         )
@@ -107,7 +109,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         self.weight_sync: WeightSyncGroup | None = None  # split: rank 0 -> the replicas
 
     def _load(self, path: str, dtype: torch.dtype) -> nn.Module:
-        model: nn.Module = load_causal_lm(path, dtype)
+        model: nn.Module = load_causal_lm(path, dtype, allow_download=self.cfg.model.allow_download)
         return model.to(self.device)
 
     # ------------------------------------------------------------------ rollout

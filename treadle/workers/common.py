@@ -52,7 +52,9 @@ def value_engine(
     cfg: Config, path: str, key: str, device: torch.device, trainable: bool, **opt: Any
 ) -> TrainEngine:
     """A value model (critic, reward model) as a training engine; ``opt``: optimizer settings."""
-    model: nn.Module = load_value_model(path, DTYPES[cfg.model.dtype], key=key)
+    model: nn.Module = load_value_model(
+        path, DTYPES[cfg.model.dtype], key=key, allow_download=cfg.model.allow_download
+    )
     return TrainEngine(
         model.to(device), **engine_options(cfg), trainable=trainable, head=ValueHead, **opt
     )

@@ -62,7 +62,10 @@ class CriticWorker(Worker):
         self.epochs = c.ppo_epochs or a.ppo_epochs
         self.mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) // world_size
         self.micro = c.micro_batch_size or a.micro_batch_size
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or config.model.path)
+        self.tokenizer = load_tokenizer(
+            config.model.tokenizer_path or config.model.path,
+            allow_download=config.model.allow_download,
+        )
         self.engine = value_engine(
             config,
             critic_path,

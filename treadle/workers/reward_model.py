@@ -96,7 +96,9 @@ class RewardTrainerWorker(Worker):
         torch.set_num_threads(threads)
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config
-        self.tokenizer = load_tokenizer(config.model.tokenizer_path or model_path)
+        self.tokenizer = load_tokenizer(
+            config.model.tokenizer_path or model_path, allow_download=config.model.allow_download
+        )
         self.engine = value_engine(
             config, model_path, "model.path", self.device, True, **actor_optimizer(config)
         )

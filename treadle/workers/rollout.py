@@ -53,16 +53,17 @@ def make_engine(cfg: Config, path: str, device: torch.device) -> RolloutEngine:
             bucket_mb=r.weight_sync_bucket_mb,
             kv_cache_gib=r.kv_cache_gib,
             gpu_memory_utilization=r.gpu_memory_utilization,
+            allow_download=cfg.model.allow_download,
             **(
                 {"tensor_parallel_size": r.tensor_parallel_size}
                 if r.tensor_parallel_size > 1
                 else {}
             ),
         )
-    tok = load_tokenizer(cfg.model.tokenizer_path or path)
+    tok = load_tokenizer(cfg.model.tokenizer_path or path, allow_download=cfg.model.allow_download)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    model: Any = load_causal_lm(path, DTYPES[dtype])
+    model: Any = load_causal_lm(path, DTYPES[dtype], allow_download=cfg.model.allow_download)
     return HFRolloutEngine(
         model.to(device),
         eos_token_ids=eos,
