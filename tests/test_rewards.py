@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 import pickle
+import re
 import threading
 import time
 from pathlib import Path
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from treadle.errors import ConfigError, RewardError
-from treadle.rewards import load_reward_fn, sandboxed_reward, score_batch
+from treadle.rewards import Scorer, load_reward_fn, sandboxed_reward, score_batch
 
 USER_FILE = """
 def length(prompt, response, ground_truth):
@@ -31,6 +33,43 @@ def nothing(prompt, response, ground_truth):
 
 def not_a_number(prompt, response, ground_truth):
     return float("nan")
+
+def huge(prompt, response, ground_truth):
+    return 1e39  # finite in Python, inf in float32
+
+def quits(prompt, response, ground_truth):
+    import sys
+    if response == "exit":
+        sys.exit(3)
+    return 1.0
+
+def vanishes(prompt, response, ground_truth):
+    import os
+    if response == "bye":
+        os._exit(7)
+    return 1.0
+
+def self_kill(prompt, response, ground_truth):
+    import os, signal
+    if response == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return 1.0
+
+def hangs(prompt, response, ground_truth):
+    import time
+    if response == "hang":
+        time.sleep(3600)
+    return float(len(response))
+
+def pid(prompt, response, ground_truth):
+    import os
+    return float(os.getpid())
+
+def two_args(prompt, response):
+    return 1.0
+
+def keywords(prompt, response, ground_truth, *, scale):
+    return scale
 
 THRESHOLD = 0.5
 """
@@ -101,7 +140,8 @@ def test_raising_function_names_function_sample_and_cause(user_file: str):
 
 
 @pytest.mark.parametrize(
-    ("name", "shown"), [("text", "'abc'"), ("nothing", "None"), ("not_a_number", "nan")]
+    ("name", "shown"),
+    [("text", "'abc'"), ("nothing", "None"), ("not_a_number", "nan"), ("huge", "1e+39")],
 )
 def test_non_numbers_are_rejected(user_file: str, name: str, shown: str):
     spec = f"{user_file}:{name}"
@@ -109,7 +149,7 @@ def test_non_numbers_are_rejected(user_file: str, name: str, shown: str):
         score_batch(load_reward_fn(spec), ["p"], ["r"], ["g"])
     assert str(info.value) == (
         f"reward function '{spec}' failed on sample 0: returned {shown}, not a finite number "
-        "(prompt 'p', response 'r')"
+        "(float32) (prompt 'p', response 'r')"
     )
 
 
@@ -174,3 +214,102 @@ def test_plain_rewards_stay_sequential_and_parallel_errors_name_the_first_sample
         score_batch(picky, ["p"] * 4, ["a", "b", "c", "d"], ["g"] * 4, workers=4)
     assert load_reward_fn("code").treadle_sandboxed
     assert not load_reward_fn("arithmetic").treadle_sandboxed
+
+
+@pytest.mark.parametrize(
+    ("name", "signature"),
+    [
+        ("two_args", "(prompt, response)"),
+        ("keywords", "(prompt, response, ground_truth, *, scale)"),
+    ],
+)
+def test_a_wrong_signature_is_a_config_error_at_load(user_file: str, name: str, signature: str):
+    spec = f"{user_file}:{name}"
+    with pytest.raises(ConfigError) as info:
+        load_reward_fn(spec)
+    assert str(info.value) == (
+        f"reward.function: '{spec}' has the signature {signature}, but a reward function is "
+        "called as fn(prompt, response, ground_truth)"
+    )
+
+
+def test_sys_exit_in_process_is_an_error_not_the_end_of_the_run(user_file: str):
+    with pytest.raises(RewardError, match=r"failed on sample 0: raised SystemExit: 3"):
+        score_batch(load_reward_fn(f"{user_file}:quits"), ["p"], ["exit"], ["g"])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return not Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
+
+
+def test_the_pool_scores_in_order_in_other_processes_and_leaves_none_behind(user_file: str):
+    with Scorer(f"{user_file}:pid", num_workers=2, timeout_s=10) as scorer:
+        assert scorer.pool is not None
+        pids = scorer(["p"] * 6, ["r"] * 6, ["g"] * 6)
+        workers = scorer.pool.pids()
+        assert set(pids) <= set(map(float, workers)) and os.getpid() not in pids
+        assert 1 <= len(set(pids)) <= 2
+        length = Scorer(f"{user_file}:length", num_workers=2)
+        try:
+            assert length(["p"] * 5, ["", "a", "ab", "abc", "abcd"], ["g"] * 5) == pytest.approx(
+                [0.0, 0.1, 0.2, 0.3, 0.4]
+            )
+        finally:
+            length.close()
+    assert not any(_alive(p) for p in workers)
+
+
+@pytest.mark.parametrize(
+    ("name", "response", "problem"),
+    [
+        ("quits", "exit", "raised SystemExit: 3"),
+        ("vanishes", "bye", r"its worker process ended \(exit code 7\) while scoring it"),
+        ("self_kill", "kill", r"its worker process ended \(killed by SIGKILL\) while scoring it"),
+    ],
+)
+def test_a_reward_that_ends_its_process_is_an_error_naming_it(
+    user_file: str, name: str, response: str, problem: str
+):
+    spec = f"{user_file}:{name}"
+    with Scorer(spec, num_workers=2) as scorer:
+        with pytest.raises(RewardError) as info:
+            scorer(["p", "q", "s"], ["fine", response, "fine"], ["g"] * 3)
+        assert re.fullmatch(
+            rf"reward function '{re.escape(spec)}' failed on sample 1: {problem} "
+            rf"\(prompt 'q', response '{response}'\)",
+            str(info.value),
+        ), str(info.value)
+        # the pool goes on (a process that ended has a new one in its place)
+        assert scorer(["p"] * 3, ["fine"] * 3, ["g"] * 3) == [1.0] * 3
+
+
+def test_a_hanging_reward_times_out_and_the_pool_goes_on(user_file: str):
+    spec = f"{user_file}:hangs"
+    with Scorer(spec, num_workers=2, timeout_s=1.0) as scorer:
+        assert scorer.pool is not None
+        scorer(["p"], ["warm"], ["g"])  # processes started
+        before = scorer.pool.pids()
+        start = time.monotonic()
+        with pytest.raises(RewardError) as info:
+            scorer(["p"] * 4, ["a", "hang", "abc", "abcd"], ["g"] * 4)
+        assert time.monotonic() - start < 5
+        assert str(info.value) == (
+            f"reward function '{spec}' failed on sample 1: took longer than reward.timeout_s=1 s "
+            "(its worker process was killed and a new one started) "
+            "(prompt 'p', response 'hang')"
+        )
+        assert scorer(["p"] * 2, ["ab", "abc"], ["g"] * 2) == [2.0, 3.0]
+        assert len(set(before) - set(scorer.pool.pids())) == 1  # one process was replaced
+        assert not any(_alive(p) for p in set(before) - set(scorer.pool.pids()))
+
+
+def test_zero_workers_call_the_function_in_this_process(user_file: str):
+    with Scorer(f"{user_file}:pid", num_workers=0) as scorer:
+        assert scorer.pool is None
+        assert scorer(["p"] * 2, ["r"] * 2, ["g"] * 2) == [float(os.getpid())] * 2
+    with Scorer("code", num_workers=3) as scorer:  # sandboxed: threads, no pool
+        assert scorer.pool is None

@@ -11,27 +11,49 @@ A reward function has the signature `fn(prompt: str, response: str, ground_truth
 on unpickling, so it can be shipped to Ray workers even when the user's file is not importable
 there by module name. Problems with the spec are ConfigErrors at start-up.
 
-`score_batch` calls the function on every sample and checks each result: a raised exception,
-or a result that is not a finite number (None, a string, NaN), becomes one RewardError naming
-the function, the sample index, a shortened prompt and response, and the cause (the first
-failing sample's, in sample order). Booleans count as numbers (True -> 1.0).
+A function whose signature cannot take `(prompt, response, ground_truth)` is a ConfigError
+when it is loaded, before the first rollout.
+
+`score_batch` calls the function on every sample and checks each result: a raised exception
+(`SystemExit` included), or a result that is not a finite float32 (None, a string, NaN, 1e39),
+becomes one RewardError naming the function, the sample index, a shortened prompt and response,
+and the cause (the first failing sample's, in sample order). Booleans count as numbers.
 
 Rewards that run programs (the built-in `code`) are marked `@sandboxed_reward`: they spend
 their time waiting on a sandboxed process, not holding the GIL, and take a `timeout_s`
 keyword. `score_batch(..., workers=N, timeout_s=T)` calls such a function from up to N threads
-at once (N sandboxes at once: `reward.num_workers`) and passes it `timeout_s=T`
-(`reward.timeout_s`); every other function is called one sample after another, as
-before, and never receives `timeout_s`.
+at once (N sandboxes at once) and passes it `timeout_s=T`; every other function is called one
+sample after another and never receives `timeout_s`.
+
+A run scores through a `Scorer` (`reward.num_workers`, `reward.timeout_s`): any other function
+is called in a `RewardPool` of `num_workers` processes, each call under `timeout_s`, so a reward
+that hangs, crashes its process, calls `sys.exit` or `os._exit` cannot stall the run or end it
+silently: the sample's process is killed (on a timeout) or found dead, a new one takes its place,
+and the RewardError says what happened. `num_workers: 0` calls it in the trainer's process,
+without a time limit (the fastest; for functions you trust).
 """
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import importlib
+import inspect
 import math
 import numbers
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from types import TracebackType
 from typing import Any, TypeVar
 
 from treadle.errors import ConfigError, RewardError
@@ -66,6 +88,7 @@ class RewardFn:
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self._fn = _resolve(spec)
+        _check_signature(self._fn, spec, self.treadle_sandboxed)
 
     def __call__(self, prompt: str, response: str, ground_truth: str, **options: Any) -> Any:
         return self._fn(prompt, response, ground_truth, **options)
@@ -107,6 +130,22 @@ def _resolve(spec: str) -> Callable[..., Any]:
     return load_callable(spec, "reward.function")
 
 
+def _check_signature(fn: Callable[..., Any], spec: str, sandboxed: bool) -> None:
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: found out when called
+        return
+    options = {"timeout_s": 1.0} if sandboxed else {}
+    try:
+        sig.bind("prompt", "response", "ground_truth", **options)
+    except TypeError:
+        call = "fn(prompt, response, ground_truth" + (", timeout_s=...)" if sandboxed else ")")
+        raise ConfigError(
+            f"reward.function: '{spec}' has the signature {sig}, but a reward function is "
+            f"called as {call}"
+        ) from None
+
+
 def _shorten(text: Any, limit: int = 80) -> str:
     text = str(text)
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
@@ -119,12 +158,20 @@ def _fail(name: str, index: int, prompt: Any, response: Any, problem: str) -> Re
     )
 
 
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 def _as_score(value: Any) -> float | None:
-    """`value` as a float when it is a finite number (bools included), else None."""
+    """`value` as a float when it is a finite number that fits float32 (bools too), else None."""
     if isinstance(value, numbers.Real):
         score = float(value)
-        return score if math.isfinite(score) else None
+        return score if math.isfinite(score) and abs(score) <= FLOAT32_MAX else None
     return None
+
+
+Sample = tuple[str, str, str]  # (prompt, response, ground truth)
+# (returned value, None) or (None, the exception it raised or what happened to its process)
+Outcome = tuple[Any, BaseException | str | None]
 
 
 def score_batch(
@@ -137,57 +184,308 @@ def score_batch(
     workers: int = 1,
     timeout_s: float | None = None,
 ) -> list[float]:
-    """`fn` on every (prompt, response, ground truth); a failure raises one RewardError.
+    """`fn` on every (prompt, response, ground truth) in this process; a failure raises one
+    RewardError.
 
     `spec` names the function in errors; by default the RewardFn's own spec or the
     function's name. For a `sandboxed_reward`, `workers` calls run at once and `timeout_s`
     (when given) is passed on; other functions ignore both.
     """
+    name = str(spec or getattr(fn, "spec", None) or getattr(fn, "__qualname__", repr(fn)))
+    samples = _samples(prompts, responses, ground_truths)
+    if getattr(fn, SANDBOXED, False):
+        options = {} if timeout_s is None else {"timeout_s": timeout_s}
+        outcomes: Iterable[Outcome] = _outcomes_parallel(fn, samples, options, workers)
+    else:
+        outcomes = (_outcome(fn, sample, {}) for sample in samples)  # lazily: stop at a failure
+    return _judge(name, samples, outcomes)
+
+
+def _samples(
+    prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str]
+) -> list[Sample]:
     if not len(prompts) == len(responses) == len(ground_truths):
         raise ValueError(
             f"score_batch: {len(prompts)} prompts, {len(responses)} responses and "
             f"{len(ground_truths)} ground truths; they must match"
         )
-    name = str(spec or getattr(fn, "spec", None) or getattr(fn, "__qualname__", repr(fn)))
-    samples = list(zip(prompts, responses, ground_truths, strict=True))
-    if getattr(fn, SANDBOXED, False):
-        options = {} if timeout_s is None else {"timeout_s": timeout_s}
-        outcomes = _outcomes_parallel(fn, samples, options, workers)
-    else:
-        outcomes = (_outcome(fn, sample, {}) for sample in samples)  # lazily: stop at a failure
+    return list(zip(prompts, responses, ground_truths, strict=True))
+
+
+def _judge(name: str, samples: list[Sample], outcomes: Iterable[Outcome]) -> list[float]:
+    """The scores, or the RewardError of the first sample (in order) that failed."""
     scores = []
     for i, ((prompt, response, _), (value, error)) in enumerate(
-        zip(samples, outcomes, strict=True)
+        zip(samples, outcomes, strict=False)
     ):
+        if isinstance(error, str):
+            raise _fail(name, i, prompt, response, error)
         if error is not None:
             cause = f"raised {type(error).__name__}: {error}"
             raise _fail(name, i, prompt, response, cause) from error
         score = _as_score(value)
         if score is None:
-            raise _fail(name, i, prompt, response, f"returned {value!r}, not a finite number")
+            problem = f"returned {value!r}, not a finite number (float32)"
+            raise _fail(name, i, prompt, response, problem)
         scores.append(score)
+    if len(scores) != len(samples):
+        raise AssertionError(f"{len(scores)} outcomes for {len(samples)} samples")
     return scores
 
 
-Outcome = tuple[Any, Exception | None]  # (returned value, raised exception)
-
-
-def _outcome(
-    fn: Callable[..., Any], sample: tuple[str, str, str], options: dict[str, Any]
-) -> Outcome:
+def _outcome(fn: Callable[..., Any], sample: Sample, options: dict[str, Any]) -> Outcome:
     try:
         return fn(*sample, **options), None
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         return None, e
 
 
 def _outcomes_parallel(
     fn: Callable[..., Any],
-    samples: list[tuple[str, str, str]],
+    samples: list[Sample],
     options: dict[str, Any],
     workers: int,
-) -> Iterable[Outcome]:
+) -> list[Outcome]:
     if workers <= 1 or len(samples) <= 1:
         return [_outcome(fn, sample, options) for sample in samples]
     with ThreadPoolExecutor(min(workers, len(samples)), thread_name_prefix="reward") as pool:
         return list(pool.map(lambda sample: _outcome(fn, sample, options), samples))
+
+
+class Scorer:
+    """Scores batches with the function ``reward.function`` names, as ``reward.num_workers``
+    and ``reward.timeout_s`` say (see the module's docstring). Close it (or use ``with``)."""
+
+    def __init__(self, spec: str, num_workers: int = 0, timeout_s: float = 10.0) -> None:
+        self.fn = load_reward_fn(spec)
+        self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
+        use_pool = num_workers > 0 and not self.fn.treadle_sandboxed
+        self.pool = RewardPool(spec, num_workers, timeout_s) if use_pool else None
+
+    def __call__(
+        self, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str]
+    ) -> list[float]:
+        if self.pool is None:
+            workers = max(1, self.num_workers)
+            return score_batch(
+                self.fn, prompts, responses, ground_truths, spec=self.spec, workers=workers,
+                timeout_s=self.timeout_s,
+            )  # fmt: skip
+        samples = _samples(prompts, responses, ground_truths)
+        return _judge(self.spec, samples, self.pool.map(samples))
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
+
+    def __enter__(self) -> Scorer:
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+STARTUP_TIMEOUT_S = 120.0  # a worker that has not loaded the function by then is an error
+
+
+_CHILD = (
+    "import sys; from treadle.rewards import _serve_fd; _serve_fd(int(sys.argv[1]), sys.argv[2])"
+)
+
+
+class _Worker:
+    """One process of a RewardPool and the sample it is scoring.
+
+    A fresh interpreter (not multiprocessing's spawn, which re-runs the parent's ``__main__``:
+    a user's script, or nothing at all under ``python -c``), joined by a socket pair."""
+
+    def __init__(self, spec: str) -> None:
+        ours, theirs = socket.socketpair()
+        package_root = str(Path(__file__).resolve().parent.parent)
+        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", _CHILD, str(theirs.fileno()), spec],
+            pass_fds=(theirs.fileno(),),
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, "PYTHONPATH": path},
+        )
+        theirs.close()
+        self.conn = Connection(ours.detach())
+        self.ready = False
+        self.started = time.monotonic()
+        self.job: tuple[int, float] | None = None  # (sample index, deadline)
+
+    def stop(self, kill: bool) -> str:
+        """End the process (at once with SIGKILL if `kill`); what ended it, in words."""
+        if kill:
+            self.process.kill()
+        else:
+            with contextlib.suppress(OSError):
+                self.conn.send(None)
+        try:
+            self.process.wait(None if kill else 1.0)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.conn.close()
+        code = self.process.returncode
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
+
+class RewardPool:
+    """``num_workers`` processes that call the reward function ``spec`` names, each call
+    under ``timeout_s``.
+
+    A process scores one sample at a time; one that times out is killed, one that ends (a
+    crash, ``os._exit``, the OOM killer) is found dead, and either way the sample's outcome says
+    so and a new process takes the place. After the first failure no further samples are
+    handed out; those in progress finish. The processes ignore Ctrl-C (the trainer handles it
+    and closes the pool) and exit when the trainer's end of their pipe closes, so a trainer
+    killed with SIGKILL leaves none behind. ``map`` is safe to call from several threads (one
+    batch at a time).
+    """
+
+    def __init__(self, spec: str, num_workers: int, timeout_s: float) -> None:
+        self.spec, self.size, self.timeout_s = spec, num_workers, timeout_s
+        self._workers: list[_Worker] = []
+        self._lock = threading.Lock()
+
+    def _new_worker(self) -> _Worker:
+        return _Worker(self.spec)
+
+    def map(self, samples: list[Sample]) -> list[Outcome]:
+        """The outcome of each sample, in order: all of them, or those up to a failure."""
+        with self._lock:
+            while len(self._workers) < self.size:
+                self._workers.append(self._new_worker())
+            try:
+                return self._run(samples)
+            except BaseException:  # samples may be in flight: start afresh next time
+                self._stop_all()
+                raise
+
+    def _run(self, samples: list[Sample]) -> list[Outcome]:
+        pending = deque(range(len(samples)))
+        outcomes: dict[int, Outcome] = {}
+        failed = False
+        while (pending and not failed) or any(w.job for w in self._workers):
+            for w in self._workers:
+                if w.ready and w.job is None and pending and not failed:
+                    i = pending.popleft()
+                    w.conn.send((i, samples[i]))
+                    w.job = (i, time.monotonic() + self.timeout_s)
+            for conn in wait([w.conn for w in self._workers], self._until_next_deadline()):
+                failed |= self._receive(self._find(conn), outcomes)
+            failed |= self._reap_overdue(outcomes)
+        return [outcomes[i] for i in sorted(outcomes)]
+
+    def _find(self, conn: object) -> _Worker:
+        return next(w for w in self._workers if w.conn is conn)
+
+    def _until_next_deadline(self) -> float:
+        now = time.monotonic()
+        deadlines = [w.job[1] for w in self._workers if w.job]
+        deadlines += [w.started + STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
+        return max(0.0, min(deadlines, default=now + 1.0) - now)
+
+    def _receive(self, w: _Worker, outcomes: dict[int, Outcome]) -> bool:
+        """Take `w`'s message; whether a sample failed."""
+        try:
+            message = w.conn.recv()
+        except (EOFError, OSError):
+            how = w.stop(kill=False)
+            if w.job is None:  # idle: a new one takes its place
+                self._replace(w)
+                if not w.ready:
+                    raise RewardError(
+                        f"reward function '{self.spec}': its worker process ended ({how}) while "
+                        "loading the function"
+                    ) from None
+                return False
+            outcomes[w.job[0]] = (None, f"its worker process ended ({how}) while scoring it")
+            self._replace(w)
+            return True
+        kind, payload = message
+        if kind == "ready":
+            w.ready = True
+            return False
+        if kind == "load":  # the function did not load in the worker (it did here)
+            self._replace(w)
+            raise RewardError(f"reward function '{self.spec}' did not load in a worker: {payload}")
+        assert w.job is not None and kind == w.job[0], (message, w.job)
+        value, error = payload
+        outcomes[kind] = (value, error)
+        w.job = None
+        return error is not None or _as_score(value) is None
+
+    def _reap_overdue(self, outcomes: dict[int, Outcome]) -> bool:
+        now, failed = time.monotonic(), False
+        for w in list(self._workers):
+            if w.job and now >= w.job[1]:
+                w.stop(kill=True)
+                outcomes[w.job[0]] = (
+                    None,
+                    f"took longer than reward.timeout_s={self.timeout_s:g} s (its worker "
+                    "process was killed and a new one started)",
+                )
+                self._replace(w)
+                failed = True
+            elif not w.ready and now >= w.started + STARTUP_TIMEOUT_S:
+                w.stop(kill=True)
+                self._replace(w)
+                raise RewardError(
+                    f"reward function '{self.spec}' did not load in a worker process within "
+                    f"{STARTUP_TIMEOUT_S:g} s"
+                )
+        return failed
+
+    def _replace(self, w: _Worker) -> None:
+        self._workers[self._workers.index(w)] = self._new_worker()
+
+    def pids(self) -> list[int]:
+        return [w.process.pid for w in self._workers]
+
+    def close(self) -> None:
+        with self._lock:
+            self._stop_all()
+
+    def _stop_all(self) -> None:
+        for w in self._workers:
+            w.stop(kill=w.job is not None)
+        self._workers = []
+
+
+def _serve_fd(fd: int, spec: str) -> None:
+    _serve(spec, Connection(fd))
+
+
+def _serve(spec: str, conn: Connection) -> None:
+    """A RewardPool process: load the function, then score one sample per message until the
+    trainer sends None or its end of the pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
+    try:
+        fn = _resolve(spec)
+    except BaseException as e:
+        conn.send(("load", f"{type(e).__name__}: {e}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        index, sample = message
+        value, error = _outcome(fn, sample, {})
+        if error is not None:
+            sent: tuple[Any, str | None] = (None, f"raised {type(error).__name__}: {error}")
+        elif isinstance(value, numbers.Real):
+            sent = (float(value), None)
+        else:  # sent as text: it may not pickle, and it is an error either way
+            sent = (None, f"returned {value!r}, not a finite number (float32)")
+        conn.send((index, sent))

@@ -34,13 +34,13 @@ import shutil
 from collections.abc import Callable, Iterable
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
-from treadle.models import count_parameters, save_tokenizer
+# torch, tokenizers and transformers are imported where a model or tokenizer is built, so that
+# the reward function (`compute_score`) loads in a reward worker without them
 
 logger = logging.getLogger(__name__)
 
@@ -296,6 +296,11 @@ def build_tokenizer(
     task text) round-trips.
     Special tokens: `<|pad|>` (padding), `<|im_start|>`, `<|im_end|>` (end of turn, the EOS).
     """
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from treadle.models import save_tokenizer
+
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -347,6 +352,11 @@ def build_tiny_model(
     `AutoModelForCausalLM.from_pretrained` like any hub model. Input and output embeddings are
     tied. The global torch RNG is left as it was.
     """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from treadle.models import count_parameters, save_tokenizer
+
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     config = AutoConfig.for_model(

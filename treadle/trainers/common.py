@@ -6,6 +6,7 @@ Kept out of the loops so that each trainer's file reads as its dataflow.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import math
 import os
@@ -27,7 +28,7 @@ from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError, Stopped, Terminated
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
-from treadle.rewards import RewardFn, load_reward_fn, score_batch
+from treadle.rewards import Scorer
 from treadle.tracking import Tracker
 from treadle.workers import ActorRolloutRefWorker
 
@@ -274,28 +275,28 @@ def left_pad(batch: Batch, width: int) -> Batch:
     return out
 
 
-def evaluate(cfg: Config, rollout: Rollout, ds: PromptDataset, pad_id: int) -> float:
+def evaluate(
+    cfg: Config, rollout: Rollout, ds: PromptDataset, pad_id: int, scorer: Scorer
+) -> float:
     """Held-out accuracy (fraction of reward 1.0) with greedy decoding, one sample each."""
     n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))
     batch = prompt_batch(ds, list(range(n)), pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
     out = rollout.generate(batch, greedy)
-    scores = rule_scores(cfg, load_reward_fn(cfg.reward.function), out)
+    scores = rule_scores(scorer, out)
     return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
 
 
-def rule_scores(cfg: Config, fn: RewardFn, batch: Batch) -> list[float]:
-    """``fn`` on every sample of ``batch``; a sandboxed reward (code) grades up to
-    ``reward.num_workers`` programs at once, each for ``reward.timeout_s``."""
+def make_scorer(cfg: Config) -> Scorer:
+    """``reward.function``, called as ``reward.num_workers`` and ``reward.timeout_s`` say."""
     r = cfg.reward
-    return score_batch(
-        fn,
-        list(batch["prompt_text"]),
-        list(batch["response_text"]),
-        list(batch["ground_truth"]),
-        spec=r.function,
-        workers=max(1, r.num_workers),
-        timeout_s=r.timeout_s,
+    return Scorer(r.function, r.num_workers, r.timeout_s)
+
+
+def rule_scores(scorer: Scorer, batch: Batch) -> list[float]:
+    """The reward function's score of every sample of ``batch``."""
+    return scorer(
+        list(batch["prompt_text"]), list(batch["response_text"]), list(batch["ground_truth"])
     )
 
 
@@ -353,7 +354,8 @@ def evaluate_model(cfg: Config) -> float:
     try:
         rollout = start_rollout(cfg, actors, cfg.model.path, 0)
         try:
-            return evaluate(cfg, rollout, val, val.pad_id)
+            with make_scorer(cfg) as scorer:
+                return evaluate(cfg, rollout, val, val.pad_id, scorer)
         finally:
             rollout.close()
     finally:
@@ -478,8 +480,15 @@ class Trainer:
         )
         return Stopped(f"stopped by {how} during step {step}; {where}", code)
 
+    @functools.cached_property
+    def scorer(self) -> Scorer:
+        """``reward.function``'s scorer (its worker processes start on first use)."""
+        return make_scorer(self.cfg)
+
     def close(self) -> None:
         try:
+            if "scorer" in self.__dict__:
+                self.scorer.close()
             if hasattr(self, "rollout"):
                 self.rollout.close()
             self.actors.close()

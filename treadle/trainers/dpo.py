@@ -95,7 +95,9 @@ class DPOTrainer(Trainer):
         if self.val_prompts is not None:
             self.rollout.sync_weights(version=step)  # generate with the trained weights
             pad_id = self.val_prompts.pad_id
-            metrics["eval/accuracy"] = evaluate(self.cfg, self.rollout, self.val_prompts, pad_id)
+            metrics["eval/accuracy"] = evaluate(
+                self.cfg, self.rollout, self.val_prompts, pad_id, self.scorer
+            )
         return metrics
 
 

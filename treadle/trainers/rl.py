@@ -67,6 +67,7 @@ from treadle.trainers.common import (
     evaluate,
     left_pad,
     load_prompts,
+    make_scorer,
     prompt_batch,
     rule_scores,
 )
@@ -150,7 +151,7 @@ class RLTrainer(Trainer):
         self.val_ds = (
             load_prompts(cfg, cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
         )
-        self.reward_fn = load_reward_fn(cfg.reward.function)
+        self.scorer = make_scorer(cfg)  # now: the async producer scores from its thread
         self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
         self.greedy_baseline = "baseline_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator)
         self.kl_ctrl = (
@@ -306,7 +307,7 @@ class RLTrainer(Trainer):
         """Token-level scores [B, R]: the reward function's score, or the reward model's when
         there is one (the rule's mean is then logged as ``reward/rule_mean``), plus DAPO's
         over-long penalty, on each response's last valid token."""
-        scores = torch.tensor(rule_scores(self.cfg, self.reward_fn, batch))
+        scores = torch.tensor(rule_scores(self.scorer, batch))
         if self.rm is not None:
             if m is not None:
                 m["reward/rule_mean"] = float(scores.mean())
@@ -364,7 +365,7 @@ class RLTrainer(Trainer):
                 self.producer.sync()
             with timed(metrics, "eval"):
                 metrics["eval/accuracy"] = evaluate(
-                    self.cfg, self.rollout, self.val_ds, self.val_ds.pad_id
+                    self.cfg, self.rollout, self.val_ds, self.val_ds.pad_id, self.scorer
                 )
         return metrics
 

@@ -67,7 +67,9 @@ class SFTTrainer(Trainer):
         if self.val is not None and self.eval_due(step):
             self.rollout.sync_weights(version=step)  # generate with the trained weights
             with timed(metrics, "eval"):
-                metrics["eval/accuracy"] = evaluate(self.cfg, self.rollout, self.val, self.pad)
+                metrics["eval/accuracy"] = evaluate(
+                    self.cfg, self.rollout, self.val, self.pad, self.scorer
+                )
         return metrics
 
 
