@@ -148,3 +148,64 @@ def test_the_actor_update_ships_no_rollout_text():
     dropped = sum(batch[k].nbytes for k in batch.tensors if k not in sent)
     dropped += sum(len(t) for k in batch.objects for t in batch[k])
     assert len(pickle.dumps(batch)) - len(pickle.dumps(sent)) >= dropped > 0.4 * sent.nbytes
+
+
+class _Handle:
+    def __init__(self, actor_id: str) -> None:
+        self._actor_id = bytes.fromhex(actor_id)
+
+
+RAY_SIGKILL = (
+    "The actor died unexpectedly before finishing this task.\n"
+    "\tclass_name: ActorRolloutRefWorker\n\tactor_id: {id}\n\tpid: 4242\n\tip: 127.0.0.1\n"
+    "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR "
+    "Worker exit detail: Worker unexpectedly exits with a connection error code 2. End of file."
+)
+RAY_OOM = (
+    "The actor died unexpectedly before finishing this task.\n\tpid: 77\n"
+    "Task was killed due to the node running low on memory. ... To adjust the kill threshold, "
+    "set the environment variable `RAY_memory_usage_threshold` when starting Ray."
+)
+
+
+@pytest.mark.parametrize(
+    ("text", "rank", "expected"),
+    [
+        (
+            RAY_SIGKILL,
+            1,
+            "actor rank 1 (pid 4242) died during update_actor (its process ended without a "
+            "Python error: killed (SIGKILL, the kernel's out-of-memory killer) or crashed)",
+        ),
+        (
+            RAY_OOM,
+            0,
+            "actor rank 0 (pid 77) died during update_actor (killed by Ray's memory monitor: "
+            "the node ran low on memory)",
+        ),
+    ],
+)
+def test_a_dead_rank_is_named_by_role_rank_pid_and_cause(text, rank, expected):
+    from ray.exceptions import RayActorError
+
+    from treadle.workers import ActorRolloutRefWorker
+
+    ids = ["aa" * 16, "bb" * 16]
+    group = object.__new__(WorkerGroup)
+    group.worker_cls, group.workers = ActorRolloutRefWorker, [_Handle(i) for i in ids]
+    error = RayActorError(ids[rank], text.format(id=ids[rank]))
+    assert group.died(error, "during update_actor") == expected
+
+
+def test_out_of_memory_in_a_rank_names_it_and_an_unknown_actor_is_rank_unknown():
+    from treadle.controller import death_cause
+
+    group = object.__new__(WorkerGroup)
+    group.worker_cls, group.workers = Worker, [_Handle("aa" * 16)]
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert death_cause(oom) == "out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"
+    assert (
+        group.died(oom, "while starting", "cc" * 16)
+        == "Worker rank ? died while starting (out of memory: CUDA out of memory. Tried to "
+        "allocate 2.00 GiB)"
+    )

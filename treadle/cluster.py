@@ -15,11 +15,16 @@ retries for ~20 s and raises a bare ``ConnectionError``. Both failures become on
 ConfigErrors that say which variable to set and where the token lives. Ray itself sets
 ``RAY_ADDRESS`` (and passes the head's auth mode on) for a ``ray job submit`` driver.
 
-Starting. ``ray.init(num_cpus=trainer.num_cpus or os.cpu_count())``, no dashboard, workers at
-nice 0. What listens where (measured on Ray 2.60): the GCS and raylet bind all interfaces
-and advertise the node's address, whatever ``--node-ip-address`` says; worker and driver
-gRPC servers bind 127.0.0.1; the dashboard (``ray job submit`` talks to it) binds
-``--dashboard-host`` (default 127.0.0.1), the dashboard agent of every node all interfaces.
+Starting. ``ray.init(num_cpus=trainer.num_cpus or os.cpu_count())``, workers at nice 0, the
+dashboard only with ``trainer.ray_dashboard`` (on 127.0.0.1), Ray's token authentication as
+Ray sets it (treadle never turns it off). The node's address is 127.0.0.1 (see
+:func:`_on_loopback`), and then every server of the cluster listens on loopback only
+(measured on Ray 2.60 with ``/proc/net/tcp``: GCS, raylet, dashboard and runtime-env agents,
+worker and driver gRPC, the log and metrics exporters); so do the run's process groups
+(:func:`treadle.controller.tcp_store`). Without it, Ray binds the GCS, raylets and workers to
+all interfaces. A joined cluster keeps the address Ray gives its nodes: its servers and the
+process groups' stores listen on every interface there. :func:`treadle.reaper.watch` ends
+the cluster's processes however the driver ends (Ray's agents outlive a killed driver).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from treadle import reaper
 from treadle.config import Config
 from treadle.errors import ConfigError
 
@@ -81,12 +87,37 @@ def ensure_ray(cfg: Config) -> None:
         # Ray starts workers at nice 15; ours do the run's compute and must not yield to
         # every other process on the machine (measured: 15-30x slower steps under load).
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(
-            num_cpus=int(total_cpus(cfg)),
-            include_dashboard=False,
-            log_to_driver=True,
-            configure_logging=False,
-        )
+        reaper.watch()  # before the first Ray process: a kill -9 at start-up leaves nothing
+        with _on_loopback():
+            ray.init(
+                num_cpus=int(total_cpus(cfg)),
+                include_dashboard=cfg.trainer.ray_dashboard,
+                dashboard_host="127.0.0.1",
+                log_to_driver=True,
+                configure_logging=False,
+            )
+
+
+@contextmanager
+def _on_loopback() -> Iterator[None]:
+    """A one-node cluster whose node address is 127.0.0.1: Ray's servers (GCS, raylet, workers,
+    agents) then listen on loopback only. Ray refuses 127.0.0.1 as ``_node_ip_address`` on
+    Linux, but takes it when its "no clusters on this OS" switch is on, which does nothing else
+    (it only decides this address). Set while the cluster starts (its processes inherit it),
+    then put back: joining another cluster later needs the real address."""
+    from ray._private import ray_constants
+
+    key = ray_constants.ENABLE_RAY_CLUSTERS_ENV_VAR
+    before = os.environ.get(key), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[key], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = before[1]
+        if before[0] is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = before[0]
 
 
 @contextmanager

@@ -29,18 +29,20 @@ of both on bundle r, and the driver calls them in turn.
 
 from __future__ import annotations
 
+import datetime
 import enum
 import functools
 import os
 import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from treadle.errors import TreadleError
+from treadle.errors import TreadleError, WorkerDied
 from treadle.protocol import Batch
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -185,11 +187,42 @@ def device_type() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def tcp_store(
+    addr: str, port: int, world_size: int, rank: int, timeout: datetime.timedelta
+) -> dist.TCPStore:
+    """The rendezvous store of a process group, served by rank 0 at ``addr:port``.
+
+    A group whose rendezvous is 127.0.0.1 is all on this machine, and then listens on loopback
+    only: the store on a socket bound here (torch's own server binds every interface) and
+    gloo's connections on ``lo`` (by default it binds the address of the host's name)."""
+    fd = None
+    if addr in ("127.0.0.1", "localhost") and Path("/sys/class/net/lo").exists():
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if rank == 0:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", port))
+            sock.listen(128)
+            fd = sock.detach()  # the store owns it from here
+    return dist.TCPStore(
+        addr,
+        port,
+        world_size,
+        is_master=rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=fd,
+    )
+
+
 class Worker:
     """Base of every SPMD worker: joins the group's torch.distributed process group.
 
     gloo on CPU, NCCL on CUDA. In local mode the group has one rank in this process.
+    ``role`` names the group in messages ("actor rank 1 died ...").
     """
+
+    role: ClassVar[str] = ""
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         self.rank, self.world_size = rank, world_size
@@ -205,11 +238,13 @@ class Worker:
         # Only a group this worker made is its to destroy (an in-process vLLM may make one).
         self.owns_process_group = not dist.is_initialized()
         if self.owns_process_group:
+            timeout = datetime.timedelta(minutes=30)  # torch's default for a process group
             dist.init_process_group(
                 backend="nccl" if self.device.type == "cuda" else "gloo",
                 rank=rank,
                 world_size=world_size,
-                init_method=f"tcp://{master_addr}:{master_port}",
+                store=tcp_store(master_addr, master_port, world_size, rank, timeout),
+                timeout=timeout,
             )
 
 
@@ -246,6 +281,22 @@ def _ray_get(futures: list[Any]) -> list[Any]:
         if isinstance(e.cause, TreadleError):
             raise e.cause from None
         raise
+
+
+def death_cause(error: BaseException) -> str:
+    """Why a Ray actor's process is gone, in words, from Ray's long message."""
+    text = str(error)
+    if "RAY_memory_usage_threshold" in text:
+        return "killed by Ray's memory monitor: the node ran low on memory"
+    if "unexpectedly exits" in text or "SIGKILL" in text:
+        return (
+            "its process ended without a Python error: killed (SIGKILL, the kernel's "
+            "out-of-memory killer) or crashed"
+        )
+    if isinstance(error, MemoryError | torch.OutOfMemoryError):
+        return f"out of memory: {str(error).splitlines()[0][:200] if text else 'MemoryError'}"
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    return (lines[-1] if lines else type(error).__name__).rstrip(".")[:300]
 
 
 def _probe_address() -> tuple[str, int]:
@@ -346,7 +397,8 @@ class WorkerGroup:
             for r in range(self.world_size)
         ]
         try:
-            _ray_get([w.treadle_check.remote() for w in workers])
+            self.workers = workers
+            self._get([w.treadle_check.remote() for w in workers], "while starting")
         except BaseException:
             for w in workers:
                 ray.kill(w)
@@ -377,10 +429,43 @@ class WorkerGroup:
                 getattr(w, name).remote(*a, **k)
                 for w, (a, k) in zip(self.workers, parts, strict=True)
             ]
-            results = _ray_get(futures)
+            results = self._get(futures, f"during {name}")
         out = collect_results(spec.collect, results)
         spec.check_returns(method, out)
         return out
+
+    def _get(self, futures: list[Any], when: str) -> list[Any]:
+        """``ray.get`` of one call on every rank; a rank whose process died (or ran out of
+        memory) is a :class:`WorkerDied` naming the role, the rank and the cause."""
+        import ray
+
+        try:
+            return _ray_get(futures)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as first:
+            # A rank that died fails its peers' collectives too ("connection reset by peer"),
+            # which may be the error seen first: name the dead one.
+            ready, _ = ray.wait(futures, num_returns=len(futures), timeout=30)
+            for future in ready:
+                try:
+                    ray.get(future)
+                except ray.exceptions.RayActorError as e:
+                    raise WorkerDied(self.died(e, when)) from None
+                except ray.exceptions.RayTaskError as e:
+                    if isinstance(e.cause, MemoryError | torch.OutOfMemoryError):
+                        actor_id = getattr(e, "_actor_id", None)
+                        raise WorkerDied(self.died(e.cause, when, actor_id)) from None
+            raise first
+
+    def died(self, error: BaseException, when: str, actor_id: str | None = None) -> str:
+        """ "<role> rank <r> (pid <p>) died <when> (<cause>)"."""
+        actor_id = actor_id or getattr(error, "actor_id", None)
+        ids = [w._actor_id.hex() for w in self.workers]
+        rank = str(ids.index(actor_id)) if actor_id in ids else "?"
+        role = self.worker_cls.role or self.worker_cls.__name__
+        lines = [line.strip() for line in str(error).splitlines()]
+        pid = next((line.split()[-1] for line in lines if line.startswith("pid:")), None)
+        who = f"{role} rank {rank}" + (f" (pid {pid})" if pid else "")
+        return f"{who} died {when} ({death_cause(error)})"
 
     def shutdown(self) -> None:
         if self.backend == "local":

@@ -23,6 +23,10 @@ class RewardError(TreadleError):
     """A reward function raised or returned something that is not a finite number."""
 
 
+class WorkerDied(TreadleError):
+    """A worker process of the run died (killed, out of memory, crashed): the run cannot go on."""
+
+
 class Stopped(TreadleError):
     """A run stopped by a signal (Ctrl-C, SIGTERM); the message says where and how to resume."""
 

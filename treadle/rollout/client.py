@@ -34,6 +34,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
+from treadle.controller import death_cause
 from treadle.errors import TreadleError
 from treadle.rollout.server import Request, Response, RolloutServer
 
@@ -72,14 +73,8 @@ class RayReplica:
         try:
             responses: list[Response] = await self.actor.rollout_generate.remote(requests)
         except ray.exceptions.RayActorError as e:
-            raise RolloutError(f"{self.name} died during a rollout ({cause_line(e)})") from None
+            raise RolloutError(f"{self.name} died during a rollout ({death_cause(e)})") from None
         return responses
-
-
-def cause_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    first = next((line.strip() for line in text if line.strip()), type(error).__name__)
-    return first.rstrip(".")[:200]
 
 
 class RolloutClient:

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save as save_safetensors_bytes
 
+from treadle.controller import tcp_store
+
 _END = 0
 
 
@@ -80,9 +82,7 @@ class WeightSyncGroup:
         self.rank, self.world_size = rank, world_size
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         timeout = datetime.timedelta(seconds=timeout_s)
-        store = dist.TCPStore(
-            addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
-        )
+        store = tcp_store(addr, port, world_size, rank, timeout)
         prefixed = dist.PrefixStore("treadle-weight-sync", store)
         self._store = store  # the master's server lives as long as this object
         self.group: Any

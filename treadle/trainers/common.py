@@ -25,10 +25,12 @@ from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, Worker, WorkerGroup
 from treadle.data import PromptDataset, ResumableSampler, collate_prompts, load_prompt_dataset
 from treadle.engines.rollout import SamplingParams
-from treadle.errors import ConfigError, Stopped, Terminated
+from treadle.errors import ConfigError, Stopped, Terminated, WorkerDied
+from treadle.faults import failpoint
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.rewards import Scorer
+from treadle.rollout.client import RolloutError
 from treadle.tracking import Tracker
 from treadle.workers import ActorRolloutRefWorker
 
@@ -317,6 +319,7 @@ def save_checkpoint(
     group.save_checkpoint(str(tmp))
     for name, role in (roles or {}).items():
         role.save_checkpoint(str(tmp / name))
+    failpoint("checkpoint", step)
     done = ckpt.commit(tmp, {"step": step, **driver_state}, cfg.trainer.keep_checkpoints)
     if final:
         export_model(done, Path(cfg.trainer.output_dir) / "final_model")
@@ -419,6 +422,7 @@ class Trainer:
         finally:
             if pool is not None:
                 pool.remove()
+        failpoint("startup")
 
     def build_workers(
         self,
@@ -456,6 +460,7 @@ class Trainer:
                 for step in range(self.start + 1, self.total + 1):
                     metrics = self.run_step(step)
                     tracker.log(step, metrics)
+                    failpoint("step", step)
                     if not all(math.isfinite(v) for v in metrics.values()):
                         raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
                     last = step == self.total
@@ -465,20 +470,20 @@ class Trainer:
                             self.cfg, self.group, step, state, final=last, roles=self.roles
                         )
         except KeyboardInterrupt as e:
-            raise self._stopped(e, step) from None
+            how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+            hint = self._resume_hint()
+            raise Stopped(f"stopped by {how} during step {step}; {hint}", code) from None
+        except (WorkerDied, RolloutError) as e:  # a process of the run is gone
+            raise type(e)(f"step {step}: {e}; {self._resume_hint()}") from None
         finally:
             self.close()
         return metrics
 
-    def _stopped(self, signal: KeyboardInterrupt, step: int) -> Stopped:
-        how, code = ("SIGTERM", 143) if isinstance(signal, Terminated) else ("Ctrl-C", 130)
+    def _resume_hint(self) -> str:
         latest = ckpt.latest_checkpoint(self.out) if self.cfg.trainer.resume else None
-        where = (
-            f"the last checkpoint is {latest}: the same command resumes from it"
-            if latest is not None
-            else "there is no checkpoint yet: the same command starts over"
-        )
-        return Stopped(f"stopped by {how} during step {step}; {where}", code)
+        if latest is not None:
+            return f"the last checkpoint is {latest}: the same command resumes from it"
+        return "there is no checkpoint yet: the same command starts over"
 
     @functools.cached_property
     def scorer(self) -> Scorer:

@@ -34,7 +34,7 @@ from treadle.agents.loops import AgentLoop, Limits, Sample, load_agent_loop, run
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
 from treadle.config import Config
-from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get
+from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get, death_cause
 from treadle.data import collate_prompts
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
@@ -46,7 +46,6 @@ from treadle.rollout.client import (
     ReplicaHandle,
     RolloutClient,
     RolloutError,
-    cause_line,
 )
 from treadle.trainers.common import Actors, ensure_ray, rank_threads, ray_env, total_cpus
 from treadle.workers.rollout import RolloutReplica
@@ -345,7 +344,7 @@ def _get(ref: Any, dead: str) -> Any:
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:
-        raise RolloutError(f"{dead} ({cause_line(e)})") from None
+        raise RolloutError(f"{dead} ({death_cause(e)})") from None
 
 
 def _name_dead_replica(names: list[str], receiving: list[Any], wait_s: float = 10.0) -> None:
@@ -359,7 +358,7 @@ def _name_dead_replica(names: list[str], receiving: list[Any], wait_s: float = 1
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                raise RolloutError(f"{name} died during a weight sync ({cause_line(e)})") from None
+                raise RolloutError(f"{name} died during a weight sync ({death_cause(e)})") from None
             except Exception:
                 pass
 

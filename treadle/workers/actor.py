@@ -39,6 +39,7 @@ from torch import nn
 from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
 from treadle.algorithms.correction import rollout_correction
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
+from treadle.checkpoint import read_state
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, free_port, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
@@ -63,6 +64,8 @@ from treadle.workers.rollout import ServesRollout, make_engine
 
 class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
     """Actor + rollout engine + reference, colocated in one process per rank."""
+
+    role = "actor"
 
     def __init__(
         self,
@@ -321,5 +324,8 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
-        """Optimizer and RNG; the model weights were loaded at start from ``path/model``."""
+        """Optimizer and RNG; the model weights were loaded at start from ``path/model``, so
+        the colocated replica serves the checkpoint's weights: their version is its step."""
         self.actor.load_checkpoint(Path(path), self.rank)
+        if self.server is not None:
+            self.server.version = int(read_state(Path(path))["step"])

@@ -44,6 +44,8 @@ class CriticWorker(Worker):
     mini-batch across ranks, in mini-batches (one optimizer step each) and micro-batches.
     """
 
+    role = "critic"
+
     def __init__(
         self,
         rank: int,

@@ -51,6 +51,8 @@ from treadle.workers.common import (
 class RewardModelWorker(Worker):
     """A frozen reward model: the score of each prompt+response, read at its last valid token."""
 
+    role = "reward model"
+
     def __init__(
         self,
         rank: int,
@@ -81,6 +83,8 @@ class RewardModelWorker(Worker):
 
 class RewardTrainerWorker(Worker):
     """A value model trained as a reward model; optimizer settings from the ``actor`` section."""
+
+    role = "reward model"
 
     def __init__(
         self,
