@@ -795,7 +795,7 @@ def _describe_validation_error(e: ValidationError) -> str:
     """One line per invalid value: the key, what is wrong, the value given."""
     lines = []
     for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])[1:]
         if err["type"] == "value_error" and (not key or isinstance(err.get("input"), dict)):
             # a cross-field rule (of the config or a section): its message names the keys
             lines += str(err["msg"]).removeprefix("Value error, ").splitlines()
