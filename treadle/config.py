@@ -704,6 +704,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
 def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: later keys override it
+            continue
         key = loader.construct_object(key_node)  # type: ignore[no-untyped-call]
         line = key_node.start_mark.line + 1
         if isinstance(key, str) and key in seen:
