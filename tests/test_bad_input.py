@@ -631,3 +631,12 @@ def test_every_command_runs_the_checks_first(env, capsys, command, overrides, pa
     result = run(capsys, command, env["config"], *overrides, f"trainer.output_dir={out}")
     assert_bad(result, pattern)
     assert not out.exists()  # stopped before the run directory (and Ray)
+
+
+@pytest.mark.parametrize("path", sorted(Path("examples").glob("*/*.yaml")), ids=str)
+def test_example_configs_pass_the_config_and_algorithm_checks(path: Path) -> None:
+    from treadle.check import check_algorithm
+    from treadle.config import load_config
+
+    kind = path.stem if path.stem in ("sft", "dpo", "rm") else "train"
+    check_algorithm(load_config(path), kind)  # type: ignore[arg-type]

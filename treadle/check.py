@@ -28,6 +28,7 @@ traceback.
 from __future__ import annotations
 
 import contextlib
+import difflib
 import fcntl
 import json
 import os
@@ -62,7 +63,7 @@ def check(cfg: Config, kind: Kind) -> list[str]:
             problems.append(f"{what}: {type(e).__name__}: {e}")
         return None
 
-    attempt("algorithm", _check_names, cfg, kind)
+    attempt("algorithm", check_algorithm, cfg, kind)
     tokenizer = attempt("model.path", _check_models, cfg, kind, summary)
     tools = attempt("rollout.tools", _check_user_code, cfg, kind, summary)
     if tokenizer is not None:
@@ -89,7 +90,8 @@ def check(cfg: Config, kind: Kind) -> list[str]:
 # --- registered names ------------------------------------------------------------------------
 
 
-def _check_names(cfg: Config, kind: Kind) -> None:
+def check_algorithm(cfg: Config, kind: Kind) -> None:
+    """Registered names and the rules between them (ConfigError listing every problem)."""
     from treadle.algorithms import (
         ADV_ESTIMATORS,
         KL_ESTIMATORS,
@@ -112,10 +114,12 @@ def _check_names(cfg: Config, kind: Kind) -> None:
         names = [("dpo.loss_type", PREFERENCE_LOSSES, cfg.dpo.loss_type)]
     problems = []
     for key, registry, name in names:
-        try:
-            registry.get(name)
-        except ValueError as e:
-            problems.append(f"{key}: {e}")
+        if name not in registry:
+            close = difflib.get_close_matches(name, registry.names(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(
+                f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}{hint}"
+            )
     if kind == "train":
         problems += _algorithm_rules(cfg, ADV_ESTIMATORS, POLICY_LOSSES)
     if kind == "dpo" and cfg.dpo.eval_task and not cfg.data.val_files:
