@@ -520,6 +520,13 @@ def test_rows_are_checked_for_the_command(env, capsys, kind, content, pattern) -
     )
 
 
+def test_chat_template_that_fails_names_the_file(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    folder = Path(model_copy(env, "badtemplate"))
+    (folder / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
+    result = check(env, capsys, f"model.tokenizer_path={folder}", "data.val_files=[]")
+    assert_bad(result, r"data\.train_files: .*train\.jsonl: TemplateError: no system role")
+
+
 # --- the reward function -----------------------------------------------------------------------
 
 REWARDS = {

@@ -70,7 +70,10 @@ def check(cfg: Config, kind: Kind) -> list[str]:
         for key, files, reader, required in _data_files(cfg, kind):
             if not files and required:
                 problems.append(f"{key} is empty: list at least one JSONL or Parquet file")
-            counts = [attempt(key, reader, cfg, tokenizer, file, key, tools) for file in files]
+            counts = [
+                attempt(f"{key}: {file}", reader, cfg, tokenizer, file, key, tools)
+                for file in files
+            ]
             summary += [
                 f"{key}: {f}: {n} rows" for f, n in zip(files, counts, strict=True) if n is not None
             ]
