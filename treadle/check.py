@@ -291,10 +291,12 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str]) -> Any:
         from treadle.agents.loops import load_agent_loop
         from treadle.agents.tools import Toolbox
 
-        for key, load in (
-            ("rollout.agent_loop", lambda: load_agent_loop(cfg.rollout.agent_loop)),
-            ("rollout.tools", lambda: Toolbox.load(cfg.rollout.tools).schemas),
-        ):
+        loads: list[tuple[str, Callable[[], Any]]] = [
+            ("rollout.tools", lambda: Toolbox.load(cfg.rollout.tools).schemas)  # shown in prompts
+        ]
+        if kind == "train":
+            loads.append(("rollout.agent_loop", lambda: load_agent_loop(cfg.rollout.agent_loop)))
+        for key, load in loads:
             try:
                 with time_limit(IMPORT_TIMEOUT_S, key):
                     value = load()

@@ -15,7 +15,7 @@ from __future__ import annotations
 import difflib
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import (
@@ -23,6 +23,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -35,6 +36,21 @@ class Section(BaseModel):
     no number may be nan or infinite (pydantic's floats accept them by default)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true as 1 for an int or float field; `rollout.n: true` is a mistake
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"expected a number, not {str(value).lower()}")
+        return value
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    """The types an annotation admits at its top level (``int | None`` -> {int, NoneType})."""
+    return set(get_args(annotation)) | {annotation} if get_args(annotation) else {annotation}
 
 
 Key = Annotated[str, Field(min_length=1)]  # a column name, a path: never empty
