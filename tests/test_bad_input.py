@@ -619,6 +619,12 @@ def test_independent_problems_are_all_reported(env, capsys) -> None:  # type: ig
     )
 
 
+def test_a_bad_reward_model_folder_does_not_hide_bad_rows(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    bad = write(env, "hidden.jsonl", GOOD_ROW + '{"prompt": "x"}\n')
+    result = check(env, capsys, "reward.model_path=/no/rm", f"data.train_files=[{bad}]")
+    assert_bad(result, r"reward\.model_path(.|\n)*hidden\.jsonl row 2", lines=2)
+
+
 # --- every command checks first --------------------------------------------------------------
 
 COMMANDS = [

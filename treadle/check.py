@@ -64,8 +64,8 @@ def check(cfg: Config, kind: Kind) -> list[str]:
         return None
 
     attempt("algorithm", check_algorithm, cfg, kind)
-    tokenizer = attempt("model.path", _check_models, cfg, kind, summary)
-    tools = attempt("rollout.tools", _check_user_code, cfg, kind, summary)
+    tokenizer = attempt("model.path", _check_models, cfg, kind, summary, problems)
+    tools = attempt("rollout.tools", _check_user_code, cfg, kind, summary, problems)
     if tokenizer is not None:
         for key, files, reader, required in _data_files(cfg, kind):
             if not files and required:
@@ -153,13 +153,13 @@ def _algorithm_rules(cfg: Config, estimators: Any, losses: Any) -> list[str]:
 # --- models ----------------------------------------------------------------------------------
 
 
-def _check_models(cfg: Config, kind: Kind, summary: list[str]) -> Any:
-    """The tokenizer (loaded: the data checks need it); checks every model folder named."""
+def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[str]) -> Any:
+    """The tokenizer (loaded: the data checks need it) or None; checks every model folder
+    named, adding to ``problems``."""
     from treadle.models import load_tokenizer, resolve_model_path
 
     m = cfg.model
     path = m.path or _resumed_model(cfg)
-    problems = []
     tokenizer = None
     if not path:
         problems.append("model.path is empty: give a local Hugging Face model folder")
@@ -190,8 +190,6 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str]) -> Any:
                 resolve_model_path(other, key=key, allow_download=m.allow_download)
             except ConfigError as e:
                 problems.append(str(e))
-    if problems:
-        raise ConfigError("\n".join(problems))
     return tokenizer
 
 
@@ -268,9 +266,9 @@ def time_limit(seconds: float, key: str) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _check_user_code(cfg: Config, kind: Kind, summary: list[str]) -> Any:
-    """Loads the reward function (and for RL the agent loop and tools); the tools' schemas."""
-    problems = []
+def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[str]) -> Any:
+    """Loads the reward function, the tools and (RL) the agent loop, adding to ``problems``;
+    the tools' schemas (None without tools)."""
     uses_reward = (
         kind in ("train", "eval")
         or (kind == "sft" and cfg.data.val_files)
@@ -303,8 +301,6 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str]) -> Any:
                 schemas = value if key == "rollout.tools" and cfg.rollout.tools else schemas
             except TreadleError as e:
                 problems.append(str(e))
-    if problems:
-        raise ConfigError("\n".join(problems))
     return schemas
 
 
