@@ -4,8 +4,12 @@ A run is described by one YAML file with the sections below plus `section.key=va
 overrides on the command line. Every field has a type, a default and a one-line doc (the
 ``description``); cross-field rules are checked at start-up, before Ray or a model is touched,
 and fail with a message that says which key to change. Unknown keys are errors with the
-closest valid key suggested. The fully resolved config is written to
-``<trainer.output_dir>/config.yaml`` so a run directory says exactly what ran.
+closest valid key suggested; a key given twice in the YAML is an error (PyYAML would keep the
+last), and a syntax error names the file, line and column. Every bad override, unknown key,
+invalid value and broken rule found is listed, one per line of the ConfigError; numbers are
+never nan or infinite. What needs files, models or registries is ``treadle.check``'s. The
+fully resolved config is written to ``<trainer.output_dir>/config.yaml`` so a run directory
+says exactly what ran.
 
 The schema knows nothing of Ray or torch; it is plain pydantic.
 """
