@@ -9,6 +9,8 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+# datasets pings the hub (a HEAD request, up to 3 s with no network) per load_dataset otherwise
+os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 
 
 @pytest.fixture(scope="session")

@@ -109,3 +109,16 @@ def test_rollout_ignore_eos_reaches_the_sampling_params():
         cfg = load_config(None, [f"rollout.ignore_eos={str(value).lower()}"])
         params = RLTrainer.sampling(SimpleNamespace(cfg=cfg), 3)  # type: ignore[arg-type]
         assert params.ignore_eos is value
+
+
+def test_yaml_merge_keys_still_work_and_duplicates_do_not(tmp_path):
+    text = "rollout: &r\n  n: 2\n  top_k: 5\nrollout_copy: 1\n"
+    path = write(tmp_path, "base: &b {n: 2, top_k: 5}\nrollout:\n  <<: *b\n  n: 4\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'base'"):  # merged fine, 'base' unknown
+        load_config(path)
+    path = write(tmp_path, "rollout:\n  <<: {n: 2, top_k: 5}\n  n: 4\n")
+    cfg = load_config(path)
+    assert (cfg.rollout.n, cfg.rollout.top_k) == (4, 5)
+    path = write(tmp_path, text.replace("rollout_copy: 1\n", "rollout:\n  n: 3\n"))
+    with pytest.raises(ConfigError, match=r"run\.yaml: line 4: key 'rollout' is given twice"):
+        load_config(path)

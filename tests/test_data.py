@@ -264,3 +264,91 @@ def test_sampler_rejects_state_of_another_dataset():
         ResumableSampler(12, 2, seed=0).load_state_dict(state)
     with pytest.raises(DataError, match="lacks"):
         ResumableSampler(12, 2, seed=0).load_state_dict({"epoch": 0})
+
+
+# --- unreadable files and special-token strings (issue 15 item 8) ----------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (
+            b'{"prompt": "a", "answer": "1"}\n{"prompt": "b\xff", "answer": "2"}\n',
+            r"row 2: not UTF-8",
+        ),
+        (
+            b'{"prompt": "a", "answer": "1"}\n\n{"prompt": "b", "answer": \n',
+            r"row 2: not valid JSON",
+        ),
+        (b'{"prompt": "a", "answer": "1"}\n[1, 2]\n', r"row 2: not a JSON object \(a list\)"),
+        (b'{"prompt": "a", "answer": "1"}\n"text"\n', r"row 2: not a JSON object \(a string\)"),
+        (b'[{"prompt": "a", "answer": "1"}, 7]', r"row 2: not a JSON object \(a number\)"),
+    ],
+)
+def test_unparsable_row_names_file_and_row(tok, tmp_path: Path, content: bytes, message: str):  # type: ignore[no-untyped-def]
+    path = tmp_path / ("bad.json" if content.startswith(b"[") else "bad.jsonl")
+    path.write_bytes(content)
+    with pytest.raises(
+        DataError, match=rf"data\.train_files: cannot read '.*bad\.jsonl?': {message}"
+    ):
+        load(tok, [str(path)])
+
+
+def _eos_prompt_ids(tok, tmp_path: Path, **kwargs: Any) -> list[int]:  # type: ignore[no-untyped-def]
+    rows = [{"prompt": f"What is 1+2?{tok.eos_token} 3", "answer": "3"}]
+    return load(tok, [write_jsonl(tmp_path / "eos.jsonl", rows)], **kwargs)[0]["prompt_ids"]
+
+
+@pytest.mark.parametrize("template", [True, False])
+def test_special_token_text_in_a_prompt_stays_text(tok, tmp_path: Path, template: bool):  # type: ignore[no-untyped-def]
+    eos = tok.eos_token_id
+    ids = _eos_prompt_ids(tok, tmp_path, apply_chat_template=template)
+    old = _eos_prompt_ids(tok, tmp_path, apply_chat_template=template, allow_special_tokens=True)
+    template_eos = 1 if template else 0  # the template closes the user turn with <|im_end|>
+    assert ids.count(eos) == template_eos
+    assert old.count(eos) == template_eos + 1  # allow_special_tokens: the old behaviour
+    if template:  # the template's own special tokens are intact, at the same places
+        assert ids[:2] == old[:2] and ids[-5:] == old[-5:] and ids[-5] == eos
+
+
+def test_prompts_without_special_strings_keep_their_ids(tok):  # type: ignore[no-untyped-def]
+    from treadle.data import _encode_rendered, _specials
+
+    messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 4+5?"}]
+    text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    whole = tok.encode(text, add_special_tokens=False)
+    contents = [m["content"] for m in messages]
+    assert _encode_rendered(tok, text, contents, _specials(tok)) == whole
+
+
+def test_special_token_text_in_responses_stays_text(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    from treadle.data import load_pair_dataset
+
+    eos = tok.eos_token_id
+    row = {
+        "prompt": "What is 1+2?",
+        "solution": f"3{tok.eos_token}4",
+        "chosen": f"3{tok.eos_token}",
+    }
+    row["rejected"] = "4"
+    path = write_jsonl(tmp_path / "r.jsonl", [row])
+    sft = load_sft_dataset([path], tokenizer=tok, max_length=128)[0]
+    response = [t for t, m in zip(sft["input_ids"], sft["loss_mask"], strict=True) if m]
+    assert response.count(eos) == 1 and response[-1] == eos  # only the appended EOS
+    old = load_sft_dataset([path], tokenizer=tok, max_length=128, allow_special_tokens=True)[0]
+    assert old["input_ids"].count(eos) == sft["input_ids"].count(eos) + 1
+    pair = load_pair_dataset([path], tokenizer=tok, max_prompt_length=64, max_response_length=64)[0]
+    assert pair["chosen_ids"].count(eos) == 1 and pair["chosen_ids"][-1] == eos
+
+
+def test_special_token_text_in_chat_turns_stays_text(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    eos = tok.eos_token_id
+    chat = [
+        {"role": "user", "content": f"What is 1+2?{tok.eos_token}"},
+        {"role": "assistant", "content": f"3{tok.eos_token}"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
+    ex = load_sft_dataset([path], tokenizer=tok, max_length=128)[0]
+    assert ex["input_ids"].count(eos) == 2  # closing the user turn, and the assistant's EOS
+    old = load_sft_dataset([path], tokenizer=tok, max_length=128, allow_special_tokens=True)[0]
+    assert old["input_ids"].count(eos) == 4

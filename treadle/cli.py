@@ -1,8 +1,11 @@
-"""``treadle`` command line: train | sft | dpo | rm | eval | prepare | demo | model | sandbox.
+"""``treadle`` command line: train | sft | dpo | rm | eval | check | prepare | demo | model |
+sandbox.
 
-Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides.
+Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides, and
+first runs ``treadle.check`` for itself (``treadle check CONFIG --kind train`` runs only that).
 Problems a user can fix (config keys, data rows, reward functions) end the command with one
-line on stderr and exit code 2; nothing already written is removed.
+line per problem on stderr, ``treadle: error: ...``, and exit code 2; nothing already written
+is removed.
 
 ``treadle sandbox grade --solution FILE --tests FILE [--timeout SECONDS]`` prints exactly one
 JSON line, ``{"reward", "passed", "total", "status", "seconds"}``, and exits 0 whatever the
@@ -24,9 +27,23 @@ from treadle.errors import Stopped, Terminated, TreadleError
 
 
 def _config(args: argparse.Namespace):
+    """The config, checked for the command about to run (``treadle.check``)."""
+    from treadle.check import check
     from treadle.config import load_config
 
-    return load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides)
+    check(cfg, args.command)
+    return cfg
+
+
+def cmd_check(args: argparse.Namespace) -> None:
+    from treadle.check import check
+    from treadle.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    for line in check(cfg, args.kind):
+        print(line)
+    print(f"ok: ready for `treadle {args.kind}`")
 
 
 def cmd_train(args: argparse.Namespace) -> None:
@@ -123,6 +140,7 @@ def _add_sandbox(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from treadle.check import KINDS
     from treadle.tasks import PREPARERS
 
     p = argparse.ArgumentParser(prog="treadle", description=__doc__.splitlines()[0])
@@ -138,6 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("config", help="YAML config file")
         s.add_argument("overrides", nargs="*", help="section.key=value overrides")
         s.set_defaults(fn=fn)
+    s = sub.add_parser("check", help="check a config, its model, data, reward and output dir")
+    s.add_argument("config", help="YAML config file")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    s.add_argument("--kind", choices=KINDS, default="train", help="the command to check for")
+    s.set_defaults(fn=cmd_check)
     s = sub.add_parser("prepare", help="write a built-in task's data (arithmetic: also a model)")
     s.add_argument("--task", choices=sorted(PREPARERS), default="arithmetic")
     s.add_argument("--output-dir", default=None, help="default: data/<task>")
@@ -175,7 +198,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"treadle: stopped by {how}", file=sys.stderr)
         return code
     except TreadleError as e:
-        print(f"treadle: error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [type(e).__name__]:  # one line per problem
+            print(f"treadle: error: {line}", file=sys.stderr)
         return 2
     return 0
 

@@ -4,8 +4,12 @@ A run is described by one YAML file with the sections below plus `section.key=va
 overrides on the command line. Every field has a type, a default and a one-line doc (the
 ``description``); cross-field rules are checked at start-up, before Ray or a model is touched,
 and fail with a message that says which key to change. Unknown keys are errors with the
-closest valid key suggested. The fully resolved config is written to
-``<trainer.output_dir>/config.yaml`` so a run directory says exactly what ran.
+closest valid key suggested; a key given twice in the YAML is an error (PyYAML would keep the
+last), and a syntax error names the file, line and column. Every bad override, unknown key,
+invalid value and broken rule found is listed, one per line of the ConfigError; numbers are
+never nan or infinite. What needs files, models or registries is ``treadle.check``'s. The
+fully resolved config is written to ``<trainer.output_dir>/config.yaml`` so a run directory
+says exactly what ran.
 
 The schema knows nothing of Ray or torch; it is plain pydantic.
 """
@@ -13,19 +17,48 @@ The schema knows nothing of Ray or torch; it is plain pydantic.
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from treadle.errors import ConfigError
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, assignments are validated."""
+    """Base of every config section: unknown keys are errors, assignments are validated, and
+    no number may be nan or infinite (pydantic's floats accept them by default)."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true as 1 for an int or float field; `rollout.n: true` is a mistake
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"expected a number, not {str(value).lower()}")
+        return value
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    """The types an annotation admits at its top level (``int | None`` -> {int, NoneType})."""
+    return set(get_args(annotation)) | {annotation} if get_args(annotation) else {annotation}
+
+
+Key = Annotated[str, Field(min_length=1)]  # a column name, a path: never empty
+Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
 class ModelConfig(Section):
@@ -44,14 +77,14 @@ class ModelConfig(Section):
 class DataConfig(Section):
     train_files: list[str] = Field(default_factory=list, description="JSONL/Parquet prompt files.")
     val_files: list[str] = Field(default_factory=list, description="Held-out files for eval.")
-    prompt_key: str = Field("prompt", description="Column holding the prompt text.")
-    answer_key: str = Field("answer", description="Column holding the ground truth.")
-    response_key: str = Field("solution", description="Column holding SFT target responses.")
-    messages_key: str = Field(
+    prompt_key: Key = Field("prompt", description="Column holding the prompt text.")
+    answer_key: Key = Field("answer", description="Column holding the ground truth.")
+    response_key: Key = Field("solution", description="Column holding SFT target responses.")
+    messages_key: Key = Field(
         "messages", description="SFT: column of multi-turn chat messages (loss on assistant turns)."
     )
-    chosen_key: str = Field("chosen", description="DPO/RM: column holding the preferred response.")
-    rejected_key: str = Field(
+    chosen_key: Key = Field("chosen", description="DPO/RM: column holding the preferred response.")
+    rejected_key: Key = Field(
         "rejected", description="DPO/RM: column holding the dispreferred response."
     )
     max_prompt_length: int = Field(128, gt=0, description="Longest prompt in tokens.")
@@ -62,7 +95,14 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="Optional system message for prompts.")
     batch_size: int = Field(16, gt=0, description="Prompts per RL step (SFT: samples per step).")
     shuffle: bool = Field(True, description="Shuffle the data every epoch.")
-    val_size: int | None = Field(None, description="Evaluate on the first N held-out rows only.")
+    val_size: int | None = Field(
+        None, gt=0, description="Evaluate on the first N held-out rows only."
+    )
+    allow_special_tokens: bool = Field(
+        False,
+        description="Let text in the data files that spells a special token (e.g. <|im_end|>, "
+        "</s>) become that token; off: it is tokenized as the plain text it is.",
+    )
 
 
 class RolloutConfig(Section):
@@ -76,7 +116,7 @@ class RolloutConfig(Section):
     n: int = Field(4, gt=0, description="Samples per prompt (the GRPO group size).")
     temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
     top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
-    top_k: int = Field(-1, description="Top-k sampling; -1 disables it.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
     max_new_tokens: int = Field(32, gt=0, description="Longest response in tokens.")
     ignore_eos: bool = Field(
         False,
@@ -111,7 +151,7 @@ class RolloutConfig(Section):
         description="split: CPUs of the rollout pool, divided equally over the replicas "
         "(null: half of trainer.num_cpus); the actor's ranks get the rest.",
     )
-    ray_resources: dict[str, float] = Field(
+    ray_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
         default_factory=dict,
         description="split: Ray custom resources each replica's bundle also asks for, to place "
         "the replicas on the nodes that have them (`ray start --resources='{\"rollout\": 2}'`).",
@@ -122,7 +162,7 @@ class RolloutConfig(Section):
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request not answered within this many seconds stops the run."
     )
-    agent_loop: str = Field(
+    agent_loop: Key = Field(
         "single_turn",
         description="How a sample is generated: single_turn (one response), tools (multi-turn "
         "with rollout.tools, Hermes <tool_call> blocks), or a custom async loop given as "
@@ -150,9 +190,16 @@ class RolloutConfig(Section):
         "null: max_turns * (max_new_tokens + max_tool_response_tokens).",
     )
 
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_on_or_off(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (off) or at least 1")
+        return value
+
 
 class RewardConfig(Section):
-    function: str = Field(
+    function: Key = Field(
         "arithmetic",
         description="Built-in reward name or a user function as 'path/to/file.py:function'. "
         "With reward.model_path set it no longer trains: it is logged as reward/rule_mean and "
@@ -192,12 +239,14 @@ class RewardConfig(Section):
 class AlgorithmConfig(Section):
     adv_estimator: str = Field("grpo", description="Advantage estimator, by registered name.")
     norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std.")
-    gamma: float = Field(1.0, description="Discount factor (GAE, REINFORCE++).")
-    lam: float = Field(1.0, description="GAE lambda.")
+    gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (GAE, REINFORCE++).")
+    lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
     policy_loss: str = Field("ppo", description="Policy loss, by registered name.")
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound 1 - low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound 1 + high.")
-    clip_ratio_c: float | None = Field(None, description="Dual-clip constant (> 1); off if null.")
+    clip_ratio_c: float | None = Field(
+        None, gt=1, description="Dual-clip constant (> 1); off if null."
+    )
     loss_agg_mode: str = Field("token-mean", description="How token losses become one number.")
     kl_coef: float = Field(0.001, ge=0, description="KL-to-reference loss weight; 0 drops ref.")
     kl_estimator: str = Field("k3", description="KL estimator, by registered name.")
@@ -277,7 +326,7 @@ class ActorConfig(Section):
     world_size: int = Field(1, gt=0, description="Data-parallel ranks (FSDP2 shards).")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
-    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, optimizer steps.")
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clipping threshold.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each RL batch.")
@@ -374,16 +423,20 @@ class TrainerConfig(Section):
     backend: Literal["ray", "local"] = Field(
         "ray", description="'ray': worker groups as Ray actors; 'local': one rank in-process."
     )
-    output_dir: str = Field("runs/default", description="Run directory (metrics, checkpoints).")
+    output_dir: Key = Field("runs/default", description="Run directory (metrics, checkpoints).")
     total_steps: int = Field(10, gt=0, description="RL (or SFT) steps after which the run ends.")
-    epochs: int | None = Field(None, description="SFT: train for this many epochs instead.")
+    epochs: int | None = Field(None, gt=0, description="SFT: train for this many epochs instead.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, gt=0, description="Newest checkpoints kept on disk.")
     eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps.")
-    seed: int = Field(0, description="Seed of data order, sampling and initialisation.")
+    seed: int = Field(
+        0, ge=0, lt=2**32, description="Seed of data order, sampling and initialisation."
+    )
     resume: bool = Field(True, description="Resume from the newest complete checkpoint.")
     num_cpus: float | None = Field(
-        None, description="CPUs the run uses (default: all of this machine, or of the cluster)."
+        None,
+        gt=0,
+        description="CPUs the run uses (default: all of this machine, or of the cluster).",
     )
     ray_address: str | None = Field(
         None,
@@ -391,7 +444,7 @@ class TrainerConfig(Section):
         "one; null: the RAY_ADDRESS environment variable if set, else a new local cluster.",
     )
     threads_per_rank: int | None = Field(
-        None, description="torch threads per rank (default: cores / ranks, at least 1)."
+        None, gt=0, description="torch threads per rank (default: cores / ranks, at least 1)."
     )
     progress: bool = Field(True, description="Show a progress bar on the console.")
     ray_dashboard: bool = Field(
@@ -438,7 +491,9 @@ class AsyncConfig(Section):
 class Config(Section):
     """A whole run: one YAML file, sections as below."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, populate_by_name=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, populate_by_name=True, allow_inf_nan=False
+    )
 
     model: ModelConfig = Field(default_factory=ModelConfig)  # type: ignore[arg-type]
     data: DataConfig = Field(default_factory=DataConfig)  # type: ignore[arg-type]
@@ -480,43 +535,47 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _cross_field_rules(self) -> Config:
+        # Every broken rule is reported (one line each), not only the first.
+        problems = list(self._rules())
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
+
+    def _rules(self) -> Iterator[str]:
         samples = self.data.batch_size * self.rollout.n
         ws = self.actor.world_size
         if self.trainer.backend == "local" and ws != 1:
-            raise ValueError(
+            yield (
                 f"trainer.backend=local runs one rank in-process; set actor.world_size=1 "
                 f"(got {ws}) or use trainer.backend=ray"
             )
         if self.data.batch_size % ws:
-            raise ValueError(
+            yield (
                 f"data.batch_size={self.data.batch_size} must be divisible by "
                 f"actor.world_size={ws} so every rank gets the same number of prompts"
             )
         if self.algorithm.filter_groups and self.rollout.n < 2:
-            raise ValueError(
+            yield (
                 "algorithm.filter_groups=true needs groups: set rollout.n to 2 or more "
                 "(a group of one sample always has equal rewards)"
             )
         if self.reward.overlong_buffer_len >= self.rollout.max_new_tokens:
-            raise ValueError(
+            yield (
                 f"reward.overlong_buffer_len={self.reward.overlong_buffer_len} must be smaller "
                 f"than rollout.max_new_tokens={self.rollout.max_new_tokens}"
             )
         mini = self.actor.ppo_mini_batch_size
         if samples % mini:
-            raise ValueError(
+            yield (
                 f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n "
                 f"= {samples}"
             )
         if mini % ws:
-            raise ValueError(
-                f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}"
-            )
-        _check_critic(self.critic, self.actor, samples, self.trainer.backend)
-        _check_rollout(self.rollout, self.actor, self.trainer)
-        _check_agents(self.rollout, self.data)
-        _check_mode(self)
-        return self
+            yield (f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}")
+        yield from _check_critic(self.critic, self.actor, samples, self.trainer.backend)
+        yield from _check_rollout(self.rollout, self.actor, self.trainer)
+        yield from _check_agents(self.rollout, self.data)
+        yield from _check_mode(self)
 
     def response_length(self) -> int:
         """Tokens after the prompt a sample may have: ``rollout.max_new_tokens`` for one turn;
@@ -536,92 +595,97 @@ class Config(Section):
         return self.actor.world_size if r.placement == "colocated" else 1
 
 
-def _check_mode(cfg: Config) -> None:
+def _check_mode(cfg: Config) -> Iterator[str]:
     mode = cfg.trainer.mode
     if mode == "sync":
         return
     if cfg.rollout.placement != "split":
-        raise ValueError(
+        yield (
             f"trainer.mode={mode} overlaps generation and training, which needs replicas of "
             "their own: set rollout.placement=split (and trainer.backend=ray), or "
             "trainer.mode=sync"
         )
     a = cfg.async_
     if mode == "async" and a.sync_every > a.max_staleness + 1:
-        raise ValueError(
+        yield (
             f"async.sync_every={a.sync_every} lets the replicas fall more than "
             f"async.max_staleness={a.max_staleness} versions behind, so no sample could be "
             "trained: set sync_every to at most max_staleness + 1"
         )
     if mode == "async" and a.buffer_groups is not None and a.buffer_groups < cfg.data.batch_size:
-        raise ValueError(
+        yield (
             f"async.buffer_groups={a.buffer_groups} cannot hold one batch of "
             f"data.batch_size={cfg.data.batch_size} groups: raise it or leave it unset"
         )
 
 
-def _check_agents(rollout: RolloutConfig, data: DataConfig) -> None:
+def _check_agents(rollout: RolloutConfig, data: DataConfig) -> Iterator[str]:
     if rollout.agent_loop == "single_turn" and rollout.tools:
-        raise ValueError(
+        yield (
             "rollout.tools are called by an agent loop: set rollout.agent_loop=tools (or a "
             "loop of your own), or remove rollout.tools"
         )
     if rollout.agent_loop == "tools" and not rollout.tools:
-        raise ValueError(
+        yield (
             "rollout.agent_loop=tools needs rollout.tools: list the tools as "
             "['module:function', ...] or ['path/to/file.py:function', ...]"
         )
     if rollout.tools and not data.apply_chat_template:
-        raise ValueError(
+        yield (
             "rollout.tools are shown to the model through the chat template: set "
             "data.apply_chat_template=true"
         )
 
 
-def _check_rollout(rollout: RolloutConfig, actor: ActorConfig, trainer: TrainerConfig) -> None:
+def _check_rollout(
+    rollout: RolloutConfig, actor: ActorConfig, trainer: TrainerConfig
+) -> Iterator[str]:
     if rollout.placement == "colocated":
         if rollout.replicas is not None and rollout.replicas != actor.world_size:
-            raise ValueError(
+            yield (
                 f"rollout.replicas={rollout.replicas} must equal actor.world_size="
                 f"{actor.world_size} when rollout.placement=colocated (one replica in each "
                 "actor rank's process); set rollout.placement=split or drop rollout.replicas"
             )
         if rollout.num_cpus is not None or rollout.ray_resources:
-            raise ValueError(
+            yield (
                 "rollout.num_cpus and rollout.ray_resources shape the rollout pool of "
                 "rollout.placement=split; colocated replicas use the actor's bundles: drop "
                 "them or set rollout.placement=split"
             )
         return
     if trainer.backend == "local":
-        raise ValueError(
+        yield (
             "trainer.backend=local runs one rank in-process; set rollout.placement=colocated "
             "or use trainer.backend=ray"
         )
     cpus = trainer.num_cpus
     if cpus is not None and rollout.num_cpus is not None and rollout.num_cpus >= cpus:
-        raise ValueError(
+        yield (
             f"rollout.num_cpus={rollout.num_cpus} leaves nothing of trainer.num_cpus={cpus} "
             "for the actor: give the rollout pool fewer CPUs or the run more"
         )
 
 
-def _check_critic(critic: CriticConfig, actor: ActorConfig, samples: int, backend: str) -> None:
+def _check_critic(
+    critic: CriticConfig, actor: ActorConfig, samples: int, backend: str
+) -> Iterator[str]:
     ws = critic.world_size or actor.world_size
     if critic.placement == "colocated" and ws != actor.world_size:
-        raise ValueError(
+        yield (
             f"critic.world_size={ws} must equal actor.world_size={actor.world_size} when "
             "critic.placement=colocated (it shares the actor's bundles); set "
             "critic.placement=split or drop critic.world_size"
         )
     if backend == "local" and critic.placement == "split":
-        raise ValueError(
+        yield (
             "trainer.backend=local runs one rank in-process; set critic.placement=colocated "
             "or use trainer.backend=ray"
         )
     mini = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
-    if samples % mini or mini % ws:
-        raise ValueError(
+    same_as_actor = critic.ppo_mini_batch_size is None and ws == actor.world_size
+    if not same_as_actor and (samples % mini or mini % ws):  # else the actor's rule says it
+        yield (
             f"critic.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n = "
             f"{samples} and be divisible by the critic's world size {ws}"
         )
@@ -631,68 +695,138 @@ def _check_critic(critic: CriticConfig, actor: ActorConfig, samples: int, backen
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file, apply ``a.b=value`` overrides and validate everything."""
-    raw: dict[str, Any] = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file not found: {path}")
-        loaded = yaml.safe_load(path.read_text())
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-        raw = loaded or {}
+    """Read a YAML file, apply ``a.b=value`` overrides and validate everything.
+
+    Raises one ConfigError whose message has a line per problem: a YAML syntax error or a
+    duplicate key (file, line, column) stops at once; bad overrides, unknown keys and invalid
+    values are all listed.
+    """
+    raw: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
+    problems: list[str] = []
     for item in overrides:
-        _apply_override(raw, item)
-    _check_keys(raw, Config, prefix="")
+        try:
+            _apply_override(raw, item)
+        except ConfigError as e:
+            problems.append(str(e))
+    problems += _check_keys(raw, Config, prefix="")
+    if problems:
+        raise ConfigError("\n".join(problems))
     try:
         return Config.model_validate(raw)
     except ValidationError as e:
         raise ConfigError(_describe_validation_error(e)) from None
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """SafeLoader whose mappings refuse a key given twice (PyYAML keeps the last silently)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: later keys override it
+            continue
+        key = loader.construct_object(key_node)  # type: ignore[no-untyped-call]
+        line = key_node.start_mark.line + 1
+        if isinstance(key, str) and key in seen:
+            raise ConfigError(
+                f"line {line}: key '{key}' is given twice (first on line {seen[key]}); "
+                "YAML would keep only the last: remove one"
+            )
+        if isinstance(key, str):
+            seen[key] = line
+    return loader.construct_mapping(node)
+
+
+_UniqueKeyLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _unique_mapping,  # type: ignore[arg-type]
+)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror or e}") from None
+    try:
+        loaded = yaml.load(text, Loader=_UniqueKeyLoader)  # a SafeLoader
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}") from None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = " ".join(str(x) for x in (e.context, e.problem) if x)
+        raise ConfigError(f"{path}:{where}: YAML syntax error: {what}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML error: {e}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return loaded or {}
+
+
 def _apply_override(raw: dict[str, Any], item: str) -> None:
     key, sep, value = item.partition("=")
-    if not sep or not key:
-        raise ConfigError(f"override {item!r} is not of the form section.key=value")
     parts = key.strip().split(".")
+    if not sep or not key.strip() or not all(p.strip() for p in parts):
+        raise ConfigError(f"override {item!r} is not of the form section.key=value")
+    try:  # YAML parsing gives numbers, booleans, null and lists their types ("[a.jsonl]").
+        parsed = yaml.safe_load(value) if value.strip() else ""
+    except yaml.YAMLError as e:
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(
+            f"override {item!r}: the value is not valid YAML ({problem}); quote it"
+        ) from None
     node = raw
     for part in parts[:-1]:
         child = node.setdefault(part, {})
         if not isinstance(child, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
         node = child
-    # YAML parsing gives numbers, booleans, null and lists their types ("[a.jsonl]").
-    node[parts[-1]] = yaml.safe_load(value) if value.strip() else ""
+    node[parts[-1]] = parsed
 
 
-def _check_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str) -> None:
+def _check_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
+    """Every unknown key (with the closest valid one) and every section that is no mapping."""
     fields = {f.alias or name: f for name, f in model.model_fields.items()}
+    problems = []
     for key, value in raw.items():
         if key not in fields:
             valid = list(fields)
             close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
             where = f"section '{prefix[:-1]}'" if prefix else "the config"
-            raise ConfigError(
+            problems.append(
                 f"unknown key '{prefix}{key}' in {where}{hint} (valid: {', '.join(valid)})"
             )
+            continue
         sub = fields[key].annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
             if not isinstance(value, dict):
-                raise ConfigError(f"'{prefix}{key}' is a section: give it a mapping of keys")
-            _check_keys(value, sub, prefix=f"{prefix}{key}.")
+                problems.append(f"'{prefix}{key}' is a section: give it a mapping of keys")
+                continue
+            problems += _check_keys(value, sub, prefix=f"{prefix}{key}.")
+    return problems
 
 
 def _describe_validation_error(e: ValidationError) -> str:
+    """One line per invalid value: the key, what is wrong, the value given."""
     lines = []
     for err in e.errors():
-        key = ".".join(str(p) for p in err["loc"] if not isinstance(p, int))
-        if err["type"] == "value_error":
-            lines.append(str(err["msg"]).removeprefix("Value error, "))
+        key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"])[1:]
+        if err["type"] == "value_error" and (not key or isinstance(err.get("input"), dict)):
+            # a cross-field rule (of the config or a section): its message names the keys
+            lines += str(err["msg"]).removeprefix("Value error, ").splitlines()
             continue
-        given = err.get("input")
-        lines.append(f"{key}: {err['msg'].lower()} (got {given!r})")
-    return "; ".join(lines)
+        msg = str(err["msg"]).removeprefix("Value error, ")
+        given = repr(err.get("input"))
+        given = given if len(given) <= 60 else given[:57] + "..."
+        lines.append(f"{key}: {msg[:1].lower()}{msg[1:]} (got {given})")
+    return "\n".join(lines)
 
 
 def dump_config(config: Config, path: str | Path) -> None:

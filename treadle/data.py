@@ -20,6 +20,15 @@ the RL prompts are, with a chosen and a rejected response (text, or one assistan
 each tokenized as a rollout's response: content + EOS. A file without the chosen/rejected
 columns fails naming the file and the keys to set (`data.chosen_key`, `data.rejected_key`).
 
+Text in a file that spells a special token (`<|im_end|>`, `</s>`) stays plain text unless
+`allow_special_tokens`: user text is tokenized with `split_special_tokens=True`, and a rendered
+chat template is split at its own special tokens, the user's content between them tokenized as
+plain text. Rows without such strings are tokenized exactly as before (one call on the whole
+text), so their ids do not change.
+
+A file that does not parse (not UTF-8, bad JSON, a row that is not an object) fails naming the
+file and the 1-based row (blank lines are not rows).
+
 Layout: prompts are left-padded (`collate_prompts`), SFT sequences right-padded (`collate_sft`).
 `loss_mask[t] == 1` means token `t` is a target, predicted from position `t - 1`.
 
@@ -31,6 +40,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,11 +143,61 @@ def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
         )
     if path.stat().st_size == 0:
         return []
+    datasets_log = logging.getLogger("datasets")
+    level = datasets_log.level
+    datasets_log.setLevel(logging.CRITICAL)  # it logs a parse error before raising it
     try:
-        ds = load_dataset(builder, data_files=str(path), split="train")
+        rows = list(load_dataset(builder, data_files=str(path), split="train"))
     except Exception as e:  # datasets wraps parse errors in several exception types
-        raise DataError(f"{config_key}: cannot read '{path}': {e}") from e
-    return list(ds)
+        bad_row = _find_bad_row(path) if builder == "json" else None
+        cause = bad_row or (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{config_key}: cannot read '{path}': {cause}") from None
+    finally:
+        datasets_log.setLevel(level)
+    return rows
+
+
+def _find_bad_row(path: Path) -> str | None:
+    """Which row of a JSON Lines file (or JSON array) does not parse, and why; None if all do.
+
+    `datasets` says 'JSON parse error ... in row 0' (its row count, 0-based within a block)
+    or only 'utf-8 codec can't decode'; this names the 1-based row as the file numbers it.
+    """
+    data = path.read_bytes()
+    if data.lstrip().startswith(b"["):  # a .json file holding one array of rows
+        return _bad_array_row(data)
+    row = 0
+    for line in data.split(b"\n"):
+        if not line.strip():
+            continue
+        row += 1
+        try:
+            value = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            return f"row {row}: not UTF-8 (byte {e.start} of the row)"
+        except json.JSONDecodeError as e:
+            return f"row {row}: not valid JSON (column {e.colno}: {e.msg})"
+        if not isinstance(value, dict):
+            return f"row {row}: not a JSON object (a {_json_type(value)})"
+    return None
+
+
+def _bad_array_row(data: bytes) -> str | None:
+    try:
+        rows = json.loads(data.decode("utf-8"))
+    except UnicodeDecodeError as e:
+        return f"not UTF-8 (byte {e.start} of the file)"
+    except json.JSONDecodeError as e:
+        return f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+    for i, value in enumerate(rows if isinstance(rows, list) else [], start=1):
+        if not isinstance(value, dict):
+            return f"row {i}: not a JSON object (a {_json_type(value)})"
+    return None
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), "null" if value is None else type(value).__name__)
 
 
 def _require(record: _Record, key: str, what: str) -> Any:
@@ -222,8 +282,8 @@ def _prompt_text(
     apply_chat_template: bool,
     system_prompt: str | None,
     tools: list[dict[str, Any]] | None = None,
-) -> tuple[str, str]:
-    """(the prompt as written, the text the model is given)."""
+) -> tuple[str, str, list[str]]:
+    """(the prompt as written, the text the model is given, the user's texts within it)."""
     value = _require(record, key, "prompt")
     if not apply_chat_template:
         if not isinstance(value, str):
@@ -231,11 +291,82 @@ def _prompt_text(
                 f"{record.where}: prompt field '{key}' is a list of messages, which needs "
                 "data.apply_chat_template=true"
             )
-        return value, value
+        return value, value, [value]
     messages = _prompt_messages(record, key, value, system_prompt)
     users = [m["content"] for m in messages if m["role"] == "user"]
     shown = value if isinstance(value, str) else (users[-1] if users else messages[-1]["content"])
-    return shown, _render(tokenizer, messages, generation=True, tools=tools)
+    text = _render(tokenizer, messages, generation=True, tools=tools)
+    return shown, text, [m["content"] for m in messages]
+
+
+# --- special tokens in user text ---------------------------------------------------------------
+
+
+def _specials(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The special-token strings of the tokenizer, longest first (for one regex)."""
+    return sorted({str(t) for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+
+
+def _spells_special(specials: list[str], texts: Sequence[str]) -> bool:
+    return any(s in text for text in texts for s in specials)
+
+
+def _encode_plain(tokenizer: PreTrainedTokenizerBase, text: str, *, bos: bool = False) -> list[int]:
+    """User text whose special-token strings stay text (`split_special_tokens`)."""
+    if not text and not bos:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=bos, split_special_tokens=True))
+
+
+def _encode_rendered(
+    tokenizer: PreTrainedTokenizerBase, text: str, contents: Sequence[str], specials: list[str]
+) -> list[int]:
+    """A rendered template holding the user's `contents` (in order): the template's special
+    tokens become their ids, the contents' special-token strings stay text.
+
+    Tokenizers split the text at special tokens and tokenize the pieces between them on their
+    own, so splitting here at the template's special tokens gives the same ids as tokenizing
+    the whole text, except that the user's strings are no longer special.
+    """
+    spans, pos = [], 0
+    for content in contents:
+        at = text.find(content, pos) if content else -1
+        if at >= 0:
+            spans.append((at, at + len(content)))
+            pos = at + len(content)
+    pattern = re.compile("|".join(re.escape(s) for s in specials))
+    ids: list[int] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if any(a <= match.start() < b for a, b in spans):
+            continue  # the user's text
+        ids += _encode_plain(tokenizer, text[start : match.start()])
+        ids.append(int(tokenizer.convert_tokens_to_ids(match.group())))  # type: ignore[arg-type]
+        start = match.end()
+    return ids + _encode_plain(tokenizer, text[start:])
+
+
+def _encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    contents: Sequence[str],
+    *,
+    templated: bool,
+    allow_special: bool,
+    specials: list[str],
+) -> list[int]:
+    """One prompt's ids: rendered (`templated`) or the raw text with the tokenizer's BOS."""
+    if allow_special or not _spells_special(specials, contents):
+        return _encode(tokenizer, text, special=not templated)
+    if templated:
+        return _encode_rendered(tokenizer, text, contents, specials)
+    return _encode_plain(tokenizer, text, bos=True)
+
+
+def _encode_response(
+    tokenizer: PreTrainedTokenizerBase, text: str, *, allow_special: bool
+) -> list[int]:
+    return _encode(tokenizer, text) if allow_special else _encode_plain(tokenizer, text)
 
 
 def _tokenize(
@@ -282,6 +413,7 @@ def load_prompt_dataset(
     system_prompt: str | None = None,
     config_key: str = "data.train_files",
     tools: list[dict[str, Any]] | None = None,
+    allow_special_tokens: bool = False,
 ) -> PromptDataset:
     """Read, validate, render and tokenize RL prompts.
 
@@ -289,21 +421,34 @@ def load_prompt_dataset(
     (`overlong="filter"`) or raise DataError naming file, row, length and limit ("error").
     Without an `answer_key` every ground truth is "" (for reward models). `tools`: JSON
     schemas of the agent loop's tools, given to the chat template (or put into the system
-    message: `treadle.agents.tools.tool_messages`).
+    message: `treadle.agents.tools.tool_messages`). Special-token strings in the prompts stay
+    text unless `allow_special_tokens`.
     """
     _check_template(tokenizer, apply_chat_template)
     records = _read_records(files, config_key)
-    shown, texts, truths = [], [], []
+    shown, texts, truths, contents = [], [], [], []
     for record in records:
-        prompt, text = _prompt_text(
+        prompt, text, content = _prompt_text(
             record, prompt_key, tokenizer, apply_chat_template, system_prompt, tools
         )
         shown.append(prompt)
         texts.append(text)
+        contents.append(content)
         truths.append(
             "" if answer_key is None else _as_text(_require(record, answer_key, "answer"))
         )
-    ids = _tokenize(tokenizer, texts, special=not apply_chat_template)
+    ids = _tokenize(tokenizer, texts, special=not apply_chat_template)  # one fast batch call
+    specials = _specials(tokenizer)
+    for i, content in enumerate(contents):
+        if not allow_special_tokens and _spells_special(specials, content):
+            ids[i] = _encode_prompt(
+                tokenizer,
+                texts[i],
+                content,
+                templated=apply_chat_template,
+                allow_special=False,
+                specials=specials,
+            )
     rows: list[PromptRow] = []
     for record, prompt, prompt_ids, truth in zip(records, shown, ids, truths, strict=True):
         where = f"{record.where}: prompt is"
@@ -362,11 +507,24 @@ def _sft_pair(
     tokenizer: PreTrainedTokenizerBase,
     apply_chat_template: bool,
     system_prompt: str | None,
+    allow_special: bool,
 ) -> tuple[list[int], list[int]]:
-    _, text = _prompt_text(record, prompt_key, tokenizer, apply_chat_template, system_prompt)
+    _, text, contents = _prompt_text(
+        record, prompt_key, tokenizer, apply_chat_template, system_prompt
+    )
     response = _as_text(_require(record, response_key, "response"))
-    prompt_ids = _encode(tokenizer, text, special=not apply_chat_template)
-    response_ids = [*_encode(tokenizer, response), _eos(tokenizer)[0]]
+    prompt_ids = _encode_prompt(
+        tokenizer,
+        text,
+        contents,
+        templated=apply_chat_template,
+        allow_special=allow_special,
+        specials=_specials(tokenizer),
+    )
+    response_ids = [
+        *_encode_response(tokenizer, response, allow_special=allow_special),
+        _eos(tokenizer)[0],
+    ]
     return prompt_ids + response_ids, [0] * len(prompt_ids) + [1] * len(response_ids)
 
 
@@ -375,6 +533,7 @@ def _sft_messages(
     messages_key: str,
     tokenizer: PreTrainedTokenizerBase,
     system_prompt: str | None,
+    allow_special: bool,
 ) -> tuple[list[int], list[int]]:
     """Multi-turn: every assistant turn (content + EOS) is a target, everything else context.
 
@@ -385,9 +544,11 @@ def _sft_messages(
         record, messages_key, _require(record, messages_key, "messages"), system_prompt
     )
     eos_id, eos_text = _eos(tokenizer)
+    specials = _specials(tokenizer)
     ids: list[int] = []
     mask: list[int] = []
     done = ""  # the rendered text already turned into tokens
+    first = 0  # the first message not yet turned into tokens
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -396,11 +557,20 @@ def _sft_messages(
         context = _render(tokenizer, messages[:i], generation=True)
         if not context.startswith(done):
             raise _template_error(record)
-        context_ids = _encode(tokenizer, context[len(done) :])
-        turn_ids = [*_encode(tokenizer, message["content"]), eos_id]
+        context_ids = _encode_prompt(
+            tokenizer,
+            context[len(done) :],
+            [m["content"] for m in messages[first:i]],
+            templated=True,
+            allow_special=allow_special,
+            specials=specials,
+        )
+        content_ids = _encode_response(tokenizer, message["content"], allow_special=allow_special)
+        turn_ids = [*content_ids, eos_id]
         ids += context_ids + turn_ids
         mask += [0] * len(context_ids) + [1] * len(turn_ids)
         done = context + message["content"] + eos_text
+        first = i + 1
         if not _render(tokenizer, messages[: i + 1], generation=False).startswith(done):
             raise _template_error(record)
     if not any(mask):
@@ -428,6 +598,7 @@ def load_sft_dataset(
     apply_chat_template: bool = True,
     system_prompt: str | None = None,
     config_key: str = "data.train_files",
+    allow_special_tokens: bool = False,
 ) -> SFTDataset:
     """Read, validate and tokenize SFT examples.
 
@@ -444,10 +615,18 @@ def load_sft_dataset(
                 raise DataError(
                     f"{record.where}: '{messages_key}' needs data.apply_chat_template=true"
                 )
-            ids, mask = _sft_messages(record, messages_key, tokenizer, system_prompt)
+            ids, mask = _sft_messages(
+                record, messages_key, tokenizer, system_prompt, allow_special_tokens
+            )
         else:
             ids, mask = _sft_pair(
-                record, prompt_key, response_key, tokenizer, apply_chat_template, system_prompt
+                record,
+                prompt_key,
+                response_key,
+                tokenizer,
+                apply_chat_template,
+                system_prompt,
+                allow_special_tokens,
             )
         if _keep(f"{record.where}: example is", len(ids), max_length, overlong, "max_length"):
             rows.append(SFTRow(uid=record.uid, input_ids=ids, loss_mask=mask))
@@ -541,8 +720,9 @@ def _pair_row(
     tokenizer: PreTrainedTokenizerBase,
     apply_chat_template: bool,
     system_prompt: str | None,
+    allow_special: bool,
 ) -> PairRow:
-    shown, text = _prompt_text(
+    shown, text, contents = _prompt_text(
         record, keys["prompt_key"], tokenizer, apply_chat_template, system_prompt
     )
     chosen = _response_text(record, keys["chosen_key"])
@@ -557,9 +737,16 @@ def _pair_row(
     return PairRow(
         uid=record.uid,
         prompt_text=shown,
-        prompt_ids=_encode(tokenizer, text, special=not apply_chat_template),
-        chosen_ids=[*_encode(tokenizer, chosen), eos],
-        rejected_ids=[*_encode(tokenizer, rejected), eos],
+        prompt_ids=_encode_prompt(
+            tokenizer,
+            text,
+            contents,
+            templated=apply_chat_template,
+            allow_special=allow_special,
+            specials=_specials(tokenizer),
+        ),
+        chosen_ids=[*_encode_response(tokenizer, chosen, allow_special=allow_special), eos],
+        rejected_ids=[*_encode_response(tokenizer, rejected, allow_special=allow_special), eos],
         ground_truth="" if answer is None else _as_text(answer),
     )
 
@@ -578,6 +765,7 @@ def load_pair_dataset(
     apply_chat_template: bool = True,
     system_prompt: str | None = None,
     config_key: str = "data.train_files",
+    allow_special_tokens: bool = False,
 ) -> PairDataset:
     """Read, validate and tokenize preference pairs (prompt, chosen, rejected).
 
@@ -597,7 +785,9 @@ def load_pair_dataset(
         "rejected": ("rollout.max_new_tokens", max_response_length),
     }
     for record in records:
-        row = _pair_row(record, keys, tokenizer, apply_chat_template, system_prompt)
+        row = _pair_row(
+            record, keys, tokenizer, apply_chat_template, system_prompt, allow_special_tokens
+        )
         lengths = {
             "prompt": len(row["prompt_ids"]),
             "chosen": len(row["chosen_ids"]),

@@ -78,7 +78,7 @@ def _discounted_returns(rewards: Tensor, response_mask: Tensor, gamma: float) ->
     return returns
 
 
-@register_adv_estimator("grpo")
+@register_adv_estimator("grpo", groups=True)
 def grpo(
     token_level_rewards: Tensor,
     response_mask: Tensor,
@@ -103,7 +103,7 @@ def grpo(
     return advantages, advantages
 
 
-@register_adv_estimator("dr_grpo")
+@register_adv_estimator("dr_grpo", groups=True)
 def dr_grpo(
     token_level_rewards: Tensor,
     response_mask: Tensor,
@@ -118,7 +118,7 @@ def dr_grpo(
     return grpo(token_level_rewards, response_mask, group_ids=group_ids, norm_adv_by_std=False)
 
 
-@register_adv_estimator("rloo")
+@register_adv_estimator("rloo", groups=True)
 def rloo(
     token_level_rewards: Tensor,
     response_mask: Tensor,
@@ -157,7 +157,7 @@ def reinforce_plus_plus(
     return masked_whiten(returns, response_mask), returns
 
 
-@register_adv_estimator("reinforce_plus_plus_baseline")
+@register_adv_estimator("reinforce_plus_plus_baseline", groups=True)
 def reinforce_plus_plus_baseline(
     token_level_rewards: Tensor,
     response_mask: Tensor,

@@ -209,7 +209,10 @@ def ppo(
     }
 
 
-@register_policy_loss("gspo")
+# a sequence-level ratio: aggregating it per token would weight sequences by their length
+@register_policy_loss(
+    "gspo", agg_modes=("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+)
 def gspo(
     log_probs: Tensor,
     old_log_probs: Tensor,

@@ -9,6 +9,9 @@ function up here. Adding a variant is one decorated function in the module that 
 A registration may carry facts about the function that the driver needs to build the
 dataflow, e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a critic
 because the estimator says it reads values, not because its name is ``gae``.
+``groups=True`` marks an estimator whose baseline is its group (``rollout.n`` samples of one
+prompt); ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
+absent). ``treadle check`` reads these facts.
 
 An unknown name fails with the sorted list of valid names and the closest match, so a typo in a
 config says how to fix itself. The ``Protocol`` classes below are the signatures each kind must

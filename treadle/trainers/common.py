@@ -241,6 +241,7 @@ def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
         system_prompt=d.system_prompt,
         config_key=key,
         tools=tool_schemas(cfg),
+        allow_special_tokens=d.allow_special_tokens,
     )
 
 

@@ -24,9 +24,9 @@ from __future__ import annotations
 
 import time
 
-from treadle.algorithms import PREFERENCE_LOSSES, implicit_rewards
+from treadle.algorithms import implicit_rewards
+from treadle.check import check_algorithm
 from treadle.config import Config
-from treadle.errors import ConfigError
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed
@@ -36,13 +36,8 @@ from treadle.trainers.pairs import held_out_batch, load_pairs, pair_batch, pair_
 
 def check_dpo(cfg: Config) -> None:
     """Fail before anything starts on a wrong loss name or a task eval without held-out data."""
-    d = cfg.dpo
-    if d.loss_type not in PREFERENCE_LOSSES:
-        names = ", ".join(PREFERENCE_LOSSES.names())
-        raise ConfigError(f"dpo.loss_type: unknown name {d.loss_type!r}; valid: {names}")
-    if d.eval_task:
-        if not cfg.data.val_files:
-            raise ConfigError("dpo.eval_task=true needs data.val_files (held-out prompts)")
+    check_algorithm(cfg, "dpo")
+    if cfg.dpo.eval_task:
         load_reward_fn(cfg.reward.function)
 
 

@@ -39,6 +39,7 @@ def load_pairs(cfg: Config, files: list[str], key: str) -> PairDataset:
         apply_chat_template=d.apply_chat_template,
         system_prompt=d.system_prompt,
         config_key=key,
+        allow_special_tokens=d.allow_special_tokens,
     )
 
 

@@ -45,14 +45,13 @@ import torch
 from treadle.agents.loops import load_agent_loop
 from treadle.algorithms import (
     ADV_ESTIMATORS,
-    KL_ESTIMATORS,
-    POLICY_LOSSES,
     AdaptiveKLController,
     FixedKLController,
 )
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty, varied_groups
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
+from treadle.check import check_algorithm
 from treadle.config import Config, DPOConfig
 from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
@@ -77,14 +76,7 @@ from treadle.trainers.roles import plan_roles, start_roles
 def check_names(cfg: Config) -> None:
     """Fail before anything starts if a registered name is wrong."""
     alg = cfg.algorithm
-    for key, registry, name in (
-        ("algorithm.adv_estimator", ADV_ESTIMATORS, alg.adv_estimator),
-        ("algorithm.policy_loss", POLICY_LOSSES, alg.policy_loss),
-        ("algorithm.kl_estimator", KL_ESTIMATORS, alg.kl_estimator),
-        ("algorithm.kl_reward_estimator", KL_ESTIMATORS, alg.kl_reward_estimator),
-    ):
-        if name not in registry.names():
-            raise ConfigError(f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}")
+    check_algorithm(cfg, "train")
     if cfg.dpo != DPOConfig.model_validate({}):
         raise ConfigError(
             "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "

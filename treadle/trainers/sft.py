@@ -44,6 +44,7 @@ class SFTTrainer(Trainer):
             max_length=d.max_prompt_length + cfg.rollout.max_new_tokens,
             apply_chat_template=d.apply_chat_template,
             system_prompt=d.system_prompt,
+            allow_special_tokens=d.allow_special_tokens,
         )
         self.val = load_prompts(cfg, d.val_files, "data.val_files") if d.val_files else None
         self.steps_per_epoch = max(len(self.ds) // d.batch_size, 1)
