@@ -106,6 +106,12 @@ def test_grpo_local_backend_resume_is_deterministic(tiny_task, length_reward, tm
     train(grpo_config(tiny_task, resumed, *local, "trainer.total_steps=2"))
     train(grpo_config(tiny_task, resumed, *local, "trainer.total_steps=3"))
     a, b = check_run(tiny_task, straight, 3), check_run(tiny_task, resumed, 3)
+    # the first step of each process reports its start-up, split into parts; no other step
+    parts = {"data", "workers", "workers/actor_model", "workers/reference_model", "rollout"}
+    for first, later in ((a[0], a[1:]), (b[0], [b[1]]), (b[2], [])):
+        assert first["timing/startup"] > 0 and {f"startup/{p}" for p in parts} <= first.keys()
+        assert all("timing/startup" not in m for m in later)
+    assert "startup/resume" in b[2] and "startup/resume" not in b[0]
     for key in (
         "reward/mean",
         "actor/pg_loss",

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from treadle import startup
 from treadle.errors import Stopped, Terminated, TreadleError
 
 
@@ -31,8 +32,10 @@ def _config(args: argparse.Namespace):
     from treadle.check import check
     from treadle.config import load_config
 
+    startup.mark("imports")
     cfg = load_config(args.config, args.overrides)
     check(cfg, args.command)
+    startup.mark("check")
     return cfg
 
 
@@ -187,6 +190,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = build_parser().parse_args(argv)
+    startup.from_process_start()
     signal.signal(signal.SIGTERM, _terminate)
     try:
         args.fn(args)

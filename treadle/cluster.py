@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from treadle import reaper
+from treadle import reaper, startup
 from treadle.config import Config
 from treadle.errors import ConfigError
 
@@ -83,6 +83,7 @@ def ensure_ray(cfg: Config) -> None:
     with _keep_sigterm_handler():
         if joined is not None:
             _join(*joined)
+            startup.mark("ray")
             return
         # Ray starts workers at nice 15; ours do the run's compute and must not yield to
         # every other process on the machine (measured: 15-30x slower steps under load).
@@ -96,6 +97,7 @@ def ensure_ray(cfg: Config) -> None:
                 log_to_driver=True,
                 configure_logging=False,
             )
+        startup.mark("ray")
 
 
 @contextmanager

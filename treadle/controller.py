@@ -247,6 +247,12 @@ class Worker:
                 timeout=timeout,
             )
 
+    @register(Dispatch.ALL, Collect.RANK0)
+    def startup_seconds(self) -> dict[str, float]:
+        """Seconds each part of rank 0's construction took, where the class keeps them
+        (``_startup_parts``): ``bench/startup.py`` splits the workers' start-up with them."""
+        return dict(getattr(self, "_startup_parts", {}))
+
 
 def _guarded(cls: type[Worker]) -> type[Worker]:
     """``cls`` whose construction keeps a user-fixable error for ``treadle_check`` to raise.

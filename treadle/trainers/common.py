@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from treadle import checkpoint as ckpt
+from treadle import startup
 from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, Worker, WorkerGroup
@@ -376,6 +377,7 @@ class Trainer:
     headline = "reward/mean"
 
     def __init__(self, cfg: Config) -> None:
+        startup.begin()
         self.cfg = cfg
         self.out, self.lock = prepare_run_dir(cfg)
         self.total = cfg.trainer.total_steps
@@ -397,6 +399,7 @@ class Trainer:
         ``colocated`` and ``cpus_per_rank`` as in :func:`build_actors`.
         """
         self.sampler = sampler
+        startup.mark("data")
         latest, actor_path = resume_point(self.cfg)
         if latest is not None:
             state = ckpt.read_state(latest)
@@ -409,14 +412,18 @@ class Trainer:
         try:
             self.actors = self.build_workers(actor_path, with_ref, colocated, cpus_per_rank)
             self.group = self.actors.group
+            startup.mark("workers")  # colocated vLLM engines start in the workers
+            startup.detail("workers", self.group.startup_seconds())
             try:
                 if latest is not None:
                     self.group.load_checkpoint(str(latest))
+                    startup.mark("resume")
                 if issubclass(self.group.worker_cls, ServesRollout):  # not the RM trainer's
                     given, pool = pool, None  # the rollout's from here, removed by it
                     self.rollout = start_rollout(
                         self.cfg, self.actors, actor_path, self.start, given
                     )
+                    startup.mark("rollout")
             except BaseException:
                 self.actors.close()
                 raise
@@ -458,8 +465,11 @@ class Trainer:
             with Tracker(self.out, self.total, self.start, t.progress, self.headline) as tracker:
                 if self.resumed_from is not None:
                     tracker.print(f"resumed from {self.resumed_from} (step {self.start})")
+                started = startup.startup_metrics()
+                tracker.print(f"start-up: {started.get('timing/startup', 0.0):.1f} s")
                 for step in range(self.start + 1, self.total + 1):
-                    metrics = self.run_step(step)
+                    metrics = {**self.run_step(step), **started}
+                    started = {}
                     tracker.log(step, metrics)
                     failpoint("step", step)
                     if not all(math.isfinite(v) for v in metrics.values()):

@@ -47,6 +47,7 @@ from treadle.models import load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
 from treadle.rollout.server import RolloutServer
 from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
+from treadle.startup import PartTimer
 from treadle.workers.common import (
     ATTENTION,
     SEQUENCES,
@@ -81,15 +82,18 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         threads: int = 1,
     ) -> None:
         torch.set_num_threads(threads)
+        timer = PartTimer()
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config
         dtype = DTYPES[config.model.dtype]
         self.tokenizer = load_tokenizer(
             config.model.tokenizer_path or actor_path, allow_download=config.model.allow_download
         )
+        timer.done("process_group")
         self.actor = TrainEngine(
             self._load(actor_path, dtype), **engine_options(config), **actor_optimizer(config)
         )
+        timer.done("actor_model")
         self.ref = (
             TrainEngine(
                 self._load(config.model.path, dtype), **engine_options(config), trainable=False
@@ -97,6 +101,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
             if with_ref
             else None
         )
+        timer.done("reference_model")
         # Colocated rollout: this rank's replica, served from this process (rollout_generate).
         self.server = (
             RolloutServer(
@@ -109,6 +114,8 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
             if config.rollout.placement == "colocated"
             else None
         )
+        timer.done("rollout_engine")
+        self._startup_parts = timer.parts
         self.weight_sync: WeightSyncGroup | None = None  # split: rank 0 -> the replicas
 
     def _load(self, path: str, dtype: torch.dtype) -> nn.Module:
