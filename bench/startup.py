@@ -10,8 +10,9 @@ start to the first step) and `startup/<part>` from metrics.jsonl:
 
 - imports: the interpreter and the command's imports (torch, transformers, ...);
 - check: the config loaded and `treadle check`'s checks (data rows, model folders, reward);
-- data: the trainer's datasets read and tokenized;
-- ray: `ray.init` (a local cluster) or joining one;
+- data: the trainer's imports and its datasets read and tokenized;
+- ray: what the driver waited for Ray (started in the background after the check, a local
+  cluster or joining one: ray/background is its own seconds);
 - workers: the actor's worker group ready, of which (rank 0's own clock)
   process_group, actor_model, reference_model and rollout_engine (vLLM's start, colocated);
   the rest of `workers` is Ray placing the actors and their processes' imports;
@@ -87,9 +88,11 @@ def main() -> None:
         keys = sorted({k for r in runs for k in r})
         results[engine] = {k: sorted(r.get(k, 0.0) for r in runs)[len(runs) // 2] for k in keys}
         print(f"{engine}: {results[engine]['timing/startup']:.1f} s", file=sys.stderr, flush=True)
-    order = ["imports", "check", "data", "ray", "workers"]
-    parts = [k.removeprefix("startup/") for r in results.values() for k in r if "/" in k[8:]]
-    order += [*sorted(set(parts), key=parts.index), "resume", "rollout", "other"]
+    details = [k[8:] for r in results.values() for k in r if "/" in k[8:]]
+    order = []
+    for part in ("imports", "check", "data", "ray", "workers", "resume", "rollout", "other"):
+        own = {d for d in details if d.startswith(part + "/")}
+        order += [part, *sorted(own, key=details.index)]
     engines = list(results)
     head = f"{'part':<28}" + "".join(f"{e + ' s':>10}" for e in engines)
     head += f"{engines[0] + '/' + engines[1]:>12}" if len(engines) == 2 else ""

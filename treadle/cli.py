@@ -30,12 +30,14 @@ from treadle.errors import Stopped, Terminated, TreadleError
 def _config(args: argparse.Namespace):
     """The config, checked for the command about to run (``treadle.check``)."""
     from treadle.check import check
+    from treadle.cluster import start_ray_early
     from treadle.config import load_config
 
     startup.mark("imports")
     cfg = load_config(args.config, args.overrides)
     check(cfg, args.command)
     startup.mark("check")
+    start_ray_early(cfg)  # while the command imports its trainer and reads its data
     return cfg
 
 
@@ -50,18 +52,19 @@ def cmd_check(args: argparse.Namespace) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> None:
+    cfg = _config(args)
     from treadle.trainers.rl import train
 
-    cfg = _config(args)
     metrics = train(cfg)
     if "eval/accuracy" in metrics:
         print(f"held-out accuracy: {100 * metrics['eval/accuracy']:.1f}%")
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
+    cfg = _config(args)
     from treadle.trainers.sft import sft
 
-    metrics = sft(_config(args))
+    metrics = sft(cfg)
     if "eval/accuracy" in metrics:
         print(f"held-out accuracy: {100 * metrics['eval/accuracy']:.1f}%")
 
@@ -74,21 +77,24 @@ def _print_held_out(metrics: dict[str, float]) -> None:
 
 
 def cmd_dpo(args: argparse.Namespace) -> None:
+    cfg = _config(args)
     from treadle.trainers.dpo import dpo
 
-    _print_held_out(dpo(_config(args)))
+    _print_held_out(dpo(cfg))
 
 
 def cmd_rm(args: argparse.Namespace) -> None:
+    cfg = _config(args)
     from treadle.trainers.rm import rm
 
-    _print_held_out(rm(_config(args)))
+    _print_held_out(rm(cfg))
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    cfg = _config(args)
     from treadle.trainers.common import evaluate_model
 
-    print(f"held-out accuracy: {100 * evaluate_model(_config(args)):.1f}%")
+    print(f"held-out accuracy: {100 * evaluate_model(cfg):.1f}%")
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
