@@ -16,8 +16,9 @@ The schema knows nothing of Ray or torch; it is plain pydantic.
 
 from __future__ import annotations
 
+import copy
 import difflib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -292,6 +293,19 @@ class AlgorithmConfig(Section):
     rollout_correction_cap: float = Field(
         2.0, gt=1, description="The cap of algorithm.rollout_correction (tis, mis)."
     )
+    plugins: list[Key] = Field(
+        default_factory=list,
+        description="Python modules ('my_package.estimators') or files ('path/to/file.py') "
+        "imported before any registered name is resolved, by the driver and every worker: "
+        "where your @register_adv_estimator (policy loss, KL estimator...) functions live. A "
+        "file path is made absolute.",
+    )
+
+    @field_validator("plugins")
+    @classmethod
+    def _absolute_plugin_files(cls, value: list[str]) -> list[str]:
+        # workers import them too, and a worker's working directory may not be the driver's
+        return [str(Path(p).absolute()) if p.endswith(".py") else p for p in value]
 
 
 class DPOConfig(Section):
@@ -694,14 +708,20 @@ def _check_critic(
 # ----------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file, apply ``a.b=value`` overrides and validate everything.
+def load_config(
+    path: str | Path | Mapping[str, Any] | None, overrides: Sequence[str] = ()
+) -> Config:
+    """Read a YAML file (or take a mapping of sections, as the YAML would hold them), apply
+    ``a.b=value`` overrides and validate everything.
 
     Raises one ConfigError whose message has a line per problem: a YAML syntax error or a
     duplicate key (file, line, column) stops at once; bad overrides, unknown keys and invalid
     values are all listed.
     """
-    raw: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
+    if isinstance(path, Mapping):
+        raw: dict[str, Any] = copy.deepcopy(dict(path))
+    else:
+        raw = {} if path is None else _read_yaml(Path(path))
     problems: list[str] = []
     for item in overrides:
         try:
