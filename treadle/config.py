@@ -76,8 +76,13 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train_files: list[str] = Field(default_factory=list, description="JSONL/Parquet prompt files.")
-    val_files: list[str] = Field(default_factory=list, description="Held-out files for eval.")
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="Training files: JSONL, Parquet, or folders written by Dataset.save_to_disk.",
+    )
+    val_files: list[str] = Field(
+        default_factory=list, description="Held-out files for eval (the same kinds)."
+    )
     prompt_key: Key = Field("prompt", description="Column holding the prompt text.")
     answer_key: Key = Field("answer", description="Column holding the ground truth.")
     response_key: Key = Field("solution", description="Column holding SFT target responses.")
@@ -202,7 +207,8 @@ class RolloutConfig(Section):
 class RewardConfig(Section):
     function: Key = Field(
         "arithmetic",
-        description="Built-in reward name or a user function as 'path/to/file.py:function'. "
+        description="Built-in reward name or a user function as 'path/to/file.py:function' "
+        "('python:...' names a function given to treadle.train(reward=...)). "
         "With reward.model_path set it no longer trains: it is logged as reward/rule_mean and "
         "still scores held-out evaluation.",
     )
