@@ -194,6 +194,31 @@ def test_train_with_a_batched_reward_and_a_dataset(tiny_task, tmp_path):
     assert step["reward/mean"] == pytest.approx(result.metrics["reward/mean"])
 
 
+def test_sft_then_dpo_with_datasets_and_a_python_eval_reward(tiny_task, tmp_path):
+    """treadle.sft and treadle.dpo take Dataset objects; a Python reward scores DPO's eval."""
+    scored = []
+
+    def exact(prompt, response, ground_truth):
+        scored.append(ground_truth)
+        return float(response.strip().endswith(ground_truth))
+
+    base = fast(tiny_task, tmp_path / "sft")
+    base["rollout"]["max_new_tokens"] = 32  # a worked answer's length
+    sft = treadle.sft(base, train_dataset=Dataset.from_list(rows(tiny_task, 8)))
+    assert sft.metrics["sft/loss"] > 0 and (sft.final_model / "config.json").is_file()
+    with open(tiny_task["pairs_train"]) as f:
+        pairs = Dataset.from_list([json.loads(line) for line in f][:8])
+    base["model"]["path"] = str(sft.final_model)
+    base["trainer"]["output_dir"] = str(tmp_path / "dpo")
+    dpo = treadle.dpo(base, train_dataset=pairs, eval_dataset=pairs, reward=exact,
+                      overrides=["dpo.eval_task=true", "data.val_size=4"])  # fmt: skip
+    assert {"dpo/loss", "eval/pair_accuracy", "eval/accuracy"} <= set(dpo.metrics)
+    assert sorted(scored) == sorted(p["answer"] for p in pairs.select(range(4)))
+    assert load_config(dpo.output_dir / "config.yaml").data.val_files == [
+        str((tmp_path / "dpo" / "datasets" / "val").absolute())
+    ]
+
+
 def test_python_api_example_runs(tiny_task, tmp_path, monkeypatch, capsys):
     """examples/python_api.py as a user runs it (a per-sample reward in a worker process)."""
     out = tmp_path / "run"
