@@ -5,7 +5,8 @@ schema's, in ``treadle.config``) and before anything starts. ``kind`` is the com
 run (train, sft, dpo, rm, eval); every command calls it first, ``treadle check`` alone prints
 its summary. It checks:
 
-- registered names (estimators, losses, aggregation modes, KL estimators, DPO losses) and the
+- registered names (estimators, losses, aggregation modes, KL estimators, DPO losses), after
+  importing ``algorithm.plugins`` (which register names of their own), and the
   rules between them that need the registries: a group baseline needs ``rollout.n >= 2``, a
   policy loss may allow only some ``loss_agg_mode`` values;
 - the model folders (``model.path``, the tokenizer, ``reward.model_path``,
@@ -95,7 +96,8 @@ def check(cfg: Config, kind: Kind) -> list[str]:
 
 
 def check_algorithm(cfg: Config, kind: Kind) -> None:
-    """Registered names and the rules between them (ConfigError listing every problem)."""
+    """Registered names and the rules between them (ConfigError listing every problem), after
+    ``algorithm.plugins`` are imported (they register names)."""
     from treadle.algorithms import (
         ADV_ESTIMATORS,
         KL_ESTIMATORS,
@@ -103,6 +105,11 @@ def check_algorithm(cfg: Config, kind: Kind) -> None:
         POLICY_LOSSES,
         PREFERENCE_LOSSES,
     )
+    from treadle.plugins import load_plugins
+
+    if cfg.algorithm.plugins:
+        with time_limit(IMPORT_TIMEOUT_S, "algorithm.plugins"):
+            load_plugins(cfg.algorithm.plugins)
 
     alg = cfg.algorithm
     names: list[tuple[str, Any, str]] = []

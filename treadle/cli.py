@@ -148,11 +148,61 @@ def _add_sandbox(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     g.set_defaults(fn=cmd_sandbox_grade)
 
 
+EXAMPLES = {
+    "train": "treadle train examples/arithmetic/grpo.yaml trainer.total_steps=20 rollout.n=8",
+    "sft": "treadle sft examples/arithmetic/sft.yaml trainer.epochs=2",
+    "dpo": "treadle dpo examples/arithmetic/dpo.yaml dpo.beta=0.05",
+    "rm": "treadle rm examples/arithmetic/rm.yaml data.batch_size=32",
+    "eval": "treadle eval examples/arithmetic/grpo.yaml "
+    "model.path=runs/arithmetic/grpo/final_model",
+    "check": "treadle check examples/arithmetic/dpo.yaml --kind dpo",
+}
+
+
+def _epilog(command: str) -> str:
+    """The config's sections and their keys, and an example command (``--help``'s end)."""
+    import textwrap
+
+    from pydantic import BaseModel
+
+    from treadle.config import Config
+
+    lines = ["config sections and their keys (types, defaults, meanings: docs/config.md):"]
+    for name, field in Config.model_fields.items():
+        section = field.annotation
+        assert isinstance(section, type) and issubclass(section, BaseModel)
+        keys = ", ".join(f.alias or k for k, f in section.model_fields.items())
+        lines += textwrap.wrap(
+            keys, 96, initial_indent=f"  {field.alias or name:<11}", subsequent_indent=" " * 13
+        )
+    lines += ["", "overrides: section.key=value, a YAML value (lists: data.train_files=[a,b])"]
+    return "\n".join([*lines, "", "example:", f"  {EXAMPLES[command]}"])
+
+
+def _job_parser(sub: argparse._SubParsersAction, name: str, text: str) -> argparse.ArgumentParser:  # type: ignore[type-arg]
+    s: argparse.ArgumentParser = sub.add_parser(
+        name,
+        help=text,
+        description=f"{text[:1].upper()}{text[1:]}.",
+        epilog=_epilog(name),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("config", help="YAML config file")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    return s
+
+
 def build_parser() -> argparse.ArgumentParser:
     from treadle.check import KINDS
     from treadle.tasks import PREPARERS
 
-    p = argparse.ArgumentParser(prog="treadle", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(
+        prog="treadle",
+        description="RL post-training of language models (GRPO, PPO, DPO, SFT, reward models).",
+        epilog="`treadle <command> --help` lists the config sections and shows an example; "
+        "every key: docs/config.md. From Python: treadle.train(config, reward=fn, "
+        "train_dataset=ds) (README, 'Python API').",
+    )
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in (
         ("train", cmd_train, "RL training (GRPO and the PPO family)"),
@@ -161,13 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
         ("rm", cmd_rm, "train a Bradley-Terry reward model on chosen/rejected pairs"),
         ("eval", cmd_eval, "held-out accuracy of model.path (greedy)"),
     ):
-        s = sub.add_parser(name, help=text)
-        s.add_argument("config", help="YAML config file")
-        s.add_argument("overrides", nargs="*", help="section.key=value overrides")
-        s.set_defaults(fn=fn)
-    s = sub.add_parser("check", help="check a config, its model, data, reward and output dir")
-    s.add_argument("config", help="YAML config file")
-    s.add_argument("overrides", nargs="*", help="section.key=value overrides")
+        _job_parser(sub, name, text).set_defaults(fn=fn)
+    s = _job_parser(sub, "check", "check a config, its model, data, reward and output dir")
     s.add_argument("--kind", choices=KINDS, default="train", help="the command to check for")
     s.set_defaults(fn=cmd_check)
     s = sub.add_parser("prepare", help="write a built-in task's data (arithmetic: also a model)")

@@ -16,8 +16,9 @@ The schema knows nothing of Ray or torch; it is plain pydantic.
 
 from __future__ import annotations
 
+import copy
 import difflib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -75,8 +76,13 @@ class ModelConfig(Section):
 
 
 class DataConfig(Section):
-    train_files: list[str] = Field(default_factory=list, description="JSONL/Parquet prompt files.")
-    val_files: list[str] = Field(default_factory=list, description="Held-out files for eval.")
+    train_files: list[str] = Field(
+        default_factory=list,
+        description="Training files: JSONL, Parquet, or folders written by Dataset.save_to_disk.",
+    )
+    val_files: list[str] = Field(
+        default_factory=list, description="Held-out files for eval (the same kinds)."
+    )
     prompt_key: Key = Field("prompt", description="Column holding the prompt text.")
     answer_key: Key = Field("answer", description="Column holding the ground truth.")
     response_key: Key = Field("solution", description="Column holding SFT target responses.")
@@ -201,7 +207,8 @@ class RolloutConfig(Section):
 class RewardConfig(Section):
     function: Key = Field(
         "arithmetic",
-        description="Built-in reward name or a user function as 'path/to/file.py:function'. "
+        description="Built-in reward name or a user function as 'path/to/file.py:function' "
+        "('python:...' names a function given to treadle.train(reward=...)). "
         "With reward.model_path set it no longer trains: it is logged as reward/rule_mean and "
         "still scores held-out evaluation.",
     )
@@ -292,6 +299,19 @@ class AlgorithmConfig(Section):
     rollout_correction_cap: float = Field(
         2.0, gt=1, description="The cap of algorithm.rollout_correction (tis, mis)."
     )
+    plugins: list[Key] = Field(
+        default_factory=list,
+        description="Python modules ('my_package.estimators') or files ('path/to/file.py') "
+        "imported before any registered name is resolved, by the driver and every worker: "
+        "where your @register_adv_estimator (policy loss, KL estimator...) functions live. A "
+        "file path is made absolute.",
+    )
+
+    @field_validator("plugins")
+    @classmethod
+    def _absolute_plugin_files(cls, value: list[str]) -> list[str]:
+        # workers import them too, and a worker's working directory may not be the driver's
+        return [str(Path(p).absolute()) if p.endswith(".py") else p for p in value]
 
 
 class DPOConfig(Section):
@@ -694,14 +714,20 @@ def _check_critic(
 # ----------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Read a YAML file, apply ``a.b=value`` overrides and validate everything.
+def load_config(
+    path: str | Path | Mapping[str, Any] | None, overrides: Sequence[str] = ()
+) -> Config:
+    """Read a YAML file (or take a mapping of sections, as the YAML would hold them), apply
+    ``a.b=value`` overrides and validate everything.
 
     Raises one ConfigError whose message has a line per problem: a YAML syntax error or a
     duplicate key (file, line, column) stops at once; bad overrides, unknown keys and invalid
     values are all listed.
     """
-    raw: dict[str, Any] = {} if path is None else _read_yaml(Path(path))
+    if isinstance(path, Mapping):
+        raw: dict[str, Any] = copy.deepcopy(dict(path))
+    else:
+        raw = {} if path is None else _read_yaml(Path(path))
     problems: list[str] = []
     for item in overrides:
         try:

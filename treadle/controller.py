@@ -265,6 +265,10 @@ def _guarded(cls: type[Worker]) -> type[Worker]:
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             self._treadle_init_error: TreadleError | None = None
             try:
+                if "config" in kwargs:  # names the worker resolves may be a plug-in's
+                    from treadle.plugins import load_plugins
+
+                    load_plugins(kwargs["config"].algorithm.plugins)
                 super().__init__(*args, **kwargs)
             except TreadleError as e:
                 self._treadle_init_error = e

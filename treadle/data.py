@@ -1,8 +1,9 @@
 """Datasets from local files, prompt templating, length filtering and a resumable sampler.
 
-Files are JSONL (`.jsonl`, `.json`) or Parquet (`.parquet`), read through `datasets`. Every bad
-row is reported with its file and 1-based row: `data.train_files: train.jsonl row 7: prompt
-field 'prompt' is missing or empty`.
+Files are JSONL (`.jsonl`, `.json`), Parquet (`.parquet`) or folders written by
+`datasets.Dataset.save_to_disk` (what `treadle.train(train_dataset=Dataset)` writes), read
+through `datasets`. Every bad row is reported with its file and 1-based row:
+`data.train_files: train.jsonl row 7: prompt field 'prompt' is missing or empty`.
 
 RL prompts (`load_prompt_dataset`) are rendered with the tokenizer's chat template (one user
 message, optionally after a system message; a prompt field may also hold a list of chat
@@ -134,12 +135,15 @@ def _read_records(files: Sequence[str | Path], config_key: str) -> list[_Record]
 
 
 def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
+    if path.is_dir():
+        return _read_saved(path, config_key)
     if not path.is_file():
         raise DataError(f"{config_key}: file '{path}' does not exist")
     builder = _FORMATS.get(path.suffix.lower())
     if builder is None:
         raise DataError(
-            f"{config_key}: '{path}' is not JSONL (.jsonl, .json) or Parquet (.parquet)"
+            f"{config_key}: '{path}' is not JSONL (.jsonl, .json), Parquet (.parquet) or a "
+            "folder written by Dataset.save_to_disk"
         )
     if path.stat().st_size == 0:
         return []
@@ -155,6 +159,30 @@ def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
     finally:
         datasets_log.setLevel(level)
     return rows
+
+
+def _read_saved(path: Path, config_key: str) -> list[dict[str, Any]]:
+    """The rows of a folder written by ``Dataset.save_to_disk`` (one split of a DatasetDict's
+    folder: ``folder/train``)."""
+    from datasets import Dataset, load_from_disk
+
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise DataError(
+            f"{config_key}: '{path}' holds a DatasetDict: name one split's folder "
+            f"({', '.join(f'{path}/{name}' for name in splits) or 'none found'})"
+        )
+    if not (path / "state.json").is_file():
+        raise DataError(
+            f"{config_key}: '{path}' is a folder, but not one written by Dataset.save_to_disk "
+            "(no state.json in it)"
+        )
+    try:
+        ds = load_from_disk(str(path))
+    except Exception as e:  # a damaged folder: arrow and json errors of several kinds
+        raise DataError(f"{config_key}: cannot read '{path}': {e}") from None
+    assert isinstance(ds, Dataset)
+    return [dict(row) for row in ds]
 
 
 def _find_bad_row(path: Path) -> str | None:

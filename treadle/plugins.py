@@ -1,4 +1,5 @@
-"""User code named in a config: ``module:function`` or ``path/to/file.py:function``.
+"""User code named in a config: ``module:function`` or ``path/to/file.py:function``, and
+plug-ins (``algorithm.plugins``): modules or files imported for what they register.
 
 Reward functions, agent loops and tools are given by such a spec. A spec whose left side ends
 in ``.py`` or contains a path separator is a file, imported with importlib under a name unique
@@ -36,6 +37,24 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+def load_plugins(specs: list[str], key: str = "algorithm.plugins") -> None:
+    """Import every module (``my_package.estimators``) or file (``path/to/file.py``) of
+    ``specs``, for the functions they register (``@register_adv_estimator(...)``).
+
+    Each is imported once per process (again it would register its names twice); one that
+    cannot be imported or raises is a ConfigError naming ``key``.
+    """
+    for spec in specs:
+        if spec.endswith(".py"):
+            if _file_module_name(Path(spec)) not in sys.modules:
+                _import_file(Path(spec), key)
+            continue
+        try:
+            importlib.import_module(spec)
+        except Exception as e:  # ImportError, or whatever the module raised while importing
+            raise ConfigError(f"{key}: importing {spec!r} raised {type(e).__name__}: {e}") from e
+
+
 def _import_module(name: str, key: str) -> ModuleType:
     try:
         return importlib.import_module(name)
@@ -43,13 +62,18 @@ def _import_module(name: str, key: str) -> ModuleType:
         raise ConfigError(f"{key}: cannot import module {name!r} ({e})") from e
 
 
+def _file_module_name(path: Path) -> str:
+    """A module name unique per file, so two user files called tools.py do not collide."""
+    resolved = path.resolve()
+    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
+    return f"treadle_user_{resolved.stem}_{digest}"
+
+
 def _import_file(path: Path, key: str) -> ModuleType:
     if not path.is_file():
         raise ConfigError(f"{key}: file '{path}' does not exist")
     resolved = path.resolve()
-    # A name unique per file, so two user files called tools.py do not collide.
-    digest = hashlib.sha1(str(resolved).encode()).hexdigest()[:10]
-    module_name = f"treadle_user_{resolved.stem}_{digest}"
+    module_name = _file_module_name(path)
     spec = importlib.util.spec_from_file_location(module_name, resolved)
     if spec is None or spec.loader is None:
         raise ConfigError(f"{key}: cannot import '{path}' as a Python file")

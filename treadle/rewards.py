@@ -5,7 +5,19 @@ A reward function has the signature `fn(prompt: str, response: str, ground_truth
 
 - a built-in, by name (`arithmetic` -> `treadle.tasks.arithmetic.compute_score`);
 - a user function, as `path/to/file.py:function`; the file is imported with importlib (it need
-  not be on `sys.path` or in a package).
+  not be on `sys.path` or in a package);
+- a Python function passed to `treadle.train(reward=fn)`: `register_reward(fn)` keeps it in
+  this process under the spec `python:<module>.<name>`, which is what `config.yaml` shows.
+
+A Python function comes in one of two forms, told apart by its signature: per sample,
+`fn(prompt, response, ground_truth) -> float`, or TRL's batched form,
+`fn(completions, **columns) -> list[float]` (a parameter named `completions`), called once
+per batch with `prompts`, `completions` and every column of the data rows but the prompt
+(`answer`, ...) as lists, keyword arguments the function does not take left out. A per-sample
+function runs in the `RewardPool` like a file's, sent to its processes with cloudpickle, so
+the same time limit and crash isolation hold (a closure that cannot be pickled is a
+ConfigError that says to set `reward.num_workers: 0`); a batched one is called in the
+trainer's process, as TRL does, without a time limit.
 
 `load_reward_fn` returns a `RewardFn`, which pickles as its spec and loads the function again
 on unpickling, so it can be shipped to Ray workers even when the user's file is not importable
@@ -49,7 +61,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -71,6 +83,31 @@ BUILTIN_REWARDS: dict[str, str] = {
 SANDBOXED = "treadle_sandboxed"  # the attribute `sandboxed_reward` sets on a function
 F = TypeVar("F", bound=Callable[..., Any])
 
+PYTHON = "python:"  # the spec prefix of a function registered in this process
+_REGISTERED: dict[str, Callable[..., Any]] = {}
+
+
+def register_reward(fn: Callable[..., Any]) -> str:
+    """Keep `fn` (a Python reward function) in this process; the spec that names it.
+
+    A ConfigError if its signature fits neither form (see the module's docstring)."""
+    if not callable(fn):
+        raise ConfigError(f"reward: a {type(fn).__name__} is not a function")
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    spec = f"{PYTHON}{getattr(fn, '__module__', None) or 'main'}.{name}"
+    if not is_batched(fn):
+        _check_signature(fn, spec, bool(getattr(fn, SANDBOXED, False)))
+    _REGISTERED[spec] = fn
+    return spec
+
+
+def is_batched(fn: Callable[..., Any]) -> bool:
+    """Whether `fn` is a batched reward, TRL's `fn(completions, **columns) -> list[float]`."""
+    try:
+        return "completions" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
 
 def sandboxed_reward(fn: F) -> F:
     """Mark `fn(prompt, response, ground_truth, *, timeout_s)` as a reward that runs programs.
@@ -88,7 +125,8 @@ class RewardFn:
     def __init__(self, spec: str) -> None:
         self.spec = spec
         self._fn = _resolve(spec)
-        _check_signature(self._fn, spec, self.treadle_sandboxed)
+        if not self.batched:
+            _check_signature(self._fn, spec, self.treadle_sandboxed)
 
     def __call__(self, prompt: str, response: str, ground_truth: str, **options: Any) -> Any:
         return self._fn(prompt, response, ground_truth, **options)
@@ -98,12 +136,21 @@ class RewardFn:
         """Whether the function is a `sandboxed_reward` (see `score_batch`)."""
         return bool(getattr(self._fn, SANDBOXED, False))
 
-    def __getstate__(self) -> dict[str, str]:
+    @property
+    def batched(self) -> bool:
+        """Whether it is TRL's batched form (see `score_batched`)."""
+        return is_batched(self._fn)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.spec.startswith(PYTHON):  # not importable elsewhere: the function itself
+            return {"spec": self.spec, "fn": pickled(self._fn, self.spec)}
         return {"spec": self.spec}
 
-    def __setstate__(self, state: dict[str, str]) -> None:
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        import cloudpickle
+
         self.spec = state["spec"]
-        self._fn = _resolve(self.spec)
+        self._fn = cloudpickle.loads(state["fn"]) if "fn" in state else _resolve(self.spec)
 
     def __repr__(self) -> str:
         return f"RewardFn({self.spec!r})"
@@ -114,7 +161,29 @@ def load_reward_fn(spec: str) -> RewardFn:
     return RewardFn(spec)
 
 
+def pickled(fn: Callable[..., Any], spec: str) -> bytes:
+    """`fn` by cloudpickle (by value when defined in a script), or a ConfigError saying why not."""
+    import cloudpickle
+
+    try:
+        return bytes(cloudpickle.dumps(fn))
+    except Exception as e:  # a closure over a lock, a model on a device, an open file ...
+        raise ConfigError(
+            f"reward.function: {spec} cannot be sent to the reward worker processes "
+            f"({type(e).__name__}: {e}); set reward.num_workers=0 to call it in the trainer's "
+            "process"
+        ) from None
+
+
 def _resolve(spec: str) -> Callable[..., Any]:
+    if spec in _REGISTERED:
+        return _REGISTERED[spec]
+    if spec.startswith(PYTHON):
+        raise ConfigError(
+            f"reward.function: {spec!r} names a Python function given to treadle.train(reward="
+            "...) in another process; from the command line give it as "
+            "'path/to/file.py:function'"
+        )
     if spec in BUILTIN_REWARDS:
         module_name, _, name = BUILTIN_REWARDS[spec].partition(":")
         fn: Callable[..., Any] = getattr(importlib.import_module(module_name), name)
@@ -140,6 +209,8 @@ def _check_signature(fn: Callable[..., Any], spec: str, sandboxed: bool) -> None
         sig.bind("prompt", "response", "ground_truth", **options)
     except TypeError:
         call = "fn(prompt, response, ground_truth" + (", timeout_s=...)" if sandboxed else ")")
+        if spec.startswith(PYTHON):
+            call += " or, batched, fn(completions, **columns) -> list[float]"
         raise ConfigError(
             f"reward.function: '{spec}' has the signature {sig}, but a reward function is "
             f"called as {call}"
@@ -201,6 +272,47 @@ def score_batch(
     return _judge(name, samples, outcomes)
 
 
+def score_batched(
+    fn: Callable[..., Any],
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    rows: Sequence[Mapping[str, Any]] | None = None,
+    *,
+    spec: str,
+) -> list[float]:
+    """A batched reward (TRL's form) called once on the batch; a failure is one RewardError.
+
+    It gets ``prompts``, ``completions`` and, as lists, every column of ``rows`` except those
+    two names and ``prompt`` (without ``rows``: ``ground_truth``); keywords it does not take are
+    left out unless it takes ``**kwargs``."""
+    samples = _samples(prompts, responses, ground_truths)
+    columns: dict[str, list[Any]] = {"prompts": list(prompts), "completions": list(responses)}
+    if rows is None:
+        columns["ground_truth"] = list(ground_truths)
+    else:
+        for key in dict.fromkeys(k for row in rows for k in row):
+            if key not in ("prompt", "prompts", "completions"):
+                columns[key] = [row.get(key) for row in rows]
+    params = inspect.signature(fn).parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        columns = {k: v for k, v in columns.items() if k in params}
+    try:
+        values = fn(**columns)
+    except (Exception, SystemExit) as e:
+        raise RewardError(
+            f"reward function '{spec}' raised {type(e).__name__}: {e} (on a batch of "
+            f"{len(samples)} samples)"
+        ) from e
+    if not isinstance(values, Sequence) or isinstance(values, str) or len(values) != len(samples):
+        got = f"{len(values)} values" if isinstance(values, Sequence) else repr(values)[:60]
+        raise RewardError(
+            f"reward function '{spec}' returned {got} for {len(samples)} completions: a batched "
+            "reward returns one number per completion"
+        )
+    return _judge(spec, samples, ((value, None) for value in values))
+
+
 def _samples(
     prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str]
 ) -> list[Sample]:
@@ -259,12 +371,21 @@ class Scorer:
     def __init__(self, spec: str, num_workers: int = 0, timeout_s: float = 10.0) -> None:
         self.fn = load_reward_fn(spec)
         self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
-        use_pool = num_workers > 0 and not self.fn.treadle_sandboxed
+        use_pool = num_workers > 0 and not self.fn.treadle_sandboxed and not self.fn.batched
         self.pool = RewardPool(spec, num_workers, timeout_s) if use_pool else None
 
     def __call__(
-        self, prompts: Sequence[str], responses: Sequence[str], ground_truths: Sequence[str]
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        rows: Sequence[Mapping[str, Any]] | None = None,
     ) -> list[float]:
+        """The scores; ``rows`` (the data rows, for a batched reward's columns) is optional."""
+        if self.fn.batched:
+            return score_batched(
+                self.fn._fn, prompts, responses, ground_truths, rows, spec=self.spec
+            )
         if self.pool is None:
             workers = max(1, self.num_workers)
             return score_batch(
@@ -301,10 +422,14 @@ class _Worker:
     A fresh interpreter (not multiprocessing's spawn, which re-runs the parent's ``__main__``:
     a user's script, or nothing at all under ``python -c``), joined by a socket pair."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, payload: bytes | None = None) -> None:
         ours, theirs = socket.socketpair()
         package_root = str(Path(__file__).resolve().parent.parent)
-        path = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+        # a pickled function may name modules of the trainer's sys.path (a user's package)
+        extra = sys.path if payload is not None else []
+        path = os.pathsep.join(
+            dict.fromkeys(filter(None, [package_root, os.environ.get("PYTHONPATH"), *extra]))
+        )
         self.process = subprocess.Popen(
             [sys.executable, "-c", _CHILD, str(theirs.fileno()), spec],
             pass_fds=(theirs.fileno(),),
@@ -313,6 +438,8 @@ class _Worker:
         )
         theirs.close()
         self.conn = Connection(ours.detach())
+        if payload is not None:  # a registered Python function: the child waits for it
+            self.conn.send_bytes(payload)
         self.ready = False
         self.started = time.monotonic()
         self.job: tuple[int, float] | None = None  # (sample index, deadline)
@@ -353,9 +480,11 @@ class RewardPool:
         self.spec, self.size, self.timeout_s = spec, num_workers, timeout_s
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
+        registered = _REGISTERED.get(spec) if spec.startswith(PYTHON) else None
+        self._payload = None if registered is None else pickled(registered, spec)
 
     def _new_worker(self) -> _Worker:
-        return _Worker(self.spec)
+        return _Worker(self.spec, self._payload)
 
     def map(self, samples: list[Sample]) -> list[Outcome]:
         """The outcome of each sample, in order: all of them, or those up to a failure."""
@@ -468,7 +597,12 @@ def _serve(spec: str, conn: Connection) -> None:
     trainer sends None or its end of the pipe closes."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle
     try:
-        fn = _resolve(spec)
+        if spec.startswith(PYTHON):
+            import cloudpickle
+
+            fn = cloudpickle.loads(conn.recv_bytes())
+        else:
+            fn = _resolve(spec)
     except BaseException as e:
         conn.send(("load", f"{type(e).__name__}: {e}"))
         return

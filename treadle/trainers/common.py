@@ -298,9 +298,11 @@ def make_scorer(cfg: Config) -> Scorer:
 
 
 def rule_scores(scorer: Scorer, batch: Batch) -> list[float]:
-    """The reward function's score of every sample of ``batch``."""
+    """The reward function's score of every sample of ``batch`` (a batched reward also gets
+    the columns of the data rows)."""
+    rows = list(batch["row"]) if "row" in batch else None
     return scorer(
-        list(batch["prompt_text"]), list(batch["response_text"]), list(batch["ground_truth"])
+        list(batch["prompt_text"]), list(batch["response_text"]), list(batch["ground_truth"]), rows
     )
 
 
