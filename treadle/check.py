@@ -341,64 +341,21 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
 
 
 def _prompt_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
-    from treadle.data import load_prompt_dataset
+    from treadle.data import config_prompts
 
-    d = cfg.data
-    ds = load_prompt_dataset(
-        [file],
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        tokenizer=tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        overlong=d.overlong_prompts,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-        config_key=key,
-        tools=tools,
-        allow_special_tokens=d.allow_special_tokens,
-    )
-    return len(ds)
+    return len(config_prompts(cfg, [file], key, tokenizer, tools))
 
 
 def _sft_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
-    from treadle.data import load_sft_dataset
+    from treadle.data import config_sft
 
-    d = cfg.data
-    ds = load_sft_dataset(
-        [file],
-        prompt_key=d.prompt_key,
-        response_key=d.response_key,
-        messages_key=d.messages_key,
-        tokenizer=tokenizer,
-        max_length=d.max_prompt_length + cfg.rollout.max_new_tokens,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-        config_key=key,
-        allow_special_tokens=d.allow_special_tokens,
-    )
-    return len(ds)
+    return len(config_sft(cfg, [file], key, tokenizer))
 
 
 def _pair_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
-    from treadle.data import load_pair_dataset
+    from treadle.data import config_pairs
 
-    d = cfg.data
-    ds = load_pair_dataset(
-        [file],
-        prompt_key=d.prompt_key,
-        chosen_key=d.chosen_key,
-        rejected_key=d.rejected_key,
-        answer_key=d.answer_key,
-        tokenizer=tokenizer,
-        max_prompt_length=d.max_prompt_length,
-        max_response_length=cfg.rollout.max_new_tokens,
-        overlong=d.overlong_prompts,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-        config_key=key,
-        allow_special_tokens=d.allow_special_tokens,
-    )
-    return len(ds)
+    return len(config_pairs(cfg, [file], key, tokenizer))
 
 
 # --- output directory ------------------------------------------------------------------------

@@ -45,7 +45,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Literal, TypedDict
 
 import numpy as np
 import torch
@@ -53,6 +53,9 @@ from datasets import load_dataset
 from transformers import PreTrainedTokenizerBase
 
 from treadle.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from treadle.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -931,3 +934,71 @@ class ResumableSampler:
             int(state["seed"]),
         )
         self._order = None
+
+
+# ----------------------------------------------------------------------------- from a config
+#
+# The readers as a run calls them, with the ``data`` section's settings: the trainers and
+# ``treadle check`` read files through these, so both see exactly the same rows.
+
+
+def config_prompts(
+    cfg: Config, files: Sequence[str], key: str, tokenizer: PreTrainedTokenizerBase, tools: Any
+) -> PromptDataset:
+    """RL and evaluation prompts of ``files`` (the config key ``key``)."""
+    d = cfg.data
+    return load_prompt_dataset(
+        files,
+        prompt_key=d.prompt_key,
+        answer_key=d.answer_key,
+        tokenizer=tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        overlong=d.overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+        config_key=key,
+        tools=tools,
+        allow_special_tokens=d.allow_special_tokens,
+    )
+
+
+def config_sft(
+    cfg: Config, files: Sequence[str], key: str, tokenizer: PreTrainedTokenizerBase
+) -> SFTDataset:
+    """SFT examples of ``files``: prompt + response (or chat messages), at most
+    ``data.max_prompt_length + rollout.max_new_tokens`` tokens."""
+    d = cfg.data
+    return load_sft_dataset(
+        files,
+        prompt_key=d.prompt_key,
+        response_key=d.response_key,
+        messages_key=d.messages_key,
+        tokenizer=tokenizer,
+        max_length=d.max_prompt_length + cfg.rollout.max_new_tokens,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+        config_key=key,
+        allow_special_tokens=d.allow_special_tokens,
+    )
+
+
+def config_pairs(
+    cfg: Config, files: Sequence[str], key: str, tokenizer: PreTrainedTokenizerBase
+) -> PairDataset:
+    """Preference pairs of ``files``, checked and tokenized."""
+    d = cfg.data
+    return load_pair_dataset(
+        files,
+        prompt_key=d.prompt_key,
+        chosen_key=d.chosen_key,
+        rejected_key=d.rejected_key,
+        answer_key=d.answer_key,
+        tokenizer=tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        max_response_length=cfg.rollout.max_new_tokens,
+        overlong=d.overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+        config_key=key,
+        allow_special_tokens=d.allow_special_tokens,
+    )

@@ -24,7 +24,7 @@ from treadle import startup
 from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, Worker, WorkerGroup
-from treadle.data import PromptDataset, ResumableSampler, collate_prompts, load_prompt_dataset
+from treadle.data import PromptDataset, ResumableSampler, collate_prompts, config_prompts
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError, Stopped, Terminated, WorkerDied
 from treadle.faults import failpoint
@@ -230,20 +230,7 @@ def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
     tok = load_tokenizer(
         cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
     )
-    d = cfg.data
-    return load_prompt_dataset(
-        files,
-        prompt_key=d.prompt_key,
-        answer_key=d.answer_key,
-        tokenizer=tok,
-        max_prompt_length=d.max_prompt_length,
-        overlong=d.overlong_prompts,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-        config_key=key,
-        tools=tool_schemas(cfg),
-        allow_special_tokens=d.allow_special_tokens,
-    )
+    return config_prompts(cfg, files, key, tok, tool_schemas(cfg))
 
 
 def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:

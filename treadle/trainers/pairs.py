@@ -13,7 +13,7 @@ import torch
 
 from treadle.algorithms import pair_stats
 from treadle.config import Config
-from treadle.data import PairDataset, ResumableSampler, collate_pairs, load_pair_dataset
+from treadle.data import PairDataset, ResumableSampler, collate_pairs, config_pairs
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
@@ -23,24 +23,10 @@ def load_pairs(cfg: Config, files: list[str], key: str) -> PairDataset:
     """The preference pairs of ``files`` (the config key ``key``), checked and tokenized."""
     if not files:
         raise ConfigError(f"{key} is empty: list at least one JSONL or Parquet file of pairs")
-    d = cfg.data
-    return load_pair_dataset(
-        files,
-        prompt_key=d.prompt_key,
-        chosen_key=d.chosen_key,
-        rejected_key=d.rejected_key,
-        answer_key=d.answer_key,
-        tokenizer=load_tokenizer(
-            cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
-        ),
-        max_prompt_length=d.max_prompt_length,
-        max_response_length=cfg.rollout.max_new_tokens,
-        overlong=d.overlong_prompts,
-        apply_chat_template=d.apply_chat_template,
-        system_prompt=d.system_prompt,
-        config_key=key,
-        allow_special_tokens=d.allow_special_tokens,
+    tok = load_tokenizer(
+        cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
     )
+    return config_pairs(cfg, files, key, tok)
 
 
 def pair_sampler(cfg: Config, ds: PairDataset) -> tuple[ResumableSampler, int, int]:

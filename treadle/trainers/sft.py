@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 
 from treadle.config import Config
-from treadle.data import ResumableSampler, collate_sft, load_sft_dataset
+from treadle.data import ResumableSampler, collate_sft, config_sft
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
@@ -35,17 +35,7 @@ class SFTTrainer(Trainer):
             cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
         )
         self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.ds = load_sft_dataset(
-            d.train_files,
-            prompt_key=d.prompt_key,
-            response_key=d.response_key,
-            messages_key=d.messages_key,
-            tokenizer=tok,
-            max_length=d.max_prompt_length + cfg.rollout.max_new_tokens,
-            apply_chat_template=d.apply_chat_template,
-            system_prompt=d.system_prompt,
-            allow_special_tokens=d.allow_special_tokens,
-        )
+        self.ds = config_sft(cfg, d.train_files, "data.train_files", tok)
         self.val = load_prompts(cfg, d.val_files, "data.val_files") if d.val_files else None
         self.steps_per_epoch = max(len(self.ds) // d.batch_size, 1)
         if cfg.trainer.epochs is not None:
