@@ -56,6 +56,7 @@ def run_dir(tmp_path: Path) -> Path:
         }
         if step in ACCURACY:
             record["eval/accuracy"] = ACCURACY[step]
+            record["timing/eval"] = 0.7  # after the step, outside timing/step
         records.append(record)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     config = {
@@ -85,12 +86,11 @@ def test_panels_plot_the_run_s_series(run_dir):
     assert kl[2] != kl[2] and kl[3] == pytest.approx(0.04)  # NaN stays a gap
     timing = figs["Time per phase (s)"]
     assert timing.layout.barmode == "stack"
-    assert [(t.type, t.name) for t in timing.data] == [
-        ("bar", "generate"),
-        ("bar", "update_actor"),
-        ("scatter", "step (total)"),
-    ]
+    assert [t.name for t in timing.data] == ["generate", "update_actor", "other", "eval"]
+    assert {t.type for t in timing.data} == {"bar"}
     assert list(timing.data[1].y) == [0.5, 1.0, 1.5, 2.0]
+    assert list(timing.data[2].y) == pytest.approx([1.0] * 4)  # step - generate - update
+    assert list(timing.data[3].x) == [2, 4]  # evaluation: on top, not taken from the step
     # the rest, one small panel per series, grouped by prefix
     assert [t.name for t in figs["actor"].data] == ["actor/pg_loss"]
     assert [t.name for t in figs["rollout"].data] == ["rollout/weight_version"]
@@ -188,6 +188,12 @@ def test_page_loads_offline_in_chromium_with_plots_and_tables(run_dir):
                 ".map(g => g.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length)"
             )
             assert all(drawn), drawn
+            overflow = page.evaluate(
+                "[...document.querySelectorAll('section')].filter(s => s.querySelector("
+                "'.main-svg').getBoundingClientRect().right > s.getBoundingClientRect().right)"
+                ".length"
+            )
+            assert overflow == 0  # each plot fits its box (plotly sizes them to it)
             reward = page.evaluate(
                 "document.querySelector('.js-plotly-plot').data.map(t => [t.name, Array.from(t.y)])"
             )

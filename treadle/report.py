@@ -45,9 +45,10 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Clip fraction", ("*/clip_frac", "*/*clipfrac")),
     ("Throughput", ("throughput/*",)),
 )
-# Timings that are not a phase of a step: the step's total (drawn as a line over the stack)
-# and the one-off start-up time (shown in the summary).
-STEP_TIME, STARTUP_TIME = "timing/step", "timing/startup"
+# Timings that are not a phase of a step: the step's total (its unnamed rest is drawn as
+# "other") and the one-off start-up time (shown in the summary); evaluation is timed after the
+# step, outside ``timing/step``.
+STEP_TIME, STARTUP_TIME, AFTER_STEP = "timing/step", "timing/startup", ("timing/eval",)
 MAX_SAMPLES = 200  # the newest ones: a long run logs thousands
 
 Series = dict[str, tuple[list[float], list[float]]]  # name -> (steps, values)
@@ -169,18 +170,30 @@ def _line_figure(series: Series, names: list[str]) -> go.Figure:
 
 
 def _timing_figure(series: Series, phases: list[str]) -> go.Figure:
-    """Seconds of each phase stacked per step, the step's total as a line over them (a gap
-    between the two is time in no named phase)."""
+    """Seconds of each phase stacked per step: the step's phases, "other" (the rest of
+    ``timing/step``, in no named phase), then evaluation, which runs after the step."""
+    inside = [n for n in phases if n not in AFTER_STEP]
     fig = go.Figure()
-    for name in phases:
-        steps, values = series[name]
-        fig.add_trace(go.Bar(x=steps, y=values, name=name.removeprefix("timing/")))
+    for name in inside:
+        fig.add_trace(go.Bar(x=series[name][0], y=series[name][1], name=_phase(name)))
     if STEP_TIME in series:
-        steps, values = series[STEP_TIME]
-        fig.add_trace(go.Scatter(x=steps, y=values, name="step (total)", mode="lines"))
+        by_step = [dict(zip(*series[n], strict=True)) for n in inside]
+        steps, totals = series[STEP_TIME]
+        other = [
+            max(0.0, total - sum(p.get(step, 0.0) for p in by_step))
+            for step, total in zip(steps, totals, strict=True)
+        ]
+        fig.add_trace(go.Bar(x=steps, y=other, name="other", marker_color="#bbbbbb"))
+    for name in phases:
+        if name in AFTER_STEP:
+            fig.add_trace(go.Bar(x=series[name][0], y=series[name][1], name=_phase(name)))
     fig.update_layout(barmode="stack")
     fig.update_xaxes(title_text="step")
     return _layout(fig, height=360, showlegend=True)
+
+
+def _phase(name: str) -> str:
+    return name.removeprefix("timing/")
 
 
 def _grid_figure(series: Series, names: list[str]) -> go.Figure:
@@ -202,11 +215,11 @@ def _grid_figure(series: Series, names: list[str]) -> go.Figure:
 def _layout(fig: go.Figure, height: int, showlegend: bool) -> go.Figure:
     fig.update_layout(
         height=height,
-        margin={"l": 50, "r": 20, "t": 30, "b": 40},
+        margin={"l": 50, "r": 20, "t": 40, "b": 40},
         template="plotly_white",
         showlegend=showlegend,
         hovermode="x unified",
-        legend={"orientation": "h", "y": -0.2},
+        legend={"orientation": "h", "x": 0, "y": 1, "yanchor": "bottom"},
     )
     return fig
 
@@ -217,12 +230,14 @@ def _mode(steps: list[float]) -> str:
 
 # --- the page ----------------------------------------------------------------------------------
 
+# auto-fill, not auto-fit: each plot is sized when its script runs, while the page is still
+# being read, and auto-fit would stretch the first plot, alone so far, over the whole row.
 STYLE = """
 body { font-family: system-ui, sans-serif; margin: 24px auto; max-width: 1400px; padding: 0 16px;
        color: #222; }
 h1 { font-size: 1.5em; margin-bottom: 4px; } h2 { margin-top: 32px; }
 .path { color: #666; font-family: monospace; }
-.plots { display: grid; grid-template-columns: repeat(auto-fit, minmax(560px, 1fr)); gap: 16px; }
+.plots { display: grid; grid-template-columns: repeat(auto-fill, minmax(560px, 1fr)); gap: 16px; }
 .plots section { border: 1px solid #ddd; border-radius: 6px; padding: 8px; }
 .plots section.wide { grid-column: 1 / -1; }
 .plots h3 { margin: 4px 8px; font-size: 1em; }
@@ -245,7 +260,11 @@ def _page(
     for title, fig in figures(series):
         # a group's grid of panels and the stacked timings take a whole row
         wide = len(fig.data) > 1 and title not in {t for t, _ in PANELS}
-        div = fig.to_html(full_html=False, include_plotlyjs=False, config={"displaylogo": False})
+        div = fig.to_html(
+            full_html=False,
+            include_plotlyjs=False,
+            config={"displaylogo": False, "responsive": True},
+        )
         plots.append(
             f'<section class="{"wide" if wide else ""}"><h3>{html.escape(title)}</h3>{div}'
             "</section>"
