@@ -209,3 +209,16 @@ def test_page_loads_offline_in_chromium_with_plots_and_tables(run_dir):
         finally:
             browser.close()
     assert problems == []
+
+
+def test_an_sft_run_plots_its_own_series():
+    records = [
+        {"step": s, "epoch": s / 10, "sft/loss": 2.0 / s, "sft/lr": 1e-3, "timing/step": 0.2}
+        for s in (1, 2, 3)
+    ]
+    figs = dict(figures(numeric_series(records)))
+    assert list(figs) == ["Loss", "Time per phase (s)", "other", "sft"]
+    assert list(figs["Loss"].data[0].y) == pytest.approx([2.0, 1.0, 2 / 3])
+    (step_time,) = figs["Time per phase (s)"].data  # no named phase: the step's time alone
+    assert step_time.name == "step" and list(step_time.y) == pytest.approx([0.2] * 3)
+    assert [t.name for t in figs["sft"].data] == ["sft/lr"]

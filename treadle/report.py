@@ -22,7 +22,7 @@ import html
 import json
 import math
 from collections.abc import Iterable
-from fnmatch import fnmatch
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
@@ -144,13 +144,13 @@ def figures(series: Series) -> list[tuple[str, go.Figure]]:
     left = [name for name in series if name not in (STEP_TIME, STARTUP_TIME)]
     out = []
     for title, patterns in PANELS:
-        names = [n for n in left if any(fnmatch(n, p) for p in patterns)]
+        names = [n for n in left if any(fnmatchcase(n, p) for p in patterns)]
         if names:
             out.append((title, _line_figure(series, names)))
             left = [n for n in left if n not in names]
         if title == "Clip fraction":  # time per phase goes before throughput
             phases = [n for n in left if n.startswith("timing/")]
-            if phases:
+            if phases or STEP_TIME in series:
                 out.append(("Time per phase (s)", _timing_figure(series, phases)))
                 left = [n for n in left if n not in phases]
     groups: dict[str, list[str]] = {}
@@ -171,7 +171,8 @@ def _line_figure(series: Series, names: list[str]) -> go.Figure:
 
 def _timing_figure(series: Series, phases: list[str]) -> go.Figure:
     """Seconds of each phase stacked per step: the step's phases, "other" (the rest of
-    ``timing/step``, in no named phase), then evaluation, which runs after the step."""
+    ``timing/step``, in no named phase; "step" when no phase is timed), then evaluation, which
+    runs after the step."""
     inside = [n for n in phases if n not in AFTER_STEP]
     fig = go.Figure()
     for name in inside:
@@ -183,7 +184,8 @@ def _timing_figure(series: Series, phases: list[str]) -> go.Figure:
             max(0.0, total - sum(p.get(step, 0.0) for p in by_step))
             for step, total in zip(steps, totals, strict=True)
         ]
-        fig.add_trace(go.Bar(x=steps, y=other, name="other", marker_color="#bbbbbb"))
+        name = "other" if inside else "step"
+        fig.add_trace(go.Bar(x=steps, y=other, name=name, marker_color="#bbbbbb"))
     for name in phases:
         if name in AFTER_STEP:
             fig.add_trace(go.Bar(x=series[name][0], y=series[name][1], name=_phase(name)))
