@@ -132,8 +132,24 @@ def test_report_command_writes_one_self_contained_page(run_dir, capsys):
             ],
             "{d}/samples.jsonl line 3: not valid JSON",
         ),
+        (
+            lambda d: [
+                (d / "metrics.jsonl").write_text('{"step": 1}\n'),
+                (d / "config.yaml").write_text("model:\n  path: [a\n"),
+            ],
+            "{d}/config.yaml: cannot read the resolved config: while parsing",
+        ),
     ],
-    ids=["missing", "not-a-run", "empty", "cut-line", "not-object", "no-step", "bad-sample"],
+    ids=[
+        "missing",
+        "not-a-run",
+        "empty",
+        "cut-line",
+        "not-object",
+        "no-step",
+        "bad-sample",
+        "bad-config",
+    ],
 )
 def test_bad_run_dir_is_one_line_naming_file_and_line(tmp_path, capsys, setup, message):
     run = tmp_path / "run"

@@ -74,8 +74,12 @@ def write_report(run_dir: str | Path) -> Path:
     series = numeric_series(records)
     samples_path = run / "samples.jsonl"
     samples = read_jsonl(samples_path) if samples_path.is_file() else []
+    page = _page(run, series, _read_config(run / "config.yaml"), samples)
     out = run / "report.html"
-    out.write_text(_page(run, series, _read_config(run / "config.yaml"), samples))
+    try:
+        out.write_text(page, encoding="utf-8")
+    except OSError as e:
+        raise TreadleError(f"{out}: cannot write: {e}") from e
     return out
 
 
@@ -130,7 +134,8 @@ def _read_config(path: Path) -> dict[str, Any] | None:
     try:
         config = yaml.safe_load(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
-        raise TreadleError(f"{path}: cannot read the resolved config: {e}") from e
+        detail = " ".join(str(e).split())  # YAML's messages span lines: one line per problem
+        raise TreadleError(f"{path}: cannot read the resolved config: {detail}") from e
     if not isinstance(config, dict):
         raise TreadleError(f"{path}: not a mapping of config sections")
     return config
