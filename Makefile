@@ -17,7 +17,7 @@ VLLM    := vllm
 BROKEN  :=
 endif
 
-.PHONY: install demo test lint typecheck clean
+.PHONY: install demo test lint typecheck browser clean
 
 install: $(STAMP)
 
@@ -41,7 +41,13 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy treadle
 
-test: lint typecheck
+# tests/test_report.py opens `treadle report`'s page in Debian's chromium (run as root on Debian,
+# as the CI does; a machine that has chromium already does nothing here).
+browser:
+	command -v chromium >/dev/null || \
+		{ apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }
+
+test: lint typecheck browser
 	$(PY) -m pytest -q -p no:cacheprovider
 
 clean:

@@ -115,6 +115,12 @@ def cmd_demo(args: argparse.Namespace) -> None:
     run_demo(args.examples)
 
 
+def cmd_report(args: argparse.Namespace) -> None:
+    from treadle.report import write_report
+
+    print(f"report: {write_report(args.run_dir)}")
+
+
 def cmd_model_fetch(args: argparse.Namespace) -> None:
     from treadle.hub import fetch_model
 
@@ -226,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     f.add_argument("name", help="e.g. smollm2-135m-instruct")
     f.add_argument("--cache-dir", default=None, help="default: ~/.cache/treadle/models")
     f.set_defaults(fn=cmd_model_fetch)
+    s = sub.add_parser("report", help="write RUN_DIR/report.html: plots, samples, config")
+    s.add_argument("run_dir", metavar="RUN_DIR", help="a run's trainer.output_dir")
+    s.set_defaults(fn=cmd_report)
     s = sub.add_parser("demo", help="prepare, SFT warm start, GRPO, held-out accuracy")
     s.add_argument("--examples", default="examples/arithmetic")
     s.set_defaults(fn=cmd_demo)
