@@ -162,12 +162,10 @@ def test_bad_run_dir_is_one_line_naming_file_and_line(tmp_path, capsys, setup, m
     assert not (run / "report.html").exists()
 
 
-@pytest.mark.skipif(
-    not Path(CHROMIUM).exists(), reason=f"no {CHROMIUM}: `make browser` installs it"
-)
 def test_page_loads_offline_in_chromium_with_plots_and_tables(run_dir):
     from playwright.sync_api import sync_playwright
 
+    assert Path(CHROMIUM).exists(), f"no {CHROMIUM}: `make browser` installs it (make test does)"
     assert main(["report", str(run_dir)]) == 0
     url = (run_dir / "report.html").as_uri()
     problems: list[str] = []

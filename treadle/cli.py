@@ -1,5 +1,5 @@
-"""``treadle`` command line: train | sft | dpo | rm | eval | check | prepare | demo | model |
-sandbox.
+"""``treadle`` command line: train | sft | dpo | rm | eval | check | report | prepare | demo |
+model | sandbox.
 
 Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides, and
 first runs ``treadle.check`` for itself (``treadle check CONFIG --kind train`` runs only that).
