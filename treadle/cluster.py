@@ -82,7 +82,7 @@ def ensure_ray(cfg: Config) -> None:
     joined = ray_address(cfg)
     with _keep_sigterm_handler():
         if joined is not None:
-            _join(*joined)
+            _join(*joined, verbose=cfg.trainer.verbose)
             return
         # Ray starts workers at nice 15; ours do the run's compute and must not yield to
         # every other process on the machine (measured: 15-30x slower steps under load).
@@ -93,7 +93,7 @@ def ensure_ray(cfg: Config) -> None:
                 num_cpus=int(total_cpus(cfg)),
                 include_dashboard=cfg.trainer.ray_dashboard,
                 dashboard_host="127.0.0.1",
-                log_to_driver=True,
+                log_to_driver=cfg.trainer.verbose,  # else the workers write to <output_dir>/logs
                 configure_logging=False,
             )
 
@@ -132,14 +132,14 @@ def _keep_sigterm_handler() -> Iterator[None]:
             signal.signal(signal.SIGTERM, handler)
 
 
-def _join(address: str, source: str) -> None:
+def _join(address: str, source: str, verbose: bool) -> None:
     import ray
     from ray.exceptions import AuthenticationError
 
     _check_reachable(address, source)
     where = f"the Ray cluster at {address} ({source})"
     try:
-        ray.init(address=address, log_to_driver=True, configure_logging=False)
+        ray.init(address=address, log_to_driver=verbose, configure_logging=False)
     except AuthenticationError as e:  # token mode on, but no token on this machine
         raise ConfigError(f"{where}: {_token_hint(rejected=False)}") from e
     except ConnectionError as e:

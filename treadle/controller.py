@@ -44,6 +44,7 @@ import torch.distributed as dist
 
 from treadle.errors import TreadleError, WorkerDied
 from treadle.protocol import Batch
+from treadle.tracking import redirect_output
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -257,6 +258,7 @@ def _guarded(cls: type[Worker]) -> type[Worker]:
 
     class Guarded(cls):  # type: ignore[valid-type,misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            redirect_output(getattr(cls, "role", "") or cls.__name__)  # to <output_dir>/logs/
             self._treadle_init_error: TreadleError | None = None
             try:
                 super().__init__(*args, **kwargs)
