@@ -40,6 +40,7 @@ from typing import Any
 from treadle import reaper
 from treadle.config import Config
 from treadle.errors import ConfigError
+from treadle.tracking import reroute_logs
 
 TOKEN_FILE = "~/.ray/auth_token"
 
@@ -79,8 +80,9 @@ def ensure_ray(cfg: Config) -> None:
 
     if ray.is_initialized():
         return
+    reroute_logs()  # Ray's import put its console handler on its loggers
     joined = ray_address(cfg)
-    with _keep_sigterm_handler():
+    with _keep_sigterm_handler(), _rerouted():
         if joined is not None:
             _join(*joined, verbose=cfg.trainer.verbose)
             return
@@ -96,6 +98,16 @@ def ensure_ray(cfg: Config) -> None:
                 log_to_driver=cfg.trainer.verbose,  # else the workers write to <output_dir>/logs
                 configure_logging=False,
             )
+
+
+@contextmanager
+def _rerouted() -> Iterator[None]:
+    """``ray.init(configure_logging=False)`` empties the "ray" logger's handlers, and Python
+    then prints its warnings on stderr (``logging.lastResort``): route them again after."""
+    try:
+        yield
+    finally:
+        reroute_logs()
 
 
 @contextmanager

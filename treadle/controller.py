@@ -34,6 +34,7 @@ import enum
 import functools
 import os
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,6 +274,16 @@ def _guarded(cls: type[Worker]) -> type[Worker]:
     return Guarded
 
 
+def _vllm_in_process() -> bool:
+    """Whether this process holds a live vLLM engine (local mode). Its process groups are
+    subgroups of the default one: destroying that under it made vLLM's own teardown at exit
+    fail (``ValueError: Invalid process group specified``, a traceback after every run). The
+    group is left to the engine, which lives as long as the process and destroys it at exit;
+    the next run in the process joins it."""
+    module = sys.modules.get("treadle.engines.vllm_rollout")
+    return module is not None and module.engine_running()
+
+
 def _ray_get(futures: list[Any]) -> list[Any]:
     """``ray.get`` that re-raises a worker's user-fixable error as itself, not wrapped."""
     import ray
@@ -475,7 +486,11 @@ class WorkerGroup:
                 close = getattr(w, "close", None)
                 if close:
                     close()
-            if all(w.owns_process_group for w in self.workers) and dist.is_initialized():
+            if (
+                all(w.owns_process_group for w in self.workers)
+                and dist.is_initialized()
+                and not _vllm_in_process()
+            ):
                 dist.destroy_process_group()
             return
         import ray

@@ -16,6 +16,7 @@ stdout and stderr (C++ and CUDA messages included) to ``<output_dir>/logs/<role>
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -104,6 +105,7 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
 # Loggers of the libraries a run drives: off the console unless trainer.verbose.
 NOISY = (
     "ray",
+    "ray._private",  # keeps its handler while ray.init empties the "ray" logger's
     "vllm",
     "torch",
     "transformers",
@@ -119,43 +121,86 @@ NOISY = (
 LOG_DIR_ENV = "TREADLE_LOG_DIR"  # set for the run's Ray workers: where they write
 
 
+class _Route:
+    """The driver's routing while a run is on: its file handler and what it replaced."""
+
+    def __init__(self, logs: Path) -> None:
+        self.handler = logging.FileHandler(logs / "driver.log")
+        fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+        self.handler.setFormatter(logging.Formatter(fmt))
+        self.before: dict[str, tuple[bool, list[logging.Handler]]] = {}
+        self.vllm_logging: str | None = None  # the user's VLLM_CONFIGURE_LOGGING
+
+    def apply(self) -> None:
+        """Route every noisy logger to the file (again: a library imported since, such as
+        Ray, may have put its own console handler back)."""
+        for name in NOISY:
+            logger = logging.getLogger(name)
+            if name not in self.before:
+                self.before[name] = (logger.propagate, list(logger.handlers))
+            for h in list(logger.handlers):  # vLLM's and Ray's own console handlers
+                if isinstance(h, logging.StreamHandler) and h is not self.handler:
+                    logger.removeHandler(h)
+            if self.handler not in logger.handlers:
+                logger.addHandler(self.handler)
+            logger.propagate = False
+
+    def undo(self) -> None:
+        for name, (propagate, handlers) in self.before.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(self.handler)
+            logger.propagate = propagate
+            for h in handlers:
+                if h not in logger.handlers:
+                    logger.addHandler(h)
+        self.handler.close()
+
+
+_route: _Route | None = None
+
+
 def route_logs(out: Path, verbose: bool) -> Callable[[], None]:
     """Send the driver's library messages to ``<out>/logs/driver.log`` (unless ``verbose``);
     returns the function that puts things back as they were (a run ends, another starts)."""
+    global _route
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     if verbose:
         os.environ.pop(LOG_DIR_ENV, None)
         return lambda: None
-    handler = logging.FileHandler(logs / "driver.log")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    before = {}
-    for name in NOISY:
-        logger = logging.getLogger(name)
-        before[name] = (logger.propagate, list(logger.handlers))
-        for h in list(logger.handlers):  # vLLM's and Ray's own console handlers
-            if isinstance(h, logging.StreamHandler) and not isinstance(h, logging.FileHandler):
-                logger.removeHandler(h)
-        logger.addHandler(handler)
-        logger.propagate = False
-    env_before = _put_env(
-        {LOG_DIR_ENV: str(logs.resolve()), "VLLM_CONFIGURE_LOGGING": "0"}
-    )  # VLLM_CONFIGURE_LOGGING=0: an in-process vLLM adds no console handler
+    route = _route = _Route(logs)
+    route.apply()
+    # VLLM_CONFIGURE_LOGGING=0: an in-process vLLM adds no console handler
+    env_before = _put_env({LOG_DIR_ENV: str(logs.resolve()), "VLLM_CONFIGURE_LOGGING": "0"})
+    route.vllm_logging = env_before["VLLM_CONFIGURE_LOGGING"]
     logging.captureWarnings(True)
 
     def restore() -> None:
+        global _route
         logging.captureWarnings(False)
-        for name, (propagate, handlers) in before.items():
-            logger = logging.getLogger(name)
-            logger.removeHandler(handler)
-            logger.propagate = propagate
-            for h in handlers:
-                if h not in logger.handlers:
-                    logger.addHandler(h)
-        handler.close()
+        route.undo()
+        _route = None
         _put_env(env_before)
 
     return restore
+
+
+def worker_env() -> dict[str, str]:
+    """What a Ray worker of the run needs to write where the driver's routing says (a Ray
+    worker inherits the environment of the first run that started Ray: set both always)."""
+    if _route is None:
+        return {LOG_DIR_ENV: ""}
+    # vLLM in a worker writes to the worker's log file, with its own format
+    return {
+        LOG_DIR_ENV: os.environ[LOG_DIR_ENV],
+        "VLLM_CONFIGURE_LOGGING": _route.vllm_logging or "1",
+    }
+
+
+def reroute_logs() -> None:
+    """After importing a library that configures its own logging (Ray): route it again."""
+    if _route is not None:
+        _route.apply()
 
 
 def _put_env(values: dict[str, str | None]) -> dict[str, str | None]:
@@ -167,6 +212,37 @@ def _put_env(values: dict[str, str | None]) -> dict[str, str | None]:
         else:
             os.environ[key] = value
     return before
+
+
+@contextmanager
+def quiet_start() -> Iterator[None]:
+    """While the workers start: this process's stdout and stderr (file descriptors, so C++
+    warnings and progress bars of an in-process vLLM or torch too) to ``<logs>/driver.log``,
+    unless the run is verbose. Put back before anything is raised to the caller."""
+    if _route is None:
+        yield
+        return
+    import sys
+
+    path = Path(os.environ[LOG_DIR_ENV]) / "driver.log"
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # sys.stdout/sys.stderr too: they need not write to descriptors 1 and 2 (pytest, Jupyter)
+    with open(path, "a", buffering=1) as text:
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for f in (fd, *saved):
+                os.close(f)
 
 
 def redirect_output(name: str) -> None:

@@ -32,7 +32,7 @@ from treadle.protocol import Batch
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
 from treadle.trackers import ConsoleLogger, check_loggers
-from treadle.tracking import LOG_DIR_ENV, Tracker, route_logs
+from treadle.tracking import Tracker, quiet_start, route_logs, worker_env
 from treadle.workers import ActorRolloutRefWorker
 
 if TYPE_CHECKING:
@@ -124,9 +124,7 @@ def ray_env(threads: int) -> dict[str, str]:
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
-    if LOG_DIR_ENV in os.environ:  # not verbose: the worker writes to <output_dir>/logs/
-        env[LOG_DIR_ENV] = os.environ[LOG_DIR_ENV]
-    return env
+    return {**env, **worker_env()}  # not verbose: the worker writes to <output_dir>/logs/
 
 
 def _gpus_per_rank() -> float:
@@ -415,7 +413,8 @@ class Trainer:
         self.say_what_runs()
         self._restore_logs = route_logs(self.out, self.cfg.trainer.verbose)
         try:
-            self._start_workers(actor_path, latest, with_ref, colocated, cpus_per_rank)
+            with quiet_start():
+                self._start_workers(actor_path, latest, with_ref, colocated, cpus_per_rank)
         except BaseException:
             self._restore_logs()
             raise
@@ -434,9 +433,13 @@ class Trainer:
             device = "GPU" if torch.cuda.is_available() else "CPU"
             where = f"on Ray, {self.cfg.actor.world_size} {device} rank(s)"
         files = ["config.yaml", "logs/"]
-        files += [{"jsonl": "metrics.jsonl"}.get(n, f"{n}/") for n in t.loggers if n != "console"]
+        named = {"jsonl": "metrics.jsonl", "mlflow": "mlflow.db", "swanlab": "swanlog/"}
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            named["mlflow"] = f"mlflow at {os.environ['MLFLOW_TRACKING_URI']}"
+        files += [named.get(n, f"{n}/") for n in t.loggers if n != "console"]
         lines = [
-            f"treadle: {self.algorithm} of {self.cfg.model.path}, {self.total} steps, {where}",
+            f"treadle: {self.algorithm} of {self.cfg.model.path}, {self.total} "
+            f"step{'s' if self.total != 1 else ''}, {where}",
             f"  writes to {self.out}: {', '.join(files)}",
         ]
         if self.resumed_from is not None:
