@@ -135,3 +135,15 @@ def test_a_ray_worker_writes_its_output_to_the_run_logs(tmp_path):
     assert proc.stdout == proc.stderr == ""
     (log,) = tmp_path.glob("reward_model-*.log")
     assert log.read_text() == "from python\nfrom C\n"
+
+
+def test_a_terminal_shows_a_progress_bar_with_eta_and_the_key_metrics():
+    out = io.StringIO()
+    console = ConsoleLogger(total=4, start=0, headline="reward/mean", bar=True, stream=out)
+    console.begin(4, 0)
+    console.log(1, {"reward/mean": 0.5})
+    console.log(2, {"reward/mean": 0.75, "eval/accuracy": 0.125})
+    console.close()
+    last = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue()).splitlines()[-1]
+    assert re.search(r"treadle .* 2/4 reward/mean 0\.750  eval/accuracy 0\.125 .* eta ", last)
+    assert "step 1/4" not in out.getvalue()  # no plain lines besides the bar

@@ -231,7 +231,7 @@ class ConsoleLogger:
             TimeElapsedColumn(),
             TextColumn("eta"),
             TimeRemainingColumn(),
-            console=Console(file=self.stream),
+            console=Console(file=self.stream, force_terminal=True),  # a bar was asked for
         )
         self._task = self._progress.add_task("train", total=total, completed=start, status="")
         self._progress.start()
@@ -443,7 +443,8 @@ class SwanlabLogger:
 
         self.swanlab = swanlab
         logdir = out / "swanlog"
-        run_id = _kept_id(logdir / "run_id", lambda: os.urandom(10).hex())
+        # 21 characters: what older swanlab versions require of an id
+        run_id = _kept_id(logdir / "run_id", lambda: os.urandom(11).hex()[:21])
         self.run = swanlab.init(
             project=os.environ.get("SWANLAB_PROJECT", "treadle"),
             experiment_name=out.resolve().name,

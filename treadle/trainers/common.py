@@ -443,7 +443,7 @@ class Trainer:
             f"  writes to {self.out}: {', '.join(files)}",
         ]
         if self.resumed_from is not None:
-            lines.append(f"  resumes from {self.resumed_from} (step {self.start})")
+            lines.append(f"  resumed from {self.resumed_from} (step {self.start})")
         for line in lines:
             self.console.print(line)
 
