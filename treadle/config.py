@@ -453,7 +453,11 @@ class TrainerConfig(Section):
     threads_per_rank: int | None = Field(
         None, gt=0, description="torch threads per rank (default: cores / ranks, at least 1)."
     )
-    progress: bool = Field(True, description="Show a progress bar on the console.")
+    progress: bool = Field(
+        True,
+        description="On a terminal, show a progress bar (false: one plain line per step, as "
+        "when the output is not a terminal).",
+    )
     ray_dashboard: bool = Field(
         False, description="Start Ray's dashboard (on 127.0.0.1) with the local cluster."
     )
