@@ -41,6 +41,7 @@ from typing import Any
 from treadle import reaper, startup
 from treadle.config import Config
 from treadle.errors import ConfigError
+from treadle.tracking import reroute_logs
 
 TOKEN_FILE = "~/.ray/auth_token"
 
@@ -135,22 +136,34 @@ def ensure_ray(cfg: Config) -> None:
 def _start(cfg: Config) -> None:
     import ray
 
+    reroute_logs()  # Ray's import put its console handler on its loggers
     joined = ray_address(cfg)
-    if joined is not None:
-        _join(*joined)
-        return
-    # Ray starts workers at nice 15; ours do the run's compute and must not yield to
-    # every other process on the machine (measured: 15-30x slower steps under load).
-    os.environ.setdefault("RAY_worker_niceness", "0")
-    reaper.watch()  # before the first Ray process: a kill -9 at start-up leaves nothing
-    with _on_loopback():
-        ray.init(
-            num_cpus=int(total_cpus(cfg)),
-            include_dashboard=cfg.trainer.ray_dashboard,
-            dashboard_host="127.0.0.1",
-            log_to_driver=True,
-            configure_logging=False,
-        )
+    with _rerouted():
+        if joined is not None:
+            _join(*joined, verbose=cfg.trainer.verbose)
+            return
+        # Ray starts workers at nice 15; ours do the run's compute and must not yield to
+        # every other process on the machine (measured: 15-30x slower steps under load).
+        os.environ.setdefault("RAY_worker_niceness", "0")
+        reaper.watch()  # before the first Ray process: a kill -9 at start-up leaves nothing
+        with _on_loopback():
+            ray.init(
+                num_cpus=int(total_cpus(cfg)),
+                include_dashboard=cfg.trainer.ray_dashboard,
+                dashboard_host="127.0.0.1",
+                log_to_driver=cfg.trainer.verbose,  # else the workers write to <output_dir>/logs
+                configure_logging=False,
+            )
+
+
+@contextmanager
+def _rerouted() -> Iterator[None]:
+    """``ray.init(configure_logging=False)`` empties the "ray" logger's handlers, and Python
+    then prints its warnings on stderr (``logging.lastResort``): route them again after."""
+    try:
+        yield
+    finally:
+        reroute_logs()
 
 
 @contextmanager
@@ -187,14 +200,14 @@ def _keep_sigterm_handler() -> Iterator[None]:
             signal.signal(signal.SIGTERM, handler)
 
 
-def _join(address: str, source: str) -> None:
+def _join(address: str, source: str, verbose: bool) -> None:
     import ray
     from ray.exceptions import AuthenticationError
 
     _check_reachable(address, source)
     where = f"the Ray cluster at {address} ({source})"
     try:
-        ray.init(address=address, log_to_driver=True, configure_logging=False)
+        ray.init(address=address, log_to_driver=verbose, configure_logging=False)
     except AuthenticationError as e:  # token mode on, but no token on this machine
         raise ConfigError(f"{where}: {_token_hint(rejected=False)}") from e
     except ConnectionError as e:

@@ -439,6 +439,13 @@ class CriticConfig(Section):
     )
 
 
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab"]
+
+
+def _default_loggers() -> list[LoggerName]:
+    return ["console", "jsonl"]
+
+
 class TrainerConfig(Section):
     backend: Literal["ray", "local"] = Field(
         "ray", description="'ray': worker groups as Ray actors; 'local': one rank in-process."
@@ -466,7 +473,11 @@ class TrainerConfig(Section):
     threads_per_rank: int | None = Field(
         None, gt=0, description="torch threads per rank (default: cores / ranks, at least 1)."
     )
-    progress: bool = Field(True, description="Show a progress bar on the console.")
+    progress: bool = Field(
+        True,
+        description="On a terminal, show a progress bar (false: one plain line per step, as "
+        "when the output is not a terminal).",
+    )
     ray_dashboard: bool = Field(
         False, description="Start Ray's dashboard (on 127.0.0.1) with the local cluster."
     )
@@ -477,6 +488,29 @@ class TrainerConfig(Section):
         "trains; 'async' lets the replicas generate without pause into a buffer the trainer "
         "takes batches from (bounded by the 'async' section). The last two need "
         "rollout.placement=split.",
+    )
+    loggers: list[LoggerName] = Field(
+        default_factory=_default_loggers,
+        description="Where metrics go: 'console' (progress bar on a terminal, one line per "
+        "step otherwise), 'jsonl' (<output_dir>/metrics.jsonl and samples.jsonl, which "
+        "`treadle report` reads), "
+        "'tensorboard' (<output_dir>/tensorboard/), 'wandb' (<output_dir>/wandb/, offline "
+        "unless WANDB_MODE or WANDB_API_KEY is set), 'mlflow' (sqlite:///<output_dir>/"
+        "mlflow.db unless MLFLOW_TRACKING_URI is set), 'swanlab' (local, <output_dir>/"
+        "swanlog/, unless SWANLAB_MODE is set).",
+    )
+    log_samples_every: int = Field(
+        10,
+        ge=0,
+        description="RL: every N steps (and at the last) write trainer.log_samples prompts, "
+        "responses, rewards and ground truths to <output_dir>/samples.jsonl and the trackers' "
+        "tables (0: never).",
+    )
+    log_samples: int = Field(4, ge=1, description="Samples written each time they are due.")
+    verbose: bool = Field(
+        False,
+        description="Show Ray's, vLLM's and torch's messages on the console; otherwise they go "
+        "to <output_dir>/logs/.",
     )
 
 

@@ -34,6 +34,7 @@ import enum
 import functools
 import os
 import socket
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +45,7 @@ import torch.distributed as dist
 
 from treadle.errors import TreadleError, WorkerDied
 from treadle.protocol import Batch
+from treadle.tracking import redirect_output
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -263,6 +265,7 @@ def _guarded(cls: type[Worker]) -> type[Worker]:
 
     class Guarded(cls):  # type: ignore[valid-type,misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
+            redirect_output(getattr(cls, "role", "") or cls.__name__)  # to <output_dir>/logs/
             self._treadle_init_error: TreadleError | None = None
             try:
                 if "config" in kwargs:  # names the worker resolves may be a plug-in's
@@ -279,6 +282,16 @@ def _guarded(cls: type[Worker]) -> type[Worker]:
 
     Guarded.__name__ = Guarded.__qualname__ = cls.__name__
     return Guarded
+
+
+def _vllm_in_process() -> bool:
+    """Whether this process holds a live vLLM engine (local mode). Its process groups are
+    subgroups of the default one: destroying that under it made vLLM's own teardown at exit
+    fail (``ValueError: Invalid process group specified``, a traceback after every run). The
+    group is left to the engine, which lives as long as the process and destroys it at exit;
+    the next run in the process joins it."""
+    module = sys.modules.get("treadle.engines.vllm_rollout")
+    return module is not None and module.engine_running()
 
 
 def _ray_get(futures: list[Any]) -> list[Any]:
@@ -483,7 +496,11 @@ class WorkerGroup:
                 close = getattr(w, "close", None)
                 if close:
                     close()
-            if all(w.owns_process_group for w in self.workers) and dist.is_initialized():
+            if (
+                all(w.owns_process_group for w in self.workers)
+                and dist.is_initialized()
+                and not _vllm_in_process()
+            ):
                 dist.destroy_process_group()
             return
         import ray

@@ -348,6 +348,11 @@ class VLLMRolloutEngine:
 # ---------------------------------------------------------------------- engine slot
 
 
+def engine_running() -> bool:
+    """Whether this process's engine has started (it lives until the process ends)."""
+    return _LIVE is not None
+
+
 def _engine_for(settings: _Settings) -> _LiveEngine:
     """The process's engine: started on first use, reused (weights reloaded) after."""
     global _LIVE

@@ -32,7 +32,8 @@ from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
-from treadle.tracking import Tracker
+from treadle.trackers import ConsoleLogger, check_loggers
+from treadle.tracking import Tracker, quiet_start, route_logs, worker_env
 from treadle.workers import ActorRolloutRefWorker
 
 if TYPE_CHECKING:
@@ -119,11 +120,12 @@ def rank_threads(cfg: Config, cpus_per_rank: float) -> int:
 
 
 def ray_env(threads: int) -> dict[str, str]:
-    return {
+    env = {
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
     }
+    return {**env, **worker_env()}  # not verbose: the worker writes to <output_dir>/logs/
 
 
 def _gpus_per_rank() -> float:
@@ -364,9 +366,11 @@ class Trainer:
     """
 
     headline = "reward/mean"
+    algorithm = "training"  # what the start-up line says it runs
 
     def __init__(self, cfg: Config) -> None:
         startup.begin()
+        check_loggers(cfg.trainer.loggers)  # a missing tracker library: before anything starts
         self.cfg = cfg
         self.out, self.lock = prepare_run_dir(cfg)
         self.total = cfg.trainer.total_steps
@@ -375,6 +379,10 @@ class Trainer:
         # Groups besides the actor's whose state a checkpoint holds, in <checkpoint>/<name>/.
         self.roles: dict[str, WorkerGroup] = {}
         self.rollout: Rollout  # set by start_workers, for workers that serve rollouts
+        # rows for the trackers' "samples" table, left by run_step when they are due
+        self.samples: list[dict[str, Any]] = []
+        self.console: ConsoleLogger | None = None
+        self._restore_logs = lambda: None
 
     def start_workers(
         self,
@@ -394,6 +402,51 @@ class Trainer:
             state = ckpt.read_state(latest)
             self.start, self.resumed_from = int(state["step"]), latest
             self.load_driver_state(state)
+        self.say_what_runs()
+        self._restore_logs = route_logs(self.out, self.cfg.trainer.verbose)
+        try:
+            with quiet_start():
+                self._start_workers(actor_path, latest, with_ref, colocated, cpus_per_rank)
+        except BaseException:
+            self._restore_logs()
+            raise
+        failpoint("startup")
+
+    def say_what_runs(self) -> None:
+        """The start-up lines: what runs, where, and where it writes."""
+        t = self.cfg.trainer
+        if "console" not in t.loggers:
+            return
+        self.console = ConsoleLogger(self.total, self.start, self.headline, bar=None)
+        self.console.bar = self.console.bar and t.progress
+        if t.backend == "local":
+            where = "in this process (trainer.backend=local)"
+        else:
+            device = "GPU" if torch.cuda.is_available() else "CPU"
+            where = f"on Ray, {self.cfg.actor.world_size} {device} rank(s)"
+        files = ["config.yaml", "logs/"]
+        named = {"jsonl": "metrics.jsonl", "mlflow": "mlflow.db", "swanlab": "swanlog/"}
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            named["mlflow"] = f"mlflow at {os.environ['MLFLOW_TRACKING_URI']}"
+        files += [named.get(n, f"{n}/") for n in t.loggers if n != "console"]
+        lines = [
+            f"treadle: {self.algorithm} of {self.cfg.model.path}, {self.total} "
+            f"step{'s' if self.total != 1 else ''}, {where}",
+            f"  writes to {self.out}: {', '.join(files)}",
+        ]
+        if self.resumed_from is not None:
+            lines.append(f"  resumed from {self.resumed_from} (step {self.start})")
+        for line in lines:
+            self.console.print(line)
+
+    def _start_workers(
+        self,
+        actor_path: str,
+        latest: Path | None,
+        with_ref: bool,
+        colocated: int,
+        cpus_per_rank: float | None,
+    ) -> None:
         from treadle.trainers.rollout import reserve_rollout_pool, start_rollout
         from treadle.workers.rollout import ServesRollout
 
@@ -419,7 +472,6 @@ class Trainer:
         finally:
             if pool is not None:
                 pool.remove()
-        failpoint("startup")
 
     def build_workers(
         self,
@@ -451,15 +503,15 @@ class Trainer:
         t, metrics = self.cfg.trainer, {}
         step = self.start
         try:
-            with Tracker(self.out, self.total, self.start, t.progress, self.headline) as tracker:
-                if self.resumed_from is not None:
-                    tracker.print(f"resumed from {self.resumed_from} (step {self.start})")
+            with self.open_tracker() as tracker:
                 started = startup.startup_metrics()
-                tracker.print(f"start-up: {started.get('timing/startup', 0.0):.1f} s")
                 for step in range(self.start + 1, self.total + 1):
                     metrics = {**self.run_step(step), **started}
                     started = {}
                     tracker.log(step, metrics)
+                    if self.samples:
+                        tracker.log_table(step, "samples", self.samples)
+                        self.samples = []
                     failpoint("step", step)
                     if not all(math.isfinite(v) for v in metrics.values()):
                         raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
@@ -477,7 +529,30 @@ class Trainer:
             raise type(e)(f"step {step}: {e}; {self._resume_hint()}") from None
         finally:
             self.close()
+        if self.console is not None:
+            self.console.print(f"final model: {self.out / 'final_model'}")
+            if "jsonl" in t.loggers:
+                self.console.print(f"report: treadle report {self.out}")
         return metrics
+
+    def open_tracker(self) -> Tracker:
+        t = self.cfg.trainer
+        config = self.cfg.model_dump(mode="json", by_alias=True)
+        return Tracker(
+            self.out,
+            self.total,
+            self.start,
+            t.progress,
+            self.headline,
+            loggers=t.loggers,
+            config=config,
+            console=self.console,
+        )
+
+    def samples_due(self, step: int) -> bool:
+        """Whether this step's samples go to samples.jsonl and the trackers' tables."""
+        every = self.cfg.trainer.log_samples_every
+        return bool(every) and (step == self.total or step % every == 0)
 
     def _resume_hint(self) -> str:
         latest = ckpt.latest_checkpoint(self.out) if self.cfg.trainer.resume else None
@@ -498,4 +573,5 @@ class Trainer:
                 self.rollout.close()
             self.actors.close()
         finally:
+            self._restore_logs()
             self.lock.release()

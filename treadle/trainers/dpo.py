@@ -46,6 +46,10 @@ class DPOTrainer(Trainer):
 
     headline = "dpo/loss"
 
+    @property
+    def algorithm(self) -> str:  # type: ignore[override]
+        return f"DPO (dpo.loss_type={self.cfg.dpo.loss_type})"
+
     def __init__(self, cfg: Config) -> None:
         check_dpo(cfg)
         d = cfg.data  # all data is checked before the run directory is made

@@ -37,6 +37,7 @@ round), so a resumed run draws the same samples as an uninterrupted one.
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -130,6 +131,26 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
     return m
 
 
+def sample_rows(batch: Batch, k: int) -> list[dict[str, Any]]:
+    """``k`` samples spread over ``batch`` (other prompts, not one prompt's group), as the
+    trackers' "samples" table holds them: prompt, response, reward, ground truth."""
+    scores = batch["token_level_scores"].sum(-1).tolist()
+    picks = sorted({i * len(batch) // k for i in range(min(k, len(batch)))})
+    return [
+        {
+            "prompt": batch["prompt_text"][i],
+            "response": batch["response_text"][i],
+            "reward": float(scores[i]),
+            "ground_truth": _text(batch["ground_truth"][i]),
+        }
+        for i in picks
+    ]
+
+
+def _text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
 class RLTrainer(Trainer):
     """Owns the prompts, the reward and the actor worker group; ``fit`` runs the loop."""
 
@@ -175,6 +196,14 @@ class RLTrainer(Trainer):
                 self.start,
                 self._async_state,
             )
+
+    @property
+    def algorithm(self) -> str:  # type: ignore[override]
+        alg, r = self.cfg.algorithm, self.cfg.rollout
+        return (
+            f"RL ({alg.adv_estimator} advantages, {alg.policy_loss} loss, rollout "
+            f"{r.engine} {r.placement}, trainer.mode={self.cfg.trainer.mode})"
+        )
 
     def driver_state(self) -> dict[str, Any]:
         state = {**super().driver_state(), "kl_ctrl": self.kl_ctrl.state_dict()}
@@ -240,6 +269,8 @@ class RLTrainer(Trainer):
                 baseline_rewards=batch["baseline_scores"] if self.greedy_baseline else None,
             )
         m.update(rollout_metrics(batch))
+        if self.samples_due(step):
+            self.samples = sample_rows(batch, self.cfg.trainer.log_samples)
         if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer
             kept = torch.tensor([r != "length" for r in batch["stop_reason"]])
             batch["response_mask"] = batch["response_mask"] * kept[:, None]

@@ -29,6 +29,7 @@ class RMTrainer(Trainer):
     """Owns the pairs and the reward-model group; ``fit`` runs the loop."""
 
     headline = "rm/loss"
+    algorithm = "reward-model training (Bradley-Terry)"
 
     def __init__(self, cfg: Config) -> None:
         d = cfg.data  # all data is checked before the run directory is made

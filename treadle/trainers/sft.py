@@ -25,6 +25,7 @@ class SFTTrainer(Trainer):
     """Owns the SFT data and the actor group; ``fit`` runs the loop."""
 
     headline = "sft/loss"
+    algorithm = "SFT"
 
     def __init__(self, cfg: Config) -> None:
         d = cfg.data
