@@ -176,7 +176,8 @@ def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_
     assert proc.returncode == 2, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert re.fullmatch(
-        r"treadle: error: step \d+: rollout replica [01] died during a (rollout|weight sync) "
+        r"treadle: error: step \d+: rollout replica [01] \(pid \d+\) died during a "
+        r"(rollout|weight sync) "
         r"\(its process ended without a Python error: killed \(SIGKILL, the kernel's "
         r"out-of-memory killer\) or crashed\); the last checkpoint is .*/step_\d+: the same "
         r"command resumes from it",

@@ -29,6 +29,7 @@ the cluster's processes however the driver ends (Ray's agents outlive a killed d
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -36,6 +37,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from treadle import reaper, startup
@@ -101,7 +103,8 @@ def start_ray_early(cfg: Config) -> None:
     def start() -> None:
         began = time.perf_counter()
         try:
-            _start(cfg)
+            with _ray_messages_to_run_logs(cfg):
+                _start(cfg)
         except BaseException as e:
             _early["error"] = e
         finally:
@@ -154,6 +157,29 @@ def _start(cfg: Config) -> None:
                 log_to_driver=cfg.trainer.verbose,  # else the workers write to <output_dir>/logs
                 configure_logging=False,
             )
+
+
+@contextmanager
+def _ray_messages_to_run_logs(cfg: Config) -> Iterator[None]:
+    """Ray's messages while it starts in the background, before the run routes its logs
+    (``treadle.tracking.route_logs``): to the same ``<output_dir>/logs/driver.log``."""
+    if cfg.trainer.verbose:
+        yield
+        return
+    logs = Path(cfg.trainer.output_dir) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(logs / "driver.log")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    logger = logging.getLogger("ray._private")  # where Ray's start-up messages come from
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+        handler.close()
 
 
 @contextmanager

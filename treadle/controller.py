@@ -306,6 +306,13 @@ def _ray_get(futures: list[Any]) -> list[Any]:
         raise
 
 
+def pid_note(error: BaseException) -> str:
+    """`` (pid N)`` of the process a Ray actor error names, or nothing."""
+    lines = [line.strip() for line in str(error).splitlines()]
+    pid = next((line.split()[-1] for line in lines if line.startswith("pid:")), None)
+    return f" (pid {pid})" if pid else ""
+
+
 def death_cause(error: BaseException) -> str:
     """Why a Ray actor's process is gone, in words, from Ray's long message."""
     text = str(error)
@@ -485,10 +492,7 @@ class WorkerGroup:
         ids = [w._actor_id.hex() for w in self.workers]
         rank = str(ids.index(actor_id)) if actor_id in ids else "?"
         role = self.worker_cls.role or self.worker_cls.__name__
-        lines = [line.strip() for line in str(error).splitlines()]
-        pid = next((line.split()[-1] for line in lines if line.startswith("pid:")), None)
-        who = f"{role} rank {rank}" + (f" (pid {pid})" if pid else "")
-        return f"{who} died {when} ({death_cause(error)})"
+        return f"{role} rank {rank}{pid_note(error)} died {when} ({death_cause(error)})"
 
     def shutdown(self) -> None:
         if self.backend == "local":

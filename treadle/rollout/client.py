@@ -34,7 +34,7 @@ import threading
 from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
-from treadle.controller import death_cause
+from treadle.controller import death_cause, pid_note
 from treadle.errors import TreadleError
 from treadle.rollout.server import Request, Response, RolloutServer
 
@@ -73,7 +73,8 @@ class RayReplica:
         try:
             responses: list[Response] = await self.actor.rollout_generate.remote(requests)
         except ray.exceptions.RayActorError as e:
-            raise RolloutError(f"{self.name} died during a rollout ({death_cause(e)})") from None
+            dead = f"{self.name}{pid_note(e)} died during a rollout"
+            raise RolloutError(f"{dead} ({death_cause(e)})") from None
         return responses
 
 

@@ -34,7 +34,7 @@ from treadle.agents.loops import AgentLoop, Limits, Sample, load_agent_loop, run
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
 from treadle.config import Config
-from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get, death_cause
+from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get, death_cause, pid_note
 from treadle.data import collate_prompts
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
@@ -209,7 +209,7 @@ class Rollout:
             _name_dead_replica(self.names, receiving)
             raise
         for name, ref in zip(self.names, receiving, strict=True):
-            _get(ref, f"{name} died during a weight sync")
+            _get(ref, name, "a weight sync")
         return {"rollout/weight_sync_bytes": float(sent)}
 
     def busy_seconds(self) -> list[float]:
@@ -337,13 +337,14 @@ def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) ->
     return replicas
 
 
-def _get(ref: Any, dead: str) -> Any:
-    """``ray.get(ref)``; a dead replica is a RolloutError saying ``dead``."""
+def _get(ref: Any, name: str, what: str) -> Any:
+    """``ray.get(ref)``; a dead replica is a RolloutError naming it (``name``, pid, cause)."""
     import ray
 
     try:
         return ray.get(ref)
     except ray.exceptions.RayActorError as e:
+        dead = f"{name}{pid_note(e)} died during {what}"
         raise RolloutError(f"{dead} ({death_cause(e)})") from None
 
 
@@ -358,7 +359,8 @@ def _name_dead_replica(names: list[str], receiving: list[Any], wait_s: float = 1
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError as e:
-                raise RolloutError(f"{name} died during a weight sync ({death_cause(e)})") from None
+                dead = f"{name}{pid_note(e)} died during a weight sync"
+                raise RolloutError(f"{dead} ({death_cause(e)})") from None
             except Exception:
                 pass
 
