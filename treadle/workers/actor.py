@@ -43,7 +43,7 @@ from treadle.checkpoint import read_state
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, free_port, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models import apply_lora, load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
 from treadle.rollout.server import RolloutServer
 from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
@@ -87,16 +87,18 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         self.tokenizer = load_tokenizer(
             config.model.tokenizer_path or actor_path, allow_download=config.model.allow_download
         )
-        self.actor = TrainEngine(
-            self._load(actor_path, dtype), **engine_options(config), **actor_optimizer(config)
-        )
-        self.ref = (
-            TrainEngine(
+        lm = self._load(actor_path, dtype)
+        lora = config.actor.lora
+        if lora.rank:  # actor_path is the base model; a checkpoint's adapters come in resume
+            lm = apply_lora(lm, lora, config.model.path)
+        self.actor = TrainEngine(lm, **engine_options(config), **actor_optimizer(config))
+        self.ref: TrainEngine | None = None
+        if with_ref and lora.rank:  # the base model: the actor with its adapters disabled
+            self.ref = self.actor.without_adapters()
+        elif with_ref:
+            self.ref = TrainEngine(
                 self._load(config.model.path, dtype), **engine_options(config), trainable=False
             )
-            if with_ref
-            else None
-        )
         # Colocated rollout: this rank's replica, served from this process (rollout_generate).
         self.server = (
             RolloutServer(
@@ -319,13 +321,17 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
 
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
-        """Model as an HF safetensors folder (rank 0), optimizer gathered, RNG per rank."""
+        """Model as an HF safetensors folder (LoRA: the adapters only) by rank 0, optimizer
+        gathered (unless trainer.save_optimizer=false), RNG per rank."""
+        with_optimizer = with_optimizer and self.cfg.trainer.save_optimizer
         self.actor.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
-        """Optimizer and RNG; the model weights were loaded at start from ``path/model``, so
-        the colocated replica serves the checkpoint's weights: their version is its step."""
+        """Optimizer and RNG (LoRA: and the adapters); the model weights were loaded at start
+        from ``path/model``, so the colocated replica serves the checkpoint's weights: their
+        version is its step. (LoRA: it was started from the base model, and the driver syncs
+        the merged weights right after this.)"""
         self.actor.load_checkpoint(Path(path), self.rank)
         if self.server is not None:
             self.server.version = int(read_state(Path(path))["step"])
