@@ -160,3 +160,49 @@ def test_an_unknown_target_module_names_the_key_and_the_model_layers(tiny_task):
     assert "q_proj, up_proj, v_proj" in str(e.value)
     with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules: .linear. is neither"):
         apply_lora(model, LoraConfig(rank=4, target_modules="linear"), tiny_task["model"])
+
+
+def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapter(
+    tiny_task, length_reward, tmp_path
+):
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_e2e import grpo_config, weights
+    from treadle.tracking import read_metrics
+    from treadle.trainers.rl import train
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    lora = (
+        "trainer.backend=local",
+        "actor.lora.rank=4",
+        "actor.lora.alpha=8",
+        "actor.lr=1e-2",
+        "data.val_files=[]",
+        "data.batch_size=2",
+        "rollout.max_new_tokens=8",
+        f"reward.function={length_reward}",
+    )
+    train(grpo_config(tiny_task, straight, *lora, "trainer.total_steps=2"))
+    train(grpo_config(tiny_task, resumed, *lora, "trainer.total_steps=1"))
+    train(grpo_config(tiny_task, resumed, *lora, "trainer.total_steps=2"))
+    a, b = read_metrics(straight), read_metrics(resumed)
+    assert [m["step"] for m in b] == [1, 2]
+    for key in ("reward/mean", "actor/pg_loss", "actor/kl", "response/length_mean"):
+        assert b[-1][key] == pytest.approx(a[-1][key], rel=1e-5, abs=1e-7), key
+    assert a[-1]["actor/kl"] > 0  # the reference (adapters off) differs from the actor
+
+    ckpt = resumed / "checkpoints" / "step_2"
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["adapter"]
+    final = straight / "final_model"
+    base, merged = weights(tiny_task["model"]), weights(final)
+    assert merged.keys() == base.keys()
+    assert {k for k in base if not torch.equal(base[k], merged[k])} == {
+        k for k in base if k.endswith("proj.weight")
+    }
+    loaded = AutoModelForCausalLM.from_pretrained(final).state_dict()
+    adapter = PeftModel.from_pretrained(load_causal_lm(tiny_task["model"]), str(final / "adapter"))
+    for k, v in adapter.merge_and_unload().state_dict().items():
+        torch.testing.assert_close(loaded[k], v, rtol=0, atol=1e-6)
+    other = weights(resumed / "final_model")
+    for k, v in merged.items():
+        torch.testing.assert_close(other[k], v, rtol=1e-5, atol=1e-6)

@@ -206,13 +206,14 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
-def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path) -> Any:
+def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: int = 0) -> Any:
     """``model`` with peft LoRA adapters as ``lora`` (an ``actor.lora`` section) says.
 
     Only the adapters require gradients. A listed target module must be the last name of
     one of the model's linear layers (checked here, naming the key). The adapter records
     ``base_path`` (absolute) as its base model, so an exported adapter loads with
-    ``PeftModel.from_pretrained`` on it.
+    ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is 0) is drawn from
+    ``seed``, whatever the global RNG went through before, which it leaves as it was.
     """
     from peft import LoraConfig, get_peft_model
 
@@ -237,7 +238,9 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path) -> Any:
         target_modules=targets if isinstance(targets, str) else list(targets),
         task_type="CAUSAL_LM",
     )
-    peft_model = get_peft_model(model, config)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
     resolved = Path(base_path).expanduser()
     peft_model.peft_config["default"].base_model_name_or_path = (
         str(resolved.resolve()) if resolved.exists() else str(base_path)

@@ -90,7 +90,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         lm = self._load(actor_path, dtype)
         lora = config.actor.lora
         if lora.rank:  # actor_path is the base model; a checkpoint's adapters come in resume
-            lm = apply_lora(lm, lora, config.model.path)
+            lm = apply_lora(lm, lora, config.model.path, config.trainer.seed)
         self.actor = TrainEngine(lm, **engine_options(config), **actor_optimizer(config))
         self.ref: TrainEngine | None = None
         if with_ref and lora.rank:  # the base model: the actor with its adapters disabled
