@@ -206,3 +206,12 @@ def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapt
     other = weights(resumed / "final_model")
     for k, v in merged.items():
         torch.testing.assert_close(other[k], v, rtol=1e-5, atol=1e-6)
+
+
+def test_a_lora_checkpoint_as_model_path_says_to_use_final_model(tmp_path):
+    from treadle.models import resolve_model_path
+
+    (tmp_path / "step_2" / "adapter").mkdir(parents=True)
+    want = r"model\.path: .*step_2' is a LoRA checkpoint .*final_model"
+    with pytest.raises(ConfigError, match=want):
+        resolve_model_path(tmp_path / "step_2")

@@ -58,6 +58,7 @@ def resolve_model_path(
         raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
     if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
         folder = folder / "model"  # a treadle checkpoint directory: its model folder
+    _not_adapters_only(folder, key)
     if need == "tokenizer":
         if not any((folder / name).is_file() for name in TOKENIZER_FILES):
             raise ConfigError(
@@ -69,6 +70,14 @@ def resolve_model_path(
     elif not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ConfigError(f"{key}: '{folder}' is not a model folder: no *.safetensors weights")
     return str(folder)
+
+
+def _not_adapters_only(folder: Path, key: str) -> None:
+    if not (folder / "config.json").is_file() and (folder / ADAPTER_DIR).is_dir():
+        raise ConfigError(
+            f"{key}: '{folder}' is a LoRA checkpoint (adapters only, no model/): use the run's "
+            "final_model (merged), or load its adapter/ onto the base model with peft"
+        )
 
 
 def load_tokenizer(
