@@ -282,14 +282,21 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path) -> Path:
 
     from peft import PeftConfig, PeftModel
     from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
 
     adapter = Path(adapter_dir)
     base = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
     dtype = getattr(AutoConfig.from_pretrained(base), "dtype", None) or torch.float32
-    model = load_causal_lm(base, dtype, key=f"{adapter}/adapter_config.json base model")
-    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
-    out = Path(out_dir)
-    merged.save_pretrained(out, safe_serialization=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no loading/writing bars at the end of a run
+    try:
+        model = load_causal_lm(base, dtype, key=f"{adapter}/adapter_config.json base model")
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        out = Path(out_dir)
+        merged.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     shutil.copytree(adapter, out / ADAPTER_DIR)
     for name in adapter.iterdir():
         if name.name not in ("adapter_model.safetensors", "adapter_config.json", "README.md"):
