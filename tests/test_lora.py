@@ -167,24 +167,39 @@ def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapt
 ):
     from transformers import AutoModelForCausalLM
 
-    from tests.test_e2e import grpo_config, weights
     from treadle.tracking import read_metrics
     from treadle.trainers.rl import train
 
+    def run(out, steps: int) -> None:
+        overrides = [
+            f"model.path={tiny_task['model']}",
+            f"data.train_files=[{tiny_task['train']}]",
+            "data.batch_size=2",
+            "data.max_prompt_length=64",
+            "rollout.n=4",
+            "rollout.max_new_tokens=8",
+            f"reward.function={length_reward}",
+            "algorithm.kl_coef=0.01",
+            "actor.lr=1e-2",
+            "actor.ppo_mini_batch_size=8",
+            "actor.micro_batch_size=4",
+            "actor.lora.rank=4",
+            "actor.lora.alpha=8",
+            "trainer.backend=local",
+            f"trainer.total_steps={steps}",
+            "trainer.save_every=1",
+            "trainer.progress=false",
+            f"trainer.output_dir={out}",
+        ]
+        train(load_config(None, overrides))
+
+    def weights(folder) -> dict[str, torch.Tensor]:
+        return load_file(str(folder / "model.safetensors"))
+
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    lora = (
-        "trainer.backend=local",
-        "actor.lora.rank=4",
-        "actor.lora.alpha=8",
-        "actor.lr=1e-2",
-        "data.val_files=[]",
-        "data.batch_size=2",
-        "rollout.max_new_tokens=8",
-        f"reward.function={length_reward}",
-    )
-    train(grpo_config(tiny_task, straight, *lora, "trainer.total_steps=2"))
-    train(grpo_config(tiny_task, resumed, *lora, "trainer.total_steps=1"))
-    train(grpo_config(tiny_task, resumed, *lora, "trainer.total_steps=2"))
+    run(straight, 2)
+    run(resumed, 1)
+    run(resumed, 2)
     a, b = read_metrics(straight), read_metrics(resumed)
     assert [m["step"] for m in b] == [1, 2]
     for key in ("reward/mean", "actor/pg_loss", "actor/kl", "response/length_mean"):
