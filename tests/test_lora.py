@@ -230,3 +230,11 @@ def test_a_lora_checkpoint_as_model_path_says_to_use_final_model(tmp_path):
     want = r"model\.path: .*step_2' is a LoRA checkpoint .*final_model"
     with pytest.raises(ConfigError, match=want):
         resolve_model_path(tmp_path / "step_2")
+
+
+def test_a_model_with_transposed_conv1d_weights_is_refused_naming_the_key(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
+    with pytest.raises(ConfigError, match=r"actor\.lora: .*Conv1D"):
+        apply_lora(model, LoraConfig(rank=2), tmp_path)

@@ -250,6 +250,12 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         peft_model = get_peft_model(model, config)
+    if getattr(peft_model.peft_config["default"], "fan_in_fan_out", False):  # GPT-2 Conv1D
+        raise ConfigError(
+            "actor.lora: this model's layers store weights transposed (Conv1D, as GPT-2), "
+            "which treadle's merged weight sync does not handle; use full fine-tuning "
+            "(actor.lora.rank=0)"
+        )
     resolved = Path(base_path).expanduser()
     peft_model.peft_config["default"].base_model_name_or_path = (
         str(resolved.resolve()) if resolved.exists() else str(base_path)

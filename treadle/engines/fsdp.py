@@ -300,6 +300,16 @@ class TrainEngine:
         with off:
             return self.module(input_ids, attention_mask, num_labels, temperature, label_mask)
 
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Eval mode (no dropout, LoRA's included) for a pass without gradients."""
+        training = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(training)
+
     def without_adapters(self) -> TrainEngine:
         """This LoRA engine as its base model (the reference policy): the same module, its
         adapters disabled in :meth:`log_probs`; no second copy of the weights."""

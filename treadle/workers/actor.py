@@ -174,11 +174,12 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
     def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         groups = micro_batches(batch, self.cfg.actor)
         logps, ents = [], []
-        for idx in groups:
-            ids, mask, r = self._sequences(batch.select(idx))
-            lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
-            logps.append(lp.float().cpu())
-            ents.append(ent.float().cpu())
+        with engine.evaluating():  # the policy itself, without dropout noise
+            for idx in groups:
+                ids, mask, r = self._sequences(batch.select(idx))
+                lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
+                logps.append(lp.float().cpu())
+                ents.append(ent.float().cpu())
         order = torch.cat(groups).argsort()  # back to the batch's order
         return torch.cat(logps)[order], torch.cat(ents)[order]
 

@@ -150,7 +150,9 @@ class RewardTrainerWorker(Worker):
 
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
-        """``model/`` as a value-model folder (rank 0), optimizer gathered, RNG per rank."""
+        """``model/`` as a value-model folder (rank 0), optimizer gathered (unless
+        trainer.save_optimizer=false), RNG per rank."""
+        with_optimizer = with_optimizer and self.cfg.trainer.save_optimizer
         self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
