@@ -135,6 +135,8 @@ def test_a_checkpoint_holds_the_adapters_and_without_optimizer_resume_warns(
     other = apply_lora(load_causal_lm(model), LoraConfig(rank=2), model)
     with pytest.raises(CheckpointError, match=r"actor\.lora"):
         TrainEngine(other, chunk_size=64).load_checkpoint(tmp_path / "a", 0)
+    with pytest.raises(CheckpointError, match=r"holds LoRA adapters .* actor\.lora\.rank"):
+        TrainEngine(load_causal_lm(model), chunk_size=64).load_checkpoint(tmp_path / "a", 0)
 
 
 @pytest.mark.parametrize(

@@ -400,6 +400,13 @@ class TrainEngine:
         (LoRA: the base model's; the adapters are loaded here)."""
         if self.lora:
             self.load_adapters(out / ADAPTER_DIR)
+        elif (out / ADAPTER_DIR).is_dir():
+            from treadle.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"{out} holds LoRA adapters (adapter/): resume it with the run's "
+                "actor.lora.rank, or set trainer.resume=false"
+            )
         self.load_optimizer(out)
         rng = out / f"rng_rank{rank}.safetensors"
         if not rng.is_file():
@@ -443,14 +450,13 @@ class TrainEngine:
         state_dict: dict[str, Any] = {
             "lm." + re.sub(r"\.(lora_[AB])\.", r".\1.default.", k): v for k, v in saved.items()
         }
-        own = {name for name in self.module.state_dict() if _is_adapter(name)}
-        if set(state_dict) != own:
+        shapes = self.module.state_dict()
+        if set(state_dict) != {name for name in shapes if _is_adapter(name)}:
             raise CheckpointError(
                 f"{weights} holds other adapters than actor.lora makes (rank or "
                 "target_modules changed?): resume with the run's actor.lora, or set "
                 "trainer.resume=false"
             )
-        shapes = self.module.state_dict()
         for name, value in state_dict.items():
             if tuple(shapes[name].shape) != tuple(value.shape):
                 raise CheckpointError(
