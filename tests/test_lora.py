@@ -240,3 +240,11 @@ def test_a_model_with_transposed_conv1d_weights_is_refused_naming_the_key(tmp_pa
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
     with pytest.raises(ConfigError, match=r"actor\.lora: .*Conv1D"):
         apply_lora(model, LoraConfig(rank=2), tmp_path)
+
+
+def test_the_reward_model_trainer_refuses_lora_naming_the_key(tiny_task, one_rank):
+    from treadle.workers.reward_model import RewardTrainerWorker
+
+    cfg = load_config(None, [f"model.path={tiny_task['model']}", "actor.lora.rank=4"])
+    with pytest.raises(ConfigError, match=r"^actor\.lora\.rank=4: treadle rm trains the whole"):
+        RewardTrainerWorker(0, 1, "127.0.0.1", 0, config=cfg, model_path=str(tiny_task["model"]))
