@@ -238,7 +238,10 @@ def test_a_model_with_transposed_conv1d_weights_is_refused_naming_the_key(tmp_pa
     from transformers import GPT2Config, GPT2LMHeadModel
 
     model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32))
-    with pytest.raises(ConfigError, match=r"actor\.lora: .*Conv1D"):
+    with (
+        pytest.raises(ConfigError, match=r"actor\.lora: .*Conv1D"),
+        pytest.warns(UserWarning, match="fan_in_fan_out"),  # peft's, on Conv1D
+    ):
         apply_lora(model, LoraConfig(rank=2), tmp_path)
 
 
