@@ -121,7 +121,9 @@ def test_split_replicas_after_a_sync_match_the_actor(
         assert set(t.sample(2, {})["weight_version"].tolist()) == {1}  # both replicas
         # a replica that dies before a sync breaks the actor's broadcast: the error names it
         ray.kill(t.rollout.replicas[1])
-        with pytest.raises(RolloutError, match=r"^rollout replica 1 \(pid \d+\) died during a weight sync"):
+        with pytest.raises(
+            RolloutError, match=r"^rollout replica 1 \(pid \d+\) died during a weight sync"
+        ):
             t.rollout.sync_weights(version=2)
     finally:
         t.close()

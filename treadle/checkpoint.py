@@ -1,10 +1,11 @@
 """Checkpoint directories: written under a temporary name, sealed by a manifest, renamed.
 
-``<output_dir>/checkpoints/step_<N>/`` holds ``model/`` (an HF safetensors folder),
-``optimizer.safetensors`` + ``optimizer.json``, ``rng_rank<r>.safetensors``, the other roles'
-folders, ``state.json`` (step, data position, driver state) and, written last and atomically,
-``manifest.json``: every other file with its size and sha256. Then the directory is renamed
-from ``step_<N>.tmp``.
+``<output_dir>/checkpoints/step_<N>/`` holds ``model/`` (an HF safetensors folder; with
+LoRA ``adapter/`` instead, the adapters as a peft folder), ``optimizer.safetensors`` (not
+with ``trainer.save_optimizer=false``) + ``optimizer.json``, ``rng_rank<r>.safetensors``,
+the other roles' folders, ``state.json`` (step, data position, driver state) and, written
+last and atomically, ``manifest.json``: every other file with its size and sha256. Then the
+directory is renamed from ``step_<N>.tmp``.
 
 A checkpoint is complete when its manifest is there and every file matches it. Resuming
 verifies the newest: a file missing, truncated or with other bytes (a flipped bit included)
@@ -130,6 +131,12 @@ def commit(tmp: Path, state: dict[str, Any], keep: int) -> Path:
     for _, old in _steps(final.parent)[:-keep]:
         shutil.rmtree(old)
     return final
+
+
+def holds_adapters(path: Path) -> bool:
+    """Whether checkpoint ``path`` is a LoRA run's: ``adapter/`` (a peft folder) instead of
+    ``model/``; the base model is ``model.path``."""
+    return (path / "adapter").is_dir() and not (path / "model").is_dir()
 
 
 def read_state(path: Path) -> dict[str, Any]:

@@ -342,6 +342,26 @@ class DPOConfig(Section):
         return self
 
 
+class LoraConfig(Section):
+    """LoRA adapters on the actor (peft): only they train and are checkpointed."""
+
+    rank: int = Field(
+        0, ge=0, description="Adapter rank r; 0: off (full fine-tuning of every parameter)."
+    )
+    alpha: float = Field(
+        16.0, gt=0, description="Scale numerator: the update is alpha / rank * B @ A."
+    )
+    dropout: float = Field(
+        0.0, ge=0, lt=1, description="Dropout on the adapters' input, in training forwards."
+    )
+    target_modules: str | list[Key] = Field(
+        "all-linear",
+        description="Modules that get adapters: 'all-linear' (every linear layer of the "
+        "decoder, not the LM head, as peft names it) or a list of module names "
+        "(q_proj, v_proj...), checked against the model at start-up.",
+    )
+
+
 class ActorConfig(Section):
     world_size: int = Field(1, gt=0, description="Data-parallel ranks (FSDP2 shards).")
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
@@ -392,6 +412,12 @@ class ActorConfig(Section):
         gt=0,
         description="Form micro-batches by this many valid tokens per rank (a longer sample "
         "goes alone) instead of micro_batch_size samples; null: by micro_batch_size.",
+    )
+    lora: LoraConfig = Field(
+        default_factory=LoraConfig,  # type: ignore[arg-type]
+        description="LoRA adapters (rank > 0): the rollout gets merged weights, the reference "
+        "is the actor with its adapters disabled, final_model is merged with the adapter in "
+        "final_model/adapter/.",
     )
 
 
@@ -455,6 +481,11 @@ class TrainerConfig(Section):
     epochs: int | None = Field(None, gt=0, description="SFT: train for this many epochs instead.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
     keep_checkpoints: int = Field(2, gt=0, description="Newest checkpoints kept on disk.")
+    save_optimizer: bool = Field(
+        True,
+        description="Checkpoints hold the optimizer state (about twice the trained weights); "
+        "false: they do not, and a resume starts the optimizer afresh (with a warning).",
+    )
     eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps.")
     seed: int = Field(
         0, ge=0, lt=2**32, description="Seed of data order, sampling and initialisation."

@@ -58,6 +58,7 @@ def resolve_model_path(
         raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
     if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
         folder = folder / "model"  # a treadle checkpoint directory: its model folder
+    _not_adapters_only(folder, key)
     if need == "tokenizer":
         if not any((folder / name).is_file() for name in TOKENIZER_FILES):
             raise ConfigError(
@@ -69,6 +70,14 @@ def resolve_model_path(
     elif not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
         raise ConfigError(f"{key}: '{folder}' is not a model folder: no *.safetensors weights")
     return str(folder)
+
+
+def _not_adapters_only(folder: Path, key: str) -> None:
+    if not (folder / "config.json").is_file() and (folder / ADAPTER_DIR).is_dir():
+        raise ConfigError(
+            f"{key}: '{folder}' is a LoRA checkpoint (adapters only, no model/): use the run's "
+            "final_model (merged), or load its adapter/ onto the base model with peft"
+        )
 
 
 def load_tokenizer(
@@ -191,3 +200,111 @@ def save_hf_folder(
 def count_parameters(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
     """Number of parameters, tied ones counted once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+ADAPTER_DIR = "adapter"
+"""A LoRA checkpoint's (and ``final_model``'s) peft adapter folder: adapter_config.json,
+adapter_model.safetensors, the tokenizer; loadable with ``PeftModel.from_pretrained``."""
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (``q_proj``, ``down_proj``...)."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    return sorted(names)
+
+
+def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: int = 0) -> Any:
+    """``model`` with peft LoRA adapters as ``lora`` (an ``actor.lora`` section) says.
+
+    Only the adapters require gradients. A listed target module must be the last name of
+    one of the model's linear layers (checked here, naming the key). The adapter records
+    ``base_path`` (absolute) as its base model, so an exported adapter loads with
+    ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is 0) is drawn from
+    ``seed``, whatever the global RNG went through before, which it leaves as it was.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora.target_modules
+    if not isinstance(targets, str):
+        known = linear_module_names(model)
+        unknown = [t for t in targets if t not in known]
+        if unknown:
+            raise ConfigError(
+                f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not a linear "
+                f"layer of the model (its linear layers: {', '.join(known)}; or 'all-linear')"
+            )
+    elif targets != "all-linear":
+        raise ConfigError(
+            f"actor.lora.target_modules: '{targets}' is neither 'all-linear' nor a list of "
+            "module names"
+        )
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+    if getattr(peft_model.peft_config["default"], "fan_in_fan_out", False):  # GPT-2 Conv1D
+        raise ConfigError(
+            "actor.lora: this model's layers store weights transposed (Conv1D, as GPT-2), "
+            "which treadle's merged weight sync does not handle; use full fine-tuning "
+            "(actor.lora.rank=0)"
+        )
+    resolved = Path(base_path).expanduser()
+    peft_model.peft_config["default"].base_model_name_or_path = (
+        str(resolved.resolve()) if resolved.exists() else str(base_path)
+    )
+    return peft_model
+
+
+def save_adapter(
+    state: Mapping[str, torch.Tensor],
+    peft_config: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    out_dir: str | Path,
+) -> Path:
+    """Write adapter weights (peft's saved names, ``...lora_A.weight``) as a peft folder."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"))
+    peft_config.save_pretrained(str(out))
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
+    return out
+
+
+def export_merged(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The adapter merged into its base model, as an HF folder at ``out_dir`` (in the base
+    model's dtype), with the adapter folder itself copied to ``out_dir/adapter``."""
+    import shutil
+
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    adapter = Path(adapter_dir)
+    base = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
+    dtype = getattr(AutoConfig.from_pretrained(base), "dtype", None) or torch.float32
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no loading/writing bars at the end of a run
+    try:
+        model = load_causal_lm(base, dtype, key=f"{adapter}/adapter_config.json base model")
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        out = Path(out_dir)
+        merged.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    shutil.copytree(adapter, out / ADAPTER_DIR)
+    for name in adapter.iterdir():
+        if name.name not in ("adapter_model.safetensors", "adapter_config.json", "README.md"):
+            shutil.copy2(name, out / name.name)  # the tokenizer files
+    return out

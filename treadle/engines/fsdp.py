@@ -20,12 +20,21 @@ Choices:
 - Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
 - Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
   so the whole model never sits twice in memory beyond one parameter.
+- LoRA (a peft model as ``lm``, :func:`treadle.models.apply_lora`): the optimizer holds the
+  trainable parameters only (the adapters); :meth:`TrainEngine.full_state` gives merged
+  weights (``W + scaling * B @ A``) under the base model's names, so rollout engines need no
+  LoRA support; a checkpoint holds the adapters, not the base; the reference is the same
+  engine with its adapters disabled (:meth:`TrainEngine.without_adapters`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
+import logging
 import math
+import re
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -38,6 +47,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -45,9 +55,10 @@ from torch.distributed.tensor import DTensor
 
 from treadle.engines.lm_head import linear_log_probs
 from treadle.engines.packing import label_positions, pack, scatter_labels
-from treadle.models import save_hf_folder
+from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger("treadle")
 
 M = TypeVar("M")  # a micro-batch, whatever the role's loss function takes
 
@@ -163,11 +174,63 @@ def shard_model(lm: Any, root: nn.Module, compute_dtype: torch.dtype | None = No
     return root
 
 
-def full_tensors(module: nn.Module, prefix: str = "lm.") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) one parameter/buffer at a time; all ranks must iterate."""
+def full_tensors(
+    module: nn.Module, prefix: str = "lm.", only: Callable[[str], bool] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) one parameter/buffer at a time; all ranks must iterate.
+
+    ``only``: the names (before removing ``prefix``) to yield; the others are not gathered."""
     for name, tensor in module.state_dict().items():
+        if only is not None and not only(name):
+            continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name.removeprefix(prefix), full.detach()
+
+
+PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's names
+
+
+def is_lora(lm: Any) -> bool:
+    """Whether ``lm`` is a peft model (LoRA adapters on a base model)."""
+    return hasattr(lm, "peft_config") and hasattr(lm, "disable_adapter")
+
+
+def lora_scalings(lm: Any) -> dict[str, float]:
+    """Each LoRA layer's ``scaling`` (alpha / rank), by its module name without peft's prefix."""
+    return {
+        name.removeprefix(PEFT_PREFIX): float(m.scaling["default"])
+        for name, m in lm.named_modules()
+        if isinstance(getattr(m, "scaling", None), dict) and "default" in m.scaling
+    }
+
+
+def merged_lora(
+    state: Iterator[tuple[str, torch.Tensor]], scalings: dict[str, float]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """A peft model's full tensors as the base model's: ``W + scaling * B @ A`` under ``W``'s
+    name (``...q_proj.weight``), other tensors renamed only. Holds one layer's W, A, B at most."""
+    pending: dict[str, dict[str, torch.Tensor]] = {}
+    for peft_name, tensor in state:
+        name = peft_name.removeprefix(PEFT_PREFIX)
+        module, _, part = name.rpartition(".")
+        if module.endswith((".lora_A.default", ".lora_B.default")):
+            layer, which = module[: -len(".lora_A.default")], module[-len("A.default")]
+        elif module.endswith(".base_layer") and part == "weight":
+            layer, which = module.removesuffix(".base_layer"), "W"
+        else:  # a base layer's bias, or a layer without adapters
+            yield name.replace(".base_layer.", "."), tensor
+            continue
+        got = pending.setdefault(layer, {})
+        got[which] = tensor
+        if len(got) == 3:
+            del pending[layer]
+            w, a, b = got["W"], got["A"], got["B"]
+            delta = (b.float() @ a.float()) * scalings[layer]
+            yield f"{layer}.weight", (w.float() + delta).to(w.dtype)
+
+
+def _is_adapter(name: str) -> bool:
+    return ".lora_A." in name or ".lora_B." in name
 
 
 class TrainEngine:
@@ -204,7 +267,10 @@ class TrainEngine:
             else LogProbHead(lm, chunk_size, row_tokens, compute_dtype)
         )
         self.module: Any = shard_model(lm, root, compute_dtype)
+        self.lora = is_lora(lm)
+        self.adapters_off = False  # set on the reference view of a LoRA actor
         self.grad_clip = grad_clip
+        self.params: list[nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
         if not trainable:
@@ -212,8 +278,10 @@ class TrainEngine:
             self.module.eval()
             return
         self.module.train()  # from_pretrained gives eval mode; checkpointing needs training mode
+        # Only what trains (with LoRA: the adapters) gets optimizer state.
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(
-            self.module.parameters(), lr=lr, betas=betas, weight_decay=weight_decay
+            self.params, lr=lr, betas=betas, weight_decay=weight_decay
         )
         warm = max(warmup_steps, 0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -228,7 +296,28 @@ class TrainEngine:
         temperature: float = 1.0,
         label_mask: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.module(input_ids, attention_mask, num_labels, temperature, label_mask)
+        off = self.module.lm.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+        with off:
+            return self.module(input_ids, attention_mask, num_labels, temperature, label_mask)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        """Eval mode (no dropout, LoRA's included) for a pass without gradients."""
+        training = self.module.training
+        self.module.eval()
+        try:
+            yield
+        finally:
+            self.module.train(training)
+
+    def without_adapters(self) -> TrainEngine:
+        """This LoRA engine as its base model (the reference policy): the same module, its
+        adapters disabled in :meth:`log_probs`; no second copy of the weights."""
+        assert self.lora, "without_adapters needs a LoRA engine"
+        view = copy.copy(self)
+        view.adapters_off = True
+        view.optimizer = view.scheduler = None
+        return view
 
     def train_step(
         self,
@@ -257,7 +346,7 @@ class TrainEngine:
     def step(self) -> dict[str, float]:
         """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""
         assert self.optimizer is not None and self.scheduler is not None
-        norm = torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.grad_clip)
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         grad_norm = float(norm)
@@ -269,6 +358,9 @@ class TrainEngine:
         return {"grad_norm": grad_norm, "lr": float(lr)}
 
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's full tensors under its HF names (LoRA: merged into the base weights)."""
+        if self.lora:
+            return merged_lora(full_tensors(self.module), lora_scalings(self.module.lm))
         return full_tensors(self.module)
 
     # -------------------------------------------------------------- checkpoint
@@ -276,19 +368,45 @@ class TrainEngine:
     def save_checkpoint(
         self, out: Path, rank: int, tokenizer: Any, with_optimizer: bool = True
     ) -> None:
-        """``out/model`` (an HF folder, written by rank 0), the optimizer gathered to rank 0,
-        this rank's RNG state. Every rank must call it (the full tensors are collectives)."""
+        """``out/model`` (an HF folder, written by rank 0; LoRA: ``out/adapter``, the adapters
+        only), the optimizer gathered to rank 0 (unless not ``with_optimizer``: then the
+        learning-rate schedule alone), this rank's RNG state. Every rank must call it (the
+        full tensors are collectives)."""
         out.mkdir(parents=True, exist_ok=True)
-        state = {name: t.cpu().clone() for name, t in self.full_state() if rank == 0}
-        if rank == 0:
-            save_hf_folder(state, self.module.lm.config, tokenizer, out / "model")
+        if self.lora:
+            adapters = {
+                name.replace(".default.", "."): t.cpu().clone()
+                for name, t in full_tensors(self.module, only=_is_adapter)
+                if rank == 0
+            }
+            if rank == 0:
+                config = self.module.lm.peft_config["default"]
+                save_adapter(adapters, config, tokenizer, out / ADAPTER_DIR)
+        else:
+            state = {name: t.cpu().clone() for name, t in self.full_state() if rank == 0}
+            if rank == 0:
+                save_hf_folder(state, self.module.lm.config, tokenizer, out / "model")
         if with_optimizer:
             self.save_optimizer(out, rank)
+        elif rank == 0:
+            assert self.scheduler is not None
+            meta = {"scheduler": self.scheduler.state_dict()}
+            (out / "optimizer.json").write_text(json.dumps(meta, default=_jsonable))
         save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{rank}.safetensors"))
         dist.barrier()
 
     def load_checkpoint(self, out: Path, rank: int) -> None:
-        """Optimizer and RNG of :meth:`save_checkpoint`; the weights were loaded at start."""
+        """Optimizer and RNG of :meth:`save_checkpoint`; the weights were loaded at start
+        (LoRA: the base model's; the adapters are loaded here)."""
+        if self.lora:
+            self.load_adapters(out / ADAPTER_DIR)
+        elif (out / ADAPTER_DIR).is_dir():
+            from treadle.checkpoint import CheckpointError
+
+            raise CheckpointError(
+                f"{out} holds LoRA adapters (adapter/): resume it with the run's "
+                "actor.lora.rank, or set trainer.resume=false"
+            )
         self.load_optimizer(out)
         rng = out / f"rng_rank{rank}.safetensors"
         if not rng.is_file():
@@ -317,10 +435,53 @@ class TrainEngine:
         meta = {"param_groups": groups, "scheduler": self.scheduler.state_dict()}
         (path / "optimizer.json").write_text(json.dumps(meta, default=_jsonable))
 
+    def load_adapters(self, folder: Path) -> None:
+        """The adapter weights of a peft folder (:func:`~treadle.models.save_adapter`) into
+        this LoRA engine's sharded model; every rank reads the file."""
+        from treadle.checkpoint import CheckpointError
+
+        weights = folder / "adapter_model.safetensors"
+        if not weights.is_file():
+            raise CheckpointError(
+                f"{weights} is missing: the checkpoint was written without LoRA; resume it "
+                "with actor.lora.rank=0, or set trainer.resume=false"
+            )
+        saved = load_file(str(weights))
+        state_dict: dict[str, Any] = {
+            "lm." + re.sub(r"\.(lora_[AB])\.", r".\1.default.", k): v for k, v in saved.items()
+        }
+        shapes = self.module.state_dict()
+        if set(state_dict) != {name for name in shapes if _is_adapter(name)}:
+            raise CheckpointError(
+                f"{weights} holds other adapters than actor.lora makes (rank or "
+                "target_modules changed?): resume with the run's actor.lora, or set "
+                "trainer.resume=false"
+            )
+        for name, value in state_dict.items():
+            if tuple(shapes[name].shape) != tuple(value.shape):
+                raise CheckpointError(
+                    f"{weights}: {name} has shape {tuple(value.shape)}, actor.lora makes "
+                    f"{tuple(shapes[name].shape)}: resume with the run's actor.lora.rank"
+                )
+        set_model_state_dict(
+            self.module, state_dict, options=StateDictOptions(full_state_dict=True, strict=False)
+        )
+
     def load_optimizer(self, path: Path) -> None:
         assert self.optimizer is not None and self.scheduler is not None
-        tensors = load_file(str(path / "optimizer.safetensors"))
         meta = json.loads((path / "optimizer.json").read_text())
+        if not (path / "optimizer.safetensors").is_file():
+            log.warning(
+                "%s holds no optimizer state (trainer.save_optimizer=false): the optimizer "
+                "starts afresh",
+                path,
+            )
+            self._load_scheduler(meta)
+            lrs = self.scheduler.get_last_lr()  # the schedule's, not its first step's
+            for group, lr in zip(self.optimizer.param_groups, lrs, strict=True):
+                group["lr"] = lr
+            return
+        tensors = load_file(str(path / "optimizer.safetensors"))
         state: dict[str, dict[str, torch.Tensor]] = {}
         for key, value in tensors.items():
             fqn, _, name = key.rpartition("::")
@@ -332,10 +493,14 @@ class TrainEngine:
         set_optimizer_state_dict(
             self.module, self.optimizer, osd, options=StateDictOptions(full_state_dict=True)
         )
+        self._load_scheduler(meta)
+        dist.barrier()
+
+    def _load_scheduler(self, meta: dict[str, Any]) -> None:
+        assert self.scheduler is not None
         scheduler_state = meta["scheduler"]
         scheduler_state.pop("lr_lambdas", None)
         self.scheduler.load_state_dict({**self.scheduler.state_dict(), **scheduler_state})
-        dist.barrier()
 
 
 def _jsonable(value: object) -> object:

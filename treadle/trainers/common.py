@@ -28,7 +28,7 @@ from treadle.data import PromptDataset, ResumableSampler, collate_prompts, confi
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError, Stopped, Terminated, WorkerDied
 from treadle.faults import failpoint
-from treadle.models import load_tokenizer
+from treadle.models import ADAPTER_DIR, export_merged, load_tokenizer
 from treadle.protocol import Batch
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
@@ -88,8 +88,10 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, RunLock]:
 def resume_point(cfg: Config) -> tuple[Path | None, str]:
     """(newest complete checkpoint or None, the folder the actor starts from)."""
     latest = ckpt.latest_checkpoint(cfg.trainer.output_dir) if cfg.trainer.resume else None
-    if latest is not None:
+    if latest is not None and not ckpt.holds_adapters(latest):
         return latest, str(latest / "model")
+    if latest is not None:  # LoRA: the base model, the adapters loaded on resume
+        return latest, cfg.model.path
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
     return None, cfg.model.path
@@ -327,7 +329,10 @@ def export_model(checkpoint_dir: Path, dest: Path) -> Path:
     tmp = dest.with_name(dest.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    shutil.copytree(checkpoint_dir / "model", tmp)
+    if ckpt.holds_adapters(checkpoint_dir):  # LoRA: merged, with the adapter in adapter/
+        export_merged(checkpoint_dir / ADAPTER_DIR, tmp)
+    else:
+        shutil.copytree(checkpoint_dir / "model", tmp)
     tmp.rename(dest)
     return dest
 
@@ -465,6 +470,8 @@ class Trainer:
                     self.rollout = start_rollout(
                         self.cfg, self.actors, actor_path, self.start, given
                     )
+                    if latest is not None and ckpt.holds_adapters(latest):
+                        self.rollout.sync_weights(self.start)  # started from the base
                     startup.mark("rollout")
             except BaseException:
                 self.actors.close()

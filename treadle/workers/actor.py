@@ -43,7 +43,7 @@ from treadle.checkpoint import read_state
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, free_port, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models import apply_lora, load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
 from treadle.rollout.server import RolloutServer
 from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
@@ -90,17 +90,19 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
             config.model.tokenizer_path or actor_path, allow_download=config.model.allow_download
         )
         timer.done("process_group")
-        self.actor = TrainEngine(
-            self._load(actor_path, dtype), **engine_options(config), **actor_optimizer(config)
-        )
+        lm = self._load(actor_path, dtype)
+        lora = config.actor.lora
+        if lora.rank:  # actor_path is the base model; a checkpoint's adapters come in resume
+            lm = apply_lora(lm, lora, config.model.path, config.trainer.seed)
+        self.actor = TrainEngine(lm, **engine_options(config), **actor_optimizer(config))
         timer.done("actor_model")
-        self.ref = (
-            TrainEngine(
+        self.ref: TrainEngine | None = None
+        if with_ref and lora.rank:  # the base model: the actor with its adapters disabled
+            self.ref = self.actor.without_adapters()
+        elif with_ref:
+            self.ref = TrainEngine(
                 self._load(config.model.path, dtype), **engine_options(config), trainable=False
             )
-            if with_ref
-            else None
-        )
         timer.done("reference_model")
         # Colocated rollout: this rank's replica, served from this process (rollout_generate).
         self.server = (
@@ -179,11 +181,12 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
     def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         groups = micro_batches(batch, self.cfg.actor)
         logps, ents = [], []
-        for idx in groups:
-            ids, mask, r = self._sequences(batch.select(idx))
-            lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
-            logps.append(lp.float().cpu())
-            ents.append(ent.float().cpu())
+        with engine.evaluating():  # the policy itself, without dropout noise
+            for idx in groups:
+                ids, mask, r = self._sequences(batch.select(idx))
+                lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
+                logps.append(lp.float().cpu())
+                ents.append(ent.float().cpu())
         order = torch.cat(groups).argsort()  # back to the batch's order
         return torch.cat(logps)[order], torch.cat(ents)[order]
 
@@ -326,13 +329,17 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
 
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
-        """Model as an HF safetensors folder (rank 0), optimizer gathered, RNG per rank."""
+        """Model as an HF safetensors folder (LoRA: the adapters only) by rank 0, optimizer
+        gathered (unless trainer.save_optimizer=false), RNG per rank."""
+        with_optimizer = with_optimizer and self.cfg.trainer.save_optimizer
         self.actor.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
-        """Optimizer and RNG; the model weights were loaded at start from ``path/model``, so
-        the colocated replica serves the checkpoint's weights: their version is its step."""
+        """Optimizer and RNG (LoRA: and the adapters); the model weights were loaded at start
+        from ``path/model``, so the colocated replica serves the checkpoint's weights: their
+        version is its step. (LoRA: it was started from the base model, and the driver syncs
+        the merged weights right after this.)"""
         self.actor.load_checkpoint(Path(path), self.rank)
         if self.server is not None:
             self.server.version = int(read_state(Path(path))["step"])

@@ -61,6 +61,7 @@ class CriticWorker(Worker):
         super().__init__(rank, world_size, master_addr, master_port)
         a, c = config.actor, config.critic
         self.c = c
+        self.save_optimizer = config.trainer.save_optimizer
         self.epochs = c.ppo_epochs or a.ppo_epochs
         self.mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) // world_size
         self.micro = c.micro_batch_size or a.micro_batch_size
@@ -149,8 +150,9 @@ class CriticWorker(Worker):
 
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str) -> None:
-        """Value-model folder ``path/model`` (rank 0), optimizer gathered, RNG per rank."""
-        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer)
+        """Value-model folder ``path/model`` (rank 0), optimizer gathered (unless
+        trainer.save_optimizer=false), RNG per rank."""
+        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer, self.save_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:

@@ -34,6 +34,7 @@ from treadle.algorithms import bradley_terry_loss, pair_stats
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.value import last_token_values
+from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.workers.common import (
@@ -99,6 +100,11 @@ class RewardTrainerWorker(Worker):
     ) -> None:
         torch.set_num_threads(threads)
         super().__init__(rank, world_size, master_addr, master_port)
+        if config.actor.lora.rank:
+            raise ConfigError(
+                f"actor.lora.rank={config.actor.lora.rank}: treadle rm trains the whole reward "
+                "model (LoRA is for the actor of train, sft and dpo); set actor.lora.rank=0"
+            )
         self.cfg = config
         self.tokenizer = load_tokenizer(
             config.model.tokenizer_path or model_path, allow_download=config.model.allow_download
@@ -150,7 +156,9 @@ class RewardTrainerWorker(Worker):
 
     @register(Dispatch.ALL, Collect.RANK0)
     def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
-        """``model/`` as a value-model folder (rank 0), optimizer gathered, RNG per rank."""
+        """``model/`` as a value-model folder (rank 0), optimizer gathered (unless
+        trainer.save_optimizer=false), RNG per rank."""
+        with_optimizer = with_optimizer and self.cfg.trainer.save_optimizer
         self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
