@@ -28,6 +28,7 @@ TITLES = [
     "Clip fraction",
     "Time per phase (s)",
     "Throughput",
+    "Start-up (s)",
     "actor",
     "rollout",
 ]
@@ -54,6 +55,9 @@ def run_dir(tmp_path: Path) -> Path:
             "timing/step": 2.5 + 0.5 * step,
             "throughput/tokens_per_s": 100.0 * step,
         }
+        if step in (1, 3):  # the first step of the run and of a resumed process
+            record.update({"timing/startup": 9.0 * step, "startup/ray": 1.0 * step})
+            record["startup/workers"] = 5.0 + step
         if step in ACCURACY:
             record["eval/accuracy"] = ACCURACY[step]
             record["timing/eval"] = 0.7  # after the step, outside timing/step
@@ -91,6 +95,11 @@ def test_panels_plot_the_run_s_series(run_dir):
     assert list(timing.data[1].y) == [0.5, 1.0, 1.5, 2.0]
     assert list(timing.data[2].y) == pytest.approx([1.0] * 4)  # step - generate - update
     assert list(timing.data[3].x) == [2, 4]  # evaluation: on top, not taken from the step
+    # start-up: one group of bars per process start, a bar per part
+    startup = figs["Start-up (s)"].data
+    assert [t.name for t in startup] == ["before step 1", "before step 3"]
+    assert [list(t.x) for t in startup] == [["ray", "workers"]] * 2
+    assert [list(t.y) for t in startup] == [[1.0, 6.0], [3.0, 8.0]]
     # the rest, one small panel per series, grouped by prefix
     assert [t.name for t in figs["actor"].data] == ["actor/pg_loss"]
     assert [t.name for t in figs["rollout"].data] == ["rollout/weight_version"]

@@ -158,6 +158,10 @@ def figures(series: Series) -> list[tuple[str, go.Figure]]:
             if phases or STEP_TIME in series:
                 out.append(("Time per phase (s)", _timing_figure(series, phases)))
                 left = [n for n in left if n not in phases]
+    parts = [n for n in left if n.startswith("startup/")]
+    if parts:
+        out.append(("Start-up (s)", _startup_figure(series, parts)))
+        left = [n for n in left if n not in parts]
     groups: dict[str, list[str]] = {}
     for name in left:
         groups.setdefault(name.split("/")[0] if "/" in name else "other", []).append(name)
@@ -171,6 +175,18 @@ def _line_figure(series: Series, names: list[str]) -> go.Figure:
         steps, values = series[name]
         fig.add_trace(go.Scatter(x=steps, y=values, name=name, mode=_mode(steps)))
     fig.update_xaxes(title_text="step")
+    return _layout(fig, height=320, showlegend=True)
+
+
+def _startup_figure(series: Series, parts: list[str]) -> go.Figure:
+    """The seconds of each part of start-up (``startup/<part>``: only the first step of each
+    process has them), one group of bars per start (the run's, then each resume's)."""
+    starts = sorted({step for name in parts for step in series[name][0]})
+    fig = go.Figure()
+    for start in starts:
+        values = [dict(zip(*series[name], strict=True)).get(start) for name in parts]
+        labels = [name.removeprefix("startup/") for name in parts]
+        fig.add_trace(go.Bar(x=labels, y=values, name=f"before step {start}"))
     return _layout(fig, height=320, showlegend=True)
 
 
