@@ -77,7 +77,9 @@ def total_cpus(cfg: Config) -> float:
     return float(wanted or have)
 
 
-_early: dict[str, Any] = {}  # the background start: its thread, "ready" event, "error"
+# The background start: its "ready" event, the SIGTERM "handler" to put back, its "seconds"
+# and the "error" it raised, if any.
+_early: dict[str, Any] = {}
 
 
 def start_ray_early(cfg: Config) -> None:
@@ -88,11 +90,8 @@ def start_ray_early(cfg: Config) -> None:
     The starting thread stays alive, blocked, until the process ends: Ray starts its GCS and
     raylet with ``PR_SET_PDEATHSIG``, which kills them when the *thread* that started them
     ends, not the process."""
-    if (
-        cfg.trainer.backend != "ray"
-        or _early
-        or threading.current_thread() is not (threading.main_thread())
-    ):
+    main = threading.current_thread() is threading.main_thread()
+    if cfg.trainer.backend != "ray" or _early or not main:
         return
     import ray
 
