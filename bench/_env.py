@@ -27,3 +27,15 @@ def ensure_project_python() -> None:
     print("treadle's environment: make install (a no-op when .venv is up to date)", flush=True)
     subprocess.run(["make", "-s", "--no-print-directory", "-C", str(ROOT), "install"], check=True)
     os.execv(python, [str(python), *sys.argv])
+
+
+def model_folder(name: str, workdir: Path) -> Path:
+    """The model a benchmark runs: "tiny" (`treadle prepare`'s, made in ``workdir``) or
+    SmolLM2-135M-Instruct (`treadle model fetch`, cached)."""
+    if name == "tiny":
+        from treadle.tasks.arithmetic import prepare
+
+        return Path(prepare(workdir / "tiny")["model"])
+    from treadle.hub import fetch_model
+
+    return Path(fetch_model("smollm2-135m-instruct"))

@@ -38,16 +38,6 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def model_folder(name: str, workdir: Path) -> Path:
-    if name == "tiny":
-        from treadle.tasks.arithmetic import prepare
-
-        return Path(prepare(workdir / "tiny")["model"])
-    from treadle.hub import fetch_model
-
-    return Path(fetch_model("smollm2-135m-instruct"))
-
-
 def make_batch(vocab: int, args: argparse.Namespace):
     from treadle.protocol import Batch
 
@@ -138,6 +128,8 @@ def main() -> None:
         return
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
+        from _env import model_folder
+
         path = model_folder(args.model, Path(tmp))
         for variant in ("full", "lora"):
             run = subprocess.run(

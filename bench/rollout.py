@@ -44,16 +44,6 @@ from typing import Any
 MODELS = ("tiny", "smollm2-135m")
 
 
-def model_folder(name: str, workdir: Path) -> Path:
-    if name == "tiny":
-        from treadle.tasks.arithmetic import prepare
-
-        return prepare(workdir / "arithmetic")["model"]
-    from treadle.hub import fetch_model
-
-    return fetch_model("smollm2-135m-instruct")
-
-
 def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
     from treadle.tasks.arithmetic import generate_problems
 
@@ -160,6 +150,8 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     from treadle.models import count_parameters, load_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)
+    from _env import model_folder
+
     path = model_folder(name, Path(args.workdir))
     tokenizer = load_tokenizer(path)
     prompts = chat_prompts(tokenizer, args.prompts)

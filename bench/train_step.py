@@ -45,16 +45,6 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
-def model_folder(name: str, workdir: Path) -> Path:
-    if name == "tiny":
-        from treadle.tasks.arithmetic import prepare
-
-        return prepare(workdir / "tiny")["model"]
-    from treadle.hub import fetch_model
-
-    return fetch_model("smollm2-135m-instruct")
-
-
 def make_batch(vocab: int, args: argparse.Namespace):
     from treadle.protocol import Batch
 
@@ -187,6 +177,8 @@ def main() -> None:
     from transformers import AutoConfig
 
     with tempfile.TemporaryDirectory() as tmp:
+        from _env import model_folder
+
         path = model_folder(args.model, Path(tmp))
         vocab = AutoConfig.from_pretrained(path).vocab_size
         batch = make_batch(vocab, args)
