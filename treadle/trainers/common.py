@@ -88,10 +88,8 @@ def prepare_run_dir(cfg: Config) -> tuple[Path, RunLock]:
 def resume_point(cfg: Config) -> tuple[Path | None, str]:
     """(newest complete checkpoint or None, the folder the actor starts from)."""
     latest = ckpt.latest_checkpoint(cfg.trainer.output_dir) if cfg.trainer.resume else None
-    if latest is not None and not ckpt.holds_adapters(latest):
-        return latest, str(latest / "model")
-    if latest is not None:  # LoRA: the base model, the adapters loaded on resume
-        return latest, cfg.model.path
+    if latest is not None:  # LoRA: the base model, its adapters are loaded on resume
+        return latest, cfg.model.path if ckpt.holds_adapters(latest) else str(latest / "model")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
     return None, cfg.model.path
