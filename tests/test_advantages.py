@@ -265,10 +265,15 @@ def test_every_estimator_follows_the_contract(name):
     kwargs = {
         "values": torch.randn(MASK.shape),
         "baseline_rewards": torch.rand(6),
+        "old_log_probs": torch.rand(MASK.shape).log(),
+        "sum_pi_squared": torch.rand(MASK.shape),
+        "reward_components": torch.randn(6, 2),
         "gamma": 0.9,
         "lam": 0.95,
         "some_future_option": 1,
     }
+    if name == "grpo_passk":  # needs two samples a group
+        kwargs["group_ids"] = ["a", "a", "a", "a", "c", "c"]
     adv, returns = estimate(name, rewards, **kwargs)
     clean_adv, _ = estimate(name, outcome_rewards(), **kwargs)
     assert adv.shape == returns.shape == MASK.shape
@@ -287,3 +292,128 @@ def test_empty_response_gets_zero_advantage(name):
     adv, _ = estimate(name, outcome_rewards(), mask)
     assert torch.isfinite(adv).all()
     assert torch.equal(adv[1], torch.zeros(4))
+
+
+# --------------------------------------------------------------------------- aliases, new names
+
+
+def test_vectorized_names_are_aliases():
+    for alias, name in [("grpo_vectorized", "grpo"), ("rloo_vectorized", "rloo")]:
+        assert ADV_ESTIMATORS.get(alias) is ADV_ESTIMATORS.get(name)
+        assert ADV_ESTIMATORS.info(alias) == ADV_ESTIMATORS.info(name) == {"groups": True}
+        assert ADV_ESTIMATORS.canonical(alias) == name
+    assert ADV_ESTIMATORS.canonical("grpo") == "grpo"
+    with pytest.raises(ValueError, match="unknown advantage estimator 'nope'"):
+        ADV_ESTIMATORS.alias("x", "nope")
+
+
+def test_remax_per_token_rewards_give_the_reward_to_go():
+    rewards = torch.tensor([[0.1, 0.2, 1.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0, 0.0]])
+    adv, returns = estimate(
+        "remax", rewards, mask, group_ids=[0], baseline_rewards=torch.tensor([0.5])
+    )
+    assert_close(returns, torch.tensor([[1.3, 1.2, 1.0, 0.0]]))
+    assert_close(adv, torch.tensor([[0.8, 0.7, 0.5, 0.0]]))
+
+
+PASSK_IDS = ["a", "a", "a", "a", "c", "c"]  # a: 1, 0, .5, .7; c: a tie .3, .3
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_grpo_passk_hand_values(norm):
+    adv, returns = estimate("grpo_passk", group_ids=PASSK_IDS, norm_adv_by_std=norm)
+    # only the best of a gets an advantage: its margin over the second best, 1 - .7
+    std = math.sqrt((0.45**2 + 0.55**2 + 0.05**2 + 0.15**2) / 3)
+    best = 0.3 / (std + 1e-6) if norm else 0.3
+    assert_close(adv, spread([best, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    assert_close(returns, adv)
+
+
+def test_grpo_passk_refuses_a_group_of_one():
+    with pytest.raises(ValueError, match=r"grpo_passk needs at least 2 samples per group; group 1"):
+        estimate("grpo_passk")
+
+
+GDPO_IDS = ["a", "a", "b", "b"]
+GDPO_MASK = torch.ones(4, 2)
+# component 1 of group b has a spread 10x the other: GRPO on the sum would follow it alone
+GDPO_COMPONENTS = torch.tensor([[1.0, 0.0], [0.0, 0.0], [2.0, 10.0], [0.0, 30.0]])
+
+
+@pytest.mark.parametrize(
+    ("weights", "expected"),
+    [
+        # a: (±.5 / .707) + 0; b: ±.707 ∓ .707 = 0; whitened over 8 tokens: ±sqrt(7/4)
+        (None, [math.sqrt(7 / 4), -math.sqrt(7 / 4), 0.0, 0.0]),
+        # a: ±2 * .707; b: ±(1.414 - .707); var of the tokens 10/7
+        ([2.0, 1.0], [math.sqrt(1.4), -math.sqrt(1.4), math.sqrt(0.35), -math.sqrt(0.35)]),
+    ],
+)
+def test_gdpo_hand_values(weights, expected):
+    rewards = outcome_rewards(GDPO_COMPONENTS.sum(-1).tolist(), GDPO_MASK)
+    adv, returns = estimate(
+        "gdpo", rewards, GDPO_MASK, group_ids=GDPO_IDS, reward_components=GDPO_COMPONENTS,
+        reward_weights=weights,
+    )  # fmt: skip
+    assert_close(adv, spread(expected, GDPO_MASK), atol=1e-5, rtol=1e-5)
+    assert_close(returns, adv)
+
+
+def test_gdpo_checks_its_inputs():
+    with pytest.raises(ValueError, match=r"gdpo: 3 reward_weights for 2 components"):
+        estimate("gdpo", reward_components=torch.ones(6, 2), reward_weights=[1, 2, 3])
+    with pytest.raises(ValueError, match=r"reward_components must be \[B, K\] with B=6"):
+        estimate("gdpo", reward_components=torch.ones(6))
+
+
+OTB_MASK = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.float32)
+OTB_IDS = ["g", "g", "s"]  # s: a single trajectory
+
+
+def otb(name, mask, sum_pi_squared, **kw):
+    rewards = outcome_rewards([1.0, 2.0, 0.7], mask)
+    old = torch.full(mask.shape, 0.5).log()  # w = 1 - 2 * .5 + Σπ² = Σπ²
+    return estimate(name, rewards, mask, group_ids=OTB_IDS, old_log_probs=old,
+                    sum_pi_squared=sum_pi_squared, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_hand_values(name):
+    # w: .5 on row 0, 1 on row 1 -> W = [.5, 1] and [1, 2, 3]; G = [1, 1] and [2, 2, 2]
+    # B_0 = (1 * .5 + 2 * 1) / 1.5 = 5/3, B_1 = (1 * 1 + 2 * 2) / 3 = 5/3; past row 0's end
+    # only row 1 is left: no baseline (zero tail), or its own return (advantage 0)
+    spsq = torch.tensor([[0.5] * 4, [1.0] * 4, [0.3] * 4])
+    adv, returns = otb(name, OTB_MASK, spsq)
+    b = 5 / 3
+    expected = [[1 - b, 1 - b, 0, 0], [2 - b, 2 - b, 2, 0], [0.7, 0.7, 0, 0]]
+    assert_close(adv, torch.tensor(expected))
+    assert_close(returns, torch.tensor([[1.0, 1, 0, 0], [2, 2, 2, 0], [0.7, 0.7, 0, 0]]))
+    adv, _ = otb(name, OTB_MASK, spsq, handle_zero_tail=False)
+    assert_close(adv[1, 2], torch.tensor(0.0), atol=1e-6, rtol=0)
+    # importance weights scale w by ρ²: ρ = 2 on row 0 makes it weigh as much as row 1
+    adv, _ = otb(
+        name, OTB_MASK, spsq, rollout_is_weights=torch.tensor([[2.0] * 4, [1.0] * 4, [1.0] * 4])
+    )
+    b0, b1 = (1 * 2 + 2 * 1) / 3, (1 * 4 + 2 * 2) / 6
+    assert_close(adv[0, :2], torch.tensor([1 - b0, 1 - b1]))
+
+
+def test_optimal_token_baselines_align_gaps_differently():
+    # row 1 has tool output at column 1; w = 1 everywhere: W = [1, 2] and [1, -, 2, 3]
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 1], [1, 1, 0, 0]], dtype=torch.float32)
+    spsq = torch.ones(mask.shape)
+    # by column: at column 1 only row 0 is valid (baseline its own return); at columns 2-3
+    # only row 1, the unique longest (3 tokens vs 2): zero tail from column 2
+    adv, _ = otb("optimal_token_baseline", mask, spsq)
+    assert_close(adv[:2], torch.tensor([[-0.5, 0.0, 0, 0], [0.5, 0, 2, 2]]))
+    # by the model's tokens: row 1's 2nd token (column 2) meets row 0's 2nd (column 1):
+    # B = (1 * 2 + 2 * 2) / 4 = 1.5; its 3rd token is past row 0's end
+    adv, _ = otb("tir_optimal_token_baseline", mask, spsq)
+    assert_close(adv[:2], torch.tensor([[-0.5, -0.5, 0, 0], [0.5, 0, 0.5, 2]]))
+
+
+@pytest.mark.parametrize("name", ["optimal_token_baseline", "tir_optimal_token_baseline"])
+def test_optimal_token_baseline_says_what_is_missing(name):
+    with pytest.raises(ValueError, match=f"{name} needs old_log_probs and sum_pi_squared"):
+        estimate(name)

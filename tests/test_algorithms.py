@@ -24,13 +24,19 @@ def test_builtin_names():
     assert ADV_ESTIMATORS.names() == [
         "dr_grpo",
         "gae",
+        "gdpo",
         "gpg",
         "grpo",
+        "grpo_passk",
+        "grpo_vectorized",
         "opo",
+        "optimal_token_baseline",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",
         "rloo",
+        "rloo_vectorized",
+        "tir_optimal_token_baseline",
     ]
     assert POLICY_LOSSES.names() == ["cispo", "clip_cov", "gpg", "gspo", "kl_cov", "ppo"]
     assert LOSS_AGG_MODES.names() == [

@@ -17,6 +17,18 @@ Choices made here:
 - A group of one sample has no baseline (mean 0, std 1), as in verl.
 - Outcome estimators return ``returns == advantages`` (there is no critic to regress).
 - Extra keyword arguments are ignored (``**_``) so the driver can pass one set to any estimator.
+- Outputs are float32, or float64 for float64 rewards.
+
+Every verl 0.9.1 estimator has a counterpart of the same name, equal to it where both are
+defined the same way (tests/test_advantages_parity.py). Where they differ, on purpose:
+
+- verl sums a score over the whole row and leaves values at masked positions (inside a
+  response's gaps) in its outputs; here masked positions neither count nor carry values.
+- ``grpo_vectorized`` and ``rloo_vectorized`` are ``grpo`` and ``rloo``: verl's vectorized
+  GRPO computes in float32 (a group of equal rewards may get an advantage of ~1e-2), and its
+  vectorized RLOO gives a group of one the advantage 0 where its RLOO gives the score.
+- ``gpg``: verl's ``α = B / (number of nonzero scores)``; here ``α = B / (number of nonzero
+  advantages)``, the paper's (see :func:`gpg`).
 """
 
 from __future__ import annotations
@@ -27,7 +39,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from treadle.algorithms.registry import register_adv_estimator
+from treadle.algorithms.registry import ADV_ESTIMATORS, register_adv_estimator
 from treadle.algorithms.utils import masked_count, masked_sum, masked_whiten
 
 
@@ -61,9 +73,15 @@ def _group_mean_std(scores: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
     return torch.where(single, 0.0, mean), torch.where(single, 1.0, var.sqrt())
 
 
-def _broadcast(per_seq: Tensor, response_mask: Tensor) -> Tensor:
-    """Spread a per-sequence value [B] over the valid tokens of its row (float32 [B,T])."""
-    spread = per_seq.float().unsqueeze(-1).expand(response_mask.shape)
+def _real(x: Tensor) -> Tensor:
+    """``x`` in its own floating dtype, at least float32 (float64 inputs stay float64)."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def _broadcast(per_seq: Tensor, response_mask: Tensor, like: Tensor) -> Tensor:
+    """Spread a per-sequence value [B] over the valid tokens of its row ([B,T], in the dtype
+    of ``like``, the rewards: float32, or float64 for float64 rewards)."""
+    spread = per_seq.to(_real(like).dtype).unsqueeze(-1).expand(response_mask.shape)
     return torch.where(response_mask.bool(), spread, 0.0)
 
 
@@ -99,7 +117,7 @@ def grpo(
     adv = scores - mean
     if norm_adv_by_std:
         adv = adv / (std + eps)
-    advantages = _broadcast(adv, response_mask)
+    advantages = _broadcast(adv, response_mask, token_level_rewards)
     return advantages, advantages
 
 
@@ -135,7 +153,7 @@ def rloo(
     index = _group_index(group_ids, scores)
     n = _group_sum(torch.ones_like(scores), index)
     loo = (n * scores - _group_sum(scores, index)) / (n - 1).clamp(min=1)
-    advantages = _broadcast(torch.where(n > 1, loo, scores), response_mask)
+    advantages = _broadcast(torch.where(n > 1, loo, scores), response_mask, token_level_rewards)
     return advantages, advantages
 
 
@@ -153,7 +171,7 @@ def reinforce_plus_plus(
     ``G_t = r_t + γ G_{t+1}`` (over valid positions), ``A = whiten(G)`` with the mean and std of
     all valid tokens of the batch. Returns are the un-whitened ``G``. ``group_ids`` is unused.
     """
-    returns = _discounted_returns(token_level_rewards.float(), response_mask, gamma)
+    returns = _discounted_returns(_real(token_level_rewards), response_mask, gamma)
     return masked_whiten(returns, response_mask), returns
 
 
@@ -172,7 +190,9 @@ def reinforce_plus_plus_baseline(
     """
     scores = _scores(token_level_rewards, response_mask)
     mean, _std = _group_mean_std(scores, _group_index(group_ids, scores))
-    advantages = masked_whiten(_broadcast(scores - mean, response_mask), response_mask)
+    advantages = masked_whiten(
+        _broadcast(scores - mean, response_mask, token_level_rewards), response_mask
+    )
     return advantages, advantages
 
 
@@ -185,18 +205,21 @@ def remax(
     baseline_rewards: Tensor | None = None,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """ReMax (Li et al., arXiv 2310.10505): ``A_i = s_i - s(greedy response to prompt i)``.
+    """ReMax (Li et al., arXiv 2310.10505): ``A_t = G_t - s(greedy response to the prompt)``.
 
-    ``baseline_rewards`` [B] is the score of the greedy response to each sample's prompt.
-    Returns are the scores ``s_i`` on the valid tokens.
+    ``G_t = Σ_{t' >= t} r_t'`` is the reward-to-go over valid positions (the returns), which is
+    the score ``s_i`` at every token when the reward is an outcome on the last token;
+    ``baseline_rewards`` [B] is the score of the greedy response to each sample's prompt. As in
+    verl, a per-token reward (KL in the reward) gives each token its own reward-to-go.
     """
     if baseline_rewards is None:
         raise ValueError(
             "remax needs baseline_rewards: the score [B] of the greedy response to each prompt"
         )
-    scores = _scores(token_level_rewards, response_mask)
-    adv = scores - baseline_rewards.to(scores).reshape(scores.shape)
-    return _broadcast(adv, response_mask), _broadcast(scores, response_mask)
+    returns = _discounted_returns(_real(token_level_rewards), response_mask, 1.0)
+    baseline = baseline_rewards.to(returns).reshape(-1, 1)
+    advantages = torch.where(response_mask.bool(), returns - baseline, 0.0)
+    return advantages, returns
 
 
 @register_adv_estimator("gae", needs=("values",))
@@ -218,7 +241,8 @@ def gae(
     """
     if values is None:
         raise ValueError("gae needs values from a critic (pass values=[B,T])")
-    rewards, values = token_level_rewards.float(), values.detach().float()
+    rewards = _real(token_level_rewards)
+    values = values.detach().to(rewards.dtype)
     valid = response_mask.bool()
     next_value = last_adv = torch.zeros_like(rewards[:, 0])
     advantages = torch.zeros_like(rewards)
@@ -250,7 +274,9 @@ def opo(
     index = _group_index(group_ids, scores)
     n = _group_sum(torch.ones_like(scores), index)
     baseline = _group_sum(lengths * scores, index) / _group_sum(lengths, index).clamp(min=1)
-    advantages = _broadcast(scores - torch.where(n > 1, baseline, 0.0), response_mask)
+    advantages = _broadcast(
+        scores - torch.where(n > 1, baseline, 0.0), response_mask, token_level_rewards
+    )
     return advantages, advantages
 
 
@@ -276,5 +302,212 @@ def gpg(
     mean, _std = _group_mean_std(scores, _group_index(group_ids, scores))
     centered = scores - mean
     n_valid = (centered.abs() > eps).sum().clamp(min=1)
-    advantages = _broadcast(centered * scores.shape[0] / n_valid, response_mask)
+    advantages = _broadcast(
+        centered * scores.shape[0] / n_valid, response_mask, token_level_rewards
+    )
     return advantages, advantages
+
+
+ADV_ESTIMATORS.alias("grpo_vectorized", "grpo")
+ADV_ESTIMATORS.alias("rloo_vectorized", "rloo")
+
+
+@register_adv_estimator("grpo_passk", groups=True)
+def grpo_passk(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: Sequence[Hashable],
+    norm_adv_by_std: bool = True,
+    eps: float = 1e-6,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """Pass@k (Tang et al., arXiv 2503.19595): ``A_best = (s_(1) - s_(2)) / (std_g(s) + eps)``.
+
+    The objective is the best score of the group (``k`` = the group size, ``rollout.n``); its
+    leave-one-out baseline for a sample is the best score of the others, which is the group's
+    best for every sample but the best one. So only the best sample of each group gets an
+    advantage, its margin over the second best (divided by the group's unbiased std unless
+    ``norm_adv_by_std=False``); every other sample gets 0, and a tie for the best gives 0 to
+    all. A group of one has no second best: a ``ValueError``, as in verl.
+    """
+    scores = _scores(token_level_rewards, response_mask)
+    index = _group_index(group_ids, scores)
+    adv = torch.zeros_like(scores)
+    for g in range(int(index.max()) + 1 if len(index) else 0):
+        members = (index == g).nonzero().flatten()
+        if len(members) < 2:
+            raise ValueError(
+                f"grpo_passk needs at least 2 samples per group; group {g} (the group of "
+                f"sample {int(members[0])}) has 1"
+            )
+        group = scores[members]
+        top, where = group.topk(2)
+        margin = top[0] - top[1]
+        adv[members[where[0]]] = margin / (group.std() + eps) if norm_adv_by_std else margin
+    advantages = _broadcast(adv, response_mask, token_level_rewards)
+    return advantages, advantages
+
+
+@register_adv_estimator("gdpo", groups=True, needs=("reward_components",))
+def gdpo(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: Sequence[Hashable],
+    reward_components: Tensor | None = None,
+    reward_weights: Sequence[float] | None = None,
+    norm_adv_by_std: bool = True,
+    eps: float = 1e-6,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """GDPO (arXiv 2601.05242): ``A = whiten(Σ_k w_k (c_k - μ_g(c_k)) / (σ_g(c_k) + eps))``.
+
+    Group reward-decoupled normalization: each reward component ``c_k`` (``reward_components``
+    [B, K], e.g. format and accuracy, as the reward function returns them) is normalized
+    within its group as GRPO normalizes the score, so a component with a large spread cannot
+    drown out the others; the normalized components are summed with ``reward_weights`` (1 each
+    if not given), spread over the valid tokens and whitened over the batch (token-weighted).
+    Without components the score is the only one (GRPO followed by whitening), as in verl.
+    The components are the reward function's own numbers: the KL penalty in the reward and the
+    over-long penalty, which shape the token-level rewards, do not enter.
+    """
+    scores = _scores(token_level_rewards, response_mask)
+    comps = scores[:, None] if reward_components is None else reward_components.double()
+    if comps.ndim != 2 or comps.shape[0] != scores.shape[0]:
+        raise ValueError(
+            f"gdpo: reward_components must be [B, K] with B={scores.shape[0]}, got "
+            f"{list(comps.shape)}"
+        )
+    k = comps.shape[1]
+    weights = torch.ones(k, dtype=torch.float64) if reward_weights is None else None
+    if reward_weights is not None:
+        if len(reward_weights) != k:
+            raise ValueError(f"gdpo: {len(reward_weights)} reward_weights for {k} components")
+        weights = torch.tensor(list(reward_weights), dtype=torch.float64)
+    assert weights is not None
+    index = _group_index(group_ids, scores)
+    total = torch.zeros_like(scores)
+    for j in range(k):
+        mean, std = _group_mean_std(comps[:, j], index)
+        centered = comps[:, j] - mean
+        total = total + weights[j] * (centered / (std + eps) if norm_adv_by_std else centered)
+    advantages = masked_whiten(_broadcast(total, response_mask, token_level_rewards), response_mask)
+    return advantages, advantages
+
+
+def _optimal_token_baseline(
+    rewards: Tensor,
+    mask: Tensor,
+    group_ids: Sequence[Hashable],
+    old_log_probs: Tensor | None,
+    sum_pi_squared: Tensor | None,
+    rollout_is_weights: Tensor | None,
+    handle_zero_tail: bool,
+    eps: float,
+    by_valid_index: bool,
+    name: str,
+) -> tuple[Tensor, Tensor]:
+    """The optimal token baseline, time aligned by column or by valid-token index."""
+    if old_log_probs is None or sum_pi_squared is None:
+        raise ValueError(
+            f"{name} needs old_log_probs and sum_pi_squared [B,T] (the actor's log-prob of each "
+            "response token and Σ_v π(v)² of its distribution there)"
+        )
+    dtype = _real(rewards).dtype
+    valid = mask.bool()
+    returns = _discounted_returns(rewards.to(dtype), mask, 1.0)
+    w = 1 - 2 * old_log_probs.to(dtype).exp() + sum_pi_squared.to(dtype)
+    if rollout_is_weights is not None:
+        w = w * rollout_is_weights.to(dtype) ** 2
+    cum_w = torch.where(valid, w, 0.0).cumsum(-1)
+    # position of each valid token on the group's shared time axis
+    rows, cols = valid.nonzero(as_tuple=True)
+    pos = (valid.long().cumsum(-1) - 1)[rows, cols] if by_valid_index else cols
+    aligned_g, aligned_w, aligned_m = (torch.zeros(mask.shape, dtype=dtype) for _ in range(3))
+    aligned_g[rows, pos] = returns[rows, cols]
+    aligned_w[rows, pos] = cum_w[rows, cols]
+    aligned_m[rows, pos] = 1.0
+    lengths = valid.sum(-1)
+    index = _group_index(group_ids, returns[:, 0])
+    baseline = torch.zeros_like(aligned_g)
+    for g in range(int(index.max()) + 1 if len(index) else 0):
+        members = (index == g).nonzero().flatten()
+        if by_valid_index:  # verl's TIR variant leaves empty responses out of the group
+            members = members[lengths[members] > 0]
+        if len(members) < 2:  # no baseline for a single trajectory
+            continue
+        wm = aligned_w[members] * aligned_m[members]
+        b = (aligned_g[members] * wm).sum(0) / (wm.sum(0) + eps)
+        baseline[members] = b
+        if handle_zero_tail:  # the unique longest trajectory's tail has no other sample
+            length = lengths[members]
+            top = length.topk(2).values
+            longest = (length == top[0]).nonzero().flatten()
+            if len(longest) == 1 and top[0] > top[1]:
+                baseline[members[longest[0]], int(top[1]) :] = 0.0
+    advantages = torch.zeros_like(returns)
+    advantages[rows, cols] = aligned_g[rows, pos] - baseline[rows, pos]
+    return advantages, returns
+
+
+@register_adv_estimator(
+    "optimal_token_baseline", groups=True, needs=("old_log_probs", "sum_pi_squared")
+)
+def optimal_token_baseline(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: Sequence[Hashable],
+    old_log_probs: Tensor | None = None,
+    sum_pi_squared: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+    handle_zero_tail: bool = True,
+    eps: float = 1e-8,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """Optimal token baseline (verl): ``A_t = G_t - Σ_g G_t W_t / (Σ_g W_t + eps)``.
+
+    A baseline per time step ``t`` (the column of the response), shared by the group:
+    ``G_t`` is the reward-to-go, ``W_t = Σ_{j <= t} w_j`` the cumulative path-variance proxy
+    with ``w_j = ||∇ log π(y_j)||²`` (over the logits) ``= 1 - 2 π(y_j) + Σ_v π(v)²``, from the
+    actor's ``old_log_probs`` and ``sum_pi_squared``. With ``rollout_is_weights`` ρ (rollout
+    correction), ``w_j`` is scaled by ``ρ_j²``. A single trajectory has no baseline; with
+    ``handle_zero_tail`` the part of the unique longest response past the second longest gets
+    no baseline either (it would be its own return, an advantage of 0). Returns are ``G_t``.
+    Responses whose mask has gaps (tool output) are aligned by column here; see
+    ``tir_optimal_token_baseline`` for alignment by the model's own tokens.
+    """
+    return _optimal_token_baseline(
+        token_level_rewards, response_mask, group_ids, old_log_probs, sum_pi_squared,
+        rollout_is_weights, handle_zero_tail, eps, False, "optimal_token_baseline",
+    )  # fmt: skip
+
+
+@register_adv_estimator(
+    "tir_optimal_token_baseline", groups=True, needs=("old_log_probs", "sum_pi_squared")
+)
+def tir_optimal_token_baseline(
+    token_level_rewards: Tensor,
+    response_mask: Tensor,
+    *,
+    group_ids: Sequence[Hashable],
+    old_log_probs: Tensor | None = None,
+    sum_pi_squared: Tensor | None = None,
+    rollout_is_weights: Tensor | None = None,
+    handle_zero_tail: bool = True,
+    eps: float = 1e-8,
+    **_: Any,
+) -> tuple[Tensor, Tensor]:
+    """Multi-turn optimal token baseline (verl): the optimal token baseline with time counted
+    in the model's own tokens.
+
+    As ``optimal_token_baseline``, but the ``t``-th step of a trajectory is its ``t``-th valid
+    token: tool output between turns (mask 0) is skipped, so the baseline compares the
+    trajectories of a group token for token of what the model wrote (tool-integrated reasoning).
+    Empty responses are left out of their group. On responses without gaps both are the same.
+    """
+    return _optimal_token_baseline(
+        token_level_rewards, response_mask, group_ids, old_log_probs, sum_pi_squared,
+        rollout_is_weights, handle_zero_tail, eps, True, "tir_optimal_token_baseline",
+    )  # fmt: skip

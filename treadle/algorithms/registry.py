@@ -9,6 +9,7 @@ function up here. Adding a variant is one decorated function in the module that 
 A registration may carry facts about the function that the driver needs to build the
 dataflow, e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a critic
 because the estimator says it reads values, not because its name is ``gae``.
+``ADV_ESTIMATORS.alias("grpo_vectorized", "grpo")`` gives a function a second name.
 ``groups=True`` marks an estimator whose baseline is its group (``rollout.n`` samples of one
 prompt); ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
 absent). ``treadle check`` reads these facts.
@@ -36,6 +37,7 @@ class Registry(Generic[F]):
         self.kind = kind
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
+        self._aliases: dict[str, str] = {}
 
     def register(self, name: str, **info: Any) -> Callable[[F], F]:
         """Decorator: register the function under ``name``; a name can be registered once.
@@ -51,6 +53,18 @@ class Registry(Generic[F]):
             return fn
 
         return decorator
+
+    def alias(self, name: str, of: str) -> None:
+        """Register ``name`` as another name of the registered ``of``: same function, same facts
+        (verl's ``grpo_vectorized`` is ``grpo`` computed another way; here it is ``grpo``)."""
+        fn = self.get(of)
+        self.register(name, **self.info(of))(fn)
+        self._aliases[name] = of
+
+    def canonical(self, name: str) -> str:
+        """The name ``name`` is an alias of, or ``name`` itself."""
+        self.get(name)
+        return self._aliases.get(name, name)
 
     def info(self, name: str) -> dict[str, Any]:
         """The facts registered with ``name`` (empty if none); unknown names fail as in get."""
