@@ -417,3 +417,34 @@ def test_optimal_token_baselines_align_gaps_differently():
 def test_optimal_token_baseline_says_what_is_missing(name):
     with pytest.raises(ValueError, match=f"{name} needs old_log_probs and sum_pi_squared"):
         estimate(name)
+
+
+# --------------------------------------------------------------------------- treadle check
+
+
+def test_check_refuses_configs_the_new_estimators_cannot_run():
+    from treadle.check import check_algorithm
+    from treadle.config import load_config
+    from treadle.errors import ConfigError
+
+    def problems(*overrides: str) -> str:
+        try:
+            check_algorithm(load_config(None, list(overrides)), "train")
+        except ConfigError as e:
+            return str(e)
+        return ""
+
+    assert "gdpo normalizes each component" in problems("algorithm.adv_estimator=gdpo")
+    assert problems("algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]") == ""
+    assert "rollout.n=1 makes groups of one" in problems(
+        "algorithm.adv_estimator=grpo_passk", "rollout.n=1", "actor.ppo_mini_batch_size=8"
+    )
+    for name in ["optimal_token_baseline", "tir_optimal_token_baseline"]:
+        assert problems(f"algorithm.adv_estimator={name}") == ""
+        assert "actor.recompute_old_log_probs=false skips" in problems(
+            f"algorithm.adv_estimator={name}", "actor.recompute_old_log_probs=false"
+        )
+    with pytest.raises(ConfigError, match=r"gdpo_reward_weights has 1 weights for 2"):
+        load_config(None, ["algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1]"])
+    with pytest.raises(ConfigError, match=r"gdpo_reward_keys lists a key twice"):
+        load_config(None, ["algorithm.gdpo_reward_keys=[a,a]"])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from treadle.engines.lm_head import linear_log_probs
+from treadle.engines.lm_head import linear_log_probs, linear_token_stats
 
 
 def naive(h, w, y, temperature):
@@ -73,3 +73,21 @@ def test_bfloat16_products_stay_close_and_outputs_float32():
     logp.sum().backward()
     assert h.grad.dtype == w.grad.dtype == torch.float32
     assert torch.isfinite(w.grad).all() and w.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 64])
+def test_token_stats_add_the_sum_of_squared_probabilities(chunk):
+    h, w, y = inputs(dtype=torch.float64, seed=3)
+    logp, ent, squares = linear_token_stats(h, w, y, 0.7, chunk)
+    want_logp, want_ent = naive(h.detach(), w.detach(), y, 0.7)
+    probs = torch.softmax((h @ w.t()).detach() / 0.7, -1)
+    torch.testing.assert_close(logp, want_logp.double(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(ent, want_ent.double(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(squares, (probs**2).sum(-1), atol=1e-12, rtol=1e-12)
+    assert not squares.requires_grad
+    # uniform over V: Σ p² = 1/V; no tokens: empty results
+    _, _, uniform = linear_token_stats(
+        torch.randn(3, 4), torch.zeros(5, 4), torch.tensor([0, 1, 2])
+    )
+    torch.testing.assert_close(uniform, torch.full((3,), 0.2))
+    assert linear_token_stats(h[:0], w, y[:0])[2].shape == (0,)

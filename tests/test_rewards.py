@@ -13,7 +13,13 @@ from pathlib import Path
 import pytest
 
 from treadle.errors import ConfigError, RewardError
-from treadle.rewards import Scorer, load_reward_fn, sandboxed_reward, score_batch
+from treadle.rewards import (
+    Scorer,
+    component_matrix,
+    load_reward_fn,
+    sandboxed_reward,
+    score_batch,
+)
 
 USER_FILE = """
 def length(prompt, response, ground_truth):
@@ -70,6 +76,17 @@ def two_args(prompt, response):
 
 def keywords(prompt, response, ground_truth, *, scale):
     return scale
+
+def parts(prompt, response, ground_truth):
+    import numpy as np
+    exact = np.float32(response == ground_truth)  # numpy numbers count
+    return {"format": float(response.startswith("<")), "accuracy": exact}
+
+def bad_part(prompt, response, ground_truth):
+    return {"format": 1.0, "accuracy": float("nan") if response == "b" else 0.0}
+
+def mixed(prompt, response, ground_truth):
+    return 1.0 if response == "x" else {"format": 1.0}
 
 THRESHOLD = 0.5
 """
@@ -313,3 +330,47 @@ def test_zero_workers_call_the_function_in_this_process(user_file: str):
         assert scorer(["p"] * 2, ["r"] * 2, ["g"] * 2) == [float(os.getpid())] * 2
     with Scorer("code", num_workers=3) as scorer:  # sandboxed: threads, no pool
         assert scorer.pool is None
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dict_reward_scores_the_sum_and_keeps_its_components(user_file: str, workers: int):
+    spec = f"{user_file}:parts"
+    with Scorer(spec, num_workers=workers) as scorer:
+        scores = scorer(["p"] * 3, ["<a>", "b", "<c>"], ["<a>", "x", "y"])
+    assert scores == [2.0, 0.0, 1.0]
+    assert scores.components == [
+        {"format": 1.0, "accuracy": 1.0},
+        {"format": 0.0, "accuracy": 0.0},
+        {"format": 1.0, "accuracy": 0.0},
+    ]
+    matrix = component_matrix(scores, ["accuracy", "format"], spec)
+    assert matrix.tolist() == [[1.0, 1.0], [0.0, 0.0], [0.0, 1.0]]
+    with pytest.raises(RewardError, match=r"components \['accuracy', 'format'\] for sample 0, "
+                       r"without \['length'\] of algorithm.gdpo_reward_keys"):  # fmt: skip
+        component_matrix(scores, ["format", "length"], spec)
+    plain = score_batch(load_reward_fn(f"{user_file}:length"), ["p"], ["ab"], ["g"])
+    assert plain.components is None
+    with pytest.raises(RewardError, match=r"returned numbers, but algorithm\.gdpo_reward_keys"):
+        component_matrix(plain, ["format"], "length")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_bad_component_names_the_function_the_sample_and_the_component(
+    user_file: str, workers: int
+):
+    spec = f"{user_file}:bad_part"
+    with Scorer(spec, num_workers=workers) as scorer, pytest.raises(RewardError) as info:
+        scorer(["p"] * 3, ["a", "b", "c"], ["g"] * 3)
+    assert str(info.value) == (
+        f"reward function '{spec}' failed on sample 1: returned component 'accuracy': nan, not "
+        "a finite number (float32) (prompt 'p', response 'b')"
+    )
+
+
+def test_numbers_and_dicts_do_not_mix_in_a_batch(user_file: str):
+    spec = f"{user_file}:mixed"
+    with pytest.raises(RewardError, match=r"failed on sample 1: returned \{'format': 1.0\}, but "
+                       "sample 0 returned a number: return one kind"):  # fmt: skip
+        score_batch(load_reward_fn(spec), ["p"] * 2, ["x", "y"], ["g"] * 2)
+    with pytest.raises(RewardError, match="returned an empty dict"):
+        score_batch(lambda p, r, g: {}, ["p"], ["r"], ["g"])

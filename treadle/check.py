@@ -8,7 +8,8 @@ its summary. It checks:
 - registered names (estimators, losses, aggregation modes, KL estimators, DPO losses), after
   importing ``algorithm.plugins`` (which register names of their own), and the
   rules between them that need the registries: a group baseline needs ``rollout.n >= 2``, a
-  policy loss may allow only some ``loss_agg_mode`` values;
+  policy loss may allow only some ``loss_agg_mode`` values, an estimator of reward components
+  (GDPO) needs ``algorithm.gdpo_reward_keys``, one of the old log-probs needs their pass;
 - the model folders (``model.path``, the tokenizer, ``reward.model_path``,
   ``critic.model_path``): config.json is there and parses, the tokenizer loads, and the
   prompt plus the response fits the model's context (``max_position_embeddings``). Weights
@@ -147,6 +148,18 @@ def _algorithm_rules(cfg: Config, estimators: Any, losses: Any) -> list[str]:
             f"algorithm.adv_estimator={alg.adv_estimator} takes its baseline from a group "
             f"of samples of one prompt, and rollout.n=1 makes groups of one: set rollout.n "
             "to 2 or more, or use an estimator without groups (reinforce_plus_plus, gae)"
+        )
+    needs = estimators.needs(alg.adv_estimator) if alg.adv_estimator in estimators else ()
+    if "reward_components" in needs and not alg.gdpo_reward_keys:
+        problems.append(
+            f"algorithm.adv_estimator={alg.adv_estimator} normalizes each component of the "
+            "reward on its own: list them in algorithm.gdpo_reward_keys (keys of the dict the "
+            "reward function returns, e.g. [format, accuracy])"
+        )
+    if "old_log_probs" in needs and cfg.actor.recompute_old_log_probs is False:
+        problems.append(
+            f"algorithm.adv_estimator={alg.adv_estimator} reads the old policy's log-probs "
+            "before the update, which actor.recompute_old_log_probs=false skips: set it to null"
         )
     if alg.policy_loss in losses:
         allowed = losses.info(alg.policy_loss).get("agg_modes")

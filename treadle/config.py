@@ -248,6 +248,17 @@ class AlgorithmConfig(Section):
     norm_adv_by_std: bool = Field(True, description="GRPO: divide by the group std.")
     gamma: float = Field(1.0, ge=0, le=1, description="Discount factor (GAE, REINFORCE++).")
     lam: float = Field(1.0, ge=0, le=1, description="GAE lambda.")
+    gdpo_reward_keys: list[Key] = Field(
+        default_factory=list,
+        description="GDPO (adv_estimator=gdpo, which needs them): the reward's components to "
+        "normalize each on its own within the group, in order; the reward function returns a "
+        "dict of named numbers (its score is their sum) that holds these keys.",
+    )
+    gdpo_reward_weights: list[float] | None = Field(
+        None,
+        description="GDPO: the weight of each gdpo_reward_keys component in the advantage; "
+        "null: 1 each.",
+    )
     policy_loss: str = Field("ppo", description="Policy loss, by registered name.")
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound 1 - low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound 1 + high.")
@@ -306,6 +317,18 @@ class AlgorithmConfig(Section):
         "where your @register_adv_estimator (policy loss, KL estimator...) functions live. A "
         "file path is made absolute.",
     )
+
+    @model_validator(mode="after")
+    def _one_weight_per_gdpo_key(self) -> AlgorithmConfig:
+        w, keys = self.gdpo_reward_weights, self.gdpo_reward_keys
+        if w is not None and len(w) != len(keys):
+            raise ValueError(
+                f"algorithm.gdpo_reward_weights has {len(w)} weights for {len(keys)} "
+                f"algorithm.gdpo_reward_keys ({keys}): give one weight per key"
+            )
+        if len(set(keys)) != len(keys):
+            raise ValueError(f"algorithm.gdpo_reward_keys lists a key twice: {keys}")
+        return self
 
     @field_validator("plugins")
     @classmethod

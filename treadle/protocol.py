@@ -21,9 +21,13 @@ Standard fields of one RL step (B = batch, P = prompt length, R = response lengt
                                    differs from response_mask (agent loops)
     rollout_log_probs     [B, R]   log-probs from the rollout engine        rollout
     old_log_probs         [B, R]   log-probs of the policy before update    actor
+    sum_pi_squared        [B, R]   Σ_v π(v)² of the old policy per token    actor
+                                   (optimal token baseline only)
     ref_log_probs         [B, R]   log-probs of the frozen reference        reference
     values                [B, R]   critic values (PPO)                      critic
     token_level_rewards   [B, R]   reward per token (usually at the end)    reward
+    reward_components     [B, K]   named parts of the reward, in the order  reward
+                                   of algorithm.gdpo_reward_keys (GDPO)
     advantages            [B, R]   advantage estimates                      algorithm
     returns               [B, R]   value targets                            algorithm
     uid                   [B]      object: prompt id, shared by a group     data
@@ -79,6 +83,7 @@ STANDARD_SHAPES: dict[str, tuple[str, ...]] = {
     "response_attention_mask": _RESPONSE,
     "rollout_log_probs": _RESPONSE,
     "old_log_probs": _RESPONSE,
+    "sum_pi_squared": _RESPONSE,
     "ref_log_probs": _RESPONSE,
     "values": _RESPONSE,
     "token_level_rewards": _RESPONSE,

@@ -23,13 +23,20 @@ trainer's process, as TRL does, without a time limit.
 on unpickling, so it can be shipped to Ray workers even when the user's file is not importable
 there by module name. Problems with the spec are ConfigErrors at start-up.
 
+A reward may also return a dict of named numbers, its components (`{"format": 1.0,
+"accuracy": 0.0}`): the sample's score is their sum, and the components are kept
+(`Scores.components`) for estimators that read them one by one (GDPO,
+`algorithm.gdpo_reward_keys`); `component_matrix` lays them out as a [B, K] tensor. Every
+sample of a batch returns a number, or every one a dict.
+
 A function whose signature cannot take `(prompt, response, ground_truth)` is a ConfigError
 when it is loaded, before the first rollout.
 
 `score_batch` calls the function on every sample and checks each result: a raised exception
 (`SystemExit` included), or a result that is not a finite float32 (None, a string, NaN, 1e39),
-becomes one RewardError naming the function, the sample index, a shortened prompt and response,
-and the cause (the first failing sample's, in sample order). Booleans count as numbers.
+or a dict with a component that is not one, becomes one RewardError naming the function,
+the sample index, a shortened prompt and response, and the cause (the first failing
+sample's, in sample order). Booleans count as numbers.
 
 Rewards that run programs (the built-in `code`) are marked `@sandboxed_reward`: they spend
 their time waiting on a sandboxed process, not holding the GIL, and take a `timeout_s`
@@ -240,6 +247,57 @@ def _as_score(value: Any) -> float | None:
     return None
 
 
+def _as_result(value: Any) -> tuple[float, dict[str, float] | None] | str:
+    """`(score, components)` of what a reward returned (components: a dict's, else None), or
+    what is wrong with it, in words."""
+    if isinstance(value, Mapping):
+        if not value:
+            return "returned an empty dict: give at least one named component"
+        parts: dict[str, float] = {}
+        for key, part in value.items():
+            number = _as_score(part)
+            if not isinstance(key, str) or number is None:
+                return f"returned component {key!r}: {part!r}, not a finite number (float32)"
+            parts[key] = number
+        total = sum(parts.values())
+        if abs(total) > FLOAT32_MAX:
+            return f"returned components whose sum {total!r} does not fit float32"
+        return total, parts
+    score = _as_score(value)
+    if score is None:
+        return f"returned {value!r}, not a finite number (float32)"
+    return score, None
+
+
+class Scores(list[float]):
+    """The score of each sample; ``components``: each sample's dict of named components
+    when the reward function returns dicts, else None."""
+
+    components: list[dict[str, float]] | None = None
+
+
+def component_matrix(scores: Sequence[float], keys: Sequence[str], spec: str) -> Any:
+    """The components ``keys`` of every sample as a float32 tensor [B, len(keys)]; a RewardError
+    if the function returned numbers, or a sample's dict lacks a key."""
+    import torch
+
+    components = getattr(scores, "components", None)
+    if components is None:
+        raise RewardError(
+            f"reward function '{spec}' returned numbers, but algorithm.gdpo_reward_keys "
+            f"{list(keys)} needs it to return a dict of named components per sample (e.g. "
+            '{"format": 1.0, "accuracy": 0.0})'
+        )
+    for i, parts in enumerate(components):
+        missing = [k for k in keys if k not in parts]
+        if missing:
+            raise RewardError(
+                f"reward function '{spec}' returned the components {sorted(parts)} for sample "
+                f"{i}, without {missing} of algorithm.gdpo_reward_keys"
+            )
+    return torch.tensor([[parts[k] for k in keys] for parts in components], dtype=torch.float32)
+
+
 Sample = tuple[str, str, str]  # (prompt, response, ground truth)
 # (returned value, None) or (None, the exception it raised or what happened to its process)
 Outcome = tuple[Any, BaseException | str | None]
@@ -254,7 +312,7 @@ def score_batch(
     spec: str | None = None,
     workers: int = 1,
     timeout_s: float | None = None,
-) -> list[float]:
+) -> Scores:
     """`fn` on every (prompt, response, ground truth) in this process; a failure raises one
     RewardError.
 
@@ -280,7 +338,7 @@ def score_batched(
     rows: Sequence[Mapping[str, Any]] | None = None,
     *,
     spec: str,
-) -> list[float]:
+) -> Scores:
     """A batched reward (TRL's form) called once on the batch; a failure is one RewardError.
 
     It gets ``prompts``, ``completions`` and, as lists, every column of ``rows`` except those
@@ -324,9 +382,10 @@ def _samples(
     return list(zip(prompts, responses, ground_truths, strict=True))
 
 
-def _judge(name: str, samples: list[Sample], outcomes: Iterable[Outcome]) -> list[float]:
+def _judge(name: str, samples: list[Sample], outcomes: Iterable[Outcome]) -> Scores:
     """The scores, or the RewardError of the first sample (in order) that failed."""
-    scores = []
+    scores = Scores()
+    components: list[dict[str, float] | None] = []
     for i, ((prompt, response, _), (value, error)) in enumerate(
         zip(samples, outcomes, strict=False)
     ):
@@ -335,13 +394,19 @@ def _judge(name: str, samples: list[Sample], outcomes: Iterable[Outcome]) -> lis
         if error is not None:
             cause = f"raised {type(error).__name__}: {error}"
             raise _fail(name, i, prompt, response, cause) from error
-        score = _as_score(value)
-        if score is None:
-            problem = f"returned {value!r}, not a finite number (float32)"
+        result = _as_result(value)
+        if isinstance(result, str):
+            raise _fail(name, i, prompt, response, result)
+        if components and (components[0] is None) != (result[1] is None):
+            first = "a number" if components[0] is None else "a dict"
+            problem = f"returned {value!r}, but sample 0 returned {first}: return one kind"
             raise _fail(name, i, prompt, response, problem)
-        scores.append(score)
+        scores.append(result[0])
+        components.append(result[1])
     if len(scores) != len(samples):
         raise AssertionError(f"{len(scores)} outcomes for {len(samples)} samples")
+    if components and components[0] is not None:
+        scores.components = [c for c in components if c is not None]
     return scores
 
 
@@ -380,7 +445,7 @@ class Scorer:
         responses: Sequence[str],
         ground_truths: Sequence[str],
         rows: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[float]:
+    ) -> Scores:
         """The scores; ``rows`` (the data rows, for a batched reward's columns) is optional."""
         if self.fn.batched:
             return score_batched(
@@ -549,7 +614,7 @@ class RewardPool:
         value, error = payload
         outcomes[kind] = (value, error)
         w.job = None
-        return error is not None or _as_score(value) is None
+        return error is not None or isinstance(_as_result(value), str)
 
     def _reap_overdue(self, outcomes: dict[int, Outcome]) -> bool:
         now, failed = time.monotonic(), False
@@ -620,6 +685,9 @@ def _serve(spec: str, conn: Connection) -> None:
             sent: tuple[Any, str | None] = (None, f"raised {type(error).__name__}: {error}")
         elif isinstance(value, numbers.Real):
             sent = (float(value), None)
+        elif isinstance(value, Mapping):  # components: as floats, or what is wrong, in words
+            result = _as_result(value)
+            sent = (None, result) if isinstance(result, str) else (result[1], None)
         else:  # sent as text: it may not pickle, and it is an error either way
             sent = (None, f"returned {value!r}, not a finite number (float32)")
         conn.send((index, sent))

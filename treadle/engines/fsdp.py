@@ -53,7 +53,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from treadle.engines.lm_head import linear_log_probs
+from treadle.engines.lm_head import linear_log_probs, linear_token_stats
 from treadle.engines.packing import label_positions, pack, scatter_labels
 from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
 
@@ -111,7 +111,8 @@ class LogProbHead(nn.Module):
     Outputs are ``[B, num_labels]`` float32, 0 where a label is not selected (padding, or
     outside ``label_mask``): the LM head runs on selected positions only, ``chunk_size`` label
     tokens at a time (:func:`~treadle.engines.lm_head.linear_log_probs`), its matrix products in
-    ``compute_dtype`` when given.
+    ``compute_dtype`` when given. With ``sum_pi_squared`` (no gradients) a third output is
+    ``Σ_v π(v)²`` of each label position's distribution.
     """
 
     def __init__(
@@ -134,7 +135,8 @@ class LogProbHead(nn.Module):
         num_labels: int,
         temperature: float = 1.0,
         label_mask: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        sum_pi_squared: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         hidden, where = response_hidden(
             self.lm,
             input_ids,
@@ -145,6 +147,11 @@ class LogProbHead(nn.Module):
         )
         labels = input_ids[:, -num_labels:][where]
         weight = self.lm.get_output_embeddings().weight
+        if sum_pi_squared:  # no gradients: the old policy's pass
+            stats = linear_token_stats(
+                hidden, weight, labels, temperature, self.chunk_size, self.compute_dtype
+            )
+            return tuple(scatter_labels(x, where) for x in stats)
         if len(labels):
             logp, ent = linear_log_probs(
                 hidden, weight, labels, temperature, self.chunk_size, self.compute_dtype
@@ -299,6 +306,22 @@ class TrainEngine:
         off = self.module.lm.disable_adapter() if self.adapters_off else contextlib.nullcontext()
         with off:
             return self.module(input_ids, attention_mask, num_labels, temperature, label_mask)
+
+    @torch.no_grad()
+    def token_stats(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_labels: int,
+        temperature: float = 1.0,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`log_probs` (without gradients) plus ``Σ_v π(v)²`` of each label position."""
+        off = self.module.lm.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+        with off:
+            logp, ent, squares = self.module(
+                input_ids, attention_mask, num_labels, temperature, None, sum_pi_squared=True
+            )
+        return logp, ent, squares
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:

@@ -49,6 +49,7 @@ from treadle.algorithms import (
     AdaptiveKLController,
     FixedKLController,
 )
+from treadle.algorithms.correction import rollout_correction
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty, varied_groups
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
@@ -59,7 +60,7 @@ from treadle.engines.packing import balance_ranks
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch, response_attention
-from treadle.rewards import load_reward_fn
+from treadle.rewards import component_matrix, load_reward_fn
 from treadle.tracking import timed
 from treadle.trainers.async_rollout import AsyncRollout
 from treadle.trainers.common import (
@@ -173,7 +174,8 @@ class RLTrainer(Trainer):
             else FixedKLController(alg.kl_reward_coef)
         )
         self.use_ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
-        self.old_log_prob_pass = cfg.needs_old_log_prob_pass()
+        self.needs = ADV_ESTIMATORS.needs(alg.adv_estimator)  # what it reads beyond rewards
+        self.old_log_prob_pass = cfg.needs_old_log_prob_pass() or "old_log_probs" in self.needs
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
@@ -245,6 +247,8 @@ class RLTrainer(Trainer):
         # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy (on-policy,
         # one optimizer step a batch: the update's first forward gives them, one pass fewer)
         if self.old_log_prob_pass:
+            # the optimal token baseline also reads Σ_v π(v)² of each token's distribution
+            batch.meta["sum_pi_squared"] = "sum_pi_squared" in self.needs
             with timed(m, "old_log_probs"):
                 batch = batch.union(group.compute_log_probs(batch))
         # 4. the frozen reference, for the KL term (in the loss, in the reward, or both)
@@ -267,6 +271,7 @@ class RLTrainer(Trainer):
                 lam=alg.lam,
                 norm_adv_by_std=alg.norm_adv_by_std,
                 baseline_rewards=batch["baseline_scores"] if self.greedy_baseline else None,
+                **self.estimator_inputs(batch),
             )
         m.update(rollout_metrics(batch))
         if self.samples_due(step):
@@ -329,8 +334,16 @@ class RLTrainer(Trainer):
     def score(self, batch: Batch, m: dict[str, float] | None = None) -> torch.Tensor:
         """Token-level scores [B, R]: the reward function's score, or the reward model's when
         there is one (the rule's mean is then logged as ``reward/rule_mean``), plus DAPO's
-        over-long penalty, on each response's last valid token."""
-        scores = torch.tensor(rule_scores(self.scorer, batch))
+        over-long penalty, on each response's last valid token. With
+        ``algorithm.gdpo_reward_keys`` the reward's named components go into the batch too
+        (``reward_components`` [B, K])."""
+        raw = rule_scores(self.scorer, batch)
+        scores = torch.tensor(raw)
+        if keys := self.cfg.algorithm.gdpo_reward_keys:  # the reward's parts, [B, K] (GDPO)
+            batch["reward_components"] = component_matrix(raw, keys, self.cfg.reward.function)
+            for key, part in zip(keys, batch["reward_components"].T, strict=True):
+                if m is not None:
+                    m[f"reward/{key}_mean"] = float(part.mean())
         if self.rm is not None:
             if m is not None:
                 m["reward/rule_mean"] = float(scores.mean())
@@ -343,6 +356,28 @@ class RLTrainer(Trainer):
                 lengths, max_len, r.overlong_buffer_len, r.overlong_penalty
             )
         return outcome_rewards(batch["response_mask"], scores.tolist())
+
+    def estimator_inputs(self, batch: Batch) -> dict[str, Any]:
+        """What the estimator reads beyond rewards, values and baselines (its ``needs``): the
+        old policy's log-probs and Σπ² (optimal token baseline; with rollout correction, its
+        importance weights too), the reward's components and their weights (GDPO)."""
+        alg, out = self.cfg.algorithm, {}
+        if "old_log_probs" in self.needs:
+            out["old_log_probs"] = batch["old_log_probs"]
+            if alg.rollout_correction != "none":
+                out["rollout_is_weights"], _, _ = rollout_correction(
+                    batch["old_log_probs"],
+                    batch["rollout_log_probs"],
+                    batch["response_mask"].float(),
+                    alg.rollout_correction,
+                    alg.rollout_correction_cap,
+                )
+        if "sum_pi_squared" in self.needs:
+            out["sum_pi_squared"] = batch["sum_pi_squared"]
+        if "reward_components" in self.needs:
+            out["reward_components"] = batch["reward_components"]
+            out["reward_weights"] = alg.gdpo_reward_weights
+        return out
 
     def greedy_scores(self, prompts: Batch) -> torch.Tensor:
         """ReMax's baseline: the score of the greedy response to each prompt, per sample [B*n]."""

@@ -18,7 +18,7 @@ generate               prompts, prompt_mask; uid,              the input fields,
                                                                response_mask, rollout_log_probs,
                                                                response_text, stop_reason
 compute_log_probs      prompts, prompt_mask, responses,        old_log_probs, entropy
-                       response_mask
+                       response_mask                           (+ sum_pi_squared: meta asks)
 compute_ref_log_probs  (same)                                  ref_log_probs
 update_actor           (same) + advantages; old_log_probs,     metrics actor/* (mean of ranks)
                        ref_log_probs, rollout_log_probs if
@@ -178,28 +178,38 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         return *prompt_response(mb, self.device), mb["responses"].shape[1]
 
     @torch.no_grad()
-    def _log_probs(self, engine: TrainEngine, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_probs(
+        self, engine: TrainEngine, batch: Batch, sum_pi_squared: bool = False
+    ) -> list[torch.Tensor]:
+        """``[log-probs, entropy]`` of the response tokens, ``+ [Σ_v π(v)²]`` if asked."""
         groups = micro_batches(batch, self.cfg.actor)
-        logps, ents = [], []
+        parts: list[list[torch.Tensor]] = []
         with engine.evaluating():  # the policy itself, without dropout noise
             for idx in groups:
                 ids, mask, r = self._sequences(batch.select(idx))
-                lp, ent = engine.log_probs(ids, mask, r, self.cfg.rollout.temperature)
-                logps.append(lp.float().cpu())
-                ents.append(ent.float().cpu())
+                t = self.cfg.rollout.temperature
+                out = (
+                    engine.token_stats(ids, mask, r, t)
+                    if sum_pi_squared
+                    else engine.log_probs(ids, mask, r, t)
+                )
+                parts.append([x.float().cpu() for x in out])
         order = torch.cat(groups).argsort()  # back to the batch's order
-        return torch.cat(logps)[order], torch.cat(ents)[order]
+        return [torch.cat(column)[order] for column in zip(*parts, strict=True)]
 
     @register(
         Dispatch.DP,
         Collect.CONCAT,
         reads=SEQUENCES,
-        optional=ATTENTION,
+        optional=(*ATTENTION, "sum_pi_squared"),
         returns=("old_log_probs", "entropy"),
     )
     def compute_log_probs(self, batch: Batch) -> Batch:
-        logp, ent = self._log_probs(self.actor, batch)
-        return Batch.from_dict(tensors={"old_log_probs": logp, "entropy": ent})
+        """The old policy's log-probs and entropy; with ``meta["sum_pi_squared"]`` also
+        ``sum_pi_squared`` (Σ_v π(v)² per response token, for the optimal token baseline)."""
+        out = self._log_probs(self.actor, batch, bool(batch.meta.get("sum_pi_squared")))
+        names = ("old_log_probs", "entropy", "sum_pi_squared")
+        return Batch.from_dict(tensors=dict(zip(names, out, strict=False)))
 
     @register(
         Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("ref_log_probs",)
