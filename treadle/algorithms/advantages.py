@@ -5,6 +5,11 @@ Every estimator has one signature, so the driver can pick one by name from ``ADV
     fn(token_level_rewards[B,T], response_mask[B,T], *, group_ids, values=None, gamma=1.0,
        lam=1.0, norm_adv_by_std=True, eps=1e-6, **_) -> (advantages[B,T], returns[B,T])
 
+plus the inputs its registration ``needs`` (the driver passes them): ``baseline_rewards`` [B]
+(ReMax), ``old_log_probs`` and ``sum_pi_squared`` [B,T] with ``rollout_is_weights`` [B,T] under
+rollout correction (optimal token baseline), ``reward_components`` [B,K] and
+``reward_weights`` (GDPO).
+
 Choices made here:
 
 - The mask is the truth: a sequence's *score* is the sum of its rewards at valid positions, and
@@ -361,7 +366,7 @@ def gdpo(
     eps: float = 1e-6,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """GDPO (arXiv 2601.05242): ``A = whiten(Σ_k w_k (c_k - μ_g(c_k)) / (σ_g(c_k) + eps))``.
+    """GDPO (Liu et al., arXiv 2601.05242): ``A = whiten(Σ_k w_k (c_k - μ_g c_k) / (σ_g c_k + ε))``.
 
     Group reward-decoupled normalization: each reward component ``c_k`` (``reward_components``
     [B, K], e.g. format and accuracy, as the reward function returns them) is normalized
