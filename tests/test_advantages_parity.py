@@ -367,3 +367,14 @@ def test_rewards_at_masked_positions_count_in_verl_not_here(verl):
 
 def test_every_verl_estimator_has_a_counterpart(verl):
     assert set(verl.ADV_ESTIMATOR_REGISTRY) <= set(ADV_ESTIMATORS.names())
+
+
+@pytest.mark.parametrize("verl_name", ["grpo", "grpo_vectorized"])
+def test_equal_float32_rewards_get_exactly_zero_here_not_in_verl(verl, verl_name):
+    rewards = torch.zeros(8, 2)
+    rewards[:, 1] = 0.3
+    mask, ids = torch.ones(8, 2), ["a"] * 8
+    ref, _ = verl.ADV_ESTIMATOR_REGISTRY[verl_name](rewards, mask, np.array(ids, dtype=object))
+    adv, _ = ADV_ESTIMATORS.get(verl_name)(rewards, mask, group_ids=ids)
+    assert ref.abs().max() > 1e-2  # float32 group statistics: 0.3 - mean is not 0
+    assert torch.equal(adv, torch.zeros_like(adv))

@@ -29,9 +29,12 @@ defined the same way (tests/test_advantages_parity.py). Where they differ, on pu
 
 - verl sums a score over the whole row and leaves values at masked positions (inside a
   response's gaps) in its outputs; here masked positions neither count nor carry values.
-- ``grpo_vectorized`` and ``rloo_vectorized`` are ``grpo`` and ``rloo``: verl's vectorized
-  GRPO computes in float32 (a group of equal rewards may get an advantage of ~1e-2), and its
-  vectorized RLOO gives a group of one the advantage 0 where its RLOO gives the score.
+- Group statistics are float64 here; verl's GRPO computes them in the rewards' dtype (its
+  vectorized GRPO always in float32), so 8 equal float32 rewards of 0.3 get advantages of
+  ~0.03 there and exactly 0 here.
+- ``grpo_vectorized`` and ``rloo_vectorized`` are ``grpo`` and ``rloo``; verl's vectorized
+  RLOO gives a group of one the advantage 0 where its RLOO gives the score (here: the score).
+- GAE and REINFORCE++ skip the gaps in a response as verl 0.9.1 does (compared with gaps).
 - ``gpg``: verl's ``α = B / (number of nonzero scores)``; here ``α = B / (number of nonzero
   advantages)``, the paper's (see :func:`gpg`).
 """
