@@ -156,7 +156,9 @@ def _algorithm_rules(cfg: Config, estimators: Any, losses: Any) -> list[str]:
             "reward on its own: list them in algorithm.gdpo_reward_keys (keys of the dict the "
             "reward function returns, e.g. [format, accuracy])"
         )
-    if "old_log_probs" in needs and cfg.actor.recompute_old_log_probs is False:
+    if {"old_log_probs", "sum_pi_squared"} & set(
+        needs
+    ) and cfg.actor.recompute_old_log_probs is False:
         problems.append(
             f"algorithm.adv_estimator={alg.adv_estimator} reads the old policy's log-probs "
             "before the update, which actor.recompute_old_log_probs=false skips: set it to null"

@@ -175,7 +175,9 @@ class RLTrainer(Trainer):
         )
         self.use_ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
         self.needs = ADV_ESTIMATORS.needs(alg.adv_estimator)  # what it reads beyond rewards
-        self.old_log_prob_pass = cfg.needs_old_log_prob_pass() or "old_log_probs" in self.needs
+        self.old_log_prob_pass = cfg.needs_old_log_prob_pass() or bool(
+            {"old_log_probs", "sum_pi_squared"} & set(self.needs)  # the pass computes them
+        )
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
@@ -341,8 +343,8 @@ class RLTrainer(Trainer):
         scores = torch.tensor(raw)
         if keys := self.cfg.algorithm.gdpo_reward_keys:  # the reward's parts, [B, K] (GDPO)
             batch["reward_components"] = component_matrix(raw, keys, self.cfg.reward.function)
-            for key, part in zip(keys, batch["reward_components"].T, strict=True):
-                if m is not None:
+            if m is not None:
+                for key, part in zip(keys, batch["reward_components"].T, strict=True):
                     m[f"reward/{key}_mean"] = float(part.mean())
         if self.rm is not None:
             if m is not None:

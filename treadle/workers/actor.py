@@ -201,7 +201,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         Dispatch.DP,
         Collect.CONCAT,
         reads=SEQUENCES,
-        optional=(*ATTENTION, "sum_pi_squared"),
+        optional=(*ATTENTION, "sum_pi_squared"),  # returned when meta asks for it
         returns=("old_log_probs", "entropy"),
     )
     def compute_log_probs(self, batch: Batch) -> Batch:
