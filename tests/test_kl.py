@@ -61,9 +61,25 @@ def test_k3_is_clamped():
 
 
 def test_unknown_kind_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid: abs, k1, k2, k3, mse"):
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid: abs, abs\+, full,"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
-    assert KL_ESTIMATORS.names() == ["abs", "k1", "k2", "k3", "mse"]
+    assert KL_ESTIMATORS.names() == [
+        "abs",
+        "abs+",
+        "full",
+        "k1",
+        "k1+",
+        "k2",
+        "k2+",
+        "k3",
+        "k3+",
+        "kl",
+        "kl+",
+        "low_var_kl",
+        "low_var_kl+",
+        "mse",
+        "mse+",
+    ]
 
 
 def test_fixed_controller_never_moves_and_resumes():
