@@ -200,7 +200,13 @@ def test_kl_estimators_in_the_update(rig):
     assert kl["full"] == pytest.approx(want, rel=1e-4)
 
 
-def test_the_driver_runs_bypass_mode_token_sum_and_the_full_kl(tiny_task, length_reward, tmp_path):
+# LoRA: the reference is the actor with its adapters disabled, in the same module
+@pytest.mark.parametrize(
+    "model", [["actor.lr=1e-4"], ["actor.lora.rank=4", "actor.lora.alpha=8", "actor.lr=1e-2"]]
+)
+def test_the_driver_runs_bypass_mode_token_sum_and_the_full_kl(
+    tiny_task, length_reward, tmp_path, model
+):
     cfg = config(
         tiny_task,
         tmp_path,
@@ -208,7 +214,7 @@ def test_the_driver_runs_bypass_mode_token_sum_and_the_full_kl(tiny_task, length
         "algorithm.policy_loss=bypass_mode",
         "algorithm.loss_agg_mode=token-sum",
         "algorithm.kl_estimator=full",
-        "actor.lr=1e-4",
+        *model,
     )
     t = RLTrainer(cfg)
     try:
