@@ -4,7 +4,13 @@ Every policy loss has one signature, so the actor picks one by name from ``POLIC
 
     fn(log_probs, old_log_probs, advantages, response_mask, *, loss_agg_mode="token-mean",
        clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, rollout_is_weights=None,
-       agg_kwargs=None, **_) -> (loss, metrics)
+       agg_kwargs=None, <the loss's own knobs>, **_) -> (loss, metrics)
+
+The actor passes every loss all the knobs of ``algorithm`` (``clip_cov_ratio``,
+``sapo_tau_pos``, ``dro_beta``, ``bypass_loss_type``...); each takes the ones it names and
+ignores the rest. A loss registered with ``old="rollout_log_probs"`` (``bypass_mode``) gets the
+rollout engine's log-probs as ``old_log_probs``. verl's names resolve too (``vanilla`` is
+``ppo``), and ``tests/test_losses_parity.py`` holds every loss to verl 0.9.1's.
 
 All tensors are ``[B, T]`` on the response side. A loss builds a per-token loss matrix and hands
 it to ``agg_loss``, which turns it into a scalar in one of the registered modes. Choices:
@@ -15,7 +21,8 @@ it to ``agg_loss``, which turns it into a scalar in one of the registered modes.
 - ``rollout_is_weights`` (truncated importance weights correcting for a rollout engine whose
   log-probs differ from the trainer's) multiply the per-token loss as constants.
 - ``agg_kwargs`` carries ``num_tokens`` / ``num_seqs`` of the whole mini-batch (all micro-batches
-  and data-parallel ranks), so that the micro-batch losses add up to the mini-batch loss.
+  and data-parallel ranks) divided by ``dp_size``, ``dp_size`` itself and ``norm_constant``, so
+  that the micro-batch losses add up to the mini-batch loss.
 - Metrics are Python floats: ``pg_clipfrac`` (fraction of valid tokens whose ratio was clipped)
   and ``ppo_kl`` (masked mean of ``old - new`` log-prob) at least.
 """
