@@ -38,12 +38,29 @@ def test_builtin_names():
         "rloo_vectorized",
         "tir_optimal_token_baseline",
     ]
-    assert POLICY_LOSSES.names() == ["cispo", "clip_cov", "gpg", "gspo", "kl_cov", "ppo"]
+    assert POLICY_LOSSES.names() == [
+        "bypass_mode",
+        "cispo",
+        "clip_cov",
+        "dppo_kl",
+        "dppo_tv",
+        "dro",
+        "geo_mean",
+        "gpg",
+        "gspo",
+        "kl_cov",
+        "ppo",
+        "sapo",
+        "vanilla",
+    ]
+    assert POLICY_LOSSES.aliases() == {"vanilla": "ppo"}
+    assert POLICY_LOSSES.get("vanilla") is POLICY_LOSSES.get("ppo")
     assert LOSS_AGG_MODES.names() == [
         "seq-mean-token-mean",
         "seq-mean-token-sum",
         "seq-mean-token-sum-norm",
         "token-mean",
+        "token-sum",
     ]
 
 
@@ -54,7 +71,7 @@ def test_unknown_name_lists_valid_names_and_closest():
     assert str(info.value) == (
         f"unknown advantage estimator 'grp'; valid: {valid} (did you mean 'grpo'?)"
     )
-    with pytest.raises(ValueError, match=r"^unknown policy loss 'zzz'; valid: cispo, clip_cov,"):
+    with pytest.raises(ValueError, match=r"^unknown policy loss 'zzz'; valid: bypass_mode, cispo,"):
         POLICY_LOSSES.get("zzz")
 
 
@@ -71,6 +88,22 @@ def test_register_get_and_duplicate():
     assert reg.names() == ["double"]
     with pytest.raises(ValueError, match="widget 'double' is already registered"):
         reg.register("double")(double)
+
+
+def test_alias_resolves_to_the_registered_function_and_its_facts():
+    reg: Registry = Registry("widget")
+    reg.register("double", needs=("x",))(lambda x: 2 * x)
+    reg.alias("twice", "double")
+    reg.alias("two_times", "twice")  # an alias of an alias names the function itself
+    assert reg.get("twice") is reg.get("double") and reg.canonical("two_times") == "double"
+    assert reg.needs("twice") == ("x",) and "twice" in reg
+    assert reg.names() == ["double", "twice", "two_times"]
+    with pytest.raises(ValueError, match="widget 'twice' is already registered"):
+        reg.register("twice")(lambda x: x)
+    with pytest.raises(ValueError, match="widget 'double' is already registered"):
+        reg.alias("double", "twice")
+    with pytest.raises(ValueError, match="unknown widget 'nope'"):
+        reg.alias("other", "nope")
 
 
 # --------------------------------------------------------------------------- masked statistics

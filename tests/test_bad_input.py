@@ -248,7 +248,7 @@ CROSS_FIELD = [
     (["algorithm.policy_loss=pp0"], r"algorithm\.policy_loss: unknown .*valid: .*ppo"),
     (["algorithm.loss_agg_mode=mean"], r"algorithm\.loss_agg_mode: unknown .*token-mean"),
     (["algorithm.kl_estimator=k4"], r"algorithm\.kl_estimator: unknown .*k3"),
-    (["algorithm.kl_reward_estimator=kl"], r"algorithm\.kl_reward_estimator: unknown"),
+    (["algorithm.kl_reward_estimator=k5"], r"algorithm\.kl_reward_estimator: unknown"),
     (["data.max_prompt_length=100"], r"data\.max_prompt_length=100 \+ rollout\.max_new_tokens=32"),
     (["rollout.max_new_tokens=100"], r"max_position_embeddings=128"),
 ]

@@ -61,9 +61,56 @@ def test_k3_is_clamped():
 
 
 def test_unknown_kind_lists_valid_names():
-    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid: abs, k1, k2, k3, mse"):
+    with pytest.raises(ValueError, match=r"unknown KL estimator 'k4'; valid: abs, abs\+, full,"):
         kl_penalty(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
-    assert KL_ESTIMATORS.names() == ["abs", "k1", "k2", "k3", "mse"]
+    assert KL_ESTIMATORS.names() == [
+        "abs",
+        "abs+",
+        "full",
+        "k1",
+        "k1+",
+        "k2",
+        "k2+",
+        "k3",
+        "k3+",
+        "kl",
+        "kl+",
+        "low_var_kl",
+        "low_var_kl+",
+        "mse",
+        "mse+",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kind", "value"),
+    [("k1+", LOG2), ("kl+", LOG2), ("k3+", 0.5 + LOG2 - 1.0), ("abs+", LOG2), ("k2+", LOG2**2 / 2)],
+)
+def test_plus_forms_have_the_base_value_and_the_k2_gradient(kind, value):
+    logp = torch.tensor([[0.0, -1.0]], dtype=torch.float64, requires_grad=True)
+    ref = torch.tensor([[-LOG2, -1.0]], dtype=torch.float64)  # x = log 2, then a tie (x = 0)
+    kl = kl_penalty(logp, ref, kind)
+    assert kl[0, 0].item() == pytest.approx(value) and kl[0, 1].item() == 0.0
+    (grad,) = torch.autograd.grad(kl.sum(), logp)
+    assert_close(grad, torch.tensor([[LOG2, 0.0]], dtype=torch.float64))  # d(½x²)/dx = x
+
+
+def test_verl_names_are_aliases():
+    for alias, name in (("kl", "k1"), ("low_var_kl", "k3"), ("low_var_kl+", "k3+"), ("mse", "k2")):
+        assert KL_ESTIMATORS.get(alias) is KL_ESTIMATORS.get(name)
+    assert KL_ESTIMATORS.info("full") == {"full_vocab": True}
+
+
+def test_full_kl_by_hand():
+    """Two-token vocabulary: π = (3/4, 1/4), π_ref = (1/2, 1/2)."""
+    logp = torch.tensor([[[math.log(0.75), math.log(0.25)]]], requires_grad=True)
+    ref = torch.tensor([[[-LOG2, -LOG2]]])
+    kl = kl_penalty(logp, ref, "full")
+    want = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    assert kl.shape == (1, 1) and kl.item() == pytest.approx(want)
+    # a token with probability 0 under π adds nothing, even where π_ref has none either
+    zero = torch.tensor([[0.0, float("-inf")]])
+    assert kl_penalty(zero, torch.tensor([[0.0, float("-inf")]]), "full").item() == 0.0
 
 
 def test_fixed_controller_never_moves_and_resumes():

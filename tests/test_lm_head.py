@@ -91,3 +91,26 @@ def test_token_stats_add_the_sum_of_squared_probabilities(chunk):
     )
     torch.testing.assert_close(uniform, torch.full((3,), 0.2))
     assert linear_token_stats(h[:0], w, y[:0])[2].shape == (0,)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 64])
+def test_full_vocab_term_is_the_exact_kl_with_its_gradient(chunk):
+    """``full_vocab_term`` with the exact KL estimator, chunked and checkpointed, against the
+    naive ``[N, V]`` computation: values and gradients (hidden and head) in float64."""
+    from treadle.algorithms.kl import kl_full
+    from treadle.engines.lm_head import full_log_softmax, full_vocab_term
+
+    h, w, _ = inputs(dtype=torch.float64)
+    g = torch.Generator().manual_seed(2)
+    ref_h = torch.randn(13, 8, generator=g, dtype=torch.float64)
+    ref = full_log_softmax(ref_h, w.detach(), 0.7, chunk)
+    assert_close = torch.testing.assert_close
+    assert_close(ref, torch.log_softmax(ref_h @ w.detach().t() / 0.7, -1))
+    a = torch.randn(13, generator=g, dtype=torch.float64)
+    got = full_vocab_term(h, w, ref, kl_full, 0.7, chunk)
+    want = kl_full(torch.log_softmax(h @ w.t() / 0.7, -1), ref)
+    assert (want > 0).all()
+    assert_close(got, want)
+    grads = [torch.autograd.grad((a * x).sum(), (h, w)) for x in (got, want)]
+    assert_close(grads[0], grads[1])
+    assert full_log_softmax(h[:0], w, 1.0, chunk).shape == (0, 17)

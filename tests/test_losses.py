@@ -58,6 +58,8 @@ def ref_agg(loss, mask, mode, norm_constant=None):
     rows = [r for r in rows if r]
     if mode == "token-mean":
         return sum(sum(r) for r in rows) / sum(len(r) for r in rows)
+    if mode == "token-sum":
+        return sum(sum(r) for r in rows)
     if mode == "seq-mean-token-sum":
         return sum(sum(r) for r in rows) / len(rows)
     if mode == "seq-mean-token-mean":
@@ -106,7 +108,8 @@ def test_micro_batch_losses_sum_to_the_mini_batch_loss(mode):
     summed = sum(agg_loss(loss[s], mask[s], mode, **totals) for s in parts)
     assert_close(summed, whole)
     local = sum(agg_loss(loss[s], mask[s], mode) for s in parts)
-    assert not torch.allclose(local, whole)  # local counts would not add up
+    if mode != "token-sum":  # a plain sum needs no counts
+        assert not torch.allclose(local, whole)  # local counts would not add up
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES.names())
@@ -200,7 +203,7 @@ def test_policy_loss_micro_batches_sum_to_mini_batch_loss():
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_every_policy_loss_is_finite_with_junk_padding(name):
     logp = new_log_probs()  # -inf where the mask is 0
-    loss, metrics = call(name, logp, some_future_option=1)
+    loss, metrics = call(name, logp, some_future_option=1, dro_beta=0.1)
     grad = grad_of(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert torch.equal(grad * (1 - MASK), torch.zeros_like(grad))
@@ -209,7 +212,7 @@ def test_every_policy_loss_is_finite_with_junk_padding(name):
 
 
 def test_policy_loss_unknown_name():
-    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo2'; valid: cispo, clip_cov"):
+    with pytest.raises(ValueError, match=r"unknown policy loss 'ppo2'; valid: bypass_mode, cispo,"):
         POLICY_LOSSES.get("ppo2")
 
 
@@ -340,7 +343,7 @@ def test_kl_cov_penalises_top_covariance_tokens():
     logp = new_log_probs()
     cov = ref_cov(logp.detach())
     top = sorted(cov, key=cov.get, reverse=True)[:2]  # max(1, ⌊0.25 · 9⌋) = 2
-    loss, metrics = call("kl_cov", logp, kl_cov_ratio=0.25, ppo_kl_coef=0.5)
+    loss, metrics = call("kl_cov", logp, kl_cov_ratio=0.25, kl_cov_coef=0.5)
     expected_loss = 0.0
     expected_grad = -ADV * RATIO / N_TOKENS * MASK
     for k in valid():
@@ -351,6 +354,158 @@ def test_kl_cov_penalises_top_covariance_tokens():
     assert loss.item() == pytest.approx(expected_loss / N_TOKENS)
     assert_close(grad_of(loss, logp), expected_grad)
     assert metrics["pg_cov_frac"] == pytest.approx(2 / 9)
+
+
+# --------------------------------------------------------------------------- SAPO, GMPO, DPPO, DRO
+
+
+def per_row(mask=MASK):
+    return {i: [t for t in range(mask.shape[1]) if mask[i, t]] for i in range(mask.shape[0])}
+
+
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def test_sapo_soft_gate_value_and_gradient():
+    logp = new_log_probs()
+    loss, _ = call("sapo", logp, loss_agg_mode="seq-mean-token-mean")
+    want, grad = 0.0, torch.zeros_like(RATIO)
+    rows = per_row()
+    for i, ts in rows.items():
+        for t in ts:
+            r, a = RATIO[i, t].item(), ADV[i, t].item()
+            tau = 1.0 if a > 0 else 1.05
+            s = sigmoid(tau * (r - 1))
+            want += -a * s * 4 / tau / len(ts) / len(rows)
+            grad[i, t] = -a * 4 * s * (1 - s) * r / len(ts) / len(rows)  # d/dlog π = r d/dr
+    assert loss.item() == pytest.approx(want)
+    assert_close(grad_of(loss, logp), grad)
+    # On-policy the gate has slope 1: SAPO's gradient is the policy gradient -A ∇log π.
+    on = OLD.clone().masked_fill(MASK == 0, float("-inf")).requires_grad_()
+    loss, _ = call("sapo", on, loss_agg_mode="token-mean", sapo_tau_pos=3.0, sapo_tau_neg=7.0)
+    assert_close(grad_of(loss, on), -ADV * MASK / N_TOKENS)
+
+
+def test_geo_mean_is_a_clipped_geometric_mean_per_sequence():
+    logp = new_log_probs()
+    adv = torch.tensor([[1.0] * 4, [-2.0] * 4, [0.5] * 4], dtype=torch.float64)
+    loss, metrics = call("geo_mean", logp, adv, clip_ratio_low=0.3, clip_ratio_high=0.2)
+    want, grad = 0.0, torch.zeros_like(RATIO)
+    for i, ts in per_row().items():
+        a = adv[i, 0].item()
+        logs = [math.log(RATIO[i, t].item()) for t in ts]
+        # pessimistic clip in log space: A > 0 caps log r at 0.2, A < 0 floors it at -0.3
+        clipped = [min(x, 0.2) if a > 0 else max(x, -0.3) for x in logs]
+        ratio = math.exp(sum(clipped) / len(ts))
+        want += -a * ratio / 3
+        for t, x, c in zip(ts, logs, clipped, strict=True):
+            grad[i, t] = -a * ratio / len(ts) / 3 if x == c else 0.0
+    assert loss.item() == pytest.approx(want)
+    assert_close(grad_of(loss, logp), grad)
+    # as verl: log r outside [-0.3, 0.2] on tokens with A > 0, on either side (log 1.5,
+    # log 0.5 twice, log 1.25), though only the upper side changes the loss for A > 0
+    assert metrics["pg_clipfrac"] == pytest.approx(4 / 9)
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(2 / 9)  # log 1.5, log 5 with A < 0
+
+
+def dppo_expected(keep, cap=20.0):
+    grad = torch.zeros_like(RATIO)
+    loss = 0.0
+    for i, t in valid():
+        if (i, t) in keep:
+            r, a = RATIO[i, t].item(), ADV[i, t].item()
+            logp = OLD[i, t].item() + math.log(r)
+            loss += -a * min(r, cap) * logp / N_TOKENS
+            grad[i, t] = -a * min(r, cap) / N_TOKENS
+    return loss, grad
+
+
+def test_dppo_tv_drops_tokens_whose_probability_moved_too_far_the_advantages_way():
+    logp = new_log_probs()
+    loss, metrics = call("dppo_tv", logp, dppo_divergence_low=0.05, dppo_divergence_high=0.1)
+    keep = set()
+    for i, t in valid():
+        p_old = math.exp(OLD[i, t].item())
+        moved = p_old * RATIO[i, t].item() - p_old
+        ok = moved <= 0.1 if ADV[i, t] > 0 else moved >= -0.05
+        if ok:
+            keep.add((i, t))
+    assert 0 < len(keep) < 9  # both sides exercised
+    want, grad = dppo_expected(keep)
+    assert loss.item() == pytest.approx(want)
+    assert_close(grad_of(loss, logp), grad)
+    assert metrics["pg_clipfrac"] == pytest.approx(1 - len(keep) / 9)
+
+
+def test_dppo_kl_uses_the_binary_kl_and_truncates_the_weight():
+    logp = new_log_probs()
+    loss, metrics = call("dppo_kl", logp, dppo_divergence_low=0.02, dppo_is_cap=2.0)
+    keep = set()
+    for i, t in valid():
+        q = math.exp(OLD[i, t].item())
+        p = q * RATIO[i, t].item()
+        kl = q * math.log(q / p) + (1 - q) * math.log((1 - q + 1e-8) / (1 - p + 1e-8))
+        toward_old = p <= q if ADV[i, t] > 0 else p >= q
+        if kl <= (0.2 if ADV[i, t] > 0 else 0.02) or toward_old:
+            keep.add((i, t))
+    assert 0 < len(keep) < 9
+    want, grad = dppo_expected(keep, cap=2.0)
+    assert loss.item() == pytest.approx(want)
+    assert_close(grad_of(loss, logp), grad)
+    assert metrics["pg_clipfrac_lower"] == pytest.approx(
+        sum(RATIO[k].item() > 2.0 for k in keep) / 9
+    )
+
+
+def test_dro_penalises_the_squared_log_ratio():
+    logp = new_log_probs()
+    loss, _ = call("dro", logp, dro_beta=0.5)
+    want = 0.0
+    grad = torch.zeros_like(RATIO)
+    for i, t in valid():
+        x, a = math.log(RATIO[i, t].item()), ADV[i, t].item()
+        want += -(a * (OLD[i, t].item() + x) - 0.25 * x * x) / N_TOKENS
+        grad[i, t] = -(a - 0.5 * x) / N_TOKENS
+    assert loss.item() == pytest.approx(want)
+    assert_close(grad_of(loss, logp), grad)
+    with pytest.raises(ValueError, match=r"algorithm.dro_beta must be > 0"):
+        call("dro", new_log_probs())
+
+
+@pytest.mark.parametrize("level", ["token", "sequence", "none"])
+def test_bypass_reinforce_weights_by_the_truncated_rollout_ratio(level):
+    logp = new_log_probs()  # OLD stands for the rollout's log-probs here
+    loss, _ = call(
+        "bypass_mode", logp, bypass_loss_type="reinforce", bypass_is=level, bypass_is_cap=1.2
+    )
+    grad = torch.zeros_like(RATIO)
+    for i, ts in per_row().items():
+        seq = math.prod(RATIO[i, t].item() for t in ts)
+        for t in ts:
+            w = {"token": min(RATIO[i, t].item(), 1.2), "sequence": min(seq, 1.2), "none": 1}
+            grad[i, t] = -ADV[i, t].item() * w[level] / N_TOKENS
+    assert_close(grad_of(loss, logp), grad)
+
+
+def test_bypass_ppo_clip_is_ppo_against_the_rollout():
+    logp = new_log_probs()
+    loss, _ = call("bypass_mode", logp, clip_ratio_c=None)
+    assert loss.item() == pytest.approx(ref_ppo(0.2, 0.2))
+    with pytest.raises(ValueError, match=r"bypass_loss_type='ppo'"):
+        call("bypass_mode", new_log_probs(), bypass_loss_type="ppo")
+
+
+def test_vanilla_is_ppo():
+    assert POLICY_LOSSES.get("vanilla") is POLICY_LOSSES.get("ppo")
+    assert POLICY_LOSSES.info("geo_mean")["agg_modes"] == ("seq-mean-token-mean",)
+    assert POLICY_LOSSES.info("bypass_mode")["old"] == "rollout_log_probs"
+
+
+def test_token_sum_is_the_plain_sum_times_the_ranks():
+    assert agg_loss(LOSS_MAT, AGG_MASK, "token-sum").item() == pytest.approx(45.0)
+    two_ranks = agg_loss(LOSS_MAT, AGG_MASK, "token-sum", dp_size=2)
+    assert two_ranks.item() == pytest.approx(90.0)  # ranks' gradients are averaged
 
 
 # --------------------------------------------------------------------------- value loss, entropy
@@ -367,6 +522,24 @@ def test_value_loss_by_hand():
     assert clipfrac == pytest.approx(0.5)
     (grad,) = torch.autograd.grad(loss, values)
     assert_close(grad, torch.tensor([[0.0, 0.5 * 2 * (2.0 - 1.0) / 2, 0.0]]))
+
+
+def test_value_clip_fraction_does_not_count_ties():
+    """Inside the clip range the clipped prediction is the prediction itself: equal losses,
+    not clipped. ``V_old + clip(V - V_old)`` differs from ``V`` by round-off there (0.3 +
+    (0.05 - 0.22) = 0.05000000000000002) and used to count such ties as clipped."""
+    values = torch.tensor([[0.05, 0.04, -0.05, 2.0]], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([[0.22, -0.06, 0.1, 1.0]], dtype=torch.float64)
+    returns = torch.tensor([[0.0, 0.0, 0.0, 3.0]], dtype=torch.float64)
+    # the old formula moved the first three away from the returns: "clipped" by round-off
+    old_way = old + (values.detach() - old).clamp(-0.25, 0.25)
+    assert ((old_way - returns).abs() > (values.detach() - returns).abs())[0, :3].all()
+    loss, clipfrac = value_loss_fn(values, old, returns, torch.ones(1, 4), cliprange_value=0.25)
+    assert clipfrac == 0.25  # only the last token: 1.25 is further from 3 than 2 is
+    # ½ mean of (0.05², 0.04², 0.05², (1.25 - 3)²); the clipped token has no gradient
+    assert loss.item() == pytest.approx(0.5 * (0.0025 + 0.0016 + 0.0025 + 3.0625) / 4)
+    grad = torch.tensor([[0.05, 0.04, -0.05, 0.0]], dtype=torch.float64) / 4
+    assert_close(grad_of(loss, values), grad)
 
 
 def test_value_loss_aggregation_mode():

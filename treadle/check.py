@@ -134,6 +134,7 @@ def check_algorithm(cfg: Config, kind: Kind) -> None:
             )
     if kind == "train":
         problems += _algorithm_rules(cfg, ADV_ESTIMATORS, POLICY_LOSSES)
+        problems += _loss_rules(cfg, POLICY_LOSSES, KL_ESTIMATORS)
     if kind == "dpo" and cfg.dpo.eval_task and not cfg.data.val_files:
         problems.append("dpo.eval_task=true needs data.val_files (held-out prompts)")
     if problems:
@@ -170,6 +171,35 @@ def _algorithm_rules(cfg: Config, estimators: Any, losses: Any) -> list[str]:
                 f"algorithm.loss_agg_mode={alg.loss_agg_mode} cannot be used with "
                 f"algorithm.policy_loss={alg.policy_loss}: choose one of {', '.join(allowed)}"
             )
+    return problems
+
+
+def _loss_rules(cfg: Config, losses: Any, kl_estimators: Any) -> list[str]:
+    """What a policy loss or KL estimator needs from the rest of the config."""
+    alg, problems = cfg.algorithm, []
+    reward_kl = alg.kl_reward_estimator
+    if reward_kl in kl_estimators and kl_estimators.info(reward_kl).get("full_vocab"):
+        problems.append(
+            f"algorithm.kl_reward_estimator={reward_kl} needs the reference's whole "
+            "distribution, which only the actor's update has (the reward is shaped on the "
+            "driver from sampled-token log-probs): use it as algorithm.kl_estimator (the KL "
+            "loss) and pick a per-token estimator (k1, k3...) for the reward"
+        )
+    if alg.policy_loss not in losses:
+        return problems
+    loss = losses.canonical(alg.policy_loss)
+    if loss == "dro" and alg.dro_beta is None:
+        problems.append(
+            "algorithm.policy_loss=dro needs algorithm.dro_beta (> 0), the weight of its "
+            "log-ratio penalty; it has no default"
+        )
+    old = losses.info(loss).get("old")
+    if old == "rollout_log_probs" and alg.rollout_correction != "none":
+        problems.append(
+            f"algorithm.policy_loss={alg.policy_loss} takes the rollout log-probs as the old "
+            f"policy and corrects for them itself (algorithm.bypass_*): set "
+            f"algorithm.rollout_correction=none (got {alg.rollout_correction})"
+        )
     return problems
 
 

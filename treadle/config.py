@@ -263,9 +263,94 @@ class AlgorithmConfig(Section):
     clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound 1 - low.")
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound 1 + high.")
     clip_ratio_c: float | None = Field(
-        None, gt=1, description="Dual-clip constant (> 1); off if null."
+        3.0,
+        gt=1,
+        description="Dual-clip constant c > 1 (Ye et al., arXiv 1912.09729): a token with "
+        "A < 0 loses at most -A*c however large its ratio; null: off. 3.0, verl's and the "
+        "paper's value: it only binds off-policy (ratio > c), where PPO's clip leaves the loss "
+        "of a negative-advantage token unbounded, and keeps 'ppo' equal to verl's 'vanilla'. "
+        "Also the ppo_clip loss of bypass_mode.",
+    )
+    clip_cov_ratio: float = Field(
+        2e-4,
+        gt=0,
+        le=1,
+        description="clip_cov: fraction of the valid tokens (at least one) whose gradient is "
+        "dropped, chosen at random among the candidates (the paper's and verl's 2e-4).",
+    )
+    clip_cov_lb: float = Field(
+        1.0, description="clip_cov: candidates have a covariance above this (paper, verl: 1)."
+    )
+    clip_cov_ub: float = Field(
+        5.0, description="clip_cov: candidates have a covariance below this (paper, verl: 5)."
+    )
+    kl_cov_ratio: float = Field(
+        2e-4,
+        gt=0,
+        le=1,
+        description="kl_cov: fraction of the valid tokens (at least one), those of largest "
+        "covariance, that get the |log-ratio| penalty (verl's 2e-4; the paper's recipe uses "
+        "2e-3 for 7B models).",
+    )
+    kl_cov_coef: float = Field(
+        1.0,
+        ge=0,
+        description="kl_cov: weight of the |log-ratio| penalty. 1, as in the paper's recipe "
+        "(ppo_kl_coef=1) and verl's function fallback; verl's PolicyLossConfig default is 0.1.",
+    )
+    sapo_tau_pos: float = Field(
+        1.0, gt=0, description="sapo: gate temperature for A > 0 (the paper's and verl's 1.0)."
+    )
+    sapo_tau_neg: float = Field(
+        1.05, gt=0, description="sapo: gate temperature for A <= 0 (the paper's and verl's 1.05)."
+    )
+    dro_beta: float | None = Field(
+        None,
+        gt=0,
+        description="dro: weight of the 0.5 * (log pi - log pi_old)^2 penalty; required with "
+        "policy_loss=dro (no default, as in verl: the paper tunes it).",
+    )
+    dppo_divergence_low: float = Field(
+        0.2,
+        gt=0,
+        description="dppo_tv / dppo_kl: divergence threshold for tokens with A <= 0 (verl "
+        "reads clip_ratio_low for it; 0.2 is that default).",
+    )
+    dppo_divergence_high: float = Field(
+        0.2,
+        gt=0,
+        description="dppo_tv / dppo_kl: divergence threshold for tokens with A > 0 (verl "
+        "reads clip_ratio_high for it; 0.2 is that default).",
+    )
+    dppo_is_cap: float = Field(
+        20.0,
+        gt=1,
+        description="dppo_tv / dppo_kl: truncation of the importance ratio that weights the "
+        "gradient. 20: the paper asks for a large cap (its Section 5.4) and verl's loss falls "
+        "back to 20, though verl passes its clip_ratio_c (3.0) when set.",
+    )
+    bypass_loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip",
+        description="bypass_mode (the rollout log-probs are the old policy): 'ppo_clip' clips "
+        "r = pi / pi_rollout as PPO; 'reinforce' is -w*A*log pi with truncated weights w.",
+    )
+    bypass_is: Literal["none", "token", "sequence"] = Field(
+        "token",
+        description="bypass_mode with reinforce: importance weight pi / pi_rollout per token "
+        "or per sequence (product over its tokens), or none. verl's default is sequence; "
+        "token has far lower variance on long responses.",
+    )
+    bypass_is_cap: float = Field(
+        2.0, gt=0, description="bypass_mode with reinforce: truncation of the weights (verl: 2)."
     )
     loss_agg_mode: str = Field("token-mean", description="How token losses become one number.")
+    loss_scale_factor: float | None = Field(
+        None,
+        gt=0,
+        description="seq-mean-token-sum-norm: the constant each sequence's token sum is "
+        "divided by; null: the micro-batch's padded response length (verl's default), which "
+        "changes with the batch; set e.g. rollout.max_new_tokens for a fixed one.",
+    )
     kl_coef: float = Field(0.001, ge=0, description="KL-to-reference loss weight; 0 drops ref.")
     kl_estimator: str = Field("k3", description="KL estimator, by registered name.")
     kl_reward_coef: float = Field(

@@ -8,7 +8,17 @@ reward penalty (``r_t - β·kl_t``) or as a loss term. With ``x = log π_θ - lo
 - ``k2`` / ``mse``: ``½ x²`` (biased, low variance; on-policy, its gradient as a loss term is
   the gradient of the true KL),
 - ``k3``: ``exp(-x) + x - 1`` (unbiased, non-negative, low variance),
-- ``abs``: ``|x|``.
+- ``abs``: ``|x|``;
+- ``k1+``, ``k3+``, ``abs+`` (and ``k2+``, the same as ``k2``): the value of the base
+  estimator with the gradient of ``k2`` (straight-through), so a KL *loss* gets k2's
+  gradient, the gradient of the true KL on-policy, while its reported value stays unbiased;
+- ``full``: the exact KL over the vocabulary at each position, from the two full
+  distributions, not from the sampled token. It needs the reference's whole distribution in
+  the actor's update (the actor computes it, see ``treadle.workers.actor``); it cannot be a
+  reward penalty (``treadle check`` refuses ``kl_reward_estimator=full``).
+
+verl's names are aliases: ``kl`` = ``k1``, ``low_var_kl`` = ``k3`` (and their ``+`` forms).
+``mse`` = ``k2``.
 
 The coefficient β comes from a controller: ``FixedKLController`` or ``AdaptiveKLController``
 (Ziegler et al., arXiv 1909.08593). Both expose ``value`` and ``update(current_kl, n_steps)``
@@ -37,9 +47,8 @@ def kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
 
 
 @register_kl_estimator("k2")
-@register_kl_estimator("mse")
 def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    """``k2 = ½ (log π - log π_ref)²`` (also registered as ``mse``)."""
+    """``k2 = ½ (log π - log π_ref)²`` (also named ``mse``, ``k2+``, ``mse+``)."""
     return 0.5 * (log_probs - ref_log_probs).square()
 
 
@@ -57,6 +66,66 @@ def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
 def kl_abs(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """``|log π - log π_ref|``."""
     return (log_probs - ref_log_probs).abs()
+
+
+def _straight_through(value: Tensor, log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """``value`` in the forward pass, the gradient of ``k2`` in the backward pass."""
+    k2 = kl_k2(log_probs, ref_log_probs)
+    return k2 - k2.detach() + value.detach()
+
+
+@register_kl_estimator("k1+")
+def kl_k1_plus(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k1+ (Schulman, http://joschu.net/blog/kl-approx.html; verl): ``k1`` with ``k2``'s gradient.
+
+    Straight-through: the value ``log π - log π_ref`` (unbiased), the gradient
+    ``(log π - log π_ref)∇log π``, whose expectation on-policy is the gradient of the KL
+    (k1's own gradient, ``∇log π``, has expectation 0).
+    """
+    return _straight_through(kl_k1(log_probs, ref_log_probs), log_probs, ref_log_probs)
+
+
+@register_kl_estimator("k3+")
+def kl_k3_plus(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """k3+ (Schulman, http://joschu.net/blog/kl-approx.html; verl): ``k3`` with ``k2``'s gradient.
+
+    The value of ``k3`` (clamped as ``k3``), the gradient of ``½(log π - log π_ref)²``.
+    """
+    return _straight_through(kl_k3(log_probs, ref_log_probs), log_probs, ref_log_probs)
+
+
+@register_kl_estimator("abs+")
+def kl_abs_plus(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """abs+ (verl): ``|log π - log π_ref|`` with ``k2``'s gradient (straight-through)."""
+    return _straight_through(kl_abs(log_probs, ref_log_probs), log_probs, ref_log_probs)
+
+
+# needs_full_vocab: the inputs are log-softmax over the vocabulary [..., V], not [B, T]
+@register_kl_estimator("full", full_vocab=True)
+def kl_full(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
+    """Exact KL (Kullback & Leibler, 1951): ``Σ_v π(v)(log π(v) - log π_ref(v))`` per position.
+
+    ``log_probs`` and ``ref_log_probs`` are full log-softmax distributions ``[..., V]``; the
+    result drops the last dim. No sampling noise, and its gradient is the KL's own. verl
+    0.9.1 names it and raises NotImplementedError; treadle computes it in the actor's update,
+    where the reference's distribution is at hand. Positions where both put probability 0 on
+    a token contribute 0 there (``0·(-inf)`` is avoided by ``xlogy``-style selection).
+    """
+    probs = log_probs.exp()
+    diff = torch.where(probs > 0, log_probs - ref_log_probs, torch.zeros_like(log_probs))
+    return (probs * diff).sum(-1)
+
+
+for _alias, _name in (
+    ("mse", "k2"),
+    ("k2+", "k2"),
+    ("mse+", "k2"),
+    ("kl", "k1"),
+    ("kl+", "k1+"),
+    ("low_var_kl", "k3"),
+    ("low_var_kl+", "k3+"),
+):
+    KL_ESTIMATORS.alias(_alias, _name)
 
 
 def kl_in_reward(

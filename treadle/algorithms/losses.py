@@ -4,7 +4,13 @@ Every policy loss has one signature, so the actor picks one by name from ``POLIC
 
     fn(log_probs, old_log_probs, advantages, response_mask, *, loss_agg_mode="token-mean",
        clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, rollout_is_weights=None,
-       agg_kwargs=None, **_) -> (loss, metrics)
+       agg_kwargs=None, <the loss's own knobs>, **_) -> (loss, metrics)
+
+The actor passes every loss all the knobs of ``algorithm`` (``clip_cov_ratio``,
+``sapo_tau_pos``, ``dro_beta``, ``bypass_loss_type``...); each takes the ones it names and
+ignores the rest. A loss registered with ``old="rollout_log_probs"`` (``bypass_mode``) gets the
+rollout engine's log-probs as ``old_log_probs``. verl's names resolve too (``vanilla`` is
+``ppo``), and ``tests/test_losses_parity.py`` holds every loss to verl 0.9.1's.
 
 All tensors are ``[B, T]`` on the response side. A loss builds a per-token loss matrix and hands
 it to ``agg_loss``, which turns it into a scalar in one of the registered modes. Choices:
@@ -15,7 +21,8 @@ it to ``agg_loss``, which turns it into a scalar in one of the registered modes.
 - ``rollout_is_weights`` (truncated importance weights correcting for a rollout engine whose
   log-probs differ from the trainer's) multiply the per-token loss as constants.
 - ``agg_kwargs`` carries ``num_tokens`` / ``num_seqs`` of the whole mini-batch (all micro-batches
-  and data-parallel ranks), so that the micro-batch losses add up to the mini-batch loss.
+  and data-parallel ranks) divided by ``dp_size``, ``dp_size`` itself and ``norm_constant``, so
+  that the micro-batch losses add up to the mini-batch loss.
 - Metrics are Python floats: ``pg_clipfrac`` (fraction of valid tokens whose ratio was clipped)
   and ``ppo_kl`` (masked mean of ``old - new`` log-prob) at least.
 """
@@ -27,7 +34,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from treadle.algorithms.registry import LOSS_AGG_MODES, register_loss_agg_mode, register_policy_loss
+from treadle.algorithms.registry import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    register_loss_agg_mode,
+    register_policy_loss,
+)
 from treadle.algorithms.utils import masked_count, masked_mean, masked_sum
 
 Count = float | Tensor | None
@@ -43,15 +55,27 @@ def agg_loss(
     num_tokens: Count = None,
     num_seqs: Count = None,
     norm_constant: float | None = None,
+    dp_size: int = 1,
 ) -> Tensor:
     """Reduce a per-token loss ``[B,T]`` to a scalar with the aggregation ``mode``.
 
     ``num_tokens`` defaults to the number of valid tokens, ``num_seqs`` to the number of rows
-    with at least one valid token. Pass the totals of the whole mini-batch instead and the
-    aggregated losses of its micro-batches sum to the aggregated loss of the mini-batch.
+    with at least one valid token. Pass the totals of the whole mini-batch divided by
+    ``dp_size`` (the data-parallel ranks) instead and the aggregated losses of its
+    micro-batches sum to the aggregated loss of the mini-batch, once the ranks' gradients are
+    averaged. verl's ``agg_loss(..., dp_size, batch_num_tokens, global_batch_size,
+    loss_scale_factor)`` is ``agg_loss(..., num_tokens=batch_num_tokens / dp_size,
+    num_seqs=global_batch_size / dp_size, norm_constant=loss_scale_factor, dp_size=dp_size)``.
     """
     fn = LOSS_AGG_MODES.get(mode)
-    return fn(loss_mat, mask, num_tokens=num_tokens, num_seqs=num_seqs, norm_constant=norm_constant)
+    return fn(
+        loss_mat,
+        mask,
+        num_tokens=num_tokens,
+        num_seqs=num_seqs,
+        norm_constant=norm_constant,
+        dp_size=dp_size,
+    )
 
 
 def _divide(total: Tensor, count: Count) -> Tensor:
@@ -71,10 +95,30 @@ def token_mean(
     num_tokens: Count,
     num_seqs: Count,
     norm_constant: float | None,
+    dp_size: int = 1,
 ) -> Tensor:
     """``Σ_{i,t} m·L / num_tokens``: every valid token weighs the same (DAPO)."""
     count = masked_count(mask) if num_tokens is None else num_tokens
     return _divide(masked_sum(loss_mat, mask), count)
+
+
+@register_loss_agg_mode("token-sum")
+def token_sum(
+    loss_mat: Tensor,
+    mask: Tensor,
+    *,
+    num_tokens: Count,
+    num_seqs: Count,
+    norm_constant: float | None,
+    dp_size: int = 1,
+) -> Tensor:
+    """``Σ_{i,t} m·L``: the plain sum over the mini-batch's valid tokens (verl's ``token-sum``).
+
+    Each rank's sum is multiplied by ``dp_size`` so that the average of the ranks' gradients
+    is the gradient of the whole sum. The loss then grows with the batch: scale the learning
+    rate to match.
+    """
+    return masked_sum(loss_mat, mask) * dp_size
 
 
 @register_loss_agg_mode("seq-mean-token-sum")
@@ -85,6 +129,7 @@ def seq_mean_token_sum(
     num_tokens: Count,
     num_seqs: Count,
     norm_constant: float | None,
+    dp_size: int = 1,
 ) -> Tensor:
     """``Σ_i (Σ_t m·L) / num_seqs``: per-sequence sum, averaged over sequences."""
     return _divide(masked_sum(loss_mat, mask), _seq_count(mask, num_seqs))
@@ -98,6 +143,7 @@ def seq_mean_token_mean(
     num_tokens: Count,
     num_seqs: Count,
     norm_constant: float | None,
+    dp_size: int = 1,
 ) -> Tensor:
     """``Σ_i (Σ_t m·L / Σ_t m) / num_seqs``: per-sequence mean, averaged (original GRPO)."""
     seq_means = masked_sum(loss_mat, mask, dim=-1) / masked_count(mask, dim=-1).clamp(min=1)
@@ -112,6 +158,7 @@ def seq_mean_token_sum_norm(
     num_tokens: Count,
     num_seqs: Count,
     norm_constant: float | None,
+    dp_size: int = 1,
 ) -> Tensor:
     """``Σ_i (Σ_t m·L / C) / num_seqs`` with a constant ``C`` (default ``T``): Dr. GRPO.
 
@@ -389,14 +436,16 @@ def kl_cov(
     rollout_is_weights: Tensor | None = None,
     agg_kwargs: dict[str, Any] | None = None,
     kl_cov_ratio: float = 2e-4,
-    ppo_kl_coef: float = 1.0,
+    kl_cov_coef: float = 1.0,
     **_: Any,
 ) -> tuple[Tensor, dict[str, float]]:
     """KL-Cov (Cui et al., arXiv 2505.22617): a KL penalty on the highest-covariance tokens.
 
     ``L_t = -r_t·A_t`` (no clipping), plus ``β·|log π_t - log π_old,t|`` on the
     ``max(1, ⌊ratio·n_valid⌋)`` valid tokens with the largest
-    ``Cov_t = (A_t - mean A)(log π_t - mean log π)``. ``β = ppo_kl_coef`` (paper: 1);
+    ``Cov_t = (A_t - mean A)(log π_t - mean log π)``. ``β = kl_cov_coef``: 1, as in the
+    paper's recipe (``ppo_kl_coef=1`` in its scripts; verl's config default is 0.1, its
+    function's fallback 1);
     ``kl_cov_ratio`` defaults to verl's 2e-4 (the paper tunes it per model size).
     """
     log_probs, old_log_probs, advantages = _valid_only(
@@ -406,13 +455,338 @@ def kl_cov(
     pg_losses = -advantages * torch.exp(log_ratio)
     cov = _token_cov(advantages, log_probs, response_mask)
     penalised = _top_fraction(cov, response_mask, kl_cov_ratio)
-    pg_losses = torch.where(penalised, pg_losses + ppo_kl_coef * log_ratio.abs(), pg_losses)
+    pg_losses = torch.where(penalised, pg_losses + kl_cov_coef * log_ratio.abs(), pg_losses)
     loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
     return loss, {
         "pg_clipfrac": 0.0,
         "pg_cov_frac": _fraction(penalised, response_mask),
         "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
     }
+
+
+POLICY_LOSSES.alias("vanilla", "ppo")  # verl's name for PPO-clip
+
+
+@register_policy_loss("sapo")
+def sapo(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    sapo_tau_pos: float = 1.0,
+    sapo_tau_neg: float = 1.05,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """SAPO (Gao et al., Qwen, arXiv 2511.20347): ``L = -f_τ(r)·A``, ``f_τ(r) = σ(τ(r-1))·4/τ``.
+
+    A soft gate instead of a hard clip: ``f`` has slope 1 at ``r = 1`` (the PPO gradient
+    on-policy) and fades smoothly as the ratio leaves 1, so no token's gradient is cut to
+    zero at a threshold. ``τ = sapo_tau_pos`` for ``A > 0``, ``sapo_tau_neg`` otherwise; the
+    defaults (1.0, 1.05) are the paper's. verl always aggregates SAPO with
+    ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says; treadle uses the configured
+    mode (the paper's objective is ``seq-mean-token-mean``: set it for the paper's loss).
+    """
+    if sapo_tau_pos <= 0 or sapo_tau_neg <= 0:
+        raise ValueError(f"SAPO temperatures must be > 0, got {sapo_tau_pos}, {sapo_tau_neg}")
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    tau = torch.where(advantages > 0, sapo_tau_pos, sapo_tau_neg).to(log_probs.dtype)
+    gate = torch.sigmoid(tau * (torch.exp(log_ratio) - 1.0)) * (4.0 / tau)
+    pg_losses = -gate * advantages
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": 0.0,
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+# one ratio and one advantage per sequence: the loss is a mean over sequences
+@register_policy_loss("geo_mean", agg_modes=("seq-mean-token-mean",))
+def geo_mean(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "seq-mean-token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """GMPO (Zhao et al., arXiv 2507.20673): ``L_i = -Â_i · exp(mean_t clip_A(log r_t))``.
+
+    The geometric mean of the token ratios of sequence ``i`` instead of their arithmetic
+    mean, so one outlier token moves the objective less. Each token's log-ratio is clipped
+    to ``[-ε_low, ε_high]`` on the side the advantage pushes it (PPO's pessimistic min, in
+    log space: ``sign(A)·min(sign(A)·x, sign(A)·clip(x))``); ``Â_i`` is the mean advantage of
+    the sequence (an outcome advantage). ``clip_ratio_low/high`` are *log-space* bounds here
+    (the paper uses 0.4, i.e. ratios in ``(e^-0.4, e^0.4)``). ``L = Σ_i L_i / num_seqs``.
+    Rollout importance weights enter as their geometric mean over the sequence.
+    verl averages over the micro-batch's rows whatever the mini-batch; treadle divides by
+    the mini-batch's ``num_seqs`` so micro-batches add up.
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    clipped_log_ratio = log_ratio.clamp(-clip_ratio_low, clip_ratio_high)
+    sign = torch.sign(advantages)
+    pessimistic = sign * torch.minimum(sign * log_ratio, sign * clipped_log_ratio)
+    seq_ratio = torch.exp(masked_mean(pessimistic, response_mask, dim=-1))
+    seq_adv = masked_mean(advantages, response_mask, dim=-1)
+    seq_losses = -seq_adv * seq_ratio
+    if rollout_is_weights is not None:
+        log_w = torch.log(rollout_is_weights.detach() + 1e-10)
+        seq_losses = seq_losses * torch.exp(masked_mean(log_w, response_mask, dim=-1))
+    # every token of sequence i carries L_i; the per-sequence token mean is then L_i
+    pg_losses = seq_losses.unsqueeze(-1).expand_as(log_ratio)
+    loss = agg_loss(pg_losses, response_mask, loss_agg_mode, **(agg_kwargs or {}))
+    clipped = log_ratio != clipped_log_ratio
+    return loss, {
+        "pg_clipfrac": _fraction(clipped & (advantages > 0), response_mask),
+        "pg_clipfrac_lower": _fraction(clipped & (advantages < 0), response_mask),
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+def _dppo(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    keep: Tensor,
+    cap: float,
+    loss_agg_mode: str,
+    rollout_is_weights: Tensor | None,
+    agg_kwargs: dict[str, Any] | None,
+) -> tuple[Tensor, dict[str, float]]:
+    """``L = -A · sg(min(r, cap)) · log π`` on the tokens ``keep`` lets through, 0 elsewhere."""
+    log_ratio = _log_ratio(log_probs, old_log_probs)
+    ratio = torch.exp(log_ratio.detach())
+    keep = keep.detach()
+    pg_losses = torch.where(keep, -advantages * ratio.clamp(max=cap) * log_probs, 0.0)
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": _fraction(~keep, response_mask),
+        "pg_clipfrac_lower": _fraction((ratio > cap) & keep, response_mask),
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+def _away_from_old(advantages: Tensor, prob: Tensor, old_prob: Tensor) -> Tensor:
+    """Tokens whose probability moved the way the advantage pushes it (up for ``A > 0``)."""
+    return torch.where(advantages > 0, prob > old_prob, prob < old_prob)
+
+
+@register_policy_loss("dppo_tv")
+def dppo_tv(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    dppo_divergence_low: float = 0.2,
+    dppo_divergence_high: float = 0.2,
+    dppo_is_cap: float = 20.0,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """DPPO-Binary-TV (Qi et al., arXiv 2602.04879): ``L = -A·sg(min(r, c))·log π·1[trusted]``.
+
+    A trust region on the policy's divergence, not on the ratio: a token stops pushing once
+    its probability moved past ``π - π_old > δ_high`` (``A > 0``) or ``π - π_old < -δ_low``
+    (``A ≤ 0``) in the advantage's direction (the total-variation distance of the binary
+    distribution {token, rest}). The gradient is importance-weighted by the ratio truncated
+    at ``c = dppo_is_cap`` (the paper recommends a large cap, its Section 5.4). verl reads
+    δ from ``clip_ratio_low/high`` and ``c`` from ``clip_ratio_c`` (3.0 by default there);
+    treadle gives them keys of their own, defaults δ = 0.2 (verl's) and c = 20.
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    moved = torch.exp(log_probs) - torch.exp(old_log_probs)
+    keep = torch.where(advantages > 0, moved <= dppo_divergence_high, moved >= -dppo_divergence_low)
+    return _dppo(
+        log_probs,
+        old_log_probs,
+        advantages,
+        response_mask,
+        keep,
+        dppo_is_cap,
+        loss_agg_mode,
+        rollout_is_weights,
+        agg_kwargs,
+    )
+
+
+@register_policy_loss("dppo_kl")
+def dppo_kl(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    dppo_divergence_low: float = 0.2,
+    dppo_divergence_high: float = 0.2,
+    dppo_is_cap: float = 20.0,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """DPPO-Binary-KL (Qi et al., arXiv 2602.04879): ``L = -A·sg(min(r, c))·log π·1[trusted]``.
+
+    As ``dppo_tv`` with the KL divergence of the binary distribution {token, rest}:
+    ``D = p_old log(p_old/p) + (1-p_old) log((1-p_old)/(1-p))`` (1e-8 added inside the second
+    log, as verl). A token is dropped when ``D`` exceeds ``δ_high`` (``A > 0``) or ``δ_low``
+    (``A ≤ 0``) *and* its probability moved in the advantage's direction; moving back toward
+    the old policy is always allowed.
+    """
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    prob, old_prob = torch.exp(log_probs), torch.exp(old_log_probs)
+    binary_kl = old_prob * (old_log_probs - log_probs) + (1 - old_prob) * torch.log(
+        (1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8)
+    )
+    bound = torch.where(advantages > 0, dppo_divergence_high, dppo_divergence_low)
+    keep = (binary_kl <= bound) | ~_away_from_old(advantages, prob, old_prob)
+    return _dppo(
+        log_probs,
+        old_log_probs,
+        advantages,
+        response_mask,
+        keep,
+        dppo_is_cap,
+        loss_agg_mode,
+        rollout_is_weights,
+        agg_kwargs,
+    )
+
+
+@register_policy_loss("dro")
+def dro(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    dro_beta: float | None = None,
+    rollout_is_weights: Tensor | None = None,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """DRO (Richemond et al., arXiv 2405.19107): ``L = -(A·log π - ½β(log π - log π_old)²)``.
+
+    Direct Reward Optimization's policy term, with the old policy as the regulariser's
+    anchor (as in verl): the gradient ``-(A - β log r)∇log π`` pulls each token back toward
+    the old policy in proportion to how far it moved, instead of clipping. ``β = dro_beta``
+    has no default (the paper tunes it); it must be > 0.
+    """
+    if dro_beta is None or dro_beta <= 0:
+        raise ValueError(f"algorithm.dro_beta must be > 0 for the dro policy loss, got {dro_beta}")
+    log_probs, old_log_probs, advantages = _valid_only(
+        response_mask, log_probs, old_log_probs, advantages
+    )
+    log_ratio = log_probs - old_log_probs
+    pg_losses = -(advantages * log_probs - 0.5 * dro_beta * log_ratio.square())
+    loss = _aggregate(pg_losses, response_mask, loss_agg_mode, rollout_is_weights, agg_kwargs)
+    return loss, {
+        "pg_clipfrac": 0.0,
+        "ppo_kl": masked_mean(-log_ratio.detach(), response_mask).item(),
+    }
+
+
+def bypass_is_weights(
+    log_probs: Tensor, rollout_log_probs: Tensor, mask: Tensor, level: str, cap: float
+) -> Tensor | None:
+    """Truncated importance weights ``min(π_θ/π_rollout, cap)`` (constants), per token
+    (``token``) or one per sequence, the product of its tokens' ratios (``sequence``); None
+    for ``none``. Log-ratios (summed, for ``sequence``) are clamped to ±20 before ``exp``."""
+    if level == "none":
+        return None
+    valid = mask.bool()
+    log_ratio = torch.where(valid, log_probs.detach() - rollout_log_probs.detach(), 0.0)
+    if level == "sequence":
+        log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
+    elif level != "token":
+        raise ValueError(f"bypass_is {level!r}: valid are none, token, sequence")
+    weights = torch.exp(log_ratio.clamp(-20.0, 20.0)).clamp(max=cap)
+    return torch.where(valid, weights, 0.0)
+
+
+# the actor passes the rollout engine's log-probs as the old policy (its "old" fact)
+@register_policy_loss("bypass_mode", old="rollout_log_probs")
+def bypass_mode(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    *,
+    loss_agg_mode: str = "token-mean",
+    clip_ratio_low: float = 0.2,
+    clip_ratio_high: float = 0.2,
+    clip_ratio_c: float | None = 3.0,
+    bypass_loss_type: str = "ppo_clip",
+    bypass_is: str = "token",
+    bypass_is_cap: float = 2.0,
+    agg_kwargs: dict[str, Any] | None = None,
+    **_: Any,
+) -> tuple[Tensor, dict[str, float]]:
+    """Rollout-correction bypass (Liu, Li et al., https://richardli.xyz/rl-collapse; verl):
+    the rollout policy is the old policy.
+
+    ``old_log_probs`` are the *rollout engine's* log-probs (the actor passes them): no
+    separate old-policy pass, two policies instead of three. ``bypass_loss_type``:
+
+    - ``ppo_clip``: PPO-clip (dual clip with ``clip_ratio_c``) on ``r = π_θ/π_rollout``; the
+      clipped ratio already is the importance correction, so no extra weights;
+    - ``reinforce``: ``L = -w·A·log π`` with ``w = min(π_θ/π_rollout, cap)`` detached,
+      per token or per sequence (``bypass_is``: token, sequence, none; cap
+      ``bypass_is_cap``), verl's defaults apart from the level (verl: sequence).
+
+    verl's rejection sampling (``rollout_rs``), IcePop bounds and batch-normalised weights
+    are not implemented; ``algorithm.rollout_correction`` (tis, mis) cannot be combined with it.
+    """
+    if bypass_loss_type == "ppo_clip":
+        loss, metrics = ppo(
+            log_probs,
+            old_log_probs,
+            advantages,
+            response_mask,
+            loss_agg_mode=loss_agg_mode,
+            clip_ratio_low=clip_ratio_low,
+            clip_ratio_high=clip_ratio_high,
+            clip_ratio_c=clip_ratio_c,
+            agg_kwargs=agg_kwargs,
+        )
+    elif bypass_loss_type == "reinforce":
+        weights = bypass_is_weights(
+            log_probs, old_log_probs, response_mask, bypass_is, bypass_is_cap
+        )
+        logp, old, adv = _valid_only(response_mask, log_probs, old_log_probs, advantages)
+        pg_losses = -adv * logp
+        loss = _aggregate(pg_losses, response_mask, loss_agg_mode, weights, agg_kwargs)
+        metrics = {
+            "pg_clipfrac": 0.0,
+            "ppo_kl": masked_mean(old - logp.detach(), response_mask).item(),
+        }
+    else:
+        raise ValueError(
+            f"algorithm.bypass_loss_type={bypass_loss_type!r}: valid are ppo_clip, reinforce"
+        )
+    return loss, metrics
 
 
 # --------------------------------------------------------------------------- critic, entropy
@@ -428,12 +802,17 @@ def value_loss(
     *,
     agg_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Tensor, float]:
-    """Clipped value loss: ``½ agg(max((V - R)², (V_old + clip(V - V_old, ±c) - R)²))``.
+    """Clipped value loss: ``½ agg(max((V - R)², (clip(V, V_old - c, V_old + c) - R)²))``.
 
-    Returns the loss and the fraction of valid tokens where the clipped term was larger.
+    Returns the loss and the fraction of valid tokens where the clipped term was strictly
+    larger. The prediction itself is clipped (not ``V_old + clip(V - V_old)``, which differs
+    from ``V`` by round-off inside the range and would count ties as clipped); at a bound the
+    gradient is shared as ``torch.minimum``/``maximum`` share ties, as in verl.
     """
     values, old_values, returns = _valid_only(mask, values, old_values, returns)
-    clipped_values = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
+    clipped_values = torch.maximum(
+        torch.minimum(values, old_values + cliprange_value), old_values - cliprange_value
+    )
     unclipped_loss = (values - returns).square()
     clipped_loss = (clipped_values - returns).square()
     losses = torch.maximum(unclipped_loss, clipped_loss)

@@ -9,10 +9,12 @@ function up here. Adding a variant is one decorated function in the module that 
 A registration may carry facts about the function that the driver needs to build the
 dataflow, e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a critic
 because the estimator says it reads values, not because its name is ``gae``.
-``ADV_ESTIMATORS.alias("grpo_vectorized", "grpo")`` gives a function a second name.
 ``groups=True`` marks an estimator whose baseline is its group (``rollout.n`` samples of one
 prompt); ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
 absent). ``treadle check`` reads these facts.
+
+``REGISTRY.alias("vanilla", "ppo")`` makes a second name for a registered function (verl's
+names beside treadle's): it resolves everywhere the name does, facts included.
 
 An unknown name fails with the sorted list of valid names and the closest match, so a typo in a
 config says how to fix itself. The ``Protocol`` classes below are the signatures each kind must
@@ -46,7 +48,7 @@ class Registry(Generic[F]):
         """
 
         def decorator(fn: F) -> F:
-            if name in self._fns:
+            if name in self._fns or name in self._aliases:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._fns[name] = fn
             self._info[name] = dict(info)
@@ -54,22 +56,25 @@ class Registry(Generic[F]):
 
         return decorator
 
-    def alias(self, name: str, of: str) -> None:
-        """Register ``name`` as another name of the registered ``of``: same function, same facts
-        (verl's ``grpo_vectorized`` is ``grpo`` computed another way; here it is ``grpo``)."""
-        fn = self.get(of)
-        self.register(name, **self.info(of))(fn)
-        self._aliases[name] = of
+    def alias(self, alias: str, name: str) -> None:
+        """Make ``alias`` another name of the function registered as ``name``."""
+        if alias in self._fns or alias in self._aliases:
+            raise ValueError(f"{self.kind} {alias!r} is already registered")
+        self.get(name)
+        self._aliases[alias] = self._aliases.get(name, name)
 
     def canonical(self, name: str) -> str:
-        """The name ``name`` is an alias of, or ``name`` itself."""
+        """The name a function was registered under (``name`` itself unless an alias)."""
         self.get(name)
         return self._aliases.get(name, name)
 
+    def aliases(self) -> dict[str, str]:
+        """``{alias: registered name}``."""
+        return dict(self._aliases)
+
     def info(self, name: str) -> dict[str, Any]:
         """The facts registered with ``name`` (empty if none); unknown names fail as in get."""
-        self.get(name)
-        return dict(self._info[name])
+        return dict(self._info[self.canonical(name)])
 
     def needs(self, name: str) -> tuple[str, ...]:
         """Inputs beyond the defaults that ``name`` reads (its ``needs`` registration fact)."""
@@ -79,6 +84,8 @@ class Registry(Generic[F]):
         """The function registered under ``name``; ``ValueError`` listing valid names if none."""
         if name in self._fns:
             return self._fns[name]
+        if name in self._aliases:
+            return self._fns[self._aliases[name]]
         message = f"unknown {self.kind} {name!r}; valid: {', '.join(self.names())}"
         close = difflib.get_close_matches(name, self.names(), n=1)
         if close:
@@ -86,11 +93,11 @@ class Registry(Generic[F]):
         raise ValueError(message)
 
     def names(self) -> list[str]:
-        """Registered names, sorted."""
-        return sorted(self._fns)
+        """Registered names and aliases, sorted."""
+        return sorted([*self._fns, *self._aliases])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._fns
+        return name in self._fns or name in self._aliases
 
 
 class AdvantageEstimator(Protocol):
@@ -126,7 +133,12 @@ class KLEstimator(Protocol):
 
 
 class LossAggMode(Protocol):
-    """``(loss_mat[B,T], mask[B,T], *, num_tokens, num_seqs, norm_constant) -> scalar``."""
+    """``(loss_mat[B,T], mask[B,T], *, num_tokens, num_seqs, norm_constant, dp_size) -> scalar``.
+
+    ``num_tokens`` / ``num_seqs`` are the mini-batch's totals divided by ``dp_size`` (the
+    data-parallel ranks, whose gradients are averaged): a mode that needs the plain sum
+    (``token-sum``) multiplies by ``dp_size``.
+    """
 
     def __call__(
         self,
@@ -136,6 +148,7 @@ class LossAggMode(Protocol):
         num_tokens: float | Tensor | None,
         num_seqs: float | Tensor | None,
         norm_constant: float | None,
+        dp_size: int = 1,
     ) -> Tensor: ...
 
 

@@ -53,7 +53,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from treadle.engines.lm_head import linear_log_probs, linear_token_stats
+from treadle.engines.lm_head import (
+    full_log_softmax,
+    full_vocab_term,
+    linear_log_probs,
+    linear_token_stats,
+)
 from treadle.engines.packing import label_positions, pack, scatter_labels
 from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
 
@@ -136,7 +141,16 @@ class LogProbHead(nn.Module):
         temperature: float = 1.0,
         label_mask: torch.Tensor | None = None,
         sum_pi_squared: bool = False,
-    ) -> tuple[torch.Tensor, ...]:
+        *,
+        full_vocab: bool = False,
+        other: torch.Tensor | None = None,
+        pair_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> Any:
+        """``(logp, entropy)`` ``[B, num_labels]``; with ``sum_pi_squared`` (no gradients):
+        also ``Σ_v π(v)²``; with ``full_vocab``: the whole
+        log-softmax ``[N, V]`` at the selected labels, in row-major order of the selection;
+        with ``pair_fn``: also ``pair_fn(log-softmax, other)`` per label (``other``: another
+        model's ``full_vocab`` output on the same batch), e.g. the exact KL."""
         hidden, where = response_hidden(
             self.lm,
             input_ids,
@@ -152,6 +166,10 @@ class LogProbHead(nn.Module):
                 hidden, weight, labels, temperature, self.chunk_size, self.compute_dtype
             )
             return tuple(scatter_labels(x, where) for x in stats)
+        if full_vocab:
+            return full_log_softmax(
+                hidden, weight, temperature, self.chunk_size, self.compute_dtype
+            )
         if len(labels):
             logp, ent = linear_log_probs(
                 hidden, weight, labels, temperature, self.chunk_size, self.compute_dtype
@@ -161,7 +179,17 @@ class LogProbHead(nn.Module):
             # graph through the decoder and the head, so backward (and FSDP's gradient
             # reduction, which every rank must join) runs as for any micro-batch.
             logp = ent = (hidden @ weight[:1].t()).sum(-1).float()
-        return scatter_labels(logp, where), scatter_labels(ent, where)
+        if pair_fn is None:
+            return scatter_labels(logp, where), scatter_labels(ent, where)
+        assert other is not None, "pair_fn needs the other model's full_vocab output"
+        term = (
+            full_vocab_term(
+                hidden, weight, other, pair_fn, temperature, self.chunk_size, self.compute_dtype
+            )
+            if len(labels)
+            else logp
+        )
+        return scatter_labels(logp, where), scatter_labels(ent, where), scatter_labels(term, where)
 
 
 def shard_model(lm: Any, root: nn.Module, compute_dtype: torch.dtype | None = None) -> Any:
@@ -322,6 +350,41 @@ class TrainEngine:
                 input_ids, attention_mask, num_labels, temperature, None, sum_pi_squared=True
             )
         return logp, ent, squares
+
+    def full_log_softmax(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_labels: int,
+        temperature: float = 1.0,
+    ) -> torch.Tensor:
+        """The whole log-softmax ``[N, V]`` at the valid labels (no gradient): the input of
+        :meth:`log_probs_with` for another engine on the same batch."""
+        off = self.module.lm.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+        with off, torch.no_grad():
+            out: torch.Tensor = self.module(
+                input_ids, attention_mask, num_labels, temperature, full_vocab=True
+            )
+        return out
+
+    def log_probs_with(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_labels: int,
+        temperature: float,
+        other: torch.Tensor,
+        pair_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`log_probs` plus ``pair_fn(this model's log-softmax, other)`` per label
+        ``[B, num_labels]`` (0 off the valid labels), all differentiable: e.g. the exact KL to
+        a reference whose :meth:`full_log_softmax` is ``other``."""
+        off = self.module.lm.disable_adapter() if self.adapters_off else contextlib.nullcontext()
+        with off:
+            out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] = self.module(
+                input_ids, attention_mask, num_labels, temperature, other=other, pair_fn=pair_fn
+            )
+        return out
 
     @contextlib.contextmanager
     def evaluating(self) -> Iterator[None]:

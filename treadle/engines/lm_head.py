@@ -28,9 +28,11 @@ matrix products in that dtype, as autocast would; softmax and sums stay float32.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -157,3 +159,59 @@ def linear_token_stats(
         parts.append((logp, entropy, squares))
     out = [torch.cat(column) for column in zip(*parts, strict=True)] if parts else out
     return out[0], out[1], out[2]
+
+
+def full_log_softmax(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``log_softmax(hidden @ weight.T / temperature)`` ``[N, V]``, float32, chunk by chunk.
+
+    The whole distribution, for a term that needs it (the exact KL to a reference): it holds
+    ``N x V`` floats (SmolLM2: 192 KiB a token), so call it without gradients, on a
+    micro-batch."""
+    w = weight.to(compute_dtype) if compute_dtype is not None else weight
+    parts = [
+        torch.log_softmax(_logits(hidden[s : s + chunk_size], w, temperature), dim=-1)
+        for s in range(0, hidden.shape[0], chunk_size)
+    ]
+    if not parts:
+        return hidden.new_zeros(
+            0, weight.shape[0], dtype=torch.promote_types(w.dtype, torch.float32)
+        )
+    return torch.cat(parts)
+
+
+def full_vocab_term(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    other: torch.Tensor,
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    temperature: float = 1.0,
+    chunk_size: int = 512,
+    compute_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``fn(log_softmax(hidden @ weight.T / T), other)`` per position ``[N]``, differentiable.
+
+    ``other [N, V]`` is another distribution at the same positions (a reference's
+    :func:`full_log_softmax`, a constant). Each chunk is recomputed in backward
+    (activation checkpointing), so autograd holds one ``[chunk, V]`` block at a time."""
+    w = weight.to(compute_dtype) if compute_dtype is not None else weight
+
+    def chunk_term(h: torch.Tensor, w_: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        return fn(torch.log_softmax(_logits(h, w_, temperature), dim=-1), o)
+
+    parts = [
+        checkpoint(
+            chunk_term,
+            hidden[s : s + chunk_size],
+            w,
+            other[s : s + chunk_size],
+            use_reentrant=False,
+        )
+        for s in range(0, hidden.shape[0], chunk_size)
+    ]
+    return torch.cat(parts)

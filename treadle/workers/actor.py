@@ -31,12 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty
+from treadle.algorithms import KL_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty
 from treadle.algorithms.correction import rollout_correction
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.checkpoint import read_state
@@ -61,6 +62,27 @@ from treadle.workers.common import (
 )
 from treadle.workers.preference import PreferenceMixin
 from treadle.workers.rollout import ServesRollout, make_engine
+
+# The algorithm keys handed to every policy loss (each takes the ones it knows, **_ the rest).
+LOSS_OPTIONS = (
+    "clip_ratio_low",
+    "clip_ratio_high",
+    "clip_ratio_c",
+    "clip_cov_ratio",
+    "clip_cov_lb",
+    "clip_cov_ub",
+    "kl_cov_ratio",
+    "kl_cov_coef",
+    "sapo_tau_pos",
+    "sapo_tau_neg",
+    "dro_beta",
+    "dppo_divergence_low",
+    "dppo_divergence_high",
+    "dppo_is_cap",
+    "bypass_loss_type",
+    "bypass_is",
+    "bypass_is_cap",
+)
 
 
 class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
@@ -222,18 +244,52 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
 
     # ------------------------------------------------------------------ training
 
-    def _actor_loss(self, mb: Batch, agg: dict[str, float]) -> tuple[torch.Tensor, dict]:
+    def _forward(
+        self, mb: Batch, ids: torch.Tensor, mask: torch.Tensor, r: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The actor's log-probs and entropy, and with the ``full`` KL estimator the exact
+        per-token KL to the reference (its whole distribution computed here, no gradient)."""
+        alg, t = self.cfg.algorithm, self.cfg.rollout.temperature
+        if not (alg.kl_coef > 0 and KL_ESTIMATORS.info(alg.kl_estimator).get("full_vocab")):
+            return *self.actor.log_probs(ids, mask, r, t), None
+        assert self.ref is not None
+        with self.ref.evaluating():
+            ref_full = self.ref.full_log_softmax(ids, mask, r, t)
+        return self.actor.log_probs_with(
+            ids, mask, r, t, ref_full, KL_ESTIMATORS.get(alg.kl_estimator)
+        )
+
+    def _old_policy(self, mb: Batch, logp: torch.Tensor) -> torch.Tensor:
+        """PPO's old log-probs: the pass before the update, or the rollout's (a loss that
+        says so: bypass_mode), or this forward detached (on-policy, one optimizer step)."""
+        if POLICY_LOSSES.info(self.cfg.algorithm.policy_loss).get("old") == "rollout_log_probs":
+            if "old_log_probs" not in mb:  # the mismatch metrics still compare to this forward
+                self._mismatch.append(
+                    mismatch_stats(
+                        logp.detach().cpu(), mb["rollout_log_probs"], mb["response_mask"]
+                    )
+                )
+            return mb["rollout_log_probs"].to(logp)
+        if "old_log_probs" in mb:
+            return mb["old_log_probs"]
+        # on-policy, one optimizer step: this forward is the old policy (see update_actor)
+        old = logp.detach()
+        self._mismatch.append(
+            mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
+        )
+        return old
+
+    def _loss_options(self) -> dict[str, Any]:
+        """Every policy loss's knobs from ``algorithm``; each loss reads its own."""
+        alg = self.cfg.algorithm
+        return {key: getattr(alg, key) for key in LOSS_OPTIONS}
+
+    def _actor_loss(self, mb: Batch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
         ids, mask, r = self._sequences(mb)
-        logp, ent = self.actor.log_probs(ids, mask, r, self.cfg.rollout.temperature)
+        logp, ent, full_kl = self._forward(mb, ids, mask, r)
         rmask = mb["response_mask"].to(logp.dtype)
-        if "old_log_probs" in mb:
-            old = mb["old_log_probs"]
-        else:  # on-policy, one optimizer step: this forward is the old policy (see update_actor)
-            old = logp.detach()
-            self._mismatch.append(
-                mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
-            )
+        old = self._old_policy(mb, logp)
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
         # pi_old / pi_rollout: the engine's numerics, and stale weights in the async modes
         is_weights, pg_mask, over_cap = None, rmask, 0.0
@@ -251,11 +307,9 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
             mb["advantages"],
             pg_mask,
             loss_agg_mode=alg.loss_agg_mode,
-            clip_ratio_low=alg.clip_ratio_low,
-            clip_ratio_high=alg.clip_ratio_high,
-            clip_ratio_c=alg.clip_ratio_c,
             rollout_is_weights=None if is_weights is None else is_weights.to(logp.dtype),
             agg_kwargs=agg,
+            **self._loss_options(),
         )
         loss = pg_loss
         metrics = {
@@ -265,12 +319,12 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         if is_weights is not None:
             metrics["actor/rollout_corr_over_cap_frac"] = over_cap
         if alg.kl_coef > 0:
-            kl = agg_loss(
-                kl_penalty(logp, mb["ref_log_probs"], alg.kl_estimator),
-                rmask,
-                alg.loss_agg_mode,
-                **agg,
+            per_token = (
+                full_kl
+                if full_kl is not None
+                else kl_penalty(logp, mb["ref_log_probs"], alg.kl_estimator)
             )
+            kl = agg_loss(per_token, rmask, alg.loss_agg_mode, **agg)
             loss = loss + alg.kl_coef * kl
             metrics["actor/kl"] = float(kl.detach())
         entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **agg)
@@ -310,7 +364,12 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         """One optimizer step over a mini-batch, in micro-batches with accumulated gradients."""
         # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
         tokens = global_sums(float(mb["response_mask"].sum()))[0] / self.world_size
-        agg = {"num_tokens": max(tokens, 1.0), "num_seqs": float(len(mb))}
+        agg = {
+            "num_tokens": max(tokens, 1.0),
+            "num_seqs": float(len(mb)),
+            "dp_size": self.world_size,
+            "norm_constant": self.cfg.algorithm.loss_scale_factor,
+        }
         micros = [mb.select(idx) for idx in micro_batches(mb, self.cfg.actor)]
         out = self.actor.train_step(micros, lambda m: self._actor_loss(m, agg), prefix="actor/")
         out["actor/clip_frac"] /= len(micros)
