@@ -167,7 +167,7 @@ def check_against(trl_mean, name: str, x: dict, beta: float, per_pair: bool, **k
             torch.testing.assert_close(losses[i], trl_mean(one).to(losses.dtype), **TOL)
 
 
-@pytest.mark.parametrize(("name", "knobs"), DPO_CASES, ids=lambda v: str(v))
+@pytest.mark.parametrize(("name", "knobs"), DPO_CASES, ids=str)
 @pytest.mark.parametrize("beta", [0.1, 0.7])
 def test_pair_loss_matches_trl(name: str, knobs: dict, beta: float) -> None:
     x = pair_inputs(seed=hash(name) % 1000)
