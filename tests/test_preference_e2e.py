@@ -128,6 +128,7 @@ def test_one_step_of_every_unpaired_loss(shared, tmp_path) -> None:  # type: ign
             f"kto.loss_type={name}",
             "kto.desirable_weight=1.2",
             "kto.undesirable_weight=0.8",
+            "kto.nll_coef=0.5",
             f"data.train_files=[{unpaired}]",
         )
         ds = load_unpaired(cfg, cfg.data.train_files, "data.train_files")
@@ -148,10 +149,19 @@ def test_one_step_of_every_unpaired_loss(shared, tmp_path) -> None:  # type: ign
             desirable_weight=1.2,
             undesirable_weight=0.8,
         ).mean()
+        # the worker's loss is the KTO loss plus nll_coef times the desirable token-mean NLL
+        labels = batch["labels"].bool()
+        tokens = float(batch["completion_mask"][labels].sum())
+        nll = float(-policy["logps"][labels].sum() / tokens)
+        worker = group.workers[0]
+        counts = [8.0, float(labels.sum()), float((~labels).sum()), tokens]
+        with torch.no_grad():
+            loss, _ = worker._kto_loss(batch.union(ref), float(kl), counts)
+        assert float(loss) == pytest.approx(float(expected) + 0.5 * nll, rel=1e-5)
         metrics = group.train_kto(batch.union(ref))
+        assert metrics["kto/nll"] == pytest.approx(nll, rel=1e-5)
         assert metrics["kto/kl"] == pytest.approx(float(kl), abs=1e-6)
         assert metrics["kto/loss"] == pytest.approx(float(expected), rel=1e-5)
-        labels = batch["labels"].bool()
         good = float(policy["logps"][labels].mean())
         assert metrics["kto/chosen_logp"] == pytest.approx(good, rel=1e-5)
         assert 0 < metrics["kto/grad_norm"] < float("inf")

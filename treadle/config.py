@@ -394,6 +394,12 @@ class KTOConfig(Section):
     undesirable_weight: float = Field(
         1.0, gt=0, description="lambda_U, the weight of undesirable examples."
     )
+    nll_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the desirable completions' token-mean NLL added to the loss "
+        "(as dpo.nll_coef; not in TRL's KTO); 0: the KTO loss alone.",
+    )
     eval_task: bool = Field(
         False,
         description="Also report held-out task accuracy (greedy generation on data.val_files, "

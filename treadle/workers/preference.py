@@ -231,6 +231,8 @@ class PreferenceMixin:
         return self._unpaired_logps(self.actor, kl_only, kl=False).to(self.device)
 
     def _kto_loss(self, mb: Batch, kl: float, counts: list[float]) -> tuple[torch.Tensor, dict]:
+        """A micro-batch's share of the batch loss, and its metrics (to be summed); ``counts``:
+        examples, desirable ones, undesirable ones and desirable tokens, per rank on average."""
         k = self.cfg.kto
         logps = self._unpaired_logps(self.actor, mb, kl=False)
         ref = mb["ref_logps"].to(logps.device)
@@ -244,7 +246,8 @@ class PreferenceMixin:
             desirable_weight=k.desirable_weight,
             undesirable_weight=k.undesirable_weight,
         )
-        n, n_good, n_bad = counts
+        n, n_good, n_bad, good_tokens = counts
+        nll = -logps[labels].sum() / max(good_tokens, 1.0)  # the desirable token-mean NLL
         rewards = implicit_rewards(logps.detach(), ref, k.beta)
         stats = {
             "kto/loss": float(losses.detach().sum()) / n,
@@ -252,8 +255,9 @@ class PreferenceMixin:
             "kto/rejected_reward": float(rewards[~labels].sum()) / max(n_bad, 1e-9),
             "kto/chosen_logp": float(logps.detach()[labels].sum()) / max(n_good, 1e-9),
             "kto/rejected_logp": float(logps.detach()[~labels].sum()) / max(n_bad, 1e-9),
+            "kto/nll": float(nll.detach()),
         }
-        return losses.sum() / n, stats
+        return losses.sum() / n + (k.nll_coef * nll if k.nll_coef else 0.0), stats
 
     @register(
         Dispatch.DP,
@@ -264,11 +268,16 @@ class PreferenceMixin:
         """One optimizer step of an unpaired loss (``kto.loss_type``) over the batch (mean over
         examples). The reference point z0 (``kto/kl``) comes first, from the whole batch; the
         reward and log-prob metrics are means over the desirable (``chosen``) and the
-        undesirable (``rejected``) examples of all ranks (0 for a class the batch lacks)."""
+        undesirable (``rejected``) examples of all ranks (0 for a class the batch lacks);
+        ``kto.nll_coef`` adds the desirable completions' token-mean NLL (``kto/nll``)."""
         uses_kl = UNPAIRED_LOSSES.info(self.cfg.kto.loss_type).get("kl")
         kl = self._kto_reference_point(batch) if uses_kl else 0.0
         good = float(batch["labels"].sum())
-        counts = [x / self.world_size for x in global_sums(len(batch), good, len(batch) - good)]
+        good_tokens = float(batch["completion_mask"][batch["labels"].bool()].sum())
+        counts = [
+            x / self.world_size
+            for x in global_sums(len(batch), good, len(batch) - good, good_tokens)
+        ]
         micros = batch.split(self.cfg.actor.micro_batch_size)
         metrics = self.actor.train_step(
             micros, lambda mb: self._kto_loss(mb, kl, counts), prefix="kto/"
