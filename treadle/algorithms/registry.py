@@ -11,7 +11,9 @@ dataflow, e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver
 because the estimator says it reads values, not because its name is ``gae``.
 ``groups=True`` marks an estimator whose baseline is its group (``rollout.n`` samples of one
 prompt); ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
-absent). ``treadle check`` reads these facts.
+absent). Preference losses say ``reference=False`` (no reference model is built), ``knobs=(...)``
+(the ``dpo`` settings they read), ``nll=`` (the chosen NLL they include), ``batchwise=True``;
+unpaired losses ``kl=True`` (KTO's reference point). ``treadle check`` reads these facts.
 
 An unknown name fails with the sorted list of valid names and the closest match, so a typo in a
 config says how to fix itself. The ``Protocol`` classes below are the signatures each kind must
