@@ -236,3 +236,31 @@ def test_kto_example_runs_from_python_and_the_command_line(
     assert metrics[1]["kto/loss"] != pytest.approx(0.5, abs=1e-6)
     assert "eval/accuracy" in metrics[1] and "eval/accuracy" not in metrics[0]
     assert "held-out accuracy:" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_kto_two_ranks_match_one(tiny_task, ray_session) -> None:  # type: ignore[no-untyped-def]
+    """Over 2 ranks with unevenly split labels, the reference point (a mean over the whole
+    batch), the class means and the gradient are those of one rank. The first step moves the
+    policy (z0 = 0 at π = π_ref), the second is compared."""
+    results = []
+    for extra in (
+        ["trainer.backend=local"],
+        ["trainer.backend=ray", "actor.world_size=2", "trainer.num_cpus=2"],
+    ):
+        overrides = [*base_overrides(tiny_task), "actor.micro_batch_size=3", "actor.lr=1e-2"]
+        cfg = load_config("examples/preference/kto.yaml", [*overrides, *extra])
+        ds = load_unpaired(cfg, cfg.data.train_files, "data.train_files")
+        batch = unpaired_batch(ds, [0, 2, 4, 5, 6, 8, 9, 11])
+        actors = build_actors(cfg, cfg.model.path, with_ref=True)
+        try:
+            batch = batch.union(actors.group.compute_ref_unpaired_log_probs(batch))
+            actors.group.train_kto(batch)
+            results.append(actors.group.train_kto(batch))
+        finally:
+            actors.close()
+    assert batch["labels"].tolist() == [1, 1, 1, 0, 1, 1, 0, 0]  # ranks get 3:1 and 2:2
+    one, two = results
+    assert one["kto/kl"] > 0.1  # the moved policy: a real reference point
+    for key, value in one.items():
+        assert two[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

@@ -379,3 +379,14 @@ def test_kto_reference_point_is_a_detached_clamped_mean() -> None:
     kl = kto_kl(policy, ref)  # mean(1, 0, -1.5) < 0
     assert float(kl) == 0.0 and not kl.requires_grad
     assert float(kto_kl(policy, ref - 1)) == pytest.approx(2.5 / 3)  # mean(2, 1, -0.5)
+
+
+@pytest.mark.parametrize("kind", ["reverse_kl", "js_divergence"])
+def test_ipo_matches_trl_on_one_token_responses(kind: str) -> None:
+    """TRL's IPO divides the log-ratios by the response lengths, treadle's follows the paper
+    (sums): the two agree where every response is one token long."""
+    x = pair_inputs(seed=7)
+    x["lc"], x["lr"] = torch.ones(B, dtype=torch.float64), torch.ones(B, dtype=torch.float64)
+    check_against(
+        lambda y: trl_dpo("ipo", y, 0.3, f_divergence=kind), "ipo", x, 0.3, True, f_divergence=kind
+    )
