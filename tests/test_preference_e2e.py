@@ -264,3 +264,29 @@ def test_kto_two_ranks_match_one(tiny_task, ray_session) -> None:  # type: ignor
     assert one["kto/kl"] > 0.1  # the moved policy: a real reference point
     for key, value in one.items():
         assert two[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_kto_from_python_takes_a_dataset_in_trls_unpaired_format(tiny_task, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from datasets import Dataset
+
+    import treadle
+
+    text = Path(tiny_task["pairs_train"]).read_text()
+    rows = [json.loads(line) for line in text.splitlines()[:40]]
+    ds = Dataset.from_list(
+        [
+            {"prompt": r["prompt"], "completion": r[key], "label": key == "chosen"}
+            for r in rows
+            for key in ("chosen", "rejected")
+        ]
+    )
+    overrides = [*base_overrides(tiny_task, tmp_path / "kto"), "trainer.total_steps=1"]
+    overrides.remove(f"data.val_files=[{tiny_task['pairs_test']}]")
+    result = treadle.kto(
+        "examples/preference/kto.yaml",
+        train_dataset=ds,
+        overrides=[*overrides, "data.val_files=[]"],
+    )
+    assert result.metrics["kto/loss"] == pytest.approx(0.5, abs=1e-6)
+    assert result.metrics["kto/kl"] == 0.0 and "kto/chosen_logp" in result.metrics
+    assert (result.output_dir / "datasets" / "train").is_dir()
