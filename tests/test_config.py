@@ -90,6 +90,7 @@ def test_dump_is_complete_and_reloads(tmp_path):
         "reward",
         "algorithm",
         "dpo",
+        "kto",
         "actor",
         "critic",
         "trainer",

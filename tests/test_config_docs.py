@@ -61,7 +61,7 @@ def test_command_help_lists_the_sections_and_an_example(capsys):
 
     from treadle.cli import main as cli
 
-    for command in ("train", "sft", "dpo", "rm", "eval", "check"):
+    for command in ("train", "sft", "dpo", "kto", "rm", "eval", "check"):
         with pytest.raises(SystemExit) as done:
             cli([command, "--help"])
         assert done.value.code == 0
@@ -71,7 +71,7 @@ def test_command_help_lists_the_sections_and_an_example(capsys):
         assert "  algorithm  adv_estimator, norm_adv_by_std," in out
         assert "docs/config.md" in out
         example = out.split("example:\n", 1)[1].strip()
-        assert example.startswith(f"treadle {command} examples/arithmetic/")
+        assert example.startswith(f"treadle {command} examples/")
         _, _, config, *rest = example.split()
         overrides = [a for a in rest if "=" in a]  # not --kind dpo
         load_config(ROOT / config, overrides)  # the example's file and keys are valid

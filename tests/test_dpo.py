@@ -176,6 +176,8 @@ def test_dpo_start_up_errors(tiny_task, tmp_path, capsys):
     assert f"data.train_files: {tiny_task['train']} has no column 'chosen'" in err
     assert "data.chosen_key" in err and "data.rejected_key" in err
     assert not out.exists()
-    code = main(["dpo", "examples/arithmetic/dpo.yaml", *common, "dpo.loss_type=hinge"])
+    code = main(["dpo", "examples/arithmetic/dpo.yaml", *common, "dpo.loss_type=hing"])
     assert code == 2
-    assert "dpo.loss_type: unknown name 'hinge'; valid: ipo, sigmoid" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "dpo.loss_type: unknown name 'hing'; valid: aot, " in err
+    assert "(did you mean 'hinge'?)" in err

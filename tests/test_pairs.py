@@ -130,3 +130,70 @@ def test_task_pairs_prefer_the_correct_worked_answer(tiny_task):  # type: ignore
         ar.wrong_solution(83, "-", 47, random.Random(s)) for s in range(60)
     }
     assert all(ar.extract_answer(v) != "85" for v in variants)
+
+
+# ----------------------------------------------------------------------------- unpaired (KTO)
+
+KEYS = {
+    "prompt_key": "prompt",
+    "completion_key": "completion",
+    "label_key": "label",
+    "chosen_key": "chosen",
+    "rejected_key": "rejected",
+    "answer_key": "answer",
+}
+
+
+def load_unpaired(tok, path, **kwargs):  # type: ignore[no-untyped-def]
+    from treadle.data import load_unpaired_dataset
+
+    args = {"tokenizer": tok, "max_prompt_length": 64, "max_response_length": 48, "keys": KEYS}
+    return load_unpaired_dataset([path], **{**args, **kwargs})
+
+
+def test_unpaired_rows_are_prompt_completion_and_label(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    rows = [
+        {"prompt": "What is 1+2?", "completion": "Answer: 3", "label": True, "answer": "3"},
+        {"prompt": "What is 1+2?", "completion": "Answer: 4", "label": False},
+    ]
+    ds = load_unpaired(tok, write_jsonl(tmp_path / "u.jsonl", rows))
+    pairs = load(tok, write_jsonl(tmp_path / "p.jsonl", PAIRS[:1]))
+    assert [r["label"] for r in ds.rows] == [True, False]
+    # the same tokens as the pair's chosen and rejected responses
+    assert ds[0]["completion_ids"] == pairs[0]["chosen_ids"]
+    assert ds[1]["completion_ids"] == pairs[0]["rejected_ids"]
+    assert ds[0]["prompt_ids"] == pairs[0]["prompt_ids"]
+    assert (ds[0]["ground_truth"], ds[1]["ground_truth"]) == ("3", "")
+
+
+@pytest.mark.parametrize(
+    ("rows", "message"),
+    [
+        ([{"prompt": "p", "completion": "c", "label": 1}], r"u\.jsonl row 1: label field 'label' "),
+        ([{"prompt": "p", "completion": "c", "label": "yes"}], r"must be true or false"),
+        ([{"prompt": "p", "completion": "c"}], r"neither the columns 'completion' and 'label'"),
+        ([{"prompt": "p", "completion": "", "label": True}], r"field 'completion' is missing"),
+    ],
+)
+def test_unpaired_errors_name_the_row_and_the_keys(tok, tmp_path: Path, rows, message):  # type: ignore[no-untyped-def]
+    with pytest.raises(DataError, match=message):
+        load_unpaired(tok, write_jsonl(tmp_path / "u.jsonl", rows))
+
+
+def test_pair_and_unpaired_files_do_not_mix(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    from treadle.data import load_unpaired_dataset
+
+    a = write_jsonl(tmp_path / "a.jsonl", PAIRS[:1])
+    b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p", "completion": "c", "label": True}])
+    with pytest.raises(DataError, match="mixes files of pairs and of unpaired examples"):
+        load_unpaired_dataset(
+            [a, b], tokenizer=tok, max_prompt_length=64, max_response_length=48, keys=KEYS
+        )
+
+
+def test_an_overlong_completion_drops_that_example_only(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    rows = [{"prompt": "What is 1+2?", "chosen": "Answer: 3", "rejected": "x " * 80}]
+    ds = load_unpaired(tok, write_jsonl(tmp_path / "p.jsonl", rows))
+    assert [r["label"] for r in ds.rows] == [True] and ds.n_filtered == 1
+    with pytest.raises(DataError, match=r"completion is \d+ tokens, longer than rollout"):
+        load_unpaired(tok, write_jsonl(tmp_path / "p.jsonl", rows), overlong="error")

@@ -1,4 +1,5 @@
-"""The Python API: ``treadle.train``, ``treadle.sft``, ``treadle.dpo`` and ``treadle.rm``.
+"""The Python API: ``treadle.train``, ``treadle.sft``, ``treadle.dpo``, ``treadle.kto`` and
+``treadle.rm``.
 
 Each runs what the command of the same name runs, from Python::
 
@@ -51,7 +52,7 @@ if TYPE_CHECKING:
 
 ConfigLike = str | os.PathLike[str] | Mapping[str, Any] | Config | None
 RewardLike = Callable[..., Any] | str | None
-Kind = Literal["train", "sft", "dpo", "rm"]
+Kind = Literal["train", "sft", "dpo", "kto", "rm"]
 
 
 @dataclass(frozen=True)
@@ -108,6 +109,19 @@ def dpo(
 ) -> RunResult:
     """DPO on chosen/rejected pairs, as ``treadle dpo``; ``reward`` scores ``dpo.eval_task``."""
     return _run("dpo", config, reward, train_dataset, eval_dataset, overrides)
+
+
+def kto(
+    config: ConfigLike = None,
+    *,
+    train_dataset: Any = None,
+    eval_dataset: Any = None,
+    reward: RewardLike = None,
+    overrides: Sequence[str] = (),
+) -> RunResult:
+    """KTO on unpaired examples ({prompt, completion, label: bool}; or pairs), as
+    ``treadle kto``; ``reward`` scores ``kto.eval_task``."""
+    return _run("kto", config, reward, train_dataset, eval_dataset, overrides)
 
 
 def rm(
@@ -185,6 +199,8 @@ def _trainer(kind: Kind) -> Callable[[Config], dict[str, float]]:
         from treadle.trainers.sft import sft as run
     elif kind == "dpo":
         from treadle.trainers.dpo import dpo as run
+    elif kind == "kto":
+        from treadle.trainers.kto import kto as run
     else:
         from treadle.trainers.rm import rm as run
     return run

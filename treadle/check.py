@@ -2,7 +2,7 @@
 
 ``check(cfg, kind)`` runs after the config loaded (types, bounds and cross-field rules are the
 schema's, in ``treadle.config``) and before anything starts. ``kind`` is the command that will
-run (train, sft, dpo, rm, eval); every command calls it first, ``treadle check`` alone prints
+run (train, sft, dpo, kto, rm, eval); every command calls it first, ``treadle check`` alone prints
 its summary. It checks:
 
 - registered names (estimators, losses, aggregation modes, KL estimators, DPO losses), after
@@ -41,11 +41,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from treadle.config import Config
+from treadle.config import DPO_KNOBS, Config
 from treadle.errors import ConfigError, TreadleError
 
-Kind = Literal["train", "sft", "dpo", "rm", "eval"]
-KINDS: tuple[Kind, ...] = ("train", "sft", "dpo", "rm", "eval")
+Kind = Literal["train", "sft", "dpo", "kto", "rm", "eval"]
+KINDS: tuple[Kind, ...] = ("train", "sft", "dpo", "kto", "rm", "eval")
 IMPORT_TIMEOUT_S = 60.0  # importing a reward function or an agent loop may take this long
 
 T = TypeVar("T")
@@ -99,31 +99,14 @@ def check(cfg: Config, kind: Kind) -> list[str]:
 def check_algorithm(cfg: Config, kind: Kind) -> None:
     """Registered names and the rules between them (ConfigError listing every problem), after
     ``algorithm.plugins`` are imported (they register names)."""
-    from treadle.algorithms import (
-        ADV_ESTIMATORS,
-        KL_ESTIMATORS,
-        LOSS_AGG_MODES,
-        POLICY_LOSSES,
-        PREFERENCE_LOSSES,
-    )
+    from treadle.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PREFERENCE_LOSSES
     from treadle.plugins import load_plugins
 
     if cfg.algorithm.plugins:
         with time_limit(IMPORT_TIMEOUT_S, "algorithm.plugins"):
             load_plugins(cfg.algorithm.plugins)
 
-    alg = cfg.algorithm
-    names: list[tuple[str, Any, str]] = []
-    if kind == "train":
-        names = [
-            ("algorithm.adv_estimator", ADV_ESTIMATORS, alg.adv_estimator),
-            ("algorithm.policy_loss", POLICY_LOSSES, alg.policy_loss),
-            ("algorithm.loss_agg_mode", LOSS_AGG_MODES, alg.loss_agg_mode),
-            ("algorithm.kl_estimator", KL_ESTIMATORS, alg.kl_estimator),
-            ("algorithm.kl_reward_estimator", KL_ESTIMATORS, alg.kl_reward_estimator),
-        ]
-    elif kind == "dpo":
-        names = [("dpo.loss_type", PREFERENCE_LOSSES, cfg.dpo.loss_type)]
+    names = _registered_names(cfg, kind)
     problems = []
     for key, registry, name in names:
         if name not in registry:
@@ -135,10 +118,71 @@ def check_algorithm(cfg: Config, kind: Kind) -> None:
     if kind == "train":
         problems += _algorithm_rules(cfg, ADV_ESTIMATORS, POLICY_LOSSES)
         problems += _loss_rules(cfg, POLICY_LOSSES, KL_ESTIMATORS)
-    if kind == "dpo" and cfg.dpo.eval_task and not cfg.data.val_files:
-        problems.append("dpo.eval_task=true needs data.val_files (held-out prompts)")
+    if kind == "dpo" and cfg.dpo.loss_type in PREFERENCE_LOSSES:
+        problems += _preference_knobs(cfg, PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
+    if kind == "kto" and cfg.data.batch_size < 2:
+        problems.append(
+            f"data.batch_size={cfg.data.batch_size}: KTO estimates its reference point from "
+            "the other examples of a batch: set data.batch_size to 2 or more"
+        )
+    if kind in ("dpo", "kto") and getattr(cfg, kind).eval_task and not cfg.data.val_files:
+        problems.append(f"{kind}.eval_task=true needs data.val_files (held-out prompts)")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _registered_names(cfg: Config, kind: Kind) -> list[tuple[str, Any, str]]:
+    """(config key, registry, name) of every name ``kind`` looks up."""
+    from treadle.algorithms import (
+        ADV_ESTIMATORS,
+        KL_ESTIMATORS,
+        LOSS_AGG_MODES,
+        POLICY_LOSSES,
+        PREFERENCE_LOSSES,
+        UNPAIRED_LOSSES,
+    )
+
+    alg = cfg.algorithm
+    if kind == "train":
+        return [
+            ("algorithm.adv_estimator", ADV_ESTIMATORS, alg.adv_estimator),
+            ("algorithm.policy_loss", POLICY_LOSSES, alg.policy_loss),
+            ("algorithm.loss_agg_mode", LOSS_AGG_MODES, alg.loss_agg_mode),
+            ("algorithm.kl_estimator", KL_ESTIMATORS, alg.kl_estimator),
+            ("algorithm.kl_reward_estimator", KL_ESTIMATORS, alg.kl_reward_estimator),
+        ]
+    if kind == "dpo":
+        return [("dpo.loss_type", PREFERENCE_LOSSES, cfg.dpo.loss_type)]
+    if kind == "kto":
+        return [("kto.loss_type", UNPAIRED_LOSSES, cfg.kto.loss_type)]
+    return []
+
+
+def _preference_knobs(cfg: Config, info: dict[str, Any]) -> list[str]:
+    """A ``dpo`` knob changed from its default must be one the loss reads (``f_alpha`` goes
+    with ``f_divergence``); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
+    d, problems = cfg.dpo, []
+    reads = set(info.get("knobs", ()))
+    if "f_divergence" in reads:
+        reads.add("f_alpha")
+    for knob in DPO_KNOBS:
+        value = getattr(d, knob)
+        if value != type(d).model_fields[knob].default and knob not in reads:
+            problems.append(
+                f"dpo.{knob}={value} is not read by dpo.loss_type={d.loss_type} (it reads "
+                f"{', '.join(sorted(reads)) or 'only dpo.beta'}): remove dpo.{knob}"
+            )
+    for knob in info.get("positive", ()):
+        if not getattr(d, knob) > 0:
+            problems.append(
+                f"dpo.loss_type={d.loss_type} needs dpo.{knob} > 0 (got {getattr(d, knob)})"
+            )
+    if info.get("nll") and d.nll_coef:
+        problems.append(
+            f"dpo.loss_type={d.loss_type} already includes the chosen responses' NLL (weight "
+            f"{info['nll']}): set dpo.nll_coef=0"
+        )
+    return problems
 
 
 def _algorithm_rules(cfg: Config, estimators: Any, losses: Any) -> list[str]:
@@ -330,6 +374,7 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
         kind in ("train", "eval")
         or (kind == "sft" and cfg.data.val_files)
         or (kind == "dpo" and cfg.dpo.eval_task)
+        or (kind == "kto" and cfg.kto.eval_task)
     )
     if uses_reward:
         from treadle.rewards import load_reward_fn
@@ -380,7 +425,9 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
         (*train, _pair_rows, True),
         (*val, _pair_rows, False),
     ]
-    if kind == "dpo" and cfg.dpo.eval_task:
+    if kind == "kto":
+        out = [(*train, _unpaired_rows, True), (*val, _unpaired_rows, False)]
+    if (kind == "dpo" and cfg.dpo.eval_task) or (kind == "kto" and cfg.kto.eval_task):
         out.append((*val, _prompt_rows, False))
     return out
 
@@ -401,6 +448,12 @@ def _pair_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> 
     from treadle.data import config_pairs
 
     return len(config_pairs(cfg, [file], key, tokenizer))
+
+
+def _unpaired_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
+    from treadle.data import config_unpaired
+
+    return len(config_unpaired(cfg, [file], key, tokenizer))
 
 
 # --- output directory ------------------------------------------------------------------------

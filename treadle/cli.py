@@ -1,4 +1,4 @@
-"""``treadle`` command line: train | sft | dpo | rm | eval | check | report | prepare | demo |
+"""``treadle`` command line: train | sft | dpo | kto | rm | eval | check | report | prepare | demo |
 model | sandbox.
 
 Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides, and
@@ -83,6 +83,13 @@ def cmd_dpo(args: argparse.Namespace) -> None:
     _print_held_out(dpo(cfg))
 
 
+def cmd_kto(args: argparse.Namespace) -> None:
+    cfg = _config(args)
+    from treadle.trainers.kto import kto
+
+    _print_held_out(kto(cfg))
+
+
 def cmd_rm(args: argparse.Namespace) -> None:
     cfg = _config(args)
     from treadle.trainers.rm import rm
@@ -158,6 +165,7 @@ EXAMPLES = {
     "train": "treadle train examples/arithmetic/grpo.yaml trainer.total_steps=20 rollout.n=8",
     "sft": "treadle sft examples/arithmetic/sft.yaml trainer.epochs=2",
     "dpo": "treadle dpo examples/arithmetic/dpo.yaml dpo.beta=0.05",
+    "kto": "treadle kto examples/preference/kto.yaml kto.desirable_weight=1.2",
     "rm": "treadle rm examples/arithmetic/rm.yaml data.batch_size=32",
     "eval": "treadle eval examples/arithmetic/grpo.yaml "
     "model.path=runs/arithmetic/grpo/final_model",
@@ -204,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(
         prog="treadle",
-        description="RL post-training of language models (GRPO, PPO, DPO, SFT, reward models).",
+        description="RL post-training of language models (GRPO, PPO, DPO, KTO, SFT, reward "
+        "models).",
         epilog="`treadle <command> --help` lists the config sections and shows an example; "
         "every key: docs/config.md. From Python: treadle.train(config, reward=fn, "
         "train_dataset=ds) (README, 'Python API').",
@@ -213,7 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
     for name, fn, text in (
         ("train", cmd_train, "RL training (GRPO and the PPO family)"),
         ("sft", cmd_sft, "supervised fine-tuning on worked answers"),
-        ("dpo", cmd_dpo, "direct preference optimization on chosen/rejected pairs"),
+        ("dpo", cmd_dpo, "DPO and its kin (ORPO, SimPO, IPO...) on chosen/rejected pairs"),
+        ("kto", cmd_kto, "KTO on unpaired examples labelled desirable or not"),
         ("rm", cmd_rm, "train a Bradley-Terry reward model on chosen/rejected pairs"),
         ("eval", cmd_eval, "held-out accuracy of model.path (greedy)"),
     ):

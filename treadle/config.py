@@ -93,6 +93,12 @@ class DataConfig(Section):
     rejected_key: Key = Field(
         "rejected", description="DPO/RM: column holding the dispreferred response."
     )
+    completion_key: Key = Field(
+        "completion", description="KTO: column holding an unpaired example's completion."
+    )
+    label_key: Key = Field(
+        "label", description="KTO: column holding whether the completion is desirable (bool)."
+    )
     max_prompt_length: int = Field(128, gt=0, description="Longest prompt in tokens.")
     overlong_prompts: Literal["filter", "error"] = Field(
         "filter", description="What to do with a prompt over max_prompt_length."
@@ -422,17 +428,53 @@ class AlgorithmConfig(Section):
         return [str(Path(p).absolute()) if p.endswith(".py") else p for p in value]
 
 
+DPO_KNOBS = ("label_smoothing", "discopop_tau", "simpo_gamma", "f_divergence", "f_alpha")
+"""``dpo`` settings that only some losses read (the ``knobs`` of their registration)."""
+
+
 class DPOConfig(Section):
-    beta: float = Field(0.1, gt=0, description="DPO beta (IPO: tau): strength of the reference.")
-    loss_type: str = Field("sigmoid", description="Preference loss, by registered name (ipo...).")
+    """Preference pairs (`treadle dpo`): rows of a prompt, a chosen and a rejected response
+    (`data.prompt_key`, `data.chosen_key`, `data.rejected_key`). Every loss of the DPO family
+    compares the policy with the frozen initial model, except the reference-free `orpo` and
+    `simpo`, for which no reference model is built. The table of losses, their papers and
+    knobs: README, "Preference learning"."""
+
+    beta: float = Field(
+        0.1,
+        gt=0,
+        description="DPO beta: strength of the reference (IPO: tau; ORPO: lambda, the weight "
+        "of the odds-ratio term; SimPO: the reward scale, 2.0-2.5 in the paper).",
+    )
+    loss_type: str = Field(
+        "sigmoid",
+        description="Preference loss, by registered name: sigmoid, ipo, hinge, robust, "
+        "exo_pair, nca_pair, bco_pair, sppo_hard, aot, aot_unpaired, apo_zero, apo_down, "
+        "discopop, sigmoid_norm (with a reference); orpo, simpo (reference-free).",
+    )
     label_smoothing: float = Field(
-        0.0, ge=0, lt=0.5, description="sigmoid: probability that a pair's labels are flipped."
+        0.0,
+        ge=0,
+        lt=0.5,
+        description="Label noise epsilon: sigmoid (cDPO), robust, aot, aot_unpaired, simpo; "
+        "exo_pair needs it > 0 (1e-3 in the paper).",
+    )
+    discopop_tau: float = Field(
+        0.05, gt=0, description="discopop: temperature of the log-ratio modulation."
+    )
+    simpo_gamma: float = Field(0.5, ge=0, description="simpo: target reward margin gamma.")
+    f_divergence: Literal["reverse_kl", "forward_kl", "js_divergence", "alpha_divergence"] = Field(
+        "reverse_kl",
+        description="f-DPO: the divergence to the reference (reverse_kl: DPO's); for "
+        "sigmoid, ipo, hinge, robust, exo_pair, discopop, sigmoid_norm.",
+    )
+    f_alpha: float = Field(
+        0.5, description="f_divergence=alpha_divergence: its alpha (1: the reverse KL)."
     )
     nll_coef: float = Field(
         0.0,
         ge=0,
         description="Weight of the chosen responses' token-mean NLL added to the loss "
-        "(RPO, arXiv 2404.19733); 0: the preference loss alone.",
+        "(RPO, arXiv 2404.19733); 0: the preference loss alone (orpo includes it at 1).",
     )
     eval_task: bool = Field(
         False,
@@ -440,14 +482,37 @@ class DPOConfig(Section):
         "scored by reward.function; the rows need data.answer_key).",
     )
 
-    @model_validator(mode="after")
-    def _smoothing_is_for_sigmoid(self) -> DPOConfig:
-        if self.label_smoothing and self.loss_type != "sigmoid":
-            raise ValueError(
-                f"dpo.label_smoothing={self.label_smoothing} applies to dpo.loss_type=sigmoid "
-                f"only (got {self.loss_type}): set dpo.label_smoothing=0"
-            )
-        return self
+
+class KTOConfig(Section):
+    """Unpaired examples (`treadle kto`): rows of a prompt, a completion and a boolean label
+    (`data.prompt_key`, `data.completion_key`, `data.label_key`; true: desirable), as TRL's
+    unpaired preference format. A file of pairs (`data.chosen_key`, `data.rejected_key`)
+    is read as two examples per pair, the chosen one desirable."""
+
+    beta: float = Field(0.1, gt=0, description="KTO beta: strength of the reference.")
+    loss_type: str = Field(
+        "kto", description="Unpaired loss, by registered name: kto, apo_zero_unpaired."
+    )
+    desirable_weight: float = Field(
+        1.0,
+        gt=0,
+        description="lambda_D, the weight of desirable examples; with unbalanced data keep "
+        "lambda_D n_D / (lambda_U n_U) in [1, 4/3] (the paper).",
+    )
+    undesirable_weight: float = Field(
+        1.0, gt=0, description="lambda_U, the weight of undesirable examples."
+    )
+    nll_coef: float = Field(
+        0.0,
+        ge=0,
+        description="Weight of the desirable completions' token-mean NLL added to the loss "
+        "(as dpo.nll_coef; not in TRL's KTO); 0: the KTO loss alone.",
+    )
+    eval_task: bool = Field(
+        False,
+        description="Also report held-out task accuracy (greedy generation on data.val_files, "
+        "scored by reward.function; the rows need data.answer_key).",
+    )
 
 
 class LoraConfig(Section):
@@ -694,6 +759,7 @@ class Config(Section):
     reward: RewardConfig = Field(default_factory=RewardConfig)  # type: ignore[arg-type]
     algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)  # type: ignore[arg-type]
     dpo: DPOConfig = Field(default_factory=DPOConfig)  # type: ignore[arg-type]
+    kto: KTOConfig = Field(default_factory=KTOConfig)  # type: ignore[arg-type]
     actor: ActorConfig = Field(default_factory=ActorConfig)  # type: ignore[arg-type]
     critic: CriticConfig = Field(default_factory=CriticConfig)  # type: ignore[arg-type]
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)  # type: ignore[arg-type]

@@ -20,6 +20,9 @@ Preference pairs (`load_pair_dataset`, for DPO and reward models) are a prompt, 
 the RL prompts are, with a chosen and a rejected response (text, or one assistant message),
 each tokenized as a rollout's response: content + EOS. A file without the chosen/rejected
 columns fails naming the file and the keys to set (`data.chosen_key`, `data.rejected_key`).
+Unpaired examples (`load_unpaired_dataset`, for KTO) are a prompt, a completion and a boolean
+label (desirable or not), TRL's unpaired preference format; a file of pairs is read as two
+examples per pair.
 
 Text in a file that spells a special token (`<|im_end|>`, `</s>`) stays plain text unless
 `allow_special_tokens`: user text is tokenized with `split_special_tokens=True`, and a rendered
@@ -867,6 +870,217 @@ def collate_pairs(rows: Sequence[PairRow], pad_id: int) -> dict[str, torch.Tenso
     return out
 
 
+# --- unpaired examples (KTO) ------------------------------------------------------------------
+
+
+class UnpairedRow(TypedDict):
+    uid: str
+    prompt_text: str
+    prompt_ids: list[int]
+    completion_ids: list[int]  # response tokens + EOS
+    label: bool  # desirable
+    ground_truth: str
+
+
+@dataclass
+class UnpairedDataset:
+    """Tokenized unpaired examples: a prompt, a completion and whether it is desirable."""
+
+    rows: list[UnpairedRow]
+    pad_id: int
+    n_filtered: int = 0
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> UnpairedRow:
+        return self.rows[index]
+
+
+def _unpaired_kind(records: list[_Record], keys: dict[str, str], config_key: str) -> str:
+    """ "unpaired" (completion + label columns) or "pairs" (chosen + rejected), for all files."""
+    seen: dict[str, dict[str, None]] = {}
+    for record in records:
+        seen.setdefault(record.file, {}).update(
+            (k, None) for k, v in record.row.items() if v is not None
+        )
+    kinds = set()
+    for file, columns in seen.items():
+        if {keys["completion_key"], keys["label_key"]} <= columns.keys():
+            kinds.add("unpaired")
+        elif {keys["chosen_key"], keys["rejected_key"]} <= columns.keys():
+            kinds.add("pairs")
+        else:
+            raise DataError(
+                f"{config_key}: {file} has neither the columns '{keys['completion_key']}' and "
+                f"'{keys['label_key']}' (data.completion_key, data.label_key) of unpaired "
+                f"examples nor '{keys['chosen_key']}' and '{keys['rejected_key']}' "
+                f"(data.chosen_key, data.rejected_key) of pairs; its columns are "
+                f"{', '.join(columns) or 'none'}"
+            )
+    if len(kinds) > 1:
+        raise DataError(f"{config_key}: mixes files of pairs and of unpaired examples")
+    return kinds.pop() if kinds else "unpaired"
+
+
+def _label(record: _Record, key: str) -> bool:
+    value = record.row.get(key)
+    if not isinstance(value, bool):
+        raise DataError(
+            f"{record.where}: label field '{key}' must be true or false (desirable or not), "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _unpaired_row_group(
+    record: _Record,
+    keys: dict[str, str],
+    pairs: bool,
+    tokenizer: PreTrainedTokenizerBase,
+    apply_chat_template: bool,
+    system_prompt: str | None,
+    allow_special: bool,
+) -> list[UnpairedRow]:
+    """The row's example, or a pair's two (chosen: desirable, then rejected)."""
+    shown, text, contents = _prompt_text(
+        record, keys["prompt_key"], tokenizer, apply_chat_template, system_prompt
+    )
+    if pairs:
+        examples = [
+            (f"{record.uid}:chosen", _response_text(record, keys["chosen_key"]), True),
+            (f"{record.uid}:rejected", _response_text(record, keys["rejected_key"]), False),
+        ]
+    else:
+        completion = _response_text(record, keys["completion_key"])
+        examples = [(record.uid, completion, _label(record, keys["label_key"]))]
+    prompt_ids = _encode_prompt(
+        tokenizer,
+        text,
+        contents,
+        templated=apply_chat_template,
+        allow_special=allow_special,
+        specials=_specials(tokenizer),
+    )
+    eos = _eos(tokenizer)[0]
+    answer = record.row.get(keys["answer_key"])
+    return [
+        UnpairedRow(
+            uid=uid,
+            prompt_text=shown,
+            prompt_ids=prompt_ids,
+            completion_ids=[*_encode_response(tokenizer, c, allow_special=allow_special), eos],
+            label=label,
+            ground_truth="" if answer is None else _as_text(answer),
+        )
+        for uid, c, label in examples
+    ]
+
+
+def load_unpaired_dataset(
+    files: Sequence[str | Path],
+    *,
+    keys: dict[str, str],
+    tokenizer: PreTrainedTokenizerBase,
+    max_prompt_length: int,
+    max_response_length: int,
+    overlong: Overlong = "filter",
+    apply_chat_template: bool = True,
+    system_prompt: str | None = None,
+    config_key: str = "data.train_files",
+    allow_special_tokens: bool = False,
+) -> UnpairedDataset:
+    """Read, validate and tokenize unpaired examples (KTO).
+
+    ``keys``: the column names, by their config names (``prompt_key``, ``completion_key``,
+    ``label_key``, ``chosen_key``, ``rejected_key``, ``answer_key``). Files hold either
+    unpaired rows (prompt, completion, label: bool), TRL's unpaired preference format, or
+    pairs, each read as two examples (chosen desirable, rejected not). Length limits as for
+    pairs: an example over them is dropped (or raises).
+    """
+    _check_template(tokenizer, apply_chat_template)
+    records = _read_records(files, config_key)
+    pairs = _unpaired_kind(records, keys, config_key) == "pairs"
+    rows: list[UnpairedRow] = []
+    n_examples = 0
+    for record in records:
+        group = _unpaired_row_group(
+            record,
+            keys,
+            pairs,
+            tokenizer,
+            apply_chat_template,
+            system_prompt,
+            allow_special_tokens,
+        )
+        n_examples += len(group)
+        prompt_ok = _keep(
+            f"{record.where}: prompt is",
+            len(group[0]["prompt_ids"]),
+            max_prompt_length,
+            overlong,
+            "data.max_prompt_length",
+        )
+        rows += [
+            row
+            for row in group
+            if prompt_ok
+            and _keep(
+                f"{record.where}: completion is",
+                len(row["completion_ids"]),
+                max_response_length,
+                overlong,
+                "rollout.max_new_tokens",
+            )
+        ]
+    n_filtered = n_examples - len(rows)
+    if n_filtered:
+        logger.warning(
+            "%s: filtered %d of %d examples with a prompt over %d or a completion over %d tokens",
+            config_key,
+            n_filtered,
+            n_examples,
+            max_prompt_length,
+            max_response_length,
+        )
+    if not rows:
+        raise DataError(f"{config_key}: every example is over the length limits")
+    return UnpairedDataset(rows=rows, pad_id=_pad_id(tokenizer), n_filtered=n_filtered)
+
+
+def _right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(seq) for seq in seqs)
+    ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        mask[i, : len(seq)] = 1
+    return ids, mask
+
+
+def collate_unpaired(rows: Sequence[UnpairedRow], pad_id: int) -> dict[str, torch.Tensor]:
+    """Prompts LEFT-padded, completions RIGHT-padded, labels, and KTO's mismatched pairs.
+
+    Keys: `prompts`, `prompt_mask` `[B, P]`; `completions`, `completion_mask` `[B, R]`;
+    `labels` `[B]` (1: desirable); `kl_completions`, `kl_completion_mask`: row i holds the
+    completion of row i - 1 (row 0: the last row's), so prompt i + KL completion i is a
+    prompt with another example's completion (TRL rotates completions by one the same way).
+    """
+    if not rows:
+        raise ValueError("collate_unpaired: empty batch")
+    prompts, prompt_mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
+    completions, completion_mask = _right_padded([r["completion_ids"] for r in rows], pad_id)
+    return {
+        "prompts": prompts,
+        "prompt_mask": prompt_mask,
+        "completions": completions,
+        "completion_mask": completion_mask,
+        "labels": torch.tensor([int(r["label"]) for r in rows], dtype=torch.long),
+        "kl_completions": torch.roll(completions, 1, dims=0),
+        "kl_completion_mask": torch.roll(completion_mask, 1, dims=0),
+    }
+
+
 # --- sampling --------------------------------------------------------------------------------
 
 
@@ -993,6 +1207,36 @@ def config_pairs(
         chosen_key=d.chosen_key,
         rejected_key=d.rejected_key,
         answer_key=d.answer_key,
+        tokenizer=tokenizer,
+        max_prompt_length=d.max_prompt_length,
+        max_response_length=cfg.rollout.max_new_tokens,
+        overlong=d.overlong_prompts,
+        apply_chat_template=d.apply_chat_template,
+        system_prompt=d.system_prompt,
+        config_key=key,
+        allow_special_tokens=d.allow_special_tokens,
+    )
+
+
+def config_unpaired(
+    cfg: Config, files: Sequence[str], key: str, tokenizer: PreTrainedTokenizerBase
+) -> UnpairedDataset:
+    """Unpaired examples of ``files`` (or pairs, two examples each), checked and tokenized."""
+    d = cfg.data
+    keys = {
+        name: getattr(d, name)
+        for name in (
+            "prompt_key",
+            "completion_key",
+            "label_key",
+            "chosen_key",
+            "rejected_key",
+            "answer_key",
+        )
+    }
+    return load_unpaired_dataset(
+        files,
+        keys=keys,
         tokenizer=tokenizer,
         max_prompt_length=d.max_prompt_length,
         max_response_length=cfg.rollout.max_new_tokens,

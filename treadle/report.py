@@ -63,7 +63,7 @@ def write_report(run_dir: str | Path) -> Path:
     if not metrics_path.is_file():
         raise TreadleError(
             f"{run}: no metrics.jsonl (not a run directory: give a run's trainer.output_dir, "
-            "where treadle train, sft, dpo and rm write one line per step)"
+            "where treadle train, sft, dpo, kto and rm write one line per step)"
         )
     records = read_jsonl(metrics_path)
     if not records:

@@ -4,8 +4,9 @@
 - ``losses``: policy losses (``POLICY_LOSSES``), loss aggregation (``LOSS_AGG_MODES``),
   value loss, entropy
 - ``kl``: KL estimators (``KL_ESTIMATORS``) and KL-coefficient controllers
-- ``preference``: losses on chosen/rejected pairs: DPO variants (``PREFERENCE_LOSSES``:
-  sigmoid, ipo) and the Bradley-Terry reward-model loss
+- ``preference``: losses on chosen/rejected pairs: the DPO family, ORPO and SimPO
+  (``PREFERENCE_LOSSES``: sigmoid, ipo, hinge, ...), on unpaired good/bad examples (KTO,
+  ``UNPAIRED_LOSSES``) and the Bradley-Terry reward-model loss
 - ``utils``: masked statistics
 - ``registry``: the ``Registry`` class and the ``register_*`` decorators
 
@@ -16,19 +17,27 @@ built-in function, so ``ADV_ESTIMATORS.get("grpo")`` works after ``import treadl
 from treadle.algorithms import advantages, kl, losses, preference
 from treadle.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from treadle.algorithms.losses import agg_loss, entropy_from_logits, value_loss
-from treadle.algorithms.preference import bradley_terry_loss, implicit_rewards, pair_stats
+from treadle.algorithms.preference import (
+    bradley_terry_loss,
+    implicit_rewards,
+    kto_kl,
+    length_rewards,
+    pair_stats,
+)
 from treadle.algorithms.registry import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
     PREFERENCE_LOSSES,
+    UNPAIRED_LOSSES,
     Registry,
     register_adv_estimator,
     register_kl_estimator,
     register_loss_agg_mode,
     register_policy_loss,
     register_preference_loss,
+    register_unpaired_loss,
 )
 from treadle.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -38,6 +47,7 @@ __all__ = [
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
     "PREFERENCE_LOSSES",
+    "UNPAIRED_LOSSES",
     "AdaptiveKLController",
     "FixedKLController",
     "Registry",
@@ -48,6 +58,8 @@ __all__ = [
     "implicit_rewards",
     "kl",
     "kl_penalty",
+    "kto_kl",
+    "length_rewards",
     "losses",
     "masked_mean",
     "masked_sum",
@@ -60,5 +72,6 @@ __all__ = [
     "register_loss_agg_mode",
     "register_policy_loss",
     "register_preference_loss",
+    "register_unpaired_loss",
     "value_loss",
 ]

@@ -11,7 +11,9 @@ dataflow, e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver
 because the estimator says it reads values, not because its name is ``gae``.
 ``groups=True`` marks an estimator whose baseline is its group (``rollout.n`` samples of one
 prompt); ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
-absent). ``treadle check`` reads these facts.
+absent). Preference losses say ``reference=False`` (no reference model is built), ``knobs=(...)``
+(the ``dpo`` settings they read), ``nll=`` (the chosen NLL they include), ``batchwise=True``;
+unpaired losses ``kl=True`` (KTO's reference point). ``treadle check`` reads these facts.
 
 ``REGISTRY.alias("vanilla", "ppo")`` makes a second name for a registered function (verl's
 names beside treadle's): it resolves everywhere the name does, facts included.
@@ -155,18 +157,41 @@ class LossAggMode(Protocol):
 class PreferenceLoss(Protocol):
     """``(policy_chosen, policy_rejected, ref_chosen, ref_rejected [B], *, beta, ...) -> [B]``.
 
-    Sequence log-probs (summed over response tokens) of each pair in, one loss per pair out.
+    Sequence log-probs (summed over response tokens) of each pair in, one loss per pair out;
+    the reference's are ``None`` for a loss registered ``reference=False``. Keywords: ``beta``,
+    ``chosen_lengths``/``rejected_lengths`` (response tokens ``[B]``) and every ``dpo`` knob
+    (``label_smoothing``, ``discopop_tau``, ...): a loss takes the ones it reads and ignores
+    the rest (``**_``).
     """
 
     def __call__(
         self,
         policy_chosen_logps: Tensor,
         policy_rejected_logps: Tensor,
-        ref_chosen_logps: Tensor,
-        ref_rejected_logps: Tensor,
+        ref_chosen_logps: Tensor | None,
+        ref_rejected_logps: Tensor | None,
         *,
         beta: float,
-        label_smoothing: float = 0.0,
+        **knobs: Any,
+    ) -> Tensor: ...
+
+
+class UnpairedLoss(Protocol):
+    """``(policy_logps, ref_logps, labels [B], kl, *, beta, ...) -> [B]`` (KTO and kin).
+
+    One sequence log-prob per example, its label (1: desirable) and the batch's reference
+    point ``kl`` (a scalar; 0 for a loss registered without ``kl=True``), one loss out.
+    """
+
+    def __call__(
+        self,
+        policy_logps: Tensor,
+        ref_logps: Tensor,
+        labels: Tensor,
+        kl: Tensor | float,
+        *,
+        beta: float,
+        **knobs: Any,
     ) -> Tensor: ...
 
 
@@ -175,9 +200,11 @@ POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode")
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
+UNPAIRED_LOSSES: Registry[UnpairedLoss] = Registry("unpaired preference loss")
 
 register_adv_estimator = ADV_ESTIMATORS.register
 register_policy_loss = POLICY_LOSSES.register
 register_kl_estimator = KL_ESTIMATORS.register
 register_loss_agg_mode = LOSS_AGG_MODES.register
 register_preference_loss = PREFERENCE_LOSSES.register
+register_unpaired_loss = UNPAIRED_LOSSES.register

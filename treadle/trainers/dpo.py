@@ -7,24 +7,26 @@
 It runs on the RL actor's worker group: the actor is the policy, the worker's reference
 (built from ``model.path``, also on resume) is the frozen initial policy. A step is one
 optimizer step over ``data.batch_size`` pairs. The loss is chosen by name
-(``dpo.loss_type``: ``sigmoid``, ``ipo``; :mod:`treadle.algorithms.preference`), on sequence
-log-probs summed over response tokens at temperature 1, plus ``dpo.nll_coef`` times the
-chosen responses' token-mean NLL when set (RPO, arXiv 2404.19733: it keeps DPO from lowering
-the likelihood of the chosen answers along with the rejected ones). The reference log-probs
-of a batch are computed once, before the update, in their own timed phase.
+(``dpo.loss_type``: ``sigmoid``, ``ipo``, ``hinge``, ... ``orpo``, ``simpo``;
+:mod:`treadle.algorithms.preference`), on sequence log-probs summed over response tokens at
+temperature 1, plus ``dpo.nll_coef`` times the chosen responses' token-mean NLL when set
+(RPO, arXiv 2404.19733: it keeps DPO from lowering the likelihood of the chosen answers along
+with the rejected ones). The reference log-probs of a batch are computed once, before the
+update, in their own timed phase. A loss registered ``reference=False`` (ORPO, SimPO) gets
+no reference model at all: the worker group is built without one and the phase is skipped.
 
 Evaluation on ``data.val_files`` (pair files): ``eval/pair_accuracy`` and ``eval/margin`` of
-the implicit reward ``β (log π - log π_ref)`` on held-out pairs (the reference's log-probs
-of them are computed once) and, with ``dpo.eval_task``, the held-out task accuracy of greedy
-generations (``eval/accuracy``), as ``treadle eval`` measures it. Checkpoints, resume and
-``final_model`` are the SFT driver's.
+the implicit reward ``β (log π - log π_ref)`` (reference-free: ``β log π / |y|``) on
+held-out pairs (the reference's log-probs of them are computed once) and, with
+``dpo.eval_task``, the held-out task accuracy of greedy generations (``eval/accuracy``), as
+``treadle eval`` measures it. Checkpoints, resume and ``final_model`` are the SFT driver's.
 """
 
 from __future__ import annotations
 
 import time
 
-from treadle.algorithms import implicit_rewards
+from treadle.algorithms import PREFERENCE_LOSSES, implicit_rewards, length_rewards
 from treadle.check import check_algorithm
 from treadle.config import Config
 from treadle.protocol import Batch
@@ -59,16 +61,18 @@ class DPOTrainer(Trainer):
             load_prompts(cfg, d.val_files, "data.val_files") if cfg.dpo.eval_task else None
         )
         self.val_ref: Batch | None = None  # the reference never changes: score it once
+        self.reference = PREFERENCE_LOSSES.info(cfg.dpo.loss_type).get("reference", True)
         super().__init__(cfg)
         sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
-        self.start_workers(sampler, with_ref=True)
+        self.start_workers(sampler, with_ref=self.reference)
 
     def run_step(self, step: int) -> dict[str, float]:
         m: dict[str, float] = {}
         start = time.perf_counter()
         batch = pair_batch(self.train, self.sampler.next_indices())
-        with timed(m, "ref_log_probs"):
-            batch = batch.union(self.group.compute_ref_pair_log_probs(batch))
+        if self.reference:
+            with timed(m, "ref_log_probs"):
+                batch = batch.union(self.group.compute_ref_pair_log_probs(batch))
         with timed(m, "update_actor"):
             m.update(self.group.train_dpo(batch))
         m["timing/step"] = time.perf_counter() - start
@@ -82,15 +86,19 @@ class DPOTrainer(Trainer):
         """Implicit-reward accuracy and margin on held-out pairs; task accuracy if asked."""
         assert self.val is not None
         batch, pad = held_out_batch(self.cfg, self.val)
-        if self.val_ref is None:
-            self.val_ref = self.group.compute_ref_pair_log_probs(batch).unpad(pad)
         policy = self.group.compute_pair_log_probs(batch).unpad(pad)
-        beta, ref = self.cfg.dpo.beta, self.val_ref
-        metrics = pair_means(
-            implicit_rewards(policy["chosen_logps"], ref["ref_chosen_logps"], beta),
-            implicit_rewards(policy["rejected_logps"], ref["ref_rejected_logps"], beta),
-            prefix="eval/",
-        )
+        beta = self.cfg.dpo.beta
+        if self.reference:
+            if self.val_ref is None:
+                self.val_ref = self.group.compute_ref_pair_log_probs(batch).unpad(pad)
+            ref = self.val_ref
+            chosen = implicit_rewards(policy["chosen_logps"], ref["ref_chosen_logps"], beta)
+            rejected = implicit_rewards(policy["rejected_logps"], ref["ref_rejected_logps"], beta)
+        else:
+            pairs = batch.unpad(pad)
+            chosen = length_rewards(policy["chosen_logps"], pairs["chosen_mask"].sum(1), beta)
+            rejected = length_rewards(policy["rejected_logps"], pairs["rejected_mask"].sum(1), beta)
+        metrics = pair_means(chosen, rejected, prefix="eval/")
         if self.val_prompts is not None:
             self.rollout.sync_weights(version=step)  # generate with the trained weights
             pad_id = self.val_prompts.pad_id
