@@ -16,12 +16,13 @@ from treadle.algorithms import (
     masked_var,
     masked_whiten,
 )
+from treadle.algorithms.reference import builtin_names
 
 # --------------------------------------------------------------------------- registry
 
 
 def test_builtin_names():
-    assert ADV_ESTIMATORS.names() == [
+    assert builtin_names(ADV_ESTIMATORS) == [
         "dr_grpo",
         "gae",
         "gdpo",
@@ -38,7 +39,7 @@ def test_builtin_names():
         "rloo_vectorized",
         "tir_optimal_token_baseline",
     ]
-    assert POLICY_LOSSES.names() == [
+    assert builtin_names(POLICY_LOSSES) == [
         "bypass_mode",
         "cispo",
         "clip_cov",
@@ -55,7 +56,7 @@ def test_builtin_names():
     ]
     assert POLICY_LOSSES.aliases() == {"vanilla": "ppo"}
     assert POLICY_LOSSES.get("vanilla") is POLICY_LOSSES.get("ppo")
-    assert LOSS_AGG_MODES.names() == [
+    assert builtin_names(LOSS_AGG_MODES) == [
         "seq-mean-token-mean",
         "seq-mean-token-sum",
         "seq-mean-token-sum-norm",

@@ -49,11 +49,14 @@ def test_every_key_has_a_row_with_its_description_under_its_section():
 
 
 def test_check_fails_on_a_stale_file_naming_the_command(tmp_path, capsys):
+    assert main(["--dir", str(tmp_path)]) == 0  # writes config.md and algorithms.md
+    assert main(["--check", "--dir", str(tmp_path)]) == 0
     stale = tmp_path / "config.md"
     stale.write_text(render().replace("| `batch_size` |", "| `batch` |"))
-    assert main(["--check", "--output", str(stale)]) == 1
-    assert "is out of date: run `python -m treadle.docs`" in capsys.readouterr().err
-    assert main(["--output", str(stale)]) == 0 and main(["--check", "--output", str(stale)]) == 0
+    assert main(["--check", "--dir", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert err == f"{stale} is out of date: run `python -m treadle.docs`\n"
+    assert main(["--dir", str(tmp_path)]) == 0 and main(["--check", "--dir", str(tmp_path)]) == 0
 
 
 def test_command_help_lists_the_sections_and_an_example(capsys):

@@ -1,11 +1,16 @@
-"""The config reference, ``docs/config.md``, generated from the config classes.
+"""The references in ``docs/``, generated from the code so that they cannot drift from it.
 
-``python -m treadle.docs`` writes it; ``python -m treadle.docs --check`` exits 1 when the
-file differs from what the classes say (``tests/test_config_docs.py`` runs the same
-comparison). Every key of every section (sub-sections too) is one table row: its name, its type
-with the bounds pydantic checks, its default and its description, all read from
-``Config.model_fields``, so the reference cannot drift from the code: change a field, run the
-command, commit both.
+- ``docs/config.md`` from the config classes: every key of every section (sub-sections too) is
+  one table row: its name, its type with the bounds pydantic checks, its default and its
+  description, all read from ``Config.model_fields``.
+- ``docs/algorithms.md`` from the algorithm registries: every registered name is one row with
+  its paper and formula (the first paragraph of the function's docstring), the config key that
+  selects it and what it needs (its registration facts).
+
+``python -m treadle.docs`` writes both; ``python -m treadle.docs --check`` exits 1 when a file
+differs from what the code says (``tests/test_config_docs.py`` and
+``tests/test_algorithm_docs.py`` run the same comparison). Change a field or register a
+function, run the command, commit both.
 """
 
 from __future__ import annotations
@@ -27,7 +32,8 @@ from pydantic_core import PydanticUndefined
 
 from treadle.config import Config, Section
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+DOCS_DIR = Path(__file__).resolve().parent.parent / "docs"
+DOC = DOCS_DIR / "config.md"
 COMMAND = "python -m treadle.docs"
 
 HEADER = f"""# Config reference
@@ -135,21 +141,30 @@ def _default(field: FieldInfo) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from treadle.algorithms.reference import render as render_algorithms
+
     p = argparse.ArgumentParser(prog=COMMAND, description=__doc__.splitlines()[0])
-    p.add_argument("--check", action="store_true", help="exit 1 if the file is not current")
-    p.add_argument("--output", type=Path, default=DOC)
+    p.add_argument("--check", action="store_true", help="exit 1 if a file is not current")
+    p.add_argument(
+        "--dir",
+        type=Path,
+        default=DOCS_DIR,
+        help="where config.md and algorithms.md are (default: the repository's docs/)",
+    )
     args = p.parse_args(argv)
-    text = render()
-    if args.check:
-        current = args.output.read_text() if args.output.is_file() else ""
-        if current != text:
-            print(f"{args.output} is out of date: run `{COMMAND}`", file=sys.stderr)
-            return 1
-        return 0
-    args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(text)
-    print(f"wrote {args.output}")
-    return 0
+    stale = 0
+    for name, text in (("config.md", render()), ("algorithms.md", render_algorithms())):
+        path = args.dir / name
+        if args.check:
+            current = path.read_text() if path.is_file() else ""
+            if current != text:
+                print(f"{path} is out of date: run `{COMMAND}`", file=sys.stderr)
+                stale = 1
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+        print(f"wrote {path}")
+    return stale
 
 
 if __name__ == "__main__":

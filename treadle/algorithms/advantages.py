@@ -152,9 +152,9 @@ def rloo(
     group_ids: Sequence[Hashable],
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """RLOO (Ahmadian et al., arXiv 2402.14740): leave-one-out baseline.
+    """RLOO (Ahmadian et al., arXiv 2402.14740): ``A_i = s_i - (1/(n-1)) Σ_{j≠i} s_j``.
 
-    ``A_i = s_i - (1/(n-1)) Σ_{j≠i} s_j = (n s_i - Σ_j s_j) / (n - 1)`` over the n samples of the
+    The leave-one-out baseline, ``(n s_i - Σ_j s_j) / (n - 1)`` over the n samples of the
     group; a single-sample group has no baseline (``A_i = s_i``).
     """
     scores = _scores(token_level_rewards, response_mask)
@@ -174,9 +174,9 @@ def reinforce_plus_plus(
     gamma: float = 1.0,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """REINFORCE++ (Hu, arXiv 2501.03262): discounted return, whitened over the batch.
+    """REINFORCE++ (Hu, arXiv 2501.03262): ``G_t = r_t + γ G_{t+1}``, ``A = whiten_batch(G)``.
 
-    ``G_t = r_t + γ G_{t+1}`` (over valid positions), ``A = whiten(G)`` with the mean and std of
+    The discounted return over valid positions, whitened with the mean and std of
     all valid tokens of the batch. Returns are the un-whitened ``G``. ``group_ids`` is unused.
     """
     returns = _discounted_returns(_real(token_level_rewards), response_mask, gamma)
@@ -241,9 +241,10 @@ def gae(
     lam: float = 1.0,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """GAE (Schulman et al., arXiv 1506.02438), over the valid positions of each row.
+    """GAE (Schulman et al., arXiv 1506.02438): ``δ_t = r_t + γ V_{t+1} - V_t``,
+    ``A_t = δ_t + γλ A_{t+1}``, returns ``A_t + V_t``; A whitened over the batch.
 
-    ``δ_t = r_t + γ V_{t+1} - V_t``, ``A_t = δ_t + γλ A_{t+1}`` where ``t+1`` is the next valid
+    Over the valid positions of each row: ``t+1`` is the next valid
     position (``V = A = 0`` past the last one). Returns ``R_t = A_t + V_t`` (the critic's
     target), then advantages are whitened over the valid tokens of the batch.
     """
@@ -272,9 +273,9 @@ def opo(
     group_ids: Sequence[Hashable],
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """OPO (Hao et al., arXiv 2505.23585): length-weighted optimal baseline.
+    """OPO (Hao et al., arXiv 2505.23585): ``A_i = s_i - Σ_j l_j s_j / Σ_j l_j``.
 
-    ``A_i = s_i - Σ_j l_j s_j / Σ_j l_j`` over the group, ``l_j`` = number of valid tokens of
+    A length-weighted optimal baseline over the group, ``l_j`` = number of valid tokens of
     response ``j``; a single-sample group has no baseline.
     """
     scores = _scores(token_level_rewards, response_mask)
@@ -297,9 +298,9 @@ def gpg(
     eps: float = 1e-6,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """GPG (Chu et al., arXiv 2504.02546): group-mean baseline, no std, bias-corrected.
+    """GPG (Chu et al., arXiv 2504.02546): ``A_i = α (s_i - mean_g(s))``, ``α = B / (B - M)``.
 
-    ``A_i = α (s_i - mean_g(s))`` with ``α = B / (B - M)``: ``B`` samples in the batch, ``M`` of
+    A group-mean baseline, no std, bias-corrected by ``α``: ``B`` samples in the batch, ``M`` of
     them with zero advantage (``|s_i - mean_g| <= eps``). Those samples carry no gradient, so the
     batch-mean loss would shrink the gradient by ``(B - M) / B``; ``α`` undoes that. With 0/1
     rewards the zero-advantage samples are exactly the groups whose rewards are all equal, the
@@ -507,8 +508,8 @@ def tir_optimal_token_baseline(
     eps: float = 1e-8,
     **_: Any,
 ) -> tuple[Tensor, Tensor]:
-    """Multi-turn optimal token baseline (verl): the optimal token baseline with time counted
-    in the model's own tokens.
+    """Multi-turn optimal token baseline (verl): ``A_t = G_t - Σ_g G_t W_t / (Σ_g W_t + eps)``
+    with ``t`` counted in the model's own tokens.
 
     As ``optimal_token_baseline``, but the ``t``-th step of a trajectory is its ``t``-th valid
     token: tool output between turns (mask 0) is skipped, so the baseline compares the

@@ -42,19 +42,22 @@ def kl_penalty(log_probs: Tensor, ref_log_probs: Tensor, kind: str) -> Tensor:
 
 @register_kl_estimator("k1")
 def kl_k1(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    """``k1 = log π - log π_ref``."""
+    """k1 (Schulman, http://joschu.net/blog/kl-approx.html): ``log π - log π_ref``."""
     return log_probs - ref_log_probs
 
 
 @register_kl_estimator("k2")
 def kl_k2(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    """``k2 = ½ (log π - log π_ref)²`` (also named ``mse``, ``k2+``, ``mse+``)."""
+    """k2 (Schulman, http://joschu.net/blog/kl-approx.html): ``½ (log π - log π_ref)²``.
+
+    Also named ``mse``, ``k2+``, ``mse+``."""
     return 0.5 * (log_probs - ref_log_probs).square()
 
 
 @register_kl_estimator("k3")
 def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    """``k3 = exp(log π_ref - log π) - (log π_ref - log π) - 1``, clamped to [-10, 10].
+    """k3 (Schulman, http://joschu.net/blog/kl-approx.html): ``exp(log π_ref - log π) -
+    (log π_ref - log π) - 1``, clamped to [-10, 10].
 
     The log-ratio is clamped to [-20, 20] before ``exp`` so a bad token cannot overflow.
     """
@@ -64,7 +67,7 @@ def kl_k3(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
 
 @register_kl_estimator("abs")
 def kl_abs(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
-    """``|log π - log π_ref|``."""
+    """abs (Schulman, http://joschu.net/blog/kl-approx.html): ``|log π - log π_ref|``."""
     return (log_probs - ref_log_probs).abs()
 
 

@@ -97,7 +97,8 @@ def token_mean(
     norm_constant: float | None,
     dp_size: int = 1,
 ) -> Tensor:
-    """``Σ_{i,t} m·L / num_tokens``: every valid token weighs the same (DAPO)."""
+    """token-mean (DAPO, arXiv 2503.14476): ``Σ_{i,t} m·L / num_tokens``, every valid token weighs
+    the same."""
     count = masked_count(mask) if num_tokens is None else num_tokens
     return _divide(masked_sum(loss_mat, mask), count)
 
@@ -112,7 +113,7 @@ def token_sum(
     norm_constant: float | None,
     dp_size: int = 1,
 ) -> Tensor:
-    """``Σ_{i,t} m·L``: the plain sum over the mini-batch's valid tokens (verl's ``token-sum``).
+    """token-sum (verl): ``Σ_{i,t} m·L``, the plain sum over the mini-batch's valid tokens.
 
     Each rank's sum is multiplied by ``dp_size`` so that the average of the ranks' gradients
     is the gradient of the whole sum. The loss then grows with the batch: scale the learning
@@ -131,7 +132,7 @@ def seq_mean_token_sum(
     norm_constant: float | None,
     dp_size: int = 1,
 ) -> Tensor:
-    """``Σ_i (Σ_t m·L) / num_seqs``: per-sequence sum, averaged over sequences."""
+    """seq-mean-token-sum (verl): ``Σ_i (Σ_t m·L) / num_seqs``, per-sequence sum, averaged."""
     return _divide(masked_sum(loss_mat, mask), _seq_count(mask, num_seqs))
 
 
@@ -145,7 +146,7 @@ def seq_mean_token_mean(
     norm_constant: float | None,
     dp_size: int = 1,
 ) -> Tensor:
-    """``Σ_i (Σ_t m·L / Σ_t m) / num_seqs``: per-sequence mean, averaged (original GRPO)."""
+    """seq-mean-token-mean (GRPO, arXiv 2402.03300): ``Σ_i (Σ_t m·L / Σ_t m) / num_seqs``."""
     seq_means = masked_sum(loss_mat, mask, dim=-1) / masked_count(mask, dim=-1).clamp(min=1)
     return _divide(seq_means.sum(), _seq_count(mask, num_seqs))
 
@@ -160,7 +161,8 @@ def seq_mean_token_sum_norm(
     norm_constant: float | None,
     dp_size: int = 1,
 ) -> Tensor:
-    """``Σ_i (Σ_t m·L / C) / num_seqs`` with a constant ``C`` (default ``T``): Dr. GRPO.
+    """seq-mean-token-sum-norm (Dr. GRPO, arXiv 2503.20783): ``Σ_i (Σ_t m·L / C) / num_seqs``,
+    ``C`` a constant (default ``T``).
 
     Dividing by a constant instead of each sequence's length removes GRPO's length bias
     (arXiv 2503.20783).
@@ -231,7 +233,8 @@ def ppo(
     agg_kwargs: dict[str, Any] | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, float]]:
-    """PPO-clip (arXiv 1707.06347) with decoupled ratios and optional dual clip.
+    """PPO-clip (Schulman et al., arXiv 1707.06347): ``L = max(-A·r, -A·clip(r, 1-ε_low,
+    1+ε_high))``, with dual clip ``min(L, -A·c)`` for ``A < 0``.
 
     ``r = π/π_old``, ``L = max(-A·r, -A·clip(r, 1-ε_low, 1+ε_high))``; ``ε_high > ε_low`` is
     DAPO's clip-higher (arXiv 2503.14476). With ``clip_ratio_c = c > 1``, tokens with ``A < 0``
@@ -273,7 +276,8 @@ def gspo(
     agg_kwargs: dict[str, Any] | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, float]]:
-    """GSPO (Zheng et al., arXiv 2507.18071): a clipped *sequence-level* importance ratio.
+    """GSPO (Zheng et al., arXiv 2507.18071): ``L = max(-A·s_i, -A·clip(s_i, 1-ε_low,
+    1+ε_high))``, ``s_i = exp(mean_t (log π - log π_old))``, a sequence-level ratio.
 
     ``s_i = exp(mean_t (log π - log π_old))`` over the valid tokens of sequence ``i``. The
     token form ``s_{i,t} = sg(s_i) · π_t / sg(π_t)`` has the value ``s_i`` and the gradient
@@ -310,9 +314,9 @@ def cispo(
     agg_kwargs: dict[str, Any] | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, float]]:
-    """CISPO (MiniMax-M1, arXiv 2506.13585): clip the importance weight, not the update.
+    """CISPO (MiniMax-M1, arXiv 2506.13585): ``L = -sg(clip(r, 1-ε_low, 1+ε_high)) · A · log π``.
 
-    ``L = -sg(clip(r, 1-ε_low, 1+ε_high)) · A · log π``: every token keeps a gradient
+    Clip the importance weight, not the update: every token keeps a gradient
     ``-ŵ A ∇log π``, only its weight is bounded. The default ``ε_low = 1`` leaves no lower
     bound, as in the paper; ``ε_high = 0.2`` is our default, not a value from the paper.
     """
@@ -397,7 +401,9 @@ def clip_cov(
     generator: torch.Generator | None = None,
     **_: Any,
 ) -> tuple[Tensor, dict[str, float]]:
-    """Clip-Cov (Cui et al., arXiv 2505.22617): drop the gradient of high-covariance tokens.
+    """Clip-Cov (Cui et al., arXiv 2505.22617): PPO-clip, with loss 0 on a random ``ratio``
+    fraction of the tokens whose ``Cov_t = (A_t - mean A)(log π_t - mean log π)`` is in
+    ``(lb, ub)``.
 
     ``Cov_t = (A_t - mean A)(log π_t - mean log π)`` over the valid tokens of this call. Of the
     tokens not already clipped by PPO whose ``Cov_t`` lies in ``(lb, ub)``, a random
@@ -439,7 +445,8 @@ def kl_cov(
     kl_cov_coef: float = 1.0,
     **_: Any,
 ) -> tuple[Tensor, dict[str, float]]:
-    """KL-Cov (Cui et al., arXiv 2505.22617): a KL penalty on the highest-covariance tokens.
+    """KL-Cov (Cui et al., arXiv 2505.22617): ``L_t = -r_t·A_t + β·|log r_t|`` on the
+    ``ratio`` fraction of tokens with the largest ``Cov_t``, ``-r_t·A_t`` elsewhere.
 
     ``L_t = -r_t·A_t`` (no clipping), plus ``β·|log π_t - log π_old,t|`` on the
     ``max(1, ⌊ratio·n_valid⌋)`` valid tokens with the largest
@@ -745,7 +752,7 @@ def bypass_mode(
     **_: Any,
 ) -> tuple[Tensor, dict[str, float]]:
     """Rollout-correction bypass (Liu, Li et al., https://richardli.xyz/rl-collapse; verl):
-    the rollout policy is the old policy.
+    PPO-clip (or REINFORCE) with ``r = π_θ / π_rollout``: the rollout policy is the old policy.
 
     ``old_log_probs`` are the *rollout engine's* log-probs (the actor passes them): no
     separate old-policy pass, two policies instead of three. ``bypass_loss_type``:
