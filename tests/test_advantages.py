@@ -265,6 +265,7 @@ def test_every_estimator_follows_the_contract(name):
     kwargs = {
         "values": torch.randn(MASK.shape),
         "baseline_rewards": torch.rand(6),
+        "implicit_rewards": torch.randn(MASK.shape),  # PRIME's (junk where the mask is 0)
         "gamma": 0.9,
         "lam": 0.95,
         "some_future_option": 1,

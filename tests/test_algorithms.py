@@ -27,6 +27,7 @@ def test_builtin_names():
         "gpg",
         "grpo",
         "opo",
+        "prime",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",

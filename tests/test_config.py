@@ -92,6 +92,7 @@ def test_dump_is_complete_and_reloads(tmp_path):
         "dpo",
         "actor",
         "critic",
+        "prime",
         "trainer",
         "async",
     }
