@@ -227,3 +227,23 @@ def test_outcome_labels_must_be_in_zero_one():
     batch["token_level_scores"] = torch.tensor([[0.0, 1.0], [0.0, 2.0], [-1.0, 0.0]])
     with pytest.raises(RewardError, match=r"reward function 'f' scored sample 1 \(prompt 'b'\)"):
         outcome_labels(batch, "f")
+
+
+def test_prm_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, parity_reward):
+    from treadle.trainers.roles import plan_roles
+
+    ray = ("trainer.backend=ray", "trainer.num_cpus=6")
+    colocated = plan_roles(prime_config(tiny_task, "out", parity_reward, *ray))
+    assert (colocated.prm, colocated.prm_split, colocated.colocated) == (True, False, 2)
+    split_cfg = prime_config(
+        tiny_task,
+        "out",
+        parity_reward,
+        *ray,
+        "actor.world_size=2",
+        "prime.placement=split",
+        "prime.world_size=1",
+    )
+    split = plan_roles(split_cfg)
+    assert (split.prm, split.prm_split, split.colocated) == (True, True, 1)
+    assert split.cpus_per_rank(split_cfg) == 2.0  # 6 CPUs over 2 actor + 1 PRM ranks
