@@ -146,11 +146,14 @@ class ImplicitPRM:
         work["prm_labels"] = labels
         if p.loss == "dpo":  # the opponents' Q before the update (verl's "reverse" order)
             with timed(m, "prm_log_ratio"):
-                q0 = self.group.compute_log_ratio(work)["prm_log_ratio"]
+                first = self.group.compute_log_ratio(work)
+            q0 = first["prm_log_ratio"]
             work["prm_opponents"] = dpo_opponents(sequence_log_ratio(q0, mask), labels, ids)
+            work["prm_ref_log_probs"] = first["prm_ref_log_probs"]
         with timed(m, "update_prm"):
             out = self.group.update_prm(work)
         q = out["prm_log_ratio"]
+        work["prm_ref_log_probs"] = out["prm_ref_log_probs"]  # frozen: no second ref pass
         before = implicit_process_rewards(q, mask, p.beta, p.norm)
         rewards = before
         if p.update == "before":

@@ -12,12 +12,17 @@ token rewards, the normalisation and the accuracies are computed on the driver f
 ==================  ========================================  ================================
 method              reads                                     adds / returns
 ==================  ========================================  ================================
-compute_log_ratio   prompts, prompt_mask, responses,          prm_log_ratio
-                    response_mask
-update_prm          (same) + prm_labels; prm_opponents        prm_log_ratio, prm_loss (the
-                    (loss=dpo)                                update's forward, before each
-                                                              step); meta: prime/grad_norm, lr
+compute_log_ratio   prompts, prompt_mask, responses,          prm_log_ratio, prm_ref_log_probs
+                    response_mask; prm_ref_log_probs if
+                    present
+update_prm          (same) + prm_labels; prm_opponents        prm_log_ratio, prm_ref_log_probs,
+                    (loss=dpo)                                prm_loss (the update's forward,
+                                                              before each step); meta:
+                                                              prime/grad_norm, prime/lr
 ==================  ========================================  ================================
+
+The reference is frozen, so its log-probs are computed once a step: the first call returns
+them (``prm_ref_log_probs``) and the driver hands them to the next.
 
 The update is one pass over the batch in order, ``prime.mini_batch_size`` samples (all ranks)
 per optimizer step, the loss the mean over the mini-batch's samples (verl's recipe).
@@ -93,34 +98,49 @@ class ImplicitPRMWorker(Worker):
         )
         return model.to(self.device)
 
-    def _log_ratio(self, mb: Batch) -> torch.Tensor:
-        """``log π_prm - log π_ref`` of each response token (gradient through the PRM)."""
+    def _log_ratio(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """``log π_prm - log π_ref`` of each response token (gradient through the PRM), and
+        ``log π_ref`` (taken from ``prm_ref_log_probs`` when the batch has them)."""
         ids, mask = prompt_response(mb, self.device)
         width = mb["responses"].shape[1]
         logp, _ = self.engine.log_probs(ids, mask, width)
-        with torch.no_grad():
-            ref, _ = self.ref.log_probs(ids, mask, width)
+        if "prm_ref_log_probs" in mb:  # the reference is frozen: a second pass gives the same
+            ref = mb["prm_ref_log_probs"].to(logp)
+        else:
+            with torch.no_grad():
+                ref, _ = self.ref.log_probs(ids, mask, width)
         valid = mb["response_mask"].to(logp.device).bool()
-        return torch.where(valid, logp - ref, 0.0)
+        return torch.where(valid, logp - ref, 0.0), ref.detach()
 
     @register(
-        Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("prm_log_ratio",)
+        Dispatch.DP,
+        Collect.CONCAT,
+        reads=SEQUENCES,
+        optional=(*ATTENTION, "prm_ref_log_probs"),
+        returns=("prm_log_ratio", "prm_ref_log_probs"),
     )
     def compute_log_ratio(self, batch: Batch) -> Batch:
+        ratios, refs = [], []
         with torch.no_grad(), self.engine.evaluating():
-            parts = [self._log_ratio(mb).float().cpu() for mb in batch.split(self.micro)]
-        return Batch.from_dict(tensors={"prm_log_ratio": torch.cat(parts)})
+            for mb in batch.split(self.micro):
+                q, ref = self._log_ratio(mb)
+                ratios.append(q.float().cpu())
+                refs.append(ref.float().cpu())
+        return Batch.from_dict(
+            tensors={"prm_log_ratio": torch.cat(ratios), "prm_ref_log_probs": torch.cat(refs)}
+        )
 
     @register(
         Dispatch.DP,
         Collect.CONCAT,
         reads=(*SEQUENCES, "prm_labels"),
-        optional=(*ATTENTION, "prm_opponents"),
-        returns=("prm_log_ratio", "prm_loss"),
+        optional=(*ATTENTION, "prm_opponents", "prm_ref_log_probs"),
+        returns=("prm_log_ratio", "prm_ref_log_probs", "prm_loss"),
     )
     def update_prm(self, batch: Batch) -> Batch:
         """One pass over ``batch`` in mini-batches (an optimizer step each), in order."""
         ratios: list[torch.Tensor] = []
+        refs: list[torch.Tensor] = []
         losses: list[torch.Tensor] = []
         norms, lr = [], 0.0
         for mb in batch.split(self.mini):
@@ -129,9 +149,10 @@ class ImplicitPRMWorker(Worker):
             scale = self.world_size / count
 
             def loss_fn(micro: Batch, scale: float = scale) -> tuple[torch.Tensor, dict]:
-                q = self._log_ratio(micro)
+                q, ref = self._log_ratio(micro)
                 per_sample = self._loss(q, micro)
                 ratios.append(q.detach().float().cpu())
+                refs.append(ref.float().cpu())
                 losses.append(per_sample.detach().float().cpu())
                 return per_sample.sum() * scale, {}
 
@@ -139,7 +160,11 @@ class ImplicitPRMWorker(Worker):
             norms.append(out["grad_norm"])
             lr = out["lr"]
         return Batch.from_dict(
-            tensors={"prm_log_ratio": torch.cat(ratios), "prm_loss": torch.cat(losses)},
+            tensors={
+                "prm_log_ratio": torch.cat(ratios),
+                "prm_ref_log_probs": torch.cat(refs),
+                "prm_loss": torch.cat(losses),
+            },
             meta={"prime/grad_norm": sum(norms) / len(norms), "prime/lr": lr},
         )
 
