@@ -247,3 +247,13 @@ def test_prm_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, pari
     split = plan_roles(split_cfg)
     assert (split.prm, split.prm_split, split.colocated) == (True, True, 1)
     assert split.cpus_per_rank(split_cfg) == 2.0  # 6 CPUs over 2 actor + 1 PRM ranks
+
+
+def test_treadle_check_names_a_missing_prm_folder(tiny_task, parity_reward, tmp_path):
+    from treadle.check import check
+
+    missing = tmp_path / "no_such_model"
+    for key in ("prime.model_path", "prime.ref_path"):
+        cfg = prime_config(tiny_task, tmp_path / "run", parity_reward, f"{key}={missing}")
+        with pytest.raises(ConfigError, match=rf"{key}\b.*no_such_model"):
+            check(cfg, "train")
