@@ -268,6 +268,7 @@ def test_every_estimator_follows_the_contract(name):
         "old_log_probs": torch.rand(MASK.shape).log(),
         "sum_pi_squared": torch.rand(MASK.shape),
         "reward_components": torch.randn(6, 2),
+        "implicit_rewards": torch.randn(MASK.shape),  # PRIME's (junk where the mask is 0)
         "gamma": 0.9,
         "lam": 0.95,
         "some_future_option": 1,

@@ -32,6 +32,7 @@ def test_builtin_names():
         "grpo_vectorized",
         "opo",
         "optimal_token_baseline",
+        "prime",
         "reinforce_plus_plus",
         "reinforce_plus_plus_baseline",
         "remax",

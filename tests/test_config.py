@@ -93,6 +93,7 @@ def test_dump_is_complete_and_reloads(tmp_path):
         "kto",
         "actor",
         "critic",
+        "prime",
         "trainer",
         "async",
     }

@@ -11,9 +11,9 @@ its summary. It checks:
   policy loss may allow only some ``loss_agg_mode`` values, an estimator of reward components
   (GDPO) needs ``algorithm.gdpo_reward_keys``, one of the old log-probs needs their pass;
 - the model folders (``model.path``, the tokenizer, ``reward.model_path``,
-  ``critic.model_path``): config.json is there and parses, the tokenizer loads, and the
-  prompt plus the response fits the model's context (``max_position_embeddings``). Weights
-  are not loaded;
+  ``critic.model_path``, ``prime.model_path``, ``prime.ref_path``): config.json is there and
+  parses, the tokenizer loads, and the prompt plus the response fits the model's context
+  (``max_position_embeddings``). Weights are not loaded;
 - every data file the command reads: each row parses and has its columns, through the same
   readers as the run (``treadle.data``), file by file so that each bad file is reported;
 - user code (the reward function, agent loop, tools): it imports within
@@ -281,6 +281,8 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
     for key, other in (
         ("reward.model_path", cfg.reward.model_path),
         ("critic.model_path", cfg.critic.model_path),
+        ("prime.model_path", cfg.prime.model_path),
+        ("prime.ref_path", cfg.prime.ref_path),
     ):
         if other is not None and kind == "train":
             try:

@@ -638,6 +638,63 @@ class CriticConfig(Section):
     )
 
 
+class PrimeConfig(Section):
+    """PRIME's implicit process reward model (``algorithm.adv_estimator=prime``): a causal LM
+    trained online on the outcome labels, whose log-ratio to a frozen copy rewards each token."""
+
+    model_path: str | None = Field(
+        None, description="The PRM's start (a causal LM folder); null = model.path."
+    )
+    ref_path: str | None = Field(
+        None, description="The PRM's frozen reference; null = its start (model_path)."
+    )
+    beta: float = Field(
+        0.05, gt=0, description="r_t = beta (log pi_prm - log pi_ref) (verl's beta_train)."
+    )
+    loss: Literal["ce", "dpo"] = Field(
+        "ce",
+        description="'ce': BCE of sigmoid(beta sum_t q_t) against the outcome; 'dpo': "
+        "-log sigmoid(beta (Q - Q_opp)) against the group's samples of the other outcome "
+        "(verl's detached dpo loss; costs one more PRM forward a step).",
+    )
+    update: Literal["before", "after"] = Field(
+        "before",
+        description="'before': update the PRM on the batch, then reward it with the updated "
+        "PRM (a second forward, verl's default); 'after': the rewards come from the update's "
+        "own forward, before its optimizer step.",
+    )
+    norm: Literal["batch_norm", "none"] = Field(
+        "batch_norm",
+        description="'batch_norm': divide the token rewards by the largest |reward to go| of "
+        "the batch (verl's prime_norm); 'none': beta q as is.",
+    )
+    reward_gt_coef: float = Field(
+        5.0, ge=0, description="Weight of the outcome reward's RLOO advantage (verl's)."
+    )
+    reward_dpo_coef: float = Field(
+        5.0, ge=0, description="Weight of the implicit rewards' RLOO advantage (verl's)."
+    )
+    lr: float = Field(1e-6, gt=0, description="PRM AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="PRM AdamW weight decay.")
+    grad_clip: float = Field(10.0, gt=0, description="PRM gradient-norm clipping threshold.")
+    mini_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Samples per PRM optimizer step, all ranks (one pass over the batch, in "
+        "order); null = actor.ppo_mini_batch_size.",
+    )
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="Samples per PRM forward/backward per rank; null = actor's."
+    )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="'colocated': on the actor's bundles, taking turns; 'split': its own pool.",
+    )
+    world_size: int | None = Field(
+        None, gt=0, description="PRM ranks (FSDP2 shards); null = actor.world_size."
+    )
+
+
 LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab"]
 
 
@@ -762,6 +819,7 @@ class Config(Section):
     kto: KTOConfig = Field(default_factory=KTOConfig)  # type: ignore[arg-type]
     actor: ActorConfig = Field(default_factory=ActorConfig)  # type: ignore[arg-type]
     critic: CriticConfig = Field(default_factory=CriticConfig)  # type: ignore[arg-type]
+    prime: PrimeConfig = Field(default_factory=PrimeConfig)  # type: ignore[arg-type]
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)  # type: ignore[arg-type]
     async_: AsyncConfig = Field(default_factory=AsyncConfig, alias="async")  # type: ignore[arg-type]
 
@@ -832,6 +890,7 @@ class Config(Section):
         if mini % ws:
             yield (f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}")
         yield from _check_critic(self.critic, self.actor, samples, self.trainer.backend)
+        yield from _check_prime(self.prime, self.actor, samples, self.trainer.backend)
         yield from _check_rollout(self.rollout, self.actor, self.trainer)
         yield from _check_agents(self.rollout, self.data)
         yield from _check_mode(self)
@@ -947,6 +1006,30 @@ def _check_critic(
         yield (
             f"critic.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n = "
             f"{samples} and be divisible by the critic's world size {ws}"
+        )
+
+
+def _check_prime(
+    prime: PrimeConfig, actor: ActorConfig, samples: int, backend: str
+) -> Iterator[str]:
+    ws = prime.world_size or actor.world_size
+    if prime.placement == "colocated" and ws != actor.world_size:
+        yield (
+            f"prime.world_size={ws} must equal actor.world_size={actor.world_size} when "
+            "prime.placement=colocated (it shares the actor's bundles); set "
+            "prime.placement=split or drop prime.world_size"
+        )
+    if backend == "local" and prime.placement == "split":
+        yield (
+            "trainer.backend=local runs one rank in-process; set prime.placement=colocated "
+            "or use trainer.backend=ray"
+        )
+    mini = prime.mini_batch_size or actor.ppo_mini_batch_size
+    same_as_actor = prime.mini_batch_size is None and ws == actor.world_size
+    if not same_as_actor and (samples % mini or mini % ws):  # else the actor's rule says it
+        yield (
+            f"prime.mini_batch_size={mini} must divide data.batch_size x rollout.n = "
+            f"{samples} and be divisible by the PRM's world size {ws}"
         )
 
 

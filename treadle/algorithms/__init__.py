@@ -7,6 +7,7 @@
 - ``preference``: losses on chosen/rejected pairs: the DPO family, ORPO and SimPO
   (``PREFERENCE_LOSSES``: sigmoid, ipo, hinge, ...), on unpaired good/bad examples (KTO,
   ``UNPAIRED_LOSSES``) and the Bradley-Terry reward-model loss
+- ``prime``: PRIME's implicit process rewards, its PRM losses and the ``prime`` estimator
 - ``utils``: masked statistics
 - ``registry``: the ``Registry`` class and the ``register_*`` decorators
 
@@ -14,7 +15,7 @@ Nothing here knows about Ray, models or config objects. Importing this package r
 built-in function, so ``ADV_ESTIMATORS.get("grpo")`` works after ``import treadle.algorithms``.
 """
 
-from treadle.algorithms import advantages, kl, losses, preference
+from treadle.algorithms import advantages, kl, losses, preference, prime
 from treadle.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from treadle.algorithms.losses import agg_loss, entropy_from_logits, value_loss
 from treadle.algorithms.preference import (
@@ -67,6 +68,7 @@ __all__ = [
     "masked_whiten",
     "pair_stats",
     "preference",
+    "prime",
     "register_adv_estimator",
     "register_kl_estimator",
     "register_loss_agg_mode",

@@ -16,7 +16,9 @@ this loop. What an estimator reads beyond rewards is part of its registration
 
 PPO's critic (values, update critic) and a reward model (inside reward) are groups of their
 own, present when the estimator reads values / ``reward.model_path`` is set
-(:mod:`treadle.trainers.roles`); a checkpoint holds the critic in ``critic/``.
+(:mod:`treadle.trainers.roles`); a checkpoint holds the critic in ``critic/``. PRIME's
+implicit PRM (``needs=("implicit_rewards",)``) is one too, updated and read before the
+advantages (:mod:`treadle.trainers.prime`); a checkpoint holds it in ``prm/``.
 
 DAPO's data-side pieces (arXiv 2503.14476) are options of the same loop: over-long reward
 shaping (``reward.overlong_buffer_len``), dynamic sampling (``algorithm.filter_groups``: groups
@@ -72,6 +74,7 @@ from treadle.trainers.common import (
     prompt_batch,
     rule_scores,
 )
+from treadle.trainers.prime import start_prm
 from treadle.trainers.roles import plan_roles, start_roles
 
 
@@ -184,11 +187,15 @@ class RLTrainer(Trainer):
         self.start_workers(sampler, self.use_ref, layout.colocated, layout.cpus_per_rank(cfg))
         try:
             self.critic, self.rm = start_roles(cfg, self.actors, layout, self.resumed_from)
+            split = layout.cpus_per_rank(cfg) if layout.prm_split else None
+            self.prm = start_prm(cfg, self.actors, layout.prm, split, self.resumed_from)
         except BaseException:
             self.close()  # the rollout (split replicas) and the actors
             raise
         if self.critic is not None:
             self.roles["critic"] = self.critic
+        if self.prm is not None:  # PRIME's implicit PRM (treadle.trainers.prime)
+            self.roles["prm"] = self.prm.group
         self.producer: AsyncRollout | None = None
         if cfg.trainer.mode != "sync":  # the replicas generate ahead (async_rollout)
             self.producer = AsyncRollout(
@@ -262,6 +269,8 @@ class RLTrainer(Trainer):
         if self.critic is not None:
             with timed(m, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
+        # 5b. PRIME: the implicit PRM learns from the outcomes, then rewards each token
+        extra = self.prm.rewards(batch, m) if self.prm is not None else {}
         # 6. advantages and the critic's targets: a pure function on the driver
         with timed(m, "advantages"):
             batch["advantages"], batch["returns"] = self.estimator(
@@ -274,6 +283,7 @@ class RLTrainer(Trainer):
                 norm_adv_by_std=alg.norm_adv_by_std,
                 baseline_rewards=batch["baseline_scores"] if self.greedy_baseline else None,
                 **self.estimator_inputs(batch),
+                **extra,
             )
         m.update(rollout_metrics(batch))
         if self.samples_due(step):

@@ -1,4 +1,5 @@
-"""The RL driver's roles besides the actor: the critic and the reward model.
+"""The RL driver's roles besides the actor: the critic and the reward model (and PRIME's
+implicit PRM, planned here, built in :mod:`treadle.trainers.prime`).
 
 Both are value models (``*ForTokenClassification``, one label, see :mod:`treadle.engines.value`)
 in worker groups of their own (:class:`~treadle.workers.CriticWorker`,
@@ -40,6 +41,7 @@ from treadle.controller import WorkerGroup
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
 from treadle.trainers.common import Actors, add_group, total_cpus
+from treadle.trainers.prime import uses_prm
 from treadle.trainers.rollout import rollout_cpus
 from treadle.workers import CriticWorker, RewardModelWorker
 
@@ -127,32 +129,45 @@ class Layout:
     reward_model: bool
     critic_world_size: int
     critic_split: bool
+    prm: bool = False  # PRIME's implicit PRM (treadle.trainers.prime)
+    prm_world_size: int = 1
+    prm_split: bool = False
 
     @property
     def colocated(self) -> int:
         """Groups sharing the actor's bundles (the actor's included)."""
-        return 1 + (self.critic and not self.critic_split) + self.reward_model
+        return (
+            1
+            + (self.critic and not self.critic_split)
+            + self.reward_model
+            + (self.prm and not self.prm_split)
+        )
 
     def cpus_per_rank(self, cfg: Config) -> float | None:
         """A bundle's CPUs: the training side's CPUs (all but a split rollout pool's) over the
-        actor's ranks, and the critic's when it has a pool of its own; None: all over the
-        actor's ranks."""
+        actor's ranks, and the critic's (PRM's) when it has a pool of its own; None: all over
+        the actor's ranks."""
         rollout = rollout_cpus(cfg)
-        if not self.critic_split and not rollout:
+        if not self.critic_split and not self.prm_split and not rollout:
             return None
         ranks = cfg.actor.world_size + (self.critic_world_size if self.critic_split else 0)
+        ranks += self.prm_world_size if self.prm_split else 0
         return (total_cpus(cfg) - rollout) / ranks
 
 
 def plan_roles(cfg: Config) -> Layout:
     """Decide and check the roles; raises ConfigError before anything starts."""
     critic = uses_critic(cfg)
+    prm = uses_prm(cfg)  # before the reward model's check: PRIME refuses one outright
     check_value_models(cfg, critic)
     return Layout(
         critic=critic,
         reward_model=bool(cfg.reward.model_path),
         critic_world_size=cfg.critic.world_size or cfg.actor.world_size,
         critic_split=critic and cfg.critic.placement == "split",
+        prm=prm,
+        prm_world_size=cfg.prime.world_size or cfg.actor.world_size,
+        prm_split=prm and cfg.prime.placement == "split",
     )
 
 

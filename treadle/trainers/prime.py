@@ -1,0 +1,202 @@
+"""The RL driver's side of PRIME (Cui et al., arXiv 2502.01456): its implicit PRM role.
+
+``algorithm.adv_estimator=prime`` is registered with ``needs=("implicit_rewards",)``, so a run
+with it gets this role, as one whose estimator needs values gets a critic
+(:mod:`treadle.trainers.roles`). Each step, after the rewards (and old/ref log-probs):
+
+::
+
+    outcome labels y (the reward function's scores, in [0, 1])
+        │   (loss=dpo: PRM forward -> each sample's opponents' Q in its group)
+        ▼
+    update_prm (one pass, prime.mini_batch_size per step) ─► q of its forward ─┐ update=after
+        │ update=before (verl's default): another forward with the new PRM     │
+        ▼                                                                      ▼
+    implicit token rewards r_t = β q_t (normalised) ─► the prime estimator, beside the outcome
+
+Choices:
+
+- **Labels** are each response's score, the sum of its ``token_level_scores``; they must lie
+  in [0, 1] (a BCE target). A reward model or DAPO's over-long penalty would leave that range,
+  so they are refused at start-up; a reward function that returns something outside it stops
+  the run naming the function.
+- **Placement** as the critic's: colocated on the actor's bundles (``prime.placement``), or a
+  pool of its own (``split``, ``prime.world_size`` ranks).
+- **Checkpoints** hold the PRM in ``prm/`` (model, optimizer, RNG); resume starts the PRM from
+  ``<checkpoint>/prm/model`` and the reference from ``prime.ref_path`` (or the PRM's start) as
+  the first run did.
+- **Metrics** under ``prime/``: ``loss`` (the update's forward), ``grad_norm``, ``lr``,
+  ``label_mean``, ``reward_mean`` (Σ_t r_t) and ``raw_reward_mean`` (Σ_t q_t) of the rewards
+  given, and verl's accuracies of the PRM against the labels: ``acc`` (pairs within a group
+  ordered as their labels) and ``acc_abs`` (sign of Σ_t r_t against the label), of the rewards
+  given, and ``acc_before``/``acc_abs_before`` of the update's forward.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treadle.algorithms import ADV_ESTIMATORS
+from treadle.algorithms.prime import (
+    dpo_opponents,
+    implicit_process_rewards,
+    pairwise_accuracy,
+    sequence_log_ratio,
+    sign_accuracy,
+)
+from treadle.config import Config, PrimeConfig
+from treadle.controller import WorkerGroup
+from treadle.errors import ConfigError, RewardError
+from treadle.protocol import Batch
+from treadle.tracking import timed
+from treadle.trainers.common import Actors, add_group
+from treadle.workers.common import ATTENTION, SEQUENCES
+from treadle.workers.prm import ImplicitPRMWorker
+
+
+def uses_prm(cfg: Config) -> bool:
+    """Whether the run has PRIME's PRM (its estimator reads implicit rewards); ConfigError
+    when the config cannot work with it."""
+    alg = cfg.algorithm
+    needs = "implicit_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator)
+    if not needs:
+        if cfg.prime != PrimeConfig.model_validate({}):
+            raise ConfigError(
+                f"the config sets the 'prime' section, which configures PRIME's implicit PRM, "
+                f"but algorithm.adv_estimator={alg.adv_estimator}: set "
+                "algorithm.adv_estimator=prime or remove the section"
+            )
+        return False
+    if cfg.reward.model_path:
+        raise ConfigError(
+            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1] from "
+            "reward.function; a reward model's scores are not such labels: drop "
+            "reward.model_path"
+        )
+    if cfg.reward.overlong_buffer_len:
+        raise ConfigError(
+            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1]; the "
+            "over-long penalty would take them below 0: set reward.overlong_buffer_len=0"
+        )
+    _check_vocabulary(cfg)
+    return True
+
+
+def _check_vocabulary(cfg: Config) -> None:
+    """The PRM and its reference score the actor's token ids: the same vocabulary size."""
+    from treadle.trainers.roles import _model_config, _vocab_size
+
+    p = cfg.prime
+    if not cfg.model.path or not (p.model_path or p.ref_path):
+        return
+    actor = _vocab_size(_model_config(cfg.model.path, "model.path", cfg.model.allow_download))
+    for key, path in (("prime.model_path", p.model_path), ("prime.ref_path", p.ref_path)):
+        if path:
+            vocab = _vocab_size(_model_config(path, key, cfg.model.allow_download))
+            if vocab and actor and vocab != actor:
+                raise ConfigError(
+                    f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
+                    f"(model.path) {actor}; it scores the actor's token ids, so it must use "
+                    "the actor's tokenizer"
+                )
+
+
+def prm_start(cfg: Config, resumed_from: Path | None) -> str:
+    """The folder the PRM's weights load from."""
+    if resumed_from is None:
+        return cfg.prime.model_path or cfg.model.path
+    saved = resumed_from / "prm" / "model"
+    if not (saved / "config.json").is_file():
+        raise ConfigError(
+            f"checkpoint {resumed_from} has no PRIME PRM (no prm/model): it was written by a "
+            "run without algorithm.adv_estimator=prime; start a new trainer.output_dir"
+        )
+    return str(saved)
+
+
+def outcome_labels(batch: Batch, function: str) -> torch.Tensor:
+    """Each response's score (float32 [B]), checked to lie in [0, 1]."""
+    labels = batch["token_level_scores"].float().sum(-1)
+    bad = ((labels < 0) | (labels > 1)).nonzero().flatten()
+    if len(bad):
+        i = int(bad[0])
+        raise RewardError(
+            f"algorithm.adv_estimator=prime learns from outcome labels in [0, 1], but reward "
+            f"function '{function}' scored sample {i} (prompt {batch['prompt_text'][i]!r}) "
+            f"{float(labels[i])}: make it return 0/1 correctness (or a probability)"
+        )
+    return labels
+
+
+class ImplicitPRM:
+    """The PRM's worker group, as the driver calls it once a step (:meth:`rewards`)."""
+
+    def __init__(self, cfg: Config, group: WorkerGroup) -> None:
+        self.p, self.group, self.function = cfg.prime, group, cfg.reward.function
+
+    def rewards(self, batch: Batch, m: dict[str, float]) -> dict[str, Any]:
+        """Update the PRM on ``batch``'s outcomes and reward its tokens; returns the prime
+        estimator's extra arguments (implicit rewards, coefficients) and logs ``prime/*``."""
+        p, mask, ids = self.p, batch["response_mask"], list(batch["uid"])
+        labels = outcome_labels(batch, self.function)
+        work = batch.only([k for k in (*SEQUENCES, *ATTENTION) if k in batch])
+        work["prm_labels"] = labels
+        if p.loss == "dpo":  # the opponents' Q before the update (verl's "reverse" order)
+            with timed(m, "prm_log_ratio"):
+                first = self.group.compute_log_ratio(work)
+            q0 = first["prm_log_ratio"]
+            work["prm_opponents"] = dpo_opponents(sequence_log_ratio(q0, mask), labels, ids)
+            work["prm_ref_log_probs"] = first["prm_ref_log_probs"]
+        with timed(m, "update_prm"):
+            out = self.group.update_prm(work)
+        q = out["prm_log_ratio"]
+        work["prm_ref_log_probs"] = out["prm_ref_log_probs"]  # frozen: no second ref pass
+        before = implicit_process_rewards(q, mask, p.beta, p.norm)
+        rewards = before
+        if p.update == "before":
+            with timed(m, "prm_rewards"):
+                q = self.group.compute_log_ratio(work)["prm_log_ratio"]
+            rewards = implicit_process_rewards(q, mask, p.beta, p.norm)
+        seq = rewards.sum(-1)
+        m.update(
+            {
+                "prime/loss": float(out["prm_loss"].mean()),
+                "prime/grad_norm": float(out.meta["prime/grad_norm"]),
+                "prime/lr": float(out.meta["prime/lr"]),
+                "prime/label_mean": float(labels.mean()),
+                "prime/reward_mean": float(seq.mean()),
+                "prime/raw_reward_mean": float(sequence_log_ratio(q, mask).mean()),
+                "prime/acc": pairwise_accuracy(seq, labels, ids),
+                "prime/acc_abs": sign_accuracy(seq, labels),
+                "prime/acc_before": pairwise_accuracy(before.sum(-1), labels, ids),
+                "prime/acc_abs_before": sign_accuracy(before.sum(-1), labels),
+            }
+        )
+        return {
+            "implicit_rewards": rewards,
+            "reward_gt_coef": p.reward_gt_coef,
+            "reward_dpo_coef": p.reward_dpo_coef,
+        }
+
+
+def start_prm(
+    cfg: Config, actors: Actors, prm: bool, split_cpus: float | None, resumed_from: Path | None
+) -> ImplicitPRM | None:
+    """The PRM's group (None without PRIME), colocated on the actors' bundles or, given
+    ``split_cpus`` (a bundle's CPUs), on a pool of its own; restored from ``resumed_from``."""
+    if not prm:
+        return None
+    group = add_group(
+        actors,
+        cfg,
+        ImplicitPRMWorker,
+        {"config": cfg, "prm_path": prm_start(cfg, resumed_from)},
+        world_size=cfg.prime.world_size or cfg.actor.world_size,
+        own_cpus_per_rank=split_cpus,
+    )
+    if resumed_from is not None:
+        group.load_checkpoint(str(resumed_from / "prm"))
+    return ImplicitPRM(cfg, group)
