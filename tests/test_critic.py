@@ -215,7 +215,7 @@ def test_estimators_declare_that_they_need_values():
         (
             ("critic.enable=false",),
             r"adv_estimator=gae needs a critic's values, but critic\.enable=false: drop "
-            r"critic\.enable .* or use an estimator without a critic: dr_grpo, gpg, grpo",
+            r"critic\.enable .* or use an estimator without a critic: dr_grpo, gdpo, gpg, grpo,",
         ),
         (
             ("algorithm.adv_estimator=grpo", "critic.enable=true"),

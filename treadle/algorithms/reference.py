@@ -93,6 +93,7 @@ NEEDS = {
     "sum_pi_squared": "the actor's Σ_v π(v)² per token (from the same forward)",
     "rollout_log_probs": "the rollout engine's log-probs of the sampled tokens",
     "reward_components": "a reward function returning a dict of named scores",
+    "implicit_rewards": "an implicit process reward model (`prime.*`), trained every step",
     "ref_logits": "the reference's full distribution in the update (a forward per micro-batch)",
 }
 DATA = {
