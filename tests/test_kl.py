@@ -14,6 +14,7 @@ from treadle.algorithms import (
     FixedKLController,
     kl_penalty,
 )
+from treadle.algorithms.kl import kl_in_reward
 
 LOG2 = math.log(2.0)
 
@@ -111,6 +112,10 @@ def test_full_kl_by_hand():
     # a token with probability 0 under π adds nothing, even where π_ref has none either
     zero = torch.tensor([[0.0, float("-inf")]])
     assert kl_penalty(zero, torch.tensor([[0.0, float("-inf")]]), "full").item() == 0.0
+    # the reward's KL is shaped from sampled-token log-probs: [B,T] would be read as [B,V]
+    square = torch.zeros(2, 2)
+    with pytest.raises(ValueError, match=r"KL estimator 'full' needs whole distributions"):
+        kl_in_reward(square, square, square, torch.ones(2, 2), 0.1, "full")
 
 
 def test_fixed_controller_never_moves_and_resumes():

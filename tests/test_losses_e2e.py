@@ -23,12 +23,13 @@ import math
 import pytest
 import torch
 
+from treadle.algorithms import ADV_ESTIMATORS
 from treadle.check import check_algorithm
 from treadle.config import load_config
 from treadle.errors import ConfigError
 from treadle.models import load_causal_lm
 from treadle.protocol import Batch
-from treadle.trainers.rl import RLTrainer
+from treadle.trainers.rl import RLTrainer, old_log_prob_pass
 from treadle.workers.common import prompt_response
 
 N = 4
@@ -214,6 +215,7 @@ def test_the_driver_runs_bypass_mode_token_sum_and_the_full_kl(
         "algorithm.policy_loss=bypass_mode",
         "algorithm.loss_agg_mode=token-sum",
         "algorithm.kl_estimator=full",
+        "actor.ppo_mini_batch_size=8",  # two optimizer steps a batch
         *model,
     )
     t = RLTrainer(cfg)
@@ -221,9 +223,24 @@ def test_the_driver_runs_bypass_mode_token_sum_and_the_full_kl(
         first, second = t.step(1), t.step(2)
     finally:
         t.actors.close()
-    assert first["actor/kl"] == pytest.approx(0.0, abs=1e-7)  # the actor is the reference
-    assert second["actor/kl"] > 1e-6 and math.isfinite(second["actor/pg_loss"])
+    # bypass_mode's old policy is the rollout's and the full KL computes the reference's
+    # distribution in the update: neither pass runs before it, even with two mini-batches
+    assert "timing/old_log_probs" not in first and "timing/ref_log_probs" not in first
+    # the first mini-batch's KL is 0 (the actor is the reference), the second's is not
+    assert 0 < first["actor/kl"] < second["actor/kl"] and math.isfinite(second["actor/pg_loss"])
     assert first["actor/grad_norm"] > 0 and second["actor/grad_norm"] > 0
+
+
+def test_which_passes_run_before_the_update(tiny_task, length_reward, tmp_path):
+    def passes(*overrides: str) -> bool:
+        cfg = config(tiny_task, tmp_path, length_reward, "actor.ppo_epochs=2", *overrides)
+        return old_log_prob_pass(cfg, ADV_ESTIMATORS.needs(cfg.algorithm.adv_estimator))
+
+    bypass = "algorithm.policy_loss=bypass_mode"
+    assert passes() and not passes(bypass)
+    assert passes(bypass, "algorithm.kl_reward_coef=0.1")  # the reward's KL reads them
+    assert passes(bypass, "actor.recompute_old_log_probs=true")
+    assert passes(bypass, "algorithm.adv_estimator=optimal_token_baseline")  # reads Σπ²
 
 
 @pytest.mark.parametrize(

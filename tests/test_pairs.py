@@ -197,3 +197,22 @@ def test_an_overlong_completion_drops_that_example_only(tok, tmp_path: Path):  #
     assert [r["label"] for r in ds.rows] == [True] and ds.n_filtered == 1
     with pytest.raises(DataError, match=r"completion is \d+ tokens, longer than rollout"):
         load_unpaired(tok, write_jsonl(tmp_path / "p.jsonl", rows), overlong="error")
+
+
+def test_kto_mismatched_completions_never_come_from_the_same_prompt():
+    """A pair file gives each prompt two adjacent examples; rotating completions by one would
+    pair half the prompts with their own other completion. The shift skips past them."""
+    from treadle.data import collate_unpaired
+
+    def row(prompt: int, completion: int, label: bool) -> dict:
+        return {"prompt_ids": [prompt], "completion_ids": [completion], "label": label}
+
+    rows = [row(p, 10 * p + c, c == 0) for p in (1, 2, 3) for c in (0, 1)]
+    out = collate_unpaired(rows, pad_id=0)
+    # shift 2: row i gets row i-2's completion, always another prompt's
+    assert out["kl_completions"][:, 0].tolist() == [30, 31, 10, 11, 20, 21]
+    assert out["labels"].tolist() == [1, 0, 1, 0, 1, 0]
+    distinct = [row(p, p, True) for p in (1, 2, 3)]  # TRL's rotation by one
+    assert collate_unpaired(distinct, 0)["kl_completions"][:, 0].tolist() == [3, 1, 2]
+    same = [row(1, c, True) for c in (1, 2)]  # one prompt only: no shift avoids it
+    assert collate_unpaired(same, 0)["kl_completions"][:, 0].tolist() == [2, 1]

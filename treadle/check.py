@@ -201,6 +201,12 @@ def _algorithm_rules(cfg: Config, estimators: Any, losses: Any) -> list[str]:
             "reward on its own: list them in algorithm.gdpo_reward_keys (keys of the dict the "
             "reward function returns, e.g. [format, accuracy])"
         )
+    if "reward_components" in needs and cfg.reward.model_path:
+        problems.append(
+            f"algorithm.adv_estimator={alg.adv_estimator} normalizes the named components of "
+            "reward.function's score, but with reward.model_path the reward model's score "
+            "trains: drop reward.model_path or use another estimator"
+        )
     if {"old_log_probs", "sum_pi_squared"} & set(
         needs
     ) and cfg.actor.recompute_old_log_probs is False:

@@ -1063,21 +1063,29 @@ def collate_unpaired(rows: Sequence[UnpairedRow], pad_id: int) -> dict[str, torc
 
     Keys: `prompts`, `prompt_mask` `[B, P]`; `completions`, `completion_mask` `[B, R]`;
     `labels` `[B]` (1: desirable); `kl_completions`, `kl_completion_mask`: row i holds the
-    completion of row i - 1 (row 0: the last row's), so prompt i + KL completion i is a
-    prompt with another example's completion (TRL rotates completions by one the same way).
+    completion of row i - k (cyclically), so prompt i + KL completion i is a prompt with
+    another example's completion. TRL rotates completions by k = 1; here k is the smallest
+    shift that pairs no row with a completion of its own prompt (1 when none does), so that
+    the two examples a pair file gives one prompt, adjacent in an unshuffled batch, are not
+    paired with each other.
     """
     if not rows:
         raise ValueError("collate_unpaired: empty batch")
     prompts, prompt_mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
     completions, completion_mask = _right_padded([r["completion_ids"] for r in rows], pad_id)
+    keys = [tuple(r["prompt_ids"]) for r in rows]
+    shift = next(
+        (k for k in range(1, len(rows)) if all(keys[i] != keys[i - k] for i in range(len(rows)))),
+        1,
+    )
     return {
         "prompts": prompts,
         "prompt_mask": prompt_mask,
         "completions": completions,
         "completion_mask": completion_mask,
         "labels": torch.tensor([int(r["label"]) for r in rows], dtype=torch.long),
-        "kl_completions": torch.roll(completions, 1, dims=0),
-        "kl_completion_mask": torch.roll(completion_mask, 1, dims=0),
+        "kl_completions": torch.roll(completions, shift, dims=0),
+        "kl_completion_mask": torch.roll(completion_mask, shift, dims=0),
     }
 
 

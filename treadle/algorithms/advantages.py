@@ -265,7 +265,7 @@ def gae(
     return masked_whiten(advantages, response_mask), returns
 
 
-@register_adv_estimator("opo")
+@register_adv_estimator("opo", groups=True)
 def opo(
     token_level_rewards: Tensor,
     response_mask: Tensor,
@@ -289,7 +289,7 @@ def opo(
     return advantages, advantages
 
 
-@register_adv_estimator("gpg")
+@register_adv_estimator("gpg", groups=True)
 def gpg(
     token_level_rewards: Tensor,
     response_mask: Tensor,
@@ -433,7 +433,9 @@ def _optimal_token_baseline(
     # position of each valid token on the group's shared time axis
     rows, cols = valid.nonzero(as_tuple=True)
     pos = (valid.long().cumsum(-1) - 1)[rows, cols] if by_valid_index else cols
-    aligned_g, aligned_w, aligned_m = (torch.zeros(mask.shape, dtype=dtype) for _ in range(3))
+    aligned_g, aligned_w, aligned_m = (
+        torch.zeros(mask.shape, dtype=dtype, device=mask.device) for _ in range(3)
+    )
     aligned_g[rows, pos] = returns[rows, cols]
     aligned_w[rows, pos] = cum_w[rows, cols]
     aligned_m[rows, pos] = 1.0

@@ -103,7 +103,7 @@ def kl_abs_plus(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     return _straight_through(kl_abs(log_probs, ref_log_probs), log_probs, ref_log_probs)
 
 
-# needs_full_vocab: the inputs are log-softmax over the vocabulary [..., V], not [B, T]
+# full_vocab: the inputs are log-softmax over the vocabulary [..., V], not [B, T]
 @register_kl_estimator("full", full_vocab=True)
 def kl_full(log_probs: Tensor, ref_log_probs: Tensor) -> Tensor:
     """Exact KL (Kullback & Leibler, 1951): ``Σ_v π(v)(log π(v) - log π_ref(v))`` per position.
@@ -145,6 +145,11 @@ def kl_in_reward(
     Returns the shaped rewards [B,T] and each sequence's mean per-token KL [B] (what an
     adaptive controller steers).
     """
+    if KL_ESTIMATORS.info(kind).get("full_vocab"):
+        raise ValueError(
+            f"KL estimator {kind!r} needs whole distributions [..., V], not the sampled tokens' "
+            "log-probs the reward is shaped from: use a per-token estimator (k1, k3...)"
+        )
     mask = response_mask.to(log_probs.dtype)
     kl = kl_penalty(log_probs, ref_log_probs, kind) * mask
     rewards = token_level_scores - coef * kl

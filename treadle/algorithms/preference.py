@@ -61,16 +61,6 @@ _EXP_MAX = {torch.float16: 11.0, torch.bfloat16: 80.0, torch.float32: 80.0}
 _SMOOTHING_AND_F = ("label_smoothing", "f_divergence")
 
 
-def log_ratio_margin(
-    policy_chosen_logps: Tensor,
-    policy_rejected_logps: Tensor,
-    ref_chosen_logps: Tensor,
-    ref_rejected_logps: Tensor,
-) -> Tensor:
-    """``h = (π_c - ref_c) - (π_r - ref_r)`` per pair, from sequence log-probs."""
-    return (policy_chosen_logps - ref_chosen_logps) - (policy_rejected_logps - ref_rejected_logps)
-
-
 def implicit_rewards(policy_logps: Tensor, ref_logps: Tensor, beta: float) -> Tensor:
     """DPO's implicit reward ``β (log π(y|x) - log π_ref(y|x))`` of each response."""
     return beta * (policy_logps - ref_logps)

@@ -62,11 +62,12 @@ def _rl_needs(info: dict[str, Any]) -> str:
         parts.append("`rollout.n` >= 2 samples per prompt (the group is the baseline)")
     for need in info.get("needs", ()):
         parts.append(NEEDS.get(need, f"`{need}`"))
+    if info.get("old"):  # a policy loss whose old policy is another one
+        parts.append(NEEDS[info["old"]] + ", as the old policy")
+    if info.get("full_vocab"):
+        parts.append(NEEDS["ref_logits"] + "; in the loss only, not in the reward")
     if info.get("agg_modes"):
         parts.append("`loss_agg_mode` one of " + ", ".join(f"`{m}`" for m in info["agg_modes"]))
-    for key in ("data", "note"):
-        if info.get(key):
-            parts.append(str(info[key]))
     return "; ".join(parts)
 
 
@@ -78,6 +79,10 @@ def _preference_needs(info: dict[str, Any], data: str = "pairs", section: str = 
         parts.append(f"adds the chosen responses' NLL (weight {info['nll']})")
     if info.get("knobs"):
         parts.append("reads " + ", ".join(f"`{section}.{k}`" for k in info["knobs"]))
+    if info.get("positive"):
+        parts.append(" and ".join(f"`{section}.{k}`" for k in info["positive"]) + " > 0")
+    if info.get("batchwise"):
+        parts.append("compares the examples of a batch with each other (sorted)")
     return "; ".join(parts)
 
 
@@ -94,7 +99,7 @@ NEEDS = {
     "rollout_log_probs": "the rollout engine's log-probs of the sampled tokens",
     "reward_components": "a reward function returning a dict of named scores",
     "implicit_rewards": "an implicit process reward model (`prime.*`), trained every step",
-    "ref_logits": "the reference's full distribution in the update (a forward per micro-batch)",
+    "ref_logits": "the reference's whole distribution in the update (a forward per micro-batch)",
 }
 DATA = {
     "pairs": "pairs: `{prompt, chosen, rejected}`",
@@ -167,13 +172,11 @@ def render() -> str:
 def _table(kind: Kind) -> Iterator[str]:
     yield "| name | paper | formula | needs |"
     yield "| --- | --- | --- | --- |"
-    first_name: dict[Any, str] = {}
     for name in builtin_names(kind.registry):
-        fn = kind.registry.get(name)
-        if fn in first_name:
-            yield f"| `{name}` | alias of `{first_name[fn]}` | | |"
+        fn, canonical = kind.registry.get(name), kind.registry.canonical(name)
+        if canonical != name:
+            yield f"| `{name}` | alias of `{canonical}` | | |"
             continue
-        first_name[fn] = name
         paper, formula = summary(fn)
         needs = kind.needs(kind.registry.info(name))
         yield f"| `{name}` | {_cell(paper)} | {_cell(formula)} | {_cell(needs)} |"

@@ -150,7 +150,7 @@ def linear_token_stats(
     without gradients; ``Σ_v p_v²`` (the optimal token baseline's input) costs one more pass
     over each ``[chunk_size, V]`` block of probabilities."""
     w = weight.to(compute_dtype) if compute_dtype is not None else weight
-    out = [torch.empty(0)] * 3
+    out = [hidden.new_empty(0, dtype=torch.float32)] * 3
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for s in range(0, hidden.shape[0], chunk_size):
         z = _logits(hidden[s : s + chunk_size], w, temperature)

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ import torch
 from treadle.agents.loops import load_agent_loop
 from treadle.algorithms import (
     ADV_ESTIMATORS,
+    KL_ESTIMATORS,
+    POLICY_LOSSES,
     AdaptiveKLController,
     FixedKLController,
 )
@@ -155,6 +158,20 @@ def _text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def old_log_prob_pass(cfg: Config, needs: Sequence[str]) -> bool:
+    """Whether a step computes the old policy's log-probs before the update: when PPO's
+    several optimizer steps or the KL in the reward need them (``Config.needs_old_log_prob_pass``)
+    or the estimator reads them; not for a loss whose old policy is the rollout's
+    (``bypass_mode``), unless ``actor.recompute_old_log_probs`` says so."""
+    if {"old_log_probs", "sum_pi_squared"} & set(needs):  # the pass computes them
+        return True
+    alg = cfg.algorithm
+    bypass = POLICY_LOSSES.info(alg.policy_loss).get("old") == "rollout_log_probs"
+    if bypass and alg.kl_reward_coef == 0 and cfg.actor.recompute_old_log_probs is None:
+        return False
+    return cfg.needs_old_log_prob_pass()
+
+
 class RLTrainer(Trainer):
     """Owns the prompts, the reward and the actor worker group; ``fit`` runs the loop."""
 
@@ -170,21 +187,22 @@ class RLTrainer(Trainer):
         )
         self.scorer = make_scorer(cfg)  # now: the async producer scores from its thread
         self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
-        self.greedy_baseline = "baseline_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator)
+        self.needs = ADV_ESTIMATORS.needs(alg.adv_estimator)  # what it reads beyond rewards
+        self.greedy_baseline = "baseline_rewards" in self.needs
         self.kl_ctrl = (
             AdaptiveKLController(alg.kl_reward_coef, alg.kl_target, alg.kl_horizon)
             if alg.kl_target is not None
             else FixedKLController(alg.kl_reward_coef)
         )
-        self.use_ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
-        self.needs = ADV_ESTIMATORS.needs(alg.adv_estimator)  # what it reads beyond rewards
-        self.old_log_prob_pass = cfg.needs_old_log_prob_pass() or bool(
-            {"old_log_probs", "sum_pi_squared"} & set(self.needs)  # the pass computes them
-        )
+        use_ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
+        # the exact KL computes the reference's distribution in the update: no pass for it
+        exact_kl = KL_ESTIMATORS.info(alg.kl_estimator).get("full_vocab", False)
+        self.ref_pass = alg.kl_reward_coef > 0 or (alg.kl_coef > 0 and not exact_kl)
+        self.old_log_prob_pass = old_log_prob_pass(cfg, self.needs)
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.start_workers(sampler, self.use_ref, layout.colocated, layout.cpus_per_rank(cfg))
+        self.start_workers(sampler, use_ref, layout.colocated, layout.cpus_per_rank(cfg))
         try:
             self.critic, self.rm = start_roles(cfg, self.actors, layout, self.resumed_from)
             split = layout.cpus_per_rank(cfg) if layout.prm_split else None
@@ -261,7 +279,7 @@ class RLTrainer(Trainer):
             with timed(m, "old_log_probs"):
                 batch = batch.union(group.compute_log_probs(batch))
         # 4. the frozen reference, for the KL term (in the loss, in the reward, or both)
-        if self.use_ref:
+        if self.ref_pass:
             with timed(m, "ref_log_probs"):
                 batch = batch.union(group.compute_ref_log_probs(batch))
         batch["token_level_rewards"] = self.kl_shaped_rewards(batch, m)

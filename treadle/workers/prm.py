@@ -86,8 +86,17 @@ class ImplicitPRMWorker(Worker):
             grad_clip=p.grad_clip,
             gradient_checkpointing=a.gradient_checkpointing,
         )
-        ref = p.ref_path or p.model_path or config.model.path
-        self.ref = TrainEngine(self._load(ref, "prime.ref_path"), **options, trainable=False)
+        # the frozen start, and the key that named it (for a load error)
+        ref_key, ref = next(
+            (key, path)
+            for key, path in (
+                ("prime.ref_path", p.ref_path),
+                ("prime.model_path", p.model_path),
+                ("model.path", config.model.path),
+            )
+            if path
+        )
+        self.ref = TrainEngine(self._load(ref, ref_key), **options, trainable=False)
 
     def _load(self, path: str, key: str) -> nn.Module:
         model: nn.Module = load_causal_lm(
