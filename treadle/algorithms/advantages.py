@@ -48,7 +48,13 @@ import torch
 from torch import Tensor
 
 from treadle.algorithms.registry import ADV_ESTIMATORS, register_adv_estimator
-from treadle.algorithms.utils import masked_count, masked_sum, masked_whiten
+from treadle.algorithms.utils import (
+    group_index,
+    group_sum,
+    masked_count,
+    masked_sum,
+    masked_whiten,
+)
 
 
 def _scores(token_level_rewards: Tensor, response_mask: Tensor) -> Tensor:
@@ -56,27 +62,11 @@ def _scores(token_level_rewards: Tensor, response_mask: Tensor) -> Tensor:
     return masked_sum(token_level_rewards.double(), response_mask, dim=-1)
 
 
-def _group_index(group_ids: Sequence[Hashable], scores: Tensor) -> Tensor:
-    """Dense group index [B] (0..G-1) of each sample, in order of first appearance."""
-    ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
-    if len(ids) != scores.shape[0]:
-        raise ValueError(f"group_ids has {len(ids)} entries but the batch has {scores.shape[0]}")
-    lookup: dict[Hashable, int] = {}
-    index = [lookup.setdefault(g, len(lookup)) for g in ids]
-    return torch.tensor(index, dtype=torch.long, device=scores.device)
-
-
-def _group_sum(x: Tensor, index: Tensor) -> Tensor:
-    """For each sample, the sum of ``x`` over the samples of its group ([B] -> [B])."""
-    sums = torch.zeros(int(index.max()) + 1, dtype=x.dtype, device=x.device)
-    return sums.index_add_(0, index, x)[index]
-
-
 def _group_mean_std(scores: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
     """Per-sample group mean and unbiased std; a single-sample group gets mean 0, std 1."""
-    count = _group_sum(torch.ones_like(scores), index)
-    mean = _group_sum(scores, index) / count
-    var = _group_sum((scores - mean) ** 2, index) / (count - 1).clamp(min=1)
+    count = group_sum(torch.ones_like(scores), index)
+    mean = group_sum(scores, index) / count
+    var = group_sum((scores - mean) ** 2, index) / (count - 1).clamp(min=1)
     single = count == 1
     return torch.where(single, 0.0, mean), torch.where(single, 1.0, var.sqrt())
 
@@ -121,7 +111,7 @@ def grpo(
     ``norm_adv_by_std=False`` there is no division (Dr. GRPO, arXiv 2503.20783).
     """
     scores = _scores(token_level_rewards, response_mask)
-    mean, std = _group_mean_std(scores, _group_index(group_ids, scores))
+    mean, std = _group_mean_std(scores, group_index(group_ids, scores))
     adv = scores - mean
     if norm_adv_by_std:
         adv = adv / (std + eps)
@@ -158,9 +148,9 @@ def rloo(
     group; a single-sample group has no baseline (``A_i = s_i``).
     """
     scores = _scores(token_level_rewards, response_mask)
-    index = _group_index(group_ids, scores)
-    n = _group_sum(torch.ones_like(scores), index)
-    loo = (n * scores - _group_sum(scores, index)) / (n - 1).clamp(min=1)
+    index = group_index(group_ids, scores)
+    n = group_sum(torch.ones_like(scores), index)
+    loo = (n * scores - group_sum(scores, index)) / (n - 1).clamp(min=1)
     advantages = _broadcast(torch.where(n > 1, loo, scores), response_mask, token_level_rewards)
     return advantages, advantages
 
@@ -197,7 +187,7 @@ def reinforce_plus_plus_baseline(
     the mean and std of all valid tokens of the batch (token-weighted, as in verl).
     """
     scores = _scores(token_level_rewards, response_mask)
-    mean, _std = _group_mean_std(scores, _group_index(group_ids, scores))
+    mean, _std = _group_mean_std(scores, group_index(group_ids, scores))
     advantages = masked_whiten(
         _broadcast(scores - mean, response_mask, token_level_rewards), response_mask
     )
@@ -280,9 +270,9 @@ def opo(
     """
     scores = _scores(token_level_rewards, response_mask)
     lengths = masked_count(response_mask, dim=-1).double()
-    index = _group_index(group_ids, scores)
-    n = _group_sum(torch.ones_like(scores), index)
-    baseline = _group_sum(lengths * scores, index) / _group_sum(lengths, index).clamp(min=1)
+    index = group_index(group_ids, scores)
+    n = group_sum(torch.ones_like(scores), index)
+    baseline = group_sum(lengths * scores, index) / group_sum(lengths, index).clamp(min=1)
     advantages = _broadcast(
         scores - torch.where(n > 1, baseline, 0.0), response_mask, token_level_rewards
     )
@@ -308,7 +298,7 @@ def gpg(
     ``F_norm = 1`` variant (its optional std normalisation is left out).
     """
     scores = _scores(token_level_rewards, response_mask)
-    mean, _std = _group_mean_std(scores, _group_index(group_ids, scores))
+    mean, _std = _group_mean_std(scores, group_index(group_ids, scores))
     centered = scores - mean
     n_valid = (centered.abs() > eps).sum().clamp(min=1)
     advantages = _broadcast(
@@ -341,7 +331,7 @@ def grpo_passk(
     all. A group of one has no second best: a ``ValueError``, as in verl.
     """
     scores = _scores(token_level_rewards, response_mask)
-    index = _group_index(group_ids, scores)
+    index = group_index(group_ids, scores)
     adv = torch.zeros_like(scores)
     for g in range(int(index.max()) + 1 if len(index) else 0):
         members = (index == g).nonzero().flatten()
@@ -395,7 +385,7 @@ def gdpo(
             raise ValueError(f"gdpo: {len(reward_weights)} reward_weights for {k} components")
         weights = torch.tensor(list(reward_weights), dtype=torch.float64)
     assert weights is not None
-    index = _group_index(group_ids, scores)
+    index = group_index(group_ids, scores)
     total = torch.zeros_like(scores)
     for j in range(k):
         mean, std = _group_mean_std(comps[:, j], index)
@@ -440,7 +430,7 @@ def _optimal_token_baseline(
     aligned_w[rows, pos] = cum_w[rows, cols]
     aligned_m[rows, pos] = 1.0
     lengths = valid.sum(-1)
-    index = _group_index(group_ids, returns[:, 0])
+    index = group_index(group_ids, returns[:, 0])
     baseline = torch.zeros_like(aligned_g)
     for g in range(int(index.max()) + 1 if len(index) else 0):
         members = (index == g).nonzero().flatten()

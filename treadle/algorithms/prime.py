@@ -34,9 +34,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from treadle.algorithms.advantages import _group_index, _group_sum
 from treadle.algorithms.registry import register_adv_estimator
-from treadle.algorithms.utils import masked_whiten
+from treadle.algorithms.utils import group_index, group_sum, masked_whiten
 
 
 def last_valid(response_mask: Tensor) -> Tensor:
@@ -89,7 +88,7 @@ def dpo_opponents(seq_q: Tensor, labels: Tensor, group_ids: Sequence[Hashable]) 
     label 0 with those of a higher label; no such sample: 0 (verl's ``Q_bc``/``acc_bc``).
     """
     q, y = seq_q.double(), labels.double()
-    index = _group_index(group_ids, q)
+    index = group_index(group_ids, q)
     same = index[:, None] == index[None, :]
     lower = same & (y[None, :] < y[:, None])
     higher = same & (y[None, :] > y[:, None])
@@ -121,7 +120,7 @@ def pairwise_accuracy(scores: Tensor, labels: Tensor, group_ids: Sequence[Hashab
     groups (in order of first appearance).
     """
     s, y = scores.double(), labels.double()
-    index = _group_index(group_ids, s)
+    index = group_index(group_ids, s)
     per_group = []
     for g in range(int(index.max()) + 1 if len(index) else 0):
         rows = (index == g).nonzero().flatten()
@@ -141,8 +140,8 @@ def sign_accuracy(scores: Tensor, labels: Tensor) -> float:
 def _leave_one_out(values: Tensor, per_sample: Tensor, index: Tensor, valid: Tensor) -> Tensor:
     """verl's ``masked_rloo``: ``v n/(n-1) - Σ_g m / (n-1)`` at valid positions, ``m`` the
     per-sample means; a group of one keeps ``v``."""
-    n = _group_sum(torch.ones_like(per_sample), index)
-    baseline = (_group_sum(per_sample, index) / (n - 1).clamp(min=1))[:, None]
+    n = group_sum(torch.ones_like(per_sample), index)
+    baseline = (group_sum(per_sample, index) / (n - 1).clamp(min=1))[:, None]
     scaled = (n / (n - 1).clamp(min=1))[:, None]
     out = torch.where((n > 1)[:, None], values * scaled - baseline, values)
     return torch.where(valid, out, 0.0)
@@ -178,7 +177,7 @@ def prime_advantages(
         raise ValueError("the prime estimator needs implicit_rewards (the implicit PRM's)")
     valid = response_mask.bool()
     scores = torch.where(valid, token_level_rewards.double(), 0.0).sum(-1)
-    index = _group_index(group_ids, scores)
+    index = group_index(group_ids, scores)
     total = torch.zeros(valid.shape, dtype=torch.float64, device=valid.device)
     if reward_gt_coef:
         last = last_valid(response_mask)

@@ -15,7 +15,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from treadle.algorithms.advantages import _group_index, _group_sum
+from treadle.algorithms.utils import group_index, group_sum
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: float) -> Tensor:
@@ -32,9 +32,9 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: flo
 
 def varied_groups(scores: Tensor, group_ids: Sequence[Hashable]) -> Tensor:
     """Bool [B]: True where the sample's group has at least two different scores."""
-    index = _group_index(group_ids, scores)
+    index = group_index(group_ids, scores)
     s = scores.double()
-    count = _group_sum(torch.ones_like(s), index)
-    mean = _group_sum(s, index) / count
-    spread = _group_sum((s - mean).abs(), index)
+    count = group_sum(torch.ones_like(s), index)
+    mean = group_sum(s, index) / count
+    spread = group_sum((s - mean).abs(), index)
     return spread > 0

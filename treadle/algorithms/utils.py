@@ -1,4 +1,4 @@
-"""Masked statistics over response-side tensors.
+"""Masked statistics over response-side tensors, and group sums over the samples of a prompt.
 
 ``mask`` (bool or 0/1 float, same shape as ``x``) is the single source of truth for which
 positions count. Masked-out positions are *selected away* with ``torch.where`` rather than
@@ -7,6 +7,8 @@ leaks into a statistic. Every function is safe for an all-zero mask: it returns 
 """
 
 from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import Tensor
@@ -76,3 +78,19 @@ def mismatch_metrics(stats: Tensor) -> dict[str, float]:
         "rollout/logprob_diff_max": float(stats[3]),
         "rollout/is_ratio_mean": float(stats[1]) / tokens,
     }
+
+
+def group_index(group_ids: Sequence[Hashable], scores: Tensor) -> Tensor:
+    """Dense group index [B] (0..G-1) of each sample, in order of first appearance."""
+    ids = group_ids.tolist() if isinstance(group_ids, Tensor) else list(group_ids)
+    if len(ids) != scores.shape[0]:
+        raise ValueError(f"group_ids has {len(ids)} entries but the batch has {scores.shape[0]}")
+    lookup: dict[Hashable, int] = {}
+    index = [lookup.setdefault(g, len(lookup)) for g in ids]
+    return torch.tensor(index, dtype=torch.long, device=scores.device)
+
+
+def group_sum(x: Tensor, index: Tensor) -> Tensor:
+    """For each sample, the sum of ``x`` over the samples of its group ([B] -> [B])."""
+    sums = torch.zeros(int(index.max()) + 1, dtype=x.dtype, device=x.device)
+    return sums.index_add_(0, index, x)[index]
