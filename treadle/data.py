@@ -48,7 +48,7 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, TypedDict
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypedDict, TypeVar
 
 import numpy as np
 import torch
@@ -80,34 +80,27 @@ class SFTRow(TypedDict):
     loss_mask: list[int]  # 1 where the token is a training target
 
 
-@dataclass
-class PromptDataset:
-    """Tokenized RL prompts; `pad_id` is the tokenizer's pad token (its EOS when it has none)."""
+R = TypeVar("R")
 
-    rows: list[PromptRow]
+
+@dataclass
+class Rows(Generic[R]):
+    """Tokenized rows of one kind. `pad_id` is the tokenizer's pad token (its EOS when it has
+    none); `n_filtered` counts the examples dropped for their length."""
+
+    rows: list[R]
     pad_id: int
     n_filtered: int = 0
 
     def __len__(self) -> int:
         return len(self.rows)
 
-    def __getitem__(self, index: int) -> PromptRow:
+    def __getitem__(self, index: int) -> R:
         return self.rows[index]
 
 
-@dataclass
-class SFTDataset:
-    """Tokenized SFT examples with their loss masks."""
-
-    rows: list[SFTRow]
-    pad_id: int
-    n_filtered: int = 0
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> SFTRow:
-        return self.rows[index]
+PromptDataset = Rows[PromptRow]  # RL prompts
+SFTDataset = Rows[SFTRow]  # SFT examples with their loss masks
 
 
 # --- reading files ---------------------------------------------------------------------------
@@ -701,19 +694,7 @@ class PairRow(TypedDict):
     ground_truth: str  # the answer column when the file has one, else ""
 
 
-@dataclass
-class PairDataset:
-    """Tokenized preference pairs."""
-
-    rows: list[PairRow]
-    pad_id: int
-    n_filtered: int = 0
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> PairRow:
-        return self.rows[index]
+PairDataset = Rows[PairRow]  # preference pairs
 
 
 def _check_pair_columns(records: list[_Record], keys: dict[str, str], config_key: str) -> None:
@@ -882,19 +863,9 @@ class UnpairedRow(TypedDict):
     ground_truth: str
 
 
-@dataclass
-class UnpairedDataset:
-    """Tokenized unpaired examples: a prompt, a completion and whether it is desirable."""
-
-    rows: list[UnpairedRow]
-    pad_id: int
-    n_filtered: int = 0
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> UnpairedRow:
-        return self.rows[index]
+UnpairedDataset = Rows[
+    UnpairedRow
+]  # unpaired examples (KTO): a prompt, a completion, whether it is desirable
 
 
 def _unpaired_kind(records: list[_Record], keys: dict[str, str], config_key: str) -> str:

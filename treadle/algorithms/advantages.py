@@ -404,6 +404,7 @@ def _optimal_token_baseline(
     rollout_is_weights: Tensor | None,
     handle_zero_tail: bool,
     eps: float,
+    *,
     by_valid_index: bool,
     name: str,
 ) -> tuple[Tensor, Tensor]:
@@ -480,9 +481,17 @@ def optimal_token_baseline(
     ``tir_optimal_token_baseline`` for alignment by the model's own tokens.
     """
     return _optimal_token_baseline(
-        token_level_rewards, response_mask, group_ids, old_log_probs, sum_pi_squared,
-        rollout_is_weights, handle_zero_tail, eps, False, "optimal_token_baseline",
-    )  # fmt: skip
+        token_level_rewards,
+        response_mask,
+        group_ids,
+        old_log_probs,
+        sum_pi_squared,
+        rollout_is_weights,
+        handle_zero_tail,
+        eps,
+        by_valid_index=False,
+        name="optimal_token_baseline",
+    )
 
 
 @register_adv_estimator(
@@ -509,6 +518,14 @@ def tir_optimal_token_baseline(
     Empty responses are left out of their group. On responses without gaps both are the same.
     """
     return _optimal_token_baseline(
-        token_level_rewards, response_mask, group_ids, old_log_probs, sum_pi_squared,
-        rollout_is_weights, handle_zero_tail, eps, True, "tir_optimal_token_baseline",
-    )  # fmt: skip
+        token_level_rewards,
+        response_mask,
+        group_ids,
+        old_log_probs,
+        sum_pi_squared,
+        rollout_is_weights,
+        handle_zero_tail,
+        eps,
+        by_valid_index=True,
+        name="tir_optimal_token_baseline",
+    )
