@@ -241,6 +241,11 @@ CROSS_FIELD = [
     (["rollout.n=1", "actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=rloo"], r"rloo"),
     (["algorithm.policy_loss=gspo"], r"loss_agg_mode=token-mean cannot be used with .*gspo"),
     (
+        ["algorithm.policy_loss=vanilla", "algorithm.sapo_tau_pos=2"],
+        r"algorithm\.sapo_tau_pos=2\.0 is not read by algorithm\.policy_loss=vanilla \(it reads "
+        r"clip_ratio_c, clip_ratio_high, clip_ratio_low\): remove algorithm\.sapo_tau_pos",
+    ),
+    (
         ["algorithm.adv_estimator=grpoo"],
         r"algorithm\.adv_estimator: .*'grpoo'.*did you mean 'grpo'",
     ),

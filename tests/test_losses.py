@@ -7,7 +7,10 @@ Clip-Cov (dropped tokens) and KL-Cov (penalised tokens).
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
+import types
 
 import pytest
 import torch
@@ -15,6 +18,10 @@ from torch.testing import assert_close
 
 from treadle.algorithms import LOSS_AGG_MODES, POLICY_LOSSES, agg_loss, entropy_from_logits
 from treadle.algorithms import value_loss as value_loss_fn
+from treadle.check import check_algorithm
+from treadle.config import AlgorithmConfig, load_config
+from treadle.errors import ConfigError
+from treadle.workers.actor import ActorRolloutRefWorker
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
 N_TOKENS = 9
@@ -500,6 +507,117 @@ def test_vanilla_is_ppo():
     assert POLICY_LOSSES.get("vanilla") is POLICY_LOSSES.get("ppo")
     assert POLICY_LOSSES.info("geo_mean")["agg_modes"] == ("seq-mean-token-mean",)
     assert POLICY_LOSSES.info("bypass_mode")["old"] == "rollout_log_probs"
+
+
+# --------------------------------------------------------------------------- knobs
+
+# what every policy loss is called with besides its knobs (``generator``: tests only)
+CALL_KEYWORDS = {"loss_agg_mode", "rollout_is_weights", "agg_kwargs", "generator"}
+
+
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_a_loss_registers_every_knob_it_reads(name):
+    # the actor passes a loss only its registered knobs: one it reads but does not register
+    # would silently keep the function's default
+    params = inspect.signature(POLICY_LOSSES.get(name)).parameters.values()
+    read = {p.name for p in params if p.kind is p.KEYWORD_ONLY} - CALL_KEYWORDS
+    assert set(POLICY_LOSSES.knobs(name)) == read
+    assert read <= set(AlgorithmConfig.model_fields)
+
+
+def test_the_actor_passes_exactly_the_registered_knobs():
+    def options(*overrides: str) -> dict:
+        worker = types.SimpleNamespace(cfg=load_config(None, list(overrides)))
+        return ActorRolloutRefWorker._loss_options(worker)  # type: ignore[arg-type]
+
+    assert options("algorithm.clip_ratio_high=0.28") == {
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+        "clip_ratio_c": 3.0,
+    }
+    assert options("algorithm.policy_loss=vanilla") == options()  # an alias: its target's
+    assert options("algorithm.policy_loss=sapo", "algorithm.sapo_tau_pos=2") == {
+        "sapo_tau_pos": 2.0,
+        "sapo_tau_neg": 1.05,
+    }
+    assert options("algorithm.policy_loss=gpg", "algorithm.dro_beta=0.1") == {}
+
+
+PPO_READS = "(it reads clip_ratio_c, clip_ratio_high, clip_ratio_low)"
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (
+            ["algorithm.sapo_tau_pos=2"],
+            f"algorithm.sapo_tau_pos=2.0 is not read by algorithm.policy_loss=ppo {PPO_READS}: "
+            "remove algorithm.sapo_tau_pos",
+        ),
+        (  # an alias says the name the config gave and reads what its target reads
+            ["algorithm.policy_loss=vanilla", "algorithm.kl_cov_ratio=0.01"],
+            f"algorithm.kl_cov_ratio=0.01 is not read by algorithm.policy_loss=vanilla {PPO_READS}",
+        ),
+        (  # clip_ratio_* are shared, but not by every loss; null is a change from 3.0
+            ["algorithm.policy_loss=cispo", "algorithm.clip_ratio_c=null"],
+            "algorithm.clip_ratio_c=null is not read by algorithm.policy_loss=cispo (it reads "
+            "clip_ratio_high, clip_ratio_low): remove algorithm.clip_ratio_c",
+        ),
+        (
+            ["algorithm.policy_loss=dppo_tv", "algorithm.clip_ratio_low=0.1"],
+            "algorithm.clip_ratio_low=0.1 is not read by algorithm.policy_loss=dppo_tv (it reads "
+            "dppo_divergence_high, dppo_divergence_low, dppo_is_cap)",
+        ),
+        (
+            ["algorithm.policy_loss=gpg", "algorithm.bypass_is=sequence"],
+            "algorithm.bypass_is=sequence is not read by algorithm.policy_loss=gpg (it reads no "
+            "algorithm knob)",
+        ),
+        (
+            ["algorithm.loss_scale_factor=8"],
+            "algorithm.loss_scale_factor=8.0 is not read by algorithm.loss_agg_mode=token-mean",
+        ),
+    ],
+)
+def test_a_knob_the_loss_does_not_read_is_an_error(overrides, message):
+    with pytest.raises(ConfigError, match=re.escape(message)) as e:
+        check_algorithm(load_config(None, overrides), "train")
+    assert len(str(e.value).splitlines()) == 1
+
+
+def test_every_foreign_knob_is_listed():
+    overrides = ["algorithm.policy_loss=sapo", "algorithm.dro_beta=0.1", "algorithm.clip_cov_lb=2"]
+    with pytest.raises(ConfigError) as e:
+        check_algorithm(load_config(None, overrides), "train")
+    lines = str(e.value).splitlines()
+    assert [line.split("=")[0] for line in lines] == ["algorithm.clip_cov_lb", "algorithm.dro_beta"]
+    assert all("(it reads sapo_tau_neg, sapo_tau_pos)" in line for line in lines)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["algorithm.clip_ratio_high=0.28", "algorithm.clip_ratio_c=null"],
+        ["algorithm.policy_loss=vanilla", "algorithm.clip_ratio_low=0.1"],
+        ["algorithm.policy_loss=sapo", "algorithm.sapo_tau_pos=2", "algorithm.sapo_tau_neg=3"],
+        ["algorithm.policy_loss=dro", "algorithm.dro_beta=0.1"],
+        [
+            "algorithm.policy_loss=clip_cov",
+            "algorithm.clip_cov_lb=2",
+            "algorithm.clip_ratio_low=0.1",
+        ],
+        [
+            "algorithm.policy_loss=bypass_mode",
+            "algorithm.bypass_loss_type=reinforce",
+            "algorithm.bypass_is=sequence",
+            "algorithm.clip_ratio_c=null",
+        ],
+        ["algorithm.loss_agg_mode=seq-mean-token-sum-norm", "algorithm.loss_scale_factor=8"],
+        ["algorithm.policy_loss=gpg", "algorithm.sapo_tau_pos=1.0"],  # the default: no change
+    ],
+)
+def test_a_knob_the_loss_reads_passes(overrides):
+    check_algorithm(load_config(None, overrides), "train")
 
 
 def test_token_sum_is_the_plain_sum_times_the_ranks():

@@ -99,7 +99,13 @@ def check(cfg: Config, kind: Kind) -> list[str]:
 def check_algorithm(cfg: Config, kind: Kind) -> None:
     """Registered names and the rules between them (ConfigError listing every problem), after
     ``algorithm.plugins`` are imported (they register names)."""
-    from treadle.algorithms import ADV_ESTIMATORS, KL_ESTIMATORS, POLICY_LOSSES, PREFERENCE_LOSSES
+    from treadle.algorithms import (
+        ADV_ESTIMATORS,
+        KL_ESTIMATORS,
+        LOSS_AGG_MODES,
+        POLICY_LOSSES,
+        PREFERENCE_LOSSES,
+    )
     from treadle.plugins import load_plugins
 
     if cfg.algorithm.plugins:
@@ -118,6 +124,7 @@ def check_algorithm(cfg: Config, kind: Kind) -> None:
     if kind == "train":
         problems += _algorithm_rules(cfg, ADV_ESTIMATORS, POLICY_LOSSES)
         problems += _loss_rules(cfg, POLICY_LOSSES, KL_ESTIMATORS)
+        problems += _algorithm_knobs(cfg, POLICY_LOSSES, LOSS_AGG_MODES)
     if kind == "dpo" and cfg.dpo.loss_type in PREFERENCE_LOSSES:
         problems += _preference_knobs(cfg, PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
     if kind == "kto" and cfg.data.batch_size < 2:
@@ -158,20 +165,55 @@ def _registered_names(cfg: Config, kind: Kind) -> list[tuple[str, Any, str]]:
     return []
 
 
+def _unread_knobs(
+    cfg: Config, section: str, knobs: Any, reads: Any, selector: str, reads_none: str
+) -> list[str]:
+    """A line for each of ``knobs`` (settings of ``cfg.<section>`` that only some functions
+    read) changed from its default that the function ``<section>.<selector>`` names does not
+    read (``reads``): a knob nothing reads would be silently ignored."""
+    settings = getattr(cfg, section)
+    fields, chosen, problems = type(settings).model_fields, getattr(settings, selector), []
+    for knob in sorted(knobs):
+        value = getattr(settings, knob)
+        if value != fields[knob].default and knob not in reads:
+            shown = "null" if value is None else value
+            problems.append(
+                f"{section}.{knob}={shown} is not read by {section}.{selector}={chosen} (it "
+                f"reads {', '.join(sorted(reads)) or reads_none}): remove {section}.{knob}"
+            )
+    return problems
+
+
+def _algorithm_knobs(cfg: Config, losses: Any, agg_modes: Any) -> list[str]:
+    """The policy loss's and the loss aggregation's knobs (their ``knobs`` registration):
+    another one changed from its default is an error, as is a registered knob that is no
+    ``algorithm`` setting (a plug-in's)."""
+    alg, problems = cfg.algorithm, []
+    fields = type(alg).model_fields
+    for registry, selector in ((losses, "policy_loss"), (agg_modes, "loss_agg_mode")):
+        chosen = getattr(alg, selector)
+        if chosen not in registry:
+            continue
+        reads = registry.knobs(chosen)
+        unknown = [k for k in reads if k not in fields]
+        if unknown:
+            problems.append(
+                f"algorithm.{selector}={chosen} is registered with knobs=({', '.join(unknown)}) "
+                "that are not algorithm settings: register only keys of the algorithm section"
+            )
+        knobs = {k for k in registry.all_knobs() if k in fields}
+        problems += _unread_knobs(cfg, "algorithm", knobs, reads, selector, "no algorithm knob")
+    return problems
+
+
 def _preference_knobs(cfg: Config, info: dict[str, Any]) -> list[str]:
     """A ``dpo`` knob changed from its default must be one the loss reads (``f_alpha`` goes
     with ``f_divergence``); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
-    d, problems = cfg.dpo, []
+    d = cfg.dpo
     reads = set(info.get("knobs", ()))
     if "f_divergence" in reads:
         reads.add("f_alpha")
-    for knob in DPO_KNOBS:
-        value = getattr(d, knob)
-        if value != type(d).model_fields[knob].default and knob not in reads:
-            problems.append(
-                f"dpo.{knob}={value} is not read by dpo.loss_type={d.loss_type} (it reads "
-                f"{', '.join(sorted(reads)) or 'only dpo.beta'}): remove dpo.{knob}"
-            )
+    problems = _unread_knobs(cfg, "dpo", DPO_KNOBS, reads, "loss_type", "only dpo.beta")
     for knob in info.get("positive", ()):
         if not getattr(d, knob) > 0:
             problems.append(

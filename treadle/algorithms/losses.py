@@ -3,14 +3,16 @@
 Every policy loss has one signature, so the actor picks one by name from ``POLICY_LOSSES``::
 
     fn(log_probs, old_log_probs, advantages, response_mask, *, loss_agg_mode="token-mean",
-       clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=None, rollout_is_weights=None,
-       agg_kwargs=None, <the loss's own knobs>, **_) -> (loss, metrics)
+       rollout_is_weights=None, agg_kwargs=None, <the loss's own knobs>, **_) -> (loss, metrics)
 
-The actor passes every loss all the knobs of ``algorithm`` (``clip_cov_ratio``,
-``sapo_tau_pos``, ``dro_beta``, ``bypass_loss_type``...); each takes the ones it names and
-ignores the rest. A loss registered with ``old="rollout_log_probs"`` (``bypass_mode``) gets the
-rollout engine's log-probs as ``old_log_probs``. verl's names resolve too (``vanilla`` is
-``ppo``), and ``tests/test_losses_parity.py`` holds every loss to verl 0.9.1's.
+A loss is registered with ``knobs=(...)``, the ``algorithm`` settings it reads
+(``clip_ratio_low``, ``sapo_tau_pos``, ``dro_beta``...; ``POLICY_LOSSES.knobs(name)``), and the
+actor passes it exactly those: a knob a loss does not register never reaches it, and ``treadle
+check`` refuses a knob changed from its default that the chosen loss does not read. The
+aggregation ``seq-mean-token-sum-norm`` registers its ``loss_scale_factor`` the same way. A
+loss registered with ``old="rollout_log_probs"`` (``bypass_mode``) gets the rollout engine's
+log-probs as ``old_log_probs``. verl's names resolve too (``vanilla`` is ``ppo``), and
+``tests/test_losses_parity.py`` holds every loss to verl 0.9.1's.
 
 All tensors are ``[B, T]`` on the response side. A loss builds a per-token loss matrix and hands
 it to ``agg_loss``, which turns it into a scalar in one of the registered modes. Choices:
@@ -151,7 +153,7 @@ def seq_mean_token_mean(
     return _divide(seq_means.sum(), _seq_count(mask, num_seqs))
 
 
-@register_loss_agg_mode("seq-mean-token-sum-norm")
+@register_loss_agg_mode("seq-mean-token-sum-norm", knobs=("loss_scale_factor",))
 def seq_mean_token_sum_norm(
     loss_mat: Tensor,
     mask: Tensor,
@@ -172,6 +174,10 @@ def seq_mean_token_sum_norm(
 
 
 # --------------------------------------------------------------------------- policy losses
+
+# the `algorithm` knobs several losses read (each registration lists all it reads)
+_CLIP = ("clip_ratio_low", "clip_ratio_high")
+_DPPO = ("dppo_divergence_low", "dppo_divergence_high", "dppo_is_cap")
 
 
 def _valid_only(mask: Tensor, *tensors: Tensor) -> list[Tensor]:
@@ -218,7 +224,7 @@ def _dual_clip(pg_losses: Tensor, advantages: Tensor, clip_ratio_c: float) -> tu
     return torch.where(active, bound, pg_losses), active
 
 
-@register_policy_loss("ppo")
+@register_policy_loss("ppo", knobs=(*_CLIP, "clip_ratio_c"))
 def ppo(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -261,7 +267,9 @@ def ppo(
 
 # a sequence-level ratio: aggregating it per token would weight sequences by their length
 @register_policy_loss(
-    "gspo", agg_modes=("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+    "gspo",
+    agg_modes=("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
+    knobs=_CLIP,
 )
 def gspo(
     log_probs: Tensor,
@@ -300,7 +308,7 @@ def gspo(
     }
 
 
-@register_policy_loss("cispo")
+@register_policy_loss("cispo", knobs=_CLIP)
 def cispo(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -334,7 +342,7 @@ def cispo(
     }
 
 
-@register_policy_loss("gpg")
+@register_policy_loss("gpg", knobs=())
 def gpg(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -383,7 +391,7 @@ def _top_fraction(scores: Tensor, mask: Tensor, fraction: float) -> Tensor:
     return chosen.view_as(scores)
 
 
-@register_policy_loss("clip_cov")
+@register_policy_loss("clip_cov", knobs=(*_CLIP, "clip_cov_ratio", "clip_cov_lb", "clip_cov_ub"))
 def clip_cov(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -431,7 +439,7 @@ def clip_cov(
     }
 
 
-@register_policy_loss("kl_cov")
+@register_policy_loss("kl_cov", knobs=("kl_cov_ratio", "kl_cov_coef"))
 def kl_cov(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -474,7 +482,7 @@ def kl_cov(
 POLICY_LOSSES.alias("vanilla", "ppo")  # verl's name for PPO-clip
 
 
-@register_policy_loss("sapo")
+@register_policy_loss("sapo", knobs=("sapo_tau_pos", "sapo_tau_neg"))
 def sapo(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -514,7 +522,7 @@ def sapo(
 
 
 # one ratio and one advantage per sequence: the loss is a mean over sequences
-@register_policy_loss("geo_mean", agg_modes=("seq-mean-token-mean",))
+@register_policy_loss("geo_mean", agg_modes=("seq-mean-token-mean",), knobs=_CLIP)
 def geo_mean(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -593,7 +601,7 @@ def _away_from_old(advantages: Tensor, prob: Tensor, old_prob: Tensor) -> Tensor
     return torch.where(advantages > 0, prob > old_prob, prob < old_prob)
 
 
-@register_policy_loss("dppo_tv")
+@register_policy_loss("dppo_tv", knobs=_DPPO)
 def dppo_tv(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -636,7 +644,7 @@ def dppo_tv(
     )
 
 
-@register_policy_loss("dppo_kl")
+@register_policy_loss("dppo_kl", knobs=_DPPO)
 def dppo_kl(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -681,7 +689,7 @@ def dppo_kl(
     )
 
 
-@register_policy_loss("dro")
+@register_policy_loss("dro", knobs=("dro_beta",))
 def dro(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -734,7 +742,11 @@ def bypass_is_weights(
 
 
 # the actor passes the rollout engine's log-probs as the old policy (its "old" fact)
-@register_policy_loss("bypass_mode", old="rollout_log_probs")
+@register_policy_loss(
+    "bypass_mode",
+    old="rollout_log_probs",
+    knobs=(*_CLIP, "clip_ratio_c", "bypass_loss_type", "bypass_is", "bypass_is_cap"),
+)
 def bypass_mode(
     log_probs: Tensor,
     old_log_probs: Tensor,

@@ -4,8 +4,9 @@ A row is read from the code, so the reference cannot go stale: the name; the pap
 formula, both from the first paragraph of the function's docstring, which every built-in
 function writes as ``Name (Authors, arXiv NNNN.NNNNN): formula``; the config key that selects
 it; and what it needs beyond a batch of prompts and a reward, from its registration facts
-(``needs``, ``groups``, ``agg_modes``, ``data``, ``reference``). A name registered for a function
-that has another name too is listed as an alias. ``python -m treadle.docs`` writes the file.
+(``needs``, ``groups``, ``agg_modes``, ``knobs``, ``data``, ``reference``). A name registered
+for a function that has another name too is listed as an alias. ``python -m treadle.docs``
+writes the file.
 """
 
 from __future__ import annotations
@@ -68,6 +69,8 @@ def _rl_needs(info: dict[str, Any]) -> str:
         parts.append(NEEDS["ref_logits"] + "; in the loss only, not in the reward")
     if info.get("agg_modes"):
         parts.append("`loss_agg_mode` one of " + ", ".join(f"`{m}`" for m in info["agg_modes"]))
+    if info.get("knobs"):
+        parts.append("reads " + ", ".join(f"`algorithm.{k}`" for k in info["knobs"]))
     return "; ".join(parts)
 
 

@@ -6,14 +6,16 @@ function up here. Adding a variant is one decorated function in the module that 
     @register_adv_estimator("my_estimator")
     def my_estimator(token_level_rewards, response_mask, *, group_ids, **_): ...
 
-A registration may carry facts about the function that the driver needs to build the
-dataflow, e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a critic
-because the estimator says it reads values, not because its name is ``gae``.
-``groups=True`` marks an estimator whose baseline is its group (``rollout.n`` samples of one
-prompt); ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
-absent). Preference losses say ``reference=False`` (no reference model is built), ``knobs=(...)``
-(the ``dpo`` settings they read), ``nll=`` (the chosen NLL they include), ``batchwise=True``;
-unpaired losses ``kl=True`` (KTO's reference point). ``treadle check`` reads these facts.
+A registration may carry facts about the function that the driver needs to build the dataflow,
+e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a critic because
+the estimator says it reads values, not because its name is ``gae``. ``groups=True`` marks an
+estimator whose baseline is its group (``rollout.n`` samples of one prompt);
+``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
+absent); ``knobs=(...)`` the ``algorithm`` settings a policy loss (or aggregation) reads, which
+the actor passes it, no others. Preference losses say ``reference=False`` (no reference model
+is built), ``knobs=(...)`` (the ``dpo`` settings they read), ``nll=`` (the chosen NLL they
+include), ``batchwise=True``; unpaired losses ``kl=True`` (KTO's reference point). ``treadle
+check`` reads these facts.
 
 ``REGISTRY.alias("vanilla", "ppo")`` makes a second name for a registered function (verl's
 names beside treadle's): it resolves everywhere the name does, facts included.
@@ -81,6 +83,16 @@ class Registry(Generic[F]):
     def needs(self, name: str) -> tuple[str, ...]:
         """Inputs beyond the defaults that ``name`` reads (its ``needs`` registration fact)."""
         return tuple(self.info(name).get("needs", ()))
+
+    def knobs(self, name: str) -> tuple[str, ...]:
+        """The settings ``name`` reads (its ``knobs`` registration fact): the caller passes a
+        function exactly these, and ``treadle check`` refuses the others changed from their
+        defaults."""
+        return tuple(self.info(name).get("knobs", ()))
+
+    def all_knobs(self) -> set[str]:
+        """Every setting some registered function reads."""
+        return {k for info in self._info.values() for k in info.get("knobs", ())}
 
     def get(self, name: str) -> F:
         """The function registered under ``name``; ``ValueError`` listing valid names if none."""

@@ -63,27 +63,6 @@ from treadle.workers.common import (
 from treadle.workers.preference import PreferenceMixin
 from treadle.workers.rollout import ServesRollout, make_engine
 
-# The algorithm keys handed to every policy loss (each takes the ones it knows, **_ the rest).
-LOSS_OPTIONS = (
-    "clip_ratio_low",
-    "clip_ratio_high",
-    "clip_ratio_c",
-    "clip_cov_ratio",
-    "clip_cov_lb",
-    "clip_cov_ub",
-    "kl_cov_ratio",
-    "kl_cov_coef",
-    "sapo_tau_pos",
-    "sapo_tau_neg",
-    "dro_beta",
-    "dppo_divergence_low",
-    "dppo_divergence_high",
-    "dppo_is_cap",
-    "bypass_loss_type",
-    "bypass_is",
-    "bypass_is_cap",
-)
-
 
 class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
     """Actor + rollout engine + reference, colocated in one process per rank."""
@@ -280,9 +259,9 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         return old
 
     def _loss_options(self) -> dict[str, Any]:
-        """Every policy loss's knobs from ``algorithm``; each loss reads its own."""
+        """The ``algorithm`` knobs the policy loss registered (``knobs=``), and no others."""
         alg = self.cfg.algorithm
-        return {key: getattr(alg, key) for key in LOSS_OPTIONS}
+        return {key: getattr(alg, key) for key in POLICY_LOSSES.knobs(alg.policy_loss)}
 
     def _actor_loss(self, mb: Batch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
