@@ -1,4 +1,5 @@
-"""Every algorithm recipe in examples/arithmetic runs two RL steps end to end (local backend)."""
+"""Every RL recipe in examples/arithmetic, and PRIME's in examples/prime, runs two RL steps end
+to end (local backend)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from treadle.config import load_config
 from treadle.tracking import read_metrics
 from treadle.trainers.rl import train
 
-RECIPES = ["grpo", "rloo", "reinforce_pp", "dr_grpo", "gspo", "dapo", "ppo"]
+RECIPES = [f"arithmetic/{r}" for r in ("grpo", "rloo", "reinforce_pp", "dr_grpo", "gspo")]
+RECIPES += ["arithmetic/dapo", "arithmetic/ppo", "prime/prime"]
 # What a recipe needs changed to fit the test's 12-token responses.
-EXTRA = {"dapo": ["reward.overlong_buffer_len=4"]}
+EXTRA = {"arithmetic/dapo": ["reward.overlong_buffer_len=4"]}
 
 
 @pytest.fixture(scope="module")
@@ -25,9 +27,9 @@ def varied_reward(tmp_path_factory):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_recipe_runs_two_steps(recipe, tiny_task, varied_reward, tmp_path):
-    out = tmp_path / recipe
+    out = tmp_path / "run"
     cfg = load_config(
-        f"examples/arithmetic/{recipe}.yaml",
+        f"examples/{recipe}.yaml",
         [
             f"model.path={tiny_task['model']}",
             f"data.train_files=[{tiny_task['train']}]",
@@ -59,6 +61,7 @@ def test_recipe_runs_two_steps(recipe, tiny_task, varied_reward, tmp_path):
         assert m["actor/grad_norm"] > 0
     assert ("actor/kl" in metrics[0]) == (cfg.algorithm.kl_coef > 0)
     assert ("critic/vf_loss" in metrics[0]) == (cfg.algorithm.adv_estimator == "gae")
+    assert ("prime/loss" in metrics[0]) == (cfg.algorithm.adv_estimator == "prime")
     before = load_file(str(tiny_task["model"] / "model.safetensors"))
     after = load_file(str(out / "final_model" / "model.safetensors"))
     assert all(not torch.equal(before[k], after[k]) for k in before)
