@@ -110,9 +110,10 @@ def outcome_rewards(mask: torch.Tensor, scores: list[float]) -> torch.Tensor:
     return rewards
 
 
-def rollout_metrics(batch: Batch) -> dict[str, float]:
-    """Rewards, lengths and, when the old log-probs were computed here, the rollout/train
-    mismatch (otherwise the update reports it)."""
+def rollout_metrics(batch: Batch, component_keys: Sequence[str] = ()) -> dict[str, float]:
+    """Rewards (and the means of the reward's named components, GDPO), lengths and, when the
+    old log-probs were computed here, the rollout/train mismatch (otherwise the update reports
+    it)."""
     mask = batch["response_mask"].float()
     lengths = mask.sum(-1)
     scores = batch["token_level_scores"].sum(-1)
@@ -125,6 +126,10 @@ def rollout_metrics(batch: Batch) -> dict[str, float]:
         # the oldest weights any sample was generated with (all equal in a synchronous step)
         "rollout/weight_version": float(batch["weight_version"].min()),
     }
+    if component_keys:
+        parts = batch["reward_components"].T
+        for key, part in zip(component_keys, parts, strict=True):
+            m[f"reward/{key}_mean"] = float(part.mean())
     if "turns" in batch:  # an agent loop: per-trajectory turns and what its info reported
         m["agent/turns_mean"] = float(batch["turns"].mean())
         m["agent/turns_max"] = float(batch["turns"].max())
@@ -303,7 +308,7 @@ class RLTrainer(Trainer):
                 **self.estimator_inputs(batch),
                 **extra,
             )
-        m.update(rollout_metrics(batch))
+        m.update(rollout_metrics(batch, alg.gdpo_reward_keys))
         if self.samples_due(step):
             self.samples = sample_rows(batch, self.cfg.trainer.log_samples)
         if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer
@@ -371,9 +376,6 @@ class RLTrainer(Trainer):
         scores = torch.tensor(raw)
         if keys := self.cfg.algorithm.gdpo_reward_keys:  # the reward's parts, [B, K] (GDPO)
             batch["reward_components"] = component_matrix(raw, keys, self.cfg.reward.function)
-            if m is not None:
-                for key, part in zip(keys, batch["reward_components"].T, strict=True):
-                    m[f"reward/{key}_mean"] = float(part.mean())
         if self.rm is not None:
             if m is not None:
                 m["reward/rule_mean"] = float(scores.mean())
