@@ -29,7 +29,8 @@ Choices:
   ``label_mean``, ``reward_mean`` (Σ_t r_t) and ``raw_reward_mean`` (Σ_t q_t) of the rewards
   given, and verl's accuracies of the PRM against the labels: ``acc`` (pairs within a group
   ordered as their labels) and ``acc_abs`` (sign of Σ_t r_t against the label), of the rewards
-  given, and ``acc_before``/``acc_abs_before`` of the update's forward.
+  given, and ``acc_before``/``acc_abs_before`` of the update's forward (with several PRM
+  mini-batches a step, the later ones are scored after the earlier ones' optimizer steps).
 """
 
 from __future__ import annotations
