@@ -300,3 +300,26 @@ def test_role_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, rew
     assert split.cpus_per_rank(split_cfg) == 2.0  # 6 CPUs over 2 actor + 1 critic ranks
     grpo = plan_roles(ppo_config(tiny_task, "algorithm.adv_estimator=grpo"))
     assert (grpo.critic, grpo.reward_model, grpo.colocated) == (False, False, 1)
+
+
+def test_a_colocated_critic_stays_on_the_actors_bundles_beside_a_split_rollout(
+    tiny_task, monkeypatch
+):
+    """A split rollout gives the training side a bundle size (cpus_per_rank is not None): a
+    colocated critic must still join the actors' bundles, and only a split one get a pool."""
+    from treadle.trainers import roles
+
+    placed: dict[str, float | None] = {}
+
+    def add_group(actors, cfg, worker, kwargs, *, world_size, own_cpus_per_rank=None):
+        placed[worker.__name__] = own_cpus_per_rank
+
+    monkeypatch.setattr(roles, "add_group", add_group)
+    ray = ("trainer.backend=ray", "trainer.num_cpus=6", "rollout.placement=split")
+    for placement in ("colocated", "split"):
+        cfg = ppo_config(tiny_task, *ray, f"critic.placement={placement}", "critic.world_size=1")
+        layout = roles.plan_roles(cfg)
+        assert layout.cpus_per_rank(cfg) is not None  # the split rollout's pool is cut off
+        assert roles.start_roles(cfg, None, layout, None) == (None, None, None)
+        own = layout.cpus_per_rank(cfg) if placement == "split" else None
+        assert placed["CriticWorker"] == own, placement

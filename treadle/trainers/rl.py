@@ -77,7 +77,6 @@ from treadle.trainers.common import (
     prompt_batch,
     rule_scores,
 )
-from treadle.trainers.prime import start_prm
 from treadle.trainers.roles import plan_roles, start_roles
 
 
@@ -209,9 +208,9 @@ class RLTrainer(Trainer):
         )
         self.start_workers(sampler, use_ref, layout.colocated, layout.cpus_per_rank(cfg))
         try:
-            self.critic, self.rm = start_roles(cfg, self.actors, layout, self.resumed_from)
-            split = layout.cpus_per_rank(cfg) if layout.prm_split else None
-            self.prm = start_prm(cfg, self.actors, layout.prm, split, self.resumed_from)
+            self.critic, self.rm, self.prm = start_roles(
+                cfg, self.actors, layout, self.resumed_from
+            )
         except BaseException:
             self.close()  # the rollout (split replicas) and the actors
             raise

@@ -41,7 +41,7 @@ from treadle.controller import WorkerGroup
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
 from treadle.trainers.common import Actors, add_group, total_cpus
-from treadle.trainers.prime import uses_prm
+from treadle.trainers.prime import ImplicitPRM, start_prm, uses_prm
 from treadle.trainers.rollout import rollout_cpus
 from treadle.workers import CriticWorker, RewardModelWorker
 
@@ -186,12 +186,14 @@ def critic_start(cfg: Config, resumed_from: Path | None) -> str:
 
 def start_roles(
     cfg: Config, actors: Actors, layout: Layout, resumed_from: Path | None
-) -> tuple[WorkerGroup | None, WorkerGroup | None]:
-    """(critic group, reward-model group), each None when the run has no such role.
+) -> tuple[WorkerGroup | None, WorkerGroup | None, ImplicitPRM | None]:
+    """(critic group, reward-model group, PRIME's PRM), each None when the run has no such
+    role; a split role gets a pool of its own, a colocated one the actors' bundles.
 
     The groups are registered with ``actors`` and close with them, also when this fails.
     """
     critic = rm = None
+    split_cpus = layout.cpus_per_rank(cfg)
     if layout.critic:
         critic = add_group(
             actors,
@@ -199,7 +201,7 @@ def start_roles(
             CriticWorker,
             {"config": cfg, "critic_path": critic_start(cfg, resumed_from)},
             world_size=layout.critic_world_size,
-            own_cpus_per_rank=layout.cpus_per_rank(cfg),
+            own_cpus_per_rank=split_cpus if layout.critic_split else None,
         )
         if resumed_from is not None:
             critic.load_checkpoint(str(resumed_from / "critic"))
@@ -207,4 +209,5 @@ def start_roles(
         rm = add_group(
             actors, cfg, RewardModelWorker, {"config": cfg}, world_size=cfg.actor.world_size
         )
-    return critic, rm
+    split = split_cpus if layout.prm_split else None
+    return critic, rm, start_prm(cfg, actors, layout.prm, split, resumed_from)
