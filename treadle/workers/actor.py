@@ -224,7 +224,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
     # ------------------------------------------------------------------ training
 
     def _forward(
-        self, mb: Batch, ids: torch.Tensor, mask: torch.Tensor, r: int
+        self, ids: torch.Tensor, mask: torch.Tensor, r: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The actor's log-probs and entropy, and with the ``full`` KL estimator the exact
         per-token KL to the reference (its whole distribution computed here, no gradient)."""
@@ -266,7 +266,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
     def _actor_loss(self, mb: Batch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
         ids, mask, r = self._sequences(mb)
-        logp, ent, full_kl = self._forward(mb, ids, mask, r)
+        logp, ent, full_kl = self._forward(ids, mask, r)
         rmask = mb["response_mask"].to(logp.dtype)
         old = self._old_policy(mb, logp)
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
