@@ -889,8 +889,22 @@ class Config(Section):
             )
         if mini % ws:
             yield (f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}")
-        yield from _check_critic(self.critic, self.actor, samples, self.trainer.backend)
-        yield from _check_prime(self.prime, self.actor, samples, self.trainer.backend)
+        for section, what, mini_key in (
+            ("critic", "critic", "ppo_mini_batch_size"),
+            ("prime", "PRM", "mini_batch_size"),
+        ):
+            role = getattr(self, section)
+            yield from _check_side_role(
+                section,
+                what,
+                role.world_size,
+                role.placement,
+                mini_key,
+                getattr(role, mini_key),
+                self.actor,
+                samples,
+                self.trainer.backend,
+            )
         yield from _check_rollout(self.rollout, self.actor, self.trainer)
         yield from _check_agents(self.rollout, self.data)
         yield from _check_mode(self)
@@ -985,51 +999,36 @@ def _check_rollout(
         )
 
 
-def _check_critic(
-    critic: CriticConfig, actor: ActorConfig, samples: int, backend: str
+def _check_side_role(
+    section: str,
+    what: str,
+    world_size: int | None,
+    placement: str,
+    mini_key: str,
+    mini_batch_size: int | None,
+    actor: ActorConfig,
+    samples: int,
+    backend: str,
 ) -> Iterator[str]:
-    ws = critic.world_size or actor.world_size
-    if critic.placement == "colocated" and ws != actor.world_size:
+    """The placement and batch rules of a role beside the actor (the critic, PRIME's PRM)."""
+    ws = world_size or actor.world_size
+    if placement == "colocated" and ws != actor.world_size:
         yield (
-            f"critic.world_size={ws} must equal actor.world_size={actor.world_size} when "
-            "critic.placement=colocated (it shares the actor's bundles); set "
-            "critic.placement=split or drop critic.world_size"
+            f"{section}.world_size={ws} must equal actor.world_size={actor.world_size} when "
+            f"{section}.placement=colocated (it shares the actor's bundles); set "
+            f"{section}.placement=split or drop {section}.world_size"
         )
-    if backend == "local" and critic.placement == "split":
+    if backend == "local" and placement == "split":
         yield (
-            "trainer.backend=local runs one rank in-process; set critic.placement=colocated "
+            f"trainer.backend=local runs one rank in-process; set {section}.placement=colocated "
             "or use trainer.backend=ray"
         )
-    mini = critic.ppo_mini_batch_size or actor.ppo_mini_batch_size
-    same_as_actor = critic.ppo_mini_batch_size is None and ws == actor.world_size
+    mini = mini_batch_size or actor.ppo_mini_batch_size
+    same_as_actor = mini_batch_size is None and ws == actor.world_size
     if not same_as_actor and (samples % mini or mini % ws):  # else the actor's rule says it
         yield (
-            f"critic.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n = "
-            f"{samples} and be divisible by the critic's world size {ws}"
-        )
-
-
-def _check_prime(
-    prime: PrimeConfig, actor: ActorConfig, samples: int, backend: str
-) -> Iterator[str]:
-    ws = prime.world_size or actor.world_size
-    if prime.placement == "colocated" and ws != actor.world_size:
-        yield (
-            f"prime.world_size={ws} must equal actor.world_size={actor.world_size} when "
-            "prime.placement=colocated (it shares the actor's bundles); set "
-            "prime.placement=split or drop prime.world_size"
-        )
-    if backend == "local" and prime.placement == "split":
-        yield (
-            "trainer.backend=local runs one rank in-process; set prime.placement=colocated "
-            "or use trainer.backend=ray"
-        )
-    mini = prime.mini_batch_size or actor.ppo_mini_batch_size
-    same_as_actor = prime.mini_batch_size is None and ws == actor.world_size
-    if not same_as_actor and (samples % mini or mini % ws):  # else the actor's rule says it
-        yield (
-            f"prime.mini_batch_size={mini} must divide data.batch_size x rollout.n = "
-            f"{samples} and be divisible by the PRM's world size {ws}"
+            f"{section}.{mini_key}={mini} must divide data.batch_size x rollout.n = "
+            f"{samples} and be divisible by the {what}'s world size {ws}"
         )
 
 
