@@ -176,9 +176,11 @@ class PreferenceMixin:
 
     # ------------------------------------------------------------------------- unpaired (KTO)
 
-    def _unpaired_logps(self, engine: TrainEngine, mb: Batch, kl: bool) -> torch.Tensor:
-        """Sequence log-probs of the completions (``kl``: also of the mismatched ones, after)."""
-        names = ["completions", *(["kl_completions"] if kl else [])]
+    def _unpaired_logps(
+        self, engine: TrainEngine, mb: Batch, names: tuple[str, ...] = ("completions",)
+    ) -> torch.Tensor:
+        """Sequence log-probs of each prompt with the completions of ``names``
+        (``kl_completions``: the mismatched ones), one column after the other."""
         prompts = torch.cat([mb["prompts"]] * len(names))
         pmask = torch.cat([mb["prompt_mask"]] * len(names))
         responses = torch.cat([mb[n] for n in names])
@@ -191,9 +193,10 @@ class PreferenceMixin:
     @torch.no_grad()
     def _unpaired_logps_all(self, engine: TrainEngine, batch: Batch, prefix: str) -> Batch:
         kl = bool(UNPAIRED_LOSSES.info(self.cfg.kto.loss_type).get("kl"))
+        names = ("completions", "kl_completions") if kl else ("completions",)
         out: dict[str, list[torch.Tensor]] = {"logps": [], "kl_logps": []}
         for mb in batch.split(self.cfg.actor.micro_batch_size):
-            seq = self._unpaired_logps(engine, mb, kl).cpu()
+            seq = self._unpaired_logps(engine, mb, names).cpu()
             out["logps"].append(seq[: len(mb)])
             out["kl_logps"].append(seq[len(mb) :] if kl else torch.zeros(len(mb)))
         return Batch.from_dict(tensors={prefix + k: torch.cat(v) for k, v in out.items()})
@@ -213,28 +216,18 @@ class PreferenceMixin:
         """z0 = max(0, mean of log π - log π_ref over the mismatched pairs of all ranks)."""
         with torch.no_grad():
             diffs = [
-                self._unpaired_logps_kl(mb) - mb["ref_kl_logps"].to(self.device)
+                self._unpaired_logps(self.actor, mb, ("kl_completions",))
+                - mb["ref_kl_logps"].to(self.device)
                 for mb in batch.split(self.cfg.actor.micro_batch_size)
             ]
         total, count = global_sums(float(torch.cat(diffs).sum()), len(batch))
         return max(total / max(count, 1.0), 0.0)
 
-    def _unpaired_logps_kl(self, mb: Batch) -> torch.Tensor:
-        kl_only = Batch.from_dict(
-            tensors={
-                "prompts": mb["prompts"],
-                "prompt_mask": mb["prompt_mask"],
-                "completions": mb["kl_completions"],
-                "completion_mask": mb["kl_completion_mask"],
-            }
-        )
-        return self._unpaired_logps(self.actor, kl_only, kl=False).to(self.device)
-
     def _kto_loss(self, mb: Batch, kl: float, counts: list[float]) -> tuple[torch.Tensor, dict]:
         """A micro-batch's share of the batch loss, and its metrics (to be summed); ``counts``:
         examples, desirable ones, undesirable ones and desirable tokens, per rank on average."""
         k = self.cfg.kto
-        logps = self._unpaired_logps(self.actor, mb, kl=False)
+        logps = self._unpaired_logps(self.actor, mb)
         ref = mb["ref_logps"].to(logps.device)
         labels = mb["labels"].to(logps.device).bool()
         losses = UNPAIRED_LOSSES.get(k.loss_type)(
