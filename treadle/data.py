@@ -840,14 +840,10 @@ def collate_pairs(rows: Sequence[PairRow], pad_id: int) -> dict[str, torch.Tenso
     prompts, prompt_mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
     width = max(max(len(r["chosen_ids"]), len(r["rejected_ids"])) for r in rows)
     out = {"prompts": prompts, "prompt_mask": prompt_mask}
-    for name in ("chosen", "rejected"):
-        ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, row in enumerate(rows):
-            seq = row[f"{name}_ids"]  # type: ignore[literal-required]
-            ids[i, : len(seq)] = torch.as_tensor(seq, dtype=torch.long)
-            mask[i, : len(seq)] = 1
-        out[name], out[f"{name}_mask"] = ids, mask
+    chosen = [r["chosen_ids"] for r in rows]
+    out["chosen"], out["chosen_mask"] = _right_padded(chosen, pad_id, width)
+    rejected = [r["rejected_ids"] for r in rows]
+    out["rejected"], out["rejected_mask"] = _right_padded(rejected, pad_id, width)
     return out
 
 
@@ -1019,8 +1015,11 @@ def load_unpaired_dataset(
     return UnpairedDataset(rows=rows, pad_id=_pad_id(tokenizer), n_filtered=n_filtered)
 
 
-def _right_padded(seqs: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(seq) for seq in seqs)
+def _right_padded(
+    seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, mask)`` ``[len(seqs), width]`` (default: the longest), each row RIGHT-padded."""
+    width = max(len(seq) for seq in seqs) if width is None else width
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)
     for i, seq in enumerate(seqs):
