@@ -10,7 +10,6 @@ from __future__ import annotations
 import inspect
 import math
 import re
-import types
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from treadle.algorithms import value_loss as value_loss_fn
 from treadle.check import check_algorithm
 from treadle.config import AlgorithmConfig, load_config
 from treadle.errors import ConfigError
-from treadle.workers.actor import ActorRolloutRefWorker
+from treadle.workers.objectives import loss_options
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)
 N_TOKENS = 9
@@ -527,8 +526,7 @@ def test_a_loss_registers_every_knob_it_reads(name):
 
 def test_the_actor_passes_exactly_the_registered_knobs():
     def options(*overrides: str) -> dict:
-        worker = types.SimpleNamespace(cfg=load_config(None, list(overrides)))
-        return ActorRolloutRefWorker._loss_options(worker)  # type: ignore[arg-type]
+        return loss_options(load_config(None, list(overrides)))
 
     assert options("algorithm.clip_ratio_high=0.28") == {
         "clip_ratio_low": 0.2,

@@ -13,7 +13,7 @@ import torch
 
 from treadle.config import load_config
 from treadle.controller import Collect, Dispatch, WorkerGroup, register
-from treadle.engines.fsdp import LogProbHead
+from treadle.engines.heads import LogProbHead, LogProbRequest
 from treadle.engines.packing import (
     balance_ranks,
     balanced_order,
@@ -27,6 +27,7 @@ from treadle.engines.value import ValueHead
 from treadle.models import load_causal_lm, load_value_model
 from treadle.protocol import Batch
 from treadle.workers import ActorRolloutRefWorker, micro_batches
+from treadle.workers.objectives import PolicyGradient, optimizer_step
 
 # ----------------------------------------------------------------------------- pure functions
 
@@ -158,7 +159,8 @@ def test_packed_log_probs_and_gradients_equal_the_padded_forward(tiny_task, row_
     ids, mask = joined(batch)
     rmask = batch["response_mask"].bool()
     head = LogProbHead(load_causal_lm(path), chunk_size=5, row_tokens=row_tokens)
-    logp, ent = head(ids, mask, 8)
+    out = head(LogProbRequest(ids, mask, 8))
+    logp, ent = out.log_probs, out.entropy
     (logp * rmask).sum().backward()
     model = load_causal_lm(path)
     want_logp, want_ent = plain_log_probs(model, ids, mask, 8)
@@ -232,7 +234,7 @@ class GradActor(ActorRolloutRefWorker):
         grads = self._capture()
         lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
         count = len(micro_batches(batch, self.cfg.actor, lengths))
-        metrics = self._actor_step(batch)
+        metrics, _ = optimizer_step(self.engine, PolicyGradient(self.policy()), batch)
         return metrics["actor/pg_loss"], grads, count
 
     @register(Dispatch.DP, Collect.RANK0)
@@ -397,7 +399,7 @@ def test_a_micro_batch_without_labels_still_backpropagates(tiny_task, row_tokens
     ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[:, 5:] = 0  # the 3 response columns are all padding
-    logp, _ = head(ids, mask, 3)
+    logp = head(LogProbRequest(ids, mask, 3)).log_probs
     assert torch.equal(logp, torch.zeros(2, 3)) and logp.requires_grad
     logp.sum().backward()
     grads = [p.grad for p in lm.parameters()]

@@ -26,6 +26,7 @@ from treadle.tracking import read_metrics
 from treadle.trainers import common
 from treadle.trainers.common import build_actors
 from treadle.trainers.pairs import load_pairs, load_unpaired, pair_batch, unpaired_batch
+from treadle.workers.objectives import Unpaired, UnpairedCounts
 
 KNOBS: dict[str, list[str]] = {  # settings the loss reads, set away from their defaults
     "sigmoid": ["dpo.label_smoothing=0.1"],
@@ -156,7 +157,8 @@ def test_one_step_of_every_unpaired_loss(shared, tmp_path) -> None:  # type: ign
         worker = group.workers[0]
         counts = [8.0, float(labels.sum()), float((~labels).sum()), tokens]
         with torch.no_grad():
-            loss, _ = worker._kto_loss(batch.union(ref), float(kl), counts)
+            step = UnpairedCounts(float(kl), counts)
+            loss = Unpaired(worker.policy()).loss(batch.union(ref), step).loss
         assert float(loss) == pytest.approx(float(expected) + 0.5 * nll, rel=1e-5)
         metrics = group.train_kto(batch.union(ref))
         assert metrics["kto/nll"] == pytest.approx(nll, rel=1e-5)

@@ -29,6 +29,7 @@ matrix products in that dtype, as autocast would; softmax and sums stay float32.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -117,101 +118,96 @@ class _LinearLogProbs(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None
 
 
+@dataclass(frozen=True)
+class LMHead:
+    """The LM head as the functions below use it: its weight ``[V, H]``, the temperature the
+    logits are divided by, how many label tokens a chunk holds, and the dtype of its matrix
+    products (``None``: the weight's own; bfloat16 under mixed precision)."""
+
+    weight: torch.Tensor
+    temperature: float = 1.0
+    chunk_size: int = 512
+    compute_dtype: torch.dtype | None = None
+
+    def cast(self) -> torch.Tensor:
+        """The weight in ``compute_dtype`` (a differentiable cast)."""
+        return self.weight.to(self.compute_dtype) if self.compute_dtype is not None else self.weight
+
+    def chunks(self, n: int) -> range:
+        """The first row of each chunk of ``n`` rows."""
+        return range(0, n, self.chunk_size)
+
+
 def linear_log_probs(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 512,
-    compute_dtype: torch.dtype | None = None,
+    hidden: torch.Tensor, labels: torch.Tensor, head: LMHead
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log p(labels), entropy)`` of ``softmax(hidden @ weight.T / temperature)``, float32.
 
-    ``hidden [N, H]``, ``weight [V, H]`` (the LM head), ``labels [N]``. Peak memory holds one
+    ``hidden [N, H]``, ``head.weight [V, H]``, ``labels [N]``. Peak memory holds one
     ``[chunk_size, V]`` float32 block (two in backward), whatever ``N``; both outputs
-    differentiate with respect to ``hidden`` and ``weight``.
+    differentiate with respect to ``hidden`` and the weight.
     """
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogProbs.apply(
-        hidden, weight, labels, temperature, chunk_size, compute_dtype
+        hidden, head.weight, labels, head.temperature, head.chunk_size, head.compute_dtype
     )
     return out
 
 
 @torch.no_grad()
 def linear_token_stats(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 512,
-    compute_dtype: torch.dtype | None = None,
+    hidden: torch.Tensor, labels: torch.Tensor, head: LMHead
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(log p(labels), entropy, Σ_v p_v²)`` as :func:`linear_log_probs` computes the first two,
     without gradients; ``Σ_v p_v²`` (the optimal token baseline's input) costs one more pass
     over each ``[chunk_size, V]`` block of probabilities."""
-    w = weight.to(compute_dtype) if compute_dtype is not None else weight
+    w, size = head.cast(), head.chunk_size
     out = [hidden.new_empty(0, dtype=torch.float32)] * 3
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-    for s in range(0, hidden.shape[0], chunk_size):
-        z = _logits(hidden[s : s + chunk_size], w, temperature)
-        logp, entropy, _, squares = _chunk_stats(z, labels[s : s + chunk_size], sum_squares=True)
+    for s in head.chunks(hidden.shape[0]):
+        z = _logits(hidden[s : s + size], w, head.temperature)
+        logp, entropy, _, squares = _chunk_stats(z, labels[s : s + size], sum_squares=True)
         assert squares is not None
         parts.append((logp, entropy, squares))
     out = [torch.cat(column) for column in zip(*parts, strict=True)] if parts else out
     return out[0], out[1], out[2]
 
 
-def full_log_softmax(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    temperature: float = 1.0,
-    chunk_size: int = 512,
-    compute_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
+def full_log_softmax(hidden: torch.Tensor, head: LMHead) -> torch.Tensor:
     """``log_softmax(hidden @ weight.T / temperature)`` ``[N, V]``, float32, chunk by chunk.
 
     The whole distribution, for a term that needs it (the exact KL to a reference): it holds
     ``N x V`` floats (SmolLM2: 192 KiB a token), so call it without gradients, on a
     micro-batch."""
-    w = weight.to(compute_dtype) if compute_dtype is not None else weight
+    w, size = head.cast(), head.chunk_size
     parts = [
-        torch.log_softmax(_logits(hidden[s : s + chunk_size], w, temperature), dim=-1)
-        for s in range(0, hidden.shape[0], chunk_size)
+        torch.log_softmax(_logits(hidden[s : s + size], w, head.temperature), dim=-1)
+        for s in head.chunks(hidden.shape[0])
     ]
     if not parts:
         return hidden.new_zeros(
-            0, weight.shape[0], dtype=torch.promote_types(w.dtype, torch.float32)
+            0, head.weight.shape[0], dtype=torch.promote_types(w.dtype, torch.float32)
         )
     return torch.cat(parts)
 
 
 def full_vocab_term(
     hidden: torch.Tensor,
-    weight: torch.Tensor,
+    head: LMHead,
     other: torch.Tensor,
     fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    temperature: float = 1.0,
-    chunk_size: int = 512,
-    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """``fn(log_softmax(hidden @ weight.T / T), other)`` per position ``[N]``, differentiable.
 
     ``other [N, V]`` is another distribution at the same positions (a reference's
     :func:`full_log_softmax`, a constant). Each chunk is recomputed in backward
     (activation checkpointing), so autograd holds one ``[chunk, V]`` block at a time."""
-    w = weight.to(compute_dtype) if compute_dtype is not None else weight
+    w, size = head.cast(), head.chunk_size
 
     def chunk_term(h: torch.Tensor, w_: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return fn(torch.log_softmax(_logits(h, w_, temperature), dim=-1), o)
+        return fn(torch.log_softmax(_logits(h, w_, head.temperature), dim=-1), o)
 
     parts = [
-        checkpoint(
-            chunk_term,
-            hidden[s : s + chunk_size],
-            w,
-            other[s : s + chunk_size],
-            use_reentrant=False,
-        )
-        for s in range(0, hidden.shape[0], chunk_size)
+        checkpoint(chunk_term, hidden[s : s + size], w, other[s : s + size], use_reentrant=False)
+        for s in head.chunks(hidden.shape[0])
     ]
     return torch.cat(parts)

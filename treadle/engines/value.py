@@ -2,30 +2,24 @@
 
 Used by the critic (values for GAE) and by reward models (the score at a response's last
 token). The model is a ``*ForTokenClassification`` with one label (:func:`load_value_model`);
-this root runs its decoder through :func:`response_hidden`, the same forward the log-prob head
-uses (packed, without padding, when ``row_tokens`` is set), and applies the ``score`` head
-directly (no classifier dropout) on the valid positions only, in float32 out (0 on padding).
+this root runs its decoder through :func:`~treadle.engines.heads.response_hidden`, the same
+forward the log-prob head uses (packed, without padding, when ``row_tokens`` is set), and
+applies the ``score`` head directly (no classifier dropout) on the valid positions only, in
+float32 out (0 on padding).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from treadle.engines.fsdp import response_hidden
+from treadle.engines.heads import HeadRoot
 from treadle.engines.packing import scatter_labels
 
 
-class ValueHead(nn.Module):
+class ValueHead(HeadRoot):
     """The FSDP2 root of a value model: ``values[b, t]`` is V(state before response token t)."""
-
-    def __init__(self, lm: nn.Module, row_tokens: int | None = None) -> None:
-        super().__init__()
-        self.lm: Any = lm  # a transformers *ForTokenClassification with num_labels=1
-        self.row_tokens = row_tokens  # set: packed forward, no compute on padding
 
     def forward(
         self,
@@ -35,15 +29,9 @@ class ValueHead(nn.Module):
         label_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``[B, num_labels]`` float32 values; 0 where the position is padding (or outside
-        ``label_mask``, which narrows the positions computed)."""
-        hidden, where = response_hidden(
-            self.lm,
-            input_ids,
-            attention_mask,
-            num_labels,
-            label_mask=label_mask,
-            row_tokens=self.row_tokens,
-        )
+        ``label_mask``, which narrows the positions computed). ``lm``: a transformers
+        ``*ForTokenClassification`` with ``num_labels=1``."""
+        hidden, where = self.hidden(input_ids, attention_mask, num_labels, label_mask)
         score = self.lm.score
         return scatter_labels(score(hidden.to(score.weight.dtype)).squeeze(-1).float(), where)
 

@@ -3,11 +3,17 @@
 =======================  ===================================================================
 module                   what it holds
 =======================  ===================================================================
-:mod:`.actor`            :class:`ActorRolloutRefWorker`: actor + rollout engine + reference,
-                         colocated (RL, SFT; :mod:`.preference` adds DPO's methods)
+:mod:`.base`             :class:`~.base.RoleWorker`: the opening every worker shares
+                         (threads, device, process group, config); :class:`~.base.
+                         TrainingWorker`: the checkpoints of a trained engine
+:mod:`.actor`            :class:`ActorRolloutRefWorker`: the policy (actor + rollout engine +
+                         reference, colocated): log-probs, weight sync, one update
+:mod:`.objectives`       what the policy trains on: PPO's family, SFT, DPO's, KTO; the one
+                         update loop
 :mod:`.critic`           :class:`CriticWorker`: PPO's value model
 :mod:`.reward_model`     :class:`RewardModelWorker` (RL scores), :class:`RewardTrainerWorker`
-:mod:`.common`           engine settings, batch layouts, micro-batch planning
+:mod:`.prm`              :class:`~.prm.ImplicitPRMWorker`: PRIME's implicit process reward model
+:mod:`.common`           engine settings, batch layouts, sequence scores, micro-batch planning
 =======================  ===================================================================
 
 Every method is declared with :func:`~treadle.controller.register`: how its input is spread

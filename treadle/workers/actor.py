@@ -1,116 +1,120 @@
-"""The actor's worker: actor, rollout engine and reference, colocated in one process per rank.
+"""The policy's worker: actor, rollout engine and reference, colocated in one process per rank.
 
 :class:`ActorRolloutRefWorker` fuses three roles in one process, as verl's hybrid engine does:
 the actor (FSDP2 training engine), its rollout engine (a private inference copy, refreshed
 from the actor after every update) and the reference (frozen initial weights, FSDP2 too).
 Each public method is declared with its dispatch mode and the batch fields it reads; only
 those fields cross to the ranks. The driver calls the group, never a rank. The worker knows
-how to compute a phase, not in which order phases run. SFT and preference-pair (DPO) training
-use the same engines and live beside it (:mod:`treadle.workers.preference`).
+how to compute a phase, not in which order phases run.
+
+Every training method is one call of :meth:`ActorRolloutRefWorker.update` with its objective
+(:mod:`treadle.workers.objectives`: PPO's family, SFT, DPO's family, KTO); every log-prob
+method is one pass of an engine over the batch's sequences (prompt + response, a pair's two,
+an unpaired example's completion and its mismatched one).
 
 Batch fields each method reads and adds (see :mod:`treadle.protocol` for the table):
 
-=====================  ======================================  ==================================
-method                 reads                                   adds / returns
-=====================  ======================================  ==================================
-generate               prompts, prompt_mask; uid,              the input fields, n rows per
-                       prompt_text, ground_truth if present    prompt, + responses,
-                                                               response_mask, rollout_log_probs,
-                                                               response_text, stop_reason
-compute_log_probs      prompts, prompt_mask, responses,        old_log_probs, entropy
-                       response_mask                           (+ sum_pi_squared: meta asks)
-compute_ref_log_probs  (same)                                  ref_log_probs
-update_actor           (same) + advantages; old_log_probs,     metrics actor/* (mean of ranks)
-                       ref_log_probs, rollout_log_probs if
-                       present
-train_sft              input_ids, attention_mask, loss_mask    metrics sft/*
-=====================  ======================================  ==================================
+==========================  =====================================  ===========================
+method                      reads                                  adds / returns
+==========================  =====================================  ===========================
+compute_log_probs           SEQUENCES: prompts, prompt_mask,       old_log_probs, entropy
+                            responses, response_mask               (+ sum_pi_squared, asked
+                                                                   by ``sum_pi_squared=True``)
+compute_ref_log_probs       SEQUENCES                              ref_log_probs
+update_actor                SEQUENCES + advantages; old_log_probs, metrics actor/* (mean of
+                            ref_log_probs, rollout_log_probs if    ranks)
+                            present
+train_sft                   input_ids, attention_mask, loss_mask   metrics sft/*
+compute_pair_log_probs      PAIRS: prompts, prompt_mask, chosen,   chosen_logps,
+                            chosen_mask, rejected, rejected_mask   rejected_logps [B]
+compute_ref_pair_log_probs  PAIRS                                  ref_chosen_logps, ref_...
+train_dpo                   PAIRS [+ ref_chosen_logps,             metrics dpo/*
+                            ref_rejected_logps]
+compute_unpaired_log_probs  UNPAIRED: prompts, prompt_mask,        logps, kl_logps [B]
+                            completions, completion_mask,
+                            kl_completions, kl_completion_mask
+compute_ref_unpaired_...    UNPAIRED                               ref_logps, ref_kl_logps [B]
+train_kto                   UNPAIRED + labels, ref_logps,          metrics kto/*
+                            ref_kl_logps
+==========================  =====================================  ===========================
+
+The rollout side: ``rollout_generate`` (:class:`~treadle.workers.rollout.ServesRollout`, the
+interface every process holding a replica has) serves requests from this rank's colocated
+replica (``rollout.placement=colocated``), and ``sync_weights`` sends the actor's weights to the
+rollout, in memory (colocated) or over the weight-sync group (split).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch import nn
 
-from treadle.algorithms import KL_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty
-from treadle.algorithms.correction import rollout_correction
-from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
+from treadle.algorithms import UNPAIRED_LOSSES
 from treadle.checkpoint import read_state
-from treadle.config import Config
-from treadle.controller import Collect, Dispatch, Worker, free_port, register
+from treadle.controller import Collect, Dispatch, free_port, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
-from treadle.models import apply_lora, load_causal_lm, load_tokenizer
+from treadle.engines.heads import LogProbRequest
+from treadle.models import apply_lora
 from treadle.protocol import Batch
 from treadle.rollout.server import RolloutServer
 from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
-from treadle.startup import PartTimer
+from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
     ATTENTION,
+    PAIRS,
     SEQUENCES,
+    UNPAIRED,
     actor_optimizer,
     engine_options,
-    global_sums,
-    mean_over_steps,
     micro_batches,
-    ppo_mini_batches,
+    pair_logps,
+    per_pair,
     prompt_response,
+    unpaired_logps,
 )
-from treadle.workers.preference import PreferenceMixin
+from treadle.workers.objectives import (
+    REF_PAIRS,
+    SFT,
+    Objective,
+    PairPreference,
+    Policy,
+    PolicyGradient,
+    Unpaired,
+    update,
+)
 from treadle.workers.rollout import ServesRollout, make_engine
 
 
-class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
+class ActorRolloutRefWorker(ServesRollout, TrainingWorker):
     """Actor + rollout engine + reference, colocated in one process per rank."""
 
     role = "actor"
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        *,
-        config: Config,
-        actor_path: str,
-        with_ref: bool,
-        version: int = 0,
-        threads: int = 1,
-    ) -> None:
-        torch.set_num_threads(threads)
-        timer = PartTimer()
-        super().__init__(rank, world_size, master_addr, master_port)
-        self.cfg = config
-        dtype = DTYPES[config.model.dtype]
-        self.tokenizer = load_tokenizer(
-            config.model.tokenizer_path or actor_path, allow_download=config.model.allow_download
-        )
-        timer.done("process_group")
-        lm = self._load(actor_path, dtype)
+    def setup(self, *, actor_path: str, with_ref: bool, version: int = 0) -> None:
+        config, timer = self.cfg, self.startup
+        self.tokenizer = self.load_tokenizer(actor_path)
+        lm = self.load_lm(actor_path)
         lora = config.actor.lora
         if lora.rank:  # actor_path is the base model; a checkpoint's adapters come in resume
             lm = apply_lora(lm, lora, config.model.path, config.trainer.seed)
-        self.actor = TrainEngine(lm, **engine_options(config), **actor_optimizer(config))
+        self.engine = TrainEngine(lm, **engine_options(config), **actor_optimizer(config))
         timer.done("actor_model")
         self.ref: TrainEngine | None = None
         if with_ref and lora.rank:  # the base model: the actor with its adapters disabled
-            self.ref = self.actor.without_adapters()
+            self.ref = self.engine.without_adapters()
         elif with_ref:
             self.ref = TrainEngine(
-                self._load(config.model.path, dtype), **engine_options(config), trainable=False
+                self.load_lm(config.model.path), **engine_options(config), trainable=False
             )
         timer.done("reference_model")
         # Colocated rollout: this rank's replica, served from this process (rollout_generate).
         self.server = (
             RolloutServer(
                 make_engine(config, actor_path, self.device),
-                f"rollout replica {rank} (actor rank {rank})",
-                index=rank,
+                f"rollout replica {self.rank} (actor rank {self.rank})",
+                index=self.rank,
                 sleep_when_idle=self.device.type == "cuda",
                 version=version,
             )
@@ -118,18 +122,18 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
             else None
         )
         timer.done("rollout_engine")
-        self._startup_parts = timer.parts
         self.weight_sync: WeightSyncGroup | None = None  # split: rank 0 -> the replicas
 
-    def _load(self, path: str, dtype: torch.dtype) -> nn.Module:
-        model: nn.Module = load_causal_lm(path, dtype, allow_download=self.cfg.model.allow_download)
-        return model.to(self.device)
+    @property
+    def actor(self) -> TrainEngine:
+        """The actor's training engine."""
+        return self.engine
+
+    def policy(self) -> Policy:
+        """The engines an objective trains and reads, with the config as it is now."""
+        return Policy(self.cfg, self.engine, self.ref, self.device, self.world_size)
 
     # ------------------------------------------------------------------ rollout
-    #
-    # The rollout side of this worker: serving requests from the colocated replica
-    # (``rollout_generate``, from ServesRollout) and sending the actor's weights to the
-    # replicas, in memory (colocated) or over the weight-sync group (split).
 
     @register(Dispatch.ALL, Collect.RANK0)
     def sync_weights(self, version: int) -> int:
@@ -139,10 +143,10 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         rank loads them into its own replica. Split: rank 0 broadcasts them in buckets."""
         r = self.cfg.rollout
         dtype = DTYPES[r.dtype or self.cfg.model.dtype]
-        tied = bool(getattr(self.actor.module.lm.config, "tie_word_embeddings", False))
+        tied = bool(getattr(self.engine.module.lm.config, "tie_word_embeddings", False))
         skip = frozenset({"lm_head.weight"} if tied else ())
         bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
-        buckets = weight_buckets(self.actor.full_state(), bucket, dtype, skip)
+        buckets = weight_buckets(self.engine.full_state(), bucket, dtype, skip)
         if self.server is not None:
             sent = 0
 
@@ -156,7 +160,7 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
             return sent
         if self.weight_sync is not None:
             return self.weight_sync.send(buckets)
-        for _ in self.actor.full_state():  # ranks > 0 of split: join the gathers only
+        for _ in self.engine.full_state():  # ranks > 0 of split: join the gathers only
             pass
         return 0
 
@@ -175,11 +179,11 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
 
     # ------------------------------------------------------------------ log-probs
 
-    def _sequences(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor, int]:
-        return *prompt_response(mb, self.device), mb["responses"].shape[1]
+    def _reference(self, why: str = "") -> TrainEngine:
+        return self.policy().reference(why)
 
     @torch.no_grad()
-    def _log_probs(
+    def _token_log_probs(
         self, engine: TrainEngine, batch: Batch, sum_pi_squared: bool = False
     ) -> list[torch.Tensor]:
         """``[log-probs, entropy]`` of the response tokens, ``+ [Σ_v π(v)²]`` if asked."""
@@ -187,14 +191,15 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         parts: list[list[torch.Tensor]] = []
         with engine.evaluating():  # the policy itself, without dropout noise
             for idx in groups:
-                ids, mask, r = self._sequences(batch.select(idx))
+                mb = batch.select(idx)
+                ids, mask = prompt_response(mb, self.device)
                 t = self.cfg.rollout.temperature
-                out = (
-                    engine.token_stats(ids, mask, r, t)
-                    if sum_pi_squared
-                    else engine.log_probs(ids, mask, r, t)
-                )
-                parts.append([x.float().cpu() for x in out])
+                width = mb["responses"].shape[1]
+                out = engine.forward(LogProbRequest(ids, mask, width, t, None, sum_pi_squared))
+                columns = [out.log_probs, out.entropy]
+                if out.sum_pi_squared is not None:
+                    columns.append(out.sum_pi_squared)
+                parts.append([x.float().cpu() for x in columns])
         order = torch.cat(groups).argsort()  # back to the batch's order
         return [torch.cat(column)[order] for column in zip(*parts, strict=True)]
 
@@ -202,13 +207,14 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         Dispatch.DP,
         Collect.CONCAT,
         reads=SEQUENCES,
-        optional=(*ATTENTION, "sum_pi_squared"),  # returned when meta asks for it
+        # sum_pi_squared is not read: listed so the result may hold it (sum_pi_squared=True)
+        optional=(*ATTENTION, "sum_pi_squared"),
         returns=("old_log_probs", "entropy"),
     )
-    def compute_log_probs(self, batch: Batch) -> Batch:
-        """The old policy's log-probs and entropy; with ``meta["sum_pi_squared"]`` also
+    def compute_log_probs(self, batch: Batch, sum_pi_squared: bool = False) -> Batch:
+        """The old policy's log-probs and entropy; with ``sum_pi_squared`` also
         ``sum_pi_squared`` (Σ_v π(v)² per response token, for the optimal token baseline)."""
-        out = self._log_probs(self.actor, batch, bool(batch.meta.get("sum_pi_squared")))
+        out = self._token_log_probs(self.engine, batch, sum_pi_squared)
         names = ("old_log_probs", "entropy", "sum_pi_squared")
         return Batch.from_dict(tensors=dict(zip(names, out, strict=False)))
 
@@ -216,101 +222,55 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("ref_log_probs",)
     )
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        if self.ref is None:
-            raise RuntimeError("this worker group was built without a reference (kl_coef=0)")
-        logp, _ = self._log_probs(self.ref, batch)
+        logp, _ = self._token_log_probs(self._reference(" (kl_coef=0)"), batch)
         return Batch.from_dict(tensors={"ref_log_probs": logp})
+
+    @torch.no_grad()
+    def _pair_columns(self, engine: TrainEngine, batch: Batch, prefix: str) -> Batch:
+        size = self.cfg.actor.micro_batch_size
+        chosen, rejected = per_pair(batch, size, lambda mb: pair_logps(engine, mb, self.device))
+        return Batch.from_dict(
+            tensors={f"{prefix}chosen_logps": chosen, f"{prefix}rejected_logps": rejected}
+        )
+
+    @register(Dispatch.DP, Collect.CONCAT, reads=PAIRS, returns=("chosen_logps", "rejected_logps"))
+    def compute_pair_log_probs(self, batch: Batch) -> Batch:
+        """The policy's ``chosen_logps``, ``rejected_logps`` ``[B]`` of preference pairs."""
+        return self._pair_columns(self.engine, batch, "")
+
+    @register(Dispatch.DP, Collect.CONCAT, reads=PAIRS, returns=REF_PAIRS)
+    def compute_ref_pair_log_probs(self, batch: Batch) -> Batch:
+        """The reference's ``ref_chosen_logps``, ``ref_rejected_logps`` ``[B]``."""
+        return self._pair_columns(self._reference(), batch, "ref_")
+
+    @torch.no_grad()
+    def _unpaired_columns(self, engine: TrainEngine, batch: Batch, prefix: str) -> Batch:
+        kl = bool(UNPAIRED_LOSSES.info(self.cfg.kto.loss_type).get("kl"))
+        names = ("completions", "kl_completions") if kl else ("completions",)
+        out: dict[str, list[torch.Tensor]] = {"logps": [], "kl_logps": []}
+        for mb in batch.split(self.cfg.actor.micro_batch_size):
+            seq = unpaired_logps(engine, mb, self.device, names).cpu()
+            out["logps"].append(seq[: len(mb)])
+            out["kl_logps"].append(seq[len(mb) :] if kl else torch.zeros(len(mb)))
+        return Batch.from_dict(tensors={prefix + k: torch.cat(v) for k, v in out.items()})
+
+    @register(Dispatch.DP, Collect.CONCAT, reads=UNPAIRED, returns=("logps", "kl_logps"))
+    def compute_unpaired_log_probs(self, batch: Batch) -> Batch:
+        """The policy's ``logps`` of the completions and ``kl_logps`` of the mismatched ones
+        (zeros for a loss without KTO's reference point) ``[B]``."""
+        return self._unpaired_columns(self.engine, batch, "")
+
+    @register(Dispatch.DP, Collect.CONCAT, reads=UNPAIRED, returns=("ref_logps", "ref_kl_logps"))
+    def compute_ref_unpaired_log_probs(self, batch: Batch) -> Batch:
+        """The reference's ``ref_logps`` and ``ref_kl_logps`` ``[B]``."""
+        return self._unpaired_columns(self._reference(), batch, "ref_")
 
     # ------------------------------------------------------------------ training
 
-    def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, r: int
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """The actor's log-probs and entropy, and with the ``full`` KL estimator the exact
-        per-token KL to the reference (its whole distribution computed here, no gradient)."""
-        alg, t = self.cfg.algorithm, self.cfg.rollout.temperature
-        if not (alg.kl_coef > 0 and KL_ESTIMATORS.info(alg.kl_estimator).get("full_vocab")):
-            return *self.actor.log_probs(ids, mask, r, t), None
-        assert self.ref is not None
-        with self.ref.evaluating():
-            ref_full = self.ref.full_log_softmax(ids, mask, r, t)
-        return self.actor.log_probs_with(
-            ids, mask, r, t, ref_full, KL_ESTIMATORS.get(alg.kl_estimator)
-        )
-
-    def _old_policy(self, mb: Batch, logp: torch.Tensor) -> torch.Tensor:
-        """PPO's old log-probs: the pass before the update, or the rollout's (a loss that
-        says so: bypass_mode), or this forward detached (on-policy, one optimizer step)."""
-        if POLICY_LOSSES.info(self.cfg.algorithm.policy_loss).get("old") == "rollout_log_probs":
-            if "old_log_probs" not in mb:  # the mismatch metrics still compare to this forward
-                self._mismatch.append(
-                    mismatch_stats(
-                        logp.detach().cpu(), mb["rollout_log_probs"], mb["response_mask"]
-                    )
-                )
-            return mb["rollout_log_probs"].to(logp)
-        if "old_log_probs" in mb:
-            return mb["old_log_probs"]
-        # on-policy, one optimizer step: this forward is the old policy (see update_actor)
-        old = logp.detach()
-        self._mismatch.append(
-            mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
-        )
-        return old
-
-    def _loss_options(self) -> dict[str, Any]:
-        """The ``algorithm`` knobs the policy loss registered (``knobs=``), and no others."""
-        alg = self.cfg.algorithm
-        return {key: getattr(alg, key) for key in POLICY_LOSSES.knobs(alg.policy_loss)}
-
-    def _actor_loss(self, mb: Batch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict]:
-        alg = self.cfg.algorithm
-        ids, mask, r = self._sequences(mb)
-        logp, ent, full_kl = self._forward(ids, mask, r)
-        rmask = mb["response_mask"].to(logp.dtype)
-        old = self._old_policy(mb, logp)
-        loss_fn = POLICY_LOSSES.get(alg.policy_loss)
-        # pi_old / pi_rollout: the engine's numerics, and stale weights in the async modes
-        is_weights, pg_mask, over_cap = None, rmask, 0.0
-        if alg.rollout_correction != "none":
-            is_weights, pg_mask, over_cap = rollout_correction(
-                old,
-                mb["rollout_log_probs"].to(old.device),
-                rmask,
-                alg.rollout_correction,
-                alg.rollout_correction_cap,
-            )
-        pg_loss, stats = loss_fn(
-            logp,
-            old,
-            mb["advantages"],
-            pg_mask,
-            loss_agg_mode=alg.loss_agg_mode,
-            rollout_is_weights=None if is_weights is None else is_weights.to(logp.dtype),
-            agg_kwargs=agg,
-            **self._loss_options(),
-        )
-        loss = pg_loss
-        metrics = {
-            "actor/pg_loss": float(pg_loss.detach()),
-            "actor/clip_frac": stats["pg_clipfrac"],
-        }
-        if is_weights is not None:
-            metrics["actor/rollout_corr_over_cap_frac"] = over_cap
-        if alg.kl_coef > 0:
-            per_token = (
-                full_kl
-                if full_kl is not None
-                else kl_penalty(logp, mb["ref_log_probs"], alg.kl_estimator)
-            )
-            kl = agg_loss(per_token, rmask, alg.loss_agg_mode, **agg)
-            loss = loss + alg.kl_coef * kl
-            metrics["actor/kl"] = float(kl.detach())
-        entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **agg)
-        if alg.entropy_coef:
-            loss = loss - alg.entropy_coef * entropy
-        metrics["actor/entropy"] = float(entropy.detach())
-        return loss, metrics
+    def update(self, batch: Batch, objective: Objective) -> dict[str, float]:
+        """The one training path: ``objective``'s optimizer steps over ``batch`` on the actor
+        (:func:`~treadle.workers.objectives.update`)."""
+        return update(self.engine, objective, batch)
 
     @register(
         Dispatch.DP,
@@ -321,66 +281,26 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         optional=(*ATTENTION, "old_log_probs", "ref_log_probs", "rollout_log_probs"),
     )
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """PPO epochs over mini-batches, one optimizer step each; metrics averaged.
-
-        Without ``old_log_probs`` in the batch (the driver skipped that pass: on-policy, one
-        optimizer step) each micro-batch's own forward is the old policy, and the rollout
-        mismatch is measured here, over every rank's tokens.
-        """
-        a = self.cfg.actor
-        self._mismatch: list[torch.Tensor] = []
-        minis = ppo_mini_batches(batch, a.ppo_epochs, a.ppo_mini_batch_size // self.world_size)
-        metrics = mean_over_steps(self._actor_step, minis)
-        if "old_log_probs" not in batch:
-            stats = torch.stack(self._mismatch)
-            sums, top = stats[:, :3].sum(0), stats[:, 3].max().reshape(1)
-            dist.all_reduce(sums)
-            dist.all_reduce(top, op=dist.ReduceOp.MAX)
-            metrics.update(mismatch_metrics(torch.cat([sums, top])))
-        return metrics
-
-    def _actor_step(self, mb: Batch) -> dict[str, float]:
-        """One optimizer step over a mini-batch, in micro-batches with accumulated gradients."""
-        # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
-        tokens = global_sums(float(mb["response_mask"].sum()))[0] / self.world_size
-        agg = {
-            "num_tokens": max(tokens, 1.0),
-            "num_seqs": float(len(mb)),
-            "dp_size": self.world_size,
-            "norm_constant": self.cfg.algorithm.loss_scale_factor,
-        }
-        micros = [mb.select(idx) for idx in micro_batches(mb, self.cfg.actor)]
-        out = self.actor.train_step(micros, lambda m: self._actor_loss(m, agg), prefix="actor/")
-        out["actor/clip_frac"] /= len(micros)
-        if "actor/rollout_corr_over_cap_frac" in out:
-            out["actor/rollout_corr_over_cap_frac"] /= len(micros)
-        return out
+        """PPO epochs over mini-batches, one optimizer step each (:class:`PolicyGradient`)."""
+        return self.update(batch, PolicyGradient(self.policy()))
 
     @register(Dispatch.DP, Collect.MEAN, reads=("input_ids", "attention_mask", "loss_mask"))
     def train_sft(self, batch: Batch) -> dict[str, float]:
-        """One optimizer step of next-token loss on response tokens (token-mean over ranks)."""
-        tokens = global_sums(float(batch["loss_mask"][:, 1:].sum()))[0] / self.world_size
-        groups = micro_batches(batch, self.cfg.actor, batch["attention_mask"].sum(1))
-        micros = [batch.select(idx) for idx in groups]
-        return self.actor.train_step(micros, lambda mb: self._sft_loss(mb, tokens), prefix="sft/")
+        """One optimizer step of next-token loss on response tokens (:class:`SFT`)."""
+        return self.update(batch, SFT(self.policy()))
 
-    def _sft_loss(self, mb: Batch, tokens: float) -> tuple[torch.Tensor, dict[str, float]]:
-        ids = mb["input_ids"].to(self.device)
-        mask = mb["attention_mask"].to(self.device)
-        lmask = mb["loss_mask"][:, 1:].to(self.device)
-        # Log-probs of loss positions only: no LM-head compute on the prompts.
-        logp, _ = self.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
-        loss = agg_loss(-logp, lmask.to(logp.dtype), "token-mean", num_tokens=max(tokens, 1.0))
-        return loss, {"sft/loss": float(loss.detach())}
+    @register(Dispatch.DP, Collect.MEAN, reads=PAIRS, optional=REF_PAIRS)
+    def train_dpo(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of a preference loss over the batch's pairs, pair-mean, with
+        their reference log-probs unless the loss is reference-free (:class:`PairPreference`)."""
+        return self.update(batch, PairPreference(self.policy()))
+
+    @register(Dispatch.DP, Collect.MEAN, reads=(*UNPAIRED, "labels", "ref_logps", "ref_kl_logps"))
+    def train_kto(self, batch: Batch) -> dict[str, float]:
+        """One optimizer step of an unpaired loss over the batch (:class:`Unpaired`)."""
+        return self.update(batch, Unpaired(self.policy()))
 
     # ------------------------------------------------------------------ checkpoints
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
-        """Model as an HF safetensors folder (LoRA: the adapters only) by rank 0, optimizer
-        gathered (unless trainer.save_optimizer=false), RNG per rank."""
-        with_optimizer = with_optimizer and self.cfg.trainer.save_optimizer
-        self.actor.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
@@ -388,6 +308,6 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         from ``path/model``, so the colocated replica serves the checkpoint's weights: their
         version is its step. (LoRA: it was started from the base model, and the driver syncs
         the merged weights right after this.)"""
-        self.actor.load_checkpoint(Path(path), self.rank)
+        super().load_checkpoint(path)
         if self.server is not None:
             self.server.version = int(read_state(Path(path))["step"])

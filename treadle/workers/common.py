@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from treadle.algorithms import masked_sum
 from treadle.config import ActorConfig, Config
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.packing import first_fit_decreasing, token_micro_batches
@@ -100,6 +101,61 @@ def pair_sequences(
     ids = torch.cat([prompts, responses], 1).to(device)
     mask = torch.cat([pmask, rmask], 1).to(device)
     return ids, mask, responses.shape[1], rmask
+
+
+UNPAIRED = (
+    "prompts",
+    "prompt_mask",
+    "completions",
+    "completion_mask",
+    "kl_completions",
+    "kl_completion_mask",
+)
+"""The fields of unpaired examples with their mismatched KL completions, for ``reads=``."""
+
+
+# ----------------------------------------------------------------------------- sequence scores
+
+
+def pair_logps(
+    engine: TrainEngine, mb: Batch, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence log-probs (summed over response tokens) of chosen and rejected, one forward."""
+    ids, mask, width, rmask = pair_sequences(mb, device)
+    logp, _ = engine.log_probs(ids, mask, width)  # temperature 1: the model's own policy
+    seq = masked_sum(logp, rmask.to(logp.device), dim=-1).float()
+    return seq[: len(mb)], seq[len(mb) :]
+
+
+def unpaired_logps(
+    engine: TrainEngine,
+    mb: Batch,
+    device: torch.device,
+    names: tuple[str, ...] = ("completions",),
+) -> torch.Tensor:
+    """Sequence log-probs of each prompt with the completions of ``names``
+    (``kl_completions``: the mismatched ones), one column after the other."""
+    prompts = torch.cat([mb["prompts"]] * len(names))
+    pmask = torch.cat([mb["prompt_mask"]] * len(names))
+    responses = torch.cat([mb[n] for n in names])
+    rmask = torch.cat([mb[n.removesuffix("s") + "_mask"] for n in names])
+    ids = torch.cat([prompts, responses], 1).to(device)
+    mask = torch.cat([pmask, rmask], 1).to(device)
+    logp, _ = engine.log_probs(ids, mask, responses.shape[1])
+    return masked_sum(logp, rmask.to(logp.device), dim=-1).float()
+
+
+def per_pair(
+    batch: Batch, size: int, score: Callable[[Batch], tuple[torch.Tensor, torch.Tensor]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``score`` (chosen, rejected ``[b]``) of every pair, ``size`` pairs a forward, as
+    float32 on the CPU."""
+    chosen, rejected = [], []
+    for mb in batch.split(size):
+        c, r = score(mb)
+        chosen.append(c.float().cpu())
+        rejected.append(r.float().cpu())
+    return torch.cat(chosen), torch.cat(rejected)
 
 
 # ----------------------------------------------------------------------------- batch plans

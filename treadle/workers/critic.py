@@ -16,15 +16,12 @@ update_critic      (same) + values, returns                metrics critic/* (mea
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from treadle.algorithms import value_loss
-from treadle.config import Config
-from treadle.controller import Collect, Dispatch, Worker, register
-from treadle.models import load_tokenizer
+from treadle.controller import Collect, Dispatch, register
 from treadle.protocol import Batch
+from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
     ATTENTION,
     SEQUENCES,
@@ -36,7 +33,7 @@ from treadle.workers.common import (
 )
 
 
-class CriticWorker(Worker):
+class CriticWorker(TrainingWorker):
     """PPO's critic: a value model (FSDP2, its own AdamW) regressed on the returns.
 
     ``values[b, t]`` is V(state before response token t), the baseline of that token's action.
@@ -46,29 +43,14 @@ class CriticWorker(Worker):
 
     role = "critic"
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        *,
-        config: Config,
-        critic_path: str,
-        threads: int = 1,
-    ) -> None:
-        torch.set_num_threads(threads)
-        super().__init__(rank, world_size, master_addr, master_port)
+    def setup(self, *, critic_path: str) -> None:
+        config, world_size = self.cfg, self.world_size
         a, c = config.actor, config.critic
         self.c = c
-        self.save_optimizer = config.trainer.save_optimizer
         self.epochs = c.ppo_epochs or a.ppo_epochs
         self.mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) // world_size
         self.micro = c.micro_batch_size or a.micro_batch_size
-        self.tokenizer = load_tokenizer(
-            config.model.tokenizer_path or config.model.path,
-            allow_download=config.model.allow_download,
-        )
+        self.tokenizer = self.load_tokenizer()
         self.engine = value_engine(
             config,
             critic_path,
@@ -147,14 +129,3 @@ class CriticWorker(Worker):
             # 1 - Var(R - V) / Var(R): 1 is a perfect critic, 0 no better than the mean
             "critic/vf_explained_var": 1.0 - var_d / var_r if var_r > 1e-12 else 0.0,
         }
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def save_checkpoint(self, path: str) -> None:
-        """Value-model folder ``path/model`` (rank 0), optimizer gathered (unless
-        trainer.save_optimizer=false), RNG per rank."""
-        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer, self.save_optimizer)
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def load_checkpoint(self, path: str) -> None:
-        """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
-        self.engine.load_checkpoint(Path(path), self.rank)

@@ -30,17 +30,13 @@ per optimizer step, the loss the mean over the mini-batch's samples (verl's reci
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
-from torch import nn
 
 from treadle.algorithms.prime import prime_ce_loss, prime_dpo_loss
-from treadle.config import Config
-from treadle.controller import Collect, Dispatch, Worker, register
-from treadle.engines.fsdp import DTYPES, TrainEngine
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.controller import Collect, Dispatch, register
+from treadle.engines.fsdp import TrainEngine
 from treadle.protocol import Batch
+from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
     ATTENTION,
     SEQUENCES,
@@ -50,35 +46,21 @@ from treadle.workers.common import (
 )
 
 
-class ImplicitPRMWorker(Worker):
+class ImplicitPRMWorker(TrainingWorker):
     """PRIME's PRM and its frozen reference, one process per rank."""
 
     role = "prm"
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        *,
-        config: Config,
-        prm_path: str,
-        threads: int = 1,
-    ) -> None:
-        torch.set_num_threads(threads)
-        super().__init__(rank, world_size, master_addr, master_port)
+    def setup(self, *, prm_path: str) -> None:
+        config, world_size = self.cfg, self.world_size
         p, a = config.prime, config.actor
-        self.p, self.cfg = p, config
+        self.p = p
         self.mini = (p.mini_batch_size or a.ppo_mini_batch_size) // world_size
         self.micro = p.micro_batch_size or a.micro_batch_size
-        self.tokenizer = load_tokenizer(
-            config.model.tokenizer_path or config.model.path,
-            allow_download=config.model.allow_download,
-        )
+        self.tokenizer = self.load_tokenizer()
         options = engine_options(config)
         self.engine = TrainEngine(
-            self._load(prm_path, "prime.model_path"),
+            self.load_lm(prm_path, "prime.model_path"),
             **options,
             lr=p.lr,
             betas=a.betas,
@@ -96,16 +78,7 @@ class ImplicitPRMWorker(Worker):
             )
             if path
         )
-        self.ref = TrainEngine(self._load(ref, ref_key), **options, trainable=False)
-
-    def _load(self, path: str, key: str) -> nn.Module:
-        model: nn.Module = load_causal_lm(
-            path,
-            DTYPES[self.cfg.model.dtype],
-            key=key,
-            allow_download=self.cfg.model.allow_download,
-        )
-        return model.to(self.device)
+        self.ref = TrainEngine(self.load_lm(ref, ref_key), **options, trainable=False)
 
     def _log_ratio(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``log π_prm - log π_ref`` of each response token (gradient through the PRM), and
@@ -183,17 +156,3 @@ class ImplicitPRMWorker(Worker):
         if self.p.loss == "ce":
             return prime_ce_loss(q, mask, labels, self.p.beta)
         return prime_dpo_loss(q, mask, labels, micro["prm_opponents"].to(q), self.p.beta)
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def save_checkpoint(self, path: str) -> None:
-        """The PRM as a causal-LM folder ``path/model`` (rank 0), its optimizer (unless
-        trainer.save_optimizer=false), RNG per rank. The reference is not saved: it is the
-        run's ``prime.ref_path`` (or start) again on resume."""
-        self.engine.save_checkpoint(
-            Path(path), self.rank, self.tokenizer, self.cfg.trainer.save_optimizer
-        )
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def load_checkpoint(self, path: str) -> None:
-        """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
-        self.engine.load_checkpoint(Path(path), self.rank)

@@ -26,17 +26,14 @@ save_checkpoint    a directory                                    value-model fo
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from treadle.algorithms import bradley_terry_loss, pair_stats
-from treadle.config import Config
-from treadle.controller import Collect, Dispatch, Worker, register
+from treadle.controller import Collect, Dispatch, register
 from treadle.engines.value import last_token_values
 from treadle.errors import ConfigError
-from treadle.models import load_tokenizer
 from treadle.protocol import Batch
+from treadle.workers.base import RoleWorker, TrainingWorker
 from treadle.workers.common import (
     ATTENTION,
     PAIRS,
@@ -44,29 +41,19 @@ from treadle.workers.common import (
     actor_optimizer,
     global_sums,
     pair_sequences,
+    per_pair,
     prompt_response,
     value_engine,
 )
 
 
-class RewardModelWorker(Worker):
+class RewardModelWorker(RoleWorker):
     """A frozen reward model: the score of each prompt+response, read at its last valid token."""
 
     role = "reward model"
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        *,
-        config: Config,
-        threads: int = 1,
-    ) -> None:
-        torch.set_num_threads(threads)
-        super().__init__(rank, world_size, master_addr, master_port)
-        self.cfg = config
+    def setup(self) -> None:
+        config = self.cfg
         path = config.reward.model_path or ""
         self.engine = value_engine(config, path, "reward.model_path", self.device, False)
 
@@ -82,33 +69,19 @@ class RewardModelWorker(Worker):
         return Batch.from_dict(tensors={"rm_scores": torch.cat(scores)})
 
 
-class RewardTrainerWorker(Worker):
+class RewardTrainerWorker(TrainingWorker):
     """A value model trained as a reward model; optimizer settings from the ``actor`` section."""
 
     role = "reward model"
 
-    def __init__(
-        self,
-        rank: int,
-        world_size: int,
-        master_addr: str,
-        master_port: int,
-        *,
-        config: Config,
-        model_path: str,
-        threads: int = 1,
-    ) -> None:
-        torch.set_num_threads(threads)
-        super().__init__(rank, world_size, master_addr, master_port)
+    def setup(self, *, model_path: str) -> None:
+        config = self.cfg
         if config.actor.lora.rank:
             raise ConfigError(
                 f"actor.lora.rank={config.actor.lora.rank}: treadle rm trains the whole reward "
                 "model (LoRA is for the actor of train, sft and dpo); set actor.lora.rank=0"
             )
-        self.cfg = config
-        self.tokenizer = load_tokenizer(
-            config.model.tokenizer_path or model_path, allow_download=config.model.allow_download
-        )
+        self.tokenizer = self.load_tokenizer(model_path)
         self.engine = value_engine(
             config, model_path, "model.path", self.device, True, **actor_optimizer(config)
         )
@@ -145,23 +118,5 @@ class RewardTrainerWorker(Worker):
     @torch.no_grad()
     def score_pairs(self, batch: Batch) -> Batch:
         """``chosen_scores``, ``rejected_scores`` ``[B]``."""
-        chosen, rejected = [], []
-        for mb in batch.split(self.cfg.actor.micro_batch_size):
-            c, r = self._scores(mb)
-            chosen.append(c.float().cpu())
-            rejected.append(r.float().cpu())
-        return Batch.from_dict(
-            tensors={"chosen_scores": torch.cat(chosen), "rejected_scores": torch.cat(rejected)}
-        )
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
-        """``model/`` as a value-model folder (rank 0), optimizer gathered (unless
-        trainer.save_optimizer=false), RNG per rank."""
-        with_optimizer = with_optimizer and self.cfg.trainer.save_optimizer
-        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def load_checkpoint(self, path: str) -> None:
-        """Optimizer and RNG; the weights were loaded at start from ``path/model``."""
-        self.engine.load_checkpoint(Path(path), self.rank)
+        chosen, rejected = per_pair(batch, self.cfg.actor.micro_batch_size, self._scores)
+        return Batch.from_dict(tensors={"chosen_scores": chosen, "rejected_scores": rejected})

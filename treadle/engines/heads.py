@@ -1,0 +1,195 @@
+"""The FSDP2 roots: one decoder forward on the selected labels, and the heads that read it.
+
+Every training engine's root module is a head around a Hugging Face model (the head holds it
+as ``.lm``): :class:`LogProbHead` for causal LMs (actor, reference, PRM) and
+:class:`~treadle.engines.value.ValueHead` for value models (critic, reward model). Both run
+the decoder through :func:`response_hidden` (:meth:`HeadRoot.hidden`), which keeps only the
+hidden states that predict selected label tokens, so no head compute is spent on padding.
+
+:class:`LogProbHead` takes one :class:`LogProbRequest` and returns one :class:`LogProbOutput`:
+the request names what to compute beside the log-probs and entropy (``Σ_v π(v)²``, the whole
+log-softmax, a term against another model's distribution), the output carries those fields
+and ``None`` for the others. The chunked float32 arithmetic is :mod:`treadle.engines.lm_head`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from treadle.engines.lm_head import (
+    LMHead,
+    full_log_softmax,
+    full_vocab_term,
+    linear_log_probs,
+    linear_token_stats,
+)
+from treadle.engines.packing import label_positions, pack, scatter_labels
+
+
+def response_hidden(
+    lm: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    num_labels: int,
+    *,
+    label_mask: torch.Tensor | None = None,
+    row_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decoder hidden states that predict the selected labels among the last ``num_labels``.
+
+    The one decoder forward every head (log-probs, values) builds on. Returns ``(hidden [N, H],
+    where [B, num_labels])``: ``where`` marks the selected labels (see
+    :func:`~treadle.engines.packing.label_positions`) and ``hidden`` holds, in row-major order
+    of ``where``, the state of the token before each one (position t's state predicts token
+    t + 1, so a value head reads the state before each response token). Heads compute on these
+    N states only and put results back with :func:`~treadle.engines.packing.scatter_labels`.
+
+    ``row_tokens`` set: the forward runs on the valid tokens only, packed into rows of at most
+    that many tokens (:func:`~treadle.engines.packing.pack`); ``None``: on the padded batch.
+    Both give the same states (within float rounding).
+    """
+    where = label_positions(attention_mask, num_labels, label_mask)
+    decoder = lm.get_decoder()
+    if row_tokens is None:
+        position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        hidden = decoder(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        return hidden[:, -num_labels - 1 : -1][where], where
+    layout = pack(input_ids, attention_mask, where, row_tokens)
+    # No attention mask and no cache: transformers then builds the block-diagonal causal mask
+    # from the position ids (with a cache it silently attends across the whole row).
+    hidden = decoder(
+        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+    ).last_hidden_state
+    return hidden.flatten(0, 1)[layout.gather], where
+
+
+class HeadRoot(nn.Module):
+    """A head around an HF model (``.lm``): the decoder's states at the selected labels."""
+
+    def __init__(self, lm: nn.Module, row_tokens: int | None = None) -> None:
+        super().__init__()
+        self.lm: Any = lm  # a transformers PreTrainedModel
+        self.row_tokens = row_tokens  # set: packed forward, no compute on padding
+
+    def hidden(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        num_labels: int,
+        label_mask: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """:func:`response_hidden` of this head's model."""
+        return response_hidden(
+            self.lm,
+            input_ids,
+            attention_mask,
+            num_labels,
+            label_mask=label_mask,
+            row_tokens=self.row_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class PairTerm:
+    """A per-label term between this model's log-softmax and another's at the same labels:
+    ``fn(log-softmax [n, V], other [n, V]) -> [n]`` (e.g. the exact KL to a reference)."""
+
+    other: torch.Tensor  # the other model's LogProbOutput.full_log_softmax on the same batch
+    fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LogProbRequest:
+    """What a :class:`LogProbHead` forward computes: the log-probs (and entropy) of the last
+    ``num_labels`` tokens of ``input_ids`` under ``softmax(logits / temperature)``, of the
+    labels ``label_mask`` selects (default: every valid one), and, when asked, one of:
+
+    - ``sum_pi_squared``: ``Σ_v π(v)²`` of each label position (no gradients);
+    - ``full_vocab``: the whole log-softmax ``[N, V]`` at the selected labels (no gradients);
+    - ``pair``: a :class:`PairTerm` per label, differentiable.
+    """
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    num_labels: int
+    temperature: float = 1.0
+    label_mask: torch.Tensor | None = None
+    sum_pi_squared: bool = False
+    full_vocab: bool = False
+    pair: PairTerm | None = None
+
+
+@dataclass(frozen=True)
+class LogProbOutput:
+    """A :class:`LogProbHead` forward's result. ``[B, num_labels]`` float32 fields are 0 where
+    a label is not selected; the fields the request did not ask for are ``None``."""
+
+    log_probs: torch.Tensor
+    entropy: torch.Tensor
+    sum_pi_squared: torch.Tensor | None = None
+    full_log_softmax: torch.Tensor | None = None  # [N, V], in row-major order of the labels
+    pair_term: torch.Tensor | None = None
+
+
+class LogProbHead(HeadRoot):
+    """The FSDP2 root of a causal LM: a :class:`LogProbRequest` in, a :class:`LogProbOutput` out.
+
+    The LM head runs on selected positions only, ``chunk_size`` label tokens at a time
+    (:func:`~treadle.engines.lm_head.linear_log_probs`), its matrix products in
+    ``compute_dtype`` when given.
+    """
+
+    def __init__(
+        self,
+        lm: nn.Module,
+        chunk_size: int = 512,
+        row_tokens: int | None = None,
+        compute_dtype: torch.dtype | None = None,
+    ):
+        super().__init__(lm, row_tokens)
+        self.chunk_size = chunk_size
+        self.compute_dtype = compute_dtype
+
+    def forward(self, req: LogProbRequest) -> LogProbOutput:
+        hidden, where = self.hidden(
+            req.input_ids, req.attention_mask, req.num_labels, req.label_mask
+        )
+        labels = req.input_ids[:, -req.num_labels :][where]
+        weight = self.lm.get_output_embeddings().weight
+        head = LMHead(weight, req.temperature, self.chunk_size, self.compute_dtype)
+        if req.sum_pi_squared:  # no gradients: the old policy's pass
+            stats = linear_token_stats(hidden, labels, head)
+            return LogProbOutput(*(scatter_labels(x, where) for x in stats))
+        if req.full_vocab:
+            full = full_log_softmax(hidden, head)
+            logp = full.gather(-1, labels[:, None])[:, 0]
+            # chunk by chunk: one [chunk, V] block beside the [N, V] result at a time
+            ent = torch.cat([-(c.exp() * c).sum(-1) for c in full.split(self.chunk_size)])
+            return LogProbOutput(
+                scatter_labels(logp, where), scatter_labels(ent, where), full_log_softmax=full
+            )
+        if len(labels):
+            logp, ent = linear_log_probs(hidden, labels, head)
+        else:
+            # No selected label (every response masked out): still a result on the autograd
+            # graph through the decoder and the head, so backward (and FSDP's gradient
+            # reduction, which every rank must join) runs as for any micro-batch.
+            logp = ent = (hidden @ weight[:1].t()).sum(-1).float()
+        term = None
+        if req.pair is not None:
+            pair = req.pair
+            term = full_vocab_term(hidden, head, pair.other, pair.fn) if len(labels) else logp
+            term = scatter_labels(term, where)
+        return LogProbOutput(
+            scatter_labels(logp, where), scatter_labels(ent, where), pair_term=term
+        )
