@@ -13,7 +13,7 @@ import torch
 
 from treadle.config import load_config
 from treadle.controller import Collect, Dispatch, WorkerGroup, register
-from treadle.engines.heads import LogProbHead, LogProbRequest
+from treadle.engines.heads import LogProbHead, LogProbRequest, PairTerm
 from treadle.engines.packing import (
     balance_ranks,
     balanced_order,
@@ -293,6 +293,7 @@ def test_update_gives_the_plain_padded_loss_and_gradients(tiny_task, overrides):
             assert micros == (2 if "actor.remove_padding=false" in overrides else 3)
         # old log-probs: micro-batches in budget order come back in the batch's order
         out = group.compute_log_probs(batch)
+        squares = group.compute_log_probs(batch, sum_pi_squared=True)  # asked for, not flagged
     finally:
         group.shutdown()
     ids, mask = joined(batch)
@@ -301,6 +302,10 @@ def test_update_gives_the_plain_padded_loss_and_gradients(tiny_task, overrides):
     rmask = batch["response_mask"].bool()
     torch.testing.assert_close(out["old_log_probs"][rmask], want[rmask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(out["entropy"][rmask], want_ent[rmask], atol=1e-5, rtol=1e-5)
+    assert sorted(out.keys()) == ["entropy", "old_log_probs"]
+    assert sorted(squares.keys()) == ["entropy", "old_log_probs", "sum_pi_squared"]
+    torch.testing.assert_close(squares["old_log_probs"], out["old_log_probs"])
+    assert (squares["sum_pi_squared"][rmask] > 0).all() and (squares["sum_pi_squared"] <= 1).all()
 
 
 def test_sft_update_gives_the_plain_loss_and_gradients(tiny_task):
@@ -388,6 +393,32 @@ def test_bf16_mixed_precision_keeps_float32_parameters_and_log_probs(tiny_task):
         assert grads[name].dtype == torch.float32
         cos = torch.nn.functional.cosine_similarity(grads[name].flatten(), value.flatten(), 0)
         assert cos > 0.99, name
+
+
+def test_a_log_prob_request_names_the_fields_its_output_holds(tiny_task):
+    """One head, one request record in, one output record out: Σπ² and the whole
+    log-softmax come with the same log-probs and entropy, and a pair term against the
+    model's own distribution (the exact KL to itself) is 0."""
+    from treadle.algorithms.kl import kl_full
+
+    head = LogProbHead(load_causal_lm(tiny_task["model"]), chunk_size=5, row_tokens=16)
+    ids, mask = joined(uneven_batch(vocab=100))
+    with torch.no_grad():
+        plain = head(LogProbRequest(ids, mask, 8, 0.7))
+        squares = head(LogProbRequest(ids, mask, 8, 0.7, sum_pi_squared=True))
+        full = head(LogProbRequest(ids, mask, 8, 0.7, full_vocab=True))
+    assert plain.sum_pi_squared is plain.full_log_softmax is plain.pair_term is None
+    for out in (squares, full):
+        torch.testing.assert_close(out.log_probs, plain.log_probs, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(out.entropy, plain.entropy, atol=1e-5, rtol=1e-5)
+    where = label_positions(mask, 8)
+    assert squares.sum_pi_squared is not None and full.full_log_softmax is not None
+    assert squares.sum_pi_squared[~where].eq(0).all() and squares.sum_pi_squared[where].gt(0).all()
+    assert full.full_log_softmax.shape[0] == int(where.sum())
+    pair = head(LogProbRequest(ids, mask, 8, 0.7, pair=PairTerm(full.full_log_softmax, kl_full)))
+    assert pair.pair_term is not None and pair.pair_term.requires_grad
+    torch.testing.assert_close(pair.pair_term, torch.zeros_like(pair.pair_term), atol=1e-5, rtol=0)
+    torch.testing.assert_close(pair.log_probs.detach(), plain.log_probs, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("row_tokens", [None, 16])
