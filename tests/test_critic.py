@@ -9,7 +9,7 @@ from torch.testing import assert_close
 
 from treadle.algorithms import ADV_ESTIMATORS, value_loss
 from treadle.config import load_config
-from treadle.controller import WorkerGroup
+from treadle.controller import WorkerGroup, free_port
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
@@ -131,6 +131,19 @@ def reward_model(tiny_task, tmp_path_factory):
     out = tmp_path_factory.mktemp("rm") / "rm"
     save_hf_folder(model.state_dict(), model.config, load_tokenizer(tiny_task["model"]), out)
     return out
+
+
+def test_a_keyword_a_role_does_not_take_is_an_error(tiny_task):
+    """The worker base passes a role's own keywords to its setup: a misspelt one fails."""
+    import torch.distributed as dist
+
+    cfg = ppo_config(tiny_task)
+    try:
+        with pytest.raises(TypeError, match="critic_pth"):
+            RewardModelWorker(0, 1, "127.0.0.1", free_port(), config=cfg, critic_pth="x")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def test_reward_model_scores_the_last_token_of_prompt_and_response(tiny_task, reward_model):
