@@ -31,7 +31,6 @@ def _fast_tests_start_no_ray(request, monkeypatch):
     if request.node.get_closest_marker("slow") is None:
         import ray
 
-
         def refuse(*args, **kwargs):
             raise RuntimeError(f"{request.node.nodeid} starts Ray: mark it `slow`")
 

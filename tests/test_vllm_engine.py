@@ -317,7 +317,7 @@ def test_not_a_model_folder(tmp_path):
         VLLMRolloutEngine(tmp_path / "missing", max_model_len=MAX_MODEL_LEN)
 
 
-@pytest.mark.slow  # starts a vLLM engine (that refuses the model)
+@pytest.mark.slow  # imports vLLM (~15 s), as the engine does before it refuses the model
 def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
     from treadle.engines.vllm_rollout import _check_cpu_head_size
     from treadle.tasks.arithmetic import build_tiny_model
