@@ -207,12 +207,10 @@ def _algorithm_knobs(cfg: Config, losses: Any, agg_modes: Any) -> list[str]:
 
 
 def _preference_knobs(cfg: Config, info: dict[str, Any]) -> list[str]:
-    """A ``dpo`` knob changed from its default must be one the loss reads (``f_alpha`` goes
-    with ``f_divergence``); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
+    """A ``dpo`` knob changed from its default must be one the loss reads (a field of its
+    settings); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
     d = cfg.dpo
     reads = set(info.get("knobs", ()))
-    if "f_divergence" in reads:
-        reads.add("f_alpha")
     problems = _unread_knobs(cfg, "dpo", DPO_KNOBS, reads, "loss_type", "only dpo.beta")
     for knob in info.get("positive", ()):
         if not getattr(d, knob) > 0:

@@ -74,6 +74,11 @@ def _rl_needs(info: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _estimator_needs(info: dict[str, Any]) -> str:
+    """An estimator's settings are not all config keys: its ``knobs`` are left out."""
+    return _rl_needs({k: v for k, v in info.items() if k != "knobs"})
+
+
 def _preference_needs(info: dict[str, Any], data: str = "pairs", section: str = "dpo") -> str:
     parts = [DATA[data]]
     if info.get("reference") is False:
@@ -116,7 +121,7 @@ KINDS = (
         "algorithm.adv_estimator",
         "Rewards (and a critic's values) in, per-token advantages and returns out. Data: "
         "prompts with a reward function (`data.train_files`, `reward.function`).",
-        _rl_needs,
+        _estimator_needs,
     ),
     Kind(
         "Policy losses",
