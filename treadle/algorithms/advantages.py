@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import Tensor
@@ -372,6 +373,15 @@ class OTBSettings:
     eps: float = 1e-8
 
 
+# both variants read the actor's old log-probs and Σπ², and compare within a group
+_register_otb = partial(
+    register_adv_estimator,
+    groups=True,
+    needs=("old_log_probs", "sum_pi_squared"),
+    settings=OTBSettings,
+)
+
+
 def _optimal_token_baseline(
     inputs: EstimatorInputs, settings: OTBSettings, *, by_valid_index: bool, name: str
 ) -> Result:
@@ -422,12 +432,7 @@ def _optimal_token_baseline(
     return advantages, returns
 
 
-@register_adv_estimator(
-    "optimal_token_baseline",
-    groups=True,
-    needs=("old_log_probs", "sum_pi_squared"),
-    settings=OTBSettings,
-)
+@_register_otb("optimal_token_baseline")
 def optimal_token_baseline(inputs: EstimatorInputs, settings: OTBSettings) -> Result:
     """Optimal token baseline (verl): ``A_t = G_t - Σ_g G_t W_t / (Σ_g W_t + eps)``.
 
@@ -446,12 +451,7 @@ def optimal_token_baseline(inputs: EstimatorInputs, settings: OTBSettings) -> Re
     )
 
 
-@register_adv_estimator(
-    "tir_optimal_token_baseline",
-    groups=True,
-    needs=("old_log_probs", "sum_pi_squared"),
-    settings=OTBSettings,
-)
+@_register_otb("tir_optimal_token_baseline")
 def tir_optimal_token_baseline(inputs: EstimatorInputs, settings: OTBSettings) -> Result:
     """Multi-turn optimal token baseline (verl): ``A_t = G_t - Σ_g G_t W_t / (Σ_g W_t + eps)``
     with ``t`` counted in the model's own tokens.

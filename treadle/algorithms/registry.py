@@ -37,14 +37,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 from torch import Tensor
 
-from treadle.algorithms.inputs import (
-    Aggregation,
-    EstimatorInputs,
-    NoSettings,
-    PairInputs,
-    PolicyLossInputs,
-    UnpairedInputs,
-)
+from treadle.algorithms import inputs as records
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -123,7 +116,7 @@ class Registry(Generic[F]):
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._fns[name] = fn
             self._info[name] = dict(info)
-            self._settings[name] = NoSettings if settings is None else settings
+            self._settings[name] = records.NoSettings if settings is None else settings
             return fn
 
         return decorator
@@ -159,9 +152,9 @@ class Registry(Generic[F]):
         return tuple(self.info(name).get("knobs", ()))
 
     def settings(self, name: str) -> type[Any]:
-        """``name``'s settings class (a frozen dataclass; :class:`NoSettings` if it registered
-        none): ``POLICY_LOSSES.settings("ppo")(clip_ratio_c=3.0)``; a name it does not take
-        is a ``TypeError``."""
+        """``name``'s settings class (a frozen dataclass; ``NoSettings`` if it registered none):
+        ``POLICY_LOSSES.settings("ppo")(clip_ratio_c=3.0)``; a name it does not take is a
+        ``TypeError``."""
         return self._settings[self.canonical(name)]
 
     def settings_from(self, name: str, source: object) -> Any:
@@ -197,14 +190,16 @@ class Registry(Generic[F]):
 class AdvantageEstimator(Protocol):
     """``(EstimatorInputs, settings) -> (advantages[B,T], returns[B,T])``."""
 
-    def __call__(self, inputs: EstimatorInputs, settings: Any, /) -> tuple[Tensor, Tensor]: ...
+    def __call__(
+        self, inputs: records.EstimatorInputs, settings: Any, /
+    ) -> tuple[Tensor, Tensor]: ...
 
 
 class PolicyLoss(Protocol):
     """``(PolicyLossInputs, settings) -> (loss, metrics)``."""
 
     def __call__(
-        self, inputs: PolicyLossInputs, settings: Any, /
+        self, inputs: records.PolicyLossInputs, settings: Any, /
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
@@ -222,20 +217,20 @@ class LossAggMode(Protocol):
     plain sum (``token-sum``) multiplies by ``dp_size``.
     """
 
-    def __call__(self, loss_mat: Tensor, mask: Tensor, agg: Aggregation, /) -> Tensor: ...
+    def __call__(self, loss_mat: Tensor, mask: Tensor, agg: records.Aggregation, /) -> Tensor: ...
 
 
 class PreferenceLoss(Protocol):
     """``(PairInputs, settings) -> [B]``: one loss per pair; ``settings.beta`` is ``dpo.beta``,
     the other fields the ``dpo`` knobs the loss reads."""
 
-    def __call__(self, inputs: PairInputs, settings: Any, /) -> Tensor: ...
+    def __call__(self, inputs: records.PairInputs, settings: Any, /) -> Tensor: ...
 
 
 class UnpairedLoss(Protocol):
     """``(UnpairedInputs, settings) -> [B]`` (KTO and kin): one loss per example."""
 
-    def __call__(self, inputs: UnpairedInputs, settings: Any, /) -> Tensor: ...
+    def __call__(self, inputs: records.UnpairedInputs, settings: Any, /) -> Tensor: ...
 
 
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
