@@ -18,7 +18,8 @@ caller passes it, no others; a registry's ``shared`` fields, DPO's ``beta``, eve
 reads and are not counted). An aggregation mode lists its knobs as ``knobs=(...)``.
 Preference losses say ``reference=False`` (no reference model is built), ``nll=`` (the chosen
 NLL they include), ``batchwise=True``; unpaired losses ``kl=True`` (KTO's reference point).
-``treadle check`` reads these facts.
+``treadle check`` reads these facts. Each is a keyword of ``register``: a misspelt one is a
+``TypeError``, as is a name a settings class or an inputs record does not have.
 
 ``REGISTRY.alias("vanilla", "ppo")`` makes a second name for a registered function (verl's
 names beside treadle's): it resolves everywhere the name does, facts included.
