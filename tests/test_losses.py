@@ -20,6 +20,7 @@ from torch.testing import assert_close
 from treadle.algorithms import (
     LOSS_AGG_MODES,
     POLICY_LOSSES,
+    Aggregation,
     PolicyLossInputs,
     agg_loss,
     entropy_from_logits,
@@ -676,7 +677,7 @@ def test_value_loss_aggregation_mode():
     values = torch.tensor([[1.0, 1.0, 1.0], [3.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     loss, _ = value_loss_fn(
-        values, values, torch.zeros(2, 3), mask, 0.2, loss_agg_mode="seq-mean-token-mean"
+        values, values, torch.zeros(2, 3), mask, 0.2, Aggregation("seq-mean-token-mean")
     )
     assert loss.item() == pytest.approx(0.5 * (1.0 + 9.0) / 2)
 

@@ -18,7 +18,7 @@ from algorithm_calls import policy_loss
 from reference import verl_core_algos
 from torch.testing import assert_close
 
-from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, value_loss
+from treadle.algorithms import POLICY_LOSSES, Aggregation, agg_loss, kl_penalty, value_loss
 from treadle.algorithms.kl import kl_full
 
 SEEDS = (0, 1, 2)
@@ -402,7 +402,7 @@ def value_inputs(seed: int):
 def test_value_loss_matches_verl(verl, mode, dp_size, seed):
     values, old, returns, mask = value_inputs(seed)
     ours, theirs = counts(mask, dp_size)
-    loss, clipfrac = value_loss(values, old, returns, mask, 0.25, mode, agg_kwargs=ours)
+    loss, clipfrac = value_loss(values, old, returns, mask, 0.25, Aggregation(mode, **ours))
     verl_loss, verl_clipfrac = verl.compute_value_loss(
         values, returns, old, mask, 0.25, mode, **theirs
     )

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -624,11 +623,12 @@ def value_loss(
     returns: Tensor,
     mask: Tensor,
     cliprange_value: float,
-    loss_agg_mode: str = "token-mean",
-    *,
-    agg_kwargs: dict[str, Any] | None = None,
+    agg: Aggregation | None = None,
 ) -> tuple[Tensor, float]:
     """Clipped value loss: ``½ agg(max((V - R)², (clip(V, V_old - c, V_old + c) - R)²))``.
+
+    ``agg``: the aggregation (mode and mini-batch counts; ``token-mean`` over this call's
+    tokens if not given).
 
     Returns the loss and the fraction of valid tokens where the clipped term was strictly
     larger. The prediction itself is clipped (not ``V_old + clip(V - V_old)``, which differs
@@ -645,7 +645,7 @@ def value_loss(
     unclipped_loss = (values - returns).square()
     clipped_loss = (clipped_values - returns).square()
     losses = torch.maximum(unclipped_loss, clipped_loss)
-    loss = 0.5 * agg_loss(losses, mask, loss_agg_mode, **(agg_kwargs or {}))
+    loss = 0.5 * aggregate(losses, mask, agg or Aggregation())
     return loss, _fraction(clipped_loss > unclipped_loss, mask)
 
 
