@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from algorithm_calls import estimate
 from torch.testing import assert_close
 
 from treadle.algorithms import ADV_ESTIMATORS, value_loss
@@ -162,8 +163,8 @@ def test_gae_by_hand_with_uneven_lengths():
     rewards = torch.tensor([[0.0, 0.0, 1.0], [2.0, 9.0, 9.0]])
     values = torch.tensor([[0.5, 0.2, 0.4], [1.0, 7.0, 7.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    adv, returns = ADV_ESTIMATORS.get("gae")(
-        rewards, mask, group_ids=[0, 1], values=values, gamma=0.5, lam=0.5
+    adv, returns = estimate(
+        "gae", rewards, mask, group_ids=[0, 1], values=values, gamma=0.5, lam=0.5
     )
     # row 0: δ2 = 1 - 0.4 = 0.6; δ1 = 0 + 0.5·0.4 - 0.2 = 0; δ0 = 0.5·0.2 - 0.5 = -0.4
     #        A2 = 0.6, A1 = 0 + 0.25·0.6 = 0.15, A0 = -0.4 + 0.25·0.15 = -0.3625

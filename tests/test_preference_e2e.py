@@ -16,11 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from algorithm_calls import pair_loss, unpaired_loss
 
 from treadle.algorithms import PREFERENCE_LOSSES, UNPAIRED_LOSSES, kto_kl
 from treadle.api import kto as kto_api
 from treadle.cli import main
-from treadle.config import DPO_KNOBS, Config, load_config
+from treadle.config import Config, load_config
 from treadle.data import collate_unpaired
 from treadle.tracking import read_metrics
 from treadle.trainers import common
@@ -89,14 +90,15 @@ def test_one_step_of_every_pair_loss(shared, name: str) -> None:  # type: ignore
     before = group.compute_pair_log_probs(pairs)
     lengths = {f"{k}_lengths": pairs[f"{k}_mask"].sum(1).double() for k in ("chosen", "rejected")}
     reference = info.get("reference", True)
-    expected = PREFERENCE_LOSSES.get(name)(
+    expected = pair_loss(
+        name,
         before["chosen_logps"].double(),
         before["rejected_logps"].double(),
         ref["ref_chosen_logps"].double() if reference else None,
         ref["ref_rejected_logps"].double() if reference else None,
         beta=cfg.dpo.beta,
         **lengths,
-        **{k: getattr(cfg.dpo, k) for k in DPO_KNOBS},
+        **{k: getattr(cfg.dpo, k) for k in PREFERENCE_LOSSES.knobs(name)},
     ).mean()
     # a reference-free loss gets no reference log-probs: the worker must not need them
     metrics = group.train_dpo(pairs.union(ref) if reference else pairs)
@@ -140,7 +142,8 @@ def test_one_step_of_every_unpaired_loss(shared, tmp_path) -> None:  # type: ign
         policy = group.compute_unpaired_log_probs(batch)
         uses_kl = UNPAIRED_LOSSES.info(name).get("kl", False)
         kl = kto_kl(policy["kl_logps"], ref["ref_kl_logps"]) if uses_kl else 0.0
-        expected = UNPAIRED_LOSSES.get(name)(
+        expected = unpaired_loss(
+            name,
             policy["logps"],
             ref["ref_logps"],
             batch["labels"],

@@ -185,9 +185,9 @@ def _unread_knobs(
 
 
 def _algorithm_knobs(cfg: Config, losses: Any, agg_modes: Any) -> list[str]:
-    """The policy loss's and the loss aggregation's knobs (their ``knobs`` registration):
-    another one changed from its default is an error, as is a registered knob that is no
-    ``algorithm`` setting (a plug-in's)."""
+    """The policy loss's and the loss aggregation's knobs (the loss's settings' fields, the
+    mode's ``knobs`` registration): another one changed from its default is an error, as is
+    a knob that is no ``algorithm`` setting (a plug-in's)."""
     alg, problems = cfg.algorithm, []
     fields = type(alg).model_fields
     for registry, selector in ((losses, "policy_loss"), (agg_modes, "loss_agg_mode")):
@@ -198,8 +198,8 @@ def _algorithm_knobs(cfg: Config, losses: Any, agg_modes: Any) -> list[str]:
         unknown = [k for k in reads if k not in fields]
         if unknown:
             problems.append(
-                f"algorithm.{selector}={chosen} is registered with knobs=({', '.join(unknown)}) "
-                "that are not algorithm settings: register only keys of the algorithm section"
+                f"algorithm.{selector}={chosen} reads knobs ({', '.join(unknown)}) that are not "
+                "algorithm settings: name its settings' fields after keys of the algorithm section"
             )
         knobs = {k for k in registry.all_knobs() if k in fields}
         problems += _unread_knobs(cfg, "algorithm", knobs, reads, selector, "no algorithm knob")
@@ -207,12 +207,10 @@ def _algorithm_knobs(cfg: Config, losses: Any, agg_modes: Any) -> list[str]:
 
 
 def _preference_knobs(cfg: Config, info: dict[str, Any]) -> list[str]:
-    """A ``dpo`` knob changed from its default must be one the loss reads (``f_alpha`` goes
-    with ``f_divergence``); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
+    """A ``dpo`` knob changed from its default must be one the loss reads (a field of its
+    settings); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
     d = cfg.dpo
     reads = set(info.get("knobs", ()))
-    if "f_divergence" in reads:
-        reads.add("f_alpha")
     problems = _unread_knobs(cfg, "dpo", DPO_KNOBS, reads, "loss_type", "only dpo.beta")
     for knob in info.get("positive", ()):
         if not getattr(d, knob) > 0:

@@ -36,7 +36,6 @@ Choices:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -138,9 +137,9 @@ class ImplicitPRM:
     def __init__(self, cfg: Config, group: WorkerGroup) -> None:
         self.p, self.group, self.function = cfg.prime, group, cfg.reward.function
 
-    def rewards(self, batch: Batch, m: dict[str, float]) -> dict[str, Any]:
-        """Update the PRM on ``batch``'s outcomes and reward its tokens; returns the prime
-        estimator's extra arguments (implicit rewards, coefficients) and logs ``prime/*``."""
+    def rewards(self, batch: Batch, m: dict[str, float]) -> torch.Tensor:
+        """Update the PRM on ``batch``'s outcomes and reward its tokens; returns the implicit
+        token rewards [B,T] (the prime estimator's ``implicit_rewards``), logs ``prime/*``."""
         p, mask, ids = self.p, batch["response_mask"], list(batch["uid"])
         labels = outcome_labels(batch, self.function)
         work = batch.only([k for k in (*SEQUENCES, *ATTENTION) if k in batch])
@@ -176,11 +175,7 @@ class ImplicitPRM:
                 "prime/acc_abs_before": sign_accuracy(before.sum(-1), labels),
             }
         )
-        return {
-            "implicit_rewards": rewards,
-            "reward_gt_coef": p.reward_gt_coef,
-            "reward_dpo_coef": p.reward_dpo_coef,
-        }
+        return rewards
 
 
 def start_prm(

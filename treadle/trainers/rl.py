@@ -55,6 +55,7 @@ from treadle.algorithms import (
     FixedKLController,
 )
 from treadle.algorithms.correction import rollout_correction
+from treadle.algorithms.inputs import EstimatorInputs
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty, varied_groups
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
@@ -292,20 +293,11 @@ class RLTrainer(Trainer):
             with timed(m, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
         # 5b. PRIME: the implicit PRM learns from the outcomes, then rewards each token
-        extra = self.prm.rewards(batch, m) if self.prm is not None else {}
+        implicit = self.prm.rewards(batch, m) if self.prm is not None else None
         # 6. advantages and the critic's targets: a pure function on the driver
         with timed(m, "advantages"):
             batch["advantages"], batch["returns"] = self.estimator(
-                batch["token_level_rewards"],
-                batch["response_mask"].float(),
-                group_ids=list(batch["uid"]),
-                values=batch.tensors.get("values"),
-                gamma=alg.gamma,
-                lam=alg.lam,
-                norm_adv_by_std=alg.norm_adv_by_std,
-                baseline_rewards=batch["baseline_scores"] if self.greedy_baseline else None,
-                **self.estimator_inputs(batch),
-                **extra,
+                self.estimator_inputs(batch, implicit), self.estimator_settings()
             )
         m.update(rollout_metrics(batch, alg.gdpo_reward_keys))
         if self.samples_due(step):
@@ -388,10 +380,13 @@ class RLTrainer(Trainer):
             )
         return outcome_rewards(batch["response_mask"], scores.tolist())
 
-    def estimator_inputs(self, batch: Batch) -> dict[str, Any]:
-        """What the estimator reads beyond rewards, values and baselines (its ``needs``): the
-        old policy's log-probs and Σπ² (optimal token baseline; with rollout correction, its
-        importance weights too), the reward's components and their weights (GDPO)."""
+    def estimator_inputs(
+        self, batch: Batch, implicit_rewards: torch.Tensor | None = None
+    ) -> EstimatorInputs:
+        """What the estimator reads: rewards, mask, groups, values and greedy baselines when
+        there are, and its ``needs``: the old policy's log-probs and Σπ² (optimal token
+        baseline; with rollout correction, its importance weights too), the reward's
+        components (GDPO), the implicit PRM's token rewards (PRIME)."""
         alg, out = self.cfg.algorithm, {}
         if "old_log_probs" in self.needs:
             out["old_log_probs"] = batch["old_log_probs"]
@@ -403,12 +398,35 @@ class RLTrainer(Trainer):
                     alg.rollout_correction,
                     alg.rollout_correction_cap,
                 )
-        if "sum_pi_squared" in self.needs:
-            out["sum_pi_squared"] = batch["sum_pi_squared"]
-        if "reward_components" in self.needs:
-            out["reward_components"] = batch["reward_components"]
-            out["reward_weights"] = alg.gdpo_reward_weights
-        return out
+        for name in ("sum_pi_squared", "reward_components"):
+            if name in self.needs:
+                out[name] = batch[name]
+        return EstimatorInputs(
+            batch["token_level_rewards"],
+            batch["response_mask"].float(),
+            list(batch["uid"]),
+            values=batch.tensors.get("values"),
+            baseline_rewards=batch["baseline_scores"] if self.greedy_baseline else None,
+            implicit_rewards=implicit_rewards,
+            **out,
+        )
+
+    def estimator_settings(self) -> Any:
+        """The estimator's settings: those of its fields that are config settings (GDPO's
+        ``reward_weights`` is ``algorithm.gdpo_reward_weights``, PRIME's coefficients are
+        ``prime.*``); its other fields keep their defaults."""
+        alg, p = self.cfg.algorithm, self.cfg.prime
+        config = {
+            "gamma": alg.gamma,
+            "lam": alg.lam,
+            "norm_adv_by_std": alg.norm_adv_by_std,
+            "reward_weights": alg.gdpo_reward_weights,
+            "reward_gt_coef": p.reward_gt_coef,
+            "reward_dpo_coef": p.reward_dpo_coef,
+        }
+        reads = ADV_ESTIMATORS.knobs(alg.adv_estimator)
+        values = {key: value for key, value in config.items() if key in reads}
+        return ADV_ESTIMATORS.settings(alg.adv_estimator)(**values)
 
     def greedy_scores(self, prompts: Batch) -> torch.Tensor:
         """ReMax's baseline: the score of the greedy response to each prompt, per sample [B*n]."""

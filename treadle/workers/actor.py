@@ -39,6 +39,7 @@ from torch import nn
 
 from treadle.algorithms import KL_ESTIMATORS, POLICY_LOSSES, agg_loss, kl_penalty
 from treadle.algorithms.correction import rollout_correction
+from treadle.algorithms.inputs import Aggregation, PolicyLossInputs
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.checkpoint import read_state
 from treadle.config import Config
@@ -258,10 +259,10 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
         )
         return old
 
-    def _loss_options(self) -> dict[str, Any]:
-        """The ``algorithm`` knobs the policy loss registered (``knobs=``), and no others."""
+    def _loss_options(self) -> Any:
+        """The policy loss's settings: the ``algorithm`` knobs it registered, and no others."""
         alg = self.cfg.algorithm
-        return {key: getattr(alg, key) for key in POLICY_LOSSES.knobs(alg.policy_loss)}
+        return POLICY_LOSSES.settings_from(alg.policy_loss, alg)
 
     def _actor_loss(self, mb: Batch, agg: dict[str, Any]) -> tuple[torch.Tensor, dict]:
         alg = self.cfg.algorithm
@@ -280,16 +281,15 @@ class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
                 alg.rollout_correction,
                 alg.rollout_correction_cap,
             )
-        pg_loss, stats = loss_fn(
+        inputs = PolicyLossInputs(
             logp,
             old,
             mb["advantages"],
             pg_mask,
-            loss_agg_mode=alg.loss_agg_mode,
+            Aggregation(alg.loss_agg_mode, **agg),
             rollout_is_weights=None if is_weights is None else is_weights.to(logp.dtype),
-            agg_kwargs=agg,
-            **self._loss_options(),
         )
+        pg_loss, stats = loss_fn(inputs, self._loss_options())
         loss = pg_loss
         metrics = {
             "actor/pg_loss": float(pg_loss.detach()),

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from treadle.algorithms import value_loss
+from treadle.algorithms import Aggregation, value_loss
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.models import load_tokenizer
@@ -122,7 +122,7 @@ class CriticWorker(Worker):
             micro["returns"].to(values),
             mask,
             self.c.cliprange_value,
-            agg_kwargs=agg,
+            Aggregation(num_tokens=agg["num_tokens"]),
         )
         clipped = clipfrac * float(mask.sum())
         return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": clipped}

@@ -43,7 +43,8 @@ from treadle.algorithms import (
     masked_sum,
     pair_stats,
 )
-from treadle.config import DPO_KNOBS, Config
+from treadle.algorithms.inputs import PairInputs, UnpairedInputs
+from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
 from treadle.engines.fsdp import TrainEngine
 from treadle.protocol import Batch
@@ -118,16 +119,9 @@ class PreferenceMixin:
         ref_c = ref_r = None
         if info.get("reference", True):
             ref_c, ref_r = (mb[k].to(chosen.device) for k in REF_PAIRS)
-        losses = PREFERENCE_LOSSES.get(d.loss_type)(
-            chosen,
-            rejected,
-            ref_c,
-            ref_r,
-            beta=d.beta,
-            chosen_lengths=lengths[0],
-            rejected_lengths=lengths[1],
-            **{k: getattr(d, k) for k in DPO_KNOBS},
-        )
+        inputs = PairInputs(chosen, rejected, ref_c, ref_r, lengths[0], lengths[1])
+        settings = PREFERENCE_LOSSES.settings_from(d.loss_type, d)  # beta and its knobs
+        losses = PREFERENCE_LOSSES.get(d.loss_type)(inputs, settings)
         nll = -chosen.sum() / tokens  # the chosen responses' token-mean NLL (RPO's SFT term)
         nll_coef = info.get("nll", 0.0) + d.nll_coef
         loss = losses.sum() / pairs + (nll_coef * nll if nll_coef else 0.0)
@@ -230,15 +224,8 @@ class PreferenceMixin:
         logps = self._unpaired_logps(self.actor, mb)
         ref = mb["ref_logps"].to(logps.device)
         labels = mb["labels"].to(logps.device).bool()
-        losses = UNPAIRED_LOSSES.get(k.loss_type)(
-            logps,
-            ref,
-            labels,
-            kl,
-            beta=k.beta,
-            desirable_weight=k.desirable_weight,
-            undesirable_weight=k.undesirable_weight,
-        )
+        settings = UNPAIRED_LOSSES.settings_from(k.loss_type, k)  # beta and its knobs
+        losses = UNPAIRED_LOSSES.get(k.loss_type)(UnpairedInputs(logps, ref, labels, kl), settings)
         n, n_good, n_bad, good_tokens = counts
         nll = -logps[labels].sum() / max(good_tokens, 1.0)  # the desirable token-mean NLL
         rewards = implicit_rewards(logps.detach(), ref, k.beta)
