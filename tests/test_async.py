@@ -1,4 +1,4 @@
-"""Asynchronous training (trainer.mode one_step_off / async, treadle.trainers.async_rollout).
+"""Asynchronous training (trainer.mode one_step_off / async, treadle.rollout.sources).
 
 The producer's rules (when a step-batch may start, what is dropped as stale, what a checkpoint
 keeps) are checked against a rollout double that records the weight version each step-batch
@@ -17,11 +17,11 @@ import torch
 
 from treadle.config import load_config
 from treadle.data import PromptDataset, ResumableSampler
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch
 from treadle.rollout import Request, Response, RolloutClient
-from treadle.trainers.async_rollout import AsyncRollout
+from treadle.rollout.sources import AsyncRollout
 
 N = 2  # samples per prompt
 BATCH = 4  # prompts per step

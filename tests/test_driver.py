@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treadle.config import load_config
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn, score_batch
 from treadle.trainers.rl import RLTrainer

@@ -26,7 +26,7 @@ import ray
 import torch
 
 from treadle.config import load_config
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.models import load_causal_lm
 from treadle.rollout.client import RolloutError
 from treadle.trainers.rl import RLTrainer

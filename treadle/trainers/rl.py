@@ -29,7 +29,7 @@ in the reward (``algorithm.kl_reward_coef``, fixed or adaptive with ``algorithm.
 
 ``trainer.mode`` one_step_off and async overlap generation with training: the split replicas
 generate ahead into a buffer the step takes its batch from, and weights are synced as
-``async.sync_every`` says (:mod:`treadle.trainers.async_rollout`); the rest of the step is
+``async.sync_every`` says (:mod:`treadle.rollout.sources`); the rest of the step is
 the same.
 
 Resume: the newest complete checkpoint gives the actor (and critic) weights, optimizers, data
@@ -61,13 +61,13 @@ from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.check import check_algorithm
 from treadle.config import Config, DPOConfig
 from treadle.data import ResumableSampler
+from treadle.engines.inference import SamplingParams
 from treadle.engines.packing import balance_ranks
-from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch, response_attention
 from treadle.rewards import component_matrix, load_reward_fn
+from treadle.rollout.sources import AsyncRollout
 from treadle.tracking import timed
-from treadle.trainers.async_rollout import AsyncRollout
 from treadle.trainers.common import (
     Trainer,
     evaluate,

@@ -51,10 +51,10 @@ import torch
 from treadle.algorithms.shaping import varied_groups
 from treadle.config import Config
 from treadle.data import PromptDataset, ResumableSampler
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
+from treadle.rollout.fleet import Rollout
 from treadle.trainers.common import left_pad, prompt_batch
-from treadle.trainers.rollout import Rollout
 
 
 @dataclass
