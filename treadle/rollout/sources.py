@@ -226,21 +226,19 @@ class GroupFilter:
 # ----------------------------------------------------------------------------- synchronous
 
 
+@dataclass
 class SyncSource:
     """Generation inside the step, with the learner's weights (``trainer.mode=sync``)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        rollout: Rollout,
-        dataset: PromptDataset,
-        sampler: ResumableSampler,
-        score: Score,
-    ) -> None:
-        self.cfg, self.rollout, self.dataset, self.sampler = cfg, rollout, dataset, sampler
-        self.score = score
+    cfg: Config
+    rollout: Rollout
+    dataset: PromptDataset
+    sampler: ResumableSampler
+    score: Score
+
+    def __post_init__(self) -> None:
         # ReMax's baseline: the scores of greedy responses, generated here
-        self.greedy = "baseline_rewards" in ADV_ESTIMATORS.needs(cfg.algorithm.adv_estimator)
+        self.greedy = "baseline_rewards" in ADV_ESTIMATORS.needs(self.cfg.algorithm.adv_estimator)
 
     def sample(self, step: int, m: dict[str, float]) -> Batch:
         """Rounds of fresh prompts (one without dynamic sampling), each generated and scored."""
