@@ -31,7 +31,7 @@ from treadle.agents.tools import (
     tool_schema,
 )
 from treadle.agents.trajectory import Trajectory
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
 from treadle.rollout.client import RolloutClient
 from treadle.rollout.server import Request, Response

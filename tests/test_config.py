@@ -103,13 +103,11 @@ def test_dump_is_complete_and_reloads(tmp_path):
 
 
 def test_rollout_ignore_eos_reaches_the_sampling_params():
-    from types import SimpleNamespace
-
-    from treadle.trainers.rl import RLTrainer
+    from treadle.rollout.sources import sampling_params
 
     for value in (False, True):
         cfg = load_config(None, [f"rollout.ignore_eos={str(value).lower()}"])
-        params = RLTrainer.sampling(SimpleNamespace(cfg=cfg), 3)  # type: ignore[arg-type]
+        params = sampling_params(cfg, 3)
         assert params.ignore_eos is value
 
 

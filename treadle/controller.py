@@ -290,7 +290,7 @@ def _vllm_in_process() -> bool:
     fail (``ValueError: Invalid process group specified``, a traceback after every run). The
     group is left to the engine, which lives as long as the process and destroys it at exit;
     the next run in the process joins it."""
-    module = sys.modules.get("treadle.engines.vllm_rollout")
+    module = sys.modules.get("treadle.engines.vllm")
     return module is not None and module.engine_running()
 
 
@@ -304,6 +304,10 @@ def _ray_get(futures: list[Any]) -> list[Any]:
         if isinstance(e.cause, TreadleError):
             raise e.cause from None
         raise
+
+
+# public: the rollout fleet starts its replica actors with these (treadle.rollout.fleet)
+guarded, ray_get = _guarded, _ray_get
 
 
 def pid_note(error: BaseException) -> str:

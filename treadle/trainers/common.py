@@ -25,7 +25,7 @@ from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, Worker, WorkerGroup
 from treadle.data import PromptDataset, ResumableSampler, collate_prompts, config_prompts
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError, Stopped, Terminated, WorkerDied
 from treadle.faults import failpoint
 from treadle.models import ADAPTER_DIR, export_merged, load_tokenizer
@@ -37,7 +37,7 @@ from treadle.tracking import Tracker, quiet_start, route_logs, worker_env
 from treadle.workers import ActorRolloutRefWorker
 
 if TYPE_CHECKING:
-    from treadle.trainers.rollout import Rollout
+    from treadle.rollout.fleet import Rollout
 
 log = logging.getLogger("treadle")
 
@@ -342,7 +342,7 @@ def evaluate_model(cfg: Config) -> float:
     val = load_prompts(cfg, cfg.data.val_files, "data.val_files")
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
-    from treadle.trainers.rollout import start_rollout
+    from treadle.rollout.fleet import start_rollout
 
     # A one-off greedy pass: the replicas live in the actor's processes whatever the placement.
     colocated = cfg.rollout.model_copy(
@@ -351,7 +351,7 @@ def evaluate_model(cfg: Config) -> float:
     cfg = cfg.model_copy(update={"rollout": colocated})
     actors = build_actors(cfg, cfg.model.path, with_ref=False)
     try:
-        rollout = start_rollout(cfg, actors, cfg.model.path, 0)
+        rollout = start_rollout(cfg, actors.group, cfg.model.path, 0)
         try:
             with make_scorer(cfg) as scorer:
                 return evaluate(cfg, rollout, val, val.pad_id, scorer)
@@ -450,8 +450,8 @@ class Trainer:
         colocated: int,
         cpus_per_rank: float | None,
     ) -> None:
-        from treadle.trainers.rollout import reserve_rollout_pool, start_rollout
-        from treadle.workers.rollout import ServesRollout
+        from treadle.rollout.fleet import reserve_rollout_pool, start_rollout
+        from treadle.rollout.replica import ServesRollout
 
         pool = reserve_rollout_pool(self.cfg)  # split: before the actor's pool (see there)
         try:
@@ -466,7 +466,7 @@ class Trainer:
                 if issubclass(self.group.worker_cls, ServesRollout):  # not the RM trainer's
                     given, pool = pool, None  # the rollout's from here, removed by it
                     self.rollout = start_rollout(
-                        self.cfg, self.actors, actor_path, self.start, given
+                        self.cfg, self.group, actor_path, self.start, given
                     )
                     if latest is not None and ckpt.holds_adapters(latest):
                         self.rollout.sync_weights(self.start)  # started from the base

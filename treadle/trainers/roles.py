@@ -40,9 +40,9 @@ from treadle.config import Config
 from treadle.controller import WorkerGroup
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
+from treadle.rollout.fleet import rollout_cpus
 from treadle.trainers.common import Actors, add_group, total_cpus
 from treadle.trainers.prime import ImplicitPRM, start_prm, uses_prm
-from treadle.trainers.rollout import rollout_cpus
 from treadle.workers import CriticWorker, RewardModelWorker
 
 

@@ -45,10 +45,12 @@ from treadle.checkpoint import read_state
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, free_port, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.weights import weight_buckets
 from treadle.models import apply_lora, load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
+from treadle.rollout.replica import ServesRollout, make_engine
 from treadle.rollout.server import RolloutServer
-from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
+from treadle.rollout.weight_sync import WeightSyncGroup
 from treadle.startup import PartTimer
 from treadle.workers.common import (
     ATTENTION,
@@ -62,7 +64,6 @@ from treadle.workers.common import (
     prompt_response,
 )
 from treadle.workers.preference import PreferenceMixin
-from treadle.workers.rollout import ServesRollout, make_engine
 
 
 class ActorRolloutRefWorker(ServesRollout, PreferenceMixin, Worker):
