@@ -51,7 +51,8 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     """SafeLoader whose mappings refuse a key given twice (PyYAML keeps the last silently)."""
 
 
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[Any, Any]:
+def _unique_mapping(loader: yaml.SafeLoader, node: yaml.Node) -> dict[Any, Any]:
+    assert isinstance(node, yaml.MappingNode)  # registered for the mapping tag only
     seen: dict[Any, int] = {}
     for key_node, _ in node.value:
         if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *base`: later keys override it
@@ -70,7 +71,7 @@ def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode) -> dict[An
 
 _UniqueKeyLoader.add_constructor(
     yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
-    _unique_mapping,  # type: ignore[arg-type]
+    _unique_mapping,
 )
 
 
