@@ -241,8 +241,7 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
                 f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}{hint}"
             )
     if kind == "train":
-        problems += _algorithm_rules(cfg, ADV_ESTIMATORS, POLICY_LOSSES)
-        problems += _loss_rules(cfg, POLICY_LOSSES, KL_ESTIMATORS)
+        problems += [*_estimator_rules(cfg), *_loss_rules(cfg)]
         problems += _algorithm_knobs(cfg, POLICY_LOSSES, LOSS_AGG_MODES)
         problems += role_problems(cfg)
     if kind == "dpo" and cfg.dpo.loss_type in PREFERENCE_LOSSES:
@@ -338,72 +337,70 @@ def _preference_knobs(cfg: Sections, info: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _algorithm_rules(cfg: Sections, estimators: Any, losses: Any) -> list[str]:
-    alg, problems = cfg.algorithm, []
+def _estimator_rules(cfg: Sections) -> Iterator[str]:
+    """What the advantage estimator (and the loss's aggregation) need from the config."""
+    alg, estimators, losses = cfg.algorithm, ADV_ESTIMATORS, POLICY_LOSSES
     groups = alg.adv_estimator in estimators and estimators.info(alg.adv_estimator).get("groups")
     if groups and cfg.rollout.n < 2:
-        problems.append(
+        yield (
             f"algorithm.adv_estimator={alg.adv_estimator} takes its baseline from a group "
             f"of samples of one prompt, and rollout.n=1 makes groups of one: set rollout.n "
             "to 2 or more, or use an estimator without groups (reinforce_plus_plus, gae)"
         )
     needs = estimators.needs(alg.adv_estimator) if alg.adv_estimator in estimators else ()
     if "reward_components" in needs and not alg.gdpo_reward_keys:
-        problems.append(
+        yield (
             f"algorithm.adv_estimator={alg.adv_estimator} normalizes each component of the "
             "reward on its own: list them in algorithm.gdpo_reward_keys (keys of the dict the "
             "reward function returns, e.g. [format, accuracy])"
         )
     if "reward_components" in needs and cfg.reward.model_path:
-        problems.append(
+        yield (
             f"algorithm.adv_estimator={alg.adv_estimator} normalizes the named components of "
             "reward.function's score, but with reward.model_path the reward model's score "
             "trains: drop reward.model_path or use another estimator"
         )
-    if {"old_log_probs", "sum_pi_squared"} & set(
-        needs
-    ) and cfg.actor.recompute_old_log_probs is False:
-        problems.append(
+    old_policy = {"old_log_probs", "sum_pi_squared"} & set(needs)
+    if old_policy and cfg.actor.recompute_old_log_probs is False:
+        yield (
             f"algorithm.adv_estimator={alg.adv_estimator} reads the old policy's log-probs "
             "before the update, which actor.recompute_old_log_probs=false skips: set it to null"
         )
     if alg.policy_loss in losses:
         allowed = losses.info(alg.policy_loss).get("agg_modes")
         if allowed and alg.loss_agg_mode not in allowed:
-            problems.append(
+            yield (
                 f"algorithm.loss_agg_mode={alg.loss_agg_mode} cannot be used with "
                 f"algorithm.policy_loss={alg.policy_loss}: choose one of {', '.join(allowed)}"
             )
-    return problems
 
 
-def _loss_rules(cfg: Sections, losses: Any, kl_estimators: Any) -> list[str]:
+def _loss_rules(cfg: Sections) -> Iterator[str]:
     """What a policy loss or KL estimator needs from the rest of the config."""
-    alg, problems = cfg.algorithm, []
+    alg, losses, kl_estimators = cfg.algorithm, POLICY_LOSSES, KL_ESTIMATORS
     reward_kl = alg.kl_reward_estimator
     if reward_kl in kl_estimators and kl_estimators.info(reward_kl).get("full_vocab"):
-        problems.append(
+        yield (
             f"algorithm.kl_reward_estimator={reward_kl} needs the reference's whole "
             "distribution, which only the actor's update has (the reward is shaped on the "
             "driver from sampled-token log-probs): use it as algorithm.kl_estimator (the KL "
             "loss) and pick a per-token estimator (k1, k3...) for the reward"
         )
     if alg.policy_loss not in losses:
-        return problems
+        return
     loss = losses.canonical(alg.policy_loss)
     if loss == "dro" and alg.dro_beta is None:
-        problems.append(
+        yield (
             "algorithm.policy_loss=dro needs algorithm.dro_beta (> 0), the weight of its "
             "log-ratio penalty; it has no default"
         )
     old = losses.info(loss).get("old")
     if old == "rollout_log_probs" and alg.rollout_correction != "none":
-        problems.append(
+        yield (
             f"algorithm.policy_loss={alg.policy_loss} takes the rollout log-probs as the old "
             f"policy and corrects for them itself (algorithm.bypass_*): set "
             f"algorithm.rollout_correction=none (got {alg.rollout_correction})"
         )
-    return problems
 
 
 # --- roles (role selection; check_algorithm for train) ----------------------------------------

@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.data.options import TextOptions
 from treadle.data.prompts import collate_prompts
 from treadle.data.readers import Record, as_text, check_messages, read_records, require
-from treadle.data.rows import Rows, keep, logger, right_padded
+from treadle.data.rows import Rows, keep, kept, right_padded
 from treadle.data.templating import (
     check_template,
     pad_or_eos_id,
@@ -123,19 +123,15 @@ def load_pair_dataset(
             for part, (name, limit) in limits.items()
         ):
             rows.append(row)
-    n_filtered = len(records) - len(rows)
-    if n_filtered:
-        logger.warning(
-            "%s: filtered %d of %d pairs with a prompt over %d or a response over %d tokens",
-            o.config_key,
-            n_filtered,
-            len(records),
-            o.max_prompt_length,
-            o.max_response_length,
-        )
-    if not rows:
-        raise DataError(f"{o.config_key}: every pair is over the length limits")
-    return PairDataset(rows=rows, pad_id=pad_or_eos_id(tokenizer), n_filtered=n_filtered)
+    return kept(
+        rows,
+        len(records),
+        pad_or_eos_id(tokenizer),
+        o.config_key,
+        f"pairs with a prompt over {o.max_prompt_length} or a response over "
+        f"{o.max_response_length} tokens",
+        "every pair is over the length limits",
+    )
 
 
 def collate_pairs(rows: Sequence[PairRow], pad_id: int) -> dict[str, torch.Tensor]:

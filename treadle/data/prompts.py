@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, as_text, read_records, require
-from treadle.data.rows import Rows, keep, log_filtered
+from treadle.data.rows import Rows, keep, kept
 from treadle.data.templating import (
     check_template,
     encode_prompt,
@@ -26,7 +26,6 @@ from treadle.data.templating import (
     spells_special,
     tokenize,
 )
-from treadle.errors import DataError
 
 
 class PromptRow(TypedDict):
@@ -72,12 +71,15 @@ def load_prompt_dataset(
                     row=record.row,
                 )
             )
-    n_filtered = len(records) - len(rows)
-    limit = o.max_prompt_length
-    log_filtered(n_filtered, len(records), "max_prompt_length", limit, o.config_key)
-    if not rows:
-        raise DataError(f"{o.config_key}: every prompt is longer than max_prompt_length={limit}")
-    return PromptDataset(rows=rows, pad_id=pad_or_eos_id(tokenizer), n_filtered=n_filtered)
+    limit = f"max_prompt_length={o.max_prompt_length}"
+    return kept(
+        rows,
+        len(records),
+        pad_or_eos_id(tokenizer),
+        o.config_key,
+        f"rows longer than {limit} tokens",
+        f"every prompt is longer than {limit}",
+    )
 
 
 def _parse(

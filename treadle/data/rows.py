@@ -45,16 +45,17 @@ def keep(where: str, length: int, limit: int, overlong: Overlong, limit_name: st
     return False
 
 
-def log_filtered(n_filtered: int, total: int, limit_name: str, limit: int, key: str) -> None:
+def kept(
+    rows: list[R], total: int, pad_id: int, config_key: str, filtered: str, empty: str
+) -> Rows[R]:
+    """The rows left within the length limits: how many were dropped is logged (``filtered``
+    says which), and none left is DataError (``empty`` says why)."""
+    n_filtered = total - len(rows)
     if n_filtered:
-        logger.warning(
-            "%s: filtered %d of %d rows longer than %s=%d tokens",
-            key,
-            n_filtered,
-            total,
-            limit_name,
-            limit,
-        )
+        logger.warning("%s: filtered %d of %d %s", config_key, n_filtered, total, filtered)
+    if not rows:
+        raise DataError(f"{config_key}: {empty}")
+    return Rows(rows=rows, pad_id=pad_id, n_filtered=n_filtered)
 
 
 def right_padded(

@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, as_text, read_records, require
-from treadle.data.rows import Rows, keep, log_filtered
+from treadle.data.rows import Rows, keep, kept
 from treadle.data.templating import (
     check_template,
     encode_prompt,
@@ -62,11 +62,15 @@ def load_sft_dataset(
         ids, mask = _sft_example(record, tokenizer, o)
         if keep(f"{record.where}: example is", len(ids), max_length, o.overlong, "max_length"):
             rows.append(SFTRow(uid=record.uid, input_ids=ids, loss_mask=mask))
-    n_filtered = len(records) - len(rows)
-    log_filtered(n_filtered, len(records), "max_length", max_length, o.config_key)
-    if not rows:
-        raise DataError(f"{o.config_key}: every example is longer than max_length={max_length}")
-    return SFTDataset(rows=rows, pad_id=pad_or_eos_id(tokenizer), n_filtered=n_filtered)
+    limit = f"max_length={max_length}"
+    return kept(
+        rows,
+        len(records),
+        pad_or_eos_id(tokenizer),
+        o.config_key,
+        f"rows longer than {limit} tokens",
+        f"every example is longer than {limit}",
+    )
 
 
 def _sft_example(

@@ -15,7 +15,7 @@ from treadle.data.options import TextOptions
 from treadle.data.pairs import response_text
 from treadle.data.prompts import collate_prompts
 from treadle.data.readers import Record, as_text, read_records
-from treadle.data.rows import Rows, keep, logger, right_padded
+from treadle.data.rows import Rows, keep, kept, right_padded
 from treadle.data.templating import (
     check_template,
     pad_or_eos_id,
@@ -146,19 +146,15 @@ def load_unpaired_dataset(
         group = _examples(record, pairs, tokenizer, o)
         n_examples += len(group)
         rows += _within_limits(record, group, o)
-    n_filtered = n_examples - len(rows)
-    if n_filtered:
-        logger.warning(
-            "%s: filtered %d of %d examples with a prompt over %d or a completion over %d tokens",
-            o.config_key,
-            n_filtered,
-            n_examples,
-            o.max_prompt_length,
-            o.max_response_length,
-        )
-    if not rows:
-        raise DataError(f"{o.config_key}: every example is over the length limits")
-    return UnpairedDataset(rows=rows, pad_id=pad_or_eos_id(tokenizer), n_filtered=n_filtered)
+    return kept(
+        rows,
+        n_examples,
+        pad_or_eos_id(tokenizer),
+        o.config_key,
+        f"examples with a prompt over {o.max_prompt_length} or a completion over "
+        f"{o.max_response_length} tokens",
+        "every example is over the length limits",
+    )
 
 
 def collate_unpaired(rows: Sequence[UnpairedRow], pad_id: int) -> dict[str, torch.Tensor]:
