@@ -21,14 +21,7 @@ import difflib
 from collections.abc import Iterator
 from typing import Any, Literal
 
-from treadle.algorithms import (
-    ADV_ESTIMATORS,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    PREFERENCE_LOSSES,
-    UNPAIRED_LOSSES,
-)
+from treadle import algorithms  # the package: importing it registers every built-in name
 from treadle.config.actor import ActorConfig
 from treadle.config.data import DataConfig
 from treadle.config.dpo import DPO_KNOBS, DPOConfig
@@ -242,10 +235,10 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
             )
     if kind == "train":
         problems += [*_estimator_rules(cfg), *_loss_rules(cfg)]
-        problems += _algorithm_knobs(cfg, POLICY_LOSSES, LOSS_AGG_MODES)
+        problems += _algorithm_knobs(cfg, algorithms.POLICY_LOSSES, algorithms.LOSS_AGG_MODES)
         problems += role_problems(cfg)
-    if kind == "dpo" and cfg.dpo.loss_type in PREFERENCE_LOSSES:
-        problems += _preference_knobs(cfg, PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
+    if kind == "dpo" and cfg.dpo.loss_type in algorithms.PREFERENCE_LOSSES:
+        problems += _preference_knobs(cfg, algorithms.PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
     if kind == "kto" and cfg.data.batch_size < 2:
         problems.append(
             f"data.batch_size={cfg.data.batch_size}: KTO estimates its reference point from "
@@ -262,16 +255,16 @@ def _registered_names(cfg: Sections, kind: Kind) -> list[tuple[str, Any, str]]:
     alg = cfg.algorithm
     if kind == "train":
         return [
-            ("algorithm.adv_estimator", ADV_ESTIMATORS, alg.adv_estimator),
-            ("algorithm.policy_loss", POLICY_LOSSES, alg.policy_loss),
-            ("algorithm.loss_agg_mode", LOSS_AGG_MODES, alg.loss_agg_mode),
-            ("algorithm.kl_estimator", KL_ESTIMATORS, alg.kl_estimator),
-            ("algorithm.kl_reward_estimator", KL_ESTIMATORS, alg.kl_reward_estimator),
+            ("algorithm.adv_estimator", algorithms.ADV_ESTIMATORS, alg.adv_estimator),
+            ("algorithm.policy_loss", algorithms.POLICY_LOSSES, alg.policy_loss),
+            ("algorithm.loss_agg_mode", algorithms.LOSS_AGG_MODES, alg.loss_agg_mode),
+            ("algorithm.kl_estimator", algorithms.KL_ESTIMATORS, alg.kl_estimator),
+            ("algorithm.kl_reward_estimator", algorithms.KL_ESTIMATORS, alg.kl_reward_estimator),
         ]
     if kind == "dpo":
-        return [("dpo.loss_type", PREFERENCE_LOSSES, cfg.dpo.loss_type)]
+        return [("dpo.loss_type", algorithms.PREFERENCE_LOSSES, cfg.dpo.loss_type)]
     if kind == "kto":
-        return [("kto.loss_type", UNPAIRED_LOSSES, cfg.kto.loss_type)]
+        return [("kto.loss_type", algorithms.UNPAIRED_LOSSES, cfg.kto.loss_type)]
     return []
 
 
@@ -339,7 +332,7 @@ def _preference_knobs(cfg: Sections, info: dict[str, Any]) -> list[str]:
 
 def _estimator_rules(cfg: Sections) -> Iterator[str]:
     """What the advantage estimator (and the loss's aggregation) need from the config."""
-    alg, estimators, losses = cfg.algorithm, ADV_ESTIMATORS, POLICY_LOSSES
+    alg, estimators, losses = cfg.algorithm, algorithms.ADV_ESTIMATORS, algorithms.POLICY_LOSSES
     groups = alg.adv_estimator in estimators and estimators.info(alg.adv_estimator).get("groups")
     if groups and cfg.rollout.n < 2:
         yield (
@@ -377,7 +370,7 @@ def _estimator_rules(cfg: Sections) -> Iterator[str]:
 
 def _loss_rules(cfg: Sections) -> Iterator[str]:
     """What a policy loss or KL estimator needs from the rest of the config."""
-    alg, losses, kl_estimators = cfg.algorithm, POLICY_LOSSES, KL_ESTIMATORS
+    alg, losses, kl_estimators = cfg.algorithm, algorithms.POLICY_LOSSES, algorithms.KL_ESTIMATORS
     reward_kl = alg.kl_reward_estimator
     if reward_kl in kl_estimators and kl_estimators.info(reward_kl).get("full_vocab"):
         yield (
@@ -409,7 +402,7 @@ def _loss_rules(cfg: Sections) -> Iterator[str]:
 def role_problems(cfg: Sections) -> list[str]:
     """What an RL run's roles refuse: the critic's and PRIME's PRM's rules, a section of
     another command, an estimator that needs the sync mode."""
-    if cfg.algorithm.adv_estimator not in ADV_ESTIMATORS:
+    if cfg.algorithm.adv_estimator not in algorithms.ADV_ESTIMATORS:
         return []  # the unknown name is reported as such
     return [*_critic_problems(cfg), *_prm_problems(cfg), *_rl_problems(cfg)]
 
@@ -417,14 +410,19 @@ def role_problems(cfg: Sections) -> list[str]:
 def uses_critic(cfg: Sections) -> bool:
     """Whether the run has a critic: the estimator reads values; ConfigError on a contradiction."""
     _raise_first(_critic_problems(cfg))
-    return "values" in ADV_ESTIMATORS.needs(cfg.algorithm.adv_estimator)
+    return "values" in _needs(cfg.algorithm.adv_estimator)
 
 
 def uses_prm(cfg: Sections) -> bool:
     """Whether the run has PRIME's PRM (its estimator reads implicit rewards); ConfigError
     when the config cannot work with it. (The models' vocabularies are the trainer's check.)"""
     _raise_first(_prm_problems(cfg))
-    return "implicit_rewards" in ADV_ESTIMATORS.needs(cfg.algorithm.adv_estimator)
+    return "implicit_rewards" in _needs(cfg.algorithm.adv_estimator)
+
+
+def _needs(estimator: str) -> tuple[str, ...]:
+    """What the advantage estimator reads besides rewards (``values``, ``implicit_rewards``...)."""
+    return tuple(algorithms.ADV_ESTIMATORS.needs(estimator))
 
 
 def _raise_first(problems: Iterator[str]) -> None:
@@ -434,9 +432,9 @@ def _raise_first(problems: Iterator[str]) -> None:
 
 def _critic_problems(cfg: Sections) -> Iterator[str]:
     alg, enable = cfg.algorithm, cfg.critic.enable
-    needs = "values" in ADV_ESTIMATORS.needs(alg.adv_estimator)
+    needs = "values" in _needs(alg.adv_estimator)
     if needs and enable is False:
-        plain = [n for n in ADV_ESTIMATORS.names() if "values" not in ADV_ESTIMATORS.needs(n)]
+        plain = [n for n in algorithms.ADV_ESTIMATORS.names() if "values" not in _needs(n)]
         yield (
             f"algorithm.adv_estimator={alg.adv_estimator} needs a critic's values, but "
             "critic.enable=false: drop critic.enable (a critic starts whenever the estimator "
@@ -458,7 +456,7 @@ def _critic_problems(cfg: Sections) -> Iterator[str]:
 
 def _prm_problems(cfg: Sections) -> Iterator[str]:
     alg = cfg.algorithm
-    if "implicit_rewards" not in ADV_ESTIMATORS.needs(alg.adv_estimator):
+    if "implicit_rewards" not in _needs(alg.adv_estimator):
         if cfg.prime != PrimeConfig.model_validate({}):
             yield (
                 f"the config sets the 'prime' section, which configures PRIME's implicit PRM, "
@@ -486,7 +484,7 @@ def _rl_problems(cfg: Sections) -> Iterator[str]:
             "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "
             "`treadle train` runs RL: remove the section or run `treadle dpo`"
         )
-    if cfg.trainer.mode != "sync" and "baseline_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator):
+    if cfg.trainer.mode != "sync" and "baseline_rewards" in _needs(alg.adv_estimator):
         yield (
             f"algorithm.adv_estimator={alg.adv_estimator} needs greedy baselines generated with "
             f"the learner's weights, which trainer.mode={cfg.trainer.mode} does not have; use "

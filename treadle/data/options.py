@@ -8,7 +8,7 @@ the trainers and ``treadle check`` read files through it, so both see exactly th
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
@@ -45,28 +45,16 @@ class TextOptions:
             return self.max_length
         return self.max_prompt_length + self.max_response_length
 
-    def with_key(self, config_key: str) -> TextOptions:
-        return replace(self, config_key=config_key)
-
     @classmethod
     def from_config(cls, cfg: Config, config_key: str, tools: Any = None) -> TextOptions:
         """The ``data`` section's settings (responses: at most ``rollout.max_new_tokens``)."""
         d = cfg.data
+        # columns, template, system prompt, special tokens, prompt length: the same names
+        same = {f.name for f in fields(cls)} & set(type(d).model_fields)
         return cls(
-            prompt_key=d.prompt_key,
-            answer_key=d.answer_key,
-            response_key=d.response_key,
-            messages_key=d.messages_key,
-            chosen_key=d.chosen_key,
-            rejected_key=d.rejected_key,
-            completion_key=d.completion_key,
-            label_key=d.label_key,
-            max_prompt_length=d.max_prompt_length,
+            **{name: getattr(d, name) for name in same},
             max_response_length=cfg.rollout.max_new_tokens,
             overlong=d.overlong_prompts,
-            apply_chat_template=d.apply_chat_template,
-            system_prompt=d.system_prompt,
-            allow_special_tokens=d.allow_special_tokens,
             config_key=config_key,
             tools=tools,
         )

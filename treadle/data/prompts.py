@@ -72,14 +72,8 @@ def load_prompt_dataset(
                 )
             )
     limit = f"max_prompt_length={o.max_prompt_length}"
-    return kept(
-        rows,
-        len(records),
-        pad_or_eos_id(tokenizer),
-        o.config_key,
-        f"rows longer than {limit} tokens",
-        f"every prompt is longer than {limit}",
-    )
+    over, empty = f"rows longer than {limit} tokens", f"every prompt is longer than {limit}"
+    return kept(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, over, empty)
 
 
 def _parse(

@@ -110,19 +110,16 @@ def _find_bad_row(path: Path) -> str | None:
     data = path.read_bytes()
     if data.lstrip().startswith(b"["):  # a .json file holding one array of rows
         return _bad_array_row(data)
-    row = 0
-    for line in data.split(b"\n"):
-        if not line.strip():
-            continue
-        row += 1
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    for row, line in enumerate(lines, start=1):
         try:
             value = json.loads(line.decode("utf-8"))
         except UnicodeDecodeError as e:
             return f"row {row}: not UTF-8 (byte {e.start} of the row)"
         except json.JSONDecodeError as e:
             return f"row {row}: not valid JSON (column {e.colno}: {e.msg})"
-        if not isinstance(value, dict):
-            return f"row {row}: not a JSON object (a {_json_type(value)})"
+        if problem := _not_an_object(row, value):
+            return problem
     return None
 
 
@@ -133,10 +130,15 @@ def _bad_array_row(data: bytes) -> str | None:
         return f"not UTF-8 (byte {e.start} of the file)"
     except json.JSONDecodeError as e:
         return f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
-    for i, value in enumerate(rows if isinstance(rows, list) else [], start=1):
-        if not isinstance(value, dict):
-            return f"row {i}: not a JSON object (a {_json_type(value)})"
-    return None
+    values = rows if isinstance(rows, list) else []
+    problems = (_not_an_object(row, value) for row, value in enumerate(values, start=1))
+    return next((p for p in problems if p), None)
+
+
+def _not_an_object(row: int, value: Any) -> str | None:
+    if isinstance(value, dict):
+        return None
+    return f"row {row}: not a JSON object (a {_json_type(value)})"
 
 
 def _json_type(value: Any) -> str:

@@ -63,14 +63,8 @@ def load_sft_dataset(
         if keep(f"{record.where}: example is", len(ids), max_length, o.overlong, "max_length"):
             rows.append(SFTRow(uid=record.uid, input_ids=ids, loss_mask=mask))
     limit = f"max_length={max_length}"
-    return kept(
-        rows,
-        len(records),
-        pad_or_eos_id(tokenizer),
-        o.config_key,
-        f"rows longer than {limit} tokens",
-        f"every example is longer than {limit}",
-    )
+    over, empty = f"rows longer than {limit} tokens", f"every example is longer than {limit}"
+    return kept(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, over, empty)
 
 
 def _sft_example(
