@@ -112,27 +112,33 @@ def _find_bad_row(path: Path) -> str | None:
         return _bad_array_row(data)
     lines = [line for line in data.split(b"\n") if line.strip()]
     for row, line in enumerate(lines, start=1):
-        try:
-            value = json.loads(line.decode("utf-8"))
-        except UnicodeDecodeError as e:
-            return f"row {row}: not UTF-8 (byte {e.start} of the row)"
-        except json.JSONDecodeError as e:
-            return f"row {row}: not valid JSON (column {e.colno}: {e.msg})"
+        value, error = _json(line)
+        if isinstance(error, UnicodeDecodeError):
+            return f"row {row}: not UTF-8 (byte {error.start} of the row)"
+        if error is not None:
+            return f"row {row}: not valid JSON (column {error.colno}: {error.msg})"
         if problem := _not_an_object(row, value):
             return problem
     return None
 
 
 def _bad_array_row(data: bytes) -> str | None:
-    try:
-        rows = json.loads(data.decode("utf-8"))
-    except UnicodeDecodeError as e:
-        return f"not UTF-8 (byte {e.start} of the file)"
-    except json.JSONDecodeError as e:
-        return f"not valid JSON at line {e.lineno}, column {e.colno}: {e.msg}"
+    rows, error = _json(data)
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 (byte {error.start} of the file)"
+    if error is not None:
+        return f"not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
     values = rows if isinstance(rows, list) else []
     problems = (_not_an_object(row, value) for row, value in enumerate(values, start=1))
     return next((p for p in problems if p), None)
+
+
+def _json(data: bytes) -> tuple[Any, UnicodeDecodeError | json.JSONDecodeError | None]:
+    """``(value, None)``, or ``(None, why)`` when the bytes are not UTF-8 JSON."""
+    try:
+        return json.loads(data.decode("utf-8")), None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, e
 
 
 def _not_an_object(row: int, value: Any) -> str | None:
