@@ -8,8 +8,10 @@ Three readers, one set of rules:
   ``algorithm.plugins`` are imported) and the rules that need the registries' facts: a group
   baseline needs ``rollout.n >= 2``, a loss may allow only some ``loss_agg_mode`` values, a knob
   no chosen function reads is an error; for ``train`` also the roles' rules below;
-- role selection (``uses_critic``, ``uses_prm``, ``rl_rules``): whether the run has a critic or
-  PRIME's PRM, refusing a config that contradicts the estimator.
+- role selection (``uses_critic``, ``uses_prm``): whether the run has a critic or PRIME's
+  PRM, refusing a config that contradicts the estimator (``role_problems``, which
+  ``check_algorithm`` runs for ``train``, holds the same rules, so ``treadle check`` says it
+  first).
 
 Every rule returns (or raises) a message that names the keys to change. The rules know the
 algorithm registries (the layer below config) and nothing above it.
