@@ -178,7 +178,9 @@ def encode_rendered(
         if any(a <= match.start() < b for a, b in spans):
             continue  # the user's text
         ids += encode_plain(tokenizer, text[start : match.start()])
-        ids.append(int(tokenizer.convert_tokens_to_ids(match.group())))  # type: ignore[arg-type]
+        token_id = tokenizer.convert_tokens_to_ids(match.group())
+        assert isinstance(token_id, int)  # one token in, one id out
+        ids.append(token_id)
         start = match.end()
     return ids + encode_plain(tokenizer, text[start:])
 
