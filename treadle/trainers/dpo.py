@@ -27,8 +27,8 @@ from __future__ import annotations
 import time
 
 from treadle.algorithms import PREFERENCE_LOSSES, implicit_rewards, length_rewards
-from treadle.check import check_algorithm
 from treadle.config import Config
+from treadle.config.rules import check_algorithm
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed

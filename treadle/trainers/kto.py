@@ -26,8 +26,8 @@ from __future__ import annotations
 import time
 
 from treadle.algorithms import implicit_rewards
-from treadle.check import check_algorithm
 from treadle.config import Config
+from treadle.config.rules import check_algorithm
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed

@@ -39,7 +39,6 @@ from pathlib import Path
 
 import torch
 
-from treadle.algorithms import ADV_ESTIMATORS
 from treadle.algorithms.prime import (
     dpo_opponents,
     implicit_process_rewards,
@@ -47,7 +46,7 @@ from treadle.algorithms.prime import (
     sequence_log_ratio,
     sign_accuracy,
 )
-from treadle.config import Config, PrimeConfig
+from treadle.config import Config, rules
 from treadle.controller import WorkerGroup
 from treadle.errors import ConfigError, RewardError
 from treadle.protocol import Batch
@@ -58,29 +57,10 @@ from treadle.workers.prm import ImplicitPRMWorker
 
 
 def uses_prm(cfg: Config) -> bool:
-    """Whether the run has PRIME's PRM (its estimator reads implicit rewards); ConfigError
-    when the config cannot work with it."""
-    alg = cfg.algorithm
-    needs = "implicit_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator)
-    if not needs:
-        if cfg.prime != PrimeConfig.model_validate({}):
-            raise ConfigError(
-                f"the config sets the 'prime' section, which configures PRIME's implicit PRM, "
-                f"but algorithm.adv_estimator={alg.adv_estimator}: set "
-                "algorithm.adv_estimator=prime or remove the section"
-            )
+    """Whether the run has PRIME's PRM (``treadle.config.rules.uses_prm``: ConfigError when
+    the config cannot work with it), whose models must share the actor's vocabulary."""
+    if not rules.uses_prm(cfg):
         return False
-    if cfg.reward.model_path:
-        raise ConfigError(
-            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1] from "
-            "reward.function; a reward model's scores are not such labels: drop "
-            "reward.model_path"
-        )
-    if cfg.reward.overlong_buffer_len:
-        raise ConfigError(
-            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1]; the "
-            "over-long penalty would take them below 0: set reward.overlong_buffer_len=0"
-        )
     _check_vocabulary(cfg)
     return True
 

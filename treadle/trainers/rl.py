@@ -61,11 +61,10 @@ from treadle.algorithms.inputs import EstimatorInputs
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
-from treadle.check import check_algorithm
-from treadle.config import Config, DPOConfig
+from treadle.config import Config
+from treadle.config.rules import check_algorithm
 from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
-from treadle.errors import ConfigError
 from treadle.protocol import Batch, response_attention
 from treadle.rewards import component_matrix, load_reward_fn
 from treadle.rollout.sources import RolloutSource, make_source
@@ -75,20 +74,9 @@ from treadle.trainers.roles import plan_roles, start_roles
 
 
 def check_names(cfg: Config) -> None:
-    """Fail before anything starts if a registered name is wrong."""
-    alg = cfg.algorithm
+    """Fail before anything starts if a registered name or a rule of an RL run's roles is
+    broken (``treadle.config.rules``), or the reward function or agent loop does not load."""
     check_algorithm(cfg, "train")
-    if cfg.dpo != DPOConfig.model_validate({}):
-        raise ConfigError(
-            "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "
-            "`treadle train` runs RL: remove the section or run `treadle dpo`"
-        )
-    if cfg.trainer.mode != "sync" and "baseline_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator):
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} needs greedy baselines generated with "
-            f"the learner's weights, which trainer.mode={cfg.trainer.mode} does not have; use "
-            "trainer.mode=sync"
-        )
     load_reward_fn(cfg.reward.function)
     load_agent_loop(cfg.rollout.agent_loop)
 

@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treadle.algorithms import ADV_ESTIMATORS
 from treadle.config import Config
+from treadle.config.rules import uses_critic
 from treadle.controller import WorkerGroup
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
@@ -44,32 +44,6 @@ from treadle.rollout.fleet import rollout_cpus
 from treadle.trainers.common import Actors, add_group, total_cpus
 from treadle.trainers.prime import ImplicitPRM, start_prm, uses_prm
 from treadle.workers import CriticWorker, RewardModelWorker
-
-
-def uses_critic(cfg: Config) -> bool:
-    """Whether the run has a critic: the estimator reads values; ConfigError on a contradiction."""
-    alg, enable = cfg.algorithm, cfg.critic.enable
-    needs = "values" in ADV_ESTIMATORS.needs(alg.adv_estimator)
-    if needs and enable is False:
-        plain = [n for n in ADV_ESTIMATORS.names() if "values" not in ADV_ESTIMATORS.needs(n)]
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} needs a critic's values, but "
-            "critic.enable=false: drop critic.enable (a critic starts whenever the estimator "
-            f"needs values) or use an estimator without a critic: {', '.join(plain)}"
-        )
-    if enable and not needs:
-        raise ConfigError(
-            f"critic.enable=true, but algorithm.adv_estimator={alg.adv_estimator} does not use "
-            "values, so the critic would train for nothing: set algorithm.adv_estimator=gae or "
-            "drop critic.enable"
-        )
-    if cfg.critic.warmup_steps and not needs:
-        raise ConfigError(
-            f"critic.warmup_steps={cfg.critic.warmup_steps} holds the actor back while a critic "
-            f"warms up, but algorithm.adv_estimator={alg.adv_estimator} has no critic: set "
-            "critic.warmup_steps=0"
-        )
-    return needs
 
 
 def _model_config(path: str, key: str, allow_download: bool) -> dict[str, Any]:
