@@ -89,7 +89,7 @@ def measure_service(
     from treadle.agents import Limits, Sample, Toolbox, run_agents
     from treadle.agents.loops import single_turn
     from treadle.config import load_config
-    from treadle.controller import _guarded
+    from treadle.controller import guarded
     from treadle.rollout import RayReplica, Request, RolloutClient
     from treadle.workers.rollout import RolloutReplica
 
@@ -106,7 +106,7 @@ def measure_service(
     )
     ray.init(num_cpus=args.threads, include_dashboard=False, configure_logging=False)
     env = {"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    actor: Any = ray.remote(_guarded(RolloutReplica)).options(  # type: ignore[arg-type]
+    actor: Any = ray.remote(guarded(RolloutReplica)).options(  # type: ignore[arg-type]
         num_cpus=args.threads, runtime_env={"env_vars": env}
     )
     start = time.perf_counter()

@@ -139,7 +139,7 @@ def test_single_turn_loop_samples_what_the_plain_fan_out_samples(tiny_task, tmp_
     from dataclasses import replace
 
     from treadle.rollout.server import Request
-    from treadle.trainers.common import prompt_batch
+    from treadle.trainers.prompts import prompt_batch
 
     cfg = load_config(
         None,

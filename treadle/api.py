@@ -246,7 +246,7 @@ def _save_dataset(ds: Dataset, dest: Path, key: str) -> Path:
             pass  # unreadable: write it again
     from datasets.utils import logging as dslog
 
-    from treadle.trainers.common import RunLock
+    from treadle.trainers.run_dir import RunLock
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     lock = RunLock(dest.parent.parent)  # not under a live run's feet

@@ -53,7 +53,7 @@ from treadle.config import Config
 from treadle.data import PromptDataset, ResumableSampler
 from treadle.engines.rollout import SamplingParams
 from treadle.protocol import Batch
-from treadle.trainers.common import left_pad, prompt_batch
+from treadle.trainers.prompts import left_pad, prompt_batch
 from treadle.trainers.rollout import Rollout
 
 

@@ -32,8 +32,10 @@ from treadle.config import Config
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed
-from treadle.trainers.common import Trainer, evaluate, load_prompts
+from treadle.trainers.base import Trainer
+from treadle.trainers.evaluation import evaluate
 from treadle.trainers.pairs import held_out_batch, load_pairs, pair_batch, pair_means, pair_sampler
+from treadle.trainers.prompts import load_prompts
 
 
 def check_dpo(cfg: Config) -> None:

@@ -31,8 +31,10 @@ from treadle.config import Config
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed
-from treadle.trainers.common import Trainer, evaluate, load_prompts
+from treadle.trainers.base import Trainer
+from treadle.trainers.evaluation import evaluate
 from treadle.trainers.pairs import held_out_unpaired, load_unpaired, pair_sampler, unpaired_batch
+from treadle.trainers.prompts import load_prompts
 
 
 class KTOTrainer(Trainer):

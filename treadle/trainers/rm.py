@@ -19,8 +19,9 @@ from __future__ import annotations
 import time
 
 from treadle.config import Config
+from treadle.controller import Actors, Placement, start_group
 from treadle.tracking import timed
-from treadle.trainers.common import Actors, Trainer, build_group
+from treadle.trainers.base import Trainer
 from treadle.trainers.pairs import held_out_batch, load_pairs, pair_batch, pair_means, pair_sampler
 from treadle.workers import RewardTrainerWorker
 
@@ -39,15 +40,9 @@ class RMTrainer(Trainer):
         sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
         self.start_workers(sampler, with_ref=False)
 
-    def build_workers(
-        self,
-        start_path: str,
-        with_ref: bool,
-        colocated: int = 1,
-        cpus_per_rank: float | None = None,
-    ) -> Actors:
+    def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
         kwargs = {"model_path": start_path}
-        return build_group(self.cfg, RewardTrainerWorker, kwargs, colocated, cpus_per_rank)
+        return start_group(self.cfg, placement, RewardTrainerWorker, kwargs)
 
     def run_step(self, step: int) -> dict[str, float]:
         m: dict[str, float] = {}

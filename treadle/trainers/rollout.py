@@ -33,8 +33,19 @@ import torch
 from treadle.agents.loops import AgentLoop, Limits, Sample, load_agent_loop, run_agents, single_turn
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
+from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config
-from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get, death_cause, pid_note
+from treadle.controller import (
+    Actors,
+    ResourcePool,
+    WorkerGroup,
+    death_cause,
+    guarded,
+    pid_note,
+    rank_threads,
+    ray_env,
+    ray_get,
+)
 from treadle.data import collate_prompts
 from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
@@ -47,7 +58,6 @@ from treadle.rollout.client import (
     RolloutClient,
     RolloutError,
 )
-from treadle.trainers.common import Actors, ensure_ray, rank_threads, ray_env, total_cpus
 from treadle.workers.rollout import RolloutReplica
 
 
@@ -317,7 +327,7 @@ def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) ->
 
     cpus, gpus = pool.cpus_per_rank, pool.gpus_per_rank
     threads = rank_threads(cfg, cpus)
-    remote_cls: Any = ray.remote(_guarded(RolloutReplica))  # type: ignore[arg-type]
+    remote_cls: Any = ray.remote(guarded(RolloutReplica))  # type: ignore[arg-type]
     replicas = [
         remote_cls.options(
             num_cpus=cpus,
@@ -330,7 +340,7 @@ def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) ->
         for i in range(pool.world_size)
     ]
     try:
-        _ray_get([a.treadle_check.remote() for a in replicas])
+        ray_get([a.treadle_check.remote() for a in replicas])
     except BaseException:
         _kill(replicas, pool)
         raise
@@ -371,7 +381,7 @@ def _join_weight_sync(group: WorkerGroup, replicas: list[Any]) -> None:
     world = len(replicas) + 1
     joining = [a.join_weight_sync.remote(addr, port, i + 1, world) for i, a in enumerate(replicas)]
     group.init_weight_sync(addr, port, world)
-    _ray_get(joining)
+    ray_get(joining)
 
 
 def _kill(replicas: list[Any], pool: ResourcePool) -> None:
