@@ -12,7 +12,7 @@ from treadle.engines.rollout import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch
 from treadle.rewards import Scorer
-from treadle.trainers.prompts import load_prompts, prompt_batch
+from treadle.trainers.prompts import held_out, load_prompts, prompt_batch
 from treadle.trainers.roles import build_actors
 from treadle.trainers.rollout import Rollout, start_rollout
 
@@ -21,8 +21,7 @@ def evaluate(
     cfg: Config, rollout: Rollout, ds: PromptDataset, pad_id: int, scorer: Scorer
 ) -> float:
     """Held-out accuracy (fraction of reward 1.0) with greedy decoding, one sample each."""
-    n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))
-    batch = prompt_batch(ds, list(range(n)), pad_id)
+    batch = prompt_batch(ds, held_out(cfg, ds), pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
     out = rollout.generate(batch, greedy)
     scores = rule_scores(scorer, out)

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
 from treadle.algorithms import ADV_ESTIMATORS
 from treadle.config import Config
@@ -117,6 +117,14 @@ def check_value_models(cfg: Config, critic: bool) -> None:
             )
 
 
+class RoleSection(Protocol):
+    """A trained side role's config section (``critic``, ``prime``)."""
+
+    model_path: str | None
+    placement: Literal["colocated", "split"]
+    world_size: int | None
+
+
 @dataclass(frozen=True)
 class SideRole:
     """A row of the table: a role beside the actor with a worker group of its own."""
@@ -124,21 +132,31 @@ class SideRole:
     name: str  # the driver's key for its group, and its folder in a checkpoint
     worker: type[Worker]
     used: Callable[[Config], bool]  # whether a run has it; ConfigError on a contradiction
-    world_size: Callable[[Config], int]
-    split: Callable[[Config], bool]  # a pool of its own (else the actors' bundles)
-    weights: str | None = None  # the worker's keyword for the folder its weights start from
-    start: Callable[[Config], str] = lambda cfg: cfg.model.path  # that folder, on a new run
-    missing: str | None = None  # a checkpoint without it, the error's words; None: frozen
+    # its config section (ranks, placement, start weights); None: the frozen reward model's
+    # (the actor's ranks, on the actor's bundles, not in checkpoints)
+    section: Callable[[Config], RoleSection] | None = None
+    weights: str = ""  # the worker's keyword for the folder its weights start from
+    missing: str = ""  # what a checkpoint without it is told
 
     @property
     def saved(self) -> bool:
         """Whether checkpoints hold it (in ``<checkpoint>/<name>/``)."""
-        return self.missing is not None
+        return self.section is not None
+
+    def world_size(self, cfg: Config) -> int:
+        section = self.section(cfg) if self.section else None
+        return (section.world_size if section else None) or cfg.actor.world_size
+
+    def split(self, cfg: Config) -> bool:
+        """Whether it has a pool of its own (else the actors' bundles)."""
+        return self.section is not None and self.section(cfg).placement == "split"
 
     def start_path(self, cfg: Config, resumed_from: Path | None) -> str:
-        """The folder the role's weights load from: ``start`` or, on resume, its saved model."""
+        """The folder its weights load from: its ``model_path`` (default ``model.path``) or,
+        on resume, the checkpoint's ``<name>/model``."""
+        assert self.section is not None
         if resumed_from is None:
-            return self.start(cfg)
+            return self.section(cfg).model_path or cfg.model.path
         saved = resumed_from / self.name / "model"
         if not (saved / "config.json").is_file():
             raise ConfigError(f"checkpoint {resumed_from} {self.missing}")
@@ -149,29 +167,19 @@ SIDE_ROLES: tuple[SideRole, ...] = (
     SideRole(
         "critic",
         CriticWorker,
-        used=uses_critic,
-        world_size=lambda cfg: cfg.critic.world_size or cfg.actor.world_size,
-        split=lambda cfg: cfg.critic.placement == "split",
+        uses_critic,
+        section=lambda cfg: cfg.critic,
         weights="critic_path",
-        start=lambda cfg: cfg.critic.model_path or cfg.model.path,
         missing="has no critic (no critic/model): it was written by a run without one; start "
         "a new trainer.output_dir, with model.path pointing at it",
     ),
-    SideRole(
-        "reward_model",
-        RewardModelWorker,  # reward.model_path, frozen
-        used=lambda cfg: bool(cfg.reward.model_path),
-        world_size=lambda cfg: cfg.actor.world_size,
-        split=lambda cfg: False,
-    ),
+    SideRole("reward_model", RewardModelWorker, lambda cfg: bool(cfg.reward.model_path)),
     SideRole(
         "prm",
         ImplicitPRMWorker,
-        used=uses_prm,  # before the reward model's check: PRIME refuses one outright
-        world_size=lambda cfg: cfg.prime.world_size or cfg.actor.world_size,
-        split=lambda cfg: cfg.prime.placement == "split",
+        uses_prm,  # before the reward model's check: PRIME refuses one outright
+        section=lambda cfg: cfg.prime,
         weights="prm_path",
-        start=lambda cfg: cfg.prime.model_path or cfg.model.path,
         missing="has no PRIME PRM (no prm/model): it was written by a run without "
         "algorithm.adv_estimator=prime; start a new trainer.output_dir",
     ),
@@ -228,7 +236,7 @@ def start_roles(
     for p in layout.roles:
         role = p.role
         kwargs: dict[str, Any] = {"config": cfg}
-        if role.weights is not None:
+        if role.saved:
             kwargs[role.weights] = role.start_path(cfg, resumed_from)
         group = actors.add(role.worker, kwargs, p.world_size, p.split)
         if resumed_from is not None and role.saved:
