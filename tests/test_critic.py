@@ -329,3 +329,21 @@ def test_a_colocated_critic_stays_on_the_actors_bundles_beside_a_split_rollout(t
         actors = Actors()
         assert roles.start_roles(cfg, actors, layout, None) == {"critic": "CriticWorker"}
         assert actors.added == [("CriticWorker", 1, split)], placement
+
+
+def test_a_side_role_starts_from_its_model_or_resumes_from_its_checkpoint_folder(
+    tiny_task, tmp_path
+):
+    from treadle.trainers.roles import SIDE_ROLES
+
+    critic, reward_model, prm = SIDE_ROLES
+    assert (critic.saved, reward_model.saved, prm.saved) == (True, False, True)
+    cfg = ppo_config(tiny_task, f"critic.model_path={tiny_task['model']}")
+    assert critic.start_path(cfg, None) == str(tiny_task["model"])
+    assert prm.start_path(cfg, None) == cfg.model.path  # prime.model_path: model.path
+    checkpoint = tmp_path / "step_3"
+    (checkpoint / "critic" / "model").mkdir(parents=True)
+    (checkpoint / "critic" / "model" / "config.json").write_text("{}")
+    assert critic.start_path(cfg, checkpoint) == str(checkpoint / "critic" / "model")
+    with pytest.raises(ConfigError, match=r"step_3 has no PRIME PRM \(no prm/model\)"):
+        prm.start_path(cfg, checkpoint)
