@@ -138,9 +138,9 @@ def test_single_turn_loop_samples_what_the_plain_fan_out_samples(tiny_task, tmp_
     log-probs, so every number downstream is the same."""
     from dataclasses import replace
 
+    from treadle.data import prompt_batch
     from treadle.rollout.server import Request
     from treadle.rollout.sources import sampling_params
-    from treadle.trainers.common import prompt_batch
 
     cfg = load_config(
         None,

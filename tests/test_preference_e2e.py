@@ -24,9 +24,9 @@ from treadle.cli import main
 from treadle.config import Config, load_config
 from treadle.data import collate_unpaired
 from treadle.tracking import read_metrics
-from treadle.trainers import common
-from treadle.trainers.common import build_actors
+from treadle.trainers import base
 from treadle.trainers.pairs import load_pairs, load_unpaired, pair_batch, unpaired_batch
+from treadle.trainers.roles import build_actors
 
 KNOBS: dict[str, list[str]] = {  # settings the loss reads, set away from their defaults
     "sigmoid": ["dpo.label_smoothing=0.1"],
@@ -195,13 +195,13 @@ def test_unpaired_rows_and_the_kl_rotation(shared) -> None:  # type: ignore[no-u
 
 def record_with_ref(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
     built: list[bool] = []
-    real = common.build_actors
+    real = base.build_actors
 
     def spy(cfg: Any, path: str, with_ref: bool, *args: Any) -> Any:
         built.append(with_ref)
         return real(cfg, path, with_ref, *args)
 
-    monkeypatch.setattr(common, "build_actors", spy)
+    monkeypatch.setattr(base, "build_actors", spy)
     return built
 
 

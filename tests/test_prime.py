@@ -236,7 +236,7 @@ def test_prm_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, pari
 
     ray = ("trainer.backend=ray", "trainer.num_cpus=6")
     colocated = plan_roles(prime_config(tiny_task, "out", parity_reward, *ray))
-    assert (colocated.prm, colocated.prm_split, colocated.colocated) == (True, False, 2)
+    assert (colocated.names, colocated.roles[0].split, colocated.colocated) == (("prm",), False, 2)
     split_cfg = prime_config(
         tiny_task,
         "out",
@@ -247,8 +247,8 @@ def test_prm_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, pari
         "prime.world_size=1",
     )
     split = plan_roles(split_cfg)
-    assert (split.prm, split.prm_split, split.colocated) == (True, True, 1)
-    assert split.cpus_per_rank(split_cfg) == 2.0  # 6 CPUs over 2 actor + 1 PRM ranks
+    assert (split.names, split.roles[0].split, split.colocated) == (("prm",), True, 1)
+    assert split.placement(split_cfg).cpus_per_rank == 2.0  # 6 CPUs over 2 actor + 1 PRM ranks
 
 
 def test_treadle_check_names_a_missing_prm_folder(tiny_task, parity_reward, tmp_path):

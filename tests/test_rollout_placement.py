@@ -59,7 +59,7 @@ def _check_against_actor(t: RLTrainer, task, tmp_path) -> None:
     """One step, then greedy rollouts at version 1 equal the actor's transformers model."""
     t.step(1)
     prompts = t.val_ds
-    from treadle.trainers.common import prompt_batch
+    from treadle.data import prompt_batch
 
     batch = prompt_batch(prompts, list(range(8)), prompts.pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)

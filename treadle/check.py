@@ -300,7 +300,7 @@ def _check_output_dir(cfg: Config, summary: list[str]) -> None:
 def lock_holder(path: Path) -> str | None:
     """Who holds the run lock ``path`` (``pid N on host``, or "pid unknown"); None if nobody.
 
-    Tries the lock (``flock``, as ``trainers.common.RunLock`` takes it) and lets it go at once.
+    Tries the lock (``flock``, as ``trainers.run_dir.RunLock`` takes it) and lets it go at once.
     """
     try:
         file = path.open("r")

@@ -23,7 +23,15 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import Overlong, TextOptions
 from treadle.data.pairs import PairDataset, PairRow, collate_pairs, load_pair_dataset
-from treadle.data.prompts import PromptDataset, PromptRow, collate_prompts, load_prompt_dataset
+from treadle.data.prompts import (
+    PromptDataset,
+    PromptRow,
+    collate_prompts,
+    left_pad,
+    load_prompt_dataset,
+    pad_prompts,
+    prompt_batch,
+)
 from treadle.data.rows import Rows
 from treadle.data.sampler import ResumableSampler
 from treadle.data.sft import SFTDataset, SFTRow, collate_sft, load_sft_dataset
@@ -60,6 +68,9 @@ __all__ = [
     "UnpairedRow",
     "collate_pairs",
     "collate_prompts",
+    "left_pad",
+    "pad_prompts",
+    "prompt_batch",
     "collate_sft",
     "collate_unpaired",
     "config_pairs",

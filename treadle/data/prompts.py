@@ -15,6 +15,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
+from treadle.protocol import Batch
 from treadle.data.readers import Record, as_text, read_records, require
 from treadle.data.rows import Rows, keep, kept
 from treadle.data.templating import (
@@ -125,3 +126,38 @@ def collate_prompts(
             input_ids[i, width - len(ids) :] = torch.as_tensor(ids, dtype=torch.long)
             mask[i, width - len(ids) :] = 1
     return input_ids, mask
+
+
+def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any) -> Batch:
+    """The prompt side of a batch: rows ``indices`` of ``ds``, left-padded."""
+    rows = [ds[i] for i in indices]
+    ids, mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
+    return Batch.from_dict(
+        tensors={"prompts": ids, "prompt_mask": mask},
+        objects={
+            "uid": [r["uid"] for r in rows],
+            "prompt_text": [r["prompt_text"] for r in rows],
+            "ground_truth": [r["ground_truth"] for r in rows],
+            "row": [r["row"] for r in rows],
+        },
+        meta=meta,
+    )
+
+
+def left_pad(batch: Batch, width: int) -> Batch:
+    """``prompts``/``prompt_mask`` left-padded to ``width`` columns (to concat rounds)."""
+    extra = width - batch["prompts"].shape[1]
+    if extra == 0:
+        return batch
+    out = batch.select(list(range(len(batch))))
+    out["prompts"] = torch.nn.functional.pad(batch["prompts"], (extra, 0), value=0)
+    out["prompt_mask"] = torch.nn.functional.pad(batch["prompt_mask"], (extra, 0), value=0)
+    return out
+
+
+def pad_prompts(batches: list[Batch]) -> Batch:
+    """``batches`` concatenated, prompts left-padded to the widest."""
+    if len(batches) == 1:
+        return batches[0]
+    width = max(b["prompts"].shape[1] for b in batches)
+    return Batch.concat([left_pad(b, width) for b in batches])

@@ -35,7 +35,16 @@ from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
 from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config
-from treadle.controller import ResourcePool, WorkerGroup, death_cause, guarded, pid_note, ray_get
+from treadle.controller import (
+    ResourcePool,
+    WorkerGroup,
+    death_cause,
+    guarded,
+    pid_note,
+    rank_threads,
+    ray_env,
+    ray_get,
+)
 from treadle.data import collate_prompts
 from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
@@ -49,9 +58,6 @@ from treadle.rollout.client import (
     RolloutError,
 )
 from treadle.rollout.replica import RolloutReplica
-
-# moving to treadle.controller (helper ctl); until then an upward import
-from treadle.trainers.common import rank_threads, ray_env
 
 
 def rollout_cpus(cfg: Config) -> float:

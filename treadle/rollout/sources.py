@@ -71,7 +71,7 @@ import torch
 from treadle.algorithms import ADV_ESTIMATORS
 from treadle.algorithms.shaping import varied_groups
 from treadle.config import Config
-from treadle.data import PromptDataset, ResumableSampler, collate_prompts
+from treadle.data import PromptDataset, ResumableSampler, pad_prompts, prompt_batch
 from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rollout.fleet import Rollout
@@ -140,41 +140,6 @@ def sampling_params(cfg: Config, step: int, round_: int = 0) -> SamplingParams:
 
 
 # ----------------------------------------------------------------------------- prompt batches
-
-
-def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any) -> Batch:
-    """The prompt side of a batch: rows ``indices`` of ``ds``, left-padded."""
-    rows = [ds[i] for i in indices]
-    ids, mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
-    return Batch.from_dict(
-        tensors={"prompts": ids, "prompt_mask": mask},
-        objects={
-            "uid": [r["uid"] for r in rows],
-            "prompt_text": [r["prompt_text"] for r in rows],
-            "ground_truth": [r["ground_truth"] for r in rows],
-            "row": [r["row"] for r in rows],
-        },
-        meta=meta,
-    )
-
-
-def left_pad(batch: Batch, width: int) -> Batch:
-    """``prompts``/``prompt_mask`` left-padded to ``width`` columns (to concat rounds)."""
-    extra = width - batch["prompts"].shape[1]
-    if extra == 0:
-        return batch
-    out = batch.select(list(range(len(batch))))
-    out["prompts"] = torch.nn.functional.pad(batch["prompts"], (extra, 0), value=0)
-    out["prompt_mask"] = torch.nn.functional.pad(batch["prompt_mask"], (extra, 0), value=0)
-    return out
-
-
-def pad_prompts(batches: list[Batch]) -> Batch:
-    """``batches`` concatenated, prompts left-padded to the widest."""
-    if len(batches) == 1:
-        return batches[0]
-    width = max(b["prompts"].shape[1] for b in batches)
-    return Batch.concat([left_pad(b, width) for b in batches])
 
 
 # ----------------------------------------------------------------------------- group filter

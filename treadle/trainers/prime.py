@@ -1,8 +1,9 @@
 """The RL driver's side of PRIME (Cui et al., arXiv 2502.01456): its implicit PRM role.
 
 ``algorithm.adv_estimator=prime`` is registered with ``needs=("implicit_rewards",)``, so a run
-with it gets this role, as one whose estimator needs values gets a critic
-(:mod:`treadle.trainers.roles`). Each step, after the rewards (and old/ref log-probs):
+with it gets this role, as one whose estimator needs values gets a critic (both are rows of
+the table in :mod:`treadle.trainers.roles`, which starts them). Each step, after the rewards
+(and old/ref log-probs):
 
 ::
 
@@ -35,8 +36,6 @@ Choices:
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 
 from treadle.algorithms.prime import (
@@ -48,12 +47,11 @@ from treadle.algorithms.prime import (
 )
 from treadle.config import Config, rules
 from treadle.controller import WorkerGroup
-from treadle.errors import ConfigError, RewardError
+from treadle.errors import RewardError
+from treadle.models import check_vocabulary, model_config, vocab_size
 from treadle.protocol import Batch
 from treadle.tracking import timed
-from treadle.trainers.common import Actors, add_group
 from treadle.workers.common import ATTENTION, SEQUENCES
-from treadle.workers.prm import ImplicitPRMWorker
 
 
 def uses_prm(cfg: Config) -> bool:
@@ -67,34 +65,14 @@ def uses_prm(cfg: Config) -> bool:
 
 def _check_vocabulary(cfg: Config) -> None:
     """The PRM and its reference score the actor's token ids: the same vocabulary size."""
-    from treadle.trainers.roles import _model_config, _vocab_size
-
     p = cfg.prime
     if not cfg.model.path or not (p.model_path or p.ref_path):
         return
-    actor = _vocab_size(_model_config(cfg.model.path, "model.path", cfg.model.allow_download))
+    actor = vocab_size(model_config(cfg.model.path, "model.path", cfg.model.allow_download))
     for key, path in (("prime.model_path", p.model_path), ("prime.ref_path", p.ref_path)):
         if path:
-            vocab = _vocab_size(_model_config(path, key, cfg.model.allow_download))
-            if vocab and actor and vocab != actor:
-                raise ConfigError(
-                    f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
-                    f"(model.path) {actor}; it scores the actor's token ids, so it must use "
-                    "the actor's tokenizer"
-                )
-
-
-def prm_start(cfg: Config, resumed_from: Path | None) -> str:
-    """The folder the PRM's weights load from."""
-    if resumed_from is None:
-        return cfg.prime.model_path or cfg.model.path
-    saved = resumed_from / "prm" / "model"
-    if not (saved / "config.json").is_file():
-        raise ConfigError(
-            f"checkpoint {resumed_from} has no PRIME PRM (no prm/model): it was written by a "
-            "run without algorithm.adv_estimator=prime; start a new trainer.output_dir"
-        )
-    return str(saved)
+            vocab = vocab_size(model_config(path, key, cfg.model.allow_download))
+            check_vocabulary(key, path, vocab, actor)
 
 
 def outcome_labels(batch: Batch, function: str) -> torch.Tensor:
@@ -156,23 +134,3 @@ class ImplicitPRM:
             }
         )
         return rewards
-
-
-def start_prm(
-    cfg: Config, actors: Actors, prm: bool, split_cpus: float | None, resumed_from: Path | None
-) -> ImplicitPRM | None:
-    """The PRM's group (None without PRIME), colocated on the actors' bundles or, given
-    ``split_cpus`` (a bundle's CPUs), on a pool of its own; restored from ``resumed_from``."""
-    if not prm:
-        return None
-    group = add_group(
-        actors,
-        cfg,
-        ImplicitPRMWorker,
-        {"config": cfg, "prm_path": prm_start(cfg, resumed_from)},
-        world_size=cfg.prime.world_size or cfg.actor.world_size,
-        own_cpus_per_rank=split_cpus,
-    )
-    if resumed_from is not None:
-        group.load_checkpoint(str(resumed_from / "prm"))
-    return ImplicitPRM(cfg, group)

@@ -69,8 +69,11 @@ from treadle.protocol import Batch, response_attention
 from treadle.rewards import component_matrix, load_reward_fn
 from treadle.rollout.sources import RolloutSource, make_source
 from treadle.tracking import timed
-from treadle.trainers.common import Trainer, evaluate, load_prompts, make_scorer, rule_scores
-from treadle.trainers.roles import plan_roles, start_roles
+from treadle.trainers.base import Trainer
+from treadle.trainers.evaluation import evaluate, make_scorer, rule_scores
+from treadle.trainers.prime import ImplicitPRM
+from treadle.trainers.prompts import load_prompts
+from treadle.trainers.roles import plan_roles
 
 
 def check_names(cfg: Config) -> None:
@@ -193,18 +196,10 @@ class RLTrainer(Trainer):
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.start_workers(sampler, use_ref, layout.colocated, layout.cpus_per_rank(cfg))
-        try:
-            self.critic, self.rm, self.prm = start_roles(
-                cfg, self.actors, layout, self.resumed_from
-            )
-        except BaseException:
-            self.close()  # the rollout (split replicas) and the actors
-            raise
-        if self.critic is not None:
-            self.roles["critic"] = self.critic
-        if self.prm is not None:  # PRIME's implicit PRM (treadle.trainers.prime)
-            self.roles["prm"] = self.prm.group
+        self.start_workers(sampler, use_ref, layout)  # and the side roles, into self.side
+        self.critic, self.rm = self.side.get("critic"), self.side.get("reward_model")
+        prm = self.side.get("prm")  # PRIME's implicit PRM (treadle.trainers.prime)
+        self.prm = ImplicitPRM(cfg, prm) if prm is not None else None
         self.source: RolloutSource = make_source(
             cfg, self.rollout, self.train_ds, self.sampler, self.score, self.start
         )

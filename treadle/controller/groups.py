@@ -256,7 +256,7 @@ class Worker:
         return dict(getattr(self, "_startup_parts", {}))
 
 
-def _guarded(cls: type[Worker]) -> type[Worker]:
+def guarded(cls: type[Worker]) -> type[Worker]:
     """``cls`` whose construction keeps a user-fixable error for ``treadle_check`` to raise.
 
     Ray reports an exception in an actor's ``__init__`` only as "the actor died"; kept and
@@ -294,7 +294,7 @@ def _vllm_in_process() -> bool:
     return module is not None and module.engine_running()
 
 
-def _ray_get(futures: list[Any]) -> list[Any]:
+def ray_get(futures: list[Any]) -> list[Any]:
     """``ray.get`` that re-raises a worker's user-fixable error as itself, not wrapped."""
     import ray
 
@@ -305,9 +305,6 @@ def _ray_get(futures: list[Any]) -> list[Any]:
             raise e.cause from None
         raise
 
-
-# public: the rollout fleet starts its replica actors with these (treadle.rollout.fleet)
-guarded, ray_get = _guarded, _ray_get
 
 
 def pid_note(error: BaseException) -> str:
@@ -411,7 +408,7 @@ class WorkerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote_cls: Any = ray.remote(_guarded(cls))
+        remote_cls: Any = ray.remote(guarded(cls))
 
         def options(rank: int) -> dict[str, Any]:
             return {
@@ -474,7 +471,7 @@ class WorkerGroup:
         import ray
 
         try:
-            return _ray_get(futures)
+            return ray_get(futures)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as first:
             # A rank that died fails its peers' collectives too ("connection reset by peer"),
             # which may be the error seen first: name the dead one.
