@@ -17,7 +17,7 @@ VLLM    := vllm
 BROKEN  :=
 endif
 
-.PHONY: install demo test lint typecheck browser clean
+.PHONY: install demo test test-fast lint typecheck browser clean
 
 install: $(STAMP)
 
@@ -51,6 +51,10 @@ browser:
 
 test: lint typecheck browser
 	$(PY) -m pytest -q -p no:cacheprovider
+
+# The edit-run loop: everything but the `slow` tests (those that start Ray or a real engine).
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
 
 clean:
 	rm -rf runs data/arithmetic

@@ -61,7 +61,7 @@ def child(args: argparse.Namespace) -> dict[str, float]:
     from transformers import AutoConfig
 
     from treadle.config import load_config
-    from treadle.trainers.common import build_actors
+    from treadle.trainers.roles import build_actors
 
     path = Path(args.path)
     lora = [f"actor.lora.rank={args.rank}", f"actor.lora.alpha={2 * args.rank}"]

@@ -20,7 +20,7 @@ one after the other; the parent prints the table. The last two lines are
 `ratio vllm/hf smollm2-135m: <tokens/s of vLLM / tokens/s of transformers>` for the last dtype
 given (bfloat16 by default: `rollout.dtype=bfloat16`, where vLLM gains most on a CPU with bf16),
 then `ratio service/inprocess smollm2-135m: <r>`: the same workload through a rollout replica
-(a Ray actor with its own vLLM engine, `treadle.workers.rollout.RolloutReplica`) and the
+(a Ray actor with its own vLLM engine, `treadle.rollout.replica.RolloutReplica`) and the
 rollout client, one request per sample, over the in-process vLLM engine's tokens/s; then
 `ratio single_turn_loop/fanout smollm2-135m: <r>`: the same requests made by single-turn agent
 loops (`treadle.agents.run_agents`, the trainer's path since agent loops) over the plain fan-out
@@ -89,9 +89,9 @@ def measure_service(
     from treadle.agents import Limits, Sample, Toolbox, run_agents
     from treadle.agents.loops import single_turn
     from treadle.config import load_config
-    from treadle.controller import _guarded
+    from treadle.controller import guarded
     from treadle.rollout import RayReplica, Request, RolloutClient
-    from treadle.workers.rollout import RolloutReplica
+    from treadle.rollout.replica import RolloutReplica
 
     cfg = load_config(
         None,
@@ -106,7 +106,7 @@ def measure_service(
     )
     ray.init(num_cpus=args.threads, include_dashboard=False, configure_logging=False)
     env = {"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false"}
-    actor: Any = ray.remote(_guarded(RolloutReplica)).options(  # type: ignore[arg-type]
+    actor: Any = ray.remote(guarded(RolloutReplica)).options(  # type: ignore[arg-type]
         num_cpus=args.threads, runtime_env={"env_vars": env}
     )
     start = time.perf_counter()
@@ -145,8 +145,8 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
     """Measure both engines on one model; write the numbers as JSON."""
     import torch
 
-    from treadle.engines.rollout import HFRolloutEngine, SamplingParams
-    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+    from treadle.engines.inference import HFRolloutEngine, SamplingParams
+    from treadle.engines.vllm import VLLMRolloutEngine
     from treadle.models import count_parameters, load_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)

@@ -83,7 +83,7 @@ def time_updates(update, repeats: int) -> float:
 
 def treadle_seconds(path: Path, batch, args: argparse.Namespace, overrides: list[str]) -> float:
     from treadle.config import load_config
-    from treadle.trainers.common import build_actors
+    from treadle.trainers.roles import build_actors
 
     cfg = load_config(
         None,

@@ -13,6 +13,30 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 
 
+# A test that starts Ray or a real inference engine is `slow` (`make test-fast` leaves it out).
+# Those that get them from these fixtures are marked here; those that start them another way (a
+# `treadle` subprocess, the trainer's own `ray.init`) carry the mark themselves, and a test that
+# forgets it fails at `ray.init` (see _fast_tests_start_no_ray).
+STARTS_RAY_OR_ENGINE = {"ray_session", "ray_actor", "vllm_session"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if STARTS_RAY_OR_ENGINE & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True)
+def _fast_tests_start_no_ray(request, monkeypatch):
+    if request.node.get_closest_marker("slow") is None:
+        import ray
+
+        def refuse(*args, **kwargs):
+            raise RuntimeError(f"{request.node.nodeid} starts Ray: mark it `slow`")
+
+        monkeypatch.setattr(ray, "init", refuse)
+
+
 @pytest.fixture(scope="session")
 def tiny_task(tmp_path_factory):
     """The built-in task at test size: data, tokenizer, a ~0.1M model.

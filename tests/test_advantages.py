@@ -10,9 +10,10 @@ import math
 
 import pytest
 import torch
+from algorithm_calls import estimate as estimator
 from torch.testing import assert_close
 
-from treadle.algorithms import ADV_ESTIMATORS
+from treadle.algorithms import ADV_ESTIMATORS, EstimatorInputs
 
 MASK = torch.tensor(
     [
@@ -43,7 +44,7 @@ def spread(per_seq: list[float], mask: torch.Tensor = MASK) -> torch.Tensor:
 
 def estimate(name: str, rewards: torch.Tensor | None = None, mask: torch.Tensor = MASK, **kw):
     rewards = outcome_rewards() if rewards is None else rewards
-    return ADV_ESTIMATORS.get(name)(rewards, mask, group_ids=kw.pop("group_ids", GROUPS), **kw)
+    return estimator(name, rewards, mask, group_ids=kw.pop("group_ids", GROUPS), **kw)
 
 
 # --------------------------------------------------------------------------- references
@@ -135,8 +136,10 @@ def test_equal_rewards_give_exactly_zero_advantage_even_after_std():
 
 
 def test_dr_grpo_never_divides_by_std():
-    adv, _ = estimate("dr_grpo", norm_adv_by_std=True)
+    adv, _ = estimate("dr_grpo")
     assert_close(adv, spread([0.5, -0.5, 0.0, 0.7, 0.0, 0.0]))
+    with pytest.raises(TypeError, match="norm_adv_by_std"):  # not a knob of dr_grpo
+        estimate("dr_grpo", norm_adv_by_std=True)
 
 
 def test_group_ids_may_be_a_tensor():
@@ -269,10 +272,9 @@ def test_every_estimator_follows_the_contract(name):
         "sum_pi_squared": torch.rand(MASK.shape),
         "reward_components": torch.randn(6, 2),
         "implicit_rewards": torch.randn(MASK.shape),  # PRIME's (junk where the mask is 0)
-        "gamma": 0.9,
-        "lam": 0.95,
-        "some_future_option": 1,
     }
+    config = {"gamma": 0.9, "lam": 0.95}  # passed to the estimators that read them
+    kwargs |= {k: v for k, v in config.items() if k in ADV_ESTIMATORS.knobs(name)}
     if name == "grpo_passk":  # needs two samples a group
         kwargs["group_ids"] = ["a", "a", "a", "a", "c", "c"]
     adv, returns = estimate(name, rewards, **kwargs)
@@ -301,7 +303,8 @@ def test_empty_response_gets_zero_advantage(name):
 def test_vectorized_names_are_aliases():
     for alias, name in [("grpo_vectorized", "grpo"), ("rloo_vectorized", "rloo")]:
         assert ADV_ESTIMATORS.get(alias) is ADV_ESTIMATORS.get(name)
-        assert ADV_ESTIMATORS.info(alias) == ADV_ESTIMATORS.info(name) == {"groups": True}
+        assert ADV_ESTIMATORS.info(alias) == ADV_ESTIMATORS.info(name)
+        assert ADV_ESTIMATORS.info(alias)["groups"] is True and ADV_ESTIMATORS.needs(alias) == ()
         assert ADV_ESTIMATORS.canonical(alias) == name
     assert ADV_ESTIMATORS.canonical("grpo") == "grpo"
     with pytest.raises(ValueError, match="unknown advantage estimator 'nope'"):
@@ -449,3 +452,11 @@ def test_check_refuses_configs_the_new_estimators_cannot_run():
         load_config(None, ["algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1]"])
     with pytest.raises(ConfigError, match=r"gdpo_reward_keys lists a key twice"):
         load_config(None, ["algorithm.gdpo_reward_keys=[a,a]"])
+
+
+@pytest.mark.parametrize("name", ADV_ESTIMATORS.names())
+def test_a_name_an_estimator_does_not_take_is_an_error(name):
+    with pytest.raises(TypeError, match="some_future_option"):
+        estimate(name, some_future_option=1)
+    with pytest.raises(TypeError, match="some_future_input"):
+        EstimatorInputs(outcome_rewards(), MASK, GROUPS, some_future_input=1)  # type: ignore[call-arg]

@@ -15,6 +15,7 @@ import types
 import numpy as np
 import pytest
 import torch
+from algorithm_calls import estimate
 from reference import verl_core_algos
 from torch.testing import assert_close
 
@@ -72,7 +73,7 @@ def make_batch(seed: int, *, holes: bool = False, singletons: bool = True) -> di
 
 
 def treadle(name: str, rewards: torch.Tensor, x: dict, **kw):
-    return ADV_ESTIMATORS.get(name)(rewards, x["mask"], group_ids=x["ids"], **kw)
+    return estimate(name, rewards, x["mask"], group_ids=x["ids"], **kw)
 
 
 def same_on_valid(ours: torch.Tensor, theirs: torch.Tensor, mask: torch.Tensor, atol=1e-6):
@@ -100,7 +101,7 @@ def test_grpo(verl, seed, norm):
 @pytest.mark.parametrize("seed", SEEDS)
 def test_dr_grpo_is_grpo_without_std(verl, seed):
     x = make_batch(seed)
-    adv, _ = treadle("dr_grpo", x["outcome"], x, norm_adv_by_std=True)  # ignored
+    adv, _ = treadle("dr_grpo", x["outcome"], x)  # no norm_adv_by_std: it never divides
     ref, _ = verl.compute_grpo_outcome_advantage(
         x["outcome"], x["mask"], x["index"], norm_adv_by_std_in_grpo=False
     )
@@ -196,7 +197,7 @@ def test_gpg_alpha_differs_from_verl_on_purpose(verl):
     rewards = torch.zeros(6, 2, dtype=torch.float64)
     rewards[[0, 4, 5], 1] = 1.0
     ids = ["a", "a", "a", "a", "b", "b"]
-    adv, _ = ADV_ESTIMATORS.get("gpg")(rewards, mask, group_ids=ids)
+    adv, _ = estimate("gpg", rewards, mask, group_ids=ids)
     ref, _ = verl.compute_gpg_outcome_advantage(rewards, mask, np.array(ids, dtype=object))
     centered = torch.tensor([0.75, -0.25, -0.25, -0.25, 0.0, 0.0], dtype=torch.float64)
     assert_close(adv[:, 0], 6 / 4 * centered)
@@ -375,6 +376,6 @@ def test_equal_float32_rewards_get_exactly_zero_here_not_in_verl(verl, verl_name
     rewards[:, 1] = 0.3
     mask, ids = torch.ones(8, 2), ["a"] * 8
     ref, _ = verl.ADV_ESTIMATOR_REGISTRY[verl_name](rewards, mask, np.array(ids, dtype=object))
-    adv, _ = ADV_ESTIMATORS.get(verl_name)(rewards, mask, group_ids=ids)
+    adv, _ = estimate(verl_name, rewards, mask, group_ids=ids)
     assert ref.abs().max() > 1e-2  # float32 group statistics: 0.3 - mean is not 0
     assert torch.equal(adv, torch.zeros_like(adv))

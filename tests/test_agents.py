@@ -21,17 +21,10 @@ from treadle.agents.loops import (
     single_turn,
     tool_loop,
 )
-from treadle.agents.tools import (
-    HERMES_TOOLS_PROMPT,
-    Tool,
-    Toolbox,
-    ToolCall,
-    parse_tool_calls,
-    tool_messages,
-    tool_schema,
-)
+from treadle.agents.tools import Tool, Toolbox, ToolCall, parse_tool_calls, tool_schema
 from treadle.agents.trajectory import Trajectory
-from treadle.engines.rollout import SamplingParams
+from treadle.data import HERMES_TOOLS_PROMPT, tool_messages
+from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
 from treadle.rollout.client import RolloutClient
 from treadle.rollout.server import Request, Response

@@ -74,7 +74,7 @@ def test_custom_loop_by_path_two_turns_masks_and_trains(long_task, length_reward
     trainer = RLTrainer(cfg)
     try:
         m: dict[str, float] = {}
-        batch = trainer.sample(1, m)
+        batch = trainer.source.sample(1, m)
         mask, attention = batch["response_mask"], batch["response_attention_mask"]
         assert batch["responses"].shape[1] == 160
         assert batch["turns"].tolist() == [2.0] * 4
@@ -138,8 +138,9 @@ def test_single_turn_loop_samples_what_the_plain_fan_out_samples(tiny_task, tmp_
     log-probs, so every number downstream is the same."""
     from dataclasses import replace
 
+    from treadle.data import prompt_batch
     from treadle.rollout.server import Request
-    from treadle.trainers.common import prompt_batch
+    from treadle.rollout.sources import sampling_params
 
     cfg = load_config(
         None,
@@ -159,7 +160,7 @@ def test_single_turn_loop_samples_what_the_plain_fan_out_samples(tiny_task, tmp_
     trainer = RLTrainer(cfg)
     try:
         prompts = prompt_batch(trainer.train_ds, [0, 1, 2, 3], trainer.train_ds.pad_id)
-        params = trainer.sampling(step=1)
+        params = sampling_params(trainer.cfg, step=1)
         batch = trainer.rollout.generate(prompts, params)
         client = trainer.rollout.client
         sessions = [client.new_id("s") for _ in range(4)]

@@ -16,7 +16,7 @@ from datasets import Dataset, DatasetDict, load_from_disk
 import treadle
 from treadle.api import resolve_config
 from treadle.config import load_config
-from treadle.data import load_prompt_dataset
+from treadle.data import TextOptions, load_prompt_dataset
 from treadle.errors import ConfigError, DataError, RewardError
 from treadle.models import load_tokenizer
 from treadle.rewards import Scorer, register_reward, score_batched
@@ -157,19 +157,19 @@ def test_saved_dataset_folders_go_through_the_row_checks(tiny_task, tmp_path):
     tok = load_tokenizer(str(tiny_task["model"]))
     good = tmp_path / "good"
     Dataset.from_list(rows(tiny_task, 3)).save_to_disk(str(good))
-    ds = load_prompt_dataset([good], tokenizer=tok, max_prompt_length=64)
+    ds = load_prompt_dataset([good], tok, TextOptions(max_prompt_length=64))
     assert [r["ground_truth"] for r in ds.rows] == [r["answer"] for r in rows(tiny_task, 3)]
     assert ds.rows[0]["uid"] == "good:1"
     bad = tmp_path / "bad"
     bad_rows = [{"prompt": "1+1", "answer": "2"}, {"prompt": "", "answer": "3"}]
     Dataset.from_list(bad_rows).save_to_disk(str(bad))
     with pytest.raises(DataError, match=r"data.train_files: .*bad row 2: prompt"):
-        load_prompt_dataset([bad], tokenizer=tok, max_prompt_length=64)
+        load_prompt_dataset([bad], tok, TextOptions(max_prompt_length=64))
     DatasetDict({"train": Dataset.from_list(rows(tiny_task, 2))}).save_to_disk(str(tmp_path / "dd"))
     with pytest.raises(DataError, match=r"holds a DatasetDict: name one split's folder .*dd/tr"):
-        load_prompt_dataset([tmp_path / "dd"], tokenizer=tok, max_prompt_length=64)
+        load_prompt_dataset([tmp_path / "dd"], tok, TextOptions(max_prompt_length=64))
     with pytest.raises(DataError, match=r"not one written by Dataset\.save_to_disk"):
-        load_prompt_dataset([tmp_path], tokenizer=tok, max_prompt_length=64)
+        load_prompt_dataset([tmp_path], tok, TextOptions(max_prompt_length=64))
 
 
 # --- whole runs ------------------------------------------------------------------------------

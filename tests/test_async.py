@@ -1,4 +1,4 @@
-"""Asynchronous training (trainer.mode one_step_off / async, treadle.trainers.async_rollout).
+"""Asynchronous training (trainer.mode one_step_off / async, treadle.rollout.sources.AsyncSource).
 
 The producer's rules (when a step-batch may start, what is dropped as stale, what a checkpoint
 keeps) are checked against a rollout double that records the weight version each step-batch
@@ -17,11 +17,11 @@ import torch
 
 from treadle.config import load_config
 from treadle.data import PromptDataset, ResumableSampler
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch
 from treadle.rollout import Request, Response, RolloutClient
-from treadle.trainers.async_rollout import AsyncRollout
+from treadle.rollout.sources import AsyncSource
 
 N = 2  # samples per prompt
 BATCH = 4  # prompts per step
@@ -45,7 +45,7 @@ class FakeRollout:
         self.syncs: list[tuple[int, bool]] = []
 
     async def agenerate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        step, version = params.seed, self.version
+        step, version = params.seed % 100_003, self.version  # the seed is seed * 100_003 + step
         self.started[step] = version
         await asyncio.sleep(self.delay)
         batch = prompts.repeat(params.n, interleave=True)
@@ -79,7 +79,11 @@ def _dataset(rows: int = 40) -> PromptDataset:
     )
 
 
-def _producer(rollout: FakeRollout, start: int = 0, state=None, sampler_state=None, **kw):
+def _score(batch: Batch, m=None) -> torch.Tensor:
+    return torch.arange(len(batch), dtype=torch.float32)[:, None]  # varied: nothing filtered
+
+
+def _producer(rollout: FakeRollout, start: int = 0, state=None, score=_score, **kw):
     overrides = [
         "trainer.mode=async",
         "rollout.placement=split",
@@ -90,22 +94,18 @@ def _producer(rollout: FakeRollout, start: int = 0, state=None, sampler_state=No
     ]
     cfg = load_config(None, overrides)
     sampler = ResumableSampler(40, BATCH, seed=3)
-    if sampler_state is not None:
-        sampler.load_state_dict(sampler_state)
-    sampling = lambda step: SamplingParams(n=N, seed=step)  # noqa: E731
-    return AsyncRollout(cfg, rollout, _dataset(), sampler, sampling, start, state)  # type: ignore[arg-type]
+    producer = AsyncSource(cfg, rollout, _dataset(), sampler, score, start)  # type: ignore[arg-type]
+    if state is not None:
+        producer.load_state(state)
+    return producer
 
 
-def _score(batch: Batch) -> torch.Tensor:
-    return torch.arange(len(batch), dtype=torch.float32)[:, None]  # varied: nothing filtered
-
-
-def _run(producer: AsyncRollout, first: int, last: int) -> list[tuple[list[str], dict]]:
+def _run(producer: AsyncSource, first: int, last: int) -> list[tuple[list[str], dict]]:
     """Steps first..last: take a batch, 'update', sync as due; the uids and metrics."""
     out = []
     for step in range(first, last + 1):
         m: dict[str, float] = {}
-        batch = producer.sample(step, m, _score)
+        batch = producer.sample(step, m)
         assert len(batch) == N * BATCH
         out.append((list(batch["uid"]), m))
         producer.after_update(step)
@@ -151,7 +151,7 @@ def test_samples_older_than_the_bound_are_dropped_and_counted():
         producer.learner = 3  # as if two more updates had passed them by
         producer.sync()
         m: dict[str, float] = {}
-        batch = producer.sample(4, m, _score)
+        batch = producer.sample(4, m)
         assert m["async/dropped"] == 2 * N * BATCH and m["async/dropped_total"] == 2 * N * BATCH
         assert set(batch["weight_version"].tolist()) == {3}
         assert rollout.syncs[-1] == (3, True)  # partial rollouts: the sync interrupts
@@ -167,9 +167,9 @@ def test_a_checkpoint_resumes_generation_at_the_first_group_not_trained():
         state = producer.state()
     finally:
         rollout.client.close()
-    assert state["next_step"] == 4 and state["consumed"] == []  # three step-batches, all taken
+    assert state["async"] == {"next_step": 4, "consumed": []}  # three step-batches, all taken
     again = FakeRollout(version=3)  # the replicas start with the resumed weights
-    resumed = _producer(again, 3, state, state.pop("sampler"), max_staleness=2)
+    resumed = _producer(again, 3, state, max_staleness=2)
     try:
         after = [u for uids, _ in _run(resumed, 4, 6) for u in uids]
     finally:
@@ -190,9 +190,9 @@ def test_a_partly_trained_step_batch_is_drawn_again_without_its_trained_groups()
         state = producer.state()
     finally:
         rollout.client.close()
-    assert state["next_step"] == 2 and state["consumed"] == [[2, taken[0].index]]
+    assert state["async"] == {"next_step": 2, "consumed": [[2, taken[0].index]]}
     again = FakeRollout(version=1)
-    resumed = _producer(again, 1, state, state.pop("sampler"), max_staleness=1)
+    resumed = _producer(again, 1, state, max_staleness=1)
     try:
         uids = [u for uids, _ in _run(resumed, 2, 2) for u in uids]
     finally:
@@ -208,17 +208,17 @@ def test_a_partly_trained_step_batch_is_drawn_again_without_its_trained_groups()
 def test_dynamic_sampling_takes_more_groups_even_past_the_staleness_gate():
     """filter_groups with max_staleness 0: groups of equal rewards (prompts with an even
     number here) are dropped, and the starving trainer gets further step-batches at once."""
-    rollout = FakeRollout()
-    producer = _producer(rollout, max_staleness=0)
-    producer.cfg.algorithm.filter_groups = True
 
-    def score(batch: Batch) -> torch.Tensor:
+    def score(batch: Batch, m=None) -> torch.Tensor:
         odd = torch.tensor([int(u[1:]) % 2 for u in batch["uid"]], dtype=torch.float32)
         return (odd * torch.arange(len(batch)))[:, None]  # even prompts: all zero
 
+    rollout = FakeRollout()
+    producer = _producer(rollout, score=score, max_staleness=0)
+    producer.cfg.algorithm.filter_groups = True
     try:
         m: dict[str, float] = {}
-        batch = producer.sample(1, m, score)
+        batch = producer.sample(1, m)
     finally:
         rollout.client.close()
     assert all(int(u[1:]) % 2 for u in batch["uid"]) and len(batch) == N * BATCH

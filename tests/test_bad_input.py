@@ -597,7 +597,7 @@ def test_output_dir_below_a_file(env, capsys) -> None:  # type: ignore[no-untype
 def test_output_dir_locked_by_a_live_run_names_its_pid(env, capsys) -> None:  # type: ignore[no-untyped-def]
     out = Path(env["root"]) / "busy"
     out.mkdir(exist_ok=True)
-    with (out / ".lock").open("a+") as lock:  # as trainers.common.RunLock holds it
+    with (out / ".lock").open("a+") as lock:  # as trainers.run_dir.RunLock holds it
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         lock.write("pid 4242 on somehost")
         lock.flush()

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from treadle.data import load_prompt_dataset
+from treadle.data import TextOptions, load_prompt_dataset
 from treadle.models import load_tokenizer
 from treadle.tasks import arithmetic as ar
 from treadle.tasks import chat_arithmetic as ca
@@ -166,7 +166,7 @@ def test_prepare_chat_rejects_too_many_problems(tmp_path: Path):
 def test_prepared_rows_load_as_rl_prompts(tmp_path: Path, tiny_task: dict[str, Path]):
     paths = ca.prepare_chat(tmp_path, n_train=8, n_test=4)
     tok = load_tokenizer(tiny_task["model"])
-    ds = load_prompt_dataset([paths["test"]], tokenizer=tok, max_prompt_length=512)
+    ds = load_prompt_dataset([paths["test"]], tok, TextOptions(max_prompt_length=512))
     rows = _read(paths["test"])
     assert [r["prompt_text"] for r in ds.rows] == [r["prompt"] for r in rows]
     assert [r["ground_truth"] for r in ds.rows] == [r["answer"] for r in rows]

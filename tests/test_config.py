@@ -103,13 +103,11 @@ def test_dump_is_complete_and_reloads(tmp_path):
 
 
 def test_rollout_ignore_eos_reaches_the_sampling_params():
-    from types import SimpleNamespace
-
-    from treadle.trainers.rl import RLTrainer
+    from treadle.rollout.sources import sampling_params
 
     for value in (False, True):
         cfg = load_config(None, [f"rollout.ignore_eos={str(value).lower()}"])
-        params = RLTrainer.sampling(SimpleNamespace(cfg=cfg), 3)  # type: ignore[arg-type]
+        params = sampling_params(cfg, 3)
         assert params.ignore_eos is value
 
 
@@ -124,3 +122,25 @@ def test_yaml_merge_keys_still_work_and_duplicates_do_not(tmp_path):
     path = write(tmp_path, text.replace("rollout_copy: 1\n", "rollout:\n  n: 3\n"))
     with pytest.raises(ConfigError, match=r"run\.yaml: line 4: key 'rollout' is given twice"):
         load_config(path)
+
+
+def test_every_policy_loss_knob_has_a_settings_class_and_reads_back_by_name():
+    from treadle.algorithms import LOSS_AGG_MODES, POLICY_LOSSES
+    from treadle.config import SETTINGS, AlgorithmConfig
+
+    owners = {key: name for name, cls in SETTINGS.items() for key in cls.model_fields}
+    assert sum(len(cls.model_fields) for cls in SETTINGS.values()) == len(owners)  # one each
+    knobs = POLICY_LOSSES.all_knobs() | LOSS_AGG_MODES.all_knobs()
+    assert knobs <= owners.keys(), knobs - owners.keys()
+    alg = load_config(None, ["algorithm.clip_cov_ratio=0.01"]).algorithm
+    assert alg.settings("clip_cov").model_dump() == {
+        "clip_cov_ratio": 0.01,
+        "clip_cov_lb": 1.0,
+        "clip_cov_ub": 5.0,
+    }
+    assert set(AlgorithmConfig.model_fields) - owners.keys() == {
+        "adv_estimator",
+        "policy_loss",
+        "entropy_coef",
+        "plugins",
+    }

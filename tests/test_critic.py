@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from algorithm_calls import estimate
 from torch.testing import assert_close
 
 from treadle.algorithms import ADV_ESTIMATORS, value_loss
@@ -175,8 +176,8 @@ def test_gae_by_hand_with_uneven_lengths():
     rewards = torch.tensor([[0.0, 0.0, 1.0], [2.0, 9.0, 9.0]])
     values = torch.tensor([[0.5, 0.2, 0.4], [1.0, 7.0, 7.0]])
     mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
-    adv, returns = ADV_ESTIMATORS.get("gae")(
-        rewards, mask, group_ids=[0, 1], values=values, gamma=0.5, lam=0.5
+    adv, returns = estimate(
+        "gae", rewards, mask, group_ids=[0, 1], values=values, gamma=0.5, lam=0.5
     )
     # row 0: δ2 = 1 - 0.4 = 0.6; δ1 = 0 + 0.5·0.4 - 0.2 = 0; δ0 = 0.5·0.2 - 0.5 = -0.4
     #        A2 = 0.6, A1 = 0 + 0.25·0.6 = 0.15, A0 = -0.4 + 0.25·0.15 = -0.3625
@@ -303,36 +304,60 @@ def test_role_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, rew
 
     ray = ("trainer.backend=ray", "trainer.num_cpus=6", "data.batch_size=4")
     colocated = plan_roles(ppo_config(tiny_task, *ray, f"reward.model_path={reward_model}"))
-    assert (colocated.critic, colocated.reward_model, colocated.colocated) == (True, True, 3)
-    assert colocated.cpus_per_rank(ppo_config(tiny_task, *ray)) is None  # all CPUs / actor ranks
+    assert (colocated.names, colocated.colocated) == (("critic", "reward_model"), 3)
+    assert [p.split for p in colocated.roles] == [False, False]
+    placement = colocated.placement(ppo_config(tiny_task, *ray))
+    assert (placement.cpus_per_rank, placement.share) == (6.0, 1 / 3)  # all CPUs / actor ranks
     split_cfg = ppo_config(
         tiny_task, *ray, "actor.world_size=2", "critic.placement=split", "critic.world_size=1"
     )
     split = plan_roles(split_cfg)
-    assert (split.critic, split.critic_split, split.colocated) == (True, True, 1)
-    assert split.cpus_per_rank(split_cfg) == 2.0  # 6 CPUs over 2 actor + 1 critic ranks
+    assert (split.names, split.roles[0].split, split.colocated) == (("critic",), True, 1)
+    assert split.roles[0].world_size == 1
+    assert split.placement(split_cfg).cpus_per_rank == 2.0  # 6 CPUs over 2 actor + 1 critic ranks
     grpo = plan_roles(ppo_config(tiny_task, "algorithm.adv_estimator=grpo"))
-    assert (grpo.critic, grpo.reward_model, grpo.colocated) == (False, False, 1)
+    assert (grpo.names, grpo.colocated) == ((), 1)
 
 
-def test_a_colocated_critic_stays_on_the_actors_bundles_beside_a_split_rollout(
-    tiny_task, monkeypatch
-):
-    """A split rollout gives the training side a bundle size (cpus_per_rank is not None): a
-    colocated critic must still join the actors' bundles, and only a split one get a pool."""
+def test_a_colocated_critic_stays_on_the_actors_bundles_beside_a_split_rollout(tiny_task):
+    """A split rollout cuts the training side's bundles smaller: a colocated critic must still
+    join the actors' bundles, and only a split one get a pool."""
     from treadle.trainers import roles
 
-    placed: dict[str, float | None] = {}
+    class Actors:  # records where start_roles adds each group
+        def __init__(self) -> None:
+            self.added: list[tuple[str, int, bool]] = []
 
-    def add_group(actors, cfg, worker, kwargs, *, world_size, own_cpus_per_rank=None):
-        placed[worker.__name__] = own_cpus_per_rank
+        def add(self, cls, kwargs, world_size, split=False):  # type: ignore[no-untyped-def]
+            self.added.append((cls.__name__, world_size, split))
+            return cls.__name__
 
-    monkeypatch.setattr(roles, "add_group", add_group)
     ray = ("trainer.backend=ray", "trainer.num_cpus=6", "rollout.placement=split")
     for placement in ("colocated", "split"):
         cfg = ppo_config(tiny_task, *ray, f"critic.placement={placement}", "critic.world_size=1")
         layout = roles.plan_roles(cfg)
-        assert layout.cpus_per_rank(cfg) is not None  # the split rollout's pool is cut off
-        assert roles.start_roles(cfg, None, layout, None) == (None, None, None)
-        own = layout.cpus_per_rank(cfg) if placement == "split" else None
-        assert placed["CriticWorker"] == own, placement
+        split = placement == "split"
+        # the split rollout's pool (3 of the 6 CPUs) is cut off; a split critic's rank shares
+        # the rest with the actor's
+        assert layout.placement(cfg).cpus_per_rank == (1.5 if split else 3.0)
+        actors = Actors()
+        assert roles.start_roles(cfg, actors, layout, None) == {"critic": "CriticWorker"}
+        assert actors.added == [("CriticWorker", 1, split)], placement
+
+
+def test_a_side_role_starts_from_its_model_or_resumes_from_its_checkpoint_folder(
+    tiny_task, tmp_path
+):
+    from treadle.trainers.roles import SIDE_ROLES
+
+    critic, reward_model, prm = SIDE_ROLES
+    assert (critic.saved, reward_model.saved, prm.saved) == (True, False, True)
+    cfg = ppo_config(tiny_task, f"critic.model_path={tiny_task['model']}")
+    assert critic.start_path(cfg, None) == str(tiny_task["model"])
+    assert prm.start_path(cfg, None) == cfg.model.path  # prime.model_path: model.path
+    checkpoint = tmp_path / "step_3"
+    (checkpoint / "critic" / "model").mkdir(parents=True)
+    (checkpoint / "critic" / "model" / "config.json").write_text("{}")
+    assert critic.start_path(cfg, checkpoint) == str(checkpoint / "critic" / "model")
+    with pytest.raises(ConfigError, match=r"step_3 has no PRIME PRM \(no prm/model\)"):
+        prm.start_path(cfg, checkpoint)

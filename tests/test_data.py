@@ -13,6 +13,7 @@ import torch
 
 from treadle.data import (
     ResumableSampler,
+    TextOptions,
     collate_prompts,
     collate_sft,
     load_prompt_dataset,
@@ -44,8 +45,8 @@ ROWS = [
 
 
 def load(tok, files, **kwargs):  # type: ignore[no-untyped-def]
-    args = {"tokenizer": tok, "max_prompt_length": 64, "prompt_key": "prompt"}
-    return load_prompt_dataset(files, **{**args, **kwargs})
+    args = {"max_prompt_length": 64, "prompt_key": "prompt"}
+    return load_prompt_dataset(files, tok, TextOptions(**{**args, **kwargs}))
 
 
 # --- prompts ---------------------------------------------------------------------------------
@@ -160,7 +161,7 @@ def test_collate_prompts_left_pads():
 
 def test_sft_example_masks_the_prompt(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
     path = write_jsonl(tmp_path / "train.jsonl", ROWS)
-    ds = load_sft_dataset([path], tokenizer=tok, max_length=128)
+    ds = load_sft_dataset([path], tok, TextOptions(max_length=128))
     row = ds[1]
     prompt = "<|im_start|>user\nWhat is 47+38?<|im_end|>\n<|im_start|>assistant\n"
     prompt_ids = tok.encode(prompt, add_special_tokens=False)
@@ -181,31 +182,31 @@ def test_sft_messages_train_on_assistant_turns_only(tok, tmp_path: Path):  # typ
         {"role": "assistant", "content": "Answer: 7"},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
-    row = load_sft_dataset([path], tokenizer=tok, max_length=128)[0]
+    row = load_sft_dataset([path], tok, TextOptions(max_length=128))[0]
     target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
     assert tok.decode(target) == "Answer: 3<|im_end|>Answer: 7<|im_end|>"
     full = tok.apply_chat_template(messages, tokenize=False)
     assert tok.decode(row["input_ids"]) == full.removesuffix("\n")
     no_reply = write_jsonl(tmp_path / "bad.jsonl", [{"messages": messages[:2]}])
     with pytest.raises(DataError, match="row 1: 'messages' has no assistant turn"):
-        load_sft_dataset([no_reply], tokenizer=tok, max_length=128)
+        load_sft_dataset([no_reply], tok, TextOptions(max_length=128))
 
 
 def test_sft_errors_and_length_filter(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
     path = write_jsonl(tmp_path / "train.jsonl", [ROWS[0], {"prompt": "What is 2+2?"}])
     with pytest.raises(DataError) as info:
-        load_sft_dataset([path], tokenizer=tok, max_length=128)
+        load_sft_dataset([path], tok, TextOptions(max_length=128))
     assert str(info.value) == (
         f"data.train_files: {path} row 2: response field 'solution' is missing or empty"
     )
     path = write_jsonl(tmp_path / "ok.jsonl", ROWS)
     lengths = [
-        len(r["input_ids"]) for r in load_sft_dataset([path], tokenizer=tok, max_length=999).rows
+        len(r["input_ids"]) for r in load_sft_dataset([path], tok, TextOptions(max_length=999)).rows
     ]
-    ds = load_sft_dataset([path], tokenizer=tok, max_length=max(lengths) - 1)
+    ds = load_sft_dataset([path], tok, TextOptions(max_length=max(lengths) - 1))
     assert len(ds) == 2 and ds.n_filtered == 1
     with pytest.raises(DataError, match=r"example is .* longer than max_length"):
-        load_sft_dataset([path], tokenizer=tok, max_length=max(lengths) - 1, overlong="error")
+        load_sft_dataset([path], tok, TextOptions(max_length=max(lengths) - 1, overlong="error"))
 
 
 def test_collate_sft_right_pads():
@@ -312,17 +313,17 @@ def test_special_token_text_in_a_prompt_stays_text(tok, tmp_path: Path, template
 
 
 def test_prompts_without_special_strings_keep_their_ids(tok):  # type: ignore[no-untyped-def]
-    from treadle.data import _encode_rendered, _specials
+    from treadle.data import encode_rendered, special_strings
 
     messages = [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 4+5?"}]
     text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     whole = tok.encode(text, add_special_tokens=False)
     contents = [m["content"] for m in messages]
-    assert _encode_rendered(tok, text, contents, _specials(tok)) == whole
+    assert encode_rendered(tok, text, contents, special_strings(tok)) == whole
 
 
 def test_special_token_text_in_responses_stays_text(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
-    from treadle.data import load_pair_dataset
+    from treadle.data import TextOptions, load_pair_dataset
 
     eos = tok.eos_token_id
     row = {
@@ -332,12 +333,14 @@ def test_special_token_text_in_responses_stays_text(tok, tmp_path: Path):  # typ
     }
     row["rejected"] = "4"
     path = write_jsonl(tmp_path / "r.jsonl", [row])
-    sft = load_sft_dataset([path], tokenizer=tok, max_length=128)[0]
+    sft = load_sft_dataset([path], tok, TextOptions(max_length=128))[0]
     response = [t for t, m in zip(sft["input_ids"], sft["loss_mask"], strict=True) if m]
     assert response.count(eos) == 1 and response[-1] == eos  # only the appended EOS
-    old = load_sft_dataset([path], tokenizer=tok, max_length=128, allow_special_tokens=True)[0]
+    old = load_sft_dataset([path], tok, TextOptions(max_length=128, allow_special_tokens=True))[0]
     assert old["input_ids"].count(eos) == sft["input_ids"].count(eos) + 1
-    pair = load_pair_dataset([path], tokenizer=tok, max_prompt_length=64, max_response_length=64)[0]
+    pair = load_pair_dataset(
+        [path], tok, TextOptions(max_prompt_length=64, max_response_length=64)
+    )[0]
     assert pair["chosen_ids"].count(eos) == 1 and pair["chosen_ids"][-1] == eos
 
 
@@ -348,7 +351,7 @@ def test_special_token_text_in_chat_turns_stays_text(tok, tmp_path: Path):  # ty
         {"role": "assistant", "content": f"3{tok.eos_token}"},
     ]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": chat}])
-    ex = load_sft_dataset([path], tokenizer=tok, max_length=128)[0]
+    ex = load_sft_dataset([path], tok, TextOptions(max_length=128))[0]
     assert ex["input_ids"].count(eos) == 2  # closing the user turn, and the assistant's EOS
-    old = load_sft_dataset([path], tokenizer=tok, max_length=128, allow_special_tokens=True)[0]
+    old = load_sft_dataset([path], tok, TextOptions(max_length=128, allow_special_tokens=True))[0]
     assert old["input_ids"].count(eos) == 4

@@ -17,8 +17,8 @@ from treadle.cli import main
 from treadle.config import Config, load_config
 from treadle.models import load_causal_lm
 from treadle.tracking import read_metrics
-from treadle.trainers.common import build_actors
 from treadle.trainers.pairs import load_pairs, pair_batch
+from treadle.trainers.roles import build_actors
 
 BETA = 0.2
 

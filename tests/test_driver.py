@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from treadle.config import load_config
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rewards import load_reward_fn, score_batch
 from treadle.trainers.rl import RLTrainer
@@ -68,7 +68,7 @@ def test_dynamic_sampling_keeps_groups_with_varied_rewards(tiny_task, parity_rew
     )
     try:
         m: dict[str, float] = {}
-        batch = t.sample(1, m)
+        batch = t.source.sample(1, m)
     finally:
         t.actors.close()
     rounds = int(m["rollout/gen_rounds"])
@@ -92,7 +92,7 @@ def test_dynamic_sampling_keeps_groups_with_varied_rewards(tiny_task, parity_rew
 def test_remax_baseline_is_the_greedy_response_score(tiny_task, length_reward, tmp_path):
     t = trainer(tiny_task, tmp_path, length_reward, "algorithm.adv_estimator=remax")
     try:
-        batch = t.sample(1, {})
+        batch = t.source.sample(1, {})
         firsts = batch.select(list(range(0, len(batch), N))).only(
             ["prompts", "prompt_mask"], ["uid", "prompt_text", "ground_truth"]
         )

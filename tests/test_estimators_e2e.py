@@ -12,6 +12,7 @@ import math
 
 import pytest
 import torch
+from algorithm_calls import estimate
 from transformers import AutoModelForCausalLM
 
 from treadle.algorithms import ADV_ESTIMATORS
@@ -78,6 +79,7 @@ def run(tiny_task, parts_reward, tmp_path_factory):
 
     def step(name: str):
         t.estimator, t.needs = ADV_ESTIMATORS.get(name), ADV_ESTIMATORS.needs(name)
+        t.cfg.algorithm.adv_estimator = name  # its settings are built from the config's name
         before = {k: v.clone() for k, v in worker.actor.full_state()}
         m = t.step(next(counter))
         after = {k: v.clone() for k, v in worker.actor.full_state()}
@@ -97,12 +99,14 @@ def recomputed(name: str, batch: Batch) -> torch.Tensor:
             "sum_pi_squared": batch["sum_pi_squared"],
             "rollout_is_weights": ratio.clamp(max=2.0) * batch["response_mask"],  # tis, cap 2
         }
-    adv, _ = ADV_ESTIMATORS.get(name)(
+    if "reward_weights" in ADV_ESTIMATORS.knobs(name):
+        kw["reward_weights"] = WEIGHTS
+    adv, _ = estimate(
+        name,
         batch["token_level_rewards"],
         batch["response_mask"].float(),
         group_ids=list(batch["uid"]),
         reward_components=batch["reward_components"],
-        reward_weights=WEIGHTS,
         **kw,
     )
     return adv

@@ -7,15 +7,23 @@ Clip-Cov (dropped tokens) and KL-Cov (penalised tokens).
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 import math
 import re
 
 import pytest
 import torch
+from algorithm_calls import policy_loss
 from torch.testing import assert_close
 
-from treadle.algorithms import LOSS_AGG_MODES, POLICY_LOSSES, agg_loss, entropy_from_logits
+from treadle.algorithms import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    Aggregation,
+    PolicyLossInputs,
+    agg_loss,
+    entropy_from_logits,
+)
 from treadle.algorithms import value_loss as value_loss_fn
 from treadle.check import check_algorithm
 from treadle.config import AlgorithmConfig, load_config
@@ -44,7 +52,7 @@ def new_log_probs(ratio: torch.Tensor = RATIO) -> torch.Tensor:
 
 
 def call(name: str, logp: torch.Tensor, adv: torch.Tensor = ADV, mask=MASK, **kw):
-    return POLICY_LOSSES.get(name)(logp, OLD, adv, mask, **kw)
+    return policy_loss(name, logp, OLD, adv, mask, **kw)
 
 
 def grad_of(loss: torch.Tensor, logp: torch.Tensor) -> torch.Tensor:
@@ -199,8 +207,8 @@ def test_policy_loss_micro_batches_sum_to_mini_batch_loss():
     whole, _ = call("ppo", new_log_probs())
     parts = 0.0
     for rows in [slice(0, 1), slice(1, 3)]:
-        loss, _ = POLICY_LOSSES.get("ppo")(
-            new_log_probs()[rows], OLD[rows], ADV[rows], MASK[rows], agg_kwargs=agg
+        loss, _ = policy_loss(
+            "ppo", new_log_probs()[rows], OLD[rows], ADV[rows], MASK[rows], agg_kwargs=agg
         )
         parts = parts + loss
     assert_close(parts, whole)
@@ -209,7 +217,8 @@ def test_policy_loss_micro_batches_sum_to_mini_batch_loss():
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_every_policy_loss_is_finite_with_junk_padding(name):
     logp = new_log_probs()  # -inf where the mask is 0
-    loss, metrics = call(name, logp, some_future_option=1, dro_beta=0.1)
+    knobs = {"dro_beta": 0.1} if name == "dro" else {}
+    loss, metrics = call(name, logp, **knobs)
     grad = grad_of(loss, logp)
     assert torch.isfinite(loss) and torch.isfinite(grad).all()
     assert torch.equal(grad * (1 - MASK), torch.zeros_like(grad))
@@ -510,23 +519,27 @@ def test_vanilla_is_ppo():
 
 # --------------------------------------------------------------------------- knobs
 
-# what every policy loss is called with besides its knobs (``generator``: tests only)
-CALL_KEYWORDS = {"loss_agg_mode", "rollout_is_weights", "agg_kwargs", "generator"}
-
 
 @pytest.mark.parametrize("name", POLICY_LOSSES.names())
 def test_a_loss_registers_every_knob_it_reads(name):
-    # the actor passes a loss only its registered knobs: one it reads but does not register
-    # would silently keep the function's default
-    params = inspect.signature(POLICY_LOSSES.get(name)).parameters.values()
-    read = {p.name for p in params if p.kind is p.KEYWORD_ONLY} - CALL_KEYWORDS
+    # the actor builds a loss's settings from its registered knobs: one it reads but does not
+    # register would silently keep its default
+    read = {f.name for f in dataclasses.fields(POLICY_LOSSES.settings(name))}
     assert set(POLICY_LOSSES.knobs(name)) == read
     assert read <= set(AlgorithmConfig.model_fields)
 
 
+@pytest.mark.parametrize("name", POLICY_LOSSES.names())
+def test_a_name_a_loss_does_not_take_is_an_error(name):
+    with pytest.raises(TypeError, match="some_future_option"):
+        call(name, new_log_probs(), some_future_option=1)
+    with pytest.raises(TypeError, match="some_future_input"):
+        PolicyLossInputs(new_log_probs(), OLD, ADV, MASK, some_future_input=1)  # type: ignore[call-arg]
+
+
 def test_the_actor_passes_exactly_the_registered_knobs():
     def options(*overrides: str) -> dict:
-        return loss_options(load_config(None, list(overrides)))
+        return dataclasses.asdict(loss_options(load_config(None, list(overrides))))
 
     assert options("algorithm.clip_ratio_high=0.28") == {
         "clip_ratio_low": 0.2,
@@ -662,7 +675,7 @@ def test_value_loss_aggregation_mode():
     values = torch.tensor([[1.0, 1.0, 1.0], [3.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
     loss, _ = value_loss_fn(
-        values, values, torch.zeros(2, 3), mask, 0.2, loss_agg_mode="seq-mean-token-mean"
+        values, values, torch.zeros(2, 3), mask, 0.2, Aggregation("seq-mean-token-mean")
     )
     assert loss.item() == pytest.approx(0.5 * (1.0 + 9.0) / 2)
 

@@ -14,10 +14,11 @@ import importlib
 
 import pytest
 import torch
+from algorithm_calls import policy_loss
 from reference import verl_core_algos
 from torch.testing import assert_close
 
-from treadle.algorithms import POLICY_LOSSES, agg_loss, kl_penalty, value_loss
+from treadle.algorithms import POLICY_LOSSES, Aggregation, agg_loss, kl_penalty, value_loss
 from treadle.algorithms.kl import kl_full
 
 SEEDS = (0, 1, 2)
@@ -187,8 +188,8 @@ def test_policy_loss_matches_verl(
     logp, old, adv, mask = inputs(seed)
     ours, theirs = counts(mask, dp_size)
     cfg = verl_config(theirs, **fill_verl_options(name, options, verl_options))
-    loss, metrics = POLICY_LOSSES.get(name)(
-        logp, old, adv, mask, loss_agg_mode=mode, agg_kwargs=ours, **options
+    loss, metrics = policy_loss(
+        name, logp, old, adv, mask, loss_agg_mode=mode, agg_kwargs=ours, **options
     )
     verl_loss, verl_metrics = verl.get_policy_loss_fn(verl_name)(
         old, logp, adv, mask, loss_agg_mode=mode, config=cfg
@@ -213,7 +214,12 @@ def test_rollout_is_weights_match_verl(verl, seed):
     for name, verl_name in (("ppo", "vanilla"), ("cispo", "cispo"), ("geo_mean", "geo_mean")):
         mode = "seq-mean-token-mean" if name == "geo_mean" else "token-mean"
         cfg = verl_config(theirs)
-        loss, _ = POLICY_LOSSES.get(name)(
+        knobs = {
+            "clip_ratio_c": 3.0,  # the config's default; the function's is off
+            "clip_ratio_low": 0.2,  # verl's config value (cispo's own default is 1)
+        }
+        loss, _ = policy_loss(
+            name,
             logp,
             old,
             adv,
@@ -221,8 +227,7 @@ def test_rollout_is_weights_match_verl(verl, seed):
             loss_agg_mode=mode,
             agg_kwargs=ours,
             rollout_is_weights=weights,
-            clip_ratio_c=3.0,  # the config's default; the function's is off
-            clip_ratio_low=0.2,  # verl's config value (cispo's own default is 1)
+            **{k: v for k, v in knobs.items() if k in POLICY_LOSSES.knobs(name)},
         )
         verl_loss, _ = verl.get_policy_loss_fn(verl_name)(
             old, logp, adv, mask, loss_agg_mode=mode, config=cfg, rollout_is_weights=weights
@@ -238,7 +243,8 @@ def test_geo_mean_matches_verl(verl, low, high, seed):
     logp, old, adv, mask = inputs(seed)
     ours, theirs = counts(mask, 1)
     cfg = verl_config(theirs, clip_ratio_low=low, clip_ratio_high=high)
-    loss, metrics = POLICY_LOSSES.get("geo_mean")(
+    loss, metrics = policy_loss(
+        "geo_mean",
         logp,
         old,
         adv,
@@ -264,8 +270,8 @@ def test_clip_cov_matches_verl_with_the_same_random_choice(verl, mode, seed):
     knobs = {"clip_cov_ratio": 0.1, "clip_cov_lb": -0.5, "clip_cov_ub": 0.5}
     cfg = verl_config(theirs, **knobs)
     torch.manual_seed(100 + seed)
-    loss, metrics = POLICY_LOSSES.get("clip_cov")(
-        logp, old, adv, mask, loss_agg_mode=mode, agg_kwargs=ours, **knobs
+    loss, metrics = policy_loss(
+        "clip_cov", logp, old, adv, mask, loss_agg_mode=mode, agg_kwargs=ours, **knobs
     )
     torch.manual_seed(100 + seed)
     verl_loss, verl_metrics = verl.get_policy_loss_fn("clip_cov")(
@@ -287,7 +293,8 @@ def test_bypass_reinforce_matches_verl(verl, mode, level, seed):
     helper = importlib.import_module("verl.trainer.ppo.rollout_corr_helper")
     logp, rollout, adv, mask = inputs(seed)
     ours, theirs = counts(mask, 2)
-    loss, metrics = POLICY_LOSSES.get("bypass_mode")(
+    loss, metrics = policy_loss(
+        "bypass_mode",
         logp,
         rollout,
         adv,
@@ -395,7 +402,7 @@ def value_inputs(seed: int):
 def test_value_loss_matches_verl(verl, mode, dp_size, seed):
     values, old, returns, mask = value_inputs(seed)
     ours, theirs = counts(mask, dp_size)
-    loss, clipfrac = value_loss(values, old, returns, mask, 0.25, mode, agg_kwargs=ours)
+    loss, clipfrac = value_loss(values, old, returns, mask, 0.25, Aggregation(mode, **ours))
     verl_loss, verl_clipfrac = verl.compute_value_loss(
         values, returns, old, mask, 0.25, mode, **theirs
     )

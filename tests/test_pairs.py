@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from treadle.config import load_config
-from treadle.data import collate_pairs, load_pair_dataset, load_prompt_dataset
+from treadle.data import TextOptions, collate_pairs, load_pair_dataset, load_prompt_dataset
 from treadle.errors import DataError
 from treadle.models import load_tokenizer
 from treadle.tasks import arithmetic as ar
@@ -40,14 +40,14 @@ PAIRS = [
 
 
 def load(tok, path, **kwargs):  # type: ignore[no-untyped-def]
-    args = {"tokenizer": tok, "max_prompt_length": 64, "max_response_length": 48}
-    return load_pair_dataset([path], **{**args, **kwargs})
+    args = {"max_prompt_length": 64, "max_response_length": 48}
+    return load_pair_dataset([path], tok, TextOptions(**{**args, **kwargs}))
 
 
 def test_pairs_are_prompt_plus_response_and_eos(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
     path = write_jsonl(tmp_path / "pairs.jsonl", PAIRS)
     ds = load(tok, path)
-    prompts = load_prompt_dataset([path], tokenizer=tok, max_prompt_length=64)
+    prompts = load_prompt_dataset([path], tok, TextOptions(max_prompt_length=64))
     eos = tok.eos_token_id
     for row, prompt in zip(ds.rows, prompts.rows, strict=True):
         assert row["prompt_ids"] == prompt["prompt_ids"]  # rendered as the RL prompts are
@@ -147,8 +147,8 @@ KEYS = {
 def load_unpaired(tok, path, **kwargs):  # type: ignore[no-untyped-def]
     from treadle.data import load_unpaired_dataset
 
-    args = {"tokenizer": tok, "max_prompt_length": 64, "max_response_length": 48, "keys": KEYS}
-    return load_unpaired_dataset([path], **{**args, **kwargs})
+    args = {"max_prompt_length": 64, "max_response_length": 48, **KEYS}
+    return load_unpaired_dataset([path], tok, TextOptions(**{**args, **kwargs}))
 
 
 def test_unpaired_rows_are_prompt_completion_and_label(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
@@ -187,7 +187,7 @@ def test_pair_and_unpaired_files_do_not_mix(tok, tmp_path: Path):  # type: ignor
     b = write_jsonl(tmp_path / "b.jsonl", [{"prompt": "p", "completion": "c", "label": True}])
     with pytest.raises(DataError, match="mixes files of pairs and of unpaired examples"):
         load_unpaired_dataset(
-            [a, b], tokenizer=tok, max_prompt_length=64, max_response_length=48, keys=KEYS
+            [a, b], tok, TextOptions(max_prompt_length=64, max_response_length=48, **KEYS)
         )
 
 

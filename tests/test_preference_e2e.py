@@ -16,16 +16,17 @@ from typing import Any
 
 import pytest
 import torch
+from algorithm_calls import pair_loss, unpaired_loss
 
 from treadle.algorithms import PREFERENCE_LOSSES, UNPAIRED_LOSSES, kto_kl
 from treadle.api import kto as kto_api
 from treadle.cli import main
-from treadle.config import DPO_KNOBS, Config, load_config
+from treadle.config import Config, load_config
 from treadle.data import collate_unpaired
 from treadle.tracking import read_metrics
-from treadle.trainers import common
-from treadle.trainers.common import build_actors
+from treadle.trainers import base
 from treadle.trainers.pairs import load_pairs, load_unpaired, pair_batch, unpaired_batch
+from treadle.trainers.roles import build_actors
 from treadle.workers.objectives import Unpaired, UnpairedCounts
 
 KNOBS: dict[str, list[str]] = {  # settings the loss reads, set away from their defaults
@@ -90,14 +91,15 @@ def test_one_step_of_every_pair_loss(shared, name: str) -> None:  # type: ignore
     before = group.compute_pair_log_probs(pairs)
     lengths = {f"{k}_lengths": pairs[f"{k}_mask"].sum(1).double() for k in ("chosen", "rejected")}
     reference = info.get("reference", True)
-    expected = PREFERENCE_LOSSES.get(name)(
+    expected = pair_loss(
+        name,
         before["chosen_logps"].double(),
         before["rejected_logps"].double(),
         ref["ref_chosen_logps"].double() if reference else None,
         ref["ref_rejected_logps"].double() if reference else None,
         beta=cfg.dpo.beta,
         **lengths,
-        **{k: getattr(cfg.dpo, k) for k in DPO_KNOBS},
+        **{k: getattr(cfg.dpo, k) for k in PREFERENCE_LOSSES.knobs(name)},
     ).mean()
     # a reference-free loss gets no reference log-probs: the worker must not need them
     metrics = group.train_dpo(pairs.union(ref) if reference else pairs)
@@ -141,7 +143,8 @@ def test_one_step_of_every_unpaired_loss(shared, tmp_path) -> None:  # type: ign
         policy = group.compute_unpaired_log_probs(batch)
         uses_kl = UNPAIRED_LOSSES.info(name).get("kl", False)
         kl = kto_kl(policy["kl_logps"], ref["ref_kl_logps"]) if uses_kl else 0.0
-        expected = UNPAIRED_LOSSES.get(name)(
+        expected = unpaired_loss(
+            name,
             policy["logps"],
             ref["ref_logps"],
             batch["labels"],
@@ -194,13 +197,13 @@ def test_unpaired_rows_and_the_kl_rotation(shared) -> None:  # type: ignore[no-u
 
 def record_with_ref(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
     built: list[bool] = []
-    real = common.build_actors
+    real = base.build_actors
 
     def spy(cfg: Any, path: str, with_ref: bool, *args: Any) -> Any:
         built.append(with_ref)
         return real(cfg, path, with_ref, *args)
 
-    monkeypatch.setattr(common, "build_actors", spy)
+    monkeypatch.setattr(base, "build_actors", spy)
     return built
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+from algorithm_calls import pair_loss, unpaired_loss
 from reference import trl_module
 
 from treadle.algorithms import PREFERENCE_LOSSES, UNPAIRED_LOSSES, kto_kl
@@ -137,7 +138,8 @@ def trl_dpo(name: str, x: dict, beta: float, f_divergence: str = "reverse_kl", *
 
 def ours(name: str, x: dict, beta: float, **knobs: Any) -> torch.Tensor:
     reference = PREFERENCE_LOSSES.info(name).get("reference", True)
-    return PREFERENCE_LOSSES.get(name)(
+    return pair_loss(
+        name,
         x["pc"],
         x["pr"],
         x["rc"] if reference else None,
@@ -337,8 +339,8 @@ def unpaired_inputs(labels: list[int], seed: int, kl_shift: float = 0.0) -> dict
 
 def ours_unpaired(name: str, x: dict, beta: float, wd: float, wu: float) -> torch.Tensor:
     kl = kto_kl(x["policy_kl"], x["ref_kl"]) if UNPAIRED_LOSSES.info(name).get("kl") else 0.0
-    fn = UNPAIRED_LOSSES.get(name)
-    return fn(
+    return unpaired_loss(
+        name,
         x["policy"],
         x["ref"],
         x["labels"],

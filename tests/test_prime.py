@@ -8,10 +8,11 @@ import math
 
 import pytest
 import torch
+from algorithm_calls import estimate
 from safetensors.torch import load_file
 from torch.testing import assert_close
 
-from treadle.algorithms.prime import implicit_process_rewards, prime_advantages, prime_ce_loss
+from treadle.algorithms.prime import implicit_process_rewards, prime_ce_loss
 from treadle.config import load_config
 from treadle.errors import ConfigError, RewardError
 from treadle.models import load_causal_lm
@@ -141,14 +142,15 @@ def test_one_prime_step_trains_the_prm_and_its_rewards_reach_the_advantages(
     assert q.abs().max() > 0
     assert float(prime_ce_loss(q, mask, labels, 0.5).mean()) < math.log(2)
     # update=before: the rewards the estimator got are the updated PRM's, normalised ...
-    given = seen["extra"]["implicit_rewards"]
+    given = seen["extra"]
     assert_close(given, implicit_process_rewards(q, mask, 0.5, "batch_norm"), rtol=0, atol=1e-7)
     assert m["prime/reward_mean"] == pytest.approx(float(given.sum(-1).mean()), abs=1e-6)
     # ... and the actor was trained on prime's advantages of them with the config's coefficients
     outcome = torch.zeros(mask.shape)
     rows = torch.arange(len(mask))
     outcome[rows, mask.sum(-1) - 1] = labels  # right-padded: the last valid token
-    adv, returns = prime_advantages(
+    adv, returns = estimate(
+        "prime",
         outcome,
         mask,
         group_ids=list(batch["uid"]),
@@ -234,7 +236,7 @@ def test_prm_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, pari
 
     ray = ("trainer.backend=ray", "trainer.num_cpus=6")
     colocated = plan_roles(prime_config(tiny_task, "out", parity_reward, *ray))
-    assert (colocated.prm, colocated.prm_split, colocated.colocated) == (True, False, 2)
+    assert (colocated.names, colocated.roles[0].split, colocated.colocated) == (("prm",), False, 2)
     split_cfg = prime_config(
         tiny_task,
         "out",
@@ -245,8 +247,8 @@ def test_prm_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, pari
         "prime.world_size=1",
     )
     split = plan_roles(split_cfg)
-    assert (split.prm, split.prm_split, split.colocated) == (True, True, 1)
-    assert split.cpus_per_rank(split_cfg) == 2.0  # 6 CPUs over 2 actor + 1 PRM ranks
+    assert (split.names, split.roles[0].split, split.colocated) == (("prm",), True, 1)
+    assert split.placement(split_cfg).cpus_per_rank == 2.0  # 6 CPUs over 2 actor + 1 PRM ranks
 
 
 def test_treadle_check_names_a_missing_prm_folder(tiny_task, parity_reward, tmp_path):

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from algorithm_calls import estimate
 from reference import verl_core_algos
 from torch.testing import assert_close
 
@@ -158,7 +159,8 @@ def test_prime_advantages_by_hand():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 0, 0]])
     outcome = torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
     implicit = torch.tensor([[0.2, 0.0, 0.0], [0.4, -0.2, 0.0], [0.0, 0.0, 0.0]])
-    adv, returns = prime_advantages(
+    adv, returns = estimate(
+        "prime",
         outcome,
         mask,
         group_ids=["a", "a", "b"],
@@ -183,12 +185,17 @@ def test_prime_advantages_by_hand():
     whitened = (want_returns - valid.mean()) / (valid.var() + 1e-8).sqrt() * mask
     assert_close(adv, whitened.float())
     # a coefficient of 0 drops its source: outcome only is RLOO of the scores to go
-    _, ret0 = prime_advantages(
-        outcome, mask, group_ids=["a", "a", "b"], implicit_rewards=implicit, reward_dpo_coef=0.0
+    _, ret0 = estimate(
+        "prime",
+        outcome,
+        mask,
+        group_ids=["a", "a", "b"],
+        implicit_rewards=implicit,
+        reward_dpo_coef=0.0,
     )
     assert_close(ret0, 5.0 * torch.tensor([[1.0, 1.0, 0.0], [-1.0, -1.0, -1.0], [1.0, 0.0, 0.0]]))
     with pytest.raises(ValueError, match="needs implicit_rewards"):
-        prime_advantages(outcome, mask, group_ids=[0, 0, 1])
+        estimate("prime", outcome, mask, group_ids=[0, 0, 1])
 
 
 def test_prime_is_registered_and_needs_the_prm():
@@ -201,8 +208,8 @@ def test_empty_rows_and_equal_groups_give_zeros_not_nans():
     mask = torch.tensor([[1, 1], [0, 0], [1, 0], [1, 0]])
     outcome = torch.tensor([[0.0, 1.0], [0.0, 0.0], [1.0, 0.0], [1.0, 0.0]])
     implicit = torch.tensor([[0.3, 0.0], [5.0, 5.0], [0.0, 0.0], [0.0, 0.0]])
-    adv, returns = prime_advantages(
-        outcome, mask, group_ids=[0, 0, 1, 1], implicit_rewards=implicit
+    adv, returns = estimate(
+        "prime", outcome, mask, group_ids=[0, 0, 1, 1], implicit_rewards=implicit
     )
     assert torch.isfinite(adv).all() and torch.isfinite(returns).all()
     assert torch.equal(adv[1], torch.zeros(2)) and torch.equal(returns[1], torch.zeros(2))
@@ -236,7 +243,8 @@ def test_prime_advantages_match_verl(gt, dpo):
     rm_scores = verl_token_scores(q, lengths, 0.05, True)
     outcome = torch.zeros_like(mask)
     outcome[torch.arange(len(acc)), torch.tensor(lengths) - 1] = acc
-    adv, returns = prime_advantages(
+    adv, returns = estimate(
+        "prime",
         outcome,
         mask,
         group_ids=ids,

@@ -6,8 +6,8 @@ import math
 
 import pytest
 import torch
+from algorithm_calls import policy_loss
 
-from treadle.algorithms import POLICY_LOSSES
 from treadle.algorithms.correction import rollout_correction
 from treadle.config import load_config
 from treadle.errors import ConfigError
@@ -51,7 +51,7 @@ def test_the_weights_scale_the_policy_gradient_term_per_token():
     mask = torch.ones(1, 4)
     rollout = logp.detach() - torch.tensor([[0.0, math.log(3), math.log(0.5), math.log(2.5)]])
     w, pg_mask, _ = rollout_correction(logp.detach(), rollout, mask, "tis", 2.0)
-    loss, _ = POLICY_LOSSES.get("ppo")(logp, logp.detach(), adv, pg_mask, rollout_is_weights=w)
+    loss, _ = policy_loss("ppo", logp, logp.detach(), adv, pg_mask, rollout_is_weights=w)
     expected = -(1.0 * 1.0 + 2.0 * -2.0 + 0.5 * 0.5 + 2.0 * 4.0) / 4
     assert float(loss) == pytest.approx(expected)
     loss.backward()  # d loss / d logp_t = -w_t A_t / 4 (the ratio's derivative is 1)

@@ -26,7 +26,7 @@ import ray
 import torch
 
 from treadle.config import load_config
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.models import load_causal_lm
 from treadle.rollout.client import RolloutError
 from treadle.trainers.rl import RLTrainer
@@ -59,7 +59,7 @@ def _check_against_actor(t: RLTrainer, task, tmp_path) -> None:
     """One step, then greedy rollouts at version 1 equal the actor's transformers model."""
     t.step(1)
     prompts = t.val_ds
-    from treadle.trainers.common import prompt_batch
+    from treadle.data import prompt_batch
 
     batch = prompt_batch(prompts, list(range(8)), prompts.pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
@@ -118,7 +118,7 @@ def test_split_replicas_after_a_sync_match_the_actor(
         names = [r.name for r in t.rollout.client.replicas]
         assert names == ["rollout replica 0", "rollout replica 1"]
         _check_against_actor(t, tiny_task, tmp_path)
-        assert set(t.sample(2, {})["weight_version"].tolist()) == {1}  # both replicas
+        assert set(t.source.sample(2, {})["weight_version"].tolist()) == {1}  # both replicas
         # a replica that dies before a sync breaks the actor's broadcast: the error names it
         ray.kill(t.rollout.replicas[1])
         with pytest.raises(

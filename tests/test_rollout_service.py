@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 import torch
 
-from treadle.engines.rollout import Finished, HFRolloutEngine, SamplingParams
+from treadle.engines.inference import Finished, HFRolloutEngine, SamplingParams
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.rollout import LocalReplica, Request, Response, RolloutClient, RolloutError
 from treadle.rollout.server import RolloutServer

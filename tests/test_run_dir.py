@@ -23,10 +23,10 @@ import torch
 from safetensors.torch import save_file
 
 from treadle import checkpoint as ckpt
-from treadle.checkpoint import CheckpointError
+from treadle.checkpoint import CheckpointError, export_model
 from treadle.errors import ConfigError
 from treadle.tracking import Tracker, read_metrics
-from treadle.trainers.common import RunLock, export_model
+from treadle.trainers.run_dir import RunLock
 
 
 def _save(out: Path, step: int, keep: int = 5) -> Path:
@@ -162,7 +162,7 @@ def test_a_second_run_on_a_directory_stops_naming_the_holder_then_takes_over_a_d
             sys.executable,
             "-c",
             "import sys, time; from pathlib import Path;"
-            "from treadle.trainers.common import RunLock;"
+            "from treadle.trainers.run_dir import RunLock;"
             f"lock = RunLock(Path({str(tmp_path)!r})); print('locked', flush=True); time.sleep(60)",
         ],
         stdout=subprocess.PIPE,

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from treadle.engines.rollout import HFRolloutEngine, RolloutOutput, SamplingParams
+from treadle.engines.inference import HFRolloutEngine, RolloutOutput, SamplingParams
 from treadle.errors import ConfigError
 from treadle.models import load_causal_lm, load_tokenizer
 
@@ -47,7 +47,7 @@ def vllm_model(tiny_task, tmp_path_factory):
 @pytest.fixture(scope="session")
 def vllm_session(vllm_model):
     """The session's engine, and what starting it did to this process's RNG and threads."""
-    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+    from treadle.engines.vllm import VLLMRolloutEngine
 
     threads = torch.get_num_threads()
     rng = torch.random.get_rng_state()
@@ -295,7 +295,7 @@ def test_ignore_eos_runs_every_response_to_max_new_tokens(engine, vllm_model, to
 
 
 def test_one_engine_per_process(vllm_session, vllm_model, tmp_path, prompts):
-    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+    from treadle.engines.vllm import VLLMRolloutEngine
 
     engine, _ = vllm_session
     engine.update_weights(perturbed(load_causal_lm(vllm_model), seed=2).state_dict().items())
@@ -309,7 +309,7 @@ def test_one_engine_per_process(vllm_session, vllm_model, tmp_path, prompts):
 
 
 def test_not_a_model_folder(tmp_path):
-    from treadle.engines.vllm_rollout import VLLMRolloutEngine
+    from treadle.engines.vllm import VLLMRolloutEngine
 
     with pytest.raises(ConfigError, match=r"is not a model folder: no config\.json"):
         VLLMRolloutEngine(tmp_path, max_model_len=MAX_MODEL_LEN)
@@ -317,8 +317,9 @@ def test_not_a_model_folder(tmp_path):
         VLLMRolloutEngine(tmp_path / "missing", max_model_len=MAX_MODEL_LEN)
 
 
+@pytest.mark.slow  # imports vLLM (~15 s), as the engine does before it refuses the model
 def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
-    from treadle.engines.vllm_rollout import _check_cpu_head_size
+    from treadle.engines.vllm import _check_cpu_head_size
     from treadle.tasks.arithmetic import build_tiny_model
 
     narrow = tmp_path / "head16"  # 64 / 4 heads: below vLLM's CPU minimum of 32
@@ -336,11 +337,11 @@ def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
 
 
 def test_start_failures_are_config_errors(vllm_session, vllm_model, monkeypatch):
-    from treadle.engines import vllm_rollout
+    from treadle.engines import vllm
 
-    monkeypatch.setattr(vllm_rollout, "_LIVE", None)  # as if no engine ran in this process
+    monkeypatch.setattr(vllm, "_LIVE", None)  # as if no engine ran in this process
     with pytest.raises(ConfigError, match=r"did not start .* rollout.engine=hf works"):
-        vllm_rollout.VLLMRolloutEngine(vllm_model, max_model_len=10**6)  # > the model's 256
+        vllm.VLLMRolloutEngine(vllm_model, max_model_len=10**6)  # > the model's 256
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ConfigError, match=r"vLLM is not importable .* rollout.engine=hf works"):
-        vllm_rollout.VLLMRolloutEngine(vllm_model, max_model_len=MAX_MODEL_LEN)
+        vllm.VLLMRolloutEngine(vllm_model, max_model_len=MAX_MODEL_LEN)

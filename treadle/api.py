@@ -42,7 +42,7 @@ import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from treadle.config import Config, load_config
 from treadle.errors import ConfigError
@@ -68,15 +68,8 @@ class RunResult:
         return self.output_dir / "final_model"
 
 
-def train(
-    config: ConfigLike = None,
-    *,
-    reward: RewardLike = None,
-    train_dataset: Any = None,
-    eval_dataset: Any = None,
-    overrides: Sequence[str] = (),
-) -> RunResult:
-    """RL training (GRPO and the PPO family), as ``treadle train``.
+class Driver(Protocol):
+    """``treadle.train``, ``sft``, ``dpo`` and ``kto``: what the command of the same name runs.
 
     ``config``: a YAML file, a dict of sections (as the YAML holds them) or a ``Config``;
     ``reward``: a function (see the module's docstring) or a ``reward.function`` spec;
@@ -84,44 +77,46 @@ def train(
     folder, or a list of files (``data.train_files``/``data.val_files``); ``overrides``:
     ``section.key=value`` strings applied to ``config``.
     """
-    return _run("train", config, reward, train_dataset, eval_dataset, overrides)
+
+    def __call__(
+        self,
+        config: ConfigLike = None,
+        *,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        reward: RewardLike = None,
+        overrides: Sequence[str] = (),
+    ) -> RunResult: ...
 
 
-def sft(
-    config: ConfigLike = None,
-    *,
-    train_dataset: Any = None,
-    eval_dataset: Any = None,
-    reward: RewardLike = None,
-    overrides: Sequence[str] = (),
-) -> RunResult:
-    """Supervised fine-tuning, as ``treadle sft``; ``reward`` scores held-out accuracy."""
-    return _run("sft", config, reward, train_dataset, eval_dataset, overrides)
+def _driver(kind: Kind, doc: str) -> Driver:
+    def run(
+        config: ConfigLike = None,
+        *,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        reward: RewardLike = None,
+        overrides: Sequence[str] = (),
+    ) -> RunResult:
+        return _run(kind, config, reward, train_dataset, eval_dataset, overrides)
+
+    run.__name__ = run.__qualname__ = kind
+    run.__doc__ = f"{doc}\n\n    Arguments as :class:`Driver` says.\n    "
+    return run
 
 
-def dpo(
-    config: ConfigLike = None,
-    *,
-    train_dataset: Any = None,
-    eval_dataset: Any = None,
-    reward: RewardLike = None,
-    overrides: Sequence[str] = (),
-) -> RunResult:
-    """DPO on chosen/rejected pairs, as ``treadle dpo``; ``reward`` scores ``dpo.eval_task``."""
-    return _run("dpo", config, reward, train_dataset, eval_dataset, overrides)
-
-
-def kto(
-    config: ConfigLike = None,
-    *,
-    train_dataset: Any = None,
-    eval_dataset: Any = None,
-    reward: RewardLike = None,
-    overrides: Sequence[str] = (),
-) -> RunResult:
-    """KTO on unpaired examples ({prompt, completion, label: bool}; or pairs), as
-    ``treadle kto``; ``reward`` scores ``kto.eval_task``."""
-    return _run("kto", config, reward, train_dataset, eval_dataset, overrides)
+train = _driver("train", "RL training (GRPO and the PPO family), as ``treadle train``.")
+sft = _driver(
+    "sft", "Supervised fine-tuning, as ``treadle sft``; ``reward`` scores held-out accuracy."
+)
+dpo = _driver(
+    "dpo", "DPO on chosen/rejected pairs, as ``treadle dpo``; ``reward`` scores ``dpo.eval_task``."
+)
+kto = _driver(
+    "kto",
+    "KTO on unpaired examples ({prompt, completion, label: bool}; or pairs), as ``treadle kto``; "
+    "``reward`` scores ``kto.eval_task``.",
+)
 
 
 def rm(
@@ -246,7 +241,7 @@ def _save_dataset(ds: Dataset, dest: Path, key: str) -> Path:
             pass  # unreadable: write it again
     from datasets.utils import logging as dslog
 
-    from treadle.trainers.common import RunLock
+    from treadle.trainers.run_dir import RunLock
 
     dest.parent.mkdir(parents=True, exist_ok=True)
     lock = RunLock(dest.parent.parent)  # not under a live run's feet

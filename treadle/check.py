@@ -5,11 +5,8 @@ schema's, in ``treadle.config``) and before anything starts. ``kind`` is the com
 run (train, sft, dpo, kto, rm, eval); every command calls it first, ``treadle check`` alone prints
 its summary. It checks:
 
-- registered names (estimators, losses, aggregation modes, KL estimators, DPO losses), after
-  importing ``algorithm.plugins`` (which register names of their own), and the
-  rules between them that need the registries: a group baseline needs ``rollout.n >= 2``, a
-  policy loss may allow only some ``loss_agg_mode`` values, an estimator of reward components
-  (GDPO) needs ``algorithm.gdpo_reward_keys``, one of the old log-probs needs their pass;
+- registered names and every rule that needs the registries, the roles' included
+  (``treadle.config.rules.check_algorithm``: the one home of the cross-field rules);
 - the model folders (``model.path``, the tokenizer, ``reward.model_path``,
   ``critic.model_path``, ``prime.model_path``, ``prime.ref_path``): config.json is there and
   parses, the tokenizer loads, and the prompt plus the response fits the model's context
@@ -29,24 +26,27 @@ traceback.
 
 from __future__ import annotations
 
-import contextlib
-import difflib
 import fcntl
 import json
 import os
-import signal
-import threading
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-from treadle.config import DPO_KNOBS, Config
+from treadle.config import Config
+from treadle.config.rules import KINDS, Kind, check_algorithm
+from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
 from treadle.errors import ConfigError, TreadleError
 
-Kind = Literal["train", "sft", "dpo", "kto", "rm", "eval"]
-KINDS: tuple[Kind, ...] = ("train", "sft", "dpo", "kto", "rm", "eval")
-IMPORT_TIMEOUT_S = 60.0  # importing a reward function or an agent loop may take this long
+__all__ = [
+    "IMPORT_TIMEOUT_S",
+    "KINDS",
+    "Kind",
+    "check",
+    "check_algorithm",
+    "lock_holder",
+    "time_limit",
+]
 
 T = TypeVar("T")
 
@@ -91,208 +91,6 @@ def check(cfg: Config, kind: Kind) -> list[str]:
     if problems:
         raise ConfigError("\n".join(problems))
     return summary
-
-
-# --- registered names ------------------------------------------------------------------------
-
-
-def check_algorithm(cfg: Config, kind: Kind) -> None:
-    """Registered names and the rules between them (ConfigError listing every problem), after
-    ``algorithm.plugins`` are imported (they register names)."""
-    from treadle.algorithms import (
-        ADV_ESTIMATORS,
-        KL_ESTIMATORS,
-        LOSS_AGG_MODES,
-        POLICY_LOSSES,
-        PREFERENCE_LOSSES,
-    )
-    from treadle.plugins import load_plugins
-
-    if cfg.algorithm.plugins:
-        with time_limit(IMPORT_TIMEOUT_S, "algorithm.plugins"):
-            load_plugins(cfg.algorithm.plugins)
-
-    names = _registered_names(cfg, kind)
-    problems = []
-    for key, registry, name in names:
-        if name not in registry:
-            close = difflib.get_close_matches(name, registry.names(), n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            problems.append(
-                f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}{hint}"
-            )
-    if kind == "train":
-        problems += _algorithm_rules(cfg, ADV_ESTIMATORS, POLICY_LOSSES)
-        problems += _loss_rules(cfg, POLICY_LOSSES, KL_ESTIMATORS)
-        problems += _algorithm_knobs(cfg, POLICY_LOSSES, LOSS_AGG_MODES)
-    if kind == "dpo" and cfg.dpo.loss_type in PREFERENCE_LOSSES:
-        problems += _preference_knobs(cfg, PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
-    if kind == "kto" and cfg.data.batch_size < 2:
-        problems.append(
-            f"data.batch_size={cfg.data.batch_size}: KTO estimates its reference point from "
-            "the other examples of a batch: set data.batch_size to 2 or more"
-        )
-    if kind in ("dpo", "kto") and getattr(cfg, kind).eval_task and not cfg.data.val_files:
-        problems.append(f"{kind}.eval_task=true needs data.val_files (held-out prompts)")
-    if problems:
-        raise ConfigError("\n".join(problems))
-
-
-def _registered_names(cfg: Config, kind: Kind) -> list[tuple[str, Any, str]]:
-    """(config key, registry, name) of every name ``kind`` looks up."""
-    from treadle.algorithms import (
-        ADV_ESTIMATORS,
-        KL_ESTIMATORS,
-        LOSS_AGG_MODES,
-        POLICY_LOSSES,
-        PREFERENCE_LOSSES,
-        UNPAIRED_LOSSES,
-    )
-
-    alg = cfg.algorithm
-    if kind == "train":
-        return [
-            ("algorithm.adv_estimator", ADV_ESTIMATORS, alg.adv_estimator),
-            ("algorithm.policy_loss", POLICY_LOSSES, alg.policy_loss),
-            ("algorithm.loss_agg_mode", LOSS_AGG_MODES, alg.loss_agg_mode),
-            ("algorithm.kl_estimator", KL_ESTIMATORS, alg.kl_estimator),
-            ("algorithm.kl_reward_estimator", KL_ESTIMATORS, alg.kl_reward_estimator),
-        ]
-    if kind == "dpo":
-        return [("dpo.loss_type", PREFERENCE_LOSSES, cfg.dpo.loss_type)]
-    if kind == "kto":
-        return [("kto.loss_type", UNPAIRED_LOSSES, cfg.kto.loss_type)]
-    return []
-
-
-def _unread_knobs(
-    cfg: Config, section: str, knobs: Any, reads: Any, selector: str, reads_none: str
-) -> list[str]:
-    """A line for each of ``knobs`` (settings of ``cfg.<section>`` that only some functions
-    read) changed from its default that the function ``<section>.<selector>`` names does not
-    read (``reads``): a knob nothing reads would be silently ignored."""
-    settings = getattr(cfg, section)
-    fields, chosen, problems = type(settings).model_fields, getattr(settings, selector), []
-    for knob in sorted(knobs):
-        value = getattr(settings, knob)
-        if value != fields[knob].default and knob not in reads:
-            shown = "null" if value is None else value
-            problems.append(
-                f"{section}.{knob}={shown} is not read by {section}.{selector}={chosen} (it "
-                f"reads {', '.join(sorted(reads)) or reads_none}): remove {section}.{knob}"
-            )
-    return problems
-
-
-def _algorithm_knobs(cfg: Config, losses: Any, agg_modes: Any) -> list[str]:
-    """The policy loss's and the loss aggregation's knobs (their ``knobs`` registration):
-    another one changed from its default is an error, as is a registered knob that is no
-    ``algorithm`` setting (a plug-in's)."""
-    alg, problems = cfg.algorithm, []
-    fields = type(alg).model_fields
-    for registry, selector in ((losses, "policy_loss"), (agg_modes, "loss_agg_mode")):
-        chosen = getattr(alg, selector)
-        if chosen not in registry:
-            continue
-        reads = registry.knobs(chosen)
-        unknown = [k for k in reads if k not in fields]
-        if unknown:
-            problems.append(
-                f"algorithm.{selector}={chosen} is registered with knobs=({', '.join(unknown)}) "
-                "that are not algorithm settings: register only keys of the algorithm section"
-            )
-        knobs = {k for k in registry.all_knobs() if k in fields}
-        problems += _unread_knobs(cfg, "algorithm", knobs, reads, selector, "no algorithm knob")
-    return problems
-
-
-def _preference_knobs(cfg: Config, info: dict[str, Any]) -> list[str]:
-    """A ``dpo`` knob changed from its default must be one the loss reads (``f_alpha`` goes
-    with ``f_divergence``); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
-    d = cfg.dpo
-    reads = set(info.get("knobs", ()))
-    if "f_divergence" in reads:
-        reads.add("f_alpha")
-    problems = _unread_knobs(cfg, "dpo", DPO_KNOBS, reads, "loss_type", "only dpo.beta")
-    for knob in info.get("positive", ()):
-        if not getattr(d, knob) > 0:
-            problems.append(
-                f"dpo.loss_type={d.loss_type} needs dpo.{knob} > 0 (got {getattr(d, knob)})"
-            )
-    if info.get("nll") and d.nll_coef:
-        problems.append(
-            f"dpo.loss_type={d.loss_type} already includes the chosen responses' NLL (weight "
-            f"{info['nll']}): set dpo.nll_coef=0"
-        )
-    return problems
-
-
-def _algorithm_rules(cfg: Config, estimators: Any, losses: Any) -> list[str]:
-    alg, problems = cfg.algorithm, []
-    groups = alg.adv_estimator in estimators and estimators.info(alg.adv_estimator).get("groups")
-    if groups and cfg.rollout.n < 2:
-        problems.append(
-            f"algorithm.adv_estimator={alg.adv_estimator} takes its baseline from a group "
-            f"of samples of one prompt, and rollout.n=1 makes groups of one: set rollout.n "
-            "to 2 or more, or use an estimator without groups (reinforce_plus_plus, gae)"
-        )
-    needs = estimators.needs(alg.adv_estimator) if alg.adv_estimator in estimators else ()
-    if "reward_components" in needs and not alg.gdpo_reward_keys:
-        problems.append(
-            f"algorithm.adv_estimator={alg.adv_estimator} normalizes each component of the "
-            "reward on its own: list them in algorithm.gdpo_reward_keys (keys of the dict the "
-            "reward function returns, e.g. [format, accuracy])"
-        )
-    if "reward_components" in needs and cfg.reward.model_path:
-        problems.append(
-            f"algorithm.adv_estimator={alg.adv_estimator} normalizes the named components of "
-            "reward.function's score, but with reward.model_path the reward model's score "
-            "trains: drop reward.model_path or use another estimator"
-        )
-    if {"old_log_probs", "sum_pi_squared"} & set(
-        needs
-    ) and cfg.actor.recompute_old_log_probs is False:
-        problems.append(
-            f"algorithm.adv_estimator={alg.adv_estimator} reads the old policy's log-probs "
-            "before the update, which actor.recompute_old_log_probs=false skips: set it to null"
-        )
-    if alg.policy_loss in losses:
-        allowed = losses.info(alg.policy_loss).get("agg_modes")
-        if allowed and alg.loss_agg_mode not in allowed:
-            problems.append(
-                f"algorithm.loss_agg_mode={alg.loss_agg_mode} cannot be used with "
-                f"algorithm.policy_loss={alg.policy_loss}: choose one of {', '.join(allowed)}"
-            )
-    return problems
-
-
-def _loss_rules(cfg: Config, losses: Any, kl_estimators: Any) -> list[str]:
-    """What a policy loss or KL estimator needs from the rest of the config."""
-    alg, problems = cfg.algorithm, []
-    reward_kl = alg.kl_reward_estimator
-    if reward_kl in kl_estimators and kl_estimators.info(reward_kl).get("full_vocab"):
-        problems.append(
-            f"algorithm.kl_reward_estimator={reward_kl} needs the reference's whole "
-            "distribution, which only the actor's update has (the reward is shaped on the "
-            "driver from sampled-token log-probs): use it as algorithm.kl_estimator (the KL "
-            "loss) and pick a per-token estimator (k1, k3...) for the reward"
-        )
-    if alg.policy_loss not in losses:
-        return problems
-    loss = losses.canonical(alg.policy_loss)
-    if loss == "dro" and alg.dro_beta is None:
-        problems.append(
-            "algorithm.policy_loss=dro needs algorithm.dro_beta (> 0), the weight of its "
-            "log-ratio penalty; it has no default"
-        )
-    old = losses.info(loss).get("old")
-    if old == "rollout_log_probs" and alg.rollout_correction != "none":
-        problems.append(
-            f"algorithm.policy_loss={alg.policy_loss} takes the rollout log-probs as the old "
-            f"policy and corrects for them itself (algorithm.bypass_*): set "
-            f"algorithm.rollout_correction=none (got {alg.rollout_correction})"
-        )
-    return problems
 
 
 # --- models ----------------------------------------------------------------------------------
@@ -379,42 +177,6 @@ def _context_note(cfg: Config, kind: Kind, folder: str) -> str:
 
 
 # --- user code -------------------------------------------------------------------------------
-
-
-class _ImportTimeout(BaseException):
-    """Raised by SIGALRM in code that blocks; a BaseException so user code's `except
-    Exception` (and treadle's own import wrappers) let it through."""
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float, key: str) -> Iterator[None]:
-    """Interrupt the block after ``seconds`` with ConfigError naming ``key`` (main thread only:
-    elsewhere, or where there is no SIGALRM, the block runs without a limit)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-        signal, "setitimer"
-    ):
-        yield
-        return
-
-    def on_alarm(signum: int, frame: object) -> None:
-        raise _ImportTimeout()
-
-    previous = signal.signal(signal.SIGALRM, on_alarm)
-    start = time.monotonic()
-    outer, interval = signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    except _ImportTimeout:
-        raise ConfigError(
-            f"{key}: importing it took longer than {seconds:g} s: does it block or loop at "
-            "import time?"
-        ) from None
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-        if outer > 0:  # someone else's timer (a test timeout): give back what is left of it
-            left = max(outer - (time.monotonic() - start), 1e-3)
-            signal.setitimer(signal.ITIMER_REAL, left, interval)
 
 
 def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[str]) -> Any:
@@ -538,7 +300,7 @@ def _check_output_dir(cfg: Config, summary: list[str]) -> None:
 def lock_holder(path: Path) -> str | None:
     """Who holds the run lock ``path`` (``pid N on host``, or "pid unknown"); None if nobody.
 
-    Tries the lock (``flock``, as ``trainers.common.RunLock`` takes it) and lets it go at once.
+    Tries the lock (``flock``, as ``trainers.run_dir.RunLock`` takes it) and lets it go at once.
     """
     try:
         file = path.open("r")

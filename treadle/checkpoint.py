@@ -11,6 +11,10 @@ A checkpoint is complete when its manifest is there and every file matches it. R
 verifies the newest: a file missing, truncated or with other bytes (a flipped bit included)
 makes it fall back to the one before, with a warning naming the file; when no complete
 checkpoint is left the run stops with one error naming what is damaged.
+
+:func:`save` writes one (the actor's group at the top, each other role in ``<name>/``); the
+run's last one is also exported as ``<output_dir>/final_model``, files of its own that
+rotation cannot touch (with LoRA: the merged model, its adapter in ``adapter/``).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from treadle.errors import TreadleError
+from treadle.faults import failpoint
 
 _STEP = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -33,6 +39,12 @@ log = logging.getLogger("treadle")
 
 class CheckpointError(TreadleError):
     """No complete checkpoint to resume from although there are checkpoints; names the damage."""
+
+
+class Saves(Protocol):
+    """What writes its state into a checkpoint directory (a worker group)."""
+
+    def save_checkpoint(self, path: str) -> Any: ...
 
 
 def checkpoint_root(output_dir: str | Path) -> Path:
@@ -142,3 +154,46 @@ def holds_adapters(path: Path) -> bool:
 def read_state(path: Path) -> dict[str, Any]:
     state: dict[str, Any] = json.loads((path / "state.json").read_text())
     return state
+
+
+def save(
+    output_dir: str | Path,
+    step: int,
+    actors: Saves,
+    roles: Mapping[str, Saves],
+    state: dict[str, Any],
+    keep: int,
+    final: bool,
+) -> Path:
+    """Checkpoint ``step`` atomically; the ``final`` one is also exported as ``final_model``.
+
+    ``actors`` write the top of the directory, each of ``roles`` its own ``<name>/``;
+    ``state`` (the data position and whatever else the driver keeps) goes to state.json.
+    """
+    tmp = begin(output_dir, step)
+    actors.save_checkpoint(str(tmp))
+    for name, role in roles.items():
+        role.save_checkpoint(str(tmp / name))
+    failpoint("checkpoint", step)
+    done = commit(tmp, {"step": step, **state}, keep)
+    if final:
+        export_model(done, Path(output_dir) / "final_model")
+    return done
+
+
+def export_model(checkpoint_dir: Path, dest: Path) -> Path:
+    """Copy the checkpoint's model folder to ``dest`` (the run's final model): files of its
+    own, which checkpoint rotation cannot touch."""
+    from treadle.models import ADAPTER_DIR, export_merged  # transformers: only to export
+
+    if dest.exists():
+        shutil.rmtree(dest)
+    tmp = dest.with_name(dest.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    if holds_adapters(checkpoint_dir):  # LoRA: merged, with the adapter in adapter/
+        export_merged(checkpoint_dir / ADAPTER_DIR, tmp)
+    else:
+        shutil.copytree(checkpoint_dir / "model", tmp)
+    tmp.rename(dest)
+    return dest

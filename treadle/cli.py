@@ -99,7 +99,7 @@ def cmd_rm(args: argparse.Namespace) -> None:
 
 def cmd_eval(args: argparse.Namespace) -> None:
     cfg = _config(args)
-    from treadle.trainers.common import evaluate_model
+    from treadle.trainers.evaluation import evaluate_model
 
     print(f"held-out accuracy: {100 * evaluate_model(cfg):.1f}%")
 

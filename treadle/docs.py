@@ -38,7 +38,7 @@ COMMAND = "python -m treadle.docs"
 
 HEADER = f"""# Config reference
 
-<!-- Generated from treadle/config.py by `{COMMAND}`: do not edit by hand. -->
+<!-- Generated from treadle/config/ by `{COMMAND}`: do not edit by hand. -->
 
 A run is one YAML file of the sections below (every key optional: a default is used for
 what is not given) plus `section.key=value` overrides on the command line
@@ -67,9 +67,35 @@ def _section(path: str, model: type[BaseModel]) -> Iterator[str]:
     doc = model.__doc__ if model.__doc__ not in (Section.__doc__, BaseModel.__doc__) else None
     if doc:
         yield inspect.cleandoc(doc) + "\n"
+    nested: list[tuple[str, type[BaseModel]]] = []
+    groups = _groups(model)
+    for owner, names in groups:
+        if len(groups) > 1 and owner is not model:  # a settings class the section is made of
+            yield f"`{owner.__name__}`: {_cell(inspect.cleandoc(owner.__doc__ or ''))}\n"
+        yield "\n".join(_rows(path, model, names, nested)) + "\n"
+    for sub_path, sub_model in nested:
+        yield from _section(sub_path, sub_model)
+
+
+def _groups(model: type[BaseModel]) -> list[tuple[type, list[str]]]:
+    """The section's keys in order, in runs of the class that declares them (a section built
+    of settings classes, as ``algorithm`` is, gets a table for each)."""
+    groups: list[tuple[type, list[str]]] = []
+    for name in model.model_fields:
+        owner = next(c for c in model.__mro__ if name in getattr(c, "__annotations__", {}))
+        if groups and groups[-1][0] is owner:
+            groups[-1][1].append(name)
+        else:
+            groups.append((owner, [name]))
+    return groups
+
+
+def _rows(
+    path: str, model: type[BaseModel], names: list[str], nested: list[tuple[str, type[BaseModel]]]
+) -> list[str]:
     rows = ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
-    nested = []
-    for name, field in model.model_fields.items():
+    for name in names:
+        field = model.model_fields[name]
         key = field.alias or name
         sub = field.annotation
         if isinstance(sub, type) and issubclass(sub, BaseModel):
@@ -80,9 +106,7 @@ def _section(path: str, model: type[BaseModel]) -> Iterator[str]:
             f"| `{key}` | {_cell(_type(field))} | {_cell(_default(field))} | "
             f"{_cell(field.description or '')} |"
         )
-    yield "\n".join(rows) + "\n"
-    for sub_path, sub_model in nested:
-        yield from _section(sub_path, sub_model)
+    return rows
 
 
 def _cell(text: str) -> str:

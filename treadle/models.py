@@ -72,6 +72,30 @@ def resolve_model_path(
     return str(folder)
 
 
+def model_config(path: str, key: str, allow_download: bool) -> dict[str, Any]:
+    """The folder's config.json; empty for a hub id (checked when transformers fetches it)."""
+    file = Path(resolve_model_path(path, key=key, allow_download=allow_download)) / "config.json"
+    config: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    return config
+
+
+def vocab_size(config: dict[str, Any]) -> int | None:
+    """The vocabulary size a model's config.json gives (a multimodal one's text model's)."""
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size) if size is not None else None
+
+
+def check_vocabulary(key: str, path: str, vocab: int | None, actor_vocab: int | None) -> None:
+    """A model that scores the actor's token ids (``key``: ``path``) has the actor's
+    vocabulary size; unknown sizes pass."""
+    if vocab and actor_vocab and vocab != actor_vocab:
+        raise ConfigError(
+            f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
+            f"(model.path) {actor_vocab}; it scores the actor's token ids, so it must use "
+            "the actor's tokenizer"
+        )
+
+
 def _not_adapters_only(folder: Path, key: str) -> None:
     if not (folder / "config.json").is_file() and (folder / ADAPTER_DIR).is_dir():
         raise ConfigError(

@@ -6,12 +6,13 @@ finds it: ``treadle train examples/plugins/grpo.yaml``. A module on ``sys.path``
 (``algorithm.plugins: [my_package.estimators]``).
 """
 
-from treadle.algorithms import register_adv_estimator
+from treadle.algorithms import EstimatorInputs, NoSettings, register_adv_estimator
 
 
 @register_adv_estimator("my_baseline")
-def my_baseline(token_level_rewards, response_mask, *, group_ids, **_):
+def my_baseline(inputs: EstimatorInputs, settings: NoSettings):
     """Each response's score minus the batch's mean score, on every response token."""
-    score = (token_level_rewards * response_mask).sum(-1)
-    adv = (score - score.mean())[:, None] * response_mask
+    mask = inputs.response_mask
+    score = (inputs.token_level_rewards * mask).sum(-1)
+    adv = (score - score.mean())[:, None] * mask
     return adv, adv

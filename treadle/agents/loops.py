@@ -34,7 +34,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.agents.tools import Toolbox, parse_tool_calls, result_message
 from treadle.agents.trajectory import Trajectory
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError, TreadleError
 from treadle.plugins import load_callable
 from treadle.rollout.client import RolloutClient, RolloutError

@@ -5,13 +5,13 @@ every parameter); ``rollout.tools`` lists them as ``module:function`` or
 ``path/to/file.py:function``. Its schema comes from ``transformers.utils.get_json_schema``, the
 same one a chat template's ``tools=`` argument takes.
 
-How the model sees the tools (:func:`tool_messages`): a chat template with tool support gets
-the schemas through ``tools=``; for a template without (SmolLM2's, plain ChatML), the Hermes
-instructions used by Qwen2.5 and NousResearch's Hermes models go into the system message. A
-call is a ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` block in the model's
-text (:func:`parse_tool_calls`); its result goes back as a ``tool`` message, or, without tool
-support in the template, as a user message wrapped in ``<tool_response>`` tags (what Qwen2.5's
-template renders a tool message as).
+How the model sees the tools (``treadle.data.tool_messages``, beside the prompts' rendering):
+a chat template with tool support gets the schemas through ``tools=``; for a template without
+(SmolLM2's, plain ChatML), the Hermes instructions used by Qwen2.5 and NousResearch's Hermes
+models go into the system message. A call is a ``<tool_call>{"name": ..., "arguments":
+{...}}</tool_call>`` block in the model's text (:func:`parse_tool_calls`); its result goes
+back as a ``tool`` message, or, without tool support in the template, as a user message
+wrapped in ``<tool_response>`` tags (what Qwen2.5's template renders a tool message as).
 
 Calls never crash a rollout (:meth:`Toolbox.call`): malformed JSON, an unknown tool, wrong
 arguments, an exception or a call over ``rollout.tool_timeout_s`` each become an ``Error: ...``
@@ -35,23 +35,9 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from treadle.data.templating import supports_tools
 from treadle.errors import ConfigError
 from treadle.plugins import load_callable
-
-HERMES_TOOLS_PROMPT = """# Tools
-
-You may call one or more functions to assist with the user query.
-
-You are provided with function signatures within <tools></tools> XML tags:
-<tools>
-{tools}
-</tools>
-
-For each function call, return a json object with function name and arguments within \
-<tool_call></tool_call> XML tags:
-<tool_call>
-{{"name": <function-name>, "arguments": <args-json-object>}}
-</tool_call>"""
 
 _CALL_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
@@ -196,31 +182,6 @@ def _parse_call(body: str) -> ToolCall:
 
 
 # ----------------------------------------------------------------------------- chat rendering
-
-
-def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
-    """Whether the tokenizer's chat template renders ``tools=`` itself."""
-    template = tokenizer.chat_template
-    text = template if isinstance(template, str) else json.dumps(template)
-    return "tools" in (text or "")
-
-
-def tool_messages(
-    tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, Any]],
-    schemas: list[dict[str, Any]],
-) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """``(messages, kwargs)`` for ``apply_chat_template``: the schemas as ``tools=`` when the
-    template supports them, else the Hermes instructions in the system message."""
-    if not schemas:
-        return messages, {}
-    if supports_tools(tokenizer):
-        return messages, {"tools": schemas}
-    text = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(s) for s in schemas))
-    if messages and messages[0]["role"] == "system":
-        system = {"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}
-        return [system, *messages[1:]], {}
-    return [{"role": "system", "content": text}, *messages], {}
 
 
 def result_message(tokenizer: PreTrainedTokenizerBase, content: str) -> dict[str, str]:

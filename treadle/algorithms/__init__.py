@@ -9,6 +9,9 @@
   ``UNPAIRED_LOSSES``) and the Bradley-Terry reward-model loss
 - ``prime``: PRIME's implicit process rewards, its PRM losses and the ``prime`` estimator
 - ``utils``: masked statistics
+- ``inputs``: the records the functions take (``PolicyLossInputs``, ``EstimatorInputs``,
+  ``PairInputs``, ``UnpairedInputs``, ``Aggregation``); each function's own settings class
+  lives beside it
 - ``registry``: the ``Registry`` class and the ``register_*`` decorators
 
 Nothing here knows about Ray, models or config objects. Importing this package registers every
@@ -16,6 +19,14 @@ built-in function, so ``ADV_ESTIMATORS.get("grpo")`` works after ``import treadl
 """
 
 from treadle.algorithms import advantages, kl, losses, preference, prime
+from treadle.algorithms.inputs import (
+    Aggregation,
+    EstimatorInputs,
+    NoSettings,
+    PairInputs,
+    PolicyLossInputs,
+    UnpairedInputs,
+)
 from treadle.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from treadle.algorithms.losses import agg_loss, entropy_from_logits, value_loss
 from treadle.algorithms.preference import (
@@ -50,8 +61,14 @@ __all__ = [
     "PREFERENCE_LOSSES",
     "UNPAIRED_LOSSES",
     "AdaptiveKLController",
+    "Aggregation",
+    "EstimatorInputs",
     "FixedKLController",
+    "NoSettings",
+    "PairInputs",
+    "PolicyLossInputs",
     "Registry",
+    "UnpairedInputs",
     "advantages",
     "agg_loss",
     "bradley_terry_loss",

@@ -28,12 +28,13 @@ with these deliberate differences:
 from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from treadle.algorithms.inputs import EstimatorInputs
 from treadle.algorithms.registry import register_adv_estimator
 from treadle.algorithms.utils import group_index, group_sum, masked_whiten
 
@@ -147,17 +148,17 @@ def _leave_one_out(values: Tensor, per_sample: Tensor, index: Tensor, valid: Ten
     return torch.where(valid, out, 0.0)
 
 
-@register_adv_estimator("prime", needs=("implicit_rewards",), groups=True)
-def prime_advantages(
-    token_level_rewards: Tensor,
-    response_mask: Tensor,
-    *,
-    group_ids: Sequence[Hashable],
-    implicit_rewards: Tensor | None = None,
-    reward_gt_coef: float = 5.0,
-    reward_dpo_coef: float = 5.0,
-    **_: Any,
-) -> tuple[Tensor, Tensor]:
+@dataclass(frozen=True)
+class PrimeSettings:
+    """The weights of the two reward sources (``prime.reward_gt_coef``,
+    ``prime.reward_dpo_coef``); 0 drops a source."""
+
+    reward_gt_coef: float = 5.0
+    reward_dpo_coef: float = 5.0
+
+
+@register_adv_estimator("prime", needs=("implicit_rewards",), groups=True, settings=PrimeSettings)
+def prime_advantages(inputs: EstimatorInputs, settings: PrimeSettings) -> tuple[Tensor, Tensor]:
     """PRIME (Cui et al., arXiv 2502.01456): ``A = whiten(Σ_{t'≥t} c_gt RLOO(s) + c_dpo RLOO(r))``.
 
     Two reward sources, each with its own leave-one-out baseline over the group (verl's
@@ -173,21 +174,26 @@ def prime_advantages(
     reward shaped in (``algorithm.kl_reward_coef``) enter through their sum; verl's recipe
     ignores that penalty.
     """
-    if implicit_rewards is None:
+    if inputs.implicit_rewards is None:
         raise ValueError("the prime estimator needs implicit_rewards (the implicit PRM's)")
-    valid = response_mask.bool()
-    scores = torch.where(valid, token_level_rewards.double(), 0.0).sum(-1)
-    index = group_index(group_ids, scores)
+    mask, gt_coef, dpo_coef = (
+        inputs.response_mask,
+        settings.reward_gt_coef,
+        settings.reward_dpo_coef,
+    )
+    valid = mask.bool()
+    scores = torch.where(valid, inputs.token_level_rewards.double(), 0.0).sum(-1)
+    index = group_index(inputs.group_ids, scores)
     total = torch.zeros(valid.shape, dtype=torch.float64, device=valid.device)
-    if reward_gt_coef:
-        last = last_valid(response_mask)
+    if gt_coef:
+        last = last_valid(mask)
         outcome = torch.where(last, scores[:, None], 0.0)
-        total += reward_gt_coef * _leave_one_out(outcome, scores, index, last)
-    if reward_dpo_coef:
-        r = torch.where(valid, implicit_rewards.double(), 0.0)
+        total += gt_coef * _leave_one_out(outcome, scores, index, last)
+    if dpo_coef:
+        r = torch.where(valid, inputs.implicit_rewards.double(), 0.0)
         count = valid.sum(-1)
         means = torch.where(count > 0, r.sum(-1) / count.clamp(min=1), 0.0)
-        total += reward_dpo_coef * _leave_one_out(r, means, index, valid)
+        total += dpo_coef * _leave_one_out(r, means, index, valid)
     returns = torch.where(valid, total.flip(-1).cumsum(-1).flip(-1), 0.0)
-    advantages = masked_whiten(returns, response_mask)
+    advantages = masked_whiten(returns, mask)
     return advantages.float(), returns.float()

@@ -17,16 +17,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import treadle.algorithms  # noqa: F401  (registers every built-in function)
-from treadle.algorithms.registry import (
-    ADV_ESTIMATORS,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    PREFERENCE_LOSSES,
-    UNPAIRED_LOSSES,
-    Registry,
-)
+from treadle import algorithms  # the package: importing it registers every built-in function
+from treadle.algorithms.registry import Registry
 
 COMMAND = "python -m treadle.docs"
 
@@ -74,6 +66,11 @@ def _rl_needs(info: dict[str, Any]) -> str:
     return "; ".join(parts)
 
 
+def _estimator_needs(info: dict[str, Any]) -> str:
+    """An estimator's settings are not all config keys: its ``knobs`` are left out."""
+    return _rl_needs({k: v for k, v in info.items() if k != "knobs"})
+
+
 def _preference_needs(info: dict[str, Any], data: str = "pairs", section: str = "dpo") -> str:
     parts = [DATA[data]]
     if info.get("reference") is False:
@@ -112,15 +109,15 @@ DATA = {
 KINDS = (
     Kind(
         "Advantage estimators",
-        ADV_ESTIMATORS,
+        algorithms.ADV_ESTIMATORS,
         "algorithm.adv_estimator",
         "Rewards (and a critic's values) in, per-token advantages and returns out. Data: "
         "prompts with a reward function (`data.train_files`, `reward.function`).",
-        _rl_needs,
+        _estimator_needs,
     ),
     Kind(
         "Policy losses",
-        POLICY_LOSSES,
+        algorithms.POLICY_LOSSES,
         "algorithm.policy_loss",
         "The actor's objective per token, from the new and old log-probs and the advantages; "
         "r = π/π_old.",
@@ -128,14 +125,14 @@ KINDS = (
     ),
     Kind(
         "Loss aggregation",
-        LOSS_AGG_MODES,
+        algorithms.LOSS_AGG_MODES,
         "algorithm.loss_agg_mode",
         "How a [batch, tokens] loss matrix becomes one number (m: the response mask).",
         _rl_needs,
     ),
     Kind(
         "KL estimators",
-        KL_ESTIMATORS,
+        algorithms.KL_ESTIMATORS,
         "algorithm.kl_estimator",
         "Per-token estimates of KL(π ‖ π_ref): in the loss (`algorithm.kl_estimator`, weight "
         "`algorithm.kl_coef`) or in the reward (`algorithm.kl_reward_estimator`, weight "
@@ -144,7 +141,7 @@ KINDS = (
     ),
     Kind(
         "Preference losses",
-        PREFERENCE_LOSSES,
+        algorithms.PREFERENCE_LOSSES,
         "dpo.loss_type",
         "One loss per example from sequence log-probs of the policy and (most) of a frozen "
         "reference; run by `treadle dpo`. h is the log-ratio margin "
@@ -153,7 +150,7 @@ KINDS = (
     ),
     Kind(
         "Unpaired preference losses",
-        UNPAIRED_LOSSES,
+        algorithms.UNPAIRED_LOSSES,
         "kto.loss_type",
         "One loss per example labelled good or bad, from its sequence log-probs under the "
         "policy and a frozen reference; run by `treadle kto`.",

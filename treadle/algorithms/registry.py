@@ -1,21 +1,25 @@
 """Name -> function registries for the algorithm zoo.
 
 A config names an algorithm by string (``algorithm.adv_estimator: grpo``); the driver looks the
-function up here. Adding a variant is one decorated function in the module that owns its kind:
+function up here. Adding a variant is one decorated function in the module that owns its kind,
+taking that kind's inputs record and its own settings (:mod:`treadle.algorithms.inputs`):
 
     @register_adv_estimator("my_estimator")
-    def my_estimator(token_level_rewards, response_mask, *, group_ids, **_): ...
+    def my_estimator(inputs: EstimatorInputs, settings: NoSettings): ...
 
 A registration may carry facts about the function that the driver needs to build the dataflow,
 e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a critic because
 the estimator says it reads values, not because its name is ``gae``. ``groups=True`` marks an
 estimator whose baseline is its group (``rollout.n`` samples of one prompt);
 ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
-absent); ``knobs=(...)`` the ``algorithm`` settings a policy loss (or aggregation) reads, which
-the actor passes it, no others. Preference losses say ``reference=False`` (no reference model
-is built), ``knobs=(...)`` (the ``dpo`` settings they read), ``nll=`` (the chosen NLL they
-include), ``batchwise=True``; unpaired losses ``kl=True`` (KTO's reference point). ``treadle
-check`` reads these facts.
+absent). ``settings=`` is the function's settings class, a frozen dataclass: its fields are the
+knobs the function reads (``knobs(name)``, the config settings of the same names, which the
+caller passes it, no others; a registry's ``shared`` fields, DPO's ``beta``, every function
+reads and are not counted). An aggregation mode lists its knobs as ``knobs=(...)``.
+Preference losses say ``reference=False`` (no reference model is built), ``nll=`` (the chosen
+NLL they include), ``batchwise=True``; unpaired losses ``kl=True`` (KTO's reference point).
+``treadle check`` reads these facts. Each is a keyword of ``register``: a misspelt one is a
+``TypeError``, as is a name a settings class or an inputs record does not have.
 
 ``REGISTRY.alias("vanilla", "ppo")`` makes a second name for a registered function (verl's
 names beside treadle's): it resolves everywhere the name does, facts included.
@@ -27,35 +31,93 @@ follow; mypy checks every registered function against them.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
 
 from torch import Tensor
 
+from treadle.algorithms import inputs as records
+
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+# the registration facts left at these values are not recorded (``info`` lacks them)
+_UNSET_FACTS: dict[str, Any] = {
+    "knobs": (),
+    "needs": (),
+    "groups": False,
+    "agg_modes": (),
+    "old": None,
+    "full_vocab": False,
+    "reference": True,
+    "nll": 0.0,
+    "positive": (),
+    "batchwise": False,
+    "kl": False,
+}
 
 
 class Registry(Generic[F]):
     """A mapping from names to functions of one kind, filled by a ``register`` decorator."""
 
-    def __init__(self, kind: str) -> None:
+    def __init__(self, kind: str, shared: tuple[str, ...] = ()) -> None:
         self.kind = kind
+        self.shared = shared  # settings every function of the kind reads (not knobs)
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
+        self._settings: dict[str, type[Any]] = {}
         self._aliases: dict[str, str] = {}
 
-    def register(self, name: str, **info: Any) -> Callable[[F], F]:
+    def register(
+        self,
+        name: str,
+        *,
+        settings: type | None = None,
+        knobs: tuple[str, ...] = (),
+        needs: tuple[str, ...] = (),
+        groups: bool = False,
+        agg_modes: tuple[str, ...] = (),
+        old: str | None = None,
+        full_vocab: bool = False,
+        reference: bool = True,
+        nll: float = 0.0,
+        positive: tuple[str, ...] = (),
+        batchwise: bool = False,
+        kl: bool = False,
+    ) -> Callable[[F], F]:
         """Decorator: register the function under ``name``; a name can be registered once.
 
-        ``info`` are facts the driver may ask with :meth:`info` (``needs=("values",)``).
+        The keywords are facts the driver may ask with :meth:`info` (``needs=("values",)``),
+        described in the module; those left at their defaults are not recorded.
         """
+        if settings is not None:
+            if knobs:
+                raise ValueError(f"{self.kind} {name!r}: its settings' fields are its knobs")
+            fields = dataclasses.fields(settings)
+            knobs = tuple(f.name for f in fields if f.name not in self.shared)
+        facts: dict[str, Any] = {
+            "knobs": knobs,
+            "needs": needs,
+            "groups": groups,
+            "agg_modes": agg_modes,
+            "old": old,
+            "full_vocab": full_vocab,
+            "reference": reference,
+            "nll": nll,
+            "positive": positive,
+            "batchwise": batchwise,
+            "kl": kl,
+        }
+        info = {k: v for k, v in facts.items() if v != _UNSET_FACTS[k]}
 
         def decorator(fn: F) -> F:
             if name in self._fns or name in self._aliases:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._fns[name] = fn
             self._info[name] = dict(info)
+            self._settings[name] = records.NoSettings if settings is None else settings
             return fn
 
         return decorator
@@ -90,6 +152,18 @@ class Registry(Generic[F]):
         defaults."""
         return tuple(self.info(name).get("knobs", ()))
 
+    def settings(self, name: str) -> type[Any]:
+        """``name``'s settings class (a frozen dataclass; ``NoSettings`` if it registered none):
+        ``POLICY_LOSSES.settings("ppo")(clip_ratio_c=3.0)``; a name it does not take is a
+        ``TypeError``."""
+        return self._settings[self.canonical(name)]
+
+    def settings_from(self, name: str, source: object) -> Any:
+        """``name``'s settings with its knobs and the ``shared`` fields read from the
+        attributes of the same names of ``source`` (a config section), and no others."""
+        keys = (*self.shared, *self.knobs(name))
+        return self.settings(name)(**{key: getattr(source, key) for key in keys})
+
     def all_knobs(self) -> set[str]:
         """Every setting some registered function reads."""
         return {k for info in self._info.values() for k in info.get("knobs", ())}
@@ -115,28 +189,18 @@ class Registry(Generic[F]):
 
 
 class AdvantageEstimator(Protocol):
-    """``(token_level_rewards[B,T], response_mask[B,T], *, group_ids, ...) -> (adv, returns)``."""
+    """``(EstimatorInputs, settings) -> (advantages[B,T], returns[B,T])``."""
 
     def __call__(
-        self,
-        token_level_rewards: Tensor,
-        response_mask: Tensor,
-        *,
-        group_ids: Sequence[Hashable],
-        **kwargs: Any,
+        self, inputs: records.EstimatorInputs, settings: Any, /
     ) -> tuple[Tensor, Tensor]: ...
 
 
 class PolicyLoss(Protocol):
-    """``(log_probs, old_log_probs, advantages, response_mask, ...) -> (loss, metrics)``."""
+    """``(PolicyLossInputs, settings) -> (loss, metrics)``."""
 
     def __call__(
-        self,
-        log_probs: Tensor,
-        old_log_probs: Tensor,
-        advantages: Tensor,
-        response_mask: Tensor,
-        **kwargs: Any,
+        self, inputs: records.PolicyLossInputs, settings: Any, /
     ) -> tuple[Tensor, dict[str, float]]: ...
 
 
@@ -147,72 +211,35 @@ class KLEstimator(Protocol):
 
 
 class LossAggMode(Protocol):
-    """``(loss_mat[B,T], mask[B,T], *, num_tokens, num_seqs, norm_constant, dp_size) -> scalar``.
+    """``(loss_mat[B,T], mask[B,T], Aggregation) -> scalar``.
 
-    ``num_tokens`` / ``num_seqs`` are the mini-batch's totals divided by ``dp_size`` (the
-    data-parallel ranks, whose gradients are averaged): a mode that needs the plain sum
-    (``token-sum``) multiplies by ``dp_size``.
+    The aggregation's ``num_tokens`` / ``num_seqs`` are the mini-batch's totals divided by
+    ``dp_size`` (the data-parallel ranks, whose gradients are averaged): a mode that needs the
+    plain sum (``token-sum``) multiplies by ``dp_size``.
     """
 
-    def __call__(
-        self,
-        loss_mat: Tensor,
-        mask: Tensor,
-        *,
-        num_tokens: float | Tensor | None,
-        num_seqs: float | Tensor | None,
-        norm_constant: float | None,
-        dp_size: int = 1,
-    ) -> Tensor: ...
+    def __call__(self, loss_mat: Tensor, mask: Tensor, agg: records.Aggregation, /) -> Tensor: ...
 
 
 class PreferenceLoss(Protocol):
-    """``(policy_chosen, policy_rejected, ref_chosen, ref_rejected [B], *, beta, ...) -> [B]``.
+    """``(PairInputs, settings) -> [B]``: one loss per pair; ``settings.beta`` is ``dpo.beta``,
+    the other fields the ``dpo`` knobs the loss reads."""
 
-    Sequence log-probs (summed over response tokens) of each pair in, one loss per pair out;
-    the reference's are ``None`` for a loss registered ``reference=False``. Keywords: ``beta``,
-    ``chosen_lengths``/``rejected_lengths`` (response tokens ``[B]``) and every ``dpo`` knob
-    (``label_smoothing``, ``discopop_tau``, ...): a loss takes the ones it reads and ignores
-    the rest (``**_``).
-    """
-
-    def __call__(
-        self,
-        policy_chosen_logps: Tensor,
-        policy_rejected_logps: Tensor,
-        ref_chosen_logps: Tensor | None,
-        ref_rejected_logps: Tensor | None,
-        *,
-        beta: float,
-        **knobs: Any,
-    ) -> Tensor: ...
+    def __call__(self, inputs: records.PairInputs, settings: Any, /) -> Tensor: ...
 
 
 class UnpairedLoss(Protocol):
-    """``(policy_logps, ref_logps, labels [B], kl, *, beta, ...) -> [B]`` (KTO and kin).
+    """``(UnpairedInputs, settings) -> [B]`` (KTO and kin): one loss per example."""
 
-    One sequence log-prob per example, its label (1: desirable) and the batch's reference
-    point ``kl`` (a scalar; 0 for a loss registered without ``kl=True``), one loss out.
-    """
-
-    def __call__(
-        self,
-        policy_logps: Tensor,
-        ref_logps: Tensor,
-        labels: Tensor,
-        kl: Tensor | float,
-        *,
-        beta: float,
-        **knobs: Any,
-    ) -> Tensor: ...
+    def __call__(self, inputs: records.UnpairedInputs, settings: Any, /) -> Tensor: ...
 
 
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode")
-PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss")
-UNPAIRED_LOSSES: Registry[UnpairedLoss] = Registry("unpaired preference loss")
+PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", shared=("beta",))
+UNPAIRED_LOSSES: Registry[UnpairedLoss] = Registry("unpaired preference loss", shared=("beta",))
 
 register_adv_estimator = ADV_ESTIMATORS.register
 register_policy_loss = POLICY_LOSSES.register

@@ -1,6 +1,14 @@
-"""Rollout as a service: servers that own an inference engine and answer requests token-in,
-token-out (:mod:`.server`), a client that routes requests over replicas (:mod:`.client`), and
-the weight-sync path from the actor to every replica (:mod:`.weight_sync`)."""
+"""Rollout as a service, and all of the driver's rollout.
+
+- :mod:`.server`: a server that owns an inference engine and answers requests token-in,
+  token-out; :mod:`.client`: the router over replicas (least outstanding, sessions).
+- :mod:`.replica`: the replica actor (split placement) and the colocated serving mixin.
+- :mod:`.weight_sync`: the process group that carries the actor's weights to split replicas.
+- :mod:`.fleet`: the trainer side: replicas placed as the config says, agent loops to a batch,
+  weight sync under a version.
+- :mod:`.sources`: what the driver takes its batches from (:class:`~.sources.RolloutSource`),
+  synchronous or generated ahead (one_step_off, async), and DAPO's group filter.
+"""
 
 from treadle.rollout.client import LocalReplica, RayReplica, RolloutClient, RolloutError
 from treadle.rollout.server import Request, Response, RolloutServer

@@ -6,7 +6,7 @@ the weights that produced it. Requests arrive from many callers at once (the dri
 agent loops); one thread owns the engine and runs it: it adds whatever has arrived, steps the
 engine over everything in flight (vLLM batches it continuously) and answers each request as it
 finishes. The server is what a rollout replica serves, in a Ray actor of its own
-(:class:`~treadle.workers.rollout.RolloutReplica`, split placement) or inside each actor rank's
+(:class:`~treadle.rollout.replica.RolloutReplica`, split placement) or inside each actor rank's
 process (colocated).
 
 Choices:
@@ -23,7 +23,7 @@ Choices:
 - **Requests that arrive together are added together**: a list submitted in one call enters the
   engine before its next step, so the driver's synchronous batch is batched exactly as before.
 - **Sampling noise.** vLLM draws it from the global torch RNG (per-request seeds crash vLLM 0.32
-  on CPU, see :mod:`treadle.engines.vllm_rollout`). When the engine goes from idle to busy the
+  on CPU, see :mod:`treadle.engines.vllm`). When the engine goes from idle to busy the
   server saves the RNG state and seeds it from the first request's ``params.seed`` and the
   replica's index (replicas must not draw the same noise); when it is idle again the state is
   put back. A batch submitted at once into an idle replica is therefore
@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treadle.engines.rollout import Finished, RolloutEngine, SamplingParams
+from treadle.engines.inference import Finished, RolloutEngine, SamplingParams
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,9 @@
 
 A weight update is a stream of ``(HF name, full tensor)`` pairs gathered one parameter at a time
 from the FSDP2 actor (:meth:`~treadle.engines.fsdp.TrainEngine.full_state`). It is cut into
-buckets of about ``rollout.weight_sync_bucket_mb``; each bucket travels as safetensors bytes, so
-names, shapes and dtypes travel with the data and nothing is unpickled on arrival.
+buckets of about ``rollout.weight_sync_bucket_mb`` (:func:`treadle.engines.weights.weight_buckets`);
+each bucket travels as safetensors bytes, so names, shapes and dtypes travel with the data and
+nothing is unpickled on arrival.
 
 - **Colocated** (the replica lives in the actor rank's process): the buckets go straight into the
   engine, a copy in memory.
@@ -27,40 +28,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save as save_safetensors_bytes
 
 from treadle.controller import tcp_store
 
 _END = 0
-
-
-def weight_buckets(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    bucket_bytes: int,
-    dtype: torch.dtype | None = None,
-    skip: frozenset[str] = frozenset(),
-) -> Iterator[bytes]:
-    """safetensors bytes of consecutive groups of ~``bucket_bytes``; floats cast to ``dtype``.
-
-    Never more than one bucket is held at once; names in ``skip`` are left out.
-    """
-    bucket: dict[str, torch.Tensor] = {}
-    size = 0
-    for name, tensor in named_tensors:
-        if name in skip:
-            continue
-        t = tensor.detach()
-        cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        t = t.to("cpu", dtype=cast).contiguous()
-        if any(t.data_ptr() == other.data_ptr() for other in bucket.values()):
-            t = t.clone()  # safetensors refuses tensors that share memory
-        bucket[name] = t
-        size += t.numel() * t.element_size()
-        if size >= bucket_bytes:
-            yield save_safetensors_bytes(bucket)
-            bucket, size = {}, 0
-    if bucket:
-        yield save_safetensors_bytes(bucket)
 
 
 class WeightSyncGroup:

@@ -24,16 +24,13 @@ held-out pairs (the reference's log-probs of them are computed once) and, with
 
 from __future__ import annotations
 
-import time
-
 from treadle.algorithms import PREFERENCE_LOSSES, implicit_rewards, length_rewards
-from treadle.check import check_algorithm
 from treadle.config import Config
-from treadle.protocol import Batch
+from treadle.config.rules import check_algorithm
+from treadle.data import PairDataset
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed
-from treadle.trainers.common import Trainer, evaluate, load_prompts
-from treadle.trainers.pairs import held_out_batch, load_pairs, pair_batch, pair_means, pair_sampler
+from treadle.trainers.pairs import PairTrainer, held_out_batch, load_pairs, pair_batch, pair_means
 
 
 def check_dpo(cfg: Config) -> None:
@@ -43,7 +40,7 @@ def check_dpo(cfg: Config) -> None:
         load_reward_fn(cfg.reward.function)
 
 
-class DPOTrainer(Trainer):
+class DPOTrainer(PairTrainer[PairDataset]):
     """Owns the pairs and the actor group (with its reference); ``fit`` runs the loop."""
 
     headline = "dpo/loss"
@@ -54,33 +51,16 @@ class DPOTrainer(Trainer):
 
     def __init__(self, cfg: Config) -> None:
         check_dpo(cfg)
-        d = cfg.data  # all data is checked before the run directory is made
-        self.train = load_pairs(cfg, d.train_files, "data.train_files")
-        self.val = load_pairs(cfg, d.val_files, "data.val_files") if d.val_files else None
-        self.val_prompts = (
-            load_prompts(cfg, d.val_files, "data.val_files") if cfg.dpo.eval_task else None
-        )
-        self.val_ref: Batch | None = None  # the reference never changes: score it once
         self.reference = PREFERENCE_LOSSES.info(cfg.dpo.loss_type).get("reference", True)
-        super().__init__(cfg)
-        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
-        self.start_workers(sampler, with_ref=self.reference)
+        super().__init__(cfg, load_pairs, with_ref=self.reference, eval_task=cfg.dpo.eval_task)
 
-    def run_step(self, step: int) -> dict[str, float]:
-        m: dict[str, float] = {}
-        start = time.perf_counter()
-        batch = pair_batch(self.train, self.sampler.next_indices())
+    def update(self, indices: list[int], m: dict[str, float]) -> None:
+        batch = pair_batch(self.train, indices)
         if self.reference:
             with timed(m, "ref_log_probs"):
                 batch = batch.union(self.group.compute_ref_pair_log_probs(batch))
         with timed(m, "update_actor"):
             m.update(self.group.train_dpo(batch))
-        m["timing/step"] = time.perf_counter() - start
-        m["epoch"] = step / self.steps_per_epoch
-        if self.val is not None and self.eval_due(step):
-            with timed(m, "eval"):
-                m.update(self.evaluate(step))
-        return m
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Implicit-reward accuracy and margin on held-out pairs; task accuracy if asked."""
@@ -98,14 +78,7 @@ class DPOTrainer(Trainer):
             pairs = batch.unpad(pad)
             chosen = length_rewards(policy["chosen_logps"], pairs["chosen_mask"].sum(1), beta)
             rejected = length_rewards(policy["rejected_logps"], pairs["rejected_mask"].sum(1), beta)
-        metrics = pair_means(chosen, rejected, prefix="eval/")
-        if self.val_prompts is not None:
-            self.rollout.sync_weights(version=step)  # generate with the trained weights
-            pad_id = self.val_prompts.pad_id
-            metrics["eval/accuracy"] = evaluate(
-                self.cfg, self.rollout, self.val_prompts, pad_id, self.scorer
-            )
-        return metrics
+        return {**pair_means(chosen, rejected, prefix="eval/"), **self.task_accuracy(step)}
 
 
 def dpo(cfg: Config) -> dict[str, float]:

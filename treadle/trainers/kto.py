@@ -23,19 +23,16 @@ Checkpoints, resume and ``final_model`` are the SFT driver's.
 
 from __future__ import annotations
 
-import time
-
 from treadle.algorithms import implicit_rewards
-from treadle.check import check_algorithm
 from treadle.config import Config
-from treadle.protocol import Batch
+from treadle.config.rules import check_algorithm
+from treadle.data import UnpairedDataset
 from treadle.rewards import load_reward_fn
 from treadle.tracking import timed
-from treadle.trainers.common import Trainer, evaluate, load_prompts
-from treadle.trainers.pairs import held_out_unpaired, load_unpaired, pair_sampler, unpaired_batch
+from treadle.trainers.pairs import PairTrainer, held_out_unpaired, load_unpaired, unpaired_batch
 
 
-class KTOTrainer(Trainer):
+class KTOTrainer(PairTrainer[UnpairedDataset]):
     """Owns the examples and the actor group (with its reference); ``fit`` runs the loop."""
 
     headline = "kto/loss"
@@ -48,31 +45,14 @@ class KTOTrainer(Trainer):
         check_algorithm(cfg, "kto")
         if cfg.kto.eval_task:
             load_reward_fn(cfg.reward.function)
-        d = cfg.data  # all data is checked before the run directory is made
-        self.train = load_unpaired(cfg, d.train_files, "data.train_files")
-        self.val = load_unpaired(cfg, d.val_files, "data.val_files") if d.val_files else None
-        self.val_prompts = (
-            load_prompts(cfg, d.val_files, "data.val_files") if cfg.kto.eval_task else None
-        )
-        self.val_ref: Batch | None = None  # the reference never changes: score it once
-        super().__init__(cfg)
-        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
-        self.start_workers(sampler, with_ref=True)
+        super().__init__(cfg, load_unpaired, with_ref=True, eval_task=cfg.kto.eval_task)
 
-    def run_step(self, step: int) -> dict[str, float]:
-        m: dict[str, float] = {}
-        start = time.perf_counter()
-        batch = unpaired_batch(self.train, self.sampler.next_indices())
+    def update(self, indices: list[int], m: dict[str, float]) -> None:
+        batch = unpaired_batch(self.train, indices)
         with timed(m, "ref_log_probs"):
             batch = batch.union(self.group.compute_ref_unpaired_log_probs(batch))
         with timed(m, "update_actor"):
             m.update(self.group.train_kto(batch))
-        m["timing/step"] = time.perf_counter() - start
-        m["epoch"] = step / self.steps_per_epoch
-        if self.val is not None and self.eval_due(step):
-            with timed(m, "eval"):
-                m.update(self.evaluate(step))
-        return m
 
     def evaluate(self, step: int) -> dict[str, float]:
         """Mean implicit rewards of held-out desirable and undesirable examples; task accuracy
@@ -90,13 +70,7 @@ class KTOTrainer(Trainer):
                 metrics[f"eval/{name}_reward"] = float(rewards[rows].mean())
         if len(metrics) == 2:
             metrics["eval/margin"] = metrics["eval/chosen_reward"] - metrics["eval/rejected_reward"]
-        if self.val_prompts is not None:
-            self.rollout.sync_weights(version=step)  # generate with the trained weights
-            pad_id = self.val_prompts.pad_id
-            metrics["eval/accuracy"] = evaluate(
-                self.cfg, self.rollout, self.val_prompts, pad_id, self.scorer
-            )
-        return metrics
+        return {**metrics, **self.task_accuracy(step)}
 
 
 def kto(cfg: Config) -> dict[str, float]:

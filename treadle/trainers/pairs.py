@@ -1,4 +1,5 @@
-"""What the preference trainers (DPO, KTO, reward model) share: data, batches, held-out scores.
+"""What the preference trainers (DPO, KTO, reward model) share: data, batches, held-out
+scores, and the driver's skeleton (:class:`PairTrainer`).
 
 A step's batch holds ``data.batch_size`` pairs: ``prompts``/``prompt_mask`` left-padded and
 ``chosen``/``rejected`` with their masks right-padded (:func:`treadle.data.collate_pairs`), so
@@ -9,7 +10,9 @@ each with the completion of the example before it in the batch for the KL estima
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+import time
+from collections.abc import Callable, Sequence, Sized
+from typing import Generic, TypeVar
 
 import torch
 
@@ -24,31 +27,24 @@ from treadle.data import (
     config_pairs,
     config_unpaired,
 )
-from treadle.errors import ConfigError
-from treadle.models import load_tokenizer
 from treadle.protocol import Batch
+from treadle.tracking import timed
+from treadle.trainers.base import Trainer
+from treadle.trainers.evaluation import evaluate
+from treadle.trainers.prompts import held_out, listed, load_prompts, tokenizer
+
+D = TypeVar("D", PairDataset, UnpairedDataset)
 
 
 def load_pairs(cfg: Config, files: list[str], key: str) -> PairDataset:
     """The preference pairs of ``files`` (the config key ``key``), checked and tokenized."""
-    if not files:
-        raise ConfigError(f"{key} is empty: list at least one JSONL or Parquet file of pairs")
-    tok = load_tokenizer(
-        cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
-    )
-    return config_pairs(cfg, files, key, tok)
+    return config_pairs(cfg, listed(files, key, " of pairs"), key, tokenizer(cfg))
 
 
 def load_unpaired(cfg: Config, files: list[str], key: str) -> UnpairedDataset:
     """The unpaired examples of ``files`` (pairs: two each), checked and tokenized."""
-    if not files:
-        raise ConfigError(
-            f"{key} is empty: list at least one JSONL or Parquet file of unpaired examples"
-        )
-    tok = load_tokenizer(
-        cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
-    )
-    return config_unpaired(cfg, files, key, tok)
+    files = listed(files, key, " of unpaired examples")
+    return config_unpaired(cfg, files, key, tokenizer(cfg))
 
 
 def unpaired_batch(ds: UnpairedDataset, indices: Sequence[int]) -> Batch:
@@ -60,8 +56,7 @@ def unpaired_batch(ds: UnpairedDataset, indices: Sequence[int]) -> Batch:
 
 def held_out_unpaired(cfg: Config, ds: UnpairedDataset) -> tuple[Batch, int]:
     """The first ``data.val_size`` held-out examples (all by default), padded for the ranks."""
-    n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))
-    return unpaired_batch(ds, range(n)).pad_to_multiple(cfg.actor.world_size)
+    return unpaired_batch(ds, held_out(cfg, ds)).pad_to_multiple(cfg.actor.world_size)
 
 
 def pair_sampler(cfg: Config, ds: Sized) -> tuple[ResumableSampler, int, int]:
@@ -81,8 +76,7 @@ def pair_batch(ds: PairDataset, indices: Sequence[int]) -> Batch:
 
 def held_out_batch(cfg: Config, ds: PairDataset) -> tuple[Batch, int]:
     """The first ``data.val_size`` held-out pairs (all by default), padded for the ranks."""
-    n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))
-    return pair_batch(ds, range(n)).pad_to_multiple(cfg.actor.world_size)
+    return pair_batch(ds, held_out(cfg, ds)).pad_to_multiple(cfg.actor.world_size)
 
 
 def pair_means(chosen: torch.Tensor, rejected: torch.Tensor, prefix: str) -> dict[str, float]:
@@ -90,3 +84,52 @@ def pair_means(chosen: torch.Tensor, rejected: torch.Tensor, prefix: str) -> dic
     stats = pair_stats(chosen, rejected)
     n = max(len(chosen), 1)
     return {f"{prefix}pair_accuracy": stats["accuracy"] / n, f"{prefix}margin": stats["margin"] / n}
+
+
+class PairTrainer(Trainer, Generic[D]):
+    """A driver over a dataset of pairs (or examples), read with ``load`` before the run
+    directory is made: epochs of ``data.batch_size`` rows, one :meth:`update` a step, held-out
+    scores (:meth:`evaluate`) when ``data.val_files`` is set and, with ``eval_task``, the
+    task's held-out accuracy of greedy generations (:meth:`task_accuracy`)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        load: Callable[[Config, list[str], str], D],
+        with_ref: bool,
+        eval_task: bool = False,
+    ) -> None:
+        d = cfg.data
+        self.train: D = load(cfg, d.train_files, "data.train_files")
+        self.val: D | None = load(cfg, d.val_files, "data.val_files") if d.val_files else None
+        self.val_prompts = load_prompts(cfg, d.val_files, "data.val_files") if eval_task else None
+        self.val_ref: Batch | None = None  # the reference never changes: score it once
+        super().__init__(cfg)
+        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
+        self.start_workers(sampler, with_ref=with_ref)
+
+    def run_step(self, step: int) -> dict[str, float]:
+        m: dict[str, float] = {}
+        start = time.perf_counter()
+        self.update(self.sampler.next_indices(), m)
+        m["timing/step"] = time.perf_counter() - start
+        m["epoch"] = step / self.steps_per_epoch
+        if self.val is not None and self.eval_due(step):
+            with timed(m, "eval"):
+                m.update(self.evaluate(step))
+        return m
+
+    def update(self, indices: list[int], m: dict[str, float]) -> None:
+        """One optimizer step on the rows ``indices``; its metrics (and timings) into ``m``."""
+        raise NotImplementedError
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def task_accuracy(self, step: int) -> dict[str, float]:
+        """``eval/accuracy`` with the trained weights, when ``eval_task`` asked for it."""
+        if self.val_prompts is None:
+            return {}
+        self.rollout.sync_weights(version=step)  # generate with the trained weights
+        val = self.val_prompts
+        return {"eval/accuracy": evaluate(self.cfg, self.rollout, val, val.pad_id, self.scorer)}

@@ -1,8 +1,9 @@
 """The RL driver's side of PRIME (Cui et al., arXiv 2502.01456): its implicit PRM role.
 
 ``algorithm.adv_estimator=prime`` is registered with ``needs=("implicit_rewards",)``, so a run
-with it gets this role, as one whose estimator needs values gets a critic
-(:mod:`treadle.trainers.roles`). Each step, after the rewards (and old/ref log-probs):
+with it gets this role, as one whose estimator needs values gets a critic (both are rows of
+the table in :mod:`treadle.trainers.roles`, which starts them). Each step, after the rewards
+(and old/ref log-probs):
 
 ::
 
@@ -35,12 +36,8 @@ Choices:
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import Any
-
 import torch
 
-from treadle.algorithms import ADV_ESTIMATORS
 from treadle.algorithms.prime import (
     dpo_opponents,
     implicit_process_rewards,
@@ -48,74 +45,34 @@ from treadle.algorithms.prime import (
     sequence_log_ratio,
     sign_accuracy,
 )
-from treadle.config import Config, PrimeConfig
+from treadle.config import Config, rules
 from treadle.controller import WorkerGroup
-from treadle.errors import ConfigError, RewardError
+from treadle.errors import RewardError
+from treadle.models import check_vocabulary, model_config, vocab_size
 from treadle.protocol import Batch
 from treadle.tracking import timed
-from treadle.trainers.common import Actors, add_group
 from treadle.workers.common import ATTENTION, SEQUENCES
-from treadle.workers.prm import ImplicitPRMWorker
 
 
 def uses_prm(cfg: Config) -> bool:
-    """Whether the run has PRIME's PRM (its estimator reads implicit rewards); ConfigError
-    when the config cannot work with it."""
-    alg = cfg.algorithm
-    needs = "implicit_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator)
-    if not needs:
-        if cfg.prime != PrimeConfig.model_validate({}):
-            raise ConfigError(
-                f"the config sets the 'prime' section, which configures PRIME's implicit PRM, "
-                f"but algorithm.adv_estimator={alg.adv_estimator}: set "
-                "algorithm.adv_estimator=prime or remove the section"
-            )
+    """Whether the run has PRIME's PRM (``treadle.config.rules.uses_prm``: ConfigError when
+    the config cannot work with it), whose models must share the actor's vocabulary."""
+    if not rules.uses_prm(cfg):
         return False
-    if cfg.reward.model_path:
-        raise ConfigError(
-            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1] from "
-            "reward.function; a reward model's scores are not such labels: drop "
-            "reward.model_path"
-        )
-    if cfg.reward.overlong_buffer_len:
-        raise ConfigError(
-            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1]; the "
-            "over-long penalty would take them below 0: set reward.overlong_buffer_len=0"
-        )
     _check_vocabulary(cfg)
     return True
 
 
 def _check_vocabulary(cfg: Config) -> None:
     """The PRM and its reference score the actor's token ids: the same vocabulary size."""
-    from treadle.trainers.roles import _model_config, _vocab_size
-
     p = cfg.prime
     if not cfg.model.path or not (p.model_path or p.ref_path):
         return
-    actor = _vocab_size(_model_config(cfg.model.path, "model.path", cfg.model.allow_download))
+    actor = vocab_size(model_config(cfg.model.path, "model.path", cfg.model.allow_download))
     for key, path in (("prime.model_path", p.model_path), ("prime.ref_path", p.ref_path)):
         if path:
-            vocab = _vocab_size(_model_config(path, key, cfg.model.allow_download))
-            if vocab and actor and vocab != actor:
-                raise ConfigError(
-                    f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
-                    f"(model.path) {actor}; it scores the actor's token ids, so it must use "
-                    "the actor's tokenizer"
-                )
-
-
-def prm_start(cfg: Config, resumed_from: Path | None) -> str:
-    """The folder the PRM's weights load from."""
-    if resumed_from is None:
-        return cfg.prime.model_path or cfg.model.path
-    saved = resumed_from / "prm" / "model"
-    if not (saved / "config.json").is_file():
-        raise ConfigError(
-            f"checkpoint {resumed_from} has no PRIME PRM (no prm/model): it was written by a "
-            "run without algorithm.adv_estimator=prime; start a new trainer.output_dir"
-        )
-    return str(saved)
+            vocab = vocab_size(model_config(path, key, cfg.model.allow_download))
+            check_vocabulary(key, path, vocab, actor)
 
 
 def outcome_labels(batch: Batch, function: str) -> torch.Tensor:
@@ -138,9 +95,9 @@ class ImplicitPRM:
     def __init__(self, cfg: Config, group: WorkerGroup) -> None:
         self.p, self.group, self.function = cfg.prime, group, cfg.reward.function
 
-    def rewards(self, batch: Batch, m: dict[str, float]) -> dict[str, Any]:
-        """Update the PRM on ``batch``'s outcomes and reward its tokens; returns the prime
-        estimator's extra arguments (implicit rewards, coefficients) and logs ``prime/*``."""
+    def rewards(self, batch: Batch, m: dict[str, float]) -> torch.Tensor:
+        """Update the PRM on ``batch``'s outcomes and reward its tokens; returns the implicit
+        token rewards [B,T] (the prime estimator's ``implicit_rewards``), logs ``prime/*``."""
         p, mask, ids = self.p, batch["response_mask"], list(batch["uid"])
         labels = outcome_labels(batch, self.function)
         work = batch.only([k for k in (*SEQUENCES, *ATTENTION) if k in batch])
@@ -176,28 +133,4 @@ class ImplicitPRM:
                 "prime/acc_abs_before": sign_accuracy(before.sum(-1), labels),
             }
         )
-        return {
-            "implicit_rewards": rewards,
-            "reward_gt_coef": p.reward_gt_coef,
-            "reward_dpo_coef": p.reward_dpo_coef,
-        }
-
-
-def start_prm(
-    cfg: Config, actors: Actors, prm: bool, split_cpus: float | None, resumed_from: Path | None
-) -> ImplicitPRM | None:
-    """The PRM's group (None without PRIME), colocated on the actors' bundles or, given
-    ``split_cpus`` (a bundle's CPUs), on a pool of its own; restored from ``resumed_from``."""
-    if not prm:
-        return None
-    group = add_group(
-        actors,
-        cfg,
-        ImplicitPRMWorker,
-        {"config": cfg, "prm_path": prm_start(cfg, resumed_from)},
-        world_size=cfg.prime.world_size or cfg.actor.world_size,
-        own_cpus_per_rank=split_cpus,
-    )
-    if resumed_from is not None:
-        group.load_checkpoint(str(resumed_from / "prm"))
-    return ImplicitPRM(cfg, group)
+        return rewards

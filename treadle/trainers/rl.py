@@ -27,10 +27,12 @@ whose rewards are all equal are dropped and more prompts are generated, at most
 (``algorithm.mask_truncated``). The KL penalty can sit in the loss (``algorithm.kl_coef``) or
 in the reward (``algorithm.kl_reward_coef``, fixed or adaptive with ``algorithm.kl_target``).
 
-``trainer.mode`` one_step_off and async overlap generation with training: the split replicas
-generate ahead into a buffer the step takes its batch from, and weights are synced as
-``async.sync_every`` says (:mod:`treadle.trainers.async_rollout`); the rest of the step is
-the same.
+The step takes its batch from a :class:`~treadle.rollout.sources.RolloutSource` and hands the
+new weights back to it; ``trainer.mode`` picks the source once: sync generates in the step,
+one_step_off and async overlap generation with training (the split replicas generate ahead into
+a buffer the step takes its batch from, weights are synced as ``async.sync_every`` says). The
+step itself is the same in every mode, and DAPO's dynamic sampling is the sources' one group
+filter.
 
 Resume: the newest complete checkpoint gives the actor (and critic) weights, optimizers, data
 position, the adaptive KL coefficient and RNG; sampling seeds are derived from (seed, step,
@@ -55,46 +57,29 @@ from treadle.algorithms import (
     FixedKLController,
 )
 from treadle.algorithms.correction import rollout_correction
+from treadle.algorithms.inputs import EstimatorInputs
 from treadle.algorithms.kl import kl_in_reward
-from treadle.algorithms.shaping import overlong_penalty, varied_groups
+from treadle.algorithms.shaping import overlong_penalty
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
-from treadle.check import check_algorithm
-from treadle.config import Config, DPOConfig
+from treadle.config import Config
+from treadle.config.rules import check_algorithm
 from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
-from treadle.engines.rollout import SamplingParams
-from treadle.errors import ConfigError
 from treadle.protocol import Batch, response_attention
 from treadle.rewards import component_matrix, load_reward_fn
+from treadle.rollout.sources import RolloutSource, make_source
 from treadle.tracking import timed
-from treadle.trainers.async_rollout import AsyncRollout
-from treadle.trainers.common import (
-    Trainer,
-    evaluate,
-    left_pad,
-    load_prompts,
-    make_scorer,
-    prompt_batch,
-    rule_scores,
-)
-from treadle.trainers.roles import plan_roles, start_roles
+from treadle.trainers.base import Trainer
+from treadle.trainers.evaluation import evaluate, make_scorer, rule_scores
+from treadle.trainers.prime import ImplicitPRM
+from treadle.trainers.prompts import load_prompts
+from treadle.trainers.roles import plan_roles
 
 
 def check_names(cfg: Config) -> None:
-    """Fail before anything starts if a registered name is wrong."""
-    alg = cfg.algorithm
+    """Fail before anything starts if a registered name or a rule of an RL run's roles is
+    broken (``treadle.config.rules``), or the reward function or agent loop does not load."""
     check_algorithm(cfg, "train")
-    if cfg.dpo != DPOConfig.model_validate({}):
-        raise ConfigError(
-            "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "
-            "`treadle train` runs RL: remove the section or run `treadle dpo`"
-        )
-    if cfg.trainer.mode != "sync" and "baseline_rewards" in ADV_ESTIMATORS.needs(alg.adv_estimator):
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} needs greedy baselines generated with "
-            f"the learner's weights, which trainer.mode={cfg.trainer.mode} does not have; use "
-            "trainer.mode=sync"
-        )
     load_reward_fn(cfg.reward.function)
     load_agent_loop(cfg.rollout.agent_loop)
 
@@ -142,6 +127,12 @@ def rollout_metrics(batch: Batch, component_keys: Sequence[str] = ()) -> dict[st
     return m
 
 
+def finished_only(batch: Batch) -> torch.Tensor:
+    """``response_mask`` with the responses cut off at ``max_new_tokens`` masked out."""
+    kept = torch.tensor([r != "length" for r in batch["stop_reason"]])
+    return batch["response_mask"] * kept[:, None]
+
+
 def sample_rows(batch: Batch, k: int) -> list[dict[str, Any]]:
     """``k`` samples spread over ``batch`` (other prompts, not one prompt's group), as the
     trackers' "samples" table holds them: prompt, response, reward, ground truth."""
@@ -183,7 +174,7 @@ class RLTrainer(Trainer):
         check_names(cfg)
         layout = plan_roles(cfg)  # critic? reward model? where? (fails before anything starts)
         super().__init__(cfg)
-        self._async_state: dict[str, Any] | None = None  # the producer's, when resumed
+        self.resumed_state: dict[str, Any] = {}  # the checkpoint's driver state, when resumed
         alg = cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_ds = (
@@ -192,7 +183,6 @@ class RLTrainer(Trainer):
         self.scorer = make_scorer(cfg)  # now: the async producer scores from its thread
         self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
         self.needs = ADV_ESTIMATORS.needs(alg.adv_estimator)  # what it reads beyond rewards
-        self.greedy_baseline = "baseline_rewards" in self.needs
         self.kl_ctrl = (
             AdaptiveKLController(alg.kl_reward_coef, alg.kl_target, alg.kl_horizon)
             if alg.kl_target is not None
@@ -206,29 +196,15 @@ class RLTrainer(Trainer):
         sampler = ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.start_workers(sampler, use_ref, layout.colocated, layout.cpus_per_rank(cfg))
-        try:
-            self.critic, self.rm, self.prm = start_roles(
-                cfg, self.actors, layout, self.resumed_from
-            )
-        except BaseException:
-            self.close()  # the rollout (split replicas) and the actors
-            raise
-        if self.critic is not None:
-            self.roles["critic"] = self.critic
-        if self.prm is not None:  # PRIME's implicit PRM (treadle.trainers.prime)
-            self.roles["prm"] = self.prm.group
-        self.producer: AsyncRollout | None = None
-        if cfg.trainer.mode != "sync":  # the replicas generate ahead (async_rollout)
-            self.producer = AsyncRollout(
-                cfg,
-                self.rollout,
-                self.train_ds,
-                self.sampler,
-                self.sampling,
-                self.start,
-                self._async_state,
-            )
+        self.start_workers(sampler, use_ref, layout)  # and the side roles, into self.side
+        self.critic, self.rm = self.side.get("critic"), self.side.get("reward_model")
+        prm = self.side.get("prm")  # PRIME's implicit PRM (treadle.trainers.prime)
+        self.prm = ImplicitPRM(cfg, prm) if prm is not None else None
+        self.source: RolloutSource = make_source(
+            cfg, self.rollout, self.train_ds, self.sampler, self.score, self.start
+        )
+        if self.resumed_state:
+            self.source.load_state(self.resumed_state)
 
     @property
     def algorithm(self) -> str:  # type: ignore[override]
@@ -239,80 +215,44 @@ class RLTrainer(Trainer):
         )
 
     def driver_state(self) -> dict[str, Any]:
-        state = {**super().driver_state(), "kl_ctrl": self.kl_ctrl.state_dict()}
-        if self.producer is not None:  # the sampler's position at what is not yet trained
-            state["async"] = self.producer.state()
-            state["sampler"] = state["async"].pop("sampler")
-        return state
+        # the source's data position: ahead of training, the sampler's at what is not trained
+        kl = {"kl_ctrl": self.kl_ctrl.state_dict()}
+        return {**super().driver_state(), **kl, **self.source.state()}
 
     def load_driver_state(self, state: dict[str, Any]) -> None:
         super().load_driver_state(state)
         if "kl_ctrl" in state:
             self.kl_ctrl.load_state_dict(state["kl_ctrl"])
-        self._async_state = state.get("async")
-
-    def sampling(self, step: int, round_: int = 0) -> SamplingParams:
-        r = self.cfg.rollout
-        return SamplingParams(
-            n=r.n,
-            temperature=r.temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            max_new_tokens=r.max_new_tokens,
-            seed=self.cfg.trainer.seed * 100_003 + step + round_ * 1_000_003,
-            ignore_eos=r.ignore_eos,
-        )
+        self.resumed_state = state  # for the source, which starts after the workers
 
     def step(self, step: int) -> dict[str, float]:
-        """One RL step: every phase a named, timed call."""
-        group, alg = self.group, self.cfg.algorithm
+        """One RL step: every phase a named, timed call, whatever ``trainer.mode``."""
+        alg = self.cfg.algorithm
         m: dict[str, float] = {}
-        # 1-2. rollout and reward (several rounds with dynamic sampling); in the async modes
-        # the replicas generated it ahead, and it is taken from their buffer
-        if self.producer is None:
-            batch = self.sample(step, m)
-        else:
-            batch = self.producer.sample(step, m, self.score)
+        # 1-2. rollout and reward (several rounds with dynamic sampling), generated in the step
+        # or ahead of it, as the source says
+        batch = self.source.sample(step, m)
         # Every rank gets a similar token count (the dispatcher cuts contiguous chunks).
         batch = balance_ranks(batch, self.cfg.actor.world_size)
-        # 3. the actor's own log-probs of the sampled tokens: the PPO "old" policy (on-policy,
-        # one optimizer step a batch: the update's first forward gives them, one pass fewer)
-        if self.old_log_prob_pass:
-            # the optimal token baseline also reads Σ_v π(v)² of each token's distribution
-            batch.meta["sum_pi_squared"] = "sum_pi_squared" in self.needs
-            with timed(m, "old_log_probs"):
-                batch = batch.union(group.compute_log_probs(batch))
-        # 4. the frozen reference, for the KL term (in the loss, in the reward, or both)
-        if self.ref_pass:
-            with timed(m, "ref_log_probs"):
-                batch = batch.union(group.compute_ref_log_probs(batch))
+        # 3-4. the actor's "old" log-probs and the frozen reference's, when they are needed
+        batch = self.log_prob_passes(batch, m)
         batch["token_level_rewards"] = self.kl_shaped_rewards(batch, m)
         # 5. the critic's value of the state before each response token (PPO)
         if self.critic is not None:
             with timed(m, "values"):
                 batch = batch.union(self.critic.compute_values(batch))
         # 5b. PRIME: the implicit PRM learns from the outcomes, then rewards each token
-        extra = self.prm.rewards(batch, m) if self.prm is not None else {}
+        implicit = self.prm.rewards(batch, m) if self.prm is not None else None
         # 6. advantages and the critic's targets: a pure function on the driver
         with timed(m, "advantages"):
             batch["advantages"], batch["returns"] = self.estimator(
-                batch["token_level_rewards"],
-                batch["response_mask"].float(),
-                group_ids=list(batch["uid"]),
-                values=batch.tensors.get("values"),
-                gamma=alg.gamma,
-                lam=alg.lam,
-                norm_adv_by_std=alg.norm_adv_by_std,
-                baseline_rewards=batch["baseline_scores"] if self.greedy_baseline else None,
-                **self.estimator_inputs(batch),
-                **extra,
+                self.estimator_inputs(batch, implicit), self.estimator_settings()
             )
         m.update(rollout_metrics(batch, alg.gdpo_reward_keys))
         if self.samples_due(step):
             self.samples = sample_rows(batch, self.cfg.trainer.log_samples)
         if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer
-            kept = torch.tensor([r != "length" for r in batch["stop_reason"]])
-            batch["response_mask"] = batch["response_mask"] * kept[:, None]
+            batch["response_mask"] = finished_only(batch)
         # 7. update the critic toward the returns; 8. the actor, unless the critic warms up;
         # 9. push the actor's weights into the rollout engine
         batch.meta["step"] = step
@@ -321,49 +261,24 @@ class RLTrainer(Trainer):
                 m.update(self.critic.update_critic(batch))
         if step > self.cfg.critic.warmup_steps:
             with timed(m, "update_actor"):
-                m.update(group.update_actor(batch))
-            with timed(m, "sync_weights"):
-                if self.producer is None:
-                    m.update(self.rollout.sync_weights(version=step))
-                else:  # every async.sync_every updates
-                    m.update(self.producer.after_update(step))
+                m.update(self.group.update_actor(batch))
+            with timed(m, "sync_weights"):  # now, or when due (async.sync_every)
+                m.update(self.source.after_update(step))
         return m
 
-    def sample(self, step: int, m: dict[str, float]) -> Batch:
-        """Generate ``rollout.n`` responses per prompt and score them.
-
-        With ``algorithm.filter_groups`` (DAPO dynamic sampling), groups whose scores are all
-        equal are dropped and further rounds of prompts are generated until ``data.batch_size``
-        groups are kept; if ``max_gen_rounds`` rounds do not get there, dropped groups top the
-        batch up (their advantage is zero under a group baseline).
-        """
-        cfg = self.cfg
-        kept: list[Batch] = []
-        dropped: list[Batch] = []
-        want = cfg.data.batch_size * cfg.rollout.n
-        for round_ in range(cfg.algorithm.max_gen_rounds if cfg.algorithm.filter_groups else 1):
-            prompts = prompt_batch(self.train_ds, self.sampler.next_indices(), self.train_ds.pad_id)
-            if round_:  # a prompt drawn again in a later round is a group of its own
-                prompts["uid"] = [f"{u}/{round_}" for u in prompts["uid"]]
-            with timed(m, "generate"):
-                batch = self.rollout.generate(prompts, self.sampling(step, round_))
-            with timed(m, "reward"):
-                batch["token_level_scores"] = self.score(batch, m)
-            if self.greedy_baseline:
-                with timed(m, "generate_greedy"):
-                    batch["baseline_scores"] = self.greedy_scores(prompts)
-            if not cfg.algorithm.filter_groups:
-                return batch
-            varied = varied_groups(batch["token_level_scores"].sum(-1), list(batch["uid"]))
-            kept.append(batch.select(varied.numpy()))
-            dropped.append(batch.select((~varied).numpy()))
-            if sum(map(len, kept)) >= want:
-                break
-        m["rollout/gen_rounds"] = float(round_ + 1)
-        m["rollout/kept_group_frac"] = sum(map(len, kept)) / ((round_ + 1) * want)
-        parts = [b for b in kept + dropped if len(b)]
-        width = max(b["prompts"].shape[1] for b in parts)
-        return Batch.concat([left_pad(b, width) for b in parts]).slice(0, want)
+    def log_prob_passes(self, batch: Batch, m: dict[str, float]) -> Batch:
+        """3. the actor's own log-probs of the sampled tokens: the PPO "old" policy (on-policy,
+        one optimizer step a batch: the update's first forward gives them, one pass fewer);
+        4. the frozen reference's, for the KL term (in the loss, in the reward, or both)."""
+        if self.old_log_prob_pass:
+            # the optimal token baseline also reads Σ_v π(v)² of each token's distribution
+            batch.meta["sum_pi_squared"] = "sum_pi_squared" in self.needs
+            with timed(m, "old_log_probs"):
+                batch = batch.union(self.group.compute_log_probs(batch))
+        if self.ref_pass:
+            with timed(m, "ref_log_probs"):
+                batch = batch.union(self.group.compute_ref_log_probs(batch))
+        return batch
 
     def score(self, batch: Batch, m: dict[str, float] | None = None) -> torch.Tensor:
         """Token-level scores [B, R]: the reward function's score, or the reward model's when
@@ -388,10 +303,13 @@ class RLTrainer(Trainer):
             )
         return outcome_rewards(batch["response_mask"], scores.tolist())
 
-    def estimator_inputs(self, batch: Batch) -> dict[str, Any]:
-        """What the estimator reads beyond rewards, values and baselines (its ``needs``): the
-        old policy's log-probs and Σπ² (optimal token baseline; with rollout correction, its
-        importance weights too), the reward's components and their weights (GDPO)."""
+    def estimator_inputs(
+        self, batch: Batch, implicit_rewards: torch.Tensor | None = None
+    ) -> EstimatorInputs:
+        """What the estimator reads: rewards, mask, groups, values and greedy baselines when
+        there are, and its ``needs``: the old policy's log-probs and Σπ² (optimal token
+        baseline; with rollout correction, its importance weights too), the reward's
+        components (GDPO), the implicit PRM's token rewards (PRIME)."""
         alg, out = self.cfg.algorithm, {}
         if "old_log_probs" in self.needs:
             out["old_log_probs"] = batch["old_log_probs"]
@@ -403,21 +321,35 @@ class RLTrainer(Trainer):
                     alg.rollout_correction,
                     alg.rollout_correction_cap,
                 )
-        if "sum_pi_squared" in self.needs:
-            out["sum_pi_squared"] = batch["sum_pi_squared"]
-        if "reward_components" in self.needs:
-            out["reward_components"] = batch["reward_components"]
-            out["reward_weights"] = alg.gdpo_reward_weights
-        return out
-
-    def greedy_scores(self, prompts: Batch) -> torch.Tensor:
-        """ReMax's baseline: the score of the greedy response to each prompt, per sample [B*n]."""
-        greedy = SamplingParams(
-            n=1, temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens
+        for name in ("sum_pi_squared", "reward_components"):
+            if name in self.needs:
+                out[name] = batch[name]
+        return EstimatorInputs(
+            batch["token_level_rewards"],
+            batch["response_mask"].float(),
+            list(batch["uid"]),
+            values=batch.tensors.get("values"),
+            baseline_rewards=batch.tensors.get("baseline_scores"),
+            implicit_rewards=implicit_rewards,
+            **out,
         )
-        out = self.rollout.generate(prompts, greedy)
-        scores = self.score(out).sum(-1)
-        return scores.repeat_interleave(self.cfg.rollout.n)
+
+    def estimator_settings(self) -> Any:
+        """The estimator's settings: those of its fields that are config settings (GDPO's
+        ``reward_weights`` is ``algorithm.gdpo_reward_weights``, PRIME's coefficients are
+        ``prime.*``); its other fields keep their defaults."""
+        alg, p = self.cfg.algorithm, self.cfg.prime
+        config = {
+            "gamma": alg.gamma,
+            "lam": alg.lam,
+            "norm_adv_by_std": alg.norm_adv_by_std,
+            "reward_weights": alg.gdpo_reward_weights,
+            "reward_gt_coef": p.reward_gt_coef,
+            "reward_dpo_coef": p.reward_dpo_coef,
+        }
+        reads = ADV_ESTIMATORS.knobs(alg.adv_estimator)
+        values = {key: value for key, value in config.items() if key in reads}
+        return ADV_ESTIMATORS.settings(alg.adv_estimator)(**values)
 
     def kl_shaped_rewards(self, batch: Batch, m: dict[str, float]) -> torch.Tensor:
         """``token_level_scores`` minus the KL penalty when ``algorithm.kl_reward_coef`` > 0."""
@@ -445,13 +377,9 @@ class RLTrainer(Trainer):
         metrics["throughput/tokens_per_s"] = (
             metrics.pop("generated_tokens") / metrics["timing/step"]
         )
-        if self.producer is not None:
-            metrics.update(
-                self.producer.idle_metrics(metrics["timing/step"], metrics["timing/wait_rollout"])
-            )
+        metrics.update(self.source.metrics(metrics["timing/step"]))
         if self.val_ds is not None and self.eval_due(step):
-            if self.producer is not None:  # evaluate the learner's weights
-                self.producer.sync()
+            self.source.before_eval()  # the replicas hold the learner's weights
             with timed(metrics, "eval"):
                 metrics["eval/accuracy"] = evaluate(
                     self.cfg, self.rollout, self.val_ds, self.val_ds.pad_id, self.scorer

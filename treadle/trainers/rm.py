@@ -16,53 +16,37 @@ loads. Checkpoints and resume are the other drivers'.
 
 from __future__ import annotations
 
-import time
-
 from treadle.config import Config
+from treadle.controller import Actors, Placement, start_group
+from treadle.data import PairDataset
 from treadle.tracking import timed
-from treadle.trainers.common import Actors, Trainer, build_group
-from treadle.trainers.pairs import held_out_batch, load_pairs, pair_batch, pair_means, pair_sampler
+from treadle.trainers.pairs import PairTrainer, held_out_batch, load_pairs, pair_batch, pair_means
 from treadle.workers import RewardTrainerWorker
 
 
-class RMTrainer(Trainer):
+class RMTrainer(PairTrainer[PairDataset]):
     """Owns the pairs and the reward-model group; ``fit`` runs the loop."""
 
     headline = "rm/loss"
     algorithm = "reward-model training (Bradley-Terry)"
 
     def __init__(self, cfg: Config) -> None:
-        d = cfg.data  # all data is checked before the run directory is made
-        self.train = load_pairs(cfg, d.train_files, "data.train_files")
-        self.val = load_pairs(cfg, d.val_files, "data.val_files") if d.val_files else None
-        super().__init__(cfg)
-        sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
-        self.start_workers(sampler, with_ref=False)
+        super().__init__(cfg, load_pairs, with_ref=False)
 
-    def build_workers(
-        self,
-        start_path: str,
-        with_ref: bool,
-        colocated: int = 1,
-        cpus_per_rank: float | None = None,
-    ) -> Actors:
+    def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
         kwargs = {"model_path": start_path}
-        return build_group(self.cfg, RewardTrainerWorker, kwargs, colocated, cpus_per_rank)
+        return start_group(self.cfg, placement, RewardTrainerWorker, kwargs)
 
-    def run_step(self, step: int) -> dict[str, float]:
-        m: dict[str, float] = {}
-        start = time.perf_counter()
-        batch = pair_batch(self.train, self.sampler.next_indices())
+    def update(self, indices: list[int], m: dict[str, float]) -> None:
         with timed(m, "update_rm"):
-            m.update(self.group.train_rm(batch))
-        m["timing/step"] = time.perf_counter() - start
-        m["epoch"] = step / self.steps_per_epoch
-        if self.val is not None and self.eval_due(step):
-            with timed(m, "eval"):
-                batch, pad = held_out_batch(self.cfg, self.val)
-                scores = self.group.score_pairs(batch).unpad(pad)
-                m.update(pair_means(scores["chosen_scores"], scores["rejected_scores"], "eval/"))
-        return m
+            m.update(self.group.train_rm(pair_batch(self.train, indices)))
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        """Pair accuracy and margin of the scores of held-out pairs."""
+        assert self.val is not None
+        batch, pad = held_out_batch(self.cfg, self.val)
+        scores = self.group.score_pairs(batch).unpad(pad)
+        return pair_means(scores["chosen_scores"], scores["rejected_scores"], "eval/")
 
 
 def rm(cfg: Config) -> dict[str, float]:

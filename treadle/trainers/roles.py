@@ -1,28 +1,33 @@
-"""The RL driver's roles besides the actor: the critic and the reward model (and PRIME's
-implicit PRM, planned here, built in :mod:`treadle.trainers.prime`).
+"""The roles of a run: the actors' group, and a table of the roles beside it that start-up
+loops over: the critic, the reward model and PRIME's implicit PRM (its per-step side is
+:mod:`treadle.trainers.prime`).
 
-Both are value models (``*ForTokenClassification``, one label, see :mod:`treadle.engines.value`)
-in worker groups of their own (:class:`~treadle.workers.CriticWorker`,
-:class:`~treadle.workers.RewardModelWorker`). This module decides which of them a run has,
-checks them at start-up (before Ray or a model starts) and starts their groups.
+The side roles are value models (``*ForTokenClassification``, one label, see
+:mod:`treadle.engines.value`) in worker groups of their own. A row of :data:`SIDE_ROLES` says
+when a run has the role, its ranks, whether it has a pool of its own, where its weights
+start and where it resumes from; :func:`plan_roles` decides and checks them before Ray or a
+model starts, and :func:`start_roles` starts them, in the table's order.
 
 Choices:
 
 - **Whether there is a critic** follows from the advantage estimator's registration: an
   estimator registered with ``needs=("values",)`` (``gae``) gets one, any other does not.
   ``critic.enable`` may say so explicitly (verl's knob); a contradiction with the estimator is
-  a ConfigError saying what to change, as is ``critic.warmup_steps`` without a critic.
-- **Placement.** By default the critic and the reward model are colocated on the actor's
-  bundles: rank r of each group sits on bundle r and each group reserves an equal share of
-  the bundle's CPUs (GPUs), while each process may use all the bundle's threads, since the
-  driver calls the groups in turn. ``critic.placement=split`` gives the critic a pool of its
-  own; the CPUs are then divided over all actor and critic ranks. The reward model always
-  shares the actor's bundles, with the actor's world size.
+  a ConfigError saying what to change, as is ``critic.warmup_steps`` without a critic. PRIME's
+  PRM likewise follows from ``needs=("implicit_rewards",)``.
+- **Placement** (:class:`~treadle.controller.Placement`). By default every side role is
+  colocated on the actor's bundles: rank r of each group sits on bundle r and each group
+  reserves an equal share of the bundle's CPUs (GPUs), while each process may use all the
+  bundle's threads, since the driver calls the groups in turn. ``critic.placement=split``
+  (``prime.placement=split``) gives the role a pool of its own; the CPUs are then divided over
+  all actor and split ranks. The reward model always shares the actor's bundles, with the
+  actor's world size.
 - **Local mode**: every group is built in the driver's process; the later ones join the
   actor's one-rank process group instead of making their own (see ``Worker``).
-- **The critic starts** from ``critic.model_path`` (default ``model.path``: a causal LM gets a
-  new value head at zero) or, on resume, from ``<checkpoint>/critic/model``, then its
-  optimizer and RNG are restored from ``<checkpoint>/critic/``.
+- **A trained role starts** from its ``model_path`` (default ``model.path``: a causal LM gets
+  a new value head at zero) or, on resume, from ``<checkpoint>/<name>/model``, then its
+  optimizer and RNG are restored from ``<checkpoint>/<name>/``. The reward model is frozen:
+  not in checkpoints.
 - **The reward model scores the actor's token ids** (same tokenizer assumed), so its
   vocabulary size must equal the actor's, and it must be a value model: a causal LM folder
   there would give a zero head and a reward of 0 for everything, silently.
@@ -30,58 +35,29 @@ Choices:
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, Protocol
 
-from treadle.algorithms import ADV_ESTIMATORS
 from treadle.config import Config
-from treadle.controller import WorkerGroup
+from treadle.config.rules import uses_critic
+from treadle.controller import Actors, Placement, Worker, WorkerGroup, start_group
 from treadle.errors import ConfigError
-from treadle.models import resolve_model_path
-from treadle.trainers.common import Actors, add_group, total_cpus
-from treadle.trainers.prime import ImplicitPRM, start_prm, uses_prm
-from treadle.trainers.rollout import rollout_cpus
-from treadle.workers import CriticWorker, RewardModelWorker
+from treadle.models import check_vocabulary, model_config, vocab_size
+from treadle.rollout.fleet import rollout_cpus
+from treadle.trainers.prime import uses_prm
+from treadle.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
+from treadle.workers.prm import ImplicitPRMWorker
 
 
-def uses_critic(cfg: Config) -> bool:
-    """Whether the run has a critic: the estimator reads values; ConfigError on a contradiction."""
-    alg, enable = cfg.algorithm, cfg.critic.enable
-    needs = "values" in ADV_ESTIMATORS.needs(alg.adv_estimator)
-    if needs and enable is False:
-        plain = [n for n in ADV_ESTIMATORS.names() if "values" not in ADV_ESTIMATORS.needs(n)]
-        raise ConfigError(
-            f"algorithm.adv_estimator={alg.adv_estimator} needs a critic's values, but "
-            "critic.enable=false: drop critic.enable (a critic starts whenever the estimator "
-            f"needs values) or use an estimator without a critic: {', '.join(plain)}"
-        )
-    if enable and not needs:
-        raise ConfigError(
-            f"critic.enable=true, but algorithm.adv_estimator={alg.adv_estimator} does not use "
-            "values, so the critic would train for nothing: set algorithm.adv_estimator=gae or "
-            "drop critic.enable"
-        )
-    if cfg.critic.warmup_steps and not needs:
-        raise ConfigError(
-            f"critic.warmup_steps={cfg.critic.warmup_steps} holds the actor back while a critic "
-            f"warms up, but algorithm.adv_estimator={alg.adv_estimator} has no critic: set "
-            "critic.warmup_steps=0"
-        )
-    return needs
-
-
-def _model_config(path: str, key: str, allow_download: bool) -> dict[str, Any]:
-    """The folder's config.json; empty for a hub id (checked when transformers fetches it)."""
-    file = Path(resolve_model_path(path, key=key, allow_download=allow_download)) / "config.json"
-    config: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
-    return config
-
-
-def _vocab_size(config: dict[str, Any]) -> int | None:
-    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
-    return int(size) if size is not None else None
+def build_actors(
+    cfg: Config, actor_path: str, with_ref: bool, placement: Placement | None = None
+) -> Actors:
+    """The actor+rollout+reference group, starting from the weights at ``actor_path``, placed
+    as ``placement`` says (default: alone on all the run's CPUs)."""
+    kwargs = {"actor_path": actor_path, "with_ref": with_ref}
+    return start_group(cfg, placement or Placement.plan(cfg), ActorRolloutRefWorker, kwargs)
 
 
 def check_value_models(cfg: Config, critic: bool) -> None:
@@ -94,20 +70,14 @@ def check_value_models(cfg: Config, critic: bool) -> None:
     if not paths:
         return
     actor = (
-        _model_config(cfg.model.path, "model.path", cfg.model.allow_download)
+        model_config(cfg.model.path, "model.path", cfg.model.allow_download)
         if cfg.model.path
         else {}
     )
-    actor_vocab = _vocab_size(actor)
+    actor_vocab = vocab_size(actor)
     for key, path in paths:
-        config = _model_config(path, key, cfg.model.allow_download)
-        vocab = _vocab_size(config)
-        if vocab and actor_vocab and vocab != actor_vocab:
-            raise ConfigError(
-                f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
-                f"(model.path) {actor_vocab}; it scores the actor's token ids, so it must use "
-                "the actor's tokenizer"
-            )
+        config = model_config(path, key, cfg.model.allow_download)
+        check_vocabulary(key, path, vocab_size(config), actor_vocab)
         arch = config.get("architectures") or []
         if (
             config
@@ -121,93 +91,129 @@ def check_value_models(cfg: Config, critic: bool) -> None:
             )
 
 
+class RoleSection(Protocol):
+    """A trained side role's config section (``critic``, ``prime``)."""
+
+    model_path: str | None
+    placement: Literal["colocated", "split"]
+    world_size: int | None
+
+
+@dataclass(frozen=True)
+class SideRole:
+    """A row of the table: a role beside the actor with a worker group of its own."""
+
+    name: str  # the driver's key for its group, and its folder in a checkpoint
+    worker: type[Worker]
+    used: Callable[[Config], bool]  # whether a run has it; ConfigError on a contradiction
+    # its config section (ranks, placement, start weights); None: the frozen reward model's
+    # (the actor's ranks, on the actor's bundles, not in checkpoints)
+    section: Callable[[Config], RoleSection] | None = None
+    weights: str = ""  # the worker's keyword for the folder its weights start from
+    missing: str = ""  # what a checkpoint without it is told
+
+    @property
+    def saved(self) -> bool:
+        """Whether checkpoints hold it (in ``<checkpoint>/<name>/``)."""
+        return self.section is not None
+
+    def world_size(self, cfg: Config) -> int:
+        section = self.section(cfg) if self.section else None
+        return (section.world_size if section else None) or cfg.actor.world_size
+
+    def split(self, cfg: Config) -> bool:
+        """Whether it has a pool of its own (else the actors' bundles)."""
+        return self.section is not None and self.section(cfg).placement == "split"
+
+    def start_path(self, cfg: Config, resumed_from: Path | None) -> str:
+        """The folder its weights load from: its ``model_path`` (default ``model.path``) or,
+        on resume, the checkpoint's ``<name>/model``."""
+        assert self.section is not None
+        if resumed_from is None:
+            return self.section(cfg).model_path or cfg.model.path
+        saved = resumed_from / self.name / "model"
+        if not (saved / "config.json").is_file():
+            raise ConfigError(f"checkpoint {resumed_from} {self.missing}")
+        return str(saved)
+
+
+SIDE_ROLES: tuple[SideRole, ...] = (
+    SideRole(
+        "critic",
+        CriticWorker,
+        uses_critic,
+        section=lambda cfg: cfg.critic,
+        weights="critic_path",
+        missing="has no critic (no critic/model): it was written by a run without one; start "
+        "a new trainer.output_dir, with model.path pointing at it",
+    ),
+    SideRole("reward_model", RewardModelWorker, lambda cfg: bool(cfg.reward.model_path)),
+    SideRole(
+        "prm",
+        ImplicitPRMWorker,
+        uses_prm,  # before the reward model's check: PRIME refuses one outright
+        section=lambda cfg: cfg.prime,
+        weights="prm_path",
+        missing="has no PRIME PRM (no prm/model): it was written by a run without "
+        "algorithm.adv_estimator=prime; start a new trainer.output_dir",
+    ),
+)
+
+
+@dataclass(frozen=True)
+class Planned:
+    """A side role a run has: its ranks, and whether it has a pool of its own."""
+
+    role: SideRole
+    world_size: int
+    split: bool
+
+
 @dataclass(frozen=True)
 class Layout:
-    """Which roles a run has and how the actor's pool is cut for them."""
+    """The side roles a run has, in start order, and how the actor's pool is cut for them."""
 
-    critic: bool
-    reward_model: bool
-    critic_world_size: int
-    critic_split: bool
-    prm: bool = False  # PRIME's implicit PRM (treadle.trainers.prime)
-    prm_world_size: int = 1
-    prm_split: bool = False
+    roles: tuple[Planned, ...] = ()
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(p.role.name for p in self.roles)
 
     @property
     def colocated(self) -> int:
         """Groups sharing the actor's bundles (the actor's included)."""
-        return (
-            1
-            + (self.critic and not self.critic_split)
-            + self.reward_model
-            + (self.prm and not self.prm_split)
-        )
+        return 1 + sum(not p.split for p in self.roles)
 
-    def cpus_per_rank(self, cfg: Config) -> float | None:
-        """A bundle's CPUs: the training side's CPUs (all but a split rollout pool's) over the
-        actor's ranks, and the critic's (PRM's) when it has a pool of its own; None: all over
-        the actor's ranks."""
-        rollout = rollout_cpus(cfg)
-        if not self.critic_split and not self.prm_split and not rollout:
-            return None
-        ranks = cfg.actor.world_size + (self.critic_world_size if self.critic_split else 0)
-        ranks += self.prm_world_size if self.prm_split else 0
-        return (total_cpus(cfg) - rollout) / ranks
+    def placement(self, cfg: Config) -> Placement:
+        """The run's placement: the training side's CPUs (all but a split rollout pool's) over
+        the actor's ranks and every split role's."""
+        split_ranks = sum(p.world_size for p in self.roles if p.split)
+        return Placement.plan(cfg, self.colocated, split_ranks, rollout_cpus(cfg))
 
 
 def plan_roles(cfg: Config) -> Layout:
-    """Decide and check the roles; raises ConfigError before anything starts."""
-    critic = uses_critic(cfg)
-    prm = uses_prm(cfg)  # before the reward model's check: PRIME refuses one outright
-    check_value_models(cfg, critic)
-    return Layout(
-        critic=critic,
-        reward_model=bool(cfg.reward.model_path),
-        critic_world_size=cfg.critic.world_size or cfg.actor.world_size,
-        critic_split=critic and cfg.critic.placement == "split",
-        prm=prm,
-        prm_world_size=cfg.prime.world_size or cfg.actor.world_size,
-        prm_split=prm and cfg.prime.placement == "split",
-    )
-
-
-def critic_start(cfg: Config, resumed_from: Path | None) -> str:
-    """The folder the critic's weights load from."""
-    if resumed_from is None:
-        return cfg.critic.model_path or cfg.model.path
-    saved = resumed_from / "critic" / "model"
-    if not (saved / "config.json").is_file():
-        raise ConfigError(
-            f"checkpoint {resumed_from} has no critic (no critic/model): it was written by a "
-            "run without one; start a new trainer.output_dir, with model.path pointing at it"
-        )
-    return str(saved)
+    """Decide and check the side roles; raises ConfigError before anything starts."""
+    used = [role for role in SIDE_ROLES if role.used(cfg)]
+    check_value_models(cfg, critic=any(role.name == "critic" for role in used))
+    return Layout(tuple(Planned(r, r.world_size(cfg), r.split(cfg)) for r in used))
 
 
 def start_roles(
     cfg: Config, actors: Actors, layout: Layout, resumed_from: Path | None
-) -> tuple[WorkerGroup | None, WorkerGroup | None, ImplicitPRM | None]:
-    """(critic group, reward-model group, PRIME's PRM), each None when the run has no such
-    role; a split role gets a pool of its own, a colocated one the actors' bundles.
+) -> dict[str, WorkerGroup]:
+    """The side roles' groups by name, each restored from ``resumed_from`` when it is in
+    checkpoints; a split role gets a pool of its own, a colocated one the actors' bundles.
 
     The groups are registered with ``actors`` and close with them, also when this fails.
     """
-    critic = rm = None
-    split_cpus = layout.cpus_per_rank(cfg)
-    if layout.critic:
-        critic = add_group(
-            actors,
-            cfg,
-            CriticWorker,
-            {"config": cfg, "critic_path": critic_start(cfg, resumed_from)},
-            world_size=layout.critic_world_size,
-            own_cpus_per_rank=split_cpus if layout.critic_split else None,
-        )
-        if resumed_from is not None:
-            critic.load_checkpoint(str(resumed_from / "critic"))
-    if layout.reward_model:
-        rm = add_group(
-            actors, cfg, RewardModelWorker, {"config": cfg}, world_size=cfg.actor.world_size
-        )
-    split = split_cpus if layout.prm_split else None
-    return critic, rm, start_prm(cfg, actors, layout.prm, split, resumed_from)
+    groups = {}
+    for p in layout.roles:
+        role = p.role
+        kwargs: dict[str, Any] = {"config": cfg}
+        if role.saved:
+            kwargs[role.weights] = role.start_path(cfg, resumed_from)
+        group = actors.add(role.worker, kwargs, p.world_size, p.split)
+        if resumed_from is not None and role.saved:
+            group.load_checkpoint(str(resumed_from / role.name))
+        groups[role.name] = group
+    return groups

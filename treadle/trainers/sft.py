@@ -18,7 +18,9 @@ from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
 from treadle.tracking import timed
-from treadle.trainers.common import Trainer, evaluate, load_prompts
+from treadle.trainers.base import Trainer
+from treadle.trainers.evaluation import evaluate
+from treadle.trainers.prompts import load_prompts
 
 
 class SFTTrainer(Trainer):

@@ -38,7 +38,7 @@ train_kto                   UNPAIRED + labels, ref_logps,          metrics kto/*
                             ref_kl_logps
 ==========================  =====================================  ===========================
 
-The rollout side: ``rollout_generate`` (:class:`~treadle.workers.rollout.ServesRollout`, the
+The rollout side: ``rollout_generate`` (:class:`~treadle.rollout.replica.ServesRollout`, the
 interface every process holding a replica has) serves requests from this rank's colocated
 replica (``rollout.placement=colocated``), and ``sync_weights`` sends the actor's weights to the
 rollout, in memory (colocated) or over the weight-sync group (split).
@@ -56,10 +56,12 @@ from treadle.checkpoint import read_state
 from treadle.controller import Collect, Dispatch, free_port, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.heads import LogProbRequest
+from treadle.engines.weights import weight_buckets
 from treadle.models import apply_lora
 from treadle.protocol import Batch
+from treadle.rollout.replica import ServesRollout, make_engine
 from treadle.rollout.server import RolloutServer
-from treadle.rollout.weight_sync import WeightSyncGroup, weight_buckets
+from treadle.rollout.weight_sync import WeightSyncGroup
 from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
     ATTENTION,
@@ -84,7 +86,6 @@ from treadle.workers.objectives import (
     Unpaired,
     update,
 )
-from treadle.workers.rollout import ServesRollout, make_engine
 
 
 class ActorRolloutRefWorker(ServesRollout, TrainingWorker):

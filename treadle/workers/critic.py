@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from treadle.algorithms import value_loss
+from treadle.algorithms import Aggregation, value_loss
 from treadle.controller import Collect, Dispatch, register
 from treadle.protocol import Batch
 from treadle.workers.base import TrainingWorker
@@ -104,7 +104,7 @@ class CriticWorker(TrainingWorker):
             micro["returns"].to(values),
             mask,
             self.c.cliprange_value,
-            agg_kwargs=agg,
+            Aggregation(num_tokens=agg["num_tokens"]),
         )
         clipped = clipfrac * float(mask.sum())
         return loss, {"critic/vf_loss": float(loss.detach()), "critic/vf_clipfrac": clipped}

@@ -52,8 +52,9 @@ from treadle.algorithms import (
     pair_stats,
 )
 from treadle.algorithms.correction import rollout_correction
+from treadle.algorithms.inputs import Aggregation, PairInputs, PolicyLossInputs, UnpairedInputs
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
-from treadle.config import DPO_KNOBS, Config
+from treadle.config import Config
 from treadle.engines.fsdp import TrainEngine
 from treadle.engines.heads import LogProbRequest, PairTerm
 from treadle.protocol import Batch
@@ -162,10 +163,10 @@ def optimizer_step(
 # ----------------------------------------------------------------------------- PPO family
 
 
-def loss_options(cfg: Config) -> dict[str, Any]:
-    """The ``algorithm`` knobs the policy loss registered (``knobs=``), and no others."""
+def loss_options(cfg: Config) -> Any:
+    """The policy loss's settings: the ``algorithm`` knobs it registered, and no others."""
     alg = cfg.algorithm
-    return {key: getattr(alg, key) for key in POLICY_LOSSES.knobs(alg.policy_loss)}
+    return POLICY_LOSSES.settings_from(alg.policy_loss, alg)
 
 
 class PolicyGradient(Objective[dict[str, Any]]):
@@ -259,16 +260,15 @@ class PolicyGradient(Objective[dict[str, Any]]):
                 alg.rollout_correction,
                 alg.rollout_correction_cap,
             )
-        pg_loss, stats = loss_fn(
+        inputs = PolicyLossInputs(
             logp,
             old,
             mb["advantages"],
             pg_mask,
-            loss_agg_mode=alg.loss_agg_mode,
+            Aggregation(alg.loss_agg_mode, **agg),
             rollout_is_weights=None if is_weights is None else is_weights.to(logp.dtype),
-            agg_kwargs=agg,
-            **loss_options(self.cfg),
         )
+        pg_loss, stats = loss_fn(inputs, loss_options(self.cfg))
         loss = pg_loss
         metrics = {
             "actor/pg_loss": float(pg_loss.detach()),
@@ -350,16 +350,9 @@ class PairPreference(Objective[tuple[float, float]]):
         ref_c = ref_r = None
         if info.get("reference", True):
             ref_c, ref_r = (mb[k].to(chosen.device) for k in REF_PAIRS)
-        losses = PREFERENCE_LOSSES.get(d.loss_type)(
-            chosen,
-            rejected,
-            ref_c,
-            ref_r,
-            beta=d.beta,
-            chosen_lengths=lengths[0],
-            rejected_lengths=lengths[1],
-            **{k: getattr(d, k) for k in DPO_KNOBS},
-        )
+        inputs = PairInputs(chosen, rejected, ref_c, ref_r, lengths[0], lengths[1])
+        settings = PREFERENCE_LOSSES.settings_from(d.loss_type, d)  # beta and its knobs
+        losses = PREFERENCE_LOSSES.get(d.loss_type)(inputs, settings)
         nll = -chosen.sum() / tokens  # the chosen responses' token-mean NLL (RPO's SFT term)
         nll_coef = info.get("nll", 0.0) + d.nll_coef
         loss = losses.sum() / pairs + (nll_coef * nll if nll_coef else 0.0)
@@ -434,15 +427,9 @@ class Unpaired(Objective[UnpairedCounts]):
         logps = unpaired_logps(self.policy.actor, mb, self.policy.device)
         ref = mb["ref_logps"].to(logps.device)
         labels = mb["labels"].to(logps.device).bool()
-        losses = UNPAIRED_LOSSES.get(k.loss_type)(
-            logps,
-            ref,
-            labels,
-            step.kl,
-            beta=k.beta,
-            desirable_weight=k.desirable_weight,
-            undesirable_weight=k.undesirable_weight,
-        )
+        settings = UNPAIRED_LOSSES.settings_from(k.loss_type, k)  # beta and its knobs
+        inputs = UnpairedInputs(logps, ref, labels, step.kl)
+        losses = UNPAIRED_LOSSES.get(k.loss_type)(inputs, settings)
         n, n_good, n_bad, good_tokens = step.counts
         nll = -logps[labels].sum() / max(good_tokens, 1.0)  # the desirable token-mean NLL
         rewards = implicit_rewards(logps.detach(), ref, k.beta)

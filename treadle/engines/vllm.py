@@ -79,10 +79,10 @@ import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-from treadle.engines.rollout import Finished, RolloutOutput, SamplingParams
+from treadle.engines.inference import Finished, RolloutOutput, SamplingParams
+from treadle.engines.weights import weight_buckets
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
-from treadle.rollout.weight_sync import weight_buckets
 
 logger = logging.getLogger("treadle")
 

@@ -256,7 +256,7 @@ class Worker:
         return dict(getattr(self, "_startup_parts", {}))
 
 
-def _guarded(cls: type[Worker]) -> type[Worker]:
+def guarded(cls: type[Worker]) -> type[Worker]:
     """``cls`` whose construction keeps a user-fixable error for ``treadle_check`` to raise.
 
     Ray reports an exception in an actor's ``__init__`` only as "the actor died"; kept and
@@ -290,11 +290,11 @@ def _vllm_in_process() -> bool:
     fail (``ValueError: Invalid process group specified``, a traceback after every run). The
     group is left to the engine, which lives as long as the process and destroys it at exit;
     the next run in the process joins it."""
-    module = sys.modules.get("treadle.engines.vllm_rollout")
+    module = sys.modules.get("treadle.engines.vllm")
     return module is not None and module.engine_running()
 
 
-def _ray_get(futures: list[Any]) -> list[Any]:
+def ray_get(futures: list[Any]) -> list[Any]:
     """``ray.get`` that re-raises a worker's user-fixable error as itself, not wrapped."""
     import ray
 
@@ -407,7 +407,7 @@ class WorkerGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        remote_cls: Any = ray.remote(_guarded(cls))
+        remote_cls: Any = ray.remote(guarded(cls))
 
         def options(rank: int) -> dict[str, Any]:
             return {
@@ -470,7 +470,7 @@ class WorkerGroup:
         import ray
 
         try:
-            return _ray_get(futures)
+            return ray_get(futures)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as first:
             # A rank that died fails its peers' collectives too ("connection reset by peer"),
             # which may be the error seen first: name the dead one.

@@ -32,7 +32,7 @@ import torch
 
 from treadle.config import Config
 from treadle.engines.fsdp import DTYPES
-from treadle.engines.rollout import HFRolloutEngine, RolloutEngine
+from treadle.engines.inference import HFRolloutEngine, RolloutEngine
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.rollout.server import Request, Response, RolloutServer
 from treadle.rollout.weight_sync import WeightSyncGroup
@@ -43,7 +43,7 @@ def make_engine(cfg: Config, path: str, device: torch.device) -> RolloutEngine:
     r = cfg.rollout
     dtype = r.dtype or cfg.model.dtype
     if r.engine == "vllm":
-        from treadle.engines.vllm_rollout import VLLMRolloutEngine
+        from treadle.engines.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(
             path,

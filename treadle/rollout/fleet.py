@@ -8,10 +8,10 @@ before agent loops); ``sync_weights`` pushes the actor's new weights to every re
 version number.
 
 - ``rollout.placement=colocated``: the replicas are the actor's own ranks (each process holds
-  a server next to its FSDP shard, :class:`~treadle.workers.rollout.ServesRollout`); a sync is
+  a server next to its FSDP shard, :class:`~treadle.rollout.replica.ServesRollout`); a sync is
   an in-memory copy on every rank. In the local backend the one replica is the in-process
   server.
-- ``rollout.placement=split``: ``rollout.replicas`` :class:`~treadle.workers.rollout.RolloutReplica`
+- ``rollout.placement=split``: ``rollout.replicas`` :class:`~treadle.rollout.replica.RolloutReplica`
   actors in a placement group of their own, ``rollout.num_cpus`` CPUs (default: half the run's)
   divided equally, ``rollout.tensor_parallel_size`` GPUs each on GPU machines; the actor's
   rank 0 broadcasts the weights to them over a process group of their own. On a Ray cluster
@@ -33,10 +33,20 @@ import torch
 from treadle.agents.loops import AgentLoop, Limits, Sample, load_agent_loop, run_agents, single_turn
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
+from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config
-from treadle.controller import ResourcePool, WorkerGroup, _guarded, _ray_get, death_cause, pid_note
+from treadle.controller import (
+    ResourcePool,
+    WorkerGroup,
+    death_cause,
+    guarded,
+    pid_note,
+    rank_threads,
+    ray_env,
+    ray_get,
+)
 from treadle.data import collate_prompts
-from treadle.engines.rollout import SamplingParams
+from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.protocol import Batch
@@ -47,8 +57,7 @@ from treadle.rollout.client import (
     RolloutClient,
     RolloutError,
 )
-from treadle.trainers.common import Actors, ensure_ray, rank_threads, ray_env, total_cpus
-from treadle.workers.rollout import RolloutReplica
+from treadle.rollout.replica import RolloutReplica
 
 
 def rollout_cpus(cfg: Config) -> float:
@@ -263,7 +272,7 @@ def reserve_rollout_pool(cfg: Config) -> ResourcePool | None:
 
 
 def start_rollout(
-    cfg: Config, actors: Actors, actor_path: str, version: int, pool: ResourcePool | None = None
+    cfg: Config, group: WorkerGroup, actor_path: str, version: int, pool: ResourcePool | None = None
 ) -> Rollout:
     """Replicas as ``rollout.placement`` says, a client over them. Split: replicas started from
     ``actor_path`` in ``pool`` (:func:`reserve_rollout_pool`; reserved here if not given).
@@ -278,7 +287,6 @@ def start_rollout(
 
     pad_id = tok.pad_token_id or 0
     agents = Agents.from_config(cfg, tok)
-    group = actors.group
     r = cfg.rollout
     opts: dict[str, Any] = {
         "max_inflight": r.max_inflight_per_replica,
@@ -317,7 +325,7 @@ def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) ->
 
     cpus, gpus = pool.cpus_per_rank, pool.gpus_per_rank
     threads = rank_threads(cfg, cpus)
-    remote_cls: Any = ray.remote(_guarded(RolloutReplica))  # type: ignore[arg-type]
+    remote_cls: Any = ray.remote(guarded(RolloutReplica))  # type: ignore[arg-type]
     replicas = [
         remote_cls.options(
             num_cpus=cpus,
@@ -330,7 +338,7 @@ def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) ->
         for i in range(pool.world_size)
     ]
     try:
-        _ray_get([a.treadle_check.remote() for a in replicas])
+        ray_get([a.treadle_check.remote() for a in replicas])
     except BaseException:
         _kill(replicas, pool)
         raise
@@ -371,7 +379,7 @@ def _join_weight_sync(group: WorkerGroup, replicas: list[Any]) -> None:
     world = len(replicas) + 1
     joining = [a.join_weight_sync.remote(addr, port, i + 1, world) for i, a in enumerate(replicas)]
     group.init_weight_sync(addr, port, world)
-    _ray_get(joining)
+    ray_get(joining)
 
 
 def _kill(replicas: list[Any], pool: ResourcePool) -> None:

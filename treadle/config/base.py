@@ -1,0 +1,47 @@
+"""The base of every config section, and the field types several sections share."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Annotated, Any, TypeVar, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, assignments are validated, and
+    no number may be nan or infinite (pydantic's floats accept them by default)."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_booleans_for_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # pydantic takes true as 1 for an int or float field; `rollout.n: true` is a mistake
+        if isinstance(value, bool) and info.field_name is not None:
+            kinds = _kinds(cls.model_fields[info.field_name].annotation)
+            if bool not in kinds and kinds & {int, float}:
+                raise ValueError(f"expected a number, not {str(value).lower()}")
+        return value
+
+
+def _kinds(annotation: Any) -> set[Any]:
+    """The types an annotation admits at its top level (``int | None`` -> {int, NoneType})."""
+    return set(get_args(annotation)) | {annotation} if get_args(annotation) else {annotation}
+
+
+Key = Annotated[str, Field(min_length=1)]  # a column name, a path: never empty
+Beta = Annotated[float, Field(ge=0, lt=1)]
+
+
+S = TypeVar("S", bound=Section)
+
+
+def defaults(section: type[S]) -> Callable[[], S]:
+    """The ``default_factory`` of a sub-section: the section with its defaults. (Passing the
+    class itself leaves mypy unable to pick from pydantic's two factory signatures.)"""
+
+    def make() -> S:
+        return section()
+
+    return make

@@ -1,0 +1,53 @@
+"""``critic``: PPO's value model."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from treadle.config.base import Section
+
+
+class CriticConfig(Section):
+    """The critic of PPO: a value model trained toward the returns, beside the actor."""
+
+    enable: bool | None = Field(
+        None,
+        description="Build a critic: null = exactly when algorithm.adv_estimator reads values "
+        "(gae); true/false must agree with the estimator.",
+    )
+    model_path: str | None = Field(
+        None,
+        description="Critic start model (causal LM or value-model folder); null = model.path.",
+    )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="'colocated': on the actor's bundles, taking turns; 'split': its own pool.",
+    )
+    world_size: int | None = Field(
+        None, gt=0, description="Critic ranks (FSDP2 shards); null = actor.world_size."
+    )
+    lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
+    weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")
+    grad_clip: float = Field(1.0, gt=0, description="Critic gradient-norm clipping threshold.")
+    cliprange_value: float = Field(
+        0.5, gt=0, description="Value clipping: new values stay within ±this of the old ones."
+    )
+    ppo_epochs: int | None = Field(
+        None, gt=0, description="Passes over each RL batch; null = actor.ppo_epochs."
+    )
+    ppo_mini_batch_size: int | None = Field(
+        None,
+        gt=0,
+        description="Samples per critic optimizer step, all ranks; null = actor's.",
+    )
+    micro_batch_size: int | None = Field(
+        None, gt=0, description="Samples per forward/backward per rank; null = actor's."
+    )
+    warmup_steps: int = Field(
+        0,
+        ge=0,
+        description="Critic warm-up: for the first N RL steps only the critic trains, the "
+        "actor is not updated (verl's critic_warmup).",
+    )

@@ -1,0 +1,102 @@
+"""``rollout``: the inference engine, sampling, replicas and agent loops."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, field_validator
+
+from treadle.config.base import Key, Section
+
+
+class RolloutConfig(Section):
+    engine: Literal["hf", "vllm"] = Field("hf", description="Inference engine for generation.")
+    dtype: Literal["float32", "bfloat16"] | None = Field(
+        None,
+        description="Weight dtype of the rollout engine (null: model.dtype). bfloat16 generates "
+        "faster on CPUs with AVX-512 BF16 and on GPUs; the train/rollout log-prob mismatch it "
+        "adds is logged (rollout/logprob_diff_*) and algorithm.rollout_correction corrects for it.",
+    )
+    n: int = Field(4, gt=0, description="Samples per prompt (the GRPO group size).")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature.")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling threshold.")
+    top_k: int = Field(-1, ge=-1, description="Top-k sampling; -1 disables it.")
+    max_new_tokens: int = Field(32, gt=0, description="Longest response in tokens.")
+    ignore_eos: bool = Field(
+        False,
+        description="Generate max_new_tokens tokens for every response, ignoring EOS (benchmarks).",
+    )
+    micro_batch_size: int = Field(64, gt=0, description="hf engine: sequences per generate call.")
+    weight_sync_bucket_mb: float = Field(
+        64, gt=0, description="vllm engine: size of one weight-sync message, MiB."
+    )
+    kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache size, GiB.")
+    gpu_memory_utilization: float = Field(
+        0.5, gt=0, le=1, description="vllm engine on CUDA: fraction of GPU memory it may take."
+    )
+    placement: Literal["colocated", "split"] = Field(
+        "colocated",
+        description="'colocated': one replica in every actor rank's process, on its devices, "
+        "sleeping while the actor trains, weights synced in memory; 'split': rollout.replicas "
+        "replicas in a resource pool of their own, weights broadcast over a process group.",
+    )
+    replicas: int | None = Field(
+        None,
+        gt=0,
+        description="Rollout replicas (each one inference engine serving requests); null: one "
+        "per actor rank when colocated (it must equal actor.world_size), 1 when split.",
+    )
+    tensor_parallel_size: int = Field(
+        1, gt=0, description="GPUs per replica (vLLM tensor parallelism); 1 on CPU."
+    )
+    num_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="split: CPUs of the rollout pool, divided equally over the replicas "
+        "(null: half of trainer.num_cpus); the actor's ranks get the rest.",
+    )
+    ray_resources: dict[str, Annotated[float, Field(gt=0)]] = Field(
+        default_factory=dict,
+        description="split: Ray custom resources each replica's bundle also asks for, to place "
+        "the replicas on the nodes that have them (`ray start --resources='{\"rollout\": 2}'`).",
+    )
+    max_inflight_per_replica: int = Field(
+        256, gt=0, description="Requests in flight per replica at most (the client waits)."
+    )
+    request_timeout_s: float = Field(
+        600.0, gt=0, description="A request not answered within this many seconds stops the run."
+    )
+    agent_loop: Key = Field(
+        "single_turn",
+        description="How a sample is generated: single_turn (one response), tools (multi-turn "
+        "with rollout.tools, Hermes <tool_call> blocks), or a custom async loop given as "
+        "'module:function' or 'path/to/file.py:function'.",
+    )
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Tools of the tools loop: plain Python functions with type hints and a "
+        "docstring, as 'module:function' or 'path/to/file.py:function'.",
+    )
+    max_turns: int = Field(4, gt=0, description="Model turns per trajectory at most.")
+    max_tool_response_tokens: int = Field(
+        256, gt=0, description="A tool result longer than this many tokens is cut."
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0, description="A tool call running longer becomes an error message."
+    )
+    max_concurrent_trajectories: int = Field(
+        256, gt=0, description="Agent loops running at once (each turn a request)."
+    )
+    max_response_length: int | None = Field(
+        None,
+        gt=0,
+        description="Agent loops: tokens after the prompt at most (model and tool tokens); "
+        "null: max_turns * (max_new_tokens + max_tool_response_tokens).",
+    )
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k_on_or_off(cls, value: int) -> int:
+        if value == 0:
+            raise ValueError("top_k must be -1 (off) or at least 1")
+        return value

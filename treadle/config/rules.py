@@ -1,0 +1,492 @@
+"""Every cross-field rule of a run's config, in one place.
+
+Three readers, one set of rules:
+
+- config validation (``Config``, at load): ``config_problems`` and ``old_log_probs_problem``,
+  the rules between sections that need nothing but the config;
+- ``treadle check`` and the trainers' start (``check_algorithm``): registered names (after
+  ``algorithm.plugins`` are imported) and the rules that need the registries' facts: a group
+  baseline needs ``rollout.n >= 2``, a loss may allow only some ``loss_agg_mode`` values, a knob
+  no chosen function reads is an error; for ``train`` also the roles' rules below;
+- role selection (``uses_critic``, ``uses_prm``): whether the run has a critic or PRIME's
+  PRM, refusing a config that contradicts the estimator (``role_problems``, which
+  ``check_algorithm`` runs for ``train``, holds the same rules, so ``treadle check`` says it
+  first).
+
+Every rule returns (or raises) a message that names the keys to change. The rules know the
+algorithm registries (the layer below config) and nothing above it.
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterator
+from typing import Any, Literal
+
+from treadle import algorithms  # the package: importing it registers every built-in name
+from treadle.config.actor import ActorConfig
+from treadle.config.data import DataConfig
+from treadle.config.dpo import DPO_KNOBS, DPOConfig
+from treadle.config.prime import PrimeConfig
+from treadle.config.rollout import RolloutConfig
+from treadle.config.run import Sections
+from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
+from treadle.config.trainer import TrainerConfig
+from treadle.errors import ConfigError
+from treadle.plugins import load_plugins
+
+Kind = Literal["train", "sft", "dpo", "kto", "rm", "eval"]
+KINDS: tuple[Kind, ...] = ("train", "sft", "dpo", "kto", "rm", "eval")
+
+# --- between sections (config validation) ---------------------------------------------------
+
+
+def old_log_probs_problem(cfg: Sections) -> str | None:
+    """``actor.recompute_old_log_probs=false`` where the old log-probs need their own pass."""
+    a = cfg.actor
+    if a.recompute_old_log_probs is not False:
+        return None
+    automatic = cfg.model_copy(
+        update={"actor": a.model_copy(update={"recompute_old_log_probs": None})}
+    )
+    if not automatic.needs_old_log_prob_pass():
+        return None
+    return (
+        "actor.recompute_old_log_probs=false needs one optimizer step a batch without "
+        "KL in the reward: set it to null (automatic), or actor.ppo_epochs=1, "
+        "actor.ppo_mini_batch_size = data.batch_size x rollout.n and "
+        "algorithm.kl_reward_coef=0"
+    )
+
+
+def config_problems(cfg: Sections) -> Iterator[str]:
+    """Every broken rule between sections, one message each (all are reported, not the first)."""
+    samples = cfg.data.batch_size * cfg.rollout.n
+    ws = cfg.actor.world_size
+    if cfg.trainer.backend == "local" and ws != 1:
+        yield (
+            f"trainer.backend=local runs one rank in-process; set actor.world_size=1 "
+            f"(got {ws}) or use trainer.backend=ray"
+        )
+    if cfg.data.batch_size % ws:
+        yield (
+            f"data.batch_size={cfg.data.batch_size} must be divisible by "
+            f"actor.world_size={ws} so every rank gets the same number of prompts"
+        )
+    if cfg.algorithm.filter_groups and cfg.rollout.n < 2:
+        yield (
+            "algorithm.filter_groups=true needs groups: set rollout.n to 2 or more "
+            "(a group of one sample always has equal rewards)"
+        )
+    if cfg.reward.overlong_buffer_len >= cfg.rollout.max_new_tokens:
+        yield (
+            f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} must be smaller "
+            f"than rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
+        )
+    mini = cfg.actor.ppo_mini_batch_size
+    if samples % mini:
+        yield (
+            f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n = {samples}"
+        )
+    if mini % ws:
+        yield (f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}")
+    for section, what, mini_key in (
+        ("critic", "critic", "ppo_mini_batch_size"),
+        ("prime", "PRM", "mini_batch_size"),
+    ):
+        role = getattr(cfg, section)
+        yield from _check_side_role(
+            section,
+            what,
+            role.world_size,
+            role.placement,
+            mini_key,
+            getattr(role, mini_key),
+            cfg.actor,
+            samples,
+            cfg.trainer.backend,
+        )
+    yield from _check_rollout(cfg.rollout, cfg.actor, cfg.trainer)
+    yield from _check_agents(cfg.rollout, cfg.data)
+    yield from _check_mode(cfg)
+
+
+def _check_mode(cfg: Sections) -> Iterator[str]:
+    mode = cfg.trainer.mode
+    if mode == "sync":
+        return
+    if cfg.rollout.placement != "split":
+        yield (
+            f"trainer.mode={mode} overlaps generation and training, which needs replicas of "
+            "their own: set rollout.placement=split (and trainer.backend=ray), or "
+            "trainer.mode=sync"
+        )
+    a = cfg.async_
+    if mode == "async" and a.sync_every > a.max_staleness + 1:
+        yield (
+            f"async.sync_every={a.sync_every} lets the replicas fall more than "
+            f"async.max_staleness={a.max_staleness} versions behind, so no sample could be "
+            "trained: set sync_every to at most max_staleness + 1"
+        )
+    if mode == "async" and a.buffer_groups is not None and a.buffer_groups < cfg.data.batch_size:
+        yield (
+            f"async.buffer_groups={a.buffer_groups} cannot hold one batch of "
+            f"data.batch_size={cfg.data.batch_size} groups: raise it or leave it unset"
+        )
+
+
+def _check_agents(rollout: RolloutConfig, data: DataConfig) -> Iterator[str]:
+    if rollout.agent_loop == "single_turn" and rollout.tools:
+        yield (
+            "rollout.tools are called by an agent loop: set rollout.agent_loop=tools (or a "
+            "loop of your own), or remove rollout.tools"
+        )
+    if rollout.agent_loop == "tools" and not rollout.tools:
+        yield (
+            "rollout.agent_loop=tools needs rollout.tools: list the tools as "
+            "['module:function', ...] or ['path/to/file.py:function', ...]"
+        )
+    if rollout.tools and not data.apply_chat_template:
+        yield (
+            "rollout.tools are shown to the model through the chat template: set "
+            "data.apply_chat_template=true"
+        )
+
+
+def _check_rollout(
+    rollout: RolloutConfig, actor: ActorConfig, trainer: TrainerConfig
+) -> Iterator[str]:
+    if rollout.placement == "colocated":
+        if rollout.replicas is not None and rollout.replicas != actor.world_size:
+            yield (
+                f"rollout.replicas={rollout.replicas} must equal actor.world_size="
+                f"{actor.world_size} when rollout.placement=colocated (one replica in each "
+                "actor rank's process); set rollout.placement=split or drop rollout.replicas"
+            )
+        if rollout.num_cpus is not None or rollout.ray_resources:
+            yield (
+                "rollout.num_cpus and rollout.ray_resources shape the rollout pool of "
+                "rollout.placement=split; colocated replicas use the actor's bundles: drop "
+                "them or set rollout.placement=split"
+            )
+        return
+    if trainer.backend == "local":
+        yield (
+            "trainer.backend=local runs one rank in-process; set rollout.placement=colocated "
+            "or use trainer.backend=ray"
+        )
+    cpus = trainer.num_cpus
+    if cpus is not None and rollout.num_cpus is not None and rollout.num_cpus >= cpus:
+        yield (
+            f"rollout.num_cpus={rollout.num_cpus} leaves nothing of trainer.num_cpus={cpus} "
+            "for the actor: give the rollout pool fewer CPUs or the run more"
+        )
+
+
+def _check_side_role(
+    section: str,
+    what: str,
+    world_size: int | None,
+    placement: str,
+    mini_key: str,
+    mini_batch_size: int | None,
+    actor: ActorConfig,
+    samples: int,
+    backend: str,
+) -> Iterator[str]:
+    """The placement and batch rules of a role beside the actor (the critic, PRIME's PRM)."""
+    ws = world_size or actor.world_size
+    if placement == "colocated" and ws != actor.world_size:
+        yield (
+            f"{section}.world_size={ws} must equal actor.world_size={actor.world_size} when "
+            f"{section}.placement=colocated (it shares the actor's bundles); set "
+            f"{section}.placement=split or drop {section}.world_size"
+        )
+    if backend == "local" and placement == "split":
+        yield (
+            f"trainer.backend=local runs one rank in-process; set {section}.placement=colocated "
+            "or use trainer.backend=ray"
+        )
+    mini = mini_batch_size or actor.ppo_mini_batch_size
+    same_as_actor = mini_batch_size is None and ws == actor.world_size
+    if not same_as_actor and (samples % mini or mini % ws):  # else the actor's rule says it
+        yield (
+            f"{section}.{mini_key}={mini} must divide data.batch_size x rollout.n = "
+            f"{samples} and be divisible by the {what}'s world size {ws}"
+        )
+
+
+# --- registered names (treadle check, the trainers' start) ------------------------------------
+
+
+def check_algorithm(cfg: Sections, kind: Kind) -> None:
+    """Registered names and the rules between them (ConfigError listing every problem), after
+    ``algorithm.plugins`` are imported (they register names)."""
+    if cfg.algorithm.plugins:
+        with time_limit(IMPORT_TIMEOUT_S, "algorithm.plugins"):
+            load_plugins(cfg.algorithm.plugins)
+
+    names = _registered_names(cfg, kind)
+    problems = []
+    for key, registry, name in names:
+        if name not in registry:
+            close = difflib.get_close_matches(name, registry.names(), n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(
+                f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}{hint}"
+            )
+    if kind == "train":
+        problems += [*_estimator_rules(cfg), *_loss_rules(cfg)]
+        problems += _algorithm_knobs(cfg, algorithms.POLICY_LOSSES, algorithms.LOSS_AGG_MODES)
+        problems += role_problems(cfg)
+    if kind == "dpo" and cfg.dpo.loss_type in algorithms.PREFERENCE_LOSSES:
+        problems += _preference_knobs(cfg, algorithms.PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
+    if kind == "kto" and cfg.data.batch_size < 2:
+        problems.append(
+            f"data.batch_size={cfg.data.batch_size}: KTO estimates its reference point from "
+            "the other examples of a batch: set data.batch_size to 2 or more"
+        )
+    if kind in ("dpo", "kto") and getattr(cfg, kind).eval_task and not cfg.data.val_files:
+        problems.append(f"{kind}.eval_task=true needs data.val_files (held-out prompts)")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _registered_names(cfg: Sections, kind: Kind) -> list[tuple[str, Any, str]]:
+    """(config key, registry, name) of every name ``kind`` looks up."""
+    alg = cfg.algorithm
+    if kind == "train":
+        return [
+            ("algorithm.adv_estimator", algorithms.ADV_ESTIMATORS, alg.adv_estimator),
+            ("algorithm.policy_loss", algorithms.POLICY_LOSSES, alg.policy_loss),
+            ("algorithm.loss_agg_mode", algorithms.LOSS_AGG_MODES, alg.loss_agg_mode),
+            ("algorithm.kl_estimator", algorithms.KL_ESTIMATORS, alg.kl_estimator),
+            ("algorithm.kl_reward_estimator", algorithms.KL_ESTIMATORS, alg.kl_reward_estimator),
+        ]
+    if kind == "dpo":
+        return [("dpo.loss_type", algorithms.PREFERENCE_LOSSES, cfg.dpo.loss_type)]
+    if kind == "kto":
+        return [("kto.loss_type", algorithms.UNPAIRED_LOSSES, cfg.kto.loss_type)]
+    return []
+
+
+def _unread_knobs(
+    cfg: Sections, section: str, knobs: Any, reads: Any, selector: str, reads_none: str
+) -> list[str]:
+    """A line for each of ``knobs`` (settings of ``cfg.<section>`` that only some functions
+    read) changed from its default that the function ``<section>.<selector>`` names does not
+    read (``reads``): a knob nothing reads would be silently ignored."""
+    settings = getattr(cfg, section)
+    fields, chosen, problems = type(settings).model_fields, getattr(settings, selector), []
+    for knob in sorted(knobs):
+        value = getattr(settings, knob)
+        if value != fields[knob].default and knob not in reads:
+            shown = "null" if value is None else value
+            problems.append(
+                f"{section}.{knob}={shown} is not read by {section}.{selector}={chosen} (it "
+                f"reads {', '.join(sorted(reads)) or reads_none}): remove {section}.{knob}"
+            )
+    return problems
+
+
+def _algorithm_knobs(cfg: Sections, losses: Any, agg_modes: Any) -> list[str]:
+    """The policy loss's and the loss aggregation's knobs (the loss's settings' fields, the
+    mode's ``knobs`` registration): another one changed from its default is an error, as is
+    a knob that is no ``algorithm`` setting (a plug-in's)."""
+    alg, problems = cfg.algorithm, []
+    fields = type(alg).model_fields
+    for registry, selector in ((losses, "policy_loss"), (agg_modes, "loss_agg_mode")):
+        chosen = getattr(alg, selector)
+        if chosen not in registry:
+            continue
+        reads = registry.knobs(chosen)
+        unknown = [k for k in reads if k not in fields]
+        if unknown:
+            problems.append(
+                f"algorithm.{selector}={chosen} reads knobs ({', '.join(unknown)}) that are not "
+                "algorithm settings: name its settings' fields after keys of the algorithm section"
+            )
+        knobs = {k for k in registry.all_knobs() if k in fields}
+        problems += _unread_knobs(cfg, "algorithm", knobs, reads, selector, "no algorithm knob")
+    return problems
+
+
+def _preference_knobs(cfg: Sections, info: dict[str, Any]) -> list[str]:
+    """A ``dpo`` knob changed from its default must be one the loss reads (a field of its
+    settings); ``positive`` knobs must be > 0; ``nll`` excludes ``nll_coef``."""
+    d = cfg.dpo
+    reads = set(info.get("knobs", ()))
+    problems = _unread_knobs(cfg, "dpo", DPO_KNOBS, reads, "loss_type", "only dpo.beta")
+    for knob in info.get("positive", ()):
+        if not getattr(d, knob) > 0:
+            problems.append(
+                f"dpo.loss_type={d.loss_type} needs dpo.{knob} > 0 (got {getattr(d, knob)})"
+            )
+    if info.get("nll") and d.nll_coef:
+        problems.append(
+            f"dpo.loss_type={d.loss_type} already includes the chosen responses' NLL (weight "
+            f"{info['nll']}): set dpo.nll_coef=0"
+        )
+    return problems
+
+
+def _estimator_rules(cfg: Sections) -> Iterator[str]:
+    """What the advantage estimator (and the loss's aggregation) need from the config."""
+    alg, estimators, losses = cfg.algorithm, algorithms.ADV_ESTIMATORS, algorithms.POLICY_LOSSES
+    groups = alg.adv_estimator in estimators and estimators.info(alg.adv_estimator).get("groups")
+    if groups and cfg.rollout.n < 2:
+        yield (
+            f"algorithm.adv_estimator={alg.adv_estimator} takes its baseline from a group "
+            f"of samples of one prompt, and rollout.n=1 makes groups of one: set rollout.n "
+            "to 2 or more, or use an estimator without groups (reinforce_plus_plus, gae)"
+        )
+    needs = estimators.needs(alg.adv_estimator) if alg.adv_estimator in estimators else ()
+    if "reward_components" in needs and not alg.gdpo_reward_keys:
+        yield (
+            f"algorithm.adv_estimator={alg.adv_estimator} normalizes each component of the "
+            "reward on its own: list them in algorithm.gdpo_reward_keys (keys of the dict the "
+            "reward function returns, e.g. [format, accuracy])"
+        )
+    if "reward_components" in needs and cfg.reward.model_path:
+        yield (
+            f"algorithm.adv_estimator={alg.adv_estimator} normalizes the named components of "
+            "reward.function's score, but with reward.model_path the reward model's score "
+            "trains: drop reward.model_path or use another estimator"
+        )
+    old_policy = {"old_log_probs", "sum_pi_squared"} & set(needs)
+    if old_policy and cfg.actor.recompute_old_log_probs is False:
+        yield (
+            f"algorithm.adv_estimator={alg.adv_estimator} reads the old policy's log-probs "
+            "before the update, which actor.recompute_old_log_probs=false skips: set it to null"
+        )
+    if alg.policy_loss in losses:
+        allowed = losses.info(alg.policy_loss).get("agg_modes")
+        if allowed and alg.loss_agg_mode not in allowed:
+            yield (
+                f"algorithm.loss_agg_mode={alg.loss_agg_mode} cannot be used with "
+                f"algorithm.policy_loss={alg.policy_loss}: choose one of {', '.join(allowed)}"
+            )
+
+
+def _loss_rules(cfg: Sections) -> Iterator[str]:
+    """What a policy loss or KL estimator needs from the rest of the config."""
+    alg, losses, kl_estimators = cfg.algorithm, algorithms.POLICY_LOSSES, algorithms.KL_ESTIMATORS
+    reward_kl = alg.kl_reward_estimator
+    if reward_kl in kl_estimators and kl_estimators.info(reward_kl).get("full_vocab"):
+        yield (
+            f"algorithm.kl_reward_estimator={reward_kl} needs the reference's whole "
+            "distribution, which only the actor's update has (the reward is shaped on the "
+            "driver from sampled-token log-probs): use it as algorithm.kl_estimator (the KL "
+            "loss) and pick a per-token estimator (k1, k3...) for the reward"
+        )
+    if alg.policy_loss not in losses:
+        return
+    loss = losses.canonical(alg.policy_loss)
+    if loss == "dro" and alg.dro_beta is None:
+        yield (
+            "algorithm.policy_loss=dro needs algorithm.dro_beta (> 0), the weight of its "
+            "log-ratio penalty; it has no default"
+        )
+    old = losses.info(loss).get("old")
+    if old == "rollout_log_probs" and alg.rollout_correction != "none":
+        yield (
+            f"algorithm.policy_loss={alg.policy_loss} takes the rollout log-probs as the old "
+            f"policy and corrects for them itself (algorithm.bypass_*): set "
+            f"algorithm.rollout_correction=none (got {alg.rollout_correction})"
+        )
+
+
+# --- roles (role selection; check_algorithm for train) ----------------------------------------
+
+
+def role_problems(cfg: Sections) -> list[str]:
+    """What an RL run's roles refuse: the critic's and PRIME's PRM's rules, a section of
+    another command, an estimator that needs the sync mode."""
+    if cfg.algorithm.adv_estimator not in algorithms.ADV_ESTIMATORS:
+        return []  # the unknown name is reported as such
+    return [*_critic_problems(cfg), *_prm_problems(cfg), *_rl_problems(cfg)]
+
+
+def uses_critic(cfg: Sections) -> bool:
+    """Whether the run has a critic: the estimator reads values; ConfigError on a contradiction."""
+    _raise_first(_critic_problems(cfg))
+    return "values" in _needs(cfg.algorithm.adv_estimator)
+
+
+def uses_prm(cfg: Sections) -> bool:
+    """Whether the run has PRIME's PRM (its estimator reads implicit rewards); ConfigError
+    when the config cannot work with it. (The models' vocabularies are the trainer's check.)"""
+    _raise_first(_prm_problems(cfg))
+    return "implicit_rewards" in _needs(cfg.algorithm.adv_estimator)
+
+
+def _needs(estimator: str) -> tuple[str, ...]:
+    """What the advantage estimator reads besides rewards (``values``, ``implicit_rewards``...)."""
+    return tuple(algorithms.ADV_ESTIMATORS.needs(estimator))
+
+
+def _raise_first(problems: Iterator[str]) -> None:
+    for problem in problems:
+        raise ConfigError(problem)
+
+
+def _critic_problems(cfg: Sections) -> Iterator[str]:
+    alg, enable = cfg.algorithm, cfg.critic.enable
+    needs = "values" in _needs(alg.adv_estimator)
+    if needs and enable is False:
+        plain = [n for n in algorithms.ADV_ESTIMATORS.names() if "values" not in _needs(n)]
+        yield (
+            f"algorithm.adv_estimator={alg.adv_estimator} needs a critic's values, but "
+            "critic.enable=false: drop critic.enable (a critic starts whenever the estimator "
+            f"needs values) or use an estimator without a critic: {', '.join(plain)}"
+        )
+    if enable and not needs:
+        yield (
+            f"critic.enable=true, but algorithm.adv_estimator={alg.adv_estimator} does not use "
+            "values, so the critic would train for nothing: set algorithm.adv_estimator=gae or "
+            "drop critic.enable"
+        )
+    if cfg.critic.warmup_steps and not needs:
+        yield (
+            f"critic.warmup_steps={cfg.critic.warmup_steps} holds the actor back while a critic "
+            f"warms up, but algorithm.adv_estimator={alg.adv_estimator} has no critic: set "
+            "critic.warmup_steps=0"
+        )
+
+
+def _prm_problems(cfg: Sections) -> Iterator[str]:
+    alg = cfg.algorithm
+    if "implicit_rewards" not in _needs(alg.adv_estimator):
+        if cfg.prime != PrimeConfig.model_validate({}):
+            yield (
+                f"the config sets the 'prime' section, which configures PRIME's implicit PRM, "
+                f"but algorithm.adv_estimator={alg.adv_estimator}: set "
+                "algorithm.adv_estimator=prime or remove the section"
+            )
+        return
+    if cfg.reward.model_path:
+        yield (
+            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1] from "
+            "reward.function; a reward model's scores are not such labels: drop "
+            "reward.model_path"
+        )
+    if cfg.reward.overlong_buffer_len:
+        yield (
+            "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1]; the "
+            "over-long penalty would take them below 0: set reward.overlong_buffer_len=0"
+        )
+
+
+def _rl_problems(cfg: Sections) -> Iterator[str]:
+    alg = cfg.algorithm
+    if cfg.dpo != DPOConfig.model_validate({}):
+        yield (
+            "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "
+            "`treadle train` runs RL: remove the section or run `treadle dpo`"
+        )
+    if cfg.trainer.mode != "sync" and "baseline_rewards" in _needs(alg.adv_estimator):
+        yield (
+            f"algorithm.adv_estimator={alg.adv_estimator} needs greedy baselines generated with "
+            f"the learner's weights, which trainer.mode={cfg.trainer.mode} does not have; use "
+            "trainer.mode=sync"
+        )

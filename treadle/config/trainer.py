@@ -1,0 +1,88 @@
+"""``trainer``: the run: backend, steps, checkpoints, logging."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from treadle.config.base import Key, Section
+
+LoggerName = Literal["console", "jsonl", "tensorboard", "wandb", "mlflow", "swanlab"]
+
+
+def _default_loggers() -> list[LoggerName]:
+    return ["console", "jsonl"]
+
+
+class TrainerConfig(Section):
+    backend: Literal["ray", "local"] = Field(
+        "ray", description="'ray': worker groups as Ray actors; 'local': one rank in-process."
+    )
+    output_dir: Key = Field("runs/default", description="Run directory (metrics, checkpoints).")
+    total_steps: int = Field(10, gt=0, description="RL (or SFT) steps after which the run ends.")
+    epochs: int | None = Field(None, gt=0, description="SFT: train for this many epochs instead.")
+    save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
+    keep_checkpoints: int = Field(2, gt=0, description="Newest checkpoints kept on disk.")
+    save_optimizer: bool = Field(
+        True,
+        description="Checkpoints hold the optimizer state (about twice the trained weights); "
+        "false: they do not, and a resume starts the optimizer afresh (with a warning).",
+    )
+    eval_every: int = Field(0, ge=0, description="Evaluate held-out accuracy every N steps.")
+    seed: int = Field(
+        0, ge=0, lt=2**32, description="Seed of data order, sampling and initialisation."
+    )
+    resume: bool = Field(True, description="Resume from the newest complete checkpoint.")
+    num_cpus: float | None = Field(
+        None,
+        gt=0,
+        description="CPUs the run uses (default: all of this machine, or of the cluster).",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="Join this running Ray cluster ('host:port', 'auto') instead of starting "
+        "one; null: the RAY_ADDRESS environment variable if set, else a new local cluster.",
+    )
+    threads_per_rank: int | None = Field(
+        None, gt=0, description="torch threads per rank (default: cores / ranks, at least 1)."
+    )
+    progress: bool = Field(
+        True,
+        description="On a terminal, show a progress bar (false: one plain line per step, as "
+        "when the output is not a terminal).",
+    )
+    ray_dashboard: bool = Field(
+        False, description="Start Ray's dashboard (on 127.0.0.1) with the local cluster."
+    )
+    mode: Literal["sync", "one_step_off", "async"] = Field(
+        "sync",
+        description="RL: 'sync' generates, then trains, step after step; 'one_step_off' "
+        "generates step t+1's samples with the weights before step t's update while step t "
+        "trains; 'async' lets the replicas generate without pause into a buffer the trainer "
+        "takes batches from (bounded by the 'async' section). The last two need "
+        "rollout.placement=split.",
+    )
+    loggers: list[LoggerName] = Field(
+        default_factory=_default_loggers,
+        description="Where metrics go: 'console' (progress bar on a terminal, one line per "
+        "step otherwise), 'jsonl' (<output_dir>/metrics.jsonl and samples.jsonl, which "
+        "`treadle report` reads), "
+        "'tensorboard' (<output_dir>/tensorboard/), 'wandb' (<output_dir>/wandb/, offline "
+        "unless WANDB_MODE or WANDB_API_KEY is set), 'mlflow' (sqlite:///<output_dir>/"
+        "mlflow.db unless MLFLOW_TRACKING_URI is set), 'swanlab' (local, <output_dir>/"
+        "swanlog/, unless SWANLAB_MODE is set).",
+    )
+    log_samples_every: int = Field(
+        10,
+        ge=0,
+        description="RL: every N steps (and at the last) write trainer.log_samples prompts, "
+        "responses, rewards and ground truths to <output_dir>/samples.jsonl and the trackers' "
+        "tables (0: never).",
+    )
+    log_samples: int = Field(4, ge=1, description="Samples written each time they are due.")
+    verbose: bool = Field(
+        False,
+        description="Show Ray's, vLLM's and torch's messages on the console; otherwise they go "
+        "to <output_dir>/logs/.",
+    )

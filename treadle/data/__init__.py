@@ -1,0 +1,119 @@
+"""Datasets from local files, prompt templating, length filtering and a resumable sampler.
+
+One module per job: ``readers`` (files to records: JSONL, Parquet, ``save_to_disk`` folders;
+every bad row reported with its file and 1-based row), ``templating`` (the chat template,
+tools in prompts, text to token ids with special-token strings kept as text), ``options``
+(``TextOptions``: how every reader turns rows into tokens, and ``from_config``, the one adapter
+from a run's config), ``rows`` (``Rows``, length limits), ``prompts`` (RL prompts), ``sft``
+(SFT examples), ``pairs`` (preference pairs), ``unpaired`` (KTO's examples) and ``sampler``
+(``ResumableSampler``).
+
+Layout: prompts are left-padded (``collate_prompts``), SFT sequences and responses
+right-padded. ``loss_mask[t] == 1`` means token ``t`` is a target, predicted from position
+``t - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+from transformers import PreTrainedTokenizerBase
+
+from treadle.data.options import Overlong, TextOptions
+from treadle.data.pairs import PairDataset, PairRow, collate_pairs, load_pair_dataset
+from treadle.data.prompts import (
+    PromptDataset,
+    PromptRow,
+    collate_prompts,
+    left_pad,
+    load_prompt_dataset,
+    pad_prompts,
+    prompt_batch,
+)
+from treadle.data.rows import Rows
+from treadle.data.sampler import ResumableSampler
+from treadle.data.sft import SFTDataset, SFTRow, collate_sft, load_sft_dataset
+from treadle.data.templating import (
+    HERMES_TOOLS_PROMPT,
+    encode_rendered,
+    special_strings,
+    supports_tools,
+    tool_messages,
+)
+from treadle.data.unpaired import (
+    UnpairedDataset,
+    UnpairedRow,
+    collate_unpaired,
+    load_unpaired_dataset,
+)
+
+if TYPE_CHECKING:
+    from treadle.config import Config
+
+__all__ = [
+    "HERMES_TOOLS_PROMPT",
+    "Overlong",
+    "PairDataset",
+    "PairRow",
+    "PromptDataset",
+    "PromptRow",
+    "ResumableSampler",
+    "Rows",
+    "SFTDataset",
+    "SFTRow",
+    "TextOptions",
+    "UnpairedDataset",
+    "UnpairedRow",
+    "collate_pairs",
+    "collate_prompts",
+    "left_pad",
+    "pad_prompts",
+    "prompt_batch",
+    "collate_sft",
+    "collate_unpaired",
+    "config_pairs",
+    "config_prompts",
+    "config_sft",
+    "config_unpaired",
+    "encode_rendered",
+    "load_pair_dataset",
+    "load_prompt_dataset",
+    "load_sft_dataset",
+    "load_unpaired_dataset",
+    "special_strings",
+    "supports_tools",
+    "tool_messages",
+]
+
+# The readers as a run calls them: ``TextOptions.from_config`` gives every one the ``data``
+# section's settings, so the trainers and ``treadle check`` see exactly the same rows.
+
+Tokenizer = PreTrainedTokenizerBase
+
+
+def config_prompts(
+    cfg: Config, files: Sequence[str], key: str, tokenizer: Tokenizer, tools: Any
+) -> PromptDataset:
+    """RL and evaluation prompts of ``files`` (the config key ``key``)."""
+    return load_prompt_dataset(files, tokenizer, TextOptions.from_config(cfg, key, tools))
+
+
+def config_sft(cfg: Config, files: Sequence[str], key: str, tokenizer: Tokenizer) -> SFTDataset:
+    """SFT examples of ``files``: at most ``data.max_prompt_length + rollout.max_new_tokens``
+    tokens; a longer one is dropped (``data.overlong_prompts`` is about prompts)."""
+    options = replace(TextOptions.from_config(cfg, key), overlong="filter")
+    return load_sft_dataset(files, tokenizer, options)
+
+
+def config_pairs(cfg: Config, files: Sequence[str], key: str, tokenizer: Tokenizer) -> PairDataset:
+    """Preference pairs of ``files``, checked and tokenized."""
+    return load_pair_dataset(files, tokenizer, TextOptions.from_config(cfg, key))
+
+
+def config_unpaired(
+    cfg: Config, files: Sequence[str], key: str, tokenizer: Tokenizer
+) -> UnpairedDataset:
+    """Unpaired examples of ``files`` (or pairs, two examples each), checked and tokenized."""
+    return load_unpaired_dataset(files, tokenizer, TextOptions.from_config(cfg, key))

@@ -1,0 +1,177 @@
+"""Reading data files: JSONL (``.jsonl``, ``.json``), Parquet (``.parquet``) or folders written
+by ``datasets.Dataset.save_to_disk``, through ``datasets``. Every row becomes a ``Record`` with
+its message prefix (``data.train_files: train.jsonl row 7``) and a stable id ``<file>:<row>``.
+
+A file that does not parse (not UTF-8, bad JSON, a row that is not an object) fails naming the
+file and the 1-based row (blank lines are not rows).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from datasets import load_dataset
+
+from treadle.errors import DataError
+
+_FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+
+
+@dataclass
+@dataclass
+class Record:
+    where: str  # "data.train_files: train.jsonl row 7", for messages
+    uid: str
+    row: dict[str, Any]
+    file: str = ""
+
+
+def read_records(files: Sequence[str | Path], config_key: str) -> list[Record]:
+    """All rows of all files, each with its message prefix and stable id."""
+    if isinstance(files, (str, Path)):
+        files = [files]
+    names = [Path(f).name for f in files]
+    unique_names = len(set(names)) == len(names)
+    records = []
+    for file, name in zip(files, names, strict=True):
+        label = name if unique_names else str(file)
+        rows = _read_file(Path(file), config_key)
+        records += [
+            Record(f"{config_key}: {file} row {i}", f"{label}:{i}", row, str(file))
+            for i, row in enumerate(rows, start=1)
+        ]
+    if not records:
+        raise DataError(f"{config_key}: no rows in {', '.join(map(str, files)) or 'no files'}")
+    return records
+
+
+def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
+    if path.is_dir():
+        return _read_saved(path, config_key)
+    if not path.is_file():
+        raise DataError(f"{config_key}: file '{path}' does not exist")
+    builder = _FORMATS.get(path.suffix.lower())
+    if builder is None:
+        raise DataError(
+            f"{config_key}: '{path}' is not JSONL (.jsonl, .json), Parquet (.parquet) or a "
+            "folder written by Dataset.save_to_disk"
+        )
+    if path.stat().st_size == 0:
+        return []
+    datasets_log = logging.getLogger("datasets")
+    level = datasets_log.level
+    datasets_log.setLevel(logging.CRITICAL)  # it logs a parse error before raising it
+    try:
+        rows = list(load_dataset(builder, data_files=str(path), split="train"))
+    except Exception as e:  # datasets wraps parse errors in several exception types
+        bad_row = _find_bad_row(path) if builder == "json" else None
+        cause = bad_row or (str(e).splitlines() or [type(e).__name__])[0]
+        raise DataError(f"{config_key}: cannot read '{path}': {cause}") from None
+    finally:
+        datasets_log.setLevel(level)
+    return rows
+
+
+def _read_saved(path: Path, config_key: str) -> list[dict[str, Any]]:
+    """The rows of a folder written by ``Dataset.save_to_disk`` (one split of a DatasetDict's
+    folder: ``folder/train``)."""
+    from datasets import Dataset, load_from_disk
+
+    if (path / "dataset_dict.json").is_file():
+        splits = sorted(p.name for p in path.iterdir() if (p / "state.json").is_file())
+        raise DataError(
+            f"{config_key}: '{path}' holds a DatasetDict: name one split's folder "
+            f"({', '.join(f'{path}/{name}' for name in splits) or 'none found'})"
+        )
+    if not (path / "state.json").is_file():
+        raise DataError(
+            f"{config_key}: '{path}' is a folder, but not one written by Dataset.save_to_disk "
+            "(no state.json in it)"
+        )
+    try:
+        ds = load_from_disk(str(path))
+    except Exception as e:  # a damaged folder: arrow and json errors of several kinds
+        raise DataError(f"{config_key}: cannot read '{path}': {e}") from None
+    assert isinstance(ds, Dataset)
+    return [dict(row) for row in ds]
+
+
+def _find_bad_row(path: Path) -> str | None:
+    """Which row of a JSON Lines file (or JSON array) does not parse, and why; None if all do.
+
+    `datasets` says 'JSON parse error ... in row 0' (its row count, 0-based within a block)
+    or only 'utf-8 codec can't decode'; this names the 1-based row as the file numbers it.
+    """
+    data = path.read_bytes()
+    if data.lstrip().startswith(b"["):  # a .json file holding one array of rows
+        return _bad_array_row(data)
+    lines = [line for line in data.split(b"\n") if line.strip()]
+    for row, line in enumerate(lines, start=1):
+        value, error = _json(line)
+        if isinstance(error, UnicodeDecodeError):
+            return f"row {row}: not UTF-8 (byte {error.start} of the row)"
+        if error is not None:
+            return f"row {row}: not valid JSON (column {error.colno}: {error.msg})"
+        if problem := _not_an_object(row, value):
+            return problem
+    return None
+
+
+def _bad_array_row(data: bytes) -> str | None:
+    rows, error = _json(data)
+    if isinstance(error, UnicodeDecodeError):
+        return f"not UTF-8 (byte {error.start} of the file)"
+    if error is not None:
+        return f"not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
+    values = rows if isinstance(rows, list) else []
+    problems = (_not_an_object(row, value) for row, value in enumerate(values, start=1))
+    return next((p for p in problems if p), None)
+
+
+def _json(data: bytes) -> tuple[Any, UnicodeDecodeError | json.JSONDecodeError | None]:
+    """``(value, None)``, or ``(None, why)`` when the bytes are not UTF-8 JSON."""
+    try:
+        return json.loads(data.decode("utf-8")), None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return None, e
+
+
+def _not_an_object(row: int, value: Any) -> str | None:
+    if isinstance(value, dict):
+        return None
+    return f"row {row}: not a JSON object (a {_json_type(value)})"
+
+
+def _json_type(value: Any) -> str:
+    names = {list: "list", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), "null" if value is None else type(value).__name__)
+
+
+def require(record: Record, key: str, what: str) -> Any:
+    value = record.row.get(key)
+    blank = isinstance(value, str) and not value.strip()
+    if value is None or blank or (isinstance(value, list) and not value):
+        raise DataError(f"{record.where}: {what} field '{key}' is missing or empty")
+    return value
+
+
+def as_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def check_messages(record: Record, key: str, value: Any) -> list[dict[str, str]]:
+    ok = isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+        for m in value
+    )
+    if not ok:
+        raise DataError(
+            f"{record.where}: field '{key}' must be a string or a list of "
+            "{'role': str, 'content': str} messages"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -1,0 +1,77 @@
+"""``ResumableSampler``: batches of dataset indices, shuffled per epoch from ``(seed, epoch)``
+alone, so its state is three integers and a resumed run draws exactly the batches the
+uninterrupted run would have."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from treadle.errors import DataError
+
+
+class ResumableSampler:
+    """Batches of dataset indices, reshuffled each epoch from `(seed, epoch)`.
+
+    A batch never spans two epochs. With `drop_last` the tail of an epoch that does not fill a
+    batch is skipped (it is in a different place next epoch); without it the last batch is
+    short. The state is `{"epoch", "position", "seed"}` (plus `n` to detect a changed dataset).
+    """
+
+    def __init__(
+        self, n: int, batch_size: int, seed: int, shuffle: bool = True, drop_last: bool = True
+    ) -> None:
+        if batch_size <= 0 or seed < 0:
+            raise ValueError(f"need batch_size > 0 and seed >= 0, got {batch_size}, {seed}")
+        if n <= 0 or (drop_last and n < batch_size):
+            raise DataError(
+                f"the dataset has {n} rows, fewer than one batch of {batch_size}: "
+                "lower data.batch_size or add rows"
+            )
+        self.n, self.batch_size, self.seed = n, batch_size, seed
+        self.shuffle, self.drop_last = shuffle, drop_last
+        self.epoch, self.position = 0, 0
+        self._order: tuple[int, list[int]] | None = None  # (epoch, permutation) cache
+
+    @property
+    def steps_per_epoch(self) -> int:
+        full, rest = divmod(self.n, self.batch_size)
+        return full + int(bool(rest) and not self.drop_last)
+
+    def _permutation(self) -> list[int]:
+        if self._order is None or self._order[0] != self.epoch:
+            if self.shuffle:
+                order = np.random.default_rng([self.seed, self.epoch]).permutation(self.n)
+                self._order = (self.epoch, order.tolist())
+            else:
+                self._order = (self.epoch, list(range(self.n)))
+        return self._order[1]
+
+    def next_indices(self) -> list[int]:
+        """The next batch; moves to the next epoch when this one has no full batch left."""
+        remaining = self.n - self.position
+        if remaining <= 0 or (self.drop_last and remaining < self.batch_size):
+            self.epoch, self.position = self.epoch + 1, 0
+        batch = self._permutation()[self.position : self.position + self.batch_size]
+        self.position += len(batch)
+        return batch
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        missing = {"epoch", "position", "seed"} - set(state)
+        if missing:
+            raise DataError(f"sampler state lacks {sorted(missing)}: got {state}")
+        if state.get("n", self.n) != self.n or not 0 <= int(state["position"]) <= self.n:
+            raise DataError(
+                f"sampler state {state} was saved for a dataset of {state.get('n')} rows, "
+                f"this one has {self.n}: the data files changed since the checkpoint"
+            )
+        self.epoch, self.position, self.seed = (
+            int(state["epoch"]),
+            int(state["position"]),
+            int(state["seed"]),
+        )
+        self._order = None

@@ -1,0 +1,158 @@
+"""SFT examples: prompt + response + EOS with a loss mask over the response tokens, or a
+``messages`` column for multi-turn chat with the loss on assistant turns only.
+
+The prompt and each assistant turn are tokenized separately and concatenated, exactly as a
+rollout sees them: prompt tokens from the template, response tokens generated up to the EOS.
+Sequences are RIGHT-padded (``collate_sft``); ``loss_mask[t] == 1`` means token ``t`` is a
+target, predicted from position ``t - 1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TypedDict
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from treadle.data.options import TextOptions
+from treadle.data.readers import Record, as_text, read_records, require
+from treadle.data.rows import Rows, keep, kept
+from treadle.data.templating import (
+    check_template,
+    encode_prompt,
+    encode_response,
+    eos_token,
+    pad_or_eos_id,
+    prompt_ids,
+    prompt_messages,
+    prompt_text,
+    render,
+    response_ids,
+    special_strings,
+)
+from treadle.errors import DataError
+
+
+class SFTRow(TypedDict):
+    uid: str
+    input_ids: list[int]
+    loss_mask: list[int]  # 1 where the token is a training target
+
+
+SFTDataset = Rows[SFTRow]  # SFT examples with their loss masks
+
+
+def load_sft_dataset(
+    files: Sequence[str | Path], tokenizer: PreTrainedTokenizerBase, options: TextOptions
+) -> SFTDataset:
+    """Read, validate and tokenize SFT examples.
+
+    A row holds ``prompt_key`` and ``response_key`` (single turn: loss on the response and the
+    EOS) or, when it has no ``prompt_key``, a ``messages_key`` list of chat messages (loss on
+    every assistant turn). Examples longer than ``options.sft_max_length`` tokens are filtered
+    or raise, as prompts.
+    """
+    o, max_length = options, options.sft_max_length
+    check_template(tokenizer, o.apply_chat_template)
+    rows: list[SFTRow] = []
+    records = read_records(files, o.config_key)
+    for record in records:
+        ids, mask = _sft_example(record, tokenizer, o)
+        if keep(f"{record.where}: example is", len(ids), max_length, o.overlong, "max_length"):
+            rows.append(SFTRow(uid=record.uid, input_ids=ids, loss_mask=mask))
+    limit = f"max_length={max_length}"
+    over, empty = f"rows longer than {limit} tokens", f"every example is longer than {limit}"
+    return kept(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, over, empty)
+
+
+def _sft_example(
+    record: Record, tokenizer: PreTrainedTokenizerBase, options: TextOptions
+) -> tuple[list[int], list[int]]:
+    """``(ids, loss_mask)`` of a prompt/response row or a chat (``messages_key``) row."""
+    key = options.messages_key
+    if record.row.get(options.prompt_key) is None and record.row.get(key) is not None:
+        if not options.apply_chat_template:
+            raise DataError(f"{record.where}: '{key}' needs data.apply_chat_template=true")
+        return _sft_messages(record, tokenizer, options)
+    _, text, contents = prompt_text(record, options.prompt_key, tokenizer, options)
+    response = as_text(require(record, options.response_key, "response"))
+    prompt = prompt_ids(tokenizer, text, contents, options)
+    response_part = response_ids(tokenizer, response, options)
+    return prompt + response_part, [0] * len(prompt) + [1] * len(response_part)
+
+
+def _sft_messages(
+    record: Record,
+    tokenizer: PreTrainedTokenizerBase,
+    options: TextOptions,
+) -> tuple[list[int], list[int]]:
+    """Multi-turn: every assistant turn (content + EOS) is a target, everything else context.
+
+    The template must render a conversation as a prefix of its continuations, and an assistant
+    turn as its content followed by the EOS token (ChatML, Llama 3 and most templates do).
+    """
+    messages_key, allow_special = options.messages_key, options.allow_special_tokens
+    messages = prompt_messages(
+        record, messages_key, require(record, messages_key, "messages"), options.system_prompt
+    )
+    eos_id, eos_text = eos_token(tokenizer)
+    specials = special_strings(tokenizer)
+    ids: list[int] = []
+    mask: list[int] = []
+    done = ""  # the rendered text already turned into tokens
+    first = 0  # the first message not yet turned into tokens
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        if i == 0:
+            raise DataError(f"{record.where}: '{messages_key}' starts with an assistant turn")
+        context = render(tokenizer, messages[:i], generation=True)
+        if not context.startswith(done):
+            raise _template_error(record)
+        context_ids = encode_prompt(
+            tokenizer,
+            context[len(done) :],
+            [m["content"] for m in messages[first:i]],
+            templated=True,
+            allow_special=allow_special,
+            specials=specials,
+        )
+        content_ids = encode_response(tokenizer, message["content"], allow_special=allow_special)
+        turn_ids = [*content_ids, eos_id]
+        ids += context_ids + turn_ids
+        mask += [0] * len(context_ids) + [1] * len(turn_ids)
+        done = context + message["content"] + eos_text
+        first = i + 1
+        if not render(tokenizer, messages[: i + 1], generation=False).startswith(done):
+            raise _template_error(record)
+    if not any(mask):
+        raise DataError(f"{record.where}: '{messages_key}' has no assistant turn to train on")
+    return ids, mask
+
+
+def _template_error(record: Record) -> DataError:
+    return DataError(
+        f"{record.where}: the chat template does not render the conversation as a prefix of "
+        "its continuations with assistant turns as content + EOS, which multi-turn SFT needs; "
+        "use prompt/response columns instead"
+    )
+
+
+def collate_sft(
+    rows: Sequence[SFTRow], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """RIGHT-pad SFT rows into `(input_ids, attention_mask, loss_mask)`, each `[B, L]` int64."""
+    if not rows:
+        raise ValueError("collate_sft: empty batch")
+    width = max(len(r["input_ids"]) for r in rows)
+    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[i, :n] = torch.as_tensor(row["input_ids"], dtype=torch.long)
+        attention_mask[i, :n] = 1
+        loss_mask[i, :n] = torch.as_tensor(row["loss_mask"], dtype=torch.long)
+    return input_ids, attention_mask, loss_mask

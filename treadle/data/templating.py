@@ -1,0 +1,241 @@
+"""Prompts rendered with the tokenizer's chat template, and text turned into token ids.
+
+A prompt is one user message, optionally after ``system_prompt``, or a list of chat messages;
+with tools, their schemas go to the template (``tools=``) or, for a template without tool
+support, into the system message as Hermes instructions (``tool_messages``).
+
+Text in a file that spells a special token (``<|im_end|>``, ``</s>``) stays plain text unless
+``allow_special_tokens``: user text is tokenized with ``split_special_tokens=True``, and a
+rendered chat template is split at its own special tokens, the user's content between them
+tokenized as plain text. Rows without such strings are tokenized exactly as before (one call on
+the whole text), so their ids do not change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from treadle.data.options import TextOptions
+from treadle.data.readers import Record, check_messages, require
+from treadle.errors import ConfigError, DataError
+
+HERMES_TOOLS_PROMPT = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within \
+<tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the tokenizer's chat template renders ``tools=`` itself."""
+    template = tokenizer.chat_template
+    text = template if isinstance(template, str) else json.dumps(template)
+    return "tools" in (text or "")
+
+
+def tool_messages(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    schemas: list[dict[str, Any]],
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """``(messages, kwargs)`` for ``apply_chat_template``: the schemas as ``tools=`` when the
+    template supports them, else the Hermes instructions in the system message."""
+    if not schemas:
+        return messages, {}
+    if supports_tools(tokenizer):
+        return messages, {"tools": schemas}
+    text = HERMES_TOOLS_PROMPT.format(tools="\n".join(json.dumps(s) for s in schemas))
+    if messages and messages[0]["role"] == "system":
+        system = {"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}
+        return [system, *messages[1:]], {}
+    return [{"role": "system", "content": text}, *messages], {}
+
+
+def pad_or_eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ConfigError("model.path: the tokenizer has neither a pad nor an EOS token")
+    return int(pad)
+
+
+def eos_token(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
+    if tokenizer.eos_token_id is None or tokenizer.eos_token is None:
+        raise ConfigError("model.path: the tokenizer has no EOS token, which SFT appends")
+    return int(tokenizer.eos_token_id), str(tokenizer.eos_token)
+
+
+def check_template(tokenizer: PreTrainedTokenizerBase, apply_chat_template: bool) -> None:
+    if apply_chat_template and not tokenizer.chat_template:
+        raise ConfigError(
+            "data.apply_chat_template is true but the tokenizer has no chat_template: "
+            "set data.apply_chat_template=false for a base model"
+        )
+
+
+def prompt_messages(
+    record: Record, key: str, value: Any, system_prompt: str | None
+) -> list[dict[str, str]]:
+    messages = (
+        [{"role": "user", "content": value}]
+        if isinstance(value, str)
+        else check_messages(record, key, value)
+    )
+    if system_prompt is not None and messages[0]["role"] != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, str]],
+    *,
+    generation: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    kwargs: dict[str, Any] = {}
+    if tools:
+        messages, kwargs = tool_messages(tokenizer, messages, tools)
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=generation, tokenize=False, **kwargs
+    )
+    assert isinstance(text, str)
+    return text
+
+
+def prompt_text(
+    record: Record,
+    key: str,
+    tokenizer: PreTrainedTokenizerBase,
+    options: TextOptions,
+    tools: list[dict[str, Any]] | None = None,
+) -> tuple[str, str, list[str]]:
+    """(the prompt as written, the text the model is given, the user's texts within it)."""
+    value = require(record, key, "prompt")
+    if not options.apply_chat_template:
+        if not isinstance(value, str):
+            raise DataError(
+                f"{record.where}: prompt field '{key}' is a list of messages, which needs "
+                "data.apply_chat_template=true"
+            )
+        return value, value, [value]
+    messages = prompt_messages(record, key, value, options.system_prompt)
+    users = [m["content"] for m in messages if m["role"] == "user"]
+    shown = value if isinstance(value, str) else (users[-1] if users else messages[-1]["content"])
+    text = render(tokenizer, messages, generation=True, tools=tools)
+    return shown, text, [m["content"] for m in messages]
+
+
+def special_strings(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    """The special-token strings of the tokenizer, longest first (for one regex)."""
+    return sorted({str(t) for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
+
+
+def spells_special(specials: list[str], texts: Sequence[str]) -> bool:
+    return any(s in text for text in texts for s in specials)
+
+
+def encode_plain(tokenizer: PreTrainedTokenizerBase, text: str, *, bos: bool = False) -> list[int]:
+    """User text whose special-token strings stay text (`split_special_tokens`)."""
+    if not text and not bos:
+        return []
+    return list(tokenizer.encode(text, add_special_tokens=bos, split_special_tokens=True))
+
+
+def encode_rendered(
+    tokenizer: PreTrainedTokenizerBase, text: str, contents: Sequence[str], specials: list[str]
+) -> list[int]:
+    """A rendered template holding the user's `contents` (in order): the template's special
+    tokens become their ids, the contents' special-token strings stay text.
+
+    Tokenizers split the text at special tokens and tokenize the pieces between them on their
+    own, so splitting here at the template's special tokens gives the same ids as tokenizing
+    the whole text, except that the user's strings are no longer special.
+    """
+    spans, pos = [], 0
+    for content in contents:
+        at = text.find(content, pos) if content else -1
+        if at >= 0:
+            spans.append((at, at + len(content)))
+            pos = at + len(content)
+    pattern = re.compile("|".join(re.escape(s) for s in specials))
+    ids: list[int] = []
+    start = 0
+    for match in pattern.finditer(text):
+        if any(a <= match.start() < b for a, b in spans):
+            continue  # the user's text
+        ids += encode_plain(tokenizer, text[start : match.start()])
+        token_id = tokenizer.convert_tokens_to_ids(match.group())
+        assert isinstance(token_id, int)  # one token in, one id out
+        ids.append(token_id)
+        start = match.end()
+    return ids + encode_plain(tokenizer, text[start:])
+
+
+def encode_prompt(
+    tokenizer: PreTrainedTokenizerBase,
+    text: str,
+    contents: Sequence[str],
+    *,
+    templated: bool,
+    allow_special: bool,
+    specials: list[str],
+) -> list[int]:
+    """One prompt's ids: rendered (`templated`) or the raw text with the tokenizer's BOS."""
+    if allow_special or not spells_special(specials, contents):
+        return encode(tokenizer, text, special=not templated)
+    if templated:
+        return encode_rendered(tokenizer, text, contents, specials)
+    return encode_plain(tokenizer, text, bos=True)
+
+
+def encode_response(
+    tokenizer: PreTrainedTokenizerBase, text: str, *, allow_special: bool
+) -> list[int]:
+    return encode(tokenizer, text) if allow_special else encode_plain(tokenizer, text)
+
+
+def encode(tokenizer: PreTrainedTokenizerBase, text: str, *, special: bool = False) -> list[int]:
+    return list(tokenizer.encode(text, add_special_tokens=special)) if text else []
+
+
+def tokenize(
+    tokenizer: PreTrainedTokenizerBase, texts: list[str], *, special: bool
+) -> list[list[int]]:
+    if not texts:
+        return []
+    ids = tokenizer(texts, add_special_tokens=special)["input_ids"]
+    return [list(x) for x in ids]
+
+
+def prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, text: str, contents: Sequence[str], options: TextOptions
+) -> list[int]:
+    """A prompt's ids as ``options`` say (templated or raw, special-token strings as text)."""
+    return encode_prompt(
+        tokenizer,
+        text,
+        contents,
+        templated=options.apply_chat_template,
+        allow_special=options.allow_special_tokens,
+        specials=special_strings(tokenizer),
+    )
+
+
+def response_ids(tokenizer: PreTrainedTokenizerBase, text: str, options: TextOptions) -> list[int]:
+    """A response's ids as a rollout ends it: its content, then the EOS token."""
+    ids = encode_response(tokenizer, text, allow_special=options.allow_special_tokens)
+    return [*ids, eos_token(tokenizer)[0]]

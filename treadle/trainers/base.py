@@ -1,0 +1,261 @@
+"""The loop every driver shares: start-up, resume, steps, metrics, checkpoints, clean-up.
+
+Kept out of the drivers so that each trainer's file reads as its dataflow. Start-up, in order:
+the run directory (:mod:`treadle.trainers.run_dir`), the resume point, the placement
+(:class:`~treadle.controller.Placement`, decided once), a split rollout pool, the actors'
+group (restored from the checkpoint), the rollout, the side roles
+(:mod:`treadle.trainers.roles`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from treadle import checkpoint as ckpt
+from treadle import startup
+from treadle.config import Config
+from treadle.controller import Actors, Placement, WorkerGroup
+from treadle.data import ResumableSampler
+from treadle.errors import Stopped, Terminated, WorkerDied
+from treadle.faults import failpoint
+from treadle.rewards import Scorer
+from treadle.rollout.client import RolloutError
+from treadle.rollout.fleet import Rollout, reserve_rollout_pool, start_rollout
+from treadle.rollout.replica import ServesRollout
+from treadle.trackers import ConsoleLogger, check_loggers
+from treadle.tracking import Tracker, quiet_start, route_logs
+from treadle.trainers.evaluation import make_scorer
+from treadle.trainers.roles import Layout, build_actors, start_roles
+from treadle.trainers.run_dir import prepare_run_dir, resume_point
+
+
+class Trainer:
+    """The loop every driver shares: resume, steps, metrics, checkpoints, clean-up.
+
+    A subclass loads its data, calls :meth:`start_workers`, and defines :meth:`run_step`
+    (one step's metrics) and ``total`` (the last step).
+    """
+
+    headline = "reward/mean"
+    algorithm = "training"  # what the start-up line says it runs
+
+    def __init__(self, cfg: Config) -> None:
+        startup.begin()
+        check_loggers(cfg.trainer.loggers)  # a missing tracker library: before anything starts
+        self.cfg = cfg
+        self.out, self.lock = prepare_run_dir(cfg)
+        self.total = cfg.trainer.total_steps
+        self.start = 0
+        self.resumed_from: Path | None = None
+        # The side roles' groups (treadle.trainers.roles), and those whose state a checkpoint
+        # holds, in <checkpoint>/<name>/.
+        self.side: dict[str, WorkerGroup] = {}
+        self.roles: dict[str, WorkerGroup] = {}
+        self.rollout: Rollout  # set by start_workers, for workers that serve rollouts
+        # rows for the trackers' "samples" table, left by run_step when they are due
+        self.samples: list[dict[str, Any]] = []
+        self.console: ConsoleLogger | None = None
+        self._restore_logs = lambda: None
+
+    def start_workers(
+        self, sampler: ResumableSampler, with_ref: bool, layout: Layout | None = None
+    ) -> None:
+        """Build the actor group, from the newest complete checkpoint if there is one, the
+        rollout, and the side roles of ``layout`` (none by default) into :attr:`side`."""
+        self.sampler = sampler
+        startup.mark("data")
+        latest, actor_path = resume_point(self.cfg)
+        if latest is not None:
+            state = ckpt.read_state(latest)
+            self.start, self.resumed_from = int(state["step"]), latest
+            self.load_driver_state(state)
+        self.say_what_runs()
+        self._restore_logs = route_logs(self.out, self.cfg.trainer.verbose)
+        try:
+            with quiet_start():
+                # a split rollout pool's CPUs are set aside only by the RL driver's layout
+                placement = (
+                    layout.placement(self.cfg) if layout is not None else Placement.plan(self.cfg)
+                )
+                self._start_workers(actor_path, latest, with_ref, placement)
+        except BaseException:
+            self._restore_logs()
+            raise
+        if layout is not None:
+            self._start_roles(layout)
+        failpoint("startup")
+
+    def _start_roles(self, layout: Layout) -> None:
+        """The side roles; those in checkpoints also go to :attr:`roles`."""
+        try:
+            self.side = start_roles(self.cfg, self.actors, layout, self.resumed_from)
+        except BaseException:
+            self.close()  # the rollout (split replicas) and the actors
+            raise
+        for p in layout.roles:
+            if p.role.saved:
+                self.roles[p.role.name] = self.side[p.role.name]
+
+    def say_what_runs(self) -> None:
+        """The start-up lines: what runs, where, and where it writes."""
+        t = self.cfg.trainer
+        if "console" not in t.loggers:
+            return
+        self.console = ConsoleLogger(self.total, self.start, self.headline, bar=None)
+        self.console.bar = self.console.bar and t.progress
+        if t.backend == "local":
+            where = "in this process (trainer.backend=local)"
+        else:
+            device = "GPU" if torch.cuda.is_available() else "CPU"
+            where = f"on Ray, {self.cfg.actor.world_size} {device} rank(s)"
+        files = ["config.yaml", "logs/"]
+        named = {"jsonl": "metrics.jsonl", "mlflow": "mlflow.db", "swanlab": "swanlog/"}
+        if os.environ.get("MLFLOW_TRACKING_URI"):
+            named["mlflow"] = f"mlflow at {os.environ['MLFLOW_TRACKING_URI']}"
+        files += [named.get(n, f"{n}/") for n in t.loggers if n != "console"]
+        lines = [
+            f"treadle: {self.algorithm} of {self.cfg.model.path}, {self.total} "
+            f"step{'s' if self.total != 1 else ''}, {where}",
+            f"  writes to {self.out}: {', '.join(files)}",
+        ]
+        if self.resumed_from is not None:
+            lines.append(f"  resumed from {self.resumed_from} (step {self.start})")
+        for line in lines:
+            self.console.print(line)
+
+    def _start_workers(
+        self, actor_path: str, latest: Path | None, with_ref: bool, placement: Placement
+    ) -> None:
+        pool = reserve_rollout_pool(self.cfg)  # split: before the actor's pool (see there)
+        try:
+            self.actors = self.build_workers(actor_path, with_ref, placement)
+            self.group = self.actors.group
+            startup.mark("workers")  # colocated vLLM engines start in the workers
+            startup.detail("workers", self.group.startup_seconds())
+            try:
+                if latest is not None:
+                    self.group.load_checkpoint(str(latest))
+                    startup.mark("resume")
+                if issubclass(self.group.worker_cls, ServesRollout):  # not the RM trainer's
+                    given, pool = pool, None  # the rollout's from here, removed by it
+                    self.rollout = start_rollout(
+                        self.cfg, self.group, actor_path, self.start, given
+                    )
+                    if latest is not None and ckpt.holds_adapters(latest):
+                        self.rollout.sync_weights(self.start)  # started from the base
+                    startup.mark("rollout")
+            except BaseException:
+                self.actors.close()
+                raise
+        finally:
+            if pool is not None:
+                pool.remove()
+
+    def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
+        """The trained worker group, from the weights at ``start_path`` (default: the actor)."""
+        return build_actors(self.cfg, start_path, with_ref, placement)
+
+    def run_step(self, step: int) -> dict[str, float]:
+        raise NotImplementedError
+
+    def driver_state(self) -> dict[str, Any]:
+        """What the driver itself must keep across a resume (saved in state.json)."""
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_driver_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+
+    def eval_due(self, step: int) -> bool:
+        every = self.cfg.trainer.eval_every
+        return step == self.total or bool(every and step % every == 0)
+
+    def fit(self) -> dict[str, float]:
+        """Run until ``total``; returns the last step's metrics. Ctrl-C (or SIGTERM, from the
+        command line) stops it with :class:`Stopped`, after the workers are shut down."""
+        t, metrics = self.cfg.trainer, {}
+        step = self.start
+        try:
+            with self.open_tracker() as tracker:
+                started = startup.startup_metrics()
+                for step in range(self.start + 1, self.total + 1):
+                    metrics = {**self.run_step(step), **started}
+                    started = {}
+                    tracker.log(step, metrics)
+                    if self.samples:
+                        tracker.log_table(step, "samples", self.samples)
+                        self.samples = []
+                    failpoint("step", step)
+                    if not all(math.isfinite(v) for v in metrics.values()):
+                        raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
+                    last = step == self.total
+                    if last or (t.save_every and step % t.save_every == 0):
+                        state = self.driver_state()
+                        ckpt.save(
+                            t.output_dir,
+                            step,
+                            self.group,
+                            self.roles,
+                            state,
+                            t.keep_checkpoints,
+                            final=last,
+                        )
+        except KeyboardInterrupt as e:
+            how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+            hint = self._resume_hint()
+            raise Stopped(f"stopped by {how} during step {step}; {hint}", code) from None
+        except (WorkerDied, RolloutError) as e:  # a process of the run is gone
+            raise type(e)(f"step {step}: {e}; {self._resume_hint()}") from None
+        finally:
+            self.close()
+        if self.console is not None:
+            self.console.print(f"final model: {self.out / 'final_model'}")
+            if "jsonl" in t.loggers:
+                self.console.print(f"report: treadle report {self.out}")
+        return metrics
+
+    def open_tracker(self) -> Tracker:
+        t = self.cfg.trainer
+        config = self.cfg.model_dump(mode="json", by_alias=True)
+        return Tracker(
+            self.out,
+            self.total,
+            self.start,
+            t.progress,
+            self.headline,
+            loggers=t.loggers,
+            config=config,
+            console=self.console,
+        )
+
+    def samples_due(self, step: int) -> bool:
+        """Whether this step's samples go to samples.jsonl and the trackers' tables."""
+        every = self.cfg.trainer.log_samples_every
+        return bool(every) and (step == self.total or step % every == 0)
+
+    def _resume_hint(self) -> str:
+        latest = ckpt.latest_checkpoint(self.out) if self.cfg.trainer.resume else None
+        if latest is not None:
+            return f"the last checkpoint is {latest}: the same command resumes from it"
+        return "there is no checkpoint yet: the same command starts over"
+
+    @functools.cached_property
+    def scorer(self) -> Scorer:
+        """``reward.function``'s scorer (its worker processes start on first use)."""
+        return make_scorer(self.cfg)
+
+    def close(self) -> None:
+        try:
+            if "scorer" in self.__dict__:
+                self.scorer.close()
+            if hasattr(self, "rollout"):
+                self.rollout.close()
+            self.actors.close()
+        finally:
+            self._restore_logs()
+            self.lock.release()

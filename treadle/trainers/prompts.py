@@ -1,0 +1,46 @@
+"""Prompt batches for the drivers: held-out and training prompts as ``Batch`` rows.
+
+A batch of prompts holds ``prompts``/``prompt_mask`` (left-padded) and, per row, its ``uid``,
+``prompt_text``, ``ground_truth`` and data ``row`` (what a batched reward function reads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sized
+from typing import Any
+
+from treadle.config import Config
+from treadle.data import PromptDataset, config_prompts
+from treadle.errors import ConfigError
+from treadle.models import load_tokenizer
+
+
+def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
+    """The prompts of ``files`` (the config key ``key``), checked and tokenized."""
+    return config_prompts(cfg, listed(files, key), key, tokenizer(cfg), tool_schemas(cfg))
+
+
+def listed(files: list[str], key: str, what: str = "") -> list[str]:
+    """``files``; a ConfigError when the config key ``key`` lists none (of ``what``)."""
+    if not files:
+        raise ConfigError(f"{key} is empty: list at least one JSONL or Parquet file{what}")
+    return files
+
+
+def tokenizer(cfg: Config) -> Any:
+    """The run's tokenizer: ``model.tokenizer_path``, else the model's."""
+    return load_tokenizer(
+        cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
+    )
+
+
+def held_out(cfg: Config, ds: Sized) -> list[int]:
+    """The rows of held-out ``ds`` scored: the first ``data.val_size`` (all by default)."""
+    return list(range(len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))))
+
+
+def tool_schemas(cfg: Config) -> list[dict[str, Any]] | None:
+    """The JSON schemas of ``rollout.tools``, which the prompts show the model."""
+    from treadle.agents.tools import Toolbox
+
+    return Toolbox.load(cfg.rollout.tools).schemas if cfg.rollout.tools else None
