@@ -306,7 +306,6 @@ def ray_get(futures: list[Any]) -> list[Any]:
         raise
 
 
-
 def pid_note(error: BaseException) -> str:
     """`` (pid N)`` of the process a Ray actor error names, or nothing."""
     lines = [line.strip() for line in str(error).splitlines()]
