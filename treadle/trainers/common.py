@@ -26,7 +26,7 @@ from treadle.config import Config, dump_config
 from treadle.controller import ResourcePool, Worker, WorkerGroup
 from treadle.data import PromptDataset, ResumableSampler, collate_prompts, config_prompts
 from treadle.engines.rollout import SamplingParams
-from treadle.errors import ConfigError, Stopped, Terminated, WorkerDied
+from treadle.errors import ConfigError, Stopped, WorkerDied, raise_if_signalled, stop_cause
 from treadle.faults import failpoint
 from treadle.models import ADAPTER_DIR, export_merged, load_tokenizer
 from treadle.protocol import Batch
@@ -275,6 +275,7 @@ def evaluate(
     n = len(ds) if cfg.data.val_size is None else min(cfg.data.val_size, len(ds))
     batch = prompt_batch(ds, list(range(n)), pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    failpoint("eval")
     out = rollout.generate(batch, greedy)
     scores = rule_scores(scorer, out)
     return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
@@ -511,7 +512,9 @@ class Trainer:
             with self.open_tracker() as tracker:
                 started = startup.startup_metrics()
                 for step in range(self.start + 1, self.total + 1):
+                    failpoint("begin", step)
                     metrics = {**self.run_step(step), **started}
+                    raise_if_signalled()  # one whose exception was lost in the step
                     started = {}
                     tracker.log(step, metrics)
                     if self.samples:
@@ -526,8 +529,9 @@ class Trainer:
                         save_checkpoint(
                             self.cfg, self.group, step, state, final=last, roles=self.roles
                         )
+                        failpoint("sealed", step)
         except KeyboardInterrupt as e:
-            how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+            how, code = stop_cause(e)
             hint = self._resume_hint()
             raise Stopped(f"stopped by {how} during step {step}; {hint}", code) from None
         except (WorkerDied, RolloutError) as e:  # a process of the run is gone
