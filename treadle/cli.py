@@ -307,9 +307,13 @@ def _main(argv: Sequence[str] | None) -> int:
 
 
 def _stop_signals(handler: Any) -> list[Any]:
-    """Set ``handler`` (or each of a list) for SIGINT and SIGTERM; the ones they had."""
+    """Set ``handler`` (or each of a list) for SIGINT and SIGTERM; the ones they had (None: one
+    set from C, which Python cannot put back: left as it is)."""
     handlers = handler if isinstance(handler, list) else [handler, handler]
-    return [signal.signal(s, h) for s, h in zip(STOP_SIGNALS, handlers, strict=True)]
+    return [
+        signal.signal(s, h) if h is not None else signal.getsignal(s)
+        for s, h in zip(STOP_SIGNALS, handlers, strict=True)
+    ]
 
 
 def _on_signal(signum: int, frame: object) -> None:
