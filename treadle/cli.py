@@ -276,6 +276,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # The outcome is settled: a signal now (Ray's exit handler, Python's teardown, which
         # would put the default action, death without a word, back) changes nothing.
         _stop_signals(signal.SIG_IGN if argv is None else before)
+        if argv is None:  # nor does a library's exit handler add its info lines after ours
+            logging.disable(logging.INFO)  # (torch's FakeTensor cache stats, once interrupted)
         if "treadle.cluster" in sys.modules:  # Ray may still be starting in the background
             sys.modules["treadle.cluster"].settle()
 
