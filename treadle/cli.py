@@ -22,9 +22,21 @@ import signal
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from treadle import startup
-from treadle.errors import Stopped, Terminated, TreadleError
+from treadle.errors import (
+    Stopped,
+    Terminated,
+    TreadleError,
+    clear_signals,
+    note_signal,
+    raise_if_signalled,
+    stop_cause,
+)
+from treadle.faults import failpoint
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def _config(args: argparse.Namespace):
@@ -38,6 +50,7 @@ def _config(args: argparse.Namespace):
     check(cfg, args.command)
     startup.mark("check")
     start_ray_early(cfg)  # while the command imports its trainer and reads its data
+    failpoint("launch")
     return cfg
 
 
@@ -253,22 +266,39 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code. ``argv`` None: this process's own command line, which
+    then ends with this command (see :func:`_stop_signals`)."""
+    clear_signals()  # a command run in-process before this one (tests) noted its own
+    before = _stop_signals(_on_signal)  # first: Ctrl-C or SIGTERM from here on stops the command
+    try:
+        return _main(argv)
+    finally:
+        # The outcome is settled: a signal now (Ray's exit handler, Python's teardown, which
+        # would put the default action, death without a word, back) changes nothing.
+        _stop_signals(signal.SIG_IGN if argv is None else before)
+        if argv is None:  # nor does a library's exit handler add its info lines after ours
+            logging.disable(logging.INFO)  # (torch's FakeTensor cache stats, once interrupted)
+        if "treadle.cluster" in sys.modules:  # Ray may still be starting in the background
+            sys.modules["treadle.cluster"].settle()
+
+
+def _main(argv: Sequence[str] | None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = build_parser().parse_args(argv)
-    startup.from_process_start()
-    signal.signal(signal.SIGTERM, _terminate)
     try:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        args = build_parser().parse_args(argv)
+        startup.from_process_start()
         args.fn(args)
+        raise_if_signalled()  # one whose exception was lost on the way still stops it
     except Stopped as e:
         print(f"treadle: {e}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt as e:  # before a run's loop started, or outside one
-        how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+        how, code = stop_cause(e)
         print(f"treadle: stopped by {how}", file=sys.stderr)
         return code
     except TreadleError as e:
@@ -278,8 +308,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise Terminated()
+def _stop_signals(handler: Any) -> list[Any]:
+    """Set ``handler`` (or each of a list) for SIGINT and SIGTERM; the ones they had (None: one
+    set from C, which Python cannot put back: left as it is)."""
+    handlers = handler if isinstance(handler, list) else [handler, handler]
+    return [
+        signal.signal(s, h) if h is not None else signal.getsignal(s)
+        for s, h in zip(STOP_SIGNALS, handlers, strict=True)
+    ]
+
+
+def _on_signal(signum: int, frame: object) -> None:
+    """Ctrl-C and SIGTERM: noted (it cannot be lost, see treadle.errors) and raised, so the
+    command unwinds from wherever it is; SIGTERM as Terminated, a KeyboardInterrupt."""
+    note_signal(signum)
+    raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 
 if __name__ == "__main__":

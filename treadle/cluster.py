@@ -43,6 +43,7 @@ from typing import Any
 from treadle import reaper, startup
 from treadle.config import Config
 from treadle.errors import ConfigError
+from treadle.faults import failpoint
 from treadle.tracking import reroute_logs
 
 TOKEN_FILE = "~/.ray/auth_token"
@@ -77,8 +78,7 @@ def total_cpus(cfg: Config) -> float:
     return float(wanted or have)
 
 
-# The background start: its "ready" event, the SIGTERM "handler" to put back, its "seconds"
-# and the "error" it raised, if any.
+# The background start: its "ready" event, its "seconds" and the "error" it raised, if any.
 _early: dict[str, Any] = {}
 
 
@@ -104,6 +104,7 @@ def start_ray_early(cfg: Config) -> None:
         try:
             with _ray_messages_to_run_logs(cfg):
                 _start(cfg)
+            failpoint("ray")
         except BaseException as e:
             _early["error"] = e
         finally:
@@ -111,8 +112,17 @@ def start_ray_early(cfg: Config) -> None:
             ready.set()
         threading.Event().wait()
 
-    _early.update(ready=ready, handler=signal.getsignal(signal.SIGTERM))
+    _early.update(ready=ready)
     threading.Thread(target=start, name="treadle-ray-start", daemon=True).start()
+
+
+def settle() -> None:
+    """Wait for a background start still under way (the command ended before it needed Ray,
+    stopped by a signal): Ray's exit handler would shut the half-started cluster down under
+    the starting thread, which then fails slowly and loudly (GCS connection warnings)."""
+    ready = _early.get("ready")
+    if ready is not None:
+        ready.wait(timeout=120)
 
 
 def ensure_ray(cfg: Config) -> None:
@@ -121,9 +131,6 @@ def ensure_ray(cfg: Config) -> None:
 
     if "ready" in _early:  # started in the background: wait for it (once)
         _early.pop("ready").wait()
-        handler = _early.pop("handler")
-        if callable(handler) and threading.current_thread() is threading.main_thread():
-            signal.signal(signal.SIGTERM, handler)  # Ray's C++ handler would abort the driver
         startup.mark("ray")  # what the driver waited for it
         startup.detail("ray", {"background": _early.pop("seconds")})
         if "error" in _early:
@@ -137,8 +144,14 @@ def ensure_ray(cfg: Config) -> None:
 
 def _start(cfg: Config) -> None:
     import ray
+    from ray._private import ray_constants
 
     reroute_logs()  # Ray's import put its console handler on its loggers
+    # Ray's core worker would install its C++ failure handler in this process, SIGTERM
+    # included: it aborts the driver (exit -6, a stack dump) instead of stopping it. Started in
+    # the background, nothing could put ours back until ensure_ray: a SIGTERM in between was
+    # lost. Off in the driver only (the workers read the environment variable, not this).
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     joined = ray_address(cfg)
     with _rerouted():
         if joined is not None:
@@ -215,8 +228,8 @@ def _on_loopback() -> Iterator[None]:
 
 @contextmanager
 def _keep_sigterm_handler() -> Iterator[None]:
-    """Ray's core worker installs a C++ SIGTERM handler that aborts the driver (exit -6, a
-    stack dump); put the Python handler back (the command line's: stop like Ctrl-C)."""
+    """``ray.init`` on the main thread sets Ray's own SIGTERM handler (``sys.exit``); put the
+    one before back (the command line's: stop like Ctrl-C). Ray's C++ one is off (_start)."""
     handler = signal.getsignal(signal.SIGTERM)
     try:
         yield

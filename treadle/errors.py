@@ -6,6 +6,8 @@ sample) and, when it can, how to fix it. Bugs inside treadle stay ordinary Pytho
 
 from __future__ import annotations
 
+import signal
+
 
 class TreadleError(Exception):
     """Base class of the errors a user can act on."""
@@ -37,3 +39,35 @@ class Stopped(TreadleError):
 
 class Terminated(KeyboardInterrupt):
     """Raised by the command line's SIGTERM handler, so a SIGTERM unwinds like Ctrl-C."""
+
+
+# The stop signals the command line's handlers took, first first. The handler raises too, but
+# the exception may not survive where it lands: Ray's ``ray.get`` turns it into a bare
+# KeyboardInterrupt, an asyncio task keeps it, a finalizer drops it. This note cannot be lost.
+_received: list[int] = []
+
+
+def note_signal(signum: int) -> None:
+    """Record that ``signum`` (SIGINT or SIGTERM) arrived: the run must stop."""
+    _received.append(signum)
+
+
+def clear_signals() -> None:
+    _received.clear()
+
+
+def signalled() -> bool:
+    return bool(_received)
+
+
+def stop_cause(error: BaseException | None = None) -> tuple[str, int]:
+    """("Ctrl-C", 130) or ("SIGTERM", 143): the first stop signal noted, else ``error``'s kind."""
+    term = _received[0] == signal.SIGTERM if _received else isinstance(error, Terminated)
+    return ("SIGTERM", 143) if term else ("Ctrl-C", 130)
+
+
+def raise_if_signalled() -> None:
+    """Raise the KeyboardInterrupt of a stop signal that arrived but whose exception was lost
+    on the way (see ``_received``)."""
+    if _received:
+        raise Terminated() if _received[0] == signal.SIGTERM else KeyboardInterrupt()

@@ -115,6 +115,17 @@ def load_tokenizer(
         raise ConfigError(f"{key}: cannot load a tokenizer from '{path}': {e}") from e
 
 
+def _model_folder(
+    path: str | Path, dtype: torch.dtype | str, key: str, allow_download: bool
+) -> tuple[str, torch.dtype]:
+    """The model folder (or hub id) ``path`` resolves to, and ``dtype`` as a torch dtype."""
+    resolved = resolve_model_path(path, key=key, need="model", allow_download=allow_download)
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
+    return resolved, torch_dtype
+
+
 def load_causal_lm(
     path: str | Path,
     dtype: torch.dtype | str = torch.float32,
@@ -128,10 +139,7 @@ def load_causal_lm(
     `dtype` is a torch dtype or its name (`"bfloat16"`); extra kwargs go to `from_pretrained`
     (for example `attn_implementation`). Moving to a device is the caller's business.
     """
-    resolved = resolve_model_path(path, key=key, need="model", allow_download=allow_download)
-    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
+    resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     try:
         return AutoModelForCausalLM.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as e:
@@ -152,10 +160,7 @@ def load_value_model(
     critic). From a causal LM folder the head is new and starts at zero, so a fresh critic
     predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded.
     """
-    resolved = resolve_model_path(path, key=key, need="model", allow_download=allow_download)
-    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
-    if not isinstance(torch_dtype, torch.dtype):
-        raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
+    resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
             resolved, dtype=torch_dtype, num_labels=1, output_loading_info=True

@@ -101,6 +101,9 @@ STANDARD_SHAPES: dict[str, tuple[str, ...]] = {
 _BITS_BY_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 Indices = Sequence[int] | Sequence[bool] | torch.Tensor | np.ndarray
+Tensors = Mapping[str, torch.Tensor] | None
+Objects = Mapping[str, Sequence[Any] | np.ndarray] | None  # lists become 1-D object arrays
+Meta = Mapping[str, Any] | None
 
 
 @dataclass(eq=False)
@@ -119,10 +122,7 @@ class Batch:
 
     @classmethod
     def from_dict(
-        cls,
-        tensors: Mapping[str, torch.Tensor] | None = None,
-        objects: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
-        meta: Mapping[str, Any] | None = None,
+        cls, tensors: Tensors = None, objects: Objects = None, meta: Meta = None
     ) -> Batch:
         """Build a batch; objects may be lists (each becomes a 1-D object array)."""
         objs = {k: _object_array(k, v) for k, v in (objects or {}).items()}
@@ -179,12 +179,7 @@ class Batch:
 
     # ---- in-place changes -----------------------------------------------------------------
 
-    def update(
-        self,
-        tensors: Mapping[str, torch.Tensor] | None = None,
-        objects: Mapping[str, Sequence[Any] | np.ndarray] | None = None,
-        meta: Mapping[str, Any] | None = None,
-    ) -> None:
+    def update(self, tensors: Tensors = None, objects: Objects = None, meta: Meta = None) -> None:
         """Add or replace fields in place; nothing changes if any new field has the wrong size."""
         new_t = dict(tensors or {})
         new_o = {k: _object_array(k, v) for k, v in (objects or {}).items()}
@@ -308,16 +303,8 @@ class Batch:
         """Rows of all batches in order; keys must match; meta is taken from the first."""
         if not batches:
             raise ValueError("concat needs at least one batch")
+        _check_concatenable(batches)
         first = batches[0]
-        for i, b in enumerate(batches[1:], start=1):
-            _check_same_keys(first, b, i)
-        for key, t in first.tensors.items():
-            for i, b in enumerate(batches[1:], start=1):
-                if b.tensors[key].shape[1:] != t.shape[1:]:
-                    raise ValueError(
-                        f"cannot concat tensor {key!r}: batch 0 has shape {list(t.shape)}, "
-                        f"batch {i} has {list(b.tensors[key].shape)} (dims after 0 differ)"
-                    )
         tensors = {k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors}
         objects = {k: np.concatenate([b.objects[k] for b in batches]) for k in first.objects}
         return Batch(tensors, objects, dict(first.meta))
@@ -337,20 +324,7 @@ class Batch:
         name must have the same size in every key that names them.
         """
         self._require(list(required), ValueError)
-        seen: dict[str, tuple[int, str]] = {}
-        for key, names in required.items():
-            shape = tuple(self[key].shape)
-            if len(shape) != len(names):
-                raise ValueError(
-                    f"{key!r} has shape {list(shape)}, expected {len(names)} dims {names}"
-                )
-            for dim, (name, size) in enumerate(zip(names, shape, strict=True)):
-                first_size, first_key = seen.setdefault(name, (size, key))
-                if size != first_size:
-                    raise ValueError(
-                        f"{key!r} dim {dim} ({name!r}) is {size}, "
-                        f"but {first_key!r} has {name!r} = {first_size}"
-                    )
+        _check_dims({key: tuple(self[key].shape) for key in required}, required)
 
     def _require(self, keys: Iterable[str], error: type[Exception] = KeyError) -> None:
         missing = [k for k in keys if k not in self]
@@ -436,6 +410,39 @@ def _same_value(a: Any, b: Any) -> bool:
         return bool(a == b)
     except (TypeError, ValueError, RuntimeError):  # arrays and tensors have no single truth
         return False
+
+
+def _check_dims(
+    shapes: Mapping[str, tuple[int, ...]], names: Mapping[str, tuple[str, ...]]
+) -> None:
+    """Each key's shape has its named dimensions, of one size per name across keys."""
+    seen: dict[str, tuple[int, str]] = {}
+    for key, shape in shapes.items():
+        if len(shape) != len(names[key]):
+            raise ValueError(
+                f"{key!r} has shape {list(shape)}, expected {len(names[key])} dims {names[key]}"
+            )
+        for dim, (name, size) in enumerate(zip(names[key], shape, strict=True)):
+            first_size, first_key = seen.setdefault(name, (size, key))
+            if size != first_size:
+                raise ValueError(
+                    f"{key!r} dim {dim} ({name!r}) is {size}, "
+                    f"but {first_key!r} has {name!r} = {first_size}"
+                )
+
+
+def _check_concatenable(batches: Sequence[Batch]) -> None:
+    """The same keys in every batch, and each tensor's dims after 0 alike."""
+    first = batches[0]
+    for i, b in enumerate(batches[1:], start=1):
+        _check_same_keys(first, b, i)
+    for key, t in first.tensors.items():
+        for i, b in enumerate(batches[1:], start=1):
+            if b.tensors[key].shape[1:] != t.shape[1:]:
+                raise ValueError(
+                    f"cannot concat tensor {key!r}: batch 0 has shape {list(t.shape)}, "
+                    f"batch {i} has {list(b.tensors[key].shape)} (dims after 0 differ)"
+                )
 
 
 def _check_same_keys(first: Batch, other: Batch, i: int) -> None:

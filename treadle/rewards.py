@@ -500,6 +500,9 @@ class _Worker:
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             env={**os.environ, "PYTHONPATH": path},
+            # a group of its own: Ctrl-C (to the terminal's group) never reaches it, not even
+            # before it ignores SIGINT (while it imports, it would die with a traceback)
+            process_group=0,
         )
         theirs.close()
         self.conn = Connection(ours.detach())

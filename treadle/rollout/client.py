@@ -35,7 +35,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from treadle.controller import death_cause, pid_note
-from treadle.errors import TreadleError
+from treadle.errors import TreadleError, signalled
 from treadle.rollout.server import Request, Response, RolloutServer
 
 T = TypeVar("T")
@@ -155,7 +155,16 @@ class RolloutClient:
 
         if self._loop.is_closed():
             return
-        self.run(cancel_all())
+        while True:
+            try:
+                self.run(cancel_all())
+                break
+            except KeyboardInterrupt:
+                # A Ctrl-C that landed inside a task stays in it and is raised again when the
+                # task awaiting it is cancelled here: the run is stopping already (noted).
+                if not signalled():
+                    raise
+                self._loop.set_exception_handler(lambda loop, context: None)  # what they hold
         if self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)

@@ -407,13 +407,12 @@ def prepare(
     """Build data splits, a tokenizer trained on the train split and an initial model.
 
     Returns `{"train", "test", "pairs_train", "pairs_test", "model", "manifest"}` paths
-    (`write_pairs`: preference pairs of each split); the model folder is
-    `out_dir/model_init`. When `out_dir/prepare.json` records the same arguments and all the
-    files exist, nothing is rebuilt. The manifest is written last, so an interrupted run is
-    rebuilt from scratch next time.
+    (`write_pairs`: preference pairs of each split; the model folder: `out_dir/model_init`).
+    When `out_dir/prepare.json` records the same arguments and all the files exist, nothing is
+    rebuilt; the manifest is written last, so an interrupted run is rebuilt next time.
     """
     gen = {"min_value": min_value, "max_value": max_value, "ops": ops}
-    model_kwargs = {
+    model: dict[str, Any] = {  # build_tiny_model's shape
         "hidden_size": hidden_size,
         "num_layers": num_layers,
         "num_heads": num_heads,
@@ -430,42 +429,33 @@ def prepare(
         "n_test": n_test,
         "vocab_size": vocab_size,
         **gen,
-        **model_kwargs,
+        **model,
     }
     out = Path(out_dir)
-    paths = {
-        "train": out / "train.jsonl",
-        "test": out / "test.jsonl",
-        "pairs_train": out / "pairs_train.jsonl",
-        "pairs_test": out / "pairs_test.jsonl",
-        "model": out / "model_init",
-        "manifest": out / "prepare.json",
-    }
+    paths = _task_paths(out)
     if _is_prepared(paths, manifest):
         logger.info("reusing prepared arithmetic task in %s", out)
         return paths
     paths["manifest"].unlink(missing_ok=True)
     write_splits(out, n_train=n_train, n_test=n_test, seed=seed, **gen)
     write_pairs(out, seed=seed)
-    with paths["train"].open(encoding="utf-8") as f:
-        train_rows = [json.loads(line) for line in f]
-    corpus = [text for row in train_rows for text in (row["prompt"], row["solution"])]
     shutil.rmtree(paths["model"], ignore_errors=True)
-    tokenizer = build_tokenizer(corpus, paths["model"], vocab_size=vocab_size)
-    build_tiny_model(
-        tokenizer,
-        paths["model"],
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_positions=max_positions,
-        seed=seed,
-        arch=arch,
-    )
+    tokenizer = build_tokenizer(_corpus(paths["train"]), paths["model"], vocab_size=vocab_size)
+    build_tiny_model(tokenizer, paths["model"], seed=seed, **model)
     write_manifest(paths["manifest"], manifest)
     return paths
+
+
+def _task_paths(out: Path) -> dict[str, Path]:
+    paths = {name: out / f"{name}.jsonl" for name in ("train", "test", "pairs_train", "pairs_test")}
+    return {**paths, "model": out / "model_init", "manifest": out / "prepare.json"}
+
+
+def _corpus(train: Path) -> list[str]:
+    """The texts a tokenizer learns from: every prompt and worked solution of ``train``."""
+    with train.open(encoding="utf-8") as f:
+        rows = [json.loads(line) for line in f]
+    return [text for row in rows for text in (row["prompt"], row["solution"])]
 
 
 def manifest_matches(path: Path, manifest: dict[str, Any], files: Iterable[Path]) -> bool:

@@ -62,8 +62,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from treadle.tasks.arithmetic import write_held_out
-from treadle.tasks.chat_arithmetic import extract_final_number
+from treadle.tasks.chat_arithmetic import extract_final_number, write_phrased
 
 logger = logging.getLogger(__name__)
 
@@ -241,31 +240,16 @@ def prepare(
     min_value: int = 100,
     max_value: int = 999,
 ) -> dict[str, Path]:
-    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`) under `out_dir`.
-
-    Returns `{"train": ..., "test": ...}`. Test rows come first from one stream of distinct
-    problems, so the test set does not change with `n_train` and no test problem is in train.
-    When `out_dir/prepare.json` records the same arguments and both files exist, nothing is
-    rewritten; the manifest is written last, so an interrupted run is redone.
-    """
-    manifest = {
-        "task": "calculator",
-        "format": PREPARE_FORMAT,
-        "seed": seed,
-        "n_train": n_train,
-        "n_test": n_test,
-        "phrasing": phrasing,
-        "template": PHRASINGS.get(phrasing),
-        "min_value": min_value,
-        "max_value": max_value,
-    }
-    return write_held_out(
+    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`) under `out_dir`, as
+    `chat_arithmetic.write_phrased` does."""
+    return write_phrased(
         out_dir,
-        manifest,
-        lambda: generate_problems(
-            n_test + n_train, seed, phrasing=phrasing, min_value=min_value, max_value=max_value
-        ),
-        n_test,
+        "calculator",
+        PREPARE_FORMAT,
+        generate_problems,
+        PHRASINGS,
+        dict(seed=seed, n_train=n_train, n_test=n_test, phrasing=phrasing),
+        dict(min_value=min_value, max_value=max_value),
     )
 
 

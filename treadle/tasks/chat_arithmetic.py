@@ -49,7 +49,9 @@ from __future__ import annotations
 
 import logging
 import re
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import Any
 
 from treadle.tasks.arithmetic import OPS, generate_problems, write_held_out
 
@@ -132,36 +134,48 @@ def prepare_chat(
     max_value: int = 99,
     ops: str = OPS,
 ) -> dict[str, Path]:
-    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`) under `out_dir`.
+    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`): :func:`write_phrased`."""
+    return write_phrased(
+        out_dir,
+        "chat_arithmetic",
+        PREPARE_FORMAT,
+        generate_chat_problems,
+        PHRASINGS,
+        dict(seed=seed, n_train=n_train, n_test=n_test, phrasing=phrasing),
+        dict(min_value=min_value, max_value=max_value, ops=ops),
+    )
+
+
+def write_phrased(
+    out_dir: str | Path,
+    task: str,
+    version: int,
+    generate: Callable[..., list[dict[str, str]]],
+    phrasings: Mapping[str, str],
+    split: dict[str, Any],
+    ranges: dict[str, Any],
+) -> dict[str, Path]:
+    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`) of ``task`` under
+    `out_dir`: ``split`` holds seed, n_train, n_test and phrasing, ``ranges`` the rest of what
+    ``generate(n, seed, phrasing=..., **ranges)`` takes.
 
     Returns `{"train": ..., "test": ...}`. Test rows come first from one stream of distinct
     problems, so the test set does not change with `n_train` and no test problem is in train.
     When `out_dir/prepare.json` records the same arguments and both files exist, nothing is
     rewritten; the manifest is written last, so an interrupted run is redone.
     """
+    seed, n_train, n_test, phrasing = (split[k] for k in ("seed", "n_train", "n_test", "phrasing"))
     manifest = {
-        "task": "chat_arithmetic",
-        "format": PREPARE_FORMAT,
-        "seed": seed,
-        "n_train": n_train,
-        "n_test": n_test,
-        "phrasing": phrasing,
-        "template": PHRASINGS.get(phrasing),
-        "min_value": min_value,
-        "max_value": max_value,
-        "ops": ops,
+        "task": task,
+        "format": version,
+        **split,
+        "template": phrasings.get(phrasing),
+        **ranges,
     }
     return write_held_out(
         out_dir,
         manifest,
-        lambda: generate_chat_problems(
-            n_test + n_train,
-            seed,
-            phrasing=phrasing,
-            min_value=min_value,
-            max_value=max_value,
-            ops=ops,
-        ),
+        lambda: generate(n_test + n_train, seed, phrasing=phrasing, **ranges),
         n_test,
     )
 

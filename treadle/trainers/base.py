@@ -22,7 +22,7 @@ from treadle import startup
 from treadle.config import Config
 from treadle.controller import Actors, Placement, WorkerGroup
 from treadle.data import ResumableSampler
-from treadle.errors import Stopped, Terminated, WorkerDied
+from treadle.errors import Stopped, WorkerDied, raise_if_signalled, stop_cause
 from treadle.faults import failpoint
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
@@ -184,7 +184,9 @@ class Trainer:
             with self.open_tracker() as tracker:
                 started = startup.startup_metrics()
                 for step in range(self.start + 1, self.total + 1):
+                    failpoint("begin", step)
                     metrics = {**self.run_step(step), **started}
+                    raise_if_signalled()  # one whose exception was lost in the step
                     started = {}
                     tracker.log(step, metrics)
                     if self.samples:
@@ -205,8 +207,9 @@ class Trainer:
                             t.keep_checkpoints,
                             final=last,
                         )
+                        failpoint("sealed", step)
         except KeyboardInterrupt as e:
-            how, code = ("SIGTERM", 143) if isinstance(e, Terminated) else ("Ctrl-C", 130)
+            how, code = stop_cause(e)
             hint = self._resume_hint()
             raise Stopped(f"stopped by {how} during step {step}; {hint}", code) from None
         except (WorkerDied, RolloutError) as e:  # a process of the run is gone

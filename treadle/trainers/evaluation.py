@@ -10,6 +10,7 @@ from treadle.config import Config
 from treadle.data import PromptDataset, prompt_batch
 from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
+from treadle.faults import failpoint
 from treadle.protocol import Batch
 from treadle.rewards import Scorer
 from treadle.rollout.fleet import Rollout, start_rollout
@@ -23,6 +24,7 @@ def evaluate(
     """Held-out accuracy (fraction of reward 1.0) with greedy decoding, one sample each."""
     batch = prompt_batch(ds, held_out(cfg, ds), pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
+    failpoint("eval")
     out = rollout.generate(batch, greedy)
     scores = rule_scores(scorer, out)
     return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
