@@ -272,9 +272,9 @@ class RLTrainer(Trainer):
         4. the frozen reference's, for the KL term (in the loss, in the reward, or both)."""
         if self.old_log_prob_pass:
             # the optimal token baseline also reads Σ_v π(v)² of each token's distribution
-            batch.meta["sum_pi_squared"] = "sum_pi_squared" in self.needs
+            squares = "sum_pi_squared" in self.needs
             with timed(m, "old_log_probs"):
-                batch = batch.union(self.group.compute_log_probs(batch))
+                batch = batch.union(self.group.compute_log_probs(batch, sum_pi_squared=squares))
         if self.ref_pass:
             with timed(m, "ref_log_probs"):
                 batch = batch.union(self.group.compute_ref_log_probs(batch))
