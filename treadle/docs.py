@@ -8,8 +8,8 @@
   selects it and what it needs (its registration facts).
 
 ``python -m treadle.docs`` writes both; ``python -m treadle.docs --check`` exits 1 when a file
-differs from what the code says (``tests/test_config_docs.py`` and
-``tests/test_algorithm_docs.py`` run the same comparison). Change a field or register a
+differs from what the code says (``tests/config/test_config_docs.py`` and
+``tests/algorithms/test_reference.py`` run the same comparison). Change a field or register a
 function, run the command, commit both.
 """
 

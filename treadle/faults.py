@@ -1,4 +1,5 @@
-"""Fault injection for the fault and signal suites (tests/test_faults.py, tests/test_signals.py).
+"""Fault injection for the fault and signal suites (tests/trainers/test_faults.py and
+test_signals.py).
 
 ``TREADLE_FAILPOINT=<point>@<step>`` kills the driver with SIGKILL when the run reaches that
 point of that step, exactly as a ``kill -9`` from outside would, at a moment a test can name.

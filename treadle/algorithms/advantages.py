@@ -27,7 +27,7 @@ Choices made here:
 - Outputs are float32, or float64 for float64 rewards.
 
 Every verl 0.9.1 estimator has a counterpart of the same name, equal to it where both are
-defined the same way (tests/test_advantages_parity.py). Where they differ, on purpose:
+defined the same way (tests/algorithms/test_advantages_parity.py). Where they differ, on purpose:
 
 - verl sums a score over the whole row and leaves values at masked positions (inside a
   response's gaps) in its outputs; here masked positions neither count nor carry values.

@@ -13,7 +13,7 @@ actor builds it from exactly those, so a knob a loss does not read never reaches
 The aggregation ``seq-mean-token-sum-norm`` registers its ``loss_scale_factor`` as a knob. A
 loss registered with ``old="rollout_log_probs"`` (``bypass_mode``) gets the rollout engine's
 log-probs as ``old_log_probs``. verl's names resolve too (``vanilla`` is ``ppo``), and
-``tests/test_losses_parity.py`` holds every loss to verl 0.9.1's.
+``tests/algorithms/test_losses_parity.py`` holds every loss to verl 0.9.1's.
 
 All tensors are ``[B, T]`` on the response side. A loss builds a per-token loss matrix and hands
 it to ``agg_loss``, which turns it into a scalar in one of the registered modes. Choices:

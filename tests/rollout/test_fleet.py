@@ -5,7 +5,7 @@ what transformers generates from the actor's weights, and their log-probs what t
 model computes for those tokens (float32, within 1e-4): colocated (the replica in the actor
 rank's process, weights copied in memory) and split (two replicas in a pool of their own,
 weights over a gloo group), both with vLLM under Ray (one vLLM engine per process: not in
-this test process, whose engine belongs to test_vllm_engine). The tiny model has tied
+this test process, whose engine belongs to engines/test_vllm.py). The tiny model has tied
 embeddings, the case vLLM gets wrong unless re-tied.
 A replica killed mid-rollout or before a weight sync stops the run with one line naming it;
 what was written stays.

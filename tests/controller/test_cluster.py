@@ -23,7 +23,7 @@ from treadle.config import load_config
 from treadle.errors import ConfigError
 from treadle.tracking import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 GRPO = ROOT / "examples/arithmetic/grpo.yaml"
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")

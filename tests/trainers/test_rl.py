@@ -1,5 +1,6 @@
 """The RL driver's data-side options on a tiny model, local backend: DAPO dynamic sampling and
-truncation masking, ReMax's greedy baseline. (KL in the reward: tests/test_e2e.py, with resume.)"""
+truncation masking, ReMax's greedy baseline. (KL in the reward, with resume:
+tests/trainers/test_rl_e2e.py.)"""
 
 from __future__ import annotations
 

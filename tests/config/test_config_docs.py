@@ -9,7 +9,7 @@ from pydantic import BaseModel
 from treadle.config import Config, load_config
 from treadle.docs import DOC, main, render
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_config_md_is_current():

@@ -1,7 +1,7 @@
 """Agent loops, tools and trajectories: parsing, tool calls, loss masks token by token, bounds.
 
 The model is a scripted replica here (a test double behind the real client and loops); the
-end-to-end runs on the tiny model are in tests/test_agents_e2e.py.
+end-to-end runs on the tiny model are in tests/rollout/test_agents_e2e.py.
 """
 
 from __future__ import annotations

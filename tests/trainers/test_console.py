@@ -17,7 +17,7 @@ import pytest
 from treadle.trackers import ConsoleLogger
 from treadle.tracking import read_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_a_plain_console_prints_one_line_per_step_with_eta():

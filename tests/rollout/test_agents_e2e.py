@@ -14,7 +14,7 @@ from treadle.cli import main
 from treadle.config import load_config
 from treadle.trainers.rl import RLTrainer
 
-EXAMPLE_LOOP = Path(__file__).parent.parent / "examples" / "tools" / "check_loop.py"
+EXAMPLE_LOOP = Path(__file__).resolve().parents[2] / "examples" / "tools" / "check_loop.py"
 CALCULATOR = "treadle.tasks.calculator:calculator"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import load_file
-from test_e2e import grpo_config, weights
+from test_rl_e2e import grpo_config, weights
 
 from treadle.models import load_tokenizer, load_value_model, save_hf_folder
 from treadle.tracking import read_metrics

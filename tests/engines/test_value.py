@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import torch
-from test_engine import make_batch
+from test_fsdp import make_batch
 
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.fsdp import TrainEngine

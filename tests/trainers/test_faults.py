@@ -4,8 +4,8 @@ that dies stops a Ray run with one line naming the role, the rank, the cause and
 nothing of a run is left 30 s after it ends, however it ends (the driver killed with SIGKILL
 included); every socket a run listens on is on loopback.
 
-Ctrl-C and SIGTERM: tests/test_signals.py; damaged checkpoints and two runs on one directory:
-tests/test_run_dir.py; a replica killed: tests/test_rollout_placement.py.
+Ctrl-C and SIGTERM: tests/trainers/test_signals.py; damaged checkpoints and two runs on one
+directory: tests/trainers/test_run_dir.py; a replica killed: tests/rollout/test_fleet.py.
 """
 
 from __future__ import annotations
