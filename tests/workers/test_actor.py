@@ -1,4 +1,5 @@
-"""The new policy losses, aggregation modes and KL estimators in the actor's update, tiny model.
+"""The actor's update (workers/actor.py, objectives.py): every policy loss, aggregation mode and
+KL estimator in it, on the tiny model.
 
 One trainer takes one RL step; then the actor's update runs again on that step's batch, from
 the same weights, once per name (the config's ``algorithm`` swapped on the worker). What the
