@@ -99,6 +99,11 @@ def test_library_messages_go_to_the_run_logs_and_come_back_after(tmp_path, capfd
 
     from treadle.tracking import LOG_DIR_ENV, quiet_start, route_logs, worker_env
 
+    # An earlier test's in-process vLLM (tests/engines/) can leave the "vllm" logger at ERROR;
+    # what is routed here is the level a fresh process has.
+    levels = {name: logging.getLogger(name).level for name in ("vllm", "ray")}
+    for name in levels:
+        logging.getLogger(name).setLevel(logging.NOTSET)
     restore = route_logs(tmp_path, verbose=False)
     try:
         logging.getLogger("vllm.engine").warning("vllm says hello")
@@ -110,6 +115,8 @@ def test_library_messages_go_to_the_run_logs_and_come_back_after(tmp_path, capfd
         assert worker_env()[LOG_DIR_ENV] == str((tmp_path / "logs").resolve())
     finally:
         restore()
+        for name, level in levels.items():
+            logging.getLogger(name).setLevel(level)
     captured = capfd.readouterr()
     assert captured.out == "" and captured.err == ""
     text = (tmp_path / "logs" / "driver.log").read_text()

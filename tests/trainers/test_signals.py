@@ -3,13 +3,13 @@
 The CLI under Ray (tiny task, hf rollout, 3 steps, a checkpoint every step, an evaluation at
 the end) in a session of its own. A failpoint (:mod:`treadle.faults`) sends the signal at a
 named moment, SIGINT to the run's process group as a terminal's Ctrl-C does, SIGTERM to the
-driver as ``kill PID`` does: at start-up, once Ray is up in the background (SIGTERM aborted the
-driver there); 0.2 s after step 1's checkpoint is sealed, in the middle of the next step (where
-Ctrl-C was once swallowed and the run trained on to the end); during the last step's
-evaluation. Every run ends with exit 130 (Ctrl-C) or 143 (SIGTERM), its last stderr line
-``treadle: stopped by <how> ...`` naming the checkpoint the same command resumes from, no
-traceback, and no process of its session left (Ray's included); each later run resumes from
-the checkpoint the one before named.
+driver as ``kill PID`` does: at start-up, as Ray starts in the background and once it is up
+(SIGTERM aborted the driver there); 0.2 s after step 1's checkpoint is sealed, in the middle
+of the next step (where Ctrl-C was once swallowed and the run trained on to the end); during
+the last step's evaluation. Every run ends with exit 130 (Ctrl-C) or 143 (SIGTERM), its last
+stderr line ``treadle: stopped by <how> ...`` naming the checkpoint the same command resumes
+from, no traceback, and no process of its session left (Ray's included); each later run
+resumes from the checkpoint the one before named.
 """
 
 from __future__ import annotations
@@ -78,7 +78,10 @@ def test_a_signal_stops_the_run_wherever_it_lands(tiny_task, length_reward, tmp_
         "trainer.progress=false",
         f"trainer.output_dir={out}",
     ]
-    # start-up: Ray is up in the background (its C++ handler once aborted the driver here)
+    # start-up: Ray starting in the background; then up (its C++ handler once aborted the
+    # driver there)
+    code, _, stderr = _stopped_at(args, "launch@0:SIGINT")
+    assert (code, stderr.strip().splitlines()[-1]) == (130, "treadle: stopped by Ctrl-C")
     code, _, stderr = _stopped_at(args, "ray@0:SIGTERM")
     assert (code, stderr.strip().splitlines()[-1]) == (143, "treadle: stopped by SIGTERM")
     # just after a checkpoint is sealed, in the next step (or a later one: steps are short)
@@ -113,9 +116,8 @@ def test_a_ctrl_c_kept_by_an_asyncio_task_does_not_cut_the_clean_up_short():
     of the run's one line. The signal is noted, so the clean-up goes on."""
     import signal
 
-    from treadle.engines.rollout import SamplingParams
-
     from treadle import errors
+    from treadle.engines.inference import SamplingParams
     from treadle.rollout.client import RolloutClient
     from treadle.rollout.server import Request, Response
 
