@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def test_docs_config_md_is_current():
     assert DOC.read_text() == render(), (
-        "docs/config.md is out of date with treadle/config.py: run `python -m treadle.docs` "
+        "docs/config.md is out of date with treadle/config/: run `python -m treadle.docs` "
         "and commit the result"
     )
 
