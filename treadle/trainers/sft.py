@@ -14,13 +14,12 @@ import time
 
 from treadle.config import Config
 from treadle.data import ResumableSampler, collate_sft, config_sft
-from treadle.errors import ConfigError
-from treadle.models import load_tokenizer
+from treadle.data.templating import pad_or_eos_id
 from treadle.protocol import Batch
 from treadle.tracking import timed
 from treadle.trainers.base import Trainer
 from treadle.trainers.evaluation import evaluate
-from treadle.trainers.prompts import load_prompts
+from treadle.trainers.prompts import listed, load_prompts, tokenizer
 
 
 class SFTTrainer(Trainer):
@@ -31,14 +30,11 @@ class SFTTrainer(Trainer):
 
     def __init__(self, cfg: Config) -> None:
         d = cfg.data
-        if not d.train_files:
-            raise ConfigError("data.train_files is empty: list at least one JSONL or Parquet file")
+        files = listed(d.train_files, "data.train_files")
         super().__init__(cfg)
-        tok = load_tokenizer(
-            cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
-        )
-        self.pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-        self.ds = config_sft(cfg, d.train_files, "data.train_files", tok)
+        tok = tokenizer(cfg)
+        self.pad = pad_or_eos_id(tok)
+        self.ds = config_sft(cfg, files, "data.train_files", tok)
         self.val = load_prompts(cfg, d.val_files, "data.val_files") if d.val_files else None
         self.steps_per_epoch = max(len(self.ds) // d.batch_size, 1)
         if cfg.trainer.epochs is not None:
