@@ -85,15 +85,23 @@ def vocab_size(config: dict[str, Any]) -> int | None:
     return int(size) if size is not None else None
 
 
-def check_vocabulary(key: str, path: str, vocab: int | None, actor_vocab: int | None) -> None:
-    """A model that scores the actor's token ids (``key``: ``path``) has the actor's
-    vocabulary size; unknown sizes pass."""
-    if vocab and actor_vocab and vocab != actor_vocab:
-        raise ConfigError(
-            f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
-            f"(model.path) {actor_vocab}; it scores the actor's token ids, so it must use "
-            "the actor's tokenizer"
-        )
+def shared_vocabulary(
+    actor: str | None, paths: list[tuple[str, str]], allow_download: bool
+) -> dict[str, dict[str, Any]]:
+    """The config.json of each model ``(key, path)`` that scores the actor's token ids,
+    checked to have the vocabulary size of the actor at ``actor`` (unknown sizes pass)."""
+    actor_vocab = vocab_size(model_config(actor, "model.path", allow_download)) if actor else None
+    configs = {}
+    for key, path in paths:
+        configs[key] = config = model_config(path, key, allow_download)
+        vocab = vocab_size(config)
+        if vocab and actor_vocab and vocab != actor_vocab:
+            raise ConfigError(
+                f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
+                f"(model.path) {actor_vocab}; it scores the actor's token ids, so it must use "
+                "the actor's tokenizer"
+            )
+    return configs
 
 
 def _not_adapters_only(folder: Path, key: str) -> None:

@@ -48,7 +48,7 @@ from treadle.algorithms.prime import (
 from treadle.config import Config, rules
 from treadle.controller import WorkerGroup
 from treadle.errors import RewardError
-from treadle.models import check_vocabulary, model_config, vocab_size
+from treadle.models import shared_vocabulary
 from treadle.protocol import Batch
 from treadle.tracking import timed
 from treadle.workers.common import ATTENTION, SEQUENCES
@@ -68,11 +68,9 @@ def _check_vocabulary(cfg: Config) -> None:
     p = cfg.prime
     if not cfg.model.path or not (p.model_path or p.ref_path):
         return
-    actor = vocab_size(model_config(cfg.model.path, "model.path", cfg.model.allow_download))
-    for key, path in (("prime.model_path", p.model_path), ("prime.ref_path", p.ref_path)):
-        if path:
-            vocab = vocab_size(model_config(path, key, cfg.model.allow_download))
-            check_vocabulary(key, path, vocab, actor)
+    paths = [("prime.model_path", p.model_path), ("prime.ref_path", p.ref_path)]
+    given = [(key, path) for key, path in paths if path]
+    shared_vocabulary(cfg.model.path, given, cfg.model.allow_download)
 
 
 def outcome_labels(batch: Batch, function: str) -> torch.Tensor:

@@ -44,7 +44,7 @@ from treadle.config import Config
 from treadle.config.rules import uses_critic
 from treadle.controller import Actors, Placement, Worker, WorkerGroup, start_group
 from treadle.errors import ConfigError
-from treadle.models import check_vocabulary, model_config, vocab_size
+from treadle.models import shared_vocabulary
 from treadle.rollout.fleet import rollout_cpus
 from treadle.trainers.prime import uses_prm
 from treadle.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
@@ -69,15 +69,9 @@ def check_value_models(cfg: Config, critic: bool) -> None:
         paths.append(("reward.model_path", cfg.reward.model_path))
     if not paths:
         return
-    actor = (
-        model_config(cfg.model.path, "model.path", cfg.model.allow_download)
-        if cfg.model.path
-        else {}
-    )
-    actor_vocab = vocab_size(actor)
+    configs = shared_vocabulary(cfg.model.path, paths, cfg.model.allow_download)
     for key, path in paths:
-        config = model_config(path, key, cfg.model.allow_download)
-        check_vocabulary(key, path, vocab_size(config), actor_vocab)
+        config = configs[key]
         arch = config.get("architectures") or []
         if (
             config
