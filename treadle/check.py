@@ -200,7 +200,7 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
             problems.append(str(e))
     schemas = None
     if kind in ("train", "eval"):
-        from treadle.agents.loops import load_agent_loop
+        from treadle.agents.registry import load_agent_loop
         from treadle.agents.tools import Toolbox
 
         loads: list[tuple[str, Callable[[], Any]]] = [

@@ -16,11 +16,11 @@ from treadle.agents.loops import (
     AgentLoopError,
     Limits,
     Sample,
-    load_agent_loop,
     run_agents,
     single_turn,
     tool_loop,
 )
+from treadle.agents.registry import load_agent_loop
 from treadle.agents.tools import Tool, Toolbox, ToolCall, parse_tool_calls, tool_schema
 from treadle.agents.trajectory import Trajectory
 from treadle.data import HERMES_TOOLS_PROMPT, tool_messages
@@ -180,7 +180,7 @@ def run_loop(tok, script, loop=tool_loop, limits=None, copies=1, samples=None, e
     samples = samples or [Sample("u:1", prompt, "What is 2+40?", "42", {})]
     params = SamplingParams(n=copies, max_new_tokens=120)
     limits = limits or Limits(4, 600, 32)
-    trajectories = client.run(
+    runs = client.run(
         run_agents(
             loop,
             client,
@@ -194,7 +194,7 @@ def run_loop(tok, script, loop=tool_loop, limits=None, copies=1, samples=None, e
         )
     )
     client.close()
-    return trajectories, replica
+    return [t for _, t in runs.rows()], replica
 
 
 @pytest.fixture(scope="module")

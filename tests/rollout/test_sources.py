@@ -62,6 +62,9 @@ class FakeRollout:
     def busy_seconds(self) -> list[float]:
         return [0.0]
 
+    def take_counters(self) -> dict[str, float]:
+        return {}
+
 
 def _dataset(rows: int = 40) -> PromptDataset:
     return PromptDataset(

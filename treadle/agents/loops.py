@@ -26,8 +26,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import logging
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -35,8 +36,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.agents.tools import Toolbox, parse_tool_calls, result_message
 from treadle.agents.trajectory import Trajectory
 from treadle.engines.inference import SamplingParams
-from treadle.errors import ConfigError, TreadleError
-from treadle.plugins import load_callable
+from treadle.errors import TreadleError
 from treadle.rollout.client import RolloutClient, RolloutError
 from treadle.rollout.server import Request, Response
 
@@ -63,7 +63,10 @@ class AgentLoopError(TreadleError):
     """An agent loop raised, or returned something that is not a consistent trajectory."""
 
 
-AgentLoop = Callable[["AgentClient", Sample, Toolbox], Awaitable[Trajectory]]
+AgentLoop = Callable[["AgentClient", Sample, Toolbox], Awaitable["Trajectory | list[Trajectory]"]]
+"""A loop returns its trajectory, or one per unbroken segment of a session (all one reward)."""
+
+log = logging.getLogger(__name__)
 
 
 class _Batcher:
@@ -112,9 +115,17 @@ class AgentClient:
         params: SamplingParams,
         limits: Limits,
         session_id: str,
+        endpoint: Any = None,
     ) -> None:
+        """``endpoint``: the run's OpenAI-compatible endpoint
+        (:class:`~treadle.rollout.endpoint.Endpoint`), for loops that run black-box agents."""
         self._batcher, self.tokenizer = batcher, tokenizer
         self.params, self.limits, self.session_id = params, limits, session_id
+        self.endpoint = endpoint
+
+    def new_session(self) -> str:
+        """A session id of its own (one trajectory's recorded calls on the endpoint)."""
+        return self._batcher.client.new_id(f"{self.session_id}.")
 
     async def generate(
         self, token_ids: Sequence[int], max_new_tokens: int | None = None
@@ -230,28 +241,37 @@ def _cut(client: AgentClient, content: str) -> str:
     return client.decode(ids[:limit]) + " ...(cut)"
 
 
-BUILTIN_LOOPS: dict[str, AgentLoop] = {"single_turn": single_turn, "tools": tool_loop}
-
-
-def load_agent_loop(spec: str) -> AgentLoop:
-    """``rollout.agent_loop``: a built-in name or a function by path; it must be async."""
-    if spec in BUILTIN_LOOPS:
-        return BUILTIN_LOOPS[spec]
-    if ":" not in spec:
-        raise ConfigError(
-            f"rollout.agent_loop: unknown loop {spec!r}; built-in loops are "
-            f"{', '.join(BUILTIN_LOOPS)}, or give 'module:function' or 'path/to/file.py:function'"
-        )
-    fn = load_callable(spec, "rollout.agent_loop")
-    if not asyncio.iscoroutinefunction(fn):
-        raise ConfigError(
-            f"rollout.agent_loop: {spec!r} must be an async function "
-            "(async def loop(client, sample, tools) -> Trajectory)"
-        )
-    return fn  # type: ignore[return-value]
-
-
 # ----------------------------------------------------------------------------- running a batch
+
+
+@dataclass
+class AgentRuns:
+    """What :func:`run_agents` made of a batch: per run (sample-major, ``copies`` consecutive
+    runs per sample) its trajectories (one, or one per unbroken segment of a black-box agent's
+    session; none where the loop failed), and one line per failed run."""
+
+    trajectories: list[list[Trajectory]]
+    errors: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[tuple[int, Trajectory]]:
+        """(run index, trajectory) for every trajectory, in order."""
+        return [(i, t) for i, ts in enumerate(self.trajectories) for t in ts]
+
+    @property
+    def prefix_breaks(self) -> int:
+        """Trajectories beyond the first of each run: a session whose prefix broke."""
+        return sum(max(len(ts) - 1, 0) for ts in self.trajectories)
+
+    def counters(self) -> dict[str, float]:
+        return {"agent/errors": float(len(self.errors)), "agent/prefix_breaks": self.prefix_breaks}
+
+
+@dataclass(frozen=True)
+class Failures:
+    """When a failed agent run is dropped and when it stops the run (``rollout.*``)."""
+
+    timeout_s: float | None = None  # a loop running longer fails (None: no bound)
+    max_frac: float = 0.0  # more failed runs than this fraction of a batch stop the run
 
 
 async def run_agents(
@@ -265,29 +285,39 @@ async def run_agents(
     tools: Toolbox,
     limits: Limits,
     max_concurrent: int,
-) -> list[Trajectory]:
-    """``copies`` trajectories of every sample (consecutive), loops run concurrently."""
+    failures: Failures = Failures(),
+    endpoint: Any = None,
+) -> AgentRuns:
+    """``copies`` runs of ``loop`` on every sample (consecutive), run concurrently.
+
+    A run that raises, returns something that is not a trajectory or runs past
+    ``failures.timeout_s`` is dropped with a warning naming the loop and the sample; when more
+    than ``failures.max_frac`` of the batch's runs (or all of them) failed, the batch fails with
+    one :class:`AgentLoopError`. A replica that fails stops the batch at once."""
     batcher = _Batcher(client)
     gate = asyncio.Semaphore(max_concurrent)
     single = dataclasses.replace(params, n=1)
     sessions = [client.new_id("s") for _ in samples]
+    name = getattr(loop, "__qualname__", repr(loop))
+    errors: list[str] = []
 
-    async def one(sample: Sample, session: str) -> Trajectory:
+    async def one(sample: Sample, session: str) -> list[Trajectory]:
         async with gate:
-            agent = AgentClient(batcher, tokenizer, single, limits, session)
+            agent = AgentClient(batcher, tokenizer, single, limits, session, endpoint)
             try:
-                trajectory = await loop(agent, sample, tools)
-                if not isinstance(trajectory, Trajectory):
-                    raise TypeError(f"it returned {type(trajectory).__name__}, not a Trajectory")
-                trajectory.check()
+                running = loop(agent, sample, tools)
+                if failures.timeout_s is not None:
+                    running = asyncio.wait_for(running, failures.timeout_s)
+                return _checked(await running)
             except (RolloutError, asyncio.CancelledError):
                 raise
+            except TimeoutError:
+                problem = f"ran longer than rollout.agent_timeout_s={failures.timeout_s:g} s"
             except Exception as e:
-                name = getattr(loop, "__qualname__", repr(loop))
-                raise AgentLoopError(
-                    f"agent loop {name!r} failed on sample {sample.uid}: {type(e).__name__}: {e}"
-                ) from e
-        return trajectory
+                problem = f"{type(e).__name__}: {e}"
+        errors.append(f"agent loop {name!r} failed on sample {sample.uid}: {problem}")
+        log.warning("%s; its sample is dropped", errors[-1])
+        return []
 
     tasks = [
         asyncio.ensure_future(one(s, session))
@@ -295,12 +325,28 @@ async def run_agents(
         for _ in range(copies)
     ]
     try:
-        return list(await asyncio.gather(*tasks))
+        runs = AgentRuns(list(await asyncio.gather(*tasks)), errors)
     except BaseException:
-        for task in tasks:  # one loop failed: the others' trajectories are not wanted
+        for task in tasks:  # one replica failed: the others' trajectories are not wanted
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
     finally:
         for session in sessions:
             client.end_session(session)
+    if errors and (len(errors) > failures.max_frac * len(tasks) or len(errors) == len(tasks)):
+        raise AgentLoopError(
+            f"{len(errors)} of {len(tasks)} agent runs failed in this batch, more than "
+            f"rollout.max_agent_error_frac={failures.max_frac:g}; the first: {errors[0]}"
+        )
+    return runs
+
+
+def _checked(result: Any) -> list[Trajectory]:
+    """A loop's trajectory, or its non-empty list of them, each consistent."""
+    out = result if isinstance(result, list) and result else [result]
+    for t in out:
+        if not isinstance(t, Trajectory):
+            raise TypeError(f"it returned {type(t).__name__}, not a Trajectory")
+        t.check()
+    return out

@@ -24,8 +24,10 @@ class Trajectory:
     """One conversation, built with :meth:`add_response` and :meth:`add_tokens`.
 
     ``response_text`` is what the reward function reads as the response (the loop sets it,
-    e.g. to the final answer; unset: the decoded model tokens). ``info`` holds whatever else the
-    loop wants to report (numbers in it become ``agent/<key>_mean`` metrics).
+    e.g. to the final answer; unset: the decoded model tokens). ``reward``: the trajectory's
+    reward when the loop knows it (a black-box agent's return value, an environment's reward);
+    None: ``reward.function`` scores it. ``info`` holds whatever else the loop wants to report
+    (numbers in it become ``agent/<key>_mean`` metrics).
     """
 
     prompt_ids: list[int]
@@ -37,6 +39,7 @@ class Trajectory:
     weight_versions: list[int] = field(default_factory=list)  # one per turn: its oldest token's
     token_versions: list[int] = field(default_factory=list)  # per token; -1 if not sampled
     response_text: str | None = None
+    reward: float | None = None
     info: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -94,6 +94,20 @@ class RolloutConfig(Section):
         "null: max_turns * (max_new_tokens + max_tool_response_tokens).",
     )
 
+    agent_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="A custom or black-box agent's run (all its turns) taking longer fails: it "
+        "is dropped and counted in agent/errors.",
+    )
+    max_agent_error_frac: float = Field(
+        0.25,
+        ge=0,
+        le=1,
+        description="Agent runs that fail (raise, time out, return junk) are dropped with a "
+        "warning; more than this fraction of a batch's runs failing stops the run.",
+    )
+
     @field_validator("top_k")
     @classmethod
     def _top_k_on_or_off(cls, value: int) -> int:

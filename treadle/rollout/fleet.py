@@ -24,13 +24,25 @@ them ``t``; every response carries its version into the batch (``weight_version`
 
 from __future__ import annotations
 
+import math
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from treadle.agents.loops import AgentLoop, Limits, Sample, load_agent_loop, run_agents, single_turn
+from treadle.agents.loops import (
+    AgentLoop,
+    AgentRuns,
+    Failures,
+    Limits,
+    Sample,
+    run_agents,
+    single_turn,
+    tool_loop,
+)
+from treadle.agents.registry import load_agent_loop, needs_endpoint
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
 from treadle.cluster import ensure_ray, total_cpus
@@ -58,6 +70,9 @@ from treadle.rollout.client import (
     RolloutError,
 )
 from treadle.rollout.replica import RolloutReplica
+
+if TYPE_CHECKING:
+    from treadle.rollout.endpoint import Endpoint
 
 
 def rollout_cpus(cfg: Config) -> float:
@@ -89,11 +104,13 @@ class Agents:
     max_response_length: int | None = None  # None: one turn, params.max_new_tokens
     max_tool_response_tokens: int = 256
     max_concurrent: int = 256
+    failures: Failures = field(default_factory=Failures)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any) -> Agents:
         r = cfg.rollout
         loop = load_agent_loop(r.agent_loop)
+        builtin = loop in (single_turn, tool_loop)  # they end within their requests' timeouts
         return cls(
             loop,
             Toolbox.load(r.tools, r.tool_timeout_s),
@@ -102,6 +119,7 @@ class Agents:
             None if loop is single_turn else cfg.response_length(),
             r.max_tool_response_tokens,
             r.max_concurrent_trajectories,
+            Failures(None if builtin else r.agent_timeout_s, r.max_agent_error_frac),
         )
 
     def width(self, params: SamplingParams) -> int:
@@ -124,12 +142,17 @@ class Rollout:
         agents: Agents,
         replicas: list[Any] | None = None,
         pool: ResourcePool | None = None,
+        endpoint: Endpoint | None = None,
     ) -> None:
-        """``replicas``, ``pool``: the split pool's Ray actors and placement group."""
+        """``replicas``, ``pool``: the split pool's Ray actors and placement group;
+        ``endpoint``: the OpenAI-compatible endpoint over ``client`` (black-box agents)."""
         self.group, self.client = group, client
         self.decode, self.pad_id, self.agents = decode, pad_id, agents
         self.replicas, self.pool = replicas or [], pool
         self.names = [h.name for h in client.replicas] if self.replicas else []
+        self.endpoint = endpoint
+        self.counters: dict[str, float] = {}
+        self._counting = threading.Lock()
 
     # ------------------------------------------------------------------ generate
 
@@ -157,7 +180,9 @@ class Rollout:
                 strict=True,
             )
         ]
-        coro = run_agents(
+        if self.endpoint is not None:
+            await self.endpoint.start()  # (again: a no-op)
+        runs = await run_agents(
             a.loop,
             self.client,
             samples,
@@ -167,10 +192,27 @@ class Rollout:
             tools=a.tools,
             limits=a.limits(params),
             max_concurrent=a.max_concurrent,
+            failures=a.failures,
+            endpoint=self.endpoint,
         )
-        trajectories = [t for t in await coro for _ in range(copies)]
-        batch = prompts.repeat(params.n, interleave=True)
-        return self.trajectory_batch(batch, trajectories, a.width(params))
+        self._count(runs)
+        runs.trajectories = [ts for ts in runs.trajectories for _ in range(copies)]
+        rows = runs.rows()  # a prompt's rows stay consecutive; a failed run has none
+        batch = prompts.select([i // params.n for i, _ in rows])
+        return self.trajectory_batch(batch, [t for _, t in rows], a.width(params))
+
+    def _count(self, runs: AgentRuns) -> None:
+        with self._counting:  # (the async modes generate in the client's thread)
+            for key, value in runs.counters().items():
+                self.counters[key] = self.counters.get(key, 0.0) + value
+
+    def take_counters(self) -> dict[str, float]:
+        """``agent/errors`` and ``agent/prefix_breaks`` since the last call (0 when none)."""
+        with self._counting:
+            counted, self.counters = self.counters, {}
+        if self.agents.loop is single_turn:  # it never fails nor splits
+            return counted
+        return {"agent/errors": 0.0, "agent/prefix_breaks": 0.0, **counted}
 
     def trajectory_batch(self, batch: Batch, trajectories: list[Trajectory], width: int) -> Batch:
         """The response side of ``batch`` (one row per trajectory) padded to ``width``."""
@@ -199,6 +241,8 @@ class Rollout:
             for t, text in zip(trajectories, decoded, strict=True)
         ]
         batch["stop_reason"] = [t.stop_reason for t in trajectories]
+        rewards = [math.nan if t.reward is None else t.reward for t in trajectories]
+        batch["agent_reward"] = torch.tensor(rewards, dtype=torch.float64)  # the loop's; NaN: none
         if self.agents.loop is not single_turn:  # tool tokens are attended, not trained
             ones = [[1] * len(t.token_ids) for t in trajectories]
             batch["response_attention_mask"] = pad(ones, 0, torch.long)
@@ -228,6 +272,8 @@ class Rollout:
         return [float(x) for x in ray.get([r.busy_seconds.remote() for r in self.replicas])]
 
     def close(self) -> None:
+        if self.endpoint is not None:
+            self.client.run(self.endpoint.stop())
         self.client.close()
         self.agents.tools.close()
         if self.replicas:
@@ -301,7 +347,8 @@ def start_rollout(
                 RayReplica(w, f"rollout replica {i} (actor rank {i})")
                 for i, w in enumerate(group.workers)
             ]
-        return Rollout(group, RolloutClient(handles, **opts), decode, pad_id, agents)
+        client = RolloutClient(handles, **opts)
+        return Rollout(group, client, decode, pad_id, agents, endpoint=_endpoint(cfg, client, tok))
     if pool is None:
         pool = reserve_rollout_pool(cfg)
         assert pool is not None
@@ -315,7 +362,18 @@ def start_rollout(
     except BaseException:
         _kill(replicas, pool)
         raise
-    return Rollout(group, client, decode, pad_id, agents, replicas, pool)
+    return Rollout(
+        group, client, decode, pad_id, agents, replicas, pool, _endpoint(cfg, client, tok)
+    )
+
+
+def _endpoint(cfg: Config, client: RolloutClient, tokenizer: Any) -> Endpoint | None:
+    """The run's OpenAI-compatible endpoint, when its agents talk to the model through it."""
+    if not needs_endpoint(cfg.rollout.agent_loop):
+        return None
+    from treadle.rollout.endpoint import Endpoint  # (aiohttp and vLLM's parsers: when used)
+
+    return Endpoint.from_config(cfg, client, tokenizer)
 
 
 def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) -> list[Any]:

@@ -164,11 +164,13 @@ class GroupFilter:
     def done(self) -> bool:
         return self.kept_groups >= self.want or self.examined >= self.budget
 
-    def add(self, batch: Batch | None, stale: int = 0) -> None:
-        """Scored groups (``rollout.n`` consecutive rows each); ``stale``: groups looked at
-        and dropped before scoring (they count against the budget)."""
-        groups = len(batch) // self.n if batch is not None else 0
-        self.examined += groups + stale
+    def add(self, batch: Batch | None, stale: int = 0, failed: int = 0) -> None:
+        """Scored groups (consecutive rows of one ``uid``: ``rollout.n``, fewer where agent
+        runs failed, more where a session split); ``stale``: groups looked at and dropped
+        before scoring, ``failed``: groups whose every run failed (both count against the
+        budget)."""
+        groups = len(set(batch["uid"])) if batch is not None else 0
+        self.examined += groups + stale + failed
         if batch is None:
             return
         if not self.on:
@@ -178,14 +180,25 @@ class GroupFilter:
         varied = varied_groups(batch["token_level_scores"].sum(-1), list(batch["uid"]))
         self.kept.append(batch.select(varied.numpy()))
         self.dropped.append(batch.select((~varied).numpy()))
-        self.kept_groups += int(varied.sum()) // self.n
+        self.kept_groups += len(set(batch.select(varied.numpy())["uid"]))
 
     def batch(self, m: dict[str, float]) -> Batch:
         """The first ``data.batch_size`` groups, kept ones first; ``rollout/kept_group_frac``."""
         if self.on:
             m["rollout/kept_group_frac"] = self.kept_groups / max(self.examined, 1)
         parts = [b for b in self.kept + self.dropped if len(b)]
-        return pad_prompts(parts).slice(0, self.want * self.n)
+        batch = pad_prompts(parts)
+        return batch.slice(0, _rows_of_groups(list(batch["uid"]), self.want))
+
+
+def _rows_of_groups(uids: list[str], groups: int) -> int:
+    """How many leading rows the first ``groups`` groups (runs of one uid) take."""
+    seen: set[str] = set()
+    for i, uid in enumerate(uids):
+        if uid not in seen and len(seen) == groups:
+            return i
+        seen.add(uid)
+    return len(uids)
 
 
 # ----------------------------------------------------------------------------- synchronous
@@ -220,20 +233,23 @@ class SyncSource:
                 batch["token_level_scores"] = self.score(batch, m)
             if self.greedy:
                 with timed(m, "generate_greedy"):
-                    batch["baseline_scores"] = self.greedy_scores(prompts)
-            groups.add(batch)
+                    batch["baseline_scores"] = self.greedy_scores(prompts, list(batch["uid"]))
+            groups.add(batch, failed=len(prompts) - len(set(batch["uid"])))
             rounds += 1
         if groups.on:
             m["rollout/gen_rounds"] = float(rounds)
+        m.update(self.rollout.take_counters())
         return groups.batch(m)
 
-    def greedy_scores(self, prompts: Batch) -> torch.Tensor:
-        """ReMax's baseline: the score of the greedy response to each prompt, per sample [B*n]."""
+    def greedy_scores(self, prompts: Batch, uids: list[str]) -> torch.Tensor:
+        """ReMax's baseline: the score of the greedy response to each prompt, for each of the
+        rows ``uids`` (a prompt whose greedy run failed: 0)."""
         r = self.cfg.rollout
         out = self.rollout.generate(
             prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens)
         )
-        return self.score(out, None).sum(-1).repeat_interleave(r.n)
+        scores = dict(zip(out["uid"], self.score(out, None).sum(-1).tolist(), strict=True))
+        return torch.tensor([scores.get(uid, 0.0) for uid in uids])
 
     def after_update(self, version: int) -> dict[str, float]:
         return self.rollout.sync_weights(version=version)
@@ -349,8 +365,10 @@ class AsyncSource:
         try:
             part = prompts if len(keep) == len(prompts) else prompts.select(keep)
             batch = await self.rollout.agenerate(part, sampling_params(self.cfg, step))
+            uids = list(batch["uid"])
             for j, i in enumerate(keep):
-                rows = list(range(j * self.n, (j + 1) * self.n))
+                rows = [k for k, uid in enumerate(uids) if uid == part["uid"][j]]
+                # a prompt whose every run failed is an empty group (taken, then skipped)
                 self.buffer.append(_Group(step, i, batch.select(rows)))
             self.buffer.sort(key=lambda g: (g.step, g.index))
         except asyncio.CancelledError:
@@ -414,12 +432,13 @@ class AsyncSource:
             started = time.perf_counter()
             taken = self.client.run(self._take(groups.missing()))
             self.waited += time.perf_counter() - started
-            fresh = [g.batch for g in taken if self.learner - _oldest(g) <= self.max_staleness]
-            stale += sum(len(g.batch) for g in taken) - sum(map(len, fresh))
+            made = [g for g in taken if len(g.batch)]  # (a group whose every run failed: empty)
+            fresh = [g.batch for g in made if self.learner - _oldest(g) <= self.max_staleness]
+            stale += sum(len(g.batch) for g in made) - sum(map(len, fresh))
             batch = pad_prompts(fresh) if fresh else None
             if batch is not None:  # (the async modes do not log reward/rule_mean)
                 batch["token_level_scores"] = self.score(batch, None)
-            groups.add(batch, stale=len(taken) - len(fresh))
+            groups.add(batch, stale=len(made) - len(fresh), failed=len(taken) - len(made))
         batch = groups.batch(m)
         lag = self.learner - batch["weight_version"]
         self.dropped_total += stale
@@ -432,6 +451,7 @@ class AsyncSource:
                 "async/dropped_total": float(self.dropped_total),
                 "async/buffer_groups": float(len(self.buffer)),
                 "timing/wait_rollout": self.waited,
+                **self.rollout.take_counters(),
             }
         )
         return batch

@@ -6,6 +6,8 @@ whose one greedy sample the reward function scores 1.0.
 
 from __future__ import annotations
 
+import math
+
 from treadle.config import Config
 from treadle.data import PromptDataset, prompt_batch
 from treadle.engines.inference import SamplingParams
@@ -27,7 +29,9 @@ def evaluate(
     failpoint("eval")
     out = rollout.generate(batch, greedy)
     scores = rule_scores(scorer, out)
-    return sum(1.0 for s in scores if s >= 1.0) / max(len(scores), 1)
+    # per prompt: a failed agent run counts as wrong, a session split into segments once
+    right = {uid for uid, s in zip(out["uid"], scores, strict=True) if s >= 1.0}
+    return len(right) / max(len(batch), 1)
 
 
 def make_scorer(cfg: Config) -> Scorer:
@@ -37,12 +41,23 @@ def make_scorer(cfg: Config) -> Scorer:
 
 
 def rule_scores(scorer: Scorer, batch: Batch) -> list[float]:
-    """The reward function's score of every sample of ``batch`` (a batched reward also gets
-    the columns of the data rows)."""
-    rows = list(batch["row"]) if "row" in batch else None
-    return scorer(
-        list(batch["prompt_text"]), list(batch["response_text"]), list(batch["ground_truth"]), rows
+    """The score of every sample of ``batch``: its agent's own reward where it gave one
+    (``agent_reward``), the reward function's elsewhere (a batched reward also gets the
+    columns of the data rows)."""
+    given = batch["agent_reward"].tolist() if "agent_reward" in batch else [math.nan] * len(batch)
+    todo = [i for i, r in enumerate(given) if math.isnan(r)]
+    if not todo:
+        return given
+    part = batch if len(todo) == len(batch) else batch.select(todo)
+    rows = list(part["row"]) if "row" in part else None
+    scores = scorer(
+        list(part["prompt_text"]), list(part["response_text"]), list(part["ground_truth"]), rows
     )
+    if len(todo) == len(batch):
+        return scores
+    for i, score in zip(todo, scores, strict=True):
+        given[i] = score
+    return given
 
 
 def evaluate_model(cfg: Config) -> float:

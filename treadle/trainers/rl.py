@@ -48,7 +48,7 @@ from typing import Any
 
 import torch
 
-from treadle.agents.loops import load_agent_loop
+from treadle.agents.registry import load_agent_loop
 from treadle.algorithms import (
     ADV_ESTIMATORS,
     KL_ESTIMATORS,
