@@ -257,3 +257,56 @@ def test_remax_is_refused_in_the_async_modes():
     )
     with pytest.raises(ConfigError, match=r"remax needs greedy baselines .* trainer\.mode=sync"):
         check_names(cfg)
+
+
+class UnevenRollout(FakeRollout):
+    """Prompts p0, p5, p10, ...: every run failed (no rows); p3, p6, ...: one session split
+    (an extra row); the counters say so."""
+
+    async def agenerate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        batch = await super().agenerate(prompts, params)
+        number = [int(u[1:]) for u in batch["uid"]]
+        rows = [i for i, k in enumerate(number) if k % 5]
+        rows += [i for i, k in enumerate(number) if k % 5 and k % 3 == 0 and i % N == 0]
+        self.failed = getattr(self, "failed", 0) + sum(1 for k in number if k % 5 == 0)
+        return batch.select(sorted(rows))
+
+    def take_counters(self) -> dict[str, float]:
+        failed, self.failed = getattr(self, "failed", 0), 0
+        return {"agent/errors": float(failed)}
+
+
+def test_groups_are_counted_by_prompt_when_runs_fail_or_sessions_split():
+    rollout = UnevenRollout()
+    producer = _producer(rollout, max_staleness=0)
+    try:
+        m: dict[str, float] = {}
+        batch = producer.sample(1, m)
+    finally:
+        rollout.client.close()
+    uids = list(batch["uid"])
+    groups = list(dict.fromkeys(uids))  # in order, each once
+    assert len(groups) == BATCH and all(int(u[1:]) % 5 for u in groups)
+    for u in groups:  # consecutive rows: N, or N + 1 where the session split
+        assert uids.count(u) == N + (int(u[1:]) % 3 == 0)
+    assert uids == [u for u in groups for _ in range(uids.count(u))]
+    # the failed runs of the step-batches generated so far (N runs of each failed prompt)
+    assert m["agent/errors"] > 0 and m["agent/errors"] % N == 0
+
+
+def test_the_group_filter_cuts_the_batch_at_whole_groups():
+    from treadle.rollout.sources import GroupFilter
+
+    cfg = load_config(
+        None, [f"rollout.n={N}", "data.batch_size=2", f"actor.ppo_mini_batch_size={N}"]
+    )
+    groups = GroupFilter(cfg)
+    rows = ["a"] * N + ["b"] * (N + 1) + ["c"] * N  # b: a session split into two rows
+    part = Batch.from_dict(
+        {"prompts": torch.ones(len(rows), 1, dtype=torch.long)},
+        {"uid": rows},
+    )
+    part["prompt_mask"] = torch.ones(len(rows), 1, dtype=torch.long)
+    groups.add(part, failed=1)
+    assert groups.done() and groups.examined == 4
+    assert list(groups.batch({})["uid"]) == ["a"] * N + ["b"] * (N + 1)
