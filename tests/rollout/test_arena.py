@@ -74,7 +74,7 @@ def test_a_raw_game_is_one_growing_chat_and_its_reward_is_the_games():
     n = target(7)
     guesses = [f"[{n + 1}]" if n < 20 else "[1]", f"I say [{n}]"]
     result, requests = run(guesses, {"env_id": "GuessTheNumber-v0-raw", "seed": 7})
-    assert result == {"reward": 1.0, "turns": 2, "invalid_move": 0.0, "finished": 1.0}
+    assert result == {"reward": 1.0, "moves": 2, "invalid_move": 0.0, "finished": 1.0}
     first, second = (r["messages"] for r in requests)
     assert first[0]["role"] == "system" and "competitive game player" in first[0]["content"]
     assert first[1]["role"] == "user" and "playing Guess The Number" in first[1]["content"]
@@ -94,7 +94,7 @@ def test_a_rendered_view_is_asked_afresh_each_move_and_rules_are_the_games():
     result, requests = run([f"[{wrong}]"] * 3, {"env_id": "GuessTheNumber-v0", "seed": 3})
     # a repeated guess is an invalid move; the game forgives one, ends on the second with its
     # own partial reward
-    assert result["invalid_move"] == 1.0 and result["finished"] == 1.0 and result["turns"] == 3
+    assert result["invalid_move"] == 1.0 and result["finished"] == 1.0 and result["moves"] == 3
     assert 0.0 <= result["reward"] < 1.0
     assert [len(r["messages"]) for r in requests] == [2, 2, 2]  # system + the whole view
     assert "attempted an invalid move" in requests[2]["messages"][1]["content"]
@@ -117,5 +117,5 @@ def test_moves_are_bounded_by_the_row():
     n = target(5)
     moves.remove(f"[{n}]")  # never the number
     result, requests = run(moves, {"env_id": "GuessTheNumber-v0-raw", "seed": 5, "max_turns": 3})
-    assert result == {"reward": 0.0, "turns": 3, "invalid_move": 0.0, "finished": 0.0}
+    assert result == {"reward": 0.0, "moves": 3, "invalid_move": 0.0, "finished": 0.0}
     assert len(requests) == 3

@@ -24,7 +24,7 @@ chat (each move an assistant message, the game's answer the next user message), 
 of an episode extend each other and merge into one training sample; with a rendered view each
 move is a sample of its own (``agent/prefix_breaks``), all with the episode's reward.
 
-Returned per episode: ``reward``, ``turns`` (moves made), ``invalid_move`` (1 when the game
+Returned per episode: ``reward``, ``moves`` (moves made), ``invalid_move`` (1 when the game
 ended on a move it rejected), ``finished`` (1 when the game ended within ``max_turns``).
 """
 
@@ -56,8 +56,8 @@ async def play(client: Any, row: dict[str, Any]) -> dict[str, float]:
         random.setstate(saved)
     system = {"role": "system", "content": STANDARD_GAME_PROMPT}
     messages: list[dict[str, str]] = [system]
-    done, turns = False, 0
-    while not done and turns < int(row.get("max_turns", MAX_TURNS)):
+    done, moves = False, 0
+    while not done and moves < int(row.get("max_turns", MAX_TURNS)):
         player, observation = env.get_observation()
         if player != PLAYER:
             raise ValueError(f"{env.env_id}: player {player} to move; only one-player games run")
@@ -69,11 +69,11 @@ async def play(client: Any, row: dict[str, Any]) -> dict[str, float]:
         action = reply.choices[0].message.content or ""
         messages.append({"role": "assistant", "content": action})
         done, _ = env.step(action=action)
-        turns += 1
+        moves += 1
     rewards, game_info = env.close()
     reward = float(rewards[PLAYER]) if done and rewards else 0.0
     invalid = float(bool(game_info[PLAYER].get("invalid_move")))
-    return {"reward": reward, "turns": turns, "invalid_move": invalid, "finished": float(done)}
+    return {"reward": reward, "moves": moves, "invalid_move": invalid, "finished": float(done)}
 
 
 def _seed(row: dict[str, Any]) -> int:
