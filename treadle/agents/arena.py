@@ -35,6 +35,14 @@ import json
 import random
 from typing import Any
 
+try:
+    import textarena as ta
+    from textarena.agents.basic_agents import STANDARD_GAME_PROMPT
+except ImportError as e:  # `treadle check` names it before a run starts
+    raise ImportError(
+        f"treadle.agents.arena plays TextArena's games: pip install 'treadle[textarena]' ({e})"
+    ) from e
+
 MODEL = "policy"  # the endpoint serves the run's model whatever the name
 DEFAULT_ENV = "GuessTheNumber-v0-raw"
 MAX_TURNS = 64
@@ -45,9 +53,6 @@ PLAYER = 0
 async def play(client: Any, row: dict[str, Any]) -> dict[str, float]:
     """One episode of the TextArena game ``row`` names, the model playing through ``client``
     (an ``openai.AsyncOpenAI``); its reward and counts (see the module docstring)."""
-    import textarena as ta
-    from textarena.agents.basic_agents import STANDARD_GAME_PROMPT
-
     env = ta.make(str(row.get("env_id", DEFAULT_ENV)))
     saved = random.getstate()  # TextArena seeds the global generator: leave ours as it was
     try:

@@ -65,7 +65,7 @@ def env_loop(make_env: EnvFactory, name: str = "env") -> AgentLoop:
     """An agent loop playing one episode of ``make_env(sample.row)`` per trajectory."""
 
     async def loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Trajectory:
-        env = make_env(sample.row)
+        env = make_env(dict(sample.row))
         try:
             return await play(client, sample, env)
         finally:
