@@ -21,7 +21,8 @@ message after a system prompt (its ``STANDARD_GAME_PROMPT``); :func:`play` does 
 the ids whose wrappers render that view as text (``GuessTheNumber-v0``, ``...-train``). For the
 ``-raw`` ids the game hands over its new messages instead, and :func:`play` keeps one growing
 chat (each move an assistant message, the game's answer the next user message), so the calls
-of an episode extend each other and merge into one training sample; with a rendered view each
+of an episode extend each other and merge into one training sample (where the chat template
+renders a reply back to the tokens sampled); with a rendered view each
 move is a sample of its own (``agent/prefix_breaks``), all with the episode's reward.
 
 Returned per episode: ``reward``, ``moves`` (moves made), ``invalid_move`` (1 when the game
