@@ -50,6 +50,7 @@ def test_a_textarena_game_trains_two_steps_through_the_endpoint(arena_task, tmp_
             f"model.path={arena_task['model']}",
             f"data.train_files=[{games}]",
             "data.batch_size=2",
+            "data.max_prompt_length=768",  # the endpoint takes prompts up to this long
             "rollout.n=2",
             "rollout.engine=hf",
             "rollout.agent_loop=openai:treadle.agents.arena:play",
