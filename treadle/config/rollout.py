@@ -114,8 +114,8 @@ class RolloutConfig(Section):
         description="agent_loop=env: the environment factory, 'module:make_env' or "
         "'path/to/file.py:make_env', called with the data row; it returns an object with "
         "gymnasium's reset()/step(action) and text observations (its first observation is the "
-        "prompt, the sum of its rewards the reward; observations are cut to "
-        "max_tool_response_tokens).",
+        "prompt, within data.max_prompt_length; the sum of its rewards the reward; later "
+        "observations are cut to max_tool_response_tokens).",
     )
 
     @field_validator("top_k")
