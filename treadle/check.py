@@ -207,7 +207,12 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
             ("rollout.tools", lambda: Toolbox.load(cfg.rollout.tools).schemas)  # shown in prompts
         ]
         if kind == "train":
-            loads.append(("rollout.agent_loop", lambda: load_agent_loop(cfg.rollout.agent_loop)))
+            loads.append(
+                (
+                    "rollout.agent_loop",
+                    lambda: load_agent_loop(cfg.rollout.agent_loop, cfg.rollout.env),
+                )
+            )
         for key, load in loads:
             try:
                 with time_limit(IMPORT_TIMEOUT_S, key):

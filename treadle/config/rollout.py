@@ -69,7 +69,8 @@ class RolloutConfig(Section):
     agent_loop: Key = Field(
         "single_turn",
         description="How a sample is generated: single_turn (one response), tools (multi-turn "
-        "with rollout.tools, Hermes <tool_call> blocks), or a custom async loop given as "
+        "with rollout.tools, Hermes <tool_call> blocks), env (episodes of the text environment "
+        "rollout.env), or a custom async loop given as "
         "'module:function' or 'path/to/file.py:function'.",
     )
     tools: list[str] = Field(
@@ -106,6 +107,15 @@ class RolloutConfig(Section):
         le=1,
         description="Agent runs that fail (raise, time out, return junk) are dropped with a "
         "warning; more than this fraction of a batch's runs failing stops the run.",
+    )
+    env: str | None = Field(
+        None,
+        min_length=1,
+        description="agent_loop=env: the environment factory, 'module:make_env' or "
+        "'path/to/file.py:make_env', called with the data row; it returns an object with "
+        "gymnasium's reset()/step(action) and text observations (its first observation is the "
+        "prompt, within data.max_prompt_length; the sum of its rewards the reward; later "
+        "observations are cut to max_tool_response_tokens).",
     )
 
     @field_validator("top_k")

@@ -146,6 +146,21 @@ def _check_agents(rollout: RolloutConfig, data: DataConfig) -> Iterator[str]:
             "rollout.agent_loop=tools needs rollout.tools: list the tools as "
             "['module:function', ...] or ['path/to/file.py:function', ...]"
         )
+    if rollout.agent_loop == "env" and not rollout.env:
+        yield (
+            "rollout.agent_loop=env needs rollout.env: the environment factory as "
+            "'module:make_env' or 'path/to/file.py:make_env' (called with the data row)"
+        )
+    if rollout.env and rollout.agent_loop != "env":
+        yield (
+            f"rollout.env is played by the env agent loop: set rollout.agent_loop=env "
+            f"(it is {rollout.agent_loop!r}), or remove rollout.env"
+        )
+    if rollout.agent_loop == "env" and not data.apply_chat_template:
+        yield (
+            "rollout.agent_loop=env renders observations with the chat template: set "
+            "data.apply_chat_template=true"
+        )
     if rollout.tools and not data.apply_chat_template:
         yield (
             "rollout.tools are shown to the model through the chat template: set "

@@ -109,7 +109,7 @@ class Agents:
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any) -> Agents:
         r = cfg.rollout
-        loop = load_agent_loop(r.agent_loop)
+        loop = load_agent_loop(r.agent_loop, r.env)
         builtin = loop in (single_turn, tool_loop)  # they end within their requests' timeouts
         return cls(
             loop,

@@ -81,7 +81,7 @@ def check_names(cfg: Config) -> None:
     broken (``treadle.config.rules``), or the reward function or agent loop does not load."""
     check_algorithm(cfg, "train")
     load_reward_fn(cfg.reward.function)
-    load_agent_loop(cfg.rollout.agent_loop)
+    load_agent_loop(cfg.rollout.agent_loop, cfg.rollout.env)
 
 
 def outcome_rewards(mask: torch.Tensor, scores: list[float]) -> torch.Tensor:

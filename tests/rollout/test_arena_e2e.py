@@ -1,0 +1,75 @@
+"""A TextArena game, unchanged, trained on for two steps through the run's OpenAI-compatible
+endpoint and the black-box agent loop (tiny model, hf engine, local backend)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("textarena")
+pytest.importorskip("treadle.rollout.endpoint")  # the endpoint the game's calls go through
+
+from treadle.cli import main
+
+
+@pytest.fixture(scope="module")
+def arena_task(tmp_path_factory):
+    """The tiny model with room for TextArena's prompts (its tokenizer spells English nearly
+    letter by letter: the game's first message is ~600 tokens)."""
+    from treadle.tasks.arithmetic import prepare
+
+    return prepare(
+        tmp_path_factory.mktemp("arena"),
+        seed=0,
+        n_train=64,
+        n_test=8,
+        max_value=20,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        max_positions=1024,
+    )
+
+
+def test_a_textarena_game_trains_two_steps_through_the_endpoint(arena_task, tmp_path):
+    games = tmp_path / "games.jsonl"
+    rows = [
+        {"prompt": "p", "answer": "a", "env_id": "GuessTheNumber-v0-raw", "seed": i, "max_turns": 2}
+        for i in range(4)
+    ]
+    games.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out, empty = tmp_path / "run", tmp_path / "empty.yaml"
+    empty.write_text("")
+    code = main(
+        [
+            "train",
+            str(empty),
+            f"model.path={arena_task['model']}",
+            f"data.train_files=[{games}]",
+            "data.batch_size=2",
+            "data.max_prompt_length=768",  # the endpoint takes prompts up to this long
+            "rollout.n=2",
+            "rollout.engine=hf",
+            "rollout.agent_loop=openai:treadle.agents.arena:play",
+            "rollout.max_new_tokens=8",
+            "rollout.max_response_length=120",
+            "actor.ppo_mini_batch_size=4",
+            "actor.micro_batch_size=4",
+            "algorithm.kl_coef=0",
+            "trainer.backend=local",
+            "trainer.total_steps=2",
+            "trainer.save_every=0",
+            "trainer.progress=false",
+            f"trainer.output_dir={out}",
+        ]
+    )
+    assert code == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        assert m["agent/errors"] == 0
+        assert 1.0 <= m["agent/moves_mean"] <= 2.0  # the row's bound, or the game ended first
+        assert 0.0 <= m["reward/mean"] <= 1.0 and "agent/invalid_move_mean" in m
