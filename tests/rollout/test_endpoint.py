@@ -394,6 +394,12 @@ def test_a_wrong_or_missing_token_is_401(client, tok):
             b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
             "'tools[0]'",
         ),
+        (
+            "chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+            b'"function": {"name": "f"}}], "tool_choice": 7}',
+            "'tool_choice",
+        ),
         ("completions", b'{"model": "tiny"}', "'prompt'"),
         ("completions", b'{"prompt": [1, 99999]}', "vocabulary"),
         ("completions", b'{"prompt": "x", "max_tokens": -1}', "'max_tokens'"),

@@ -31,7 +31,11 @@ Otherwise (``treadle serve``) the request's temperature, top_p, max_tokens (or
 
 **Parsing.** ``tool_calls`` come from vLLM's tool parser ``rollout.tool_parser`` (hermes by
 default; finish_reason ``tool_calls``), ``reasoning_content`` from its reasoning parser
-``rollout.reasoning_parser`` when one is set (:mod:`treadle.rollout.parsers`).
+``rollout.reasoning_parser`` when one is set (:mod:`treadle.rollout.parsers`). Tools reach
+the chat template as ``tools=`` (or, for a template without them, as Hermes instructions in
+the system message, as treadle's own tools loop shows them); a ``tool_choice`` of ``required``
+or a named function is not enforced (no guided decoding): the model's text is parsed as for
+``auto``; ``none`` returns the text as content.
 
 **Limitations.** The engines do not stream token by token: a streamed answer is generated
 whole, then sent as chunks (a token per chunk; one content chunk when tools or reasoning are
@@ -264,6 +268,7 @@ class Endpoint:
         body = api.parse_json(await request.read())
         messages, tools = api.read_messages(body), api.read_tools(body)
         asked = api.read_asked(body, chat=True)
+        self.parsers.check(body)
         prompt = cmp.chat_prompt_ids(self.tokenizer, messages, tools)
         sampled = await self._sample(prompt, asked, _session(request))
         choices = [self._chat_choice(s, body, asked) for s in sampled]

@@ -16,6 +16,7 @@ import importlib.util
 from typing import Any
 
 from treadle.errors import ConfigError
+from treadle.rollout.openai_api import ApiError
 
 DEFAULT_TOOL_PARSER = "hermes"
 
@@ -108,8 +109,23 @@ class ChatParsers:
         return reasoning, content, calls
 
     def _request(self, body: dict[str, Any]) -> Any:
-        """vLLM's request object for the parsers: the messages, tools and tool choice."""
+        """vLLM's request object for the parsers: the tools and the tool choice (ApiError 400
+        when vLLM does not take them)."""
+        from pydantic import ValidationError
         from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
 
         fields = {k: body[k] for k in ("tools", "tool_choice") if body.get(k) is not None}
-        return ChatCompletionRequest(model="model", messages=[], **fields)
+        try:
+            return ChatCompletionRequest(model="model", messages=[], **fields)
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise ApiError(400, f"'{where}': {error['msg']}", str(error["loc"][0])) from None
+        except Exception as e:  # vLLM's own checks (VLLMValidationError, not a ValueError)
+            raise ApiError(400, f"'tools', 'tool_choice': {e}", "tool_choice") from None
+
+    def check(self, body: dict[str, Any]) -> None:
+        """ApiError 400 when the request's tools cannot be parsed for (before sampling)."""
+        if body.get("tools"):
+            _vllm("rollout.tool_parser", self.tool_parser)
+            self._request(body)

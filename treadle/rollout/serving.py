@@ -5,7 +5,10 @@ into a :class:`~treadle.rollout.server.RolloutServer`, a :class:`~treadle.rollou
 LocalReplica` puts it behind a rollout client, and the endpoint
 (:mod:`treadle.rollout.endpoint`) serves it on the client's loop, run by this (the main)
 thread, as a local engine must be. Requests sample as they ask (temperature, top_p,
-max_tokens, seed, n), so an agent can be tried against the model before it trains on it.
+max_tokens, seed, n), so an agent can be tried against the model before it trains on it;
+``rollout.max_new_tokens`` is the budget of a request that names none, and a prompt plus its
+completion fit in ``data.max_prompt_length + rollout.max_new_tokens`` tokens (the vLLM
+engine's ``max_model_len``): raise them to serve longer conversations.
 It serves until Ctrl-C or SIGTERM, which the command line turns into an exception that
 unwinds through here: the server closes and the command exits with 130 or 143.
 """
