@@ -500,3 +500,18 @@ def test_check_names_the_parser_keys_and_their_choices(tiny_task):
     assert "deepseek_r1" in lines[1]
     good = load_config(None, [*base, "rollout.tool_parser=llama3_json"])
     assert "rollout.tool_parser: llama3_json, reasoning: None" in check(good, "serve")
+
+
+def test_the_same_question_asked_twice_is_sampled_anew_unless_seeded(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        answers = []
+        for seed in (None, None, 5, 5):
+            answer = await oai(ep, ep.session_url("r")).chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=8, seed=seed
+            )
+            answers.append(answer.choices[0].message.content)
+        return answers
+
+    first, second, seeded, again = serve(client, tok, scenario)
+    assert first != second  # 8 tokens of a random model: equal only by the same noise
+    assert seeded == again

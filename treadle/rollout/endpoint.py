@@ -27,7 +27,9 @@ order. Calls without a session are served and not recorded.
 seed come from it (the trainer's log-probs assume ``rollout.temperature``) and the request's
 ``max_tokens`` is capped at its ``max_new_tokens``; the request's own sampling is ignored.
 Otherwise (``treadle serve``) the request's temperature, top_p, max_tokens (or
-``max_completion_tokens``), seed and n are honoured. ``n`` choices are ``n`` requests.
+``max_completion_tokens``), seed and n are honoured. ``n`` choices are ``n`` requests. A call
+without its own seed gets one derived from the sampling's seed and its number, so the same
+question asked twice is sampled anew (and a run replays the same).
 
 **Parsing.** ``tool_calls`` come from vLLM's tool parser ``rollout.tool_parser`` (hermes by
 default; finish_reason ``tool_calls``), ``reasoning_content`` from its reasoning parser
@@ -95,20 +97,32 @@ class Recorder:
         self.calls: dict[str, list[Call]] = {}
         self.forced: dict[str, SamplingParams] = {}
         self._count = itertools.count()
+        self._draws = itertools.count()
 
     def params(self, session: str | None, asked: api.Asked, default_max: int) -> SamplingParams:
         """The sampling of one choice: the session's (or the endpoint's), else the request's."""
         held = self.forced.get(session, self.sampling) if session is not None else self.sampling
         if held is not None:
             cap = held.max_new_tokens
-            return dataclasses.replace(held, n=1, max_new_tokens=min(asked.max_tokens or cap, cap))
+            return dataclasses.replace(
+                held,
+                n=1,
+                max_new_tokens=min(asked.max_tokens or cap, cap),
+                seed=self._seed(held.seed),
+            )
         return SamplingParams(
             n=1,
             temperature=1.0 if asked.temperature is None else asked.temperature,
             top_p=1.0 if asked.top_p is None else asked.top_p,
             max_new_tokens=asked.max_tokens or default_max,
-            seed=asked.seed or 0,
+            seed=self._seed(0) if asked.seed is None else asked.seed,
         )
+
+    def _seed(self, base: int) -> int:
+        """A seed per call: the server seeds its noise from the request that finds it idle, so
+        one seed for all would sample the same answer to the same prompt each time it is
+        asked alone. Derived from ``base`` and the call's number: a run replays the same."""
+        return (base * 1_000_003 + next(self._draws)) % (1 << 31)
 
     def record(
         self, session: str | None, prompt_ids: list[int], sampled: list[cmp.Sampled]
