@@ -2,8 +2,8 @@
 
 ``check(cfg, kind)`` runs after the config loaded (types, bounds and cross-field rules are the
 schema's, in ``treadle.config``) and before anything starts. ``kind`` is the command that will
-run (train, sft, dpo, kto, rm, eval); every command calls it first, ``treadle check`` alone prints
-its summary. It checks:
+run (train, sft, dpo, kto, rm, eval, serve); every command calls it first, ``treadle check``
+alone prints its summary. It checks:
 
 - registered names and every rule that needs the registries, the roles' included
   (``treadle.config.rules.check_algorithm``: the one home of the cross-field rules);
@@ -16,6 +16,8 @@ its summary. It checks:
 - user code (the reward function, agent loop, tools): it imports within
   ``IMPORT_TIMEOUT_S`` seconds (an import that blocks is interrupted with SIGALRM, in the main
   thread) and has a usable signature;
+- the endpoint's parsers (``rollout.tool_parser``, ``rollout.reasoning_parser``): names vLLM
+  registers (a name other than the defaults imports vLLM);
 - the output directory: a directory (or creatable), writable, not locked by a live run.
 
 Independent problems are all reported, one line each, in one ConfigError. Anything the user
@@ -67,6 +69,7 @@ def check(cfg: Config, kind: Kind) -> list[str]:
         return None
 
     attempt("algorithm", check_algorithm, cfg, kind)
+    attempt("rollout.tool_parser", _check_parsers, cfg, summary)
     tokenizer = attempt("model.path", _check_models, cfg, kind, summary, problems)
     tools = attempt("rollout.tools", _check_user_code, cfg, kind, summary, problems)
     if tokenizer is not None:
@@ -86,7 +89,7 @@ def check(cfg: Config, kind: Kind) -> list[str]:
                     f"{key}: {total} rows, fewer than one batch of data.batch_size="
                     f"{cfg.data.batch_size}: lower data.batch_size or add rows"
                 )
-    if kind != "eval":
+    if kind not in ("eval", "serve"):
         attempt("trainer.output_dir", _check_output_dir, cfg, summary)
     if problems:
         raise ConfigError("\n".join(problems))
@@ -223,6 +226,17 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
     return schemas
 
 
+def _check_parsers(cfg: Config, summary: list[str]) -> None:
+    """The endpoint's parsers are vLLM's registered names (the defaults: without importing
+    vLLM, which takes seconds)."""
+    from treadle.rollout.parsers import check_parser_names
+
+    r = cfg.rollout
+    check_parser_names(r.tool_parser, r.reasoning_parser)
+    if r.tool_parser != "hermes" or r.reasoning_parser is not None:
+        summary.append(f"rollout.tool_parser: {r.tool_parser}, reasoning: {r.reasoning_parser}")
+
+
 # --- data ------------------------------------------------------------------------------------
 
 Reader = Callable[[Config, Any, str, str, Any], int]
@@ -232,6 +246,8 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
     """(config key, files, reader, whether at least one file is needed) for ``kind``."""
     d = cfg.data
     train, val = ("data.train_files", d.train_files), ("data.val_files", d.val_files)
+    if kind == "serve":
+        return []
     if kind == "train":
         return [(*train, _prompt_rows, True), (*val, _prompt_rows, False)]
     if kind == "eval":

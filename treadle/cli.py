@@ -1,11 +1,16 @@
-"""``treadle`` command line: train | sft | dpo | kto | rm | eval | check | report | prepare | demo |
-model | sandbox.
+"""``treadle`` command line: train | sft | dpo | kto | rm | eval | serve | check | report |
+prepare | demo | model | sandbox.
 
 Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides, and
 first runs ``treadle.check`` for itself (``treadle check CONFIG --kind train`` runs only that).
 Problems a user can fix (config keys, data rows, reward functions) end the command with one
 line per problem on stderr, ``treadle: error: ...``, and exit code 2; nothing already written
 is removed.
+
+``treadle serve CONFIG`` serves ``model.path`` with ``rollout.engine`` over an OpenAI-compatible
+API (``rollout.endpoint.*``; :mod:`treadle.rollout.endpoint`) in this process, prints one line
+``serving <model> at http://HOST:PORT/v1 (api key: ...)`` and serves until Ctrl-C (exit 130)
+or SIGTERM (143).
 
 ``treadle sandbox grade --solution FILE --tests FILE [--timeout SECONDS]`` prints exactly one
 JSON line, ``{"reward", "passed", "total", "status", "seconds"}``, and exits 0 whatever the
@@ -117,6 +122,24 @@ def cmd_eval(args: argparse.Namespace) -> None:
     print(f"held-out accuracy: {100 * evaluate_model(cfg):.1f}%")
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from treadle.check import check
+    from treadle.config import load_config
+
+    cfg = load_config(args.config, args.overrides)
+    check(cfg, "serve")
+    from treadle.rollout.serving import serve
+
+    def announce(endpoint: Any) -> None:
+        print(
+            f"serving {endpoint.model} at {endpoint.url} (api key: {endpoint.api_key}); "
+            "Ctrl-C stops",
+            flush=True,
+        )
+
+    serve(cfg, announce)
+
+
 def cmd_prepare(args: argparse.Namespace) -> None:
     import importlib
 
@@ -183,6 +206,7 @@ EXAMPLES = {
     "eval": "treadle eval examples/arithmetic/grpo.yaml "
     "model.path=runs/arithmetic/grpo/final_model",
     "check": "treadle check examples/arithmetic/dpo.yaml --kind dpo",
+    "serve": "treadle serve examples/arithmetic/grpo.yaml rollout.endpoint.port=8000",
 }
 
 
@@ -241,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("eval", cmd_eval, "held-out accuracy of model.path (greedy)"),
     ):
         _job_parser(sub, name, text).set_defaults(fn=fn)
+    _job_parser(
+        sub, "serve", "serve model.path over an OpenAI-compatible API until Ctrl-C"
+    ).set_defaults(fn=cmd_serve)
     s = _job_parser(sub, "check", "check a config, its model, data, reward and output dir")
     s.add_argument("--kind", choices=KINDS, default="train", help="the command to check for")
     s.set_defaults(fn=cmd_check)

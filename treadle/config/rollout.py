@@ -6,7 +6,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from treadle.config.base import Key, Section
+from treadle.config.base import Key, Section, defaults
+from treadle.config.endpoint import EndpointConfig
 
 
 class RolloutConfig(Section):
@@ -65,6 +66,23 @@ class RolloutConfig(Section):
     )
     request_timeout_s: float = Field(
         600.0, gt=0, description="A request not answered within this many seconds stops the run."
+    )
+    endpoint: EndpointConfig = Field(
+        default_factory=defaults(EndpointConfig),
+        description="The OpenAI-compatible endpoint (agents written against the OpenAI API, "
+        "`treadle serve`).",
+    )
+    tool_parser: Key = Field(
+        "hermes",
+        description="The endpoint's parser of tool calls in the model's text, by vLLM's "
+        "registered name (hermes, llama3_json, mistral, qwen3_xml, ...; `treadle check` lists "
+        "them).",
+    )
+    reasoning_parser: str | None = Field(
+        None,
+        min_length=1,
+        description="The endpoint's parser of reasoning (`reasoning_content`), by vLLM's "
+        "registered name (deepseek_r1, qwen3, ...); null: the text is all content.",
     )
     agent_loop: Key = Field(
         "single_turn",

@@ -35,8 +35,8 @@ from treadle.config.trainer import TrainerConfig
 from treadle.errors import ConfigError
 from treadle.plugins import load_plugins
 
-Kind = Literal["train", "sft", "dpo", "kto", "rm", "eval"]
-KINDS: tuple[Kind, ...] = ("train", "sft", "dpo", "kto", "rm", "eval")
+Kind = Literal["train", "sft", "dpo", "kto", "rm", "eval", "serve"]
+KINDS: tuple[Kind, ...] = ("train", "sft", "dpo", "kto", "rm", "eval", "serve")
 
 # --- between sections (config validation) ---------------------------------------------------
 

@@ -6,6 +6,9 @@
 - :mod:`.weight_sync`: the process group that carries the actor's weights to split replicas.
 - :mod:`.fleet`: the trainer side: replicas placed as the config says, agent loops to a batch,
   weight sync under a version.
+- :mod:`.endpoint`: an OpenAI-compatible HTTP server over the client, recording every call by
+  session (:mod:`.openai_api`: the API's shapes; :mod:`.completions`: chat template and text;
+  :mod:`.parsers`: vLLM's tool and reasoning parsers); :mod:`.serving`: ``treadle serve``.
 - :mod:`.sources`: what the driver takes its batches from (:class:`~.sources.RolloutSource`),
   synchronous or generated ahead (one_step_off, async), and DAPO's group filter.
 """

@@ -1,0 +1,517 @@
+"""The OpenAI-compatible endpoint, through the real ``openai`` client.
+
+The model is the tiny task's, served by the transformers engine in this process (a
+LocalReplica on the rollout client's loop, which the endpoint and the openai client share).
+Tool calls, reasoning and stop strings need text a random model does not write: there a test
+double replica answers with the tokens of a scripted text.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from treadle.config import load_config
+from treadle.engines.inference import HFRolloutEngine, SamplingParams
+from treadle.errors import ConfigError
+from treadle.models import load_causal_lm
+from treadle.rollout import LocalReplica, Request, Response, RolloutClient, RolloutServer
+from treadle.rollout import openai_api as api
+from treadle.rollout.completions import pieces
+from treadle.rollout.endpoint import Endpoint
+
+MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_task):
+    return AutoTokenizer.from_pretrained(tiny_task["model"])
+
+
+@pytest.fixture(scope="module")
+def client(tiny_task, tok):
+    model = load_causal_lm(tiny_task["model"], torch.float32)
+    engine = HFRolloutEngine(model, eos_token_ids=[tok.eos_token_id], pad_token_id=tok.pad_token_id)
+    c = RolloutClient([LocalReplica(RolloutServer(engine, "tiny"))])
+    yield c
+    c.close()
+
+
+class ScriptedReplica:
+    """Answers each request with the tokens of the next scripted text (then EOS)."""
+
+    def __init__(self, tok: Any, texts: list[str]) -> None:
+        self.name, self.tok, self.texts = "scripted", tok, list(texts)
+        self.requests: list[Request] = []
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        out = []
+        for r in requests:
+            self.requests.append(r)
+            ids = [*self.tok.encode(self.texts.pop(0)), self.tok.eos_token_id]
+            lps = [-0.25 - 0.01 * i for i in range(len(ids))]
+            out.append(Response(r.request_id, ids, lps, "stop", 3, self.name))
+        return out
+
+
+def serve(
+    client: RolloutClient,
+    tok: Any,
+    scenario: Callable[[Endpoint], Coroutine[Any, Any, Any]],
+    **options: Any,
+) -> Any:
+    """Run ``scenario(endpoint)`` on the client's loop with the endpoint listening."""
+
+    async def main() -> Any:
+        endpoint = Endpoint(client, tok, model="tiny", max_new_tokens=8, **options)
+        await endpoint.start()
+        try:
+            return await scenario(endpoint)
+        finally:
+            await endpoint.stop()
+
+    return client.run(main())
+
+
+def oai(endpoint: Endpoint, url: str | None = None, **kw: Any) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(
+        base_url=url or endpoint.url, api_key=endpoint.api_key, max_retries=0, **kw
+    )
+
+
+def text_of(tok: Any, ids: list[int]) -> str:
+    return tok.decode(ids, skip_special_tokens=True)
+
+
+# --- chat and completions on the tiny model ---------------------------------------------------
+
+
+def test_chat_returns_what_was_sampled_and_records_it(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        answer = await oai(ep, ep.session_url("s/1")).chat.completions.create(
+            model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=3, n=2, max_tokens=6
+        )
+        return answer, ep.take_calls("s/1"), ep.take_calls("s/1")
+
+    answer, calls, again = serve(client, tok, scenario)
+    expected_prompt = tok.encode(
+        tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False),
+        add_special_tokens=False,
+    )
+    assert [c.index for c in calls] == [0, 1] and again == []
+    assert len(answer.choices) == 2
+    for choice, call in zip(answer.choices, calls, strict=True):
+        assert call.session == "s/1"
+        assert call.prompt_ids == expected_prompt
+        assert choice.message.content == text_of(tok, call.completion_ids)
+        assert 0 < len(call.completion_ids) <= 6 and call.token_versions == [0] * len(
+            call.log_probs
+        )
+        got = choice.logprobs.content
+        assert [t.logprob for t in got] == call.log_probs
+        assert [t.token for t in got] == [tok.decode([i]) for i in call.completion_ids]
+        assert all([x.token for x in t.top_logprobs] == [t.token] for t in got)
+        reason = "stop" if call.completion_ids[-1] == tok.eos_token_id else "length"
+        assert choice.finish_reason == call.stop_reason == reason
+    assert answer.usage.prompt_tokens == len(expected_prompt)
+    assert answer.usage.completion_tokens == sum(len(c.completion_ids) for c in calls)
+
+
+def test_completions_from_text_and_from_token_ids(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        api_client = oai(ep, ep.session_url("c"))
+        by_text = await api_client.completions.create(
+            model="tiny", prompt="12 + 7 =", max_tokens=5, logprobs=2
+        )
+        by_ids = await api_client.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3)
+        return by_text, by_ids, ep.take_calls("c")
+
+    by_text, by_ids, calls = serve(client, tok, scenario)
+    assert calls[0].prompt_ids == tok.encode("12 + 7 =") and calls[1].prompt_ids == [5, 6, 7]
+    assert by_text.choices[0].text == text_of(tok, calls[0].completion_ids)
+    lp = by_text.choices[0].logprobs
+    assert lp.token_logprobs == calls[0].log_probs
+    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs, strict=True)]
+    assert by_ids.choices[0].text == text_of(tok, calls[1].completion_ids)
+    assert len(calls[1].completion_ids) <= 3
+
+
+def test_streams_concatenate_to_the_recorded_answer(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        api_client = oai(ep, ep.session_url("st"))
+        chat = await api_client.chat.completions.create(
+            model="tiny",
+            messages=MESSAGES,
+            stream=True,
+            logprobs=True,
+            max_tokens=8,
+            stream_options={"include_usage": True},
+        )
+        chat_chunks = [c async for c in chat]
+        text = await api_client.completions.create(
+            model="tiny", prompt="3 + 4 =", max_tokens=8, stream=True
+        )
+        text_chunks = [c async for c in text]
+        return chat_chunks, text_chunks, ep.take_calls("st")
+
+    chat_chunks, text_chunks, (chat_call, text_call) = serve(client, tok, scenario)
+    deltas = [c.choices[0].delta for c in chat_chunks if c.choices]
+    assert deltas[0].role == "assistant"
+    assert "".join(d.content or "" for d in deltas) == text_of(tok, chat_call.completion_ids)
+    streamed = [
+        t.logprob
+        for c in chat_chunks
+        if c.choices and c.choices[0].logprobs
+        for t in c.choices[0].logprobs.content
+    ]
+    assert streamed == chat_call.log_probs
+    assert chat_chunks[-1].usage.completion_tokens == len(chat_call.completion_ids)
+    finishes = [c.choices[0].finish_reason for c in chat_chunks if c.choices]
+    assert finishes[-1] == chat_call.stop_reason and set(finishes[:-1]) == {None}
+    assert "".join(c.choices[0].text for c in text_chunks) == text_of(tok, text_call.completion_ids)
+
+
+def test_sessions_by_header_and_calls_without_one_are_not_recorded(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        headed = oai(ep, default_headers={"X-Treadle-Session": "h1"})
+        await headed.chat.completions.create(model="any", messages=MESSAGES, max_tokens=2)
+        await oai(ep).chat.completions.create(model="any", messages=MESSAGES, max_tokens=2)
+        models = await oai(ep).models.list()
+        return ep.take_calls("h1"), dict(ep.recorder.calls), models
+
+    calls, rest, models = serve(client, tok, scenario)
+    assert len(calls) == 1 and calls[0].session == "h1"
+    assert rest == {}
+    assert [m.id for m in models.data] == ["tiny"]
+
+
+def test_an_open_session_samples_as_the_run_does(client, tok):
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=3)
+
+    async def scenario(ep: Endpoint) -> Any:
+        url = ep.open_session("train", greedy)
+        answers = [
+            await oai(ep, url).chat.completions.create(
+                model="tiny", messages=MESSAGES, temperature=1.7, max_tokens=30, seed=11
+            )
+            for _ in range(2)
+        ]
+        return answers, ep.take_calls("train")
+
+    answers, calls = serve(client, tok, scenario)
+    assert all(len(c.completion_ids) <= 3 for c in calls)  # capped at max_new_tokens
+    assert calls[0].completion_ids == calls[1].completion_ids  # greedy, not temperature 1.7
+    assert answers[0].choices[0].message.content == answers[1].choices[0].message.content
+
+
+def test_a_three_turn_chat_extends_its_own_tokens(client, tok):
+    """Each turn's prompt is the previous prompt + completion, token for token (what the
+    trainer merges into one sample), with the tiny model's ChatML template."""
+    replica = ScriptedReplica(tok, ["5", "Seven.", "Done"])
+    scripted = RolloutClient([replica])
+    try:
+
+        async def scenario(ep: Endpoint) -> Any:
+            messages = list(MESSAGES)
+            for follow_up in ("And 3 + 4?", "Thanks"):
+                answer = await oai(ep, ep.session_url("t")).chat.completions.create(
+                    model="tiny", messages=messages
+                )
+                messages += [
+                    {"role": "assistant", "content": answer.choices[0].message.content},
+                    {"role": "user", "content": follow_up},
+                ]
+            await oai(ep, ep.session_url("t")).chat.completions.create(
+                model="tiny", messages=messages
+            )
+            return ep.take_calls("t")
+
+        calls = serve(scripted, tok, scenario)
+    finally:
+        scripted.close()
+    assert [text_of(tok, c.completion_ids) for c in calls] == ["5", "Seven.", "Done"]
+    for before, after in itertools.pairwise(calls):
+        done = before.prompt_ids + before.completion_ids
+        assert after.prompt_ids[: len(done)] == done
+    assert [r.session_id for r in replica.requests] == ["t"] * 3
+    assert calls[0].token_versions == [3] * len(calls[0].completion_ids)
+
+
+# --- tool calls, reasoning, stop strings (scripted text) ------------------------------------------
+
+
+def scripted(tok: Any, texts: list[str], scenario: Any, **options: Any) -> Any:
+    client = RolloutClient([ScriptedReplica(tok, texts)])
+    try:
+        return serve(client, tok, scenario, **options)
+    finally:
+        client.close()
+
+
+CALL_TEXT = 'Let me add.<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+
+
+def test_tool_calls_are_parsed_by_the_hermes_parser(tok):
+    async def scenario(ep: Endpoint) -> Any:
+        api_client = oai(ep, ep.session_url("tools"))
+        plain = await api_client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS
+        )
+        streamed = await api_client.chat.completions.create(
+            model="tiny", messages=MESSAGES, tools=TOOLS, stream=True
+        )
+        return plain, [c async for c in streamed], ep.take_calls("tools")
+
+    plain, chunks, calls = scripted(tok, [CALL_TEXT, CALL_TEXT], scenario)
+    choice = plain.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me add."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "add" and json.loads(call.function.arguments) == {"a": 2, "b": 3}
+    assert call.id
+    deltas = [c.choices[0].delta for c in chunks]
+    (streamed_call,) = [t for d in deltas for t in d.tool_calls or []]
+    assert streamed_call.function.name == "add" and streamed_call.index == 0
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    assert text_of(tok, calls[0].completion_ids) == CALL_TEXT  # the record keeps the raw text
+    # the schemas reached the template's prompt (the tiny template has no tools: system block)
+    assert '"name": "add"' in tok.decode(calls[0].prompt_ids)
+
+
+def test_a_tool_call_in_history_is_rendered_for_the_next_turn(tok):
+    history = [
+        *MESSAGES,
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
+
+    async def scenario(ep: Endpoint) -> Any:
+        answer = await oai(ep, ep.session_url("h")).chat.completions.create(
+            model="tiny", messages=history, tools=TOOLS
+        )
+        return answer, ep.take_calls("h")
+
+    answer, (call,) = scripted(tok, ["It is 5."], scenario)
+    assert answer.choices[0].message.content == "It is 5."
+    assert answer.choices[0].finish_reason == "stop"
+    assert "<|im_start|>tool\n5<|im_end|>" in tok.decode(call.prompt_ids)
+
+
+def test_stop_strings_cut_the_text_and_keep_the_sampled_tokens(tok):
+    async def scenario(ep: Endpoint) -> Any:
+        answer = await oai(ep, ep.session_url("s")).completions.create(
+            model="tiny", prompt="count", stop=["three"], logprobs=0
+        )
+        return answer, ep.take_calls("s")
+
+    answer, (call,) = scripted(tok, ["one two three four five"], scenario)
+    assert answer.choices[0].text == "one two "
+    assert answer.choices[0].finish_reason == "stop" and call.stop_reason == "stop"
+    kept = text_of(tok, call.completion_ids)
+    assert kept.startswith("one two three") and "four" not in kept
+    assert len(call.log_probs) == len(call.completion_ids)
+    assert answer.choices[0].logprobs.token_logprobs == call.log_probs
+
+
+def test_reasoning_content_through_a_reasoning_parser(tiny_task, tmp_path):
+    tok = AutoTokenizer.from_pretrained(tiny_task["model"])
+    tok.add_tokens(["<think>", "</think>"])
+
+    async def scenario(ep: Endpoint) -> Any:
+        return await oai(ep).chat.completions.create(model="tiny", messages=MESSAGES)
+
+    answer = scripted(
+        tok, ["<think>2 and 3 make 5</think>It is 5."], scenario, reasoning_parser="deepseek_r1"
+    )
+    message = answer.choices[0].message
+    assert message.model_extra["reasoning_content"] == "2 and 3 make 5"
+    assert message.content == "It is 5."
+
+
+# --- errors -----------------------------------------------------------------------------------
+
+
+def test_a_wrong_or_missing_token_is_401(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        wrong = openai.AsyncOpenAI(base_url=ep.url, api_key="nope", max_retries=0)
+        with pytest.raises(openai.AuthenticationError) as e:
+            await wrong.chat.completions.create(model="tiny", messages=MESSAGES)
+        async with aiohttp.ClientSession() as http, http.get(f"{ep.url}/models") as r:
+            return e.value, r.status, await r.json()
+
+    error, status, body = serve(client, tok, scenario)
+    assert error.status_code == 401 and "API key" in str(error.message)
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "field"),
+    [
+        ("chat/completions", b"{not json", "not valid JSON"),
+        ("chat/completions", b'{"model": "tiny"}', "'messages'"),
+        ("chat/completions", b'{"messages": [{"content": "hi"}]}', "'messages[0]'"),
+        ("chat/completions", b'{"messages": [{"role": "user", "content": 3}]}', "content"),
+        (
+            "chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}',
+            "'temperature'",
+        ),
+        ("chat/completions", b'{"messages": [{"role": "user", "content": "x"}], "n": 0}', "'n'"),
+        (
+            "chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}',
+            "'tools[0]'",
+        ),
+        (
+            "chat/completions",
+            b'{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+            b'"function": {"name": "f"}}], "tool_choice": 7}',
+            "'tool_choice",
+        ),
+        ("completions", b'{"model": "tiny"}', "'prompt'"),
+        ("completions", b'{"prompt": [1, 99999]}', "vocabulary"),
+        ("completions", b'{"prompt": "x", "max_tokens": -1}', "'max_tokens'"),
+        ("completions", b'{"prompt": "x", "stop": [""]}', "'stop'"),
+    ],
+)
+def test_a_malformed_body_is_400_naming_the_field(client, tok, path, body, field):
+    async def scenario(ep: Endpoint) -> Any:
+        headers = {"Authorization": f"Bearer {ep.api_key}", "Content-Type": "application/json"}
+        async with (
+            aiohttp.ClientSession() as http,
+            http.post(f"{ep.url}/{path}", data=body, headers=headers) as r,
+        ):
+            return r.status, await r.json()
+
+    status, answer = serve(client, tok, scenario)
+    assert status == 400, answer
+    assert field in answer["error"]["message"]
+    assert answer["error"]["type"] == "invalid_request_error"
+
+
+def test_the_openai_client_sees_400_and_a_prompt_too_long(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        errors = []
+        for kwargs in ({"temperature": 5}, {"messages": [{"role": "user", "content": "9" * 80}]}):
+            with pytest.raises(openai.BadRequestError) as e:
+                await oai(ep).chat.completions.create(
+                    model="tiny", **{"messages": MESSAGES, **kwargs}
+                )
+            errors.append(e.value.message)
+        return errors
+
+    errors = serve(client, tok, scenario, max_model_len=64)
+    assert "'temperature' must be between 0 and 2" in errors[0]
+    assert "the model takes 64 tokens in all" in errors[1]
+
+
+# --- pieces, config -----------------------------------------------------------------------------
+
+
+def test_pieces_join_to_the_text_even_inside_a_character(tok):
+    ids = tok.encode("né 5 + 6 → 11")
+    text = tok.decode(ids)
+    assert "".join(pieces(tok, ids, text)) == text
+    assert len(pieces(tok, ids, text)) == len(ids)
+    assert "".join(pieces(tok, ids, text[:4])) == text[:4]
+
+
+def test_asked_reads_max_completion_tokens_and_stop():
+    asked = api.read_asked({"max_completion_tokens": 7, "stop": "x", "n": 2}, chat=True)
+    assert (asked.max_tokens, asked.stop, asked.n) == (7, ("x",), 2)
+    assert api.read_asked({"logprobs": 0}, chat=False).logprobs
+
+
+def test_endpoint_keys_in_config_and_overrides():
+    cfg = load_config(None, ["rollout.endpoint.port=8123", "rollout.endpoint.api_key=k"])
+    assert (cfg.rollout.endpoint.port, cfg.rollout.endpoint.api_key) == (8123, "k")
+    assert cfg.rollout.tool_parser == "hermes" and cfg.rollout.reasoning_parser is None
+    with pytest.raises(ConfigError, match=r"did you mean 'rollout.endpoint.port'"):
+        load_config(None, ["rollout.endpoint.prot=1"])
+    with pytest.raises(ConfigError, match=r"rollout.endpoint.port"):
+        load_config(None, ["rollout.endpoint.port=70000"])
+
+
+def test_from_config_forces_the_runs_sampling(client, tok):
+    cfg = load_config(
+        None,
+        [
+            "rollout.temperature=0.7",
+            "rollout.max_new_tokens=5",
+            "rollout.endpoint.api_key=secret",
+            "model.path=/m/tiny",
+        ],
+    )
+    ep = Endpoint.from_config(cfg, client, tok)
+    assert ep.api_key == "secret" and ep.model == "tiny"
+    params = ep.recorder.params(
+        "any", api.read_asked({"max_tokens": 50, "temperature": 2}, chat=True), 8
+    )
+    assert (params.temperature, params.max_new_tokens) == (0.7, 5)
+    served = Endpoint.from_config(cfg, client, tok, force_sampling=False)
+    params = served.recorder.params(None, api.read_asked({"temperature": 2}, chat=True), 8)
+    assert (params.temperature, params.max_new_tokens) == (2, 8)
+    assert Endpoint(client, tok, model="m").api_key != Endpoint(client, tok, model="m").api_key
+
+
+def test_check_names_the_parser_keys_and_their_choices(tiny_task):
+    from treadle.check import check
+
+    base = [f"model.path={tiny_task['model']}", "data.max_prompt_length=64"]
+    bad = load_config(None, [*base, "rollout.tool_parser=hermez", "rollout.reasoning_parser=r9"])
+    with pytest.raises(ConfigError) as e:
+        check(bad, "serve")
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("rollout.tool_parser=hermez is not one of vLLM's tool parsers: ")
+    assert "hermes" in lines[0] and "llama3_json" in lines[0]
+    assert lines[1].startswith("rollout.reasoning_parser=r9 is not one of vLLM's reasoning ")
+    assert "deepseek_r1" in lines[1]
+    good = load_config(None, [*base, "rollout.tool_parser=llama3_json"])
+    assert "rollout.tool_parser: llama3_json, reasoning: None" in check(good, "serve")
+
+
+def test_the_same_question_asked_twice_is_sampled_anew_unless_seeded(client, tok):
+    async def scenario(ep: Endpoint) -> Any:
+        answers = []
+        for seed in (None, None, 5, 5):
+            answer = await oai(ep, ep.session_url("r")).chat.completions.create(
+                model="tiny", messages=MESSAGES, max_tokens=8, seed=seed
+            )
+            answers.append(answer.choices[0].message.content)
+        return answers
+
+    first, second, seeded, again = serve(client, tok, scenario)
+    assert first != second  # 8 tokens of a random model: equal only by the same noise
+    assert seeded == again
