@@ -112,6 +112,10 @@ NOISY = (
     "datasets",
     "filelock",
     "urllib3",
+    "httpx",  # a black-box agent's openai client: a line per request
+    "httpcore",
+    "openai",
+    "aiohttp.access",
     "py.warnings",
     "wandb",
     "mlflow",

@@ -61,7 +61,7 @@ class OpenAIAgent:
             ) as oai:
                 result = await self.fn(oai, dict(sample.row))
         finally:
-            calls = endpoint.take_calls(session)
+            calls = endpoint.close_session(session)
         reward, info = agent_result(result)
         if not calls:
             raise ValueError("it made no model call through its client")

@@ -314,6 +314,8 @@ async def run_agents(
             except TimeoutError:
                 problem = f"ran longer than rollout.agent_timeout_s={failures.timeout_s:g} s"
             except Exception as e:
+                if client.failure is not None:  # a replica failed under the agent's call
+                    raise client.failure from e
                 problem = f"{type(e).__name__}: {e}"
         errors.append(f"agent loop {name!r} failed on sample {sample.uid}: {problem}")
         log.warning("%s; its sample is dropped", errors[-1])

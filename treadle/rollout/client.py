@@ -102,6 +102,7 @@ class RolloutClient:
         self._open = asyncio.Event()  # cleared while paused
         self._open.set()
         self._thread: threading.Thread | None = None
+        self.failure: RolloutError | None = None  # the first replica failure, once there is one
 
     # ------------------------------------------------------------------ sync entry points
 
@@ -192,9 +193,11 @@ class RolloutClient:
         ]
         try:
             results = await asyncio.gather(*calls)
-        except BaseException:
+        except BaseException as e:
             for call in calls:  # one replica failed: the others' answers are not wanted
                 call.cancel()
+            if isinstance(e, RolloutError):  # kept: a caller over HTTP hears only a 500
+                self.failure = self.failure or e
             raise
         out: list[Any] = [None] * len(requests)
         for (_, chunk), responses in zip(chunks, results, strict=True):
