@@ -14,6 +14,7 @@ import openai
 import pytest
 
 URL_LINE = re.compile(r"^serving (\S+) at (http://\S+/v1) \(api key: (\S+)\)")
+MESSAGES = [{"role": "user", "content": "1 + 1"}]
 
 
 def _lines(stream, out: queue.Queue) -> None:
@@ -22,44 +23,89 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
+def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
+    """The serving process and its model name, URL and key, once it printed them."""
+    config = tmp_path / "serve.yaml"
+    config.write_text(f"model:\n  path: {tiny_task['model']}\ndata:\n  max_prompt_length: 64\n")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "treadle.cli", "serve", str(config), "rollout.max_new_tokens=4"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    line = lines.get(timeout=120)  # the first line printed is the URL line
+    if line is None:
+        proc.wait(timeout=30)
+        pytest.fail(proc.stderr.read()[-3000:])
+    match = URL_LINE.match(line)
+    assert match, line
+    model, url, key = match.groups()
+    return proc, model, url, key
+
+
+def _stopped(proc: subprocess.Popen, signum: int) -> tuple[int, str]:
+    proc.send_signal(signum)
+    _, err = proc.communicate(timeout=60)
+    return proc.returncode, err
+
+
 @pytest.mark.parametrize(
     ("signum", "code", "how"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
 )
 def test_serve_answers_the_openai_client_and_stops_on_a_signal(
     tiny_task, tmp_path, signum, code, how
 ):
-    config = tmp_path / "serve.yaml"
-    config.write_text(f"model:\n  path: {tiny_task['model']}\ndata:\n  max_prompt_length: 64\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "treadle.cli", "serve", str(config), "rollout.max_new_tokens=4"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    proc, model, url, key = _start(tiny_task, tmp_path)
     try:
-        line = lines.get(timeout=120)  # the first line printed is the URL line
-        assert line is not None, proc.communicate(timeout=30)[1][-3000:]
-        match = URL_LINE.match(line)
-        assert match, line
-        model, url, key = match.groups()
         api = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
-        answer = api.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": "1 + 1"}], max_tokens=3
-        )
+        answer = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
         assert answer.choices[0].finish_reason in ("stop", "length")
         assert answer.usage.completion_tokens <= 3
         with pytest.raises(openai.AuthenticationError):
             openai.OpenAI(base_url=url, api_key="wrong", max_retries=0).models.list()
-        proc.send_signal(signum)
-        _, err = proc.communicate(timeout=60)
+        returncode, err = _stopped(proc, signum)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == code, err[-3000:]
+    assert returncode == code, err[-3000:]
     assert f"treadle: stopped by {how}" in err
     assert "Traceback" not in err, err[-3000:]
+
+
+def test_serve_stops_cleanly_with_requests_in_flight(tiny_task, tmp_path):
+    """A signal that lands in the engine's step or a request's task ends the process with the
+    one line, whatever the requests in flight were doing (streams cut, answers not sent)."""
+    proc, model, url, key = _start(tiny_task, tmp_path)
+    stop, answered = threading.Event(), threading.Event()
+
+    def ask() -> None:
+        api = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
+        while not stop.is_set():
+            try:
+                api.chat.completions.create(
+                    model=model, messages=MESSAGES, stream=True, n=4
+                ).close()
+                answered.set()
+            except openai.APIConnectionError:
+                return  # the server is gone
+            except openai.OpenAIError:
+                pass
+
+    askers = [threading.Thread(target=ask, daemon=True) for _ in range(6)]
+    try:
+        for t in askers:
+            t.start()
+        assert answered.wait(timeout=60)
+        returncode, err = _stopped(proc, signal.SIGINT)
+    finally:
+        stop.set()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "never retrieved" not in err, err[-3000:]
+    assert err.strip().splitlines()[-1] == "treadle: stopped by Ctrl-C"

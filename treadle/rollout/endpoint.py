@@ -66,6 +66,7 @@ from urllib.parse import quote
 from aiohttp import web
 
 from treadle.engines.inference import SamplingParams
+from treadle.errors import signalled
 from treadle.rollout import completions as cmp
 from treadle.rollout import openai_api as api
 from treadle.rollout.client import RolloutClient
@@ -215,7 +216,8 @@ class Endpoint:
             app.router.add_get(f"{prefix}/v1/models", self._models)
             app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/v1/completions", self._completions)
-        runner = web.AppRunner(app, handle_signals=False, access_log=None)
+        # stop() waits this long for requests in flight, then cuts them
+        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         await site.start()
@@ -270,6 +272,9 @@ class Endpoint:
             error = api.ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
             return web.json_response(error.body(), status=e.status)
         except Exception as e:  # the engine or the router failed: the caller hears why
+            if signalled():  # a stop signal stopped the engine: the process says so itself
+                error = api.ApiError(503, "the server is stopping")
+                return web.json_response(error.body(), status=503)
             logger.exception("endpoint: %s %s failed", request.method, request.path)
             error = api.ApiError(500, f"{type(e).__name__}: {e}")
             return web.json_response(error.body(), status=500)
@@ -368,8 +373,11 @@ async def _stream(request: web.Request, events: Any) -> web.StreamResponse:
         headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
     )
     await response.prepare(request)
-    for event in events:
-        await response.write(api.sse(event))
-    await response.write(api.sse(None))
-    await response.write_eof()
+    try:
+        for event in events:
+            await response.write(api.sse(event))
+        await response.write(api.sse(None))
+        await response.write_eof()
+    except ConnectionResetError:  # the client left (or the server is closing): nobody to tell
+        logger.debug("endpoint: %s %s: the client left mid-stream", request.method, request.path)
     return response

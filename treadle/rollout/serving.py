@@ -17,10 +17,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from treadle.config import Config
+from treadle.errors import signalled
 from treadle.models import load_tokenizer
 from treadle.rollout.client import LocalReplica, RolloutClient
 from treadle.rollout.endpoint import Endpoint
@@ -45,11 +47,22 @@ def serve(cfg: Config, on_ready: Callable[[Endpoint], None]) -> None:
     finally:
         try:
             client.run(endpoint.stop())
+        except KeyboardInterrupt:  # the stop signal's, kept by a request's task (it is noted)
+            if not signalled():
+                raise
         finally:
             client.close()
 
 
+def _quiet_interrupts(loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+    """The loop's exception handler: a stop signal that landed in a request's task is not
+    reported as an error of that task (the command says it stopped)."""
+    if not isinstance(context.get("exception"), KeyboardInterrupt):
+        loop.default_exception_handler(context)
+
+
 async def _serve(endpoint: Endpoint, on_ready: Callable[[Endpoint], None]) -> None:
+    asyncio.get_running_loop().set_exception_handler(_quiet_interrupts)
     await endpoint.start()
     on_ready(endpoint)
     await asyncio.Event().wait()  # until a stop signal's exception unwinds the loop
