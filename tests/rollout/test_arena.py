@@ -6,13 +6,10 @@ from __future__ import annotations
 import asyncio
 import random
 
-import pytest
+import openai
+from aiohttp import web
 
-pytest.importorskip("textarena")
-openai = pytest.importorskip("openai")
-web = pytest.importorskip("aiohttp.web")
-
-from treadle.agents.arena import play  # noqa: E402
+from treadle.agents.arena import play
 
 
 class Stub:

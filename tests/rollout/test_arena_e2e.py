@@ -7,9 +7,6 @@ import json
 
 import pytest
 
-pytest.importorskip("textarena")
-pytest.importorskip("treadle.rollout.endpoint")  # the endpoint the game's calls go through
-
 from treadle.cli import main
 
 

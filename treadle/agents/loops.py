@@ -304,20 +304,10 @@ async def run_agents(
     async def one(sample: Sample, session: str) -> list[Trajectory]:
         async with gate:
             agent = AgentClient(batcher, tokenizer, single, limits, session, endpoint)
-            try:
-                running = loop(agent, sample, tools)
-                if failures.timeout_s is not None:
-                    running = asyncio.wait_for(running, failures.timeout_s)
-                return _checked(await running)
-            except (RolloutError, asyncio.CancelledError):
-                raise
-            except TimeoutError:
-                problem = f"ran longer than rollout.agent_timeout_s={failures.timeout_s:g} s"
-            except Exception as e:
-                if client.failure is not None:  # a replica failed under the agent's call
-                    raise client.failure from e
-                problem = f"{type(e).__name__}: {e}"
-        errors.append(f"agent loop {name!r} failed on sample {sample.uid}: {problem}")
+            outcome = await _attempt(loop(agent, sample, tools), failures, client)
+        if isinstance(outcome, list):
+            return outcome
+        errors.append(f"agent loop {name!r} failed on sample {sample.uid}: {outcome}")
         log.warning("%s; its sample is dropped", errors[-1])
         return []
 
@@ -342,6 +332,24 @@ async def run_agents(
             f"rollout.max_agent_error_frac={failures.max_frac:g}; the first: {errors[0]}"
         )
     return runs
+
+
+async def _attempt(
+    running: Awaitable[Any], failures: Failures, client: RolloutClient
+) -> list[Trajectory] | str:
+    """A run's trajectories, or what went wrong with it (a replica's failure is raised)."""
+    try:
+        if failures.timeout_s is not None:
+            running = asyncio.wait_for(running, failures.timeout_s)
+        return _checked(await running)
+    except (RolloutError, asyncio.CancelledError):
+        raise
+    except TimeoutError:
+        return f"ran longer than rollout.agent_timeout_s={failures.timeout_s:g} s"
+    except Exception as e:
+        if client.failure is not None:  # a replica failed under the agent's call
+            raise client.failure from e
+        return f"{type(e).__name__}: {e}"
 
 
 def _checked(result: Any) -> list[Trajectory]:
