@@ -317,9 +317,8 @@ def _main(argv: Sequence[str] | None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     try:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
-        logging.getLogger("httpx").setLevel(
-            logging.WARNING
-        )  # an agent's openai client: a line a call
+        for name in ("httpx", "httpx2"):  # an agent's openai client: a line a call
+            logging.getLogger(name).setLevel(logging.WARNING)
         args = build_parser().parse_args(argv)
         startup.from_process_start()
         args.fn(args)

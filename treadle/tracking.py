@@ -112,7 +112,8 @@ NOISY = (
     "datasets",
     "filelock",
     "urllib3",
-    "httpx",  # a black-box agent's openai client: a line per request
+    "httpx",  # a black-box agent's openai client (httpx2 in openai 3): a line per request
+    "httpx2",
     "httpcore",
     "openai",
     "aiohttp.access",
