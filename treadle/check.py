@@ -73,22 +73,8 @@ def check(cfg: Config, kind: Kind) -> list[str]:
     tokenizer = attempt("model.path", _check_models, cfg, kind, summary, problems)
     tools = attempt("rollout.tools", _check_user_code, cfg, kind, summary, problems)
     if tokenizer is not None:
-        for key, files, reader, required in _data_files(cfg, kind):
-            if not files and required:
-                problems.append(f"{key} is empty: list at least one JSONL or Parquet file")
-            counts = [
-                attempt(f"{key}: {file}", reader, cfg, tokenizer, file, key, tools)
-                for file in files
-            ]
-            summary += [
-                f"{key}: {f}: {n} rows" for f, n in zip(files, counts, strict=True) if n is not None
-            ]
-            total = sum(n or 0 for n in counts)
-            if key == "data.train_files" and None not in counts and 0 < total < cfg.data.batch_size:
-                problems.append(
-                    f"{key}: {total} rows, fewer than one batch of data.batch_size="
-                    f"{cfg.data.batch_size}: lower data.batch_size or add rows"
-                )
+        check_data = _check_gym if cfg.data.source == "reasoning_gym" else _check_files
+        check_data(cfg, kind, tokenizer, tools, attempt, summary, problems)
     if kind not in ("eval", "serve"):
         attempt("trainer.output_dir", _check_output_dir, cfg, summary)
     if problems:
@@ -240,6 +226,50 @@ def _check_parsers(cfg: Config, summary: list[str]) -> None:
 # --- data ------------------------------------------------------------------------------------
 
 Reader = Callable[[Config, Any, str, str, Any], int]
+Attempt = Callable[..., Any]  # check's attempt(what, fn, *args): fn's value, or None (noted)
+
+
+def _check_gym(
+    cfg: Config, kind: Kind, tokenizer: Any, tools: Any, attempt: Attempt,
+    summary: list[str], problems: list[str],
+) -> None:  # fmt: skip
+    """reasoning-gym's rows of each split ``kind`` reads: drawing them checks the dataset
+    names and configs (each problem names its key)."""
+    if kind not in GYM_KINDS:
+        return  # check_algorithm says the source does not fit the command
+    for split, reader in _gym_splits(cfg, kind):
+        key = "data.val_files" if split == "val" else "data.train_files"  # the split's key
+        count = attempt(f"data.reasoning_gym ({split})", reader, cfg, tokenizer, "", key, tools)
+        if count is None:
+            break  # both splits come from one spec: its problem is said once
+        summary.append(f"data.reasoning_gym ({split}): {count} rows")
+        if split == "train" and kind == "train" and count < cfg.data.batch_size:
+            problems.append(
+                f"data.reasoning_gym.size: {count} rows, fewer than one batch of "
+                f"data.batch_size={cfg.data.batch_size}: lower data.batch_size or raise it"
+            )
+
+
+def _check_files(
+    cfg: Config, kind: Kind, tokenizer: Any, tools: Any, attempt: Attempt,
+    summary: list[str], problems: list[str],
+) -> None:  # fmt: skip
+    """Every data file ``kind`` reads, file by file."""
+    for key, files, reader, required in _data_files(cfg, kind):
+        if not files and required:
+            problems.append(f"{key} is empty: list at least one JSONL or Parquet file")
+        counts = [
+            attempt(f"{key}: {file}", reader, cfg, tokenizer, file, key, tools) for file in files
+        ]
+        summary += [
+            f"{key}: {f}: {n} rows" for f, n in zip(files, counts, strict=True) if n is not None
+        ]
+        total = sum(n or 0 for n in counts)
+        if key == "data.train_files" and None not in counts and 0 < total < cfg.data.batch_size:
+            problems.append(
+                f"{key}: {total} rows, fewer than one batch of data.batch_size="
+                f"{cfg.data.batch_size}: lower data.batch_size or add rows"
+            )
 
 
 def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, bool]]:
@@ -263,6 +293,22 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
     if (kind == "dpo" and cfg.dpo.eval_task) or (kind == "kto" and cfg.kto.eval_task):
         out.append((*val, _prompt_rows, False))
     return out
+
+
+GYM_KINDS = ("train", "sft", "eval")  # the commands that read data.source=reasoning_gym
+
+
+def _gym_splits(cfg: Config, kind: Kind) -> list[tuple[str, Reader]]:
+    """(split, reader) of the reasoning-gym rows ``kind`` reads: drawing them checks the
+    dataset names and configs (each problem names its key)."""
+    held_out: list[tuple[str, Reader]] = [("val", _prompt_rows)] if cfg.data.has_val else []
+    if kind == "eval":
+        return held_out or [("val", _no_held_out)]
+    return [("train", _sft_rows if kind == "sft" else _prompt_rows), *held_out]
+
+
+def _no_held_out(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
+    raise ConfigError("data.reasoning_gym.val_size=0: eval needs held-out rows")
 
 
 def _prompt_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:

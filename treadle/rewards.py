@@ -84,6 +84,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "chat_arithmetic": "treadle.tasks.chat_arithmetic:compute_score",
     "calculator": "treadle.tasks.calculator:compute_score",
     "code": "treadle.tasks.code:compute_score",
+    "reasoning_gym": "treadle.data.gym:compute_score",  # batched: reads the rows' columns
 }
 
 

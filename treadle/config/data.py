@@ -1,15 +1,86 @@
-"""``data``: the files, their columns and how text becomes prompts."""
+"""``data``: the files (or a library's generator), their columns and how text becomes prompts."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
-from treadle.config.base import Key, Section
+from treadle.config.base import Key, Section, defaults
+
+AnswerFormat = Literal["answer_tag", "last_line", "full"]
+
+
+class GymDataset(Section):
+    """One reasoning-gym dataset of the mix, named as reasoning-gym's composite dataset names
+    its ``DatasetSpec``: ``name``, ``weight``, ``config``."""
+
+    name: Key = Field(description="A reasoning-gym dataset name, e.g. basic_arithmetic.")
+    weight: float = Field(1.0, gt=0, description="Relative share of the rows drawn from it.")
+    config: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Its config (the fields of its config class, e.g. min_terms, max_digits); "
+        "the size and seed are data.reasoning_gym's.",
+    )
+
+
+class ReasoningGymConfig(Section):
+    """``data.source=reasoning_gym``: rows drawn from reasoning-gym's procedural datasets, as its
+    ``create_dataset("composite", size=, seed=, datasets=[...])`` draws them."""
+
+    datasets: list[GymDataset] = Field(
+        default_factory=list,
+        description="The datasets to mix: [{name: basic_arithmetic, weight: 1, config: {...}}].",
+    )
+    size: int = Field(1000, gt=0, description="Training rows drawn.")
+    seed: int = Field(0, ge=0, description="Seed of the training rows.")
+    val_size: int = Field(200, ge=0, description="Held-out rows drawn (0: none).")
+    val_seed: int = Field(
+        1_000_000,
+        ge=0,
+        description="Seed of the held-out rows; their random streams must not overlap the "
+        "training rows' (entry i of seed s uses seeds s..s+i+len(datasets)).",
+    )
+    answer_format: AnswerFormat = Field(
+        "answer_tag",
+        description="How the model is asked to answer, which is how reward.function="
+        "reasoning_gym reads the answer and how SFT targets are written: answer_tag (the "
+        "last <answer>...</answer>, reasoning-gym's convention), last_line (the last non-empty "
+        "line) or full (the whole response, stripped). Its instruction is the system prompt "
+        "unless data.system_prompt is set.",
+    )
+
+    @model_validator(mode="after")
+    def _seeds_apart(self) -> ReasoningGymConfig:
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"data.reasoning_gym.datasets names a dataset twice ({names}): give each once"
+            )
+        span = len(self.datasets) + 1  # reasoning-gym seeds dataset i with seed + i + 1
+        train = range(self.seed, self.seed + self.size + span)
+        val = range(self.val_seed, self.val_seed + self.val_size + span)
+        if self.val_size and train.start < val.stop and val.start < train.stop:
+            below = self.seed - self.val_size - span
+            other = f" or at most {below}" if below >= 0 else ""
+            raise ValueError(
+                f"data.reasoning_gym.val_seed={self.val_seed} draws held-out rows from the "
+                f"random streams of the training rows (seeds {train.start}..{train.stop - 1}): "
+                f"set val_seed to at least {train.stop}{other}"
+            )
+        return self
 
 
 class DataConfig(Section):
+    source: Literal["files", "reasoning_gym"] = Field(
+        "files",
+        description="Where rows come from: files (data.train_files, data.val_files) or "
+        "reasoning_gym (data.reasoning_gym: its procedural datasets, unchanged).",
+    )
+    reasoning_gym: ReasoningGymConfig = Field(
+        default_factory=defaults(ReasoningGymConfig),
+        description="data.source=reasoning_gym: the datasets, sizes and seeds.",
+    )
     train_files: list[str] = Field(
         default_factory=list,
         description="Training files: JSONL, Parquet, or folders written by Dataset.save_to_disk.",
@@ -49,3 +120,25 @@ class DataConfig(Section):
         description="Let text in the data files that spells a special token (e.g. <|im_end|>, "
         "</s>) become that token; off: it is tokenized as the plain text it is.",
     )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> DataConfig:
+        if self.source == "reasoning_gym":
+            if self.train_files or self.val_files:
+                raise ValueError(
+                    "data.source=reasoning_gym draws its own rows: remove data.train_files and "
+                    "data.val_files, or set data.source=files"
+                )
+            if not self.reasoning_gym.datasets:
+                raise ValueError(
+                    "data.source=reasoning_gym needs data.reasoning_gym.datasets, e.g. "
+                    "[{name: basic_arithmetic, config: {max_terms: 3}}]"
+                )
+        return self
+
+    @property
+    def has_val(self) -> bool:
+        """Whether the run has held-out prompts (files, or reasoning-gym's held-out rows)."""
+        if self.source == "reasoning_gym":
+            return self.reasoning_gym.val_size > 0
+        return bool(self.val_files)

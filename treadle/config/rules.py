@@ -261,7 +261,12 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
             f"data.batch_size={cfg.data.batch_size}: KTO estimates its reference point from "
             "the other examples of a batch: set data.batch_size to 2 or more"
         )
-    if kind in ("dpo", "kto") and getattr(cfg, kind).eval_task and not cfg.data.val_files:
+    if kind in ("dpo", "kto", "rm") and cfg.data.source != "files":
+        problems.append(
+            f"data.source={cfg.data.source} gives prompts (train, sft, eval), not the "
+            f"preference pairs or examples {kind} reads: set data.source=files"
+        )
+    elif kind in ("dpo", "kto") and getattr(cfg, kind).eval_task and not cfg.data.val_files:
         problems.append(f"{kind}.eval_task=true needs data.val_files (held-out prompts)")
     if problems:
         raise ConfigError("\n".join(problems))

@@ -6,7 +6,8 @@ tools in prompts, text to token ids with special-token strings kept as text), ``
 (``TextOptions``: how every reader turns rows into tokens, and ``from_config``, the one adapter
 from a run's config), ``rows`` (``Rows``, length limits), ``prompts`` (RL prompts), ``sft``
 (SFT examples), ``pairs`` (preference pairs), ``unpaired`` (KTO's examples) and ``sampler``
-(``ResumableSampler``).
+(``ResumableSampler``); ``gym`` draws rows from reasoning-gym instead of files
+(``data.source=reasoning_gym``) and holds its reward.
 
 Layout: prompts are left-padded (``collate_prompts``), SFT sequences and responses
 right-padded. ``loss_mask[t] == 1`` means token ``t`` is a target, predicted from position
@@ -23,6 +24,8 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import Overlong, TextOptions
 from treadle.data.pairs import PairDataset, PairRow, collate_pairs, load_pair_dataset
+from treadle.data.gym import KEY as GYM_KEY
+from treadle.data.gym import Split, gym_records, instruction
 from treadle.data.prompts import (
     PromptDataset,
     PromptRow,
@@ -31,10 +34,12 @@ from treadle.data.prompts import (
     load_prompt_dataset,
     pad_prompts,
     prompt_batch,
+    prompt_dataset,
 )
+from treadle.data.readers import Record, read_records
 from treadle.data.rows import Rows
 from treadle.data.sampler import ResumableSampler
-from treadle.data.sft import SFTDataset, SFTRow, collate_sft, load_sft_dataset
+from treadle.data.sft import SFTDataset, SFTRow, collate_sft, load_sft_dataset, sft_dataset
 from treadle.data.templating import (
     HERMES_TOOLS_PROMPT,
     encode_rendered,
@@ -71,9 +76,12 @@ __all__ = [
     "left_pad",
     "pad_prompts",
     "prompt_batch",
+    "prompt_dataset",
+    "sft_dataset",
     "collate_sft",
     "collate_unpaired",
     "config_pairs",
+    "config_records",
     "config_prompts",
     "config_sft",
     "config_unpaired",
@@ -91,20 +99,47 @@ __all__ = [
 # section's settings, so the trainers and ``treadle check`` see exactly the same rows.
 
 Tokenizer = PreTrainedTokenizerBase
+VAL_KEY = "data.val_files"  # the key the drivers name held-out prompts by
+
+
+def config_records(
+    cfg: Config, files: Sequence[str], key: str, options: TextOptions
+) -> tuple[list[Record], TextOptions]:
+    """The rows of ``files`` (the config key ``key``) and how to read them; with
+    ``data.source=reasoning_gym`` reasoning-gym's rows of that split instead: the prompt is
+    the ``question``, the ground truth the ``answer``, the SFT target the ``solution``, and
+    the answer format's instruction the system prompt unless ``data.system_prompt`` is set."""
+    if cfg.data.source == "files":
+        return read_records(files, key), options
+    spec = cfg.data.reasoning_gym
+    split: Split = "val" if key == VAL_KEY else "train"
+    system = options.system_prompt
+    gym = replace(
+        options,
+        prompt_key="question",
+        answer_key="answer",
+        response_key="solution",
+        system_prompt=instruction(spec.answer_format) if system is None else system,
+        config_key=f"{GYM_KEY} ({split})",
+    )
+    records = gym_records(spec, split)
+    return records, gym
 
 
 def config_prompts(
     cfg: Config, files: Sequence[str], key: str, tokenizer: Tokenizer, tools: Any
 ) -> PromptDataset:
     """RL and evaluation prompts of ``files`` (the config key ``key``)."""
-    return load_prompt_dataset(files, tokenizer, TextOptions.from_config(cfg, key, tools))
+    records, options = config_records(cfg, files, key, TextOptions.from_config(cfg, key, tools))
+    return prompt_dataset(records, tokenizer, options)
 
 
 def config_sft(cfg: Config, files: Sequence[str], key: str, tokenizer: Tokenizer) -> SFTDataset:
     """SFT examples of ``files``: at most ``data.max_prompt_length + rollout.max_new_tokens``
     tokens; a longer one is dropped (``data.overlong_prompts`` is about prompts)."""
     options = replace(TextOptions.from_config(cfg, key), overlong="filter")
-    return load_sft_dataset(files, tokenizer, options)
+    records, options = config_records(cfg, files, key, options)
+    return sft_dataset(records, tokenizer, options)
 
 
 def config_pairs(cfg: Config, files: Sequence[str], key: str, tokenizer: Tokenizer) -> PairDataset:

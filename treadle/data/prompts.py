@@ -54,9 +54,15 @@ def load_prompt_dataset(
     message: ``tool_messages``). Special-token strings in the prompts stay text unless
     ``allow_special_tokens``.
     """
+    return prompt_dataset(read_records(files, options.config_key), tokenizer, options)
+
+
+def prompt_dataset(
+    records: Sequence[Record], tokenizer: PreTrainedTokenizerBase, options: TextOptions
+) -> PromptDataset:
+    """``load_prompt_dataset`` of rows already read (a source other than files)."""
     o = options
     check_template(tokenizer, o.apply_chat_template)
-    records = read_records(files, o.config_key)
     parsed = [_parse(record, tokenizer, o) for record in records]
     ids = _prompt_ids(tokenizer, [p[1] for p in parsed], [p[2] for p in parsed], o)
     rows: list[PromptRow] = []

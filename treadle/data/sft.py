@@ -54,10 +54,16 @@ def load_sft_dataset(
     every assistant turn). Examples longer than ``options.sft_max_length`` tokens are filtered
     or raise, as prompts.
     """
+    return sft_dataset(read_records(files, options.config_key), tokenizer, options)
+
+
+def sft_dataset(
+    records: Sequence[Record], tokenizer: PreTrainedTokenizerBase, options: TextOptions
+) -> SFTDataset:
+    """``load_sft_dataset`` of rows already read (a source other than files)."""
     o, max_length = options, options.sft_max_length
     check_template(tokenizer, o.apply_chat_template)
     rows: list[SFTRow] = []
-    records = read_records(files, o.config_key)
     for record in records:
         ids, mask = _sft_example(record, tokenizer, o)
         if keep(f"{record.where}: example is", len(ids), max_length, o.overlong, "max_length"):

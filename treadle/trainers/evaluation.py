@@ -62,7 +62,7 @@ def rule_scores(scorer: Scorer, batch: Batch) -> list[float]:
 
 def evaluate_model(cfg: Config) -> float:
     """Held-out accuracy of ``model.path`` (a model folder or a checkpoint's model)."""
-    if not cfg.data.val_files:
+    if not cfg.data.has_val:
         raise ConfigError("data.val_files is empty: eval needs held-out prompts")
     val = load_prompts(cfg, cfg.data.val_files, "data.val_files")
     if not cfg.model.path:

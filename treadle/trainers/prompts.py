@@ -16,8 +16,10 @@ from treadle.models import load_tokenizer
 
 
 def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:
-    """The prompts of ``files`` (the config key ``key``), checked and tokenized."""
-    return config_prompts(cfg, listed(files, key), key, tokenizer(cfg), tool_schemas(cfg))
+    """The prompts of ``files`` (the config key ``key``), checked and tokenized; with
+    ``data.source=reasoning_gym``, that split of reasoning-gym's rows."""
+    files = files if cfg.data.source != "files" else listed(files, key)
+    return config_prompts(cfg, files, key, tokenizer(cfg), tool_schemas(cfg))
 
 
 def listed(files: list[str], key: str, what: str = "") -> list[str]:

@@ -178,7 +178,7 @@ class RLTrainer(Trainer):
         alg = cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_ds = (
-            load_prompts(cfg, cfg.data.val_files, "data.val_files") if cfg.data.val_files else None
+            load_prompts(cfg, cfg.data.val_files, "data.val_files") if cfg.data.has_val else None
         )
         self.scorer = make_scorer(cfg)  # now: the async producer scores from its thread
         self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)

@@ -30,12 +30,12 @@ class SFTTrainer(Trainer):
 
     def __init__(self, cfg: Config) -> None:
         d = cfg.data
-        files = listed(d.train_files, "data.train_files")
+        files = d.train_files if d.source != "files" else listed(d.train_files, "data.train_files")
         super().__init__(cfg)
         tok = tokenizer(cfg)
         self.pad = pad_or_eos_id(tok)
         self.ds = config_sft(cfg, files, "data.train_files", tok)
-        self.val = load_prompts(cfg, d.val_files, "data.val_files") if d.val_files else None
+        self.val = load_prompts(cfg, d.val_files, "data.val_files") if d.has_val else None
         self.steps_per_epoch = max(len(self.ds) // d.batch_size, 1)
         if cfg.trainer.epochs is not None:
             self.total = cfg.trainer.epochs * self.steps_per_epoch

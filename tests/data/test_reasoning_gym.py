@@ -1,0 +1,300 @@
+"""reasoning-gym as a data source and a reward (``data.source=reasoning_gym``,
+``reward.function=reasoning_gym``): the rows it draws, the answer formats, scoring against the
+library's own ``score_answer``, ``treadle check``'s messages, and two RL steps through it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+reasoning_gym = pytest.importorskip("reasoning_gym")
+
+from treadle.cli import main  # noqa: E402
+from treadle.config import load_config  # noqa: E402
+from treadle.config.data import ReasoningGymConfig  # noqa: E402
+from treadle.data import config_prompts, config_sft  # noqa: E402
+from treadle.data.gym import compute_score, extract_answer, format_answer, gym_records  # noqa: E402
+from treadle.errors import ConfigError  # noqa: E402
+from treadle.models import load_tokenizer  # noqa: E402
+from treadle.rewards import Scorer  # noqa: E402
+
+ARITHMETIC = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
+
+
+def spec(**kwargs: Any) -> ReasoningGymConfig:
+    base: dict[str, Any] = {
+        "datasets": [{"name": "basic_arithmetic", "config": ARITHMETIC}],
+        "size": 30,
+        "seed": 3,
+        "val_size": 10,
+        "val_seed": 500,
+    }
+    return ReasoningGymConfig(**{**base, **kwargs})
+
+
+# --- rows ------------------------------------------------------------------------------------
+
+
+def test_rows_are_the_librarys_composite_entries_with_sizes_and_seeds():
+    from reasoning_gym.composite import DatasetSpec
+
+    s = spec()
+    train, val = gym_records(s, "train"), gym_records(s, "val")
+    assert (len(train), len(val)) == (30, 10)
+    ref = reasoning_gym.create_dataset(
+        "composite", size=30, seed=3, datasets=[DatasetSpec("basic_arithmetic", 1.0, ARITHMETIC)]
+    )
+    for i, record in enumerate(train):  # the entries unchanged, plus our two columns
+        entry = ref[i]
+        assert {k: record.row[k] for k in ("question", "answer", "metadata")} == entry
+        assert record.row["answer_format"] == "answer_tag"
+        assert record.row["solution"] == f"<answer>{entry['answer']}</answer>"
+        assert record.uid == f"reasoning_gym-train:{i}"
+    assert val[0].uid == "reasoning_gym-val:0" and val[0].where == "data.reasoning_gym (val) row 1"
+    # deterministic; the held-out rows come from their own seed
+    assert [r.row for r in gym_records(s, "train")] == [r.row for r in train]
+    assert [r.row["question"] for r in val] != [r.row["question"] for r in train[:10]]
+    other = gym_records(spec(val_seed=900), "val")
+    assert [r.row["question"] for r in other] != [r.row["question"] for r in val]
+
+
+def test_weights_mix_datasets_as_the_composite_does():
+    datasets = [
+        {"name": "basic_arithmetic", "weight": 3, "config": ARITHMETIC},
+        {"name": "spell_backward", "weight": 1},
+    ]
+    rows = [r.row for r in gym_records(spec(datasets=datasets, size=200), "train")]
+    sources = [r["metadata"]["source_dataset"] for r in rows]
+    assert set(sources) == {"basic_arithmetic", "spell_backward"}
+    assert 0.6 < sources.count("basic_arithmetic") / len(sources) < 0.9
+
+
+def test_held_out_seed_must_not_share_the_training_streams():
+    with pytest.raises(ValueError, match=r"val_seed=10 draws held-out rows .* at least 35"):
+        spec(val_seed=10)
+
+
+# --- answer formats and scoring ----------------------------------------------------------------
+
+
+def test_answer_extraction():
+    assert (
+        extract_answer("think <answer>1</answer> then <answer> 42 </answer>", "answer_tag") == "42"
+    )
+    assert extract_answer("no tags: 42", "answer_tag") is None
+    assert extract_answer("work\n  7 + 5 = 12\n\n 12  \n", "last_line") == "12"
+    assert extract_answer("\n \n", "last_line") is None
+    assert extract_answer("  12 \n", "full") == "12"
+    for how in ("answer_tag", "last_line", "full"):
+        assert extract_answer(format_answer("-17", how), how) == "-17"
+
+
+@pytest.mark.parametrize(
+    ("name", "config"),
+    [("basic_arithmetic", ARITHMETIC), ("spell_backward", {}), ("chain_sum", {})],
+)
+def test_scores_are_the_datasets_own_score_answer(name, config):
+    ds = reasoning_gym.create_dataset(name, size=4, seed=7, **config)
+    entries = list(ds)
+    # right, partial (the answer inside more text), wrong and empty answers
+    answers = [entries[0]["answer"], f"{entries[1]['answer']}0", "nonsense", ""]
+    responses = [f"<answer>{a}</answer>" for a in answers]
+    expected = [ds.score_answer(a, e) for a, e in zip(answers, entries, strict=True)]
+    got = compute_score(
+        responses,
+        [e["question"] for e in entries],
+        [e["answer"] for e in entries],
+        [e["metadata"] for e in entries],
+        ["answer_tag"] * 4,
+    )
+    assert got == expected and got[0] == 1.0
+    # no <answer> tag: scored as the library scores no answer (None)
+    none = compute_score(["42"], [entries[0]["question"]], [entries[0]["answer"]],
+                         [entries[0]["metadata"]], ["answer_tag"])  # fmt: skip
+    assert none == [ds.score_answer(None, entries[0])]
+
+
+def test_reward_reads_rows_through_the_scorer():
+    rows = [r.row for r in gym_records(spec(answer_format="last_line"), "train")[:3]]
+    responses = [f"thinking...\n{rows[0]['answer']}", "no", f"{rows[2]['answer']}"]
+    with Scorer("reasoning_gym", num_workers=2) as scorer:  # batched: in this process
+        scores = scorer([r["question"] for r in rows], responses, [r["answer"] for r in rows], rows)
+    assert list(scores) == [1.0, 0.0, 1.0]
+
+
+def test_reward_on_rows_without_metadata_says_what_it_needs():
+    with pytest.raises(ValueError, match=r"use data\.source=reasoning_gym"):
+        compute_score(["1"], ["q"], ["1"], [{}])
+
+
+# --- through the prompt pipeline --------------------------------------------------------------
+
+
+def gym_config(model: str, *overrides: str):  # type: ignore[no-untyped-def]
+    return load_config(
+        None,
+        [
+            f"model.path={model}",
+            "data.source=reasoning_gym",
+            "data.reasoning_gym.datasets=[{name: basic_arithmetic, config: "
+            + json.dumps(ARITHMETIC)
+            + "}]",
+            "data.reasoning_gym.size=12",
+            "data.reasoning_gym.val_size=4",
+            "data.max_prompt_length=512",  # the tiny tokenizer is nearly bytes
+            *overrides,
+        ],
+    )
+
+
+def test_rows_become_prompts_with_the_formats_instruction(tiny_task):
+    cfg = gym_config(str(tiny_task["model"]))
+    tok = load_tokenizer(tiny_task["model"])
+    train = config_prompts(cfg, [], "data.train_files", tok, None)
+    val = config_prompts(cfg, [], "data.val_files", tok, None)
+    assert (len(train), len(val)) == (12, 4)
+    row = train[0]
+    assert row["prompt_text"] == row["row"]["question"]
+    assert row["ground_truth"] == row["row"]["answer"]
+    assert row["row"]["metadata"]["source_dataset"] == "basic_arithmetic"
+    text = tok.decode(row["prompt_ids"])
+    assert "Provide your answer between <answer> and </answer> tags" in text
+    assert row["row"]["question"] in text
+    own = config_prompts(
+        gym_config(str(tiny_task["model"]), "data.system_prompt=Be brief."),
+        [], "data.train_files", tok, None,
+    )  # fmt: skip
+    assert "Be brief." in tok.decode(own[0]["prompt_ids"]) and "<answer>" not in tok.decode(
+        own[0]["prompt_ids"]
+    )
+    sft = config_sft(cfg, [], "data.train_files", tok)
+    targets = [
+        tok.decode([t for t, m in zip(r["input_ids"], r["loss_mask"], strict=True) if m])
+        for r in sft.rows
+    ]
+    assert targets[0].startswith(f"<answer>{row['row']['answer']}</answer>")
+
+
+# --- treadle check ---------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gym_yaml(tiny_task, tmp_path_factory) -> str:
+    root = tmp_path_factory.mktemp("gym_check")
+    config = {
+        "model": {"path": str(tiny_task["model"])},
+        "data": {
+            "source": "reasoning_gym",
+            "reasoning_gym": {
+                "datasets": [{"name": "basic_arithmetic", "config": ARITHMETIC}],
+                "size": 16,
+                "val_size": 4,
+            },
+            "max_prompt_length": 96,
+            "system_prompt": "Answer.",
+            "batch_size": 4,
+        },
+        "rollout": {"n": 2, "max_new_tokens": 8},
+        "reward": {"function": "reasoning_gym", "num_workers": 0},
+        "actor": {"ppo_mini_batch_size": 8, "micro_batch_size": 8},
+        "trainer": {"backend": "local", "output_dir": str(root / "run"), "progress": False},
+    }
+    path = root / "gym.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return str(path)
+
+
+def check(capsys, path: str, *overrides: str, kind: str = "train") -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
+    code = main(["check", path, *overrides, "--kind", kind])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("kind", ["train", "sft", "eval"])
+def test_check_passes_and_counts_the_rows(gym_yaml, capsys, kind):
+    code, out, err = check(capsys, gym_yaml, kind=kind)
+    assert code == 0, err
+    if kind != "eval":
+        assert "data.reasoning_gym (train): 16 rows" in out
+    assert "data.reasoning_gym (val): 4 rows" in out
+
+
+DATASET = "data.reasoning_gym.datasets"
+
+
+@pytest.mark.parametrize(
+    ("override", "pattern"),
+    [
+        (
+            f"{DATASET}=[{{name: basic_arithmetc}}]",
+            r"datasets\[0\]\.name: reasoning-gym has no dataset 'basic_arithmetc' \(did you "
+            r"mean 'basic_arithmetic'\?\)",
+        ),
+        (
+            f"{DATASET}=[{{name: basic_arithmetic, config: {{min_term: 2}}}}]",
+            r"datasets\[0\]\.config\.min_term: basic_arithmetic has no setting 'min_term' "
+            r"\(did you mean 'min_terms'\?\)",
+        ),
+        (
+            f"{DATASET}=[{{name: basic_arithmetic, config: {{min_terms: 4, max_terms: 3}}}}]",
+            r"datasets\[0\]\.config: invalid for basic_arithmetic: max_terms must be >= min_terms",
+        ),
+        (
+            f"{DATASET}=[{{name: basic_arithmetic, config: {{seed: 3}}}}]",
+            r"datasets\[0\]\.config\.seed: set data\.reasoning_gym\.seed",
+        ),
+        (f"{DATASET}=[]", r"data\.source=reasoning_gym needs data\.reasoning_gym\.datasets"),
+        ("data.train_files=[a.jsonl]", r"remove data\.train_files and data\.val_files"),
+        (
+            f"{DATASET}=[{{name: gcd}}, {{name: gcd}}]",
+            r"data\.reasoning_gym\.datasets names a dataset twice",
+        ),
+        ("data.reasoning_gym.answer_format=xml", r"answer_format: input should be 'answer_tag'"),
+        ("data.reasoning_gym.size=2", r"data\.reasoning_gym\.size: 2 rows, fewer than one batch"),
+    ],
+)
+def test_check_names_the_bad_key(gym_yaml, capsys, override, pattern):
+    code, out, err = check(capsys, gym_yaml, override)
+    assert code == 2 and "Traceback" not in out + err
+    errors = [line for line in err.splitlines() if line.startswith("treadle: error: ")]
+    assert len(errors) == 1 and re.search(pattern, errors[0]), err
+
+
+def test_check_refuses_the_source_for_pairs(gym_yaml, capsys):
+    code, _, err = check(capsys, gym_yaml, kind="dpo")
+    assert code == 2 and "data.source=reasoning_gym gives prompts" in err
+
+
+def test_bad_dataset_is_a_config_error_when_rows_are_drawn():
+    with pytest.raises(ConfigError, match=r"has no dataset 'nope'"):
+        gym_records(spec(datasets=[{"name": "nope"}]), "train")
+
+
+# --- end to end ------------------------------------------------------------------------------
+
+
+def test_two_rl_steps_through_the_source(gym_yaml, tmp_path: Path):
+    from treadle.trainers.rl import train
+
+    cfg = load_config(
+        gym_yaml,
+        [
+            "rollout.engine=hf",
+            "algorithm.kl_coef=0",
+            "trainer.total_steps=2",
+            "trainer.eval_every=2",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+    )
+    final = train(cfg)
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    steps = [json.loads(line) for line in lines]
+    trained = [s for s in steps if "reward/mean" in s]
+    assert [s["step"] for s in trained] == [1, 2]
+    assert all(0.0 <= s["reward/mean"] <= 1.0 for s in trained)
+    assert 0.0 <= final["eval/accuracy"] <= 1.0
