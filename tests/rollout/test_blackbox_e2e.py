@@ -87,14 +87,31 @@ def test_the_agents_recorded_calls_are_the_trained_tokens(tiny_task, tmp_path):
             assert batch["prompts"][row][batch["prompt_mask"][row].bool()].tolist() == (
                 second.prompt_ids
             )
-    assert batch["agent_reward"].tolist() == [
-        r for r in batch["agent_reward"].tolist() if r in (0.0, 1.0)
+    assert batch["trajectory_reward"].tolist() == [
+        r for r in batch["trajectory_reward"].tolist() if r in (0.0, 1.0)
     ]
     assert metrics["agent/errors"] == 0 and "agent/prefix_breaks" in metrics
 
 
-def test_a_black_box_agent_trains_two_steps_under_ray(tiny_task, tmp_path, ray_session):
-    out, empty = tmp_path / "run", tmp_path / "empty.yaml"
+GYM_AGENT = """
+async def ask_twice(client, row):
+    # reasoning-gym's question, then "Sure?"; None: reward.function scores the last answer
+    messages = [{"role": "user", "content": row["question"]}]
+    first = await client.chat.completions.create(model="m", messages=messages)
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content},
+        {"role": "user", "content": "Sure?"},
+    ]
+    await client.chat.completions.create(model="m", messages=messages)
+    return None
+"""
+
+
+def test_a_black_box_agent_on_reasoning_gym_trains_two_steps_under_ray(
+    tiny_task, tmp_path, ray_session
+):
+    agent, out, empty = tmp_path / "gym_agent.py", tmp_path / "run", tmp_path / "empty.yaml"
+    agent.write_text(GYM_AGENT)
     empty.write_text("")
     code = main(
         [
@@ -103,12 +120,21 @@ def test_a_black_box_agent_trains_two_steps_under_ray(tiny_task, tmp_path, ray_s
             *overrides(
                 tiny_task,
                 out,
+                "data.train_files=[]",
+                "data.source=reasoning_gym",
+                "data.reasoning_gym.datasets=[{name: basic_arithmetic, config: {min_terms: 2, "
+                "max_terms: 2, min_digits: 1, max_digits: 1}}]",
+                "data.reasoning_gym.size=16",
+                "data.reasoning_gym.val_size=4",
+                "data.system_prompt=Be brief.",
+                "reward.function=reasoning_gym",
                 "rollout.engine=vllm",
                 "rollout.kv_cache_gib=0.25",
                 "trainer.backend=ray",
                 "trainer.total_steps=2",
                 "trainer.save_every=0",
-                f"rollout.agent_loop=openai:{AGENT}:answer_then_check",
+                "trainer.eval_every=2",
+                f"rollout.agent_loop=openai:{agent}:ask_twice",
             ),
         ]
     )
@@ -118,6 +144,8 @@ def test_a_black_box_agent_trains_two_steps_under_ray(tiny_task, tmp_path, ray_s
     for r in rows:  # two calls a run: one sample of two turns, or two of one (a broken prefix)
         assert r["agent/errors"] == 0 and 0 <= r["agent/prefix_breaks"] <= 4
         assert r["agent/turns_mean"] == pytest.approx(8 / (4 + r["agent/prefix_breaks"]))
+        assert 0.0 <= r["reward/mean"] <= 1.0  # reasoning-gym's score_answer
+    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
 
 
 BAD_AGENTS = """

@@ -42,9 +42,13 @@ def make_scorer(cfg: Config) -> Scorer:
 
 def rule_scores(scorer: Scorer, batch: Batch) -> list[float]:
     """The score of every sample of ``batch``: its agent's own reward where it gave one
-    (``agent_reward``), the reward function's elsewhere (a batched reward also gets the
+    (``trajectory_reward``), the reward function's elsewhere (a batched reward also gets the
     columns of the data rows)."""
-    given = batch["agent_reward"].tolist() if "agent_reward" in batch else [math.nan] * len(batch)
+    given = (
+        batch["trajectory_reward"].tolist()
+        if "trajectory_reward" in batch
+        else [math.nan] * len(batch)
+    )
     todo = [i for i, r in enumerate(given) if math.isnan(r)]
     if not todo:
         return given
