@@ -242,9 +242,7 @@ class Rollout:
         ]
         batch["stop_reason"] = [t.stop_reason for t in trajectories]
         rewards = [math.nan if t.reward is None else t.reward for t in trajectories]
-        batch["trajectory_reward"] = torch.tensor(
-            rewards, dtype=torch.float64
-        )  # the loop's; NaN: none
+        batch["trajectory_reward"] = torch.tensor(rewards, dtype=torch.float64)  # NaN: none
         if self.agents.loop is not single_turn:  # tool tokens are attended, not trained
             ones = [[1] * len(t.token_ids) for t in trajectories]
             batch["response_attention_mask"] = pad(ones, 0, torch.long)

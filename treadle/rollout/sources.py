@@ -151,7 +151,7 @@ class GroupFilter:
 
     def __init__(self, cfg: Config) -> None:
         alg = cfg.algorithm
-        self.on, self.want, self.n = alg.filter_groups, cfg.data.batch_size, cfg.rollout.n
+        self.on, self.want = alg.filter_groups, cfg.data.batch_size
         self.budget = alg.max_gen_rounds * self.want if self.on else math.inf  # groups to look at
         self.kept: list[Batch] = []
         self.dropped: list[Batch] = []
@@ -297,7 +297,7 @@ class AsyncSource:
         else:
             self.max_staleness, self.sync_every = a.max_staleness, a.sync_every
             self.partial = a.partial_rollout
-        self.batch_size, self.n = cfg.data.batch_size, cfg.rollout.n
+        self.batch_size = cfg.data.batch_size
         self.capacity = a.buffer_groups or (self.max_staleness + 1) * self.batch_size
         self.rollout, self.client = rollout, rollout.client
         self.dataset, self.sampler, self.score = dataset, sampler, score

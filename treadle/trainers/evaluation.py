@@ -28,6 +28,7 @@ def evaluate(
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=cfg.rollout.max_new_tokens)
     failpoint("eval")
     out = rollout.generate(batch, greedy)
+    rollout.take_counters()  # (an evaluation's failed agent runs count as wrong, not as errors)
     scores = rule_scores(scorer, out)
     # per prompt: a failed agent run counts as wrong, a session split into segments once
     right = {uid for uid, s in zip(out["uid"], scores, strict=True) if s >= 1.0}
