@@ -8,6 +8,7 @@ double replica answers with the tokens of a scripted text.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from collections.abc import Callable, Coroutine
@@ -257,6 +258,53 @@ def test_a_three_turn_chat_extends_its_own_tokens(client, tok):
         assert after.prompt_ids[: len(done)] == done
     assert [r.session_id for r in replica.requests] == ["t"] * 3
     assert calls[0].token_versions == [3] * len(calls[0].completion_ids)
+
+
+def three_turns(tok: Any) -> list[Any]:
+    """A three-turn chat over a scripted replica, recorded under session "t"."""
+    scripted_client = RolloutClient([ScriptedReplica(tok, ["5", "Seven.", "Done"])])
+
+    async def scenario(ep: Endpoint) -> Any:
+        messages = list(MESSAGES)
+        for follow_up in ("And 3 + 4?", "Thanks", None):
+            answer = await oai(ep, ep.session_url("t")).chat.completions.create(
+                model="tiny", messages=messages
+            )
+            if follow_up is not None:
+                messages += [
+                    {"role": "assistant", "content": answer.choices[0].message.content},
+                    {"role": "user", "content": follow_up},
+                ]
+        return ep.take_calls("t")
+
+    try:
+        return serve(scripted_client, tok, scenario)
+    finally:
+        scripted_client.close()
+
+
+def test_recorded_turns_merge_into_one_sample_or_split_where_history_is_dropped(tok):
+    from treadle.agents.sessions import merge_calls
+
+    calls = three_turns(tok)
+    (t,), breaks = merge_calls(calls, width=512)
+    assert breaks == 0 and t.prompt_ids == calls[0].prompt_ids
+    assert t.model_token_ids == [i for c in calls for i in c.completion_ids]
+    sampled = [lp for lp, m in zip(t.log_probs, t.loss_mask, strict=True) if m]
+    assert sampled == [lp for c in calls for lp in c.log_probs]
+    # A template that shows the model only the last user message drops the history: each
+    # turn is then a sample of its own, with its own prompt.
+    forgetful = copy.deepcopy(tok)
+    forgetful.chat_template = (
+        "{% set last = messages | selectattr('role', 'equalto', 'user') | list | last %}"
+        "<|im_start|>user\n{{ last['content'] }}<|im_end|>\n"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    calls = three_turns(forgetful)
+    parts, breaks = merge_calls(calls, width=512)
+    assert breaks == 2 and [p.prompt_ids for p in parts] == [c.prompt_ids for c in calls]
+    assert [p.token_ids for p in parts] == [c.completion_ids for c in calls]
+    assert all(p.loss_mask == [1] * len(p.token_ids) for p in parts)
 
 
 # --- tool calls, reasoning, stop strings (scripted text) ------------------------------------------
