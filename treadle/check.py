@@ -12,7 +12,8 @@ alone prints its summary. It checks:
   parses, the tokenizer loads, and the prompt plus the response fits the model's context
   (``max_position_embeddings``). Weights are not loaded;
 - every data file the command reads: each row parses and has its columns, through the same
-  readers as the run (``treadle.data``), file by file so that each bad file is reported;
+  readers as the run (``treadle.data``), file by file so that each bad file is reported; with
+  ``data.source=reasoning_gym`` its rows are drawn, which checks the dataset names and configs;
 - user code (the reward function, agent loop, tools): it imports within
   ``IMPORT_TIMEOUT_S`` seconds (an import that blocks is interrupted with SIGALRM, in the main
   thread) and has a usable signature;

@@ -10,18 +10,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import reasoning_gym
 import yaml
 
-reasoning_gym = pytest.importorskip("reasoning_gym")
-
-from treadle.cli import main  # noqa: E402
-from treadle.config import load_config  # noqa: E402
-from treadle.config.data import ReasoningGymConfig  # noqa: E402
-from treadle.data import config_prompts, config_sft  # noqa: E402
-from treadle.data.gym import compute_score, extract_answer, format_answer, gym_records  # noqa: E402
-from treadle.errors import ConfigError  # noqa: E402
-from treadle.models import load_tokenizer  # noqa: E402
-from treadle.rewards import Scorer  # noqa: E402
+from treadle.cli import main
+from treadle.config import load_config
+from treadle.config.data import ReasoningGymConfig
+from treadle.data import config_prompts, config_sft
+from treadle.data.gym import compute_score, extract_answer, format_answer, gym_records
+from treadle.errors import ConfigError
+from treadle.models import load_tokenizer
+from treadle.rewards import Scorer
 
 ARITHMETIC = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 
