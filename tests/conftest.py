@@ -61,6 +61,28 @@ def tiny_task(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def long_task(tmp_path_factory):
+    """The tiny task with room for tool instructions, games and several turns: 1152 positions
+    (its tokenizer spells English nearly letter by letter: the tool instructions alone are ~800
+    tokens, TextArena's first message ~600)."""
+    from treadle.tasks.arithmetic import prepare
+
+    return prepare(
+        tmp_path_factory.mktemp("arithmetic_long"),
+        seed=0,
+        n_train=64,
+        n_test=16,
+        max_value=20,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=128,
+        max_positions=1152,
+    )
+
+
+@pytest.fixture(scope="session")
 def length_reward(tmp_path_factory):
     """A user reward function that varies across samples even for an untrained model."""
     path = tmp_path_factory.mktemp("reward") / "length_reward.py"

@@ -7,7 +7,6 @@ import itertools
 import json
 from pathlib import Path
 
-import pytest
 import torch
 
 from treadle.cli import main
@@ -16,27 +15,6 @@ from treadle.trainers.rl import RLTrainer
 
 EXAMPLE_LOOP = Path(__file__).resolve().parents[2] / "examples" / "tools" / "check_loop.py"
 CALCULATOR = "treadle.tasks.calculator:calculator"
-
-
-@pytest.fixture(scope="module")
-def long_task(tmp_path_factory):
-    """The tiny task with room for tool instructions and several turns: 1152 positions (the
-    tool instructions alone are ~800 tokens of its small vocabulary)."""
-    from treadle.tasks.arithmetic import prepare
-
-    return prepare(
-        tmp_path_factory.mktemp("arithmetic_long"),
-        seed=0,
-        n_train=64,
-        n_test=16,
-        max_value=20,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_positions=1152,
-    )
 
 
 def overrides(task, out, *extra: str) -> list[str]:

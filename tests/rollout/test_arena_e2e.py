@@ -5,33 +5,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from treadle.cli import main
 
 
-@pytest.fixture(scope="module")
-def arena_task(tmp_path_factory):
-    """The tiny model with room for TextArena's prompts (its tokenizer spells English nearly
-    letter by letter: the game's first message is ~600 tokens)."""
-    from treadle.tasks.arithmetic import prepare
-
-    return prepare(
-        tmp_path_factory.mktemp("arena"),
-        seed=0,
-        n_train=64,
-        n_test=8,
-        max_value=20,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_positions=1024,
-    )
-
-
-def test_a_textarena_game_trains_two_steps_through_the_endpoint(arena_task, tmp_path):
+def test_a_textarena_game_trains_two_steps_through_the_endpoint(long_task, tmp_path):
     games = tmp_path / "games.jsonl"
     rows = [
         {"prompt": "p", "answer": "a", "env_id": "GuessTheNumber-v0-raw", "seed": i, "max_turns": 2}
@@ -44,7 +21,7 @@ def test_a_textarena_game_trains_two_steps_through_the_endpoint(arena_task, tmp_
         [
             "train",
             str(empty),
-            f"model.path={arena_task['model']}",
+            f"model.path={long_task['model']}",
             f"data.train_files=[{games}]",
             "data.batch_size=2",
             "data.max_prompt_length=768",  # the endpoint takes prompts up to this long

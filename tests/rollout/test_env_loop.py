@@ -226,28 +226,7 @@ def test_check_loads_the_environment_factory(tiny_task, tmp_path):
 # ----------------------------------------------------------------------------- end to end
 
 
-@pytest.fixture(scope="module")
-def game_task(tmp_path_factory):
-    """The tiny model with room for the game's observations (its tokenizer spells English
-    nearly letter by letter)."""
-    from treadle.tasks.arithmetic import prepare
-
-    return prepare(
-        tmp_path_factory.mktemp("text_game"),
-        seed=0,
-        n_train=64,
-        n_test=8,
-        max_value=20,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_positions=640,
-    )
-
-
-def test_the_text_game_trains_two_steps(game_task, tmp_path):
+def test_the_text_game_trains_two_steps(long_task, tmp_path):
     from treadle.cli import main
 
     out, empty = tmp_path / "run", tmp_path / "empty.yaml"
@@ -256,7 +235,7 @@ def test_the_text_game_trains_two_steps(game_task, tmp_path):
         [
             "train",
             str(empty),
-            f"model.path={game_task['model']}",
+            f"model.path={long_task['model']}",
             f"data.train_files=[{GAME_DIR / 'games.jsonl'}]",
             "data.batch_size=2",
             "rollout.n=2",
