@@ -287,8 +287,8 @@ def test_recorded_turns_merge_into_one_sample_or_split_where_history_is_dropped(
     from treadle.agents.sessions import merge_calls
 
     calls = three_turns(tok)
-    (t,), breaks = merge_calls(calls, width=512)
-    assert breaks == 0 and t.prompt_ids == calls[0].prompt_ids
+    (t,) = merge_calls(calls, width=512)
+    assert t.prompt_ids == calls[0].prompt_ids
     assert t.model_token_ids == [i for c in calls for i in c.completion_ids]
     sampled = [lp for lp, m in zip(t.log_probs, t.loss_mask, strict=True) if m]
     assert sampled == [lp for c in calls for lp in c.log_probs]
@@ -301,8 +301,8 @@ def test_recorded_turns_merge_into_one_sample_or_split_where_history_is_dropped(
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
     calls = three_turns(forgetful)
-    parts, breaks = merge_calls(calls, width=512)
-    assert breaks == 2 and [p.prompt_ids for p in parts] == [c.prompt_ids for c in calls]
+    parts = merge_calls(calls, width=512)
+    assert len(parts) == 3 and [p.prompt_ids for p in parts] == [c.prompt_ids for c in calls]
     assert [p.token_ids for p in parts] == [c.completion_ids for c in calls]
     assert all(p.loss_mask == [1] * len(p.token_ids) for p in parts)
 

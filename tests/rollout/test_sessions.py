@@ -46,8 +46,7 @@ def test_calls_that_extend_the_conversation_merge_into_one_sample():
         Call(1, [1, 2, 3, 4, 5, 6], [7], [-0.1], [8]),
         Call(2, [1, 2, 3, 4, 5, 6, 7, 8], [9, 10]),
     ]
-    (t,), breaks = merge_calls(calls, width=100)
-    assert breaks == 0
+    (t,) = merge_calls(calls, width=100)
     assert t.prompt_ids == [1, 2]
     assert t.token_ids == [3, 4, 5, 6, 7, 8, 9, 10]
     assert t.loss_mask == [1, 1, 0, 0, 1, 0, 1, 1]
@@ -64,8 +63,7 @@ def test_a_broken_prefix_splits_the_session_into_segments():
         Call(2, [1, 2, 9, 5], [7, 8]),  # history rewritten: [3, 4] became [9]
         Call(3, [1, 2, 9, 5, 7, 8, 5], [11]),  # extends the new segment
     ]
-    (a, b), breaks = merge_calls(calls, width=100)
-    assert breaks == 1
+    (a, b) = merge_calls(calls, width=100)
     assert (a.prompt_ids, a.token_ids, a.loss_mask) == ([1, 2], [3, 4, 5, 6], [1, 1, 0, 1])
     assert (b.prompt_ids, b.token_ids, b.loss_mask) == ([1, 2, 9, 5], [7, 8, 5, 11], [1, 1, 0, 1])
 
@@ -77,18 +75,17 @@ def test_interleaved_conversations_each_stay_whole_and_the_budget_splits():
         Call(2, [1, 2, 3], [4]),  # extends the first, not the newest
         Call(3, [50, 51, 52], [53]),
     ]
-    (a, b), breaks = merge_calls(calls, width=100)
-    assert breaks == 1
+    (a, b) = merge_calls(calls, width=100)
     assert a.all_token_ids == [1, 2, 3, 4] and b.all_token_ids == [50, 51, 52, 53]
     # with a budget of 3 tokens after the prompt, the third call no longer fits the first
-    parts, breaks = merge_calls(calls[:1] + calls[2:3], width=2)
-    assert breaks == 1 and [p.all_token_ids for p in parts] == [[1, 2], [1, 2, 3, 4]]
+    parts = merge_calls(calls[:1] + calls[2:3], width=2)
+    assert [p.all_token_ids for p in parts] == [[1, 2], [1, 2, 3, 4]]
 
 
 def test_calls_merge_in_arrival_order_whatever_order_they_are_given():
     calls = [Call(1, [1, 2, 3], [4]), Call(0, [1], [2])]
-    (t,), breaks = merge_calls(calls, width=10)
-    assert (breaks, t.all_token_ids, t.loss_mask) == (0, [1, 2, 3, 4], [1, 0, 1])
+    (t,) = merge_calls(calls, width=10)
+    assert (t.all_token_ids, t.loss_mask) == ([1, 2, 3, 4], [1, 0, 1])
 
 
 @pytest.mark.parametrize(

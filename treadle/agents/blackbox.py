@@ -65,7 +65,7 @@ class OpenAIAgent:
         reward, info = agent_result(result)
         if not calls:
             raise ValueError("it made no model call through its client")
-        trajectories, _ = merge_calls(calls, client.limits.max_response_length)
+        trajectories = merge_calls(calls, client.limits.max_response_length)
         last = max(calls, key=lambda c: c.index)
         text = client.decode(last.completion_ids)
         for t in trajectories:

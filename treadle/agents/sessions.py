@@ -38,9 +38,9 @@ class RecordedCall(Protocol):
     stop_reason: str
 
 
-def merge_calls(calls: Sequence[RecordedCall], width: int) -> tuple[list[Trajectory], int]:
+def merge_calls(calls: Sequence[RecordedCall], width: int) -> list[Trajectory]:
     """The trajectories of a session's ``calls`` (see the module docstring), in the order they
-    started, and the number of prefix breaks (trajectories beyond the first)."""
+    started; those beyond the first are its prefix breaks."""
     trajectories: list[Trajectory] = []
     for call in sorted(calls, key=lambda c: c.index):
         t = _extended(trajectories, call, width)
@@ -50,7 +50,7 @@ def merge_calls(calls: Sequence[RecordedCall], width: int) -> tuple[list[Traject
         else:
             t.add_tokens(call.prompt_ids[len(t.all_token_ids) :])
         t.add_response(_response(call))
-    return trajectories, max(len(trajectories) - 1, 0)
+    return trajectories
 
 
 def _extended(trajectories: list[Trajectory], call: RecordedCall, width: int) -> Trajectory | None:
