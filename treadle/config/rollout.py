@@ -88,8 +88,9 @@ class RolloutConfig(Section):
         "single_turn",
         description="How a sample is generated: single_turn (one response), tools (multi-turn "
         "with rollout.tools, Hermes <tool_call> blocks), env (episodes of the text environment "
-        "rollout.env), or a custom async loop given as "
-        "'module:function' or 'path/to/file.py:function'.",
+        "rollout.env), a custom async loop given as 'module:function' or "
+        "'path/to/file.py:function', or a black-box agent written against the OpenAI API as "
+        "'openai:module:function' or 'openai:path/to/file.py:function'.",
     )
     tools: list[str] = Field(
         default_factory=list,
