@@ -21,6 +21,7 @@ from treadle.data.gym import compute_score, extract_answer, format_answer, gym_r
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
 from treadle.rewards import Scorer
+from treadle.tracking import read_metrics
 
 ARITHMETIC = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 
@@ -291,8 +292,7 @@ def test_two_rl_steps_through_the_source(gym_yaml, tmp_path: Path):
         ],
     )
     final = train(cfg)
-    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    steps = [json.loads(line) for line in lines]
+    steps = read_metrics(tmp_path / "run")
     trained = [s for s in steps if "reward/mean" in s]
     assert [s["step"] for s in trained] == [1, 2]
     assert all(0.0 <= s["reward/mean"] <= 1.0 for s in trained)

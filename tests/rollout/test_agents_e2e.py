@@ -4,12 +4,11 @@ backend) and the tools loop through `treadle train` (vLLM replicas, Ray)."""
 from __future__ import annotations
 
 import itertools
-import json
 from pathlib import Path
 
+import tiny_runs
 import torch
 
-from treadle.cli import main
 from treadle.config import load_config
 from treadle.trainers.rl import RLTrainer
 
@@ -18,21 +17,9 @@ CALCULATOR = "treadle.tasks.calculator:calculator"
 
 
 def overrides(task, out, *extra: str) -> list[str]:
-    return [
-        f"model.path={task['model']}",
-        f"data.train_files=[{task['train']}]",
-        "data.batch_size=2",
-        "data.max_prompt_length=896",
-        "rollout.n=2",
-        "rollout.max_new_tokens=12",
-        "actor.ppo_mini_batch_size=4",
-        "actor.micro_batch_size=4",
-        "algorithm.kl_coef=0",
-        "reward.function=arithmetic",
-        "trainer.progress=false",
-        f"trainer.output_dir={out}",
-        *extra,
-    ]
+    return tiny_runs.overrides(
+        task, out, "data.max_prompt_length=896", "rollout.max_new_tokens=12", *extra
+    )
 
 
 def test_custom_loop_by_path_two_turns_masks_and_trains(long_task, length_reward, tmp_path):
@@ -80,30 +67,25 @@ def test_custom_loop_by_path_two_turns_masks_and_trains(long_task, length_reward
 
 
 def test_tools_loop_end_to_end_with_vllm_replicas(long_task, tmp_path, ray_session):
-    out, empty = tmp_path / "run", tmp_path / "empty.yaml"
-    empty.write_text("")
-    code = main(
-        [
-            "train",
-            str(empty),
-            *overrides(
-                long_task,
-                out,
-                "rollout.engine=vllm",
-                "rollout.kv_cache_gib=0.25",
-                "trainer.backend=ray",
-                "trainer.total_steps=2",
-                "trainer.save_every=0",
-                "rollout.agent_loop=tools",
-                f"rollout.tools=[{CALCULATOR}]",
-                "rollout.max_turns=3",
-                "rollout.max_tool_response_tokens=16",
-                "rollout.max_response_length=200",
-            ),
-        ]
+    out = tmp_path / "run"
+    code, rows = tiny_runs.train(
+        out,
+        overrides(
+            long_task,
+            out,
+            "rollout.engine=vllm",
+            "rollout.kv_cache_gib=0.25",
+            "trainer.backend=ray",
+            "trainer.total_steps=2",
+            "trainer.save_every=0",
+            "rollout.agent_loop=tools",
+            f"rollout.tools=[{CALCULATOR}]",
+            "rollout.max_turns=3",
+            "rollout.max_tool_response_tokens=16",
+            "rollout.max_response_length=200",
+        ),
     )
     assert code == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 1.0 <= r["agent/turns_mean"] <= 3.0

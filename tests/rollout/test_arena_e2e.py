@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from treadle.cli import main
+import tiny_runs
 
 
 def test_a_textarena_game_trains_two_steps_through_the_endpoint(long_task, tmp_path):
@@ -15,33 +15,24 @@ def test_a_textarena_game_trains_two_steps_through_the_endpoint(long_task, tmp_p
         for i in range(4)
     ]
     games.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    out, empty = tmp_path / "run", tmp_path / "empty.yaml"
-    empty.write_text("")
-    code = main(
-        [
-            "train",
-            str(empty),
-            f"model.path={long_task['model']}",
+    out = tmp_path / "run"
+    code, metrics = tiny_runs.train(
+        out,
+        tiny_runs.overrides(
+            long_task,
+            out,
             f"data.train_files=[{games}]",
-            "data.batch_size=2",
             "data.max_prompt_length=768",  # the endpoint takes prompts up to this long
-            "rollout.n=2",
             "rollout.engine=hf",
             "rollout.agent_loop=openai:treadle.agents.arena:play",
             "rollout.max_new_tokens=8",
             "rollout.max_response_length=120",
-            "actor.ppo_mini_batch_size=4",
-            "actor.micro_batch_size=4",
-            "algorithm.kl_coef=0",
             "trainer.backend=local",
             "trainer.total_steps=2",
             "trainer.save_every=0",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
-        ]
+        ),
     )
     assert code == 0
-    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2]
     for m in metrics:
         assert m["agent/errors"] == 0

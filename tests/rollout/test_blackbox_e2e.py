@@ -4,12 +4,11 @@ two steps under Ray with vLLM replicas, and bad agents stopping the run with one
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
+import tiny_runs
 
-from treadle.cli import main
 from treadle.config import load_config
 from treadle.data import prompt_batch
 from treadle.rollout.sources import sampling_params
@@ -19,22 +18,14 @@ AGENT = Path(__file__).resolve().parents[2] / "examples" / "openai_agent" / "age
 
 
 def overrides(task, out, *extra: str) -> list[str]:
-    return [
-        f"model.path={task['model']}",
-        f"data.train_files=[{task['train']}]",
-        "data.batch_size=2",
+    return tiny_runs.overrides(
+        task,
+        out,
         "data.max_prompt_length=48",
-        "rollout.n=2",
         "rollout.max_new_tokens=8",
         "rollout.max_response_length=72",
-        "actor.ppo_mini_batch_size=4",
-        "actor.micro_batch_size=4",
-        "algorithm.kl_coef=0",
-        "reward.function=arithmetic",
-        "trainer.progress=false",
-        f"trainer.output_dir={out}",
         *extra,
-    ]
+    )
 
 
 def test_the_agents_recorded_calls_are_the_trained_tokens(tiny_task, tmp_path):
@@ -110,36 +101,31 @@ async def ask_twice(client, row):
 def test_a_black_box_agent_on_reasoning_gym_trains_two_steps_under_ray(
     tiny_task, tmp_path, ray_session
 ):
-    agent, out, empty = tmp_path / "gym_agent.py", tmp_path / "run", tmp_path / "empty.yaml"
+    agent, out = tmp_path / "gym_agent.py", tmp_path / "run"
     agent.write_text(GYM_AGENT)
-    empty.write_text("")
-    code = main(
-        [
-            "train",
-            str(empty),
-            *overrides(
-                tiny_task,
-                out,
-                "data.train_files=[]",
-                "data.source=reasoning_gym",
-                "data.reasoning_gym.datasets=[{name: basic_arithmetic, config: {min_terms: 2, "
-                "max_terms: 2, min_digits: 1, max_digits: 1}}]",
-                "data.reasoning_gym.size=16",
-                "data.reasoning_gym.val_size=4",
-                "data.system_prompt=Be brief.",
-                "reward.function=reasoning_gym",
-                "rollout.engine=vllm",
-                "rollout.kv_cache_gib=0.25",
-                "trainer.backend=ray",
-                "trainer.total_steps=2",
-                "trainer.save_every=0",
-                "trainer.eval_every=2",
-                f"rollout.agent_loop=openai:{agent}:ask_twice",
-            ),
-        ]
+    code, rows = tiny_runs.train(
+        out,
+        overrides(
+            tiny_task,
+            out,
+            "data.train_files=[]",
+            "data.source=reasoning_gym",
+            "data.reasoning_gym.datasets=[{name: basic_arithmetic, config: {min_terms: 2, "
+            "max_terms: 2, min_digits: 1, max_digits: 1}}]",
+            "data.reasoning_gym.size=16",
+            "data.reasoning_gym.val_size=4",
+            "data.system_prompt=Be brief.",
+            "reward.function=reasoning_gym",
+            "rollout.engine=vllm",
+            "rollout.kv_cache_gib=0.25",
+            "trainer.backend=ray",
+            "trainer.total_steps=2",
+            "trainer.save_every=0",
+            "trainer.eval_every=2",
+            f"rollout.agent_loop=openai:{agent}:ask_twice",
+        ),
     )
     assert code == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:  # two calls a run: one sample of two turns, or two of one (a broken prefix)
         assert r["agent/errors"] == 0 and 0 <= r["agent/prefix_breaks"] <= 4
@@ -184,23 +170,19 @@ def test_bad_agents_stop_the_run_with_one_line_and_lose_nothing(
 ):
     agent = tmp_path / "bad_agent.py"
     agent.write_text(f"MODE = {mode!r}\n{BAD_AGENTS}")
-    out, empty = tmp_path / "run", tmp_path / "empty.yaml"
-    empty.write_text("")
-    code = main(
-        [
-            "train",
-            str(empty),
-            *overrides(
-                tiny_task,
-                out,
-                "rollout.engine=hf",
-                "trainer.backend=local",
-                "trainer.total_steps=3",
-                "trainer.save_every=1",
-                "rollout.agent_timeout_s=2",
-                f"rollout.agent_loop=openai:{agent}:flaky",
-            ),
-        ]
+    out = tmp_path / "run"
+    code, rows = tiny_runs.train(
+        out,
+        overrides(
+            tiny_task,
+            out,
+            "rollout.engine=hf",
+            "trainer.backend=local",
+            "trainer.total_steps=3",
+            "trainer.save_every=1",
+            "rollout.agent_timeout_s=2",
+            f"rollout.agent_loop=openai:{agent}:flaky",
+        ),
     )
     err = capsys.readouterr().err
     assert code == 2
@@ -211,6 +193,5 @@ def test_bad_agents_stop_the_run_with_one_line_and_lose_nothing(
     ) in err
     assert problem in err
     # step 1 is kept: its metrics and its sealed checkpoint
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1]
     assert (out / "checkpoints" / "step_1").is_dir()

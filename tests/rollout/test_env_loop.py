@@ -7,12 +7,12 @@ examples/text_game. The end-to-end run on the tiny model is the last test.
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
+import tiny_runs
 
 from treadle.agents.env import env_loop, load_env_loop
 from treadle.agents.loops import AgentClient, Limits, Sample, _Batcher
@@ -227,18 +227,13 @@ def test_check_loads_the_environment_factory(tiny_task, tmp_path):
 
 
 def test_the_text_game_trains_two_steps(long_task, tmp_path):
-    from treadle.cli import main
-
-    out, empty = tmp_path / "run", tmp_path / "empty.yaml"
-    empty.write_text("")
-    code = main(
-        [
-            "train",
-            str(empty),
-            f"model.path={long_task['model']}",
+    out = tmp_path / "run"
+    code, rows = tiny_runs.train(
+        out,
+        tiny_runs.overrides(
+            long_task,
+            out,
             f"data.train_files=[{GAME_DIR / 'games.jsonl'}]",
-            "data.batch_size=2",
-            "rollout.n=2",
             "rollout.engine=hf",
             "rollout.agent_loop=env",
             f"rollout.env={GAME}",
@@ -246,18 +241,12 @@ def test_the_text_game_trains_two_steps(long_task, tmp_path):
             "rollout.max_turns=3",
             "rollout.max_tool_response_tokens=16",
             "rollout.max_response_length=96",
-            "actor.ppo_mini_batch_size=4",
-            "actor.micro_batch_size=4",
-            "algorithm.kl_coef=0",
             "trainer.backend=local",
             "trainer.total_steps=2",
             "trainer.save_every=0",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
-        ]
+        ),
     )
     assert code == 0
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2]
     for r in rows:
         assert 1.0 <= r["agent/turns_mean"] <= 3.0

@@ -1,0 +1,38 @@
+"""Two-step RL runs of the tiny task through `treadle train`, for the end-to-end tests of agent
+loops, black-box agents and environments."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from treadle.cli import main
+from treadle.tracking import read_metrics
+
+
+def overrides(task: dict[str, Path], out: Path, *extra: str) -> list[str]:
+    """A run of 2 prompts x 2 samples of ``task`` into ``out``; ``extra`` comes last (a key
+    given again there wins)."""
+    return [
+        f"model.path={task['model']}",
+        f"data.train_files=[{task['train']}]",
+        "data.batch_size=2",
+        "rollout.n=2",
+        "actor.ppo_mini_batch_size=4",
+        "actor.micro_batch_size=4",
+        "algorithm.kl_coef=0",
+        "reward.function=arithmetic",
+        "trainer.progress=false",
+        f"trainer.output_dir={out}",
+        *extra,
+    ]
+
+
+def train(out: Path, args: list[str]) -> tuple[int, list[dict[str, Any]]]:
+    """``treadle train`` on an empty config file with ``args``; its exit code and the metrics
+    it wrote to ``out`` (none if it wrote none)."""
+    empty = out.parent / f"{out.name}.yaml"
+    empty.write_text("")
+    code = main(["train", str(empty), *args])
+    metrics = read_metrics(out) if (out / "metrics.jsonl").is_file() else []
+    return code, metrics
