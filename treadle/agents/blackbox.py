@@ -42,7 +42,7 @@ class OpenAIAgent:
     """The agent loop that runs one black-box agent function (see the module docstring)."""
 
     def __init__(self, fn: AgentFn, spec: str) -> None:
-        self.fn, self.spec = fn, spec
+        self.fn = fn
         self.__qualname__ = spec  # how run_agents names it in errors
 
     async def __call__(self, client: Any, sample: Any, tools: Any) -> Any:

@@ -28,7 +28,7 @@ def load_agent_loop(spec: str, env: str | None = None) -> AgentLoop:
         return BUILTIN_LOOPS[spec]
     if spec == "env":
         return load_env_loop(env)
-    if spec.startswith(PREFIX):
+    if needs_endpoint(spec):
         return load_openai_agent(spec)
     if ":" not in spec:
         raise ConfigError(

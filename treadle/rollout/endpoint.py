@@ -287,10 +287,10 @@ class Endpoint:
         body = api.parse_json(await request.read())
         messages, tools = api.read_messages(body), api.read_tools(body)
         asked = api.read_asked(body, chat=True)
-        self.parsers.check(body)
+        parsing = self.parsers.request(body)  # (a 400 before anything is sampled)
         prompt = cmp.chat_prompt_ids(self.tokenizer, messages, tools)
         sampled = await self._sample(prompt, asked, _session(request))
-        choices = [self._chat_choice(s, body, asked) for s in sampled]
+        choices = [self._chat_choice(s, body, asked, parsing) for s in sampled]
         counts = (len(prompt), sum(len(s.token_ids) for s in sampled))
         rid = api.new_id("chatcmpl")
         if asked.stream:
@@ -354,10 +354,13 @@ class Endpoint:
             **parsed,
         )
 
-    def _chat_choice(self, s: cmp.Sampled, body: dict[str, Any], asked: api.Asked) -> api.Choice:
-        if not body.get("tools") and self.parsers.reasoning_parser is None:
+    def _chat_choice(
+        self, s: cmp.Sampled, body: dict[str, Any], asked: api.Asked, parsing: Any
+    ) -> api.Choice:
+        """``parsing``: the parsers' request (:meth:`ChatParsers.request`); None: plain text."""
+        if parsing is None:
             return self._choice(s, asked)
-        reasoning, content, calls = self.parsers.parse(s.text, body)
+        reasoning, content, calls = self.parsers.parse(s.text, body, parsing)
         choice = self._choice(s, asked, text=content or "", reasoning=reasoning)
         if not calls:
             return choice

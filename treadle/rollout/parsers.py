@@ -87,13 +87,13 @@ class ChatParsers:
             raise
 
     def parse(
-        self, text: str, body: dict[str, Any]
+        self, text: str, body: dict[str, Any], request: Any
     ) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """``(reasoning, content, tool_calls)`` of ``text`` answering the chat request ``body``
-        (tool calls as OpenAI's JSON: id, type, function name and arguments)."""
+        (tool calls as OpenAI's JSON: id, type, function name and arguments); ``request``:
+        :meth:`request` of ``body``."""
         reasoning: str | None = None
         content: str | None = text
-        request = self._request(body)
         if self._reasoning is not None:
             reasoning, content = self._reasoning.extract_reasoning(text, request)
         calls: list[dict[str, Any]] = []
@@ -124,8 +124,11 @@ class ChatParsers:
         except Exception as e:  # vLLM's own checks (VLLMValidationError, not a ValueError)
             raise ApiError(400, f"'tools', 'tool_choice': {e}", "tool_choice") from None
 
-    def check(self, body: dict[str, Any]) -> None:
-        """ApiError 400 when the request's tools cannot be parsed for (before sampling)."""
+    def request(self, body: dict[str, Any]) -> Any:
+        """vLLM's request object the parsers read, built once per call before sampling
+        (ApiError 400 when vLLM does not take the tools); None when nothing is parsed."""
+        if not body.get("tools") and self.reasoning_parser is None:
+            return None
         if body.get("tools"):
             _vllm("rollout.tool_parser", self.tool_parser)
-            self._request(body)
+        return self._request(body)
