@@ -63,19 +63,25 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 def verl_core_algos() -> types.ModuleType:
     """``verl.trainer.ppo.core_algos`` of verl 0.9.1 (the test fails if verl is missing)."""
-    if "verl.trainer.ppo.core_algos" in sys.modules:
-        return sys.modules["verl.trainer.ppo.core_algos"]
-    saved = {name: mod for name, mod in sys.modules.items() if _top(name) in _STUBBED}
-    for name in saved:
-        del sys.modules[name]
+    return verl_module("verl.trainer.ppo.core_algos")
+
+
+def verl_module(name: str) -> types.ModuleType:
+    """A module of verl 0.9.1 (``verl.trainer.ppo.metric_utils``, ...), imported with the
+    stand-ins above (the test fails if verl is missing)."""
+    if name in sys.modules:
+        return sys.modules[name]
+    saved = {n: mod for n, mod in sys.modules.items() if _top(n) in _STUBBED}
+    for n in saved:
+        del sys.modules[n]
     finder = _StubFinder()
     sys.meta_path.insert(0, finder)
     try:
-        module = importlib.import_module("verl.trainer.ppo.core_algos")
+        module = importlib.import_module(name)
     finally:
         sys.meta_path.remove(finder)
-        for name in [n for n in sys.modules if _top(n) in _STUBBED]:
-            del sys.modules[name]
+        for n in [n for n in sys.modules if _top(n) in _STUBBED]:
+            del sys.modules[n]
         sys.modules.update(saved)
     import verl
 
