@@ -81,7 +81,7 @@ def run(name: str, steps: int, out: Path) -> dict[str, float]:
         "tokens": tokens,
         "seconds": seconds,
         "tokens_per_s": tokens / seconds,
-        "accuracy": 100 * metrics[-1]["eval/accuracy"],
+        "accuracy": 100 * metrics[-1]["eval/val/accuracy"],
         "staleness": sum(m.get("async/staleness_mean", 0.0) for m in metrics) / len(metrics),
         "rollout_idle": _mean(metrics, "async/rollout_idle_frac"),
         "trainer_idle": _mean(metrics, "async/trainer_idle_frac"),

@@ -63,7 +63,7 @@ def main() -> None:
     )
     m = result.metrics
     print(f"steps: {args.steps}, reward/mean: {m['reward/mean']:.3f}, ", end="")
-    print(f"held-out accuracy: {100 * m['eval/accuracy']:.1f}%")
+    print(f"held-out accuracy: {100 * m['eval/val/accuracy']:.1f}%")
     print(f"final model: {result.final_model}")
 
 

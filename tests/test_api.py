@@ -212,7 +212,7 @@ def test_sft_then_dpo_with_datasets_and_a_python_eval_reward(tiny_task, tmp_path
     base["trainer"]["output_dir"] = str(tmp_path / "dpo")
     dpo = treadle.dpo(base, train_dataset=pairs, eval_dataset=pairs, reward=exact,
                       overrides=["dpo.eval_task=true", "data.val_size=4"])  # fmt: skip
-    assert {"dpo/loss", "eval/pair_accuracy", "eval/accuracy"} <= set(dpo.metrics)
+    assert {"dpo/loss", "eval/pair_accuracy", "eval/val/accuracy"} <= set(dpo.metrics)
     assert sorted(scored) == sorted(p["answer"] for p in pairs.select(range(4)))
     assert load_config(dpo.output_dir / "config.yaml").data.val_files == [
         str((tmp_path / "dpo" / "datasets" / "val").absolute())

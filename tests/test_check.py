@@ -102,6 +102,47 @@ def test_good_config_passes_with_a_summary(env, capsys, kind: str) -> None:  # t
     assert not (Path(env["root"]) / "run").exists()  # a check writes nothing
 
 
+def test_named_validation_sets_are_checked(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """data.val_sets: each set's rows and reward are checked, each problem names its key."""
+    hard = f"data.val_sets={{hard: {{files: [{env['test']}], reward: chat_arithmetic, size: 4}}}}"
+    code, out, err = check(env, capsys, hard)
+    assert code == 0, err
+    assert re.search(r"^data\.val_sets\.hard: 8 rows$", out, re.M)
+    assert "data.val_sets.hard.reward: chat_arithmetic" in out
+    # the sets alone are enough for treadle eval
+    code, out, err = check(env, capsys, hard, "data.val_files=[]", kind="eval")
+    assert code == 0, err
+    missing = str(Path(env["root"]) / "missing.jsonl")
+    assert_bad(
+        check(env, capsys, f"data.val_sets={{hard: {{files: [{missing}]}}}}"),
+        r"data\.val_sets\.hard\.files: file '.*missing\.jsonl' does not exist",
+    )
+    assert_bad(
+        check(
+            env, capsys, f"data.val_sets={{hard: {{files: [{env['test']}], reward: arithmtic}}}}"
+        ),
+        r"data\.val_sets\.hard\.reward: unknown reward 'arithmtic' \(did you mean 'arithmetic'\?\)",
+    )
+    assert_bad(
+        check(env, capsys, f"data.val_sets={{val: {{files: [{env['test']}]}}}}"),
+        r"data\.val_sets\.val: the name val is the set of data\.val_files; give this set "
+        r"another name",
+    )
+    assert_bad(
+        check(env, capsys, f"data.val_sets={{hard: {{file: [{env['test']}]}}}}"),
+        r"data\.val_sets\.hard\.file: ",
+    )
+    assert_bad(
+        check(env, capsys, "data.val_sets={hard: {}}"), r"data\.val_sets\.hard: give its files"
+    )
+    assert_bad(
+        check(env, capsys, f"data.val_sets={{a/b: {{files: [{env['test']}]}}}}"),
+        r"data\.val_sets\.a/b: a set's name is letters",
+    )
+    assert_bad(check(env, capsys, "eval.n=0"), r"eval\.n: ")
+    assert_bad(check(env, capsys, "eval.top_p=1.5"), r"eval\.top_p: ")
+
+
 # --- field types and bounds ----------------------------------------------------------------------
 
 BAD_FIELDS = {

@@ -59,7 +59,7 @@ def run_dir(tmp_path: Path) -> Path:
             record.update({"timing/startup": 9.0 * step, "startup/ray": 1.0 * step})
             record["startup/workers"] = 5.0 + step
         if step in ACCURACY:
-            record["eval/accuracy"] = ACCURACY[step]
+            record["eval/val/accuracy"] = ACCURACY[step]
             record["timing/eval"] = 0.7  # after the step, outside timing/step
         records.append(record)
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

@@ -76,6 +76,8 @@ def check(cfg: Config, kind: Kind) -> list[str]:
     if tokenizer is not None:
         check_data = _check_gym if cfg.data.source == "reasoning_gym" else _check_files
         check_data(cfg, kind, tokenizer, tools, attempt, summary, problems)
+    if evaluates(cfg, kind):
+        _check_val_sets(cfg, tokenizer, tools, attempt, summary)
     if kind not in ("eval", "serve"):
         attempt("trainer.output_dir", _check_output_dir, cfg, summary)
     if problems:
@@ -281,8 +283,8 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
         return []
     if kind == "train":
         return [(*train, _prompt_rows, True), (*val, _prompt_rows, False)]
-    if kind == "eval":
-        return [(*val, _prompt_rows, True)]
+    if kind == "eval":  # (data.val_sets instead will do)
+        return [(*val, _prompt_rows, not d.val_sets)]
     if kind == "sft":
         return [(*train, _sft_rows, True), (*val, _prompt_rows, False)]
     out: list[tuple[str, list[str], Reader, bool]] = [
@@ -297,6 +299,35 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
 
 
 GYM_KINDS = ("train", "sft", "eval")  # the commands that read data.source=reasoning_gym
+
+
+def evaluates(cfg: Config, kind: Kind) -> bool:
+    """Whether ``kind`` generates on the validation sets (and scores them)."""
+    return (
+        kind in ("train", "sft", "eval")
+        or (kind == "dpo" and cfg.dpo.eval_task)
+        or (kind == "kto" and cfg.kto.eval_task)
+    )
+
+
+def _check_val_sets(
+    cfg: Config, tokenizer: Any, tools: Any, attempt: Attempt, summary: list[str]
+) -> None:
+    """Every ``data.val_sets`` entry: its reward loads, its rows read (each problem names the
+    set's key)."""
+    from treadle.data import val_set_prompts
+    from treadle.rewards import load_reward_fn
+
+    for name, spec in cfg.data.val_sets.items():
+        key = f"data.val_sets.{name}"
+        if spec.reward is not None:
+            with time_limit(IMPORT_TIMEOUT_S, f"{key}.reward"):
+                if attempt(f"{key}.reward", load_reward_fn, spec.reward, f"{key}.reward"):
+                    summary.append(f"{key}.reward: {spec.reward}")
+        if tokenizer is not None:
+            ds = attempt(key, val_set_prompts, cfg, name, tokenizer, tools)
+            if ds is not None:
+                summary.append(f"{key}: {len(ds)} rows")
 
 
 def _gym_splits(cfg: Config, kind: Kind) -> list[tuple[str, Reader]]:

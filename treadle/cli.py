@@ -73,25 +73,31 @@ def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config(args)
     from treadle.trainers.rl import train
 
-    metrics = train(cfg)
-    if "eval/accuracy" in metrics:
-        print(f"held-out accuracy: {100 * metrics['eval/accuracy']:.1f}%")
+    print_accuracies(train(cfg))
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
     cfg = _config(args)
     from treadle.trainers.sft import sft
 
-    metrics = sft(cfg)
-    if "eval/accuracy" in metrics:
-        print(f"held-out accuracy: {100 * metrics['eval/accuracy']:.1f}%")
+    print_accuracies(sft(cfg))
+
+
+def print_accuracies(metrics: dict[str, float]) -> None:
+    """One line per validation set: ``held-out accuracy: 81.0%`` for ``val``, ``held-out
+    accuracy (<set>): ...`` for the others (``eval/<set>/accuracy``)."""
+    from treadle.trackers import accuracy_keys
+
+    for key in accuracy_keys(metrics):
+        name = key.split("/")[1]
+        which = "" if name == "val" else f" ({name})"
+        print(f"held-out accuracy{which}: {100 * metrics[key]:.1f}%")
 
 
 def _print_held_out(metrics: dict[str, float]) -> None:
     if "eval/pair_accuracy" in metrics:
         print(f"held-out pair accuracy: {100 * metrics['eval/pair_accuracy']:.1f}%")
-    if "eval/accuracy" in metrics:
-        print(f"held-out accuracy: {100 * metrics['eval/accuracy']:.1f}%")
+    print_accuracies(metrics)
 
 
 def cmd_dpo(args: argparse.Namespace) -> None:
@@ -119,7 +125,7 @@ def cmd_eval(args: argparse.Namespace) -> None:
     cfg = _config(args)
     from treadle.trainers.evaluation import evaluate_model
 
-    print(f"held-out accuracy: {100 * evaluate_model(cfg):.1f}%")
+    print_accuracies(evaluate_model(cfg))
 
 
 def cmd_serve(args: argparse.Namespace) -> None:

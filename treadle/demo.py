@@ -38,9 +38,9 @@ def run_demo(
     for cfg in (sft_cfg, rl_cfg):
         shutil.rmtree(cfg.trainer.output_dir, ignore_errors=True)
     print(f"[1/2] SFT warm start -> {sft_cfg.trainer.output_dir}", flush=True)
-    sft_acc = 100 * sft(sft_cfg)["eval/accuracy"]
+    sft_acc = 100 * sft(sft_cfg)["eval/val/accuracy"]
     print(f"[2/2] GRPO from {rl_cfg.model.path} -> {rl_cfg.trainer.output_dir}", flush=True)
-    rl_acc = 100 * train(rl_cfg)["eval/accuracy"]
+    rl_acc = 100 * train(rl_cfg)["eval/val/accuracy"]
     minutes = (time.perf_counter() - start) / 60
     line = f"held-out accuracy: sft={sft_acc:.1f}% rl={rl_acc:.1f}%"
     print(f"demo finished in {minutes:.1f} min")

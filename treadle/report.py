@@ -32,6 +32,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from treadle.errors import TreadleError
+from treadle.trackers import accuracy_keys
 
 # (title, the metric names it plots as fnmatch patterns); a series goes to the first panel that
 # matches it. Time per phase is drawn apart (stacked bars), see ``_timing_figure``.
@@ -324,7 +325,7 @@ def _summary(series: Series, config: dict[str, Any] | None) -> str:
         rows.append(("start-up", f"{series[STARTUP_TIME][1][0]:.1f} s"))
     if STEP_TIME in series:
         rows.append(("time in steps", f"{sum(series[STEP_TIME][1]):.1f} s"))
-    for name in ("reward/mean", "eval/accuracy", "eval/pair_accuracy"):
+    for name in ("reward/mean", *accuracy_keys(series), "eval/pair_accuracy"):
         if name in series:
             step, value = series[name][0][-1], series[name][1][-1]
             rows.append((f"last {name}", f"{value:.4g} (step {step:g})"))

@@ -88,6 +88,27 @@ BUILTIN_REWARDS: dict[str, str] = {
 }
 
 
+# name -> "module:function" of a built-in's answer reader, fn(response, row) -> str | None:
+# the answer that sampled evaluation's majority vote (maj@k) counts
+ANSWER_READERS: dict[str, str] = {
+    "arithmetic": "treadle.tasks.arithmetic:answer_of",
+    "chat_arithmetic": "treadle.tasks.chat_arithmetic:answer_of",
+    "calculator": "treadle.tasks.calculator:answer_of",
+    "reasoning_gym": "treadle.data.gym:answer_of",
+}
+
+
+def answer_reader(spec: str) -> Callable[[str, Mapping[str, Any]], str]:
+    """The answer maj@k votes on for the reward ``spec``: what a built-in reward reads in the
+    response ("" when it finds none), else the whole response, stripped (a user function's
+    reading of it is not known: a reward's dict may hold numbers only)."""
+    if spec not in ANSWER_READERS:
+        return lambda response, row: response.strip()
+    module_name, _, name = ANSWER_READERS[spec].partition(":")
+    read = getattr(importlib.import_module(module_name), name)
+    return lambda response, row: read(response, row) or ""
+
+
 SANDBOXED = "treadle_sandboxed"  # the attribute `sandboxed_reward` sets on a function
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -130,11 +151,11 @@ def sandboxed_reward(fn: F) -> F:
 class RewardFn:
     """A reward function together with the spec it was loaded from."""
 
-    def __init__(self, spec: str) -> None:
+    def __init__(self, spec: str, key: str = "reward.function") -> None:
         self.spec = spec
-        self._fn = _resolve(spec)
+        self._fn = _resolve(spec, key)
         if not self.batched:
-            _check_signature(self._fn, spec, self.treadle_sandboxed)
+            _check_signature(self._fn, spec, self.treadle_sandboxed, key)
 
     def __call__(self, prompt: str, response: str, ground_truth: str, **options: Any) -> Any:
         return self._fn(prompt, response, ground_truth, **options)
@@ -164,9 +185,10 @@ class RewardFn:
         return f"RewardFn({self.spec!r})"
 
 
-def load_reward_fn(spec: str) -> RewardFn:
-    """The reward function named by `spec`: a built-in name or `path/to/file.py:function`."""
-    return RewardFn(spec)
+def load_reward_fn(spec: str, key: str = "reward.function") -> RewardFn:
+    """The reward function named by `spec`: a built-in name or `path/to/file.py:function`
+    (a ConfigError names the config key `key` that gave it)."""
+    return RewardFn(spec, key)
 
 
 def pickled(fn: Callable[..., Any], spec: str) -> bytes:
@@ -183,12 +205,12 @@ def pickled(fn: Callable[..., Any], spec: str) -> bytes:
         ) from None
 
 
-def _resolve(spec: str) -> Callable[..., Any]:
+def _resolve(spec: str, key: str = "reward.function") -> Callable[..., Any]:
     if spec in _REGISTERED:
         return _REGISTERED[spec]
     if spec.startswith(PYTHON):
         raise ConfigError(
-            f"reward.function: {spec!r} names a Python function given to treadle.train(reward="
+            f"{key}: {spec!r} names a Python function given to treadle.train(reward="
             "...) in another process; from the command line give it as "
             "'path/to/file.py:function'"
         )
@@ -200,14 +222,16 @@ def _resolve(spec: str) -> Callable[..., Any]:
         close = difflib.get_close_matches(spec, BUILTIN_REWARDS, n=1)
         hint = f" (did you mean '{close[0]}'?)" if close else ""
         raise ConfigError(
-            f"reward.function: unknown reward '{spec}'{hint}; built-in rewards are "
+            f"{key}: unknown reward '{spec}'{hint}; built-in rewards are "
             f"{', '.join(sorted(BUILTIN_REWARDS))}, or give a user function as "
             "'path/to/file.py:function'"
         )
-    return load_callable(spec, "reward.function")
+    return load_callable(spec, key)
 
 
-def _check_signature(fn: Callable[..., Any], spec: str, sandboxed: bool) -> None:
+def _check_signature(
+    fn: Callable[..., Any], spec: str, sandboxed: bool, key: str = "reward.function"
+) -> None:
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # a builtin without a signature: found out when called
@@ -220,8 +244,7 @@ def _check_signature(fn: Callable[..., Any], spec: str, sandboxed: bool) -> None
         if spec.startswith(PYTHON):
             call += " or, batched, fn(completions, **columns) -> list[float]"
         raise ConfigError(
-            f"reward.function: '{spec}' has the signature {sig}, but a reward function is "
-            f"called as {call}"
+            f"{key}: '{spec}' has the signature {sig}, but a reward function is called as {call}"
         ) from None
 
 
@@ -434,8 +457,10 @@ class Scorer:
     """Scores batches with the function ``reward.function`` names, as ``reward.num_workers``
     and ``reward.timeout_s`` say (see the module's docstring). Close it (or use ``with``)."""
 
-    def __init__(self, spec: str, num_workers: int = 0, timeout_s: float = 10.0) -> None:
-        self.fn = load_reward_fn(spec)
+    def __init__(
+        self, spec: str, num_workers: int = 0, timeout_s: float = 10.0, key: str = "reward.function"
+    ) -> None:
+        self.fn = load_reward_fn(spec, key)
         self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
         use_pool = num_workers > 0 and not self.fn.treadle_sandboxed and not self.fn.batched
         self.pool = RewardPool(spec, num_workers, timeout_s) if use_pool else None

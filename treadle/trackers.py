@@ -32,7 +32,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -121,6 +121,16 @@ def _clean(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
     return value
+
+
+def accuracy_keys(metrics: Iterable[str]) -> list[str]:
+    """The held-out accuracy of every validation set among ``metrics``' names,
+    ``eval/<set>/accuracy`` (not those of each data source), in their order."""
+    return [
+        k
+        for k in metrics
+        if k.startswith("eval/") and k.endswith("/accuracy") and k.count("/") == 2
+    ]
 
 
 class JsonlLogger:
@@ -237,9 +247,9 @@ class ConsoleLogger:
         self._progress.start()
 
     def status(self, metrics: Mapping[str, Any]) -> str:
-        """The key metrics of a step: the headline and held-out accuracy when measured."""
+        """The key metrics of a step: the headline and held-out accuracies when measured."""
         parts = []
-        for key in (self.headline, "eval/accuracy", "eval/pair_accuracy"):
+        for key in (self.headline, *accuracy_keys(metrics), "eval/pair_accuracy"):
             value = metrics.get(key)
             if isinstance(value, int | float):
                 parts.append(f"{key} {value:.3f}")

@@ -95,6 +95,7 @@ def test_dump_is_complete_and_reloads(tmp_path):
         "critic",
         "prime",
         "trainer",
+        "eval",
         "async",
     }
     assert data["trainer"]["total_steps"] == 3

@@ -296,4 +296,4 @@ def test_two_rl_steps_through_the_source(gym_yaml, tmp_path: Path):
     trained = [s for s in steps if "reward/mean" in s]
     assert [s["step"] for s in trained] == [1, 2]
     assert all(0.0 <= s["reward/mean"] <= 1.0 for s in trained)
-    assert 0.0 <= final["eval/accuracy"] <= 1.0
+    assert 0.0 <= final["eval/val/accuracy"] <= 1.0

@@ -131,7 +131,7 @@ def test_a_black_box_agent_on_reasoning_gym_trains_two_steps_under_ray(
         assert r["agent/errors"] == 0 and 0 <= r["agent/prefix_breaks"] <= 4
         assert r["agent/turns_mean"] == pytest.approx(8 / (4 + r["agent/prefix_breaks"]))
         assert 0.0 <= r["reward/mean"] <= 1.0  # reasoning-gym's score_answer
-    assert 0.0 <= rows[-1]["eval/accuracy"] <= 1.0
+    assert 0.0 <= rows[-1]["eval/val/accuracy"] <= 1.0
 
 
 BAD_AGENTS = """

@@ -25,12 +25,12 @@ def test_a_plain_console_prints_one_line_per_step_with_eta():
     console = ConsoleLogger(total=10, start=4, headline="sft/loss", stream=out)
     console.begin(10, 4)
     console.log(5, {"sft/loss": 1.23456, "timing/step": 2.0})
-    console.log(6, {"sft/loss": 1.1, "eval/accuracy": 0.25})
+    console.log(6, {"sft/loss": 1.1, "eval/val/accuracy": 0.25})
     console.close()
     lines = out.getvalue().splitlines()
     assert re.fullmatch(r"step 5/10  sft/loss 1\.235  \d+\.\d s  eta \dm\d\ds", lines[0])
     assert re.fullmatch(
-        r"step 6/10  sft/loss 1\.100  eval/accuracy 0\.250  \d+\.\d s  eta \dm\d\ds", lines[1]
+        r"step 6/10  sft/loss 1\.100  eval/val/accuracy 0\.250  \d+\.\d s  eta \dm\d\ds", lines[1]
     )
     assert len(lines) == 2
 
@@ -77,11 +77,11 @@ def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, lengt
     assert lines[1] == f"  writes to {run}: config.yaml, logs/, metrics.jsonl"
     steps = [line for line in lines if line.startswith("step ")]
     assert [s.split()[1] for s in steps] == ["1/3", "2/3", "3/3"]
-    assert "eval/accuracy" in steps[1] and "eval/accuracy" not in steps[0]
+    assert "eval/val/accuracy" in steps[1] and "eval/val/accuracy" not in steps[0]
     assert lines[-3:] == [
         f"final model: {run / 'final_model'}",
         f"report: treadle report {run}",
-        f"held-out accuracy: {100 * read_metrics(run)[-1]['eval/accuracy']:.1f}%",
+        f"held-out accuracy: {100 * read_metrics(run)[-1]['eval/val/accuracy']:.1f}%",
     ]
     assert len(lines) == 2 + 3 + 3  # nothing else
     assert proc.stderr == ""
@@ -149,8 +149,8 @@ def test_a_terminal_shows_a_progress_bar_with_eta_and_the_key_metrics():
     console = ConsoleLogger(total=4, start=0, headline="reward/mean", bar=True, stream=out)
     console.begin(4, 0)
     console.log(1, {"reward/mean": 0.5})
-    console.log(2, {"reward/mean": 0.75, "eval/accuracy": 0.125})
+    console.log(2, {"reward/mean": 0.75, "eval/val/accuracy": 0.125})
     console.close()
     last = re.sub(r"\x1b\[[0-9;?]*[a-zA-Z]", "", out.getvalue()).splitlines()[-1]
-    assert re.search(r"treadle .* 2/4 reward/mean 0\.750  eval/accuracy 0\.125 .* eta ", last)
+    assert re.search(r"treadle .* 2/4 reward/mean 0\.750  eval/val/accuracy 0\.125 .* eta ", last)
     assert "step 1/4" not in out.getvalue()  # no plain lines besides the bar

@@ -150,7 +150,7 @@ def test_dpo_recipe_runs_evaluates_exports_and_resumes(tiny_task, tmp_path, caps
     assert metrics[0]["dpo/loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert metrics[1]["dpo/loss"] != pytest.approx(math.log(2), abs=1e-4)  # the policy moved
     assert metrics[1]["dpo/chosen_reward"] != 0.0
-    assert {"eval/pair_accuracy", "eval/margin", "eval/accuracy"} <= metrics[1].keys()
+    assert {"eval/pair_accuracy", "eval/margin", "eval/val/accuracy"} <= metrics[1].keys()
     printed = capsys.readouterr().out
     assert "held-out pair accuracy:" in printed and "held-out accuracy:" in printed
     before = load_file(str(tiny_task["model"] / "model.safetensors"))

@@ -239,7 +239,7 @@ def test_kto_example_runs_from_python_and_the_command_line(
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert metrics[1]["kto/loss"] != pytest.approx(0.5, abs=1e-6)
-    assert "eval/accuracy" in metrics[1] and "eval/accuracy" not in metrics[0]
+    assert "eval/val/accuracy" in metrics[1] and "eval/val/accuracy" not in metrics[0]
     assert "held-out accuracy:" in capsys.readouterr().out
 
 

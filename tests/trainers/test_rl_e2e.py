@@ -127,7 +127,7 @@ def test_grpo_local_backend_resume_is_deterministic(tiny_task, length_reward, tm
         want = prev["actor/reward_kl_coef"] * (1 + error * 16 / 20)
         assert cur["actor/reward_kl_coef"] == pytest.approx(want, rel=1e-6)
     assert a[-1]["actor/reward_kl_coef"] != 0.05
-    assert 0.0 <= a[-1]["eval/accuracy"] <= 1.0
+    assert 0.0 <= a[-1]["eval/val/accuracy"] <= 1.0
     wa, wb = weights(straight / "final_model"), weights(resumed / "final_model")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)

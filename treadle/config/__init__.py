@@ -13,9 +13,9 @@ or models ``treadle.check``'s. The fully resolved config is written to
 
 The schema knows nothing of Ray or torch; it is plain pydantic. The package holds one module
 per section (``model``, ``data``, ``rollout``, ``reward``, ``algorithm``, ``dpo``, ``kto``,
-``actor``, ``critic``, ``prime``, ``trainer``, ``asynchronous``), ``run`` (the sections
-composed), ``rules`` (every cross-field rule: validation, ``treadle check`` and role selection
-read it), ``schema`` (``Config``) and ``loader`` (YAML, overrides, dump).
+``actor``, ``critic``, ``prime``, ``trainer``, ``asynchronous``, ``evaluation``), ``run`` (the
+sections composed), ``rules`` (every cross-field rule: validation, ``treadle check`` and role
+selection read it), ``schema`` (``Config``) and ``loader`` (YAML, overrides, dump).
 """
 
 from treadle.config.actor import ActorConfig, LoraConfig
@@ -25,6 +25,7 @@ from treadle.config.base import Beta, Key, Section
 from treadle.config.critic import CriticConfig
 from treadle.config.data import DataConfig
 from treadle.config.dpo import DPO_KNOBS, DPOConfig
+from treadle.config.evaluation import EvalConfig
 from treadle.config.kto import KTOConfig
 from treadle.config.loader import dump_config, load_config
 from treadle.config.model import ModelConfig
@@ -45,6 +46,7 @@ __all__ = [
     "CriticConfig",
     "DPOConfig",
     "DataConfig",
+    "EvalConfig",
     "KTOConfig",
     "Key",
     "LoggerName",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from treadle.config.base import Key, Section, defaults
 
+_SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 AnswerFormat = Literal["answer_tag", "last_line", "full"]
 
 
@@ -50,6 +52,13 @@ class ReasoningGymConfig(Section):
         "unless data.system_prompt is set.",
     )
 
+    def streams(self, split: Literal["train", "val"]) -> range:
+        """The seeds of the random streams the rows of ``split`` use (see ``val_seed``)."""
+        span = len(self.datasets) + 1  # reasoning-gym seeds dataset i with seed + i + 1
+        if split == "train":
+            return range(self.seed, self.seed + self.size + span)
+        return range(self.val_seed, self.val_seed + self.val_size + span)
+
     @model_validator(mode="after")
     def _seeds_apart(self) -> ReasoningGymConfig:
         names = [d.name for d in self.datasets]
@@ -57,9 +66,8 @@ class ReasoningGymConfig(Section):
             raise ValueError(
                 f"data.reasoning_gym.datasets names a dataset twice ({names}): give each once"
             )
-        span = len(self.datasets) + 1  # reasoning-gym seeds dataset i with seed + i + 1
-        train = range(self.seed, self.seed + self.size + span)
-        val = range(self.val_seed, self.val_seed + self.val_size + span)
+        span = len(self.datasets) + 1
+        train, val = self.streams("train"), self.streams("val")
         if self.val_size and train.start < val.stop and val.start < train.stop:
             below = self.seed - self.val_size - span
             other = f" or at most {below}" if below >= 0 else ""
@@ -69,6 +77,66 @@ class ReasoningGymConfig(Section):
                 f"set val_seed to at least {train.stop}{other}"
             )
         return self
+
+
+class GymSetConfig(ReasoningGymConfig):
+    """A validation set's reasoning-gym rows: ``val_size`` rows from ``val_seed`` (its ``size``
+    and ``seed`` draw nothing; the run's training rows are checked against it instead)."""
+
+    @model_validator(mode="after")
+    def _seeds_apart(self) -> GymSetConfig:
+        names = [d.name for d in self.datasets]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"reasoning_gym.datasets names a dataset twice ({names}): give each once"
+            )
+        return self
+
+
+class ValSetConfig(Section):
+    """One named validation set of ``data.val_sets``: its rows (files, or reasoning-gym's
+    held-out rows), the reward that scores it and how many of its rows are evaluated."""
+
+    files: list[str] = Field(
+        default_factory=list,
+        description="Its files (JSONL, Parquet, save_to_disk folders), read with the data "
+        "section's columns and templating; a data_source column reports each source apart.",
+    )
+    source: Literal["files", "reasoning_gym"] = Field(
+        "files",
+        description="Where its rows come from: files, or reasoning_gym (the held-out rows of "
+        "its own reasoning_gym settings: val_size rows from val_seed).",
+    )
+    reasoning_gym: GymSetConfig = Field(
+        default_factory=defaults(GymSetConfig),
+        description="source=reasoning_gym: the datasets, val_size and val_seed of its rows.",
+    )
+    reward: str | None = Field(
+        None,
+        min_length=1,
+        description="The reward function that scores it (as reward.function names one); "
+        "null: reward.function.",
+    )
+    size: int | None = Field(None, gt=0, description="Evaluate its first N rows only.")
+
+    def problem(self) -> str | None:
+        """What is wrong with its source, if anything (the caller names the set)."""
+        if self.source == "files" and not self.files:
+            return "give its files (files: [held_out.jsonl]) or source: reasoning_gym"
+        if self.source == "reasoning_gym":
+            if self.files:
+                return "source=reasoning_gym draws its own rows: remove files"
+            if not self.reasoning_gym.datasets:
+                return (
+                    "source=reasoning_gym needs reasoning_gym.datasets, e.g. "
+                    "[{name: basic_arithmetic}]"
+                )
+            if not self.reasoning_gym.val_size:
+                return "source=reasoning_gym draws reasoning_gym.val_size rows: not 0"
+        return None
+
+
+VAL = "val"  # the name of the set of data.val_files (and of reasoning-gym's held-out rows)
 
 
 class DataConfig(Section):
@@ -115,6 +183,12 @@ class DataConfig(Section):
     val_size: int | None = Field(
         None, gt=0, description="Evaluate on the first N held-out rows only."
     )
+    val_sets: dict[str, ValSetConfig] = Field(
+        default_factory=dict,
+        description="Named validation sets, each evaluated and reported apart "
+        "(eval/<name>/<metric>): {name: {files | source, reward, size}}. data.val_files (or "
+        "reasoning-gym's held-out rows) is the set named val.",
+    )
     allow_special_tokens: bool = Field(
         False,
         description="Let text in the data files that spells a special token (e.g. <|im_end|>, "
@@ -134,7 +208,35 @@ class DataConfig(Section):
                     "data.source=reasoning_gym needs data.reasoning_gym.datasets, e.g. "
                     "[{name: basic_arithmetic, config: {max_terms: 3}}]"
                 )
+        for name, spec in self.val_sets.items():
+            if not _SET_NAME.fullmatch(name):
+                raise ValueError(
+                    f"data.val_sets.{name}: a set's name is letters, digits, '_', '-' or '.' "
+                    "(it names metrics: eval/<name>/accuracy)"
+                )
+            if (problem := spec.problem()) is not None:
+                raise ValueError(f"data.val_sets.{name}: {problem}")
+            if spec.source == self.source == "reasoning_gym":
+                train, held = self.reasoning_gym.streams("train"), spec.reasoning_gym.streams("val")
+                if train.start < held.stop and held.start < train.stop:
+                    raise ValueError(
+                        f"data.val_sets.{name}.reasoning_gym.val_seed="
+                        f"{spec.reasoning_gym.val_seed} draws rows from the random streams of "
+                        f"the training rows (seeds {train.start}..{train.stop - 1}): set it to "
+                        f"at least {train.stop}"
+                    )
+        if VAL in self.val_sets and self.has_val:
+            held_out = "data.val_files" if self.source == "files" else "data.reasoning_gym.val_size"
+            raise ValueError(
+                f"data.val_sets.{VAL}: the name val is the set of {held_out}; give this set "
+                f"another name, or remove {held_out}"
+            )
         return self
+
+    @property
+    def set_names(self) -> list[str]:
+        """The names of every validation set: ``val`` first when there is one."""
+        return ([VAL] if self.has_val else []) + [n for n in self.val_sets if n != VAL]
 
     @property
     def has_val(self) -> bool:

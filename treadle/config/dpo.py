@@ -58,6 +58,7 @@ class DPOConfig(Section):
     )
     eval_task: bool = Field(
         False,
-        description="Also report held-out task accuracy (greedy generation on data.val_files, "
-        "scored by reward.function; the rows need data.answer_key).",
+        description="Also evaluate the validation sets (data.val_files as the set val, "
+        "data.val_sets; the eval section's sampling, each set's reward; the rows need "
+        "data.answer_key): eval/<set>/accuracy, ...",
     )

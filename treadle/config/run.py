@@ -11,6 +11,7 @@ from treadle.config.base import Section, defaults
 from treadle.config.critic import CriticConfig
 from treadle.config.data import DataConfig
 from treadle.config.dpo import DPOConfig
+from treadle.config.evaluation import EvalConfig
 from treadle.config.kto import KTOConfig
 from treadle.config.model import ModelConfig
 from treadle.config.prime import PrimeConfig
@@ -38,6 +39,7 @@ class Sections(Section):
     critic: CriticConfig = Field(default_factory=defaults(CriticConfig))
     prime: PrimeConfig = Field(default_factory=defaults(PrimeConfig))
     trainer: TrainerConfig = Field(default_factory=defaults(TrainerConfig))
+    eval: EvalConfig = Field(default_factory=defaults(EvalConfig))
     async_: AsyncConfig = Field(default_factory=defaults(AsyncConfig), alias="async")
 
     def needs_old_log_prob_pass(self) -> bool:
@@ -51,11 +53,12 @@ class Sections(Section):
         return needed if a.recompute_old_log_probs is None else a.recompute_old_log_probs
 
     def response_length(self) -> int:
-        """Tokens after the prompt a sample may have: ``rollout.max_new_tokens`` for one turn;
-        for an agent loop ``rollout.max_response_length`` or its default."""
+        """Tokens after the prompt a sample may have: ``rollout.max_new_tokens`` for one turn
+        (or ``eval.max_new_tokens`` when longer); for an agent loop
+        ``rollout.max_response_length`` or its default."""
         r = self.rollout
         if r.agent_loop == "single_turn":
-            return r.max_new_tokens
+            return max(r.max_new_tokens, self.eval.max_new_tokens or 0)
         if r.max_response_length is not None:
             return r.max_response_length
         return r.max_turns * (r.max_new_tokens + r.max_tool_response_tokens)

@@ -56,6 +56,7 @@ from treadle.data.unpaired import (
 
 if TYPE_CHECKING:
     from treadle.config import Config
+    from treadle.config.data import ReasoningGymConfig
 
 __all__ = [
     "HERMES_TOOLS_PROMPT",
@@ -73,26 +74,28 @@ __all__ = [
     "UnpairedRow",
     "collate_pairs",
     "collate_prompts",
-    "left_pad",
-    "pad_prompts",
-    "prompt_batch",
-    "prompt_dataset",
-    "sft_dataset",
     "collate_sft",
     "collate_unpaired",
     "config_pairs",
-    "config_records",
     "config_prompts",
+    "config_records",
     "config_sft",
     "config_unpaired",
     "encode_rendered",
+    "gym_rows",
+    "left_pad",
     "load_pair_dataset",
     "load_prompt_dataset",
     "load_sft_dataset",
     "load_unpaired_dataset",
+    "pad_prompts",
+    "prompt_batch",
+    "prompt_dataset",
+    "sft_dataset",
     "special_strings",
     "supports_tools",
     "tool_messages",
+    "val_set_prompts",
 ]
 
 # The readers as a run calls them: ``TextOptions.from_config`` gives every one the ``data``
@@ -106,13 +109,21 @@ def config_records(
     cfg: Config, files: Sequence[str], key: str, options: TextOptions
 ) -> tuple[list[Record], TextOptions]:
     """The rows of ``files`` (the config key ``key``) and how to read them; with
-    ``data.source=reasoning_gym`` reasoning-gym's rows of that split instead: the prompt is
-    the ``question``, the ground truth the ``answer``, the SFT target the ``solution``, and
-    the answer format's instruction the system prompt unless ``data.system_prompt`` is set."""
+    ``data.source=reasoning_gym`` reasoning-gym's rows of that split instead
+    (:func:`gym_rows`)."""
     if cfg.data.source == "files":
         return read_records(files, key), options
-    spec = cfg.data.reasoning_gym
     split: Split = "val" if key == VAL_KEY else "train"
+    return gym_rows(cfg.data.reasoning_gym, split, options, GYM_KEY)
+
+
+def gym_rows(
+    spec: ReasoningGymConfig, split: Split, options: TextOptions, key: str
+) -> tuple[list[Record], TextOptions]:
+    """reasoning-gym's rows of ``split`` as ``spec`` (the config key ``key``) draws them: the
+    prompt is the ``question``, the ground truth the ``answer``, the SFT target the
+    ``solution``, and the answer format's instruction the system prompt unless
+    ``data.system_prompt`` is set."""
     system = options.system_prompt
     gym = replace(
         options,
@@ -120,10 +131,21 @@ def config_records(
         answer_key="answer",
         response_key="solution",
         system_prompt=instruction(spec.answer_format) if system is None else system,
-        config_key=f"{GYM_KEY} ({split})",
+        config_key=f"{key} ({split})",
     )
-    records = gym_records(spec, split)
-    return records, gym
+    return gym_records(spec, split, key), gym
+
+
+def val_set_prompts(cfg: Config, name: str, tokenizer: Tokenizer, tools: Any) -> PromptDataset:
+    """The prompts of the validation set ``data.val_sets.<name>``: its files, or the held-out
+    rows of its reasoning-gym settings, read with the ``data`` section's columns and template."""
+    spec, key = cfg.data.val_sets[name], f"data.val_sets.{name}"
+    options = TextOptions.from_config(cfg, f"{key}.files", tools)
+    if spec.source == "files":
+        records = read_records(spec.files, f"{key}.files")
+    else:
+        records, options = gym_rows(spec.reasoning_gym, "val", options, f"{key}.reasoning_gym")
+    return prompt_dataset(records, tokenizer, options)
 
 
 def config_prompts(

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import difflib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -49,11 +49,12 @@ INSTRUCTIONS: dict[str, str] = {
 }
 
 
-def gym_records(spec: ReasoningGymConfig, split: Split) -> list[Record]:
+def gym_records(spec: ReasoningGymConfig, split: Split, key: str = KEY) -> list[Record]:
     """The rows of ``split`` (train: ``size`` rows from ``seed``; val: ``val_size`` rows from
-    ``val_seed``) as records; a ConfigError naming the key of a bad dataset name or config."""
+    ``val_seed``) as records; a ConfigError naming the key (``key``: where ``spec`` is) of a
+    bad dataset name or config."""
     size, seed = (spec.size, spec.seed) if split == "train" else (spec.val_size, spec.val_seed)
-    dataset = _composite(spec, size, seed)
+    dataset = _composite(spec, size, seed, key)
     records = []
     for i in range(size):
         entry = dataset[i]
@@ -64,31 +65,31 @@ def gym_records(spec: ReasoningGymConfig, split: Split) -> list[Record]:
             "answer_format": spec.answer_format,
             "solution": format_answer(str(entry["answer"]), spec.answer_format),
         }
-        records.append(Record(f"{KEY} ({split}) row {i + 1}", f"reasoning_gym-{split}:{i}", row))
+        records.append(Record(f"{key} ({split}) row {i + 1}", f"reasoning_gym-{split}:{i}", row))
     return records
 
 
-def _composite(spec: ReasoningGymConfig, size: int, seed: int) -> Any:
+def _composite(spec: ReasoningGymConfig, size: int, seed: int, key: str) -> Any:
     from reasoning_gym.composite import DatasetSpec
     from reasoning_gym.factory import DATASETS, create_dataset
 
     specs = []
     for i, d in enumerate(spec.datasets):
-        key = f"{KEY}.datasets[{i}]"
+        where = f"{key}.datasets[{i}]"
         if d.name not in DATASETS or d.name == "composite":
             names = sorted(n for n in DATASETS if n != "composite")
             close = difflib.get_close_matches(d.name, names, n=1)
             hint = f" (did you mean '{close[0]}'?)" if close else ""
             raise ConfigError(
-                f"{key}.name: reasoning-gym has no dataset '{d.name}'{hint}; it has "
+                f"{where}.name: reasoning-gym has no dataset '{d.name}'{hint}; it has "
                 f"{len(names)}, e.g. {', '.join(names[:6])}, ..."
             )
-        _check_config(key, d.name, d.config, DATASETS[d.name][1])
+        _check_config(where, d.name, d.config, DATASETS[d.name][1])
         specs.append(DatasetSpec(name=d.name, weight=d.weight, config=dict(d.config)))
     try:
         return create_dataset("composite", size=size, seed=seed, datasets=specs)
     except (AssertionError, ValueError, TypeError) as e:  # a config its validate() refuses
-        raise ConfigError(f"{KEY}.datasets: reasoning-gym refuses the config: {e}") from None
+        raise ConfigError(f"{key}.datasets: reasoning-gym refuses the config: {e}") from None
 
 
 def _check_config(key: str, name: str, config: dict[str, Any], config_cls: type) -> None:
@@ -138,6 +139,12 @@ def extract_answer(response: str, answer_format: AnswerFormat | str) -> str | No
     if answer_format == "full":
         return response.strip()
     raise ValueError(f"unknown answer format {answer_format!r}: answer_tag, last_line or full")
+
+
+def answer_of(response: str, row: Mapping[str, Any]) -> str | None:
+    """The answer ``compute_score`` reads in ``response``, as the row's ``answer_format``
+    says (what maj@k votes on)."""
+    return extract_answer(response, row.get("answer_format") or "answer_tag")
 
 
 @functools.cache

@@ -160,7 +160,9 @@ class Rollout:
         """``params.n`` samples per prompt (consecutive rows), each a trajectory of the agent
         loop, with the response-side fields: responses, response_mask (the loss mask),
         rollout_log_probs, response_text, stop_reason, weight_version (the oldest of the
-        sample's tokens), token_versions (per token; -1 where the model did not sample); for
+        sample's tokens), token_versions (per token; -1 where the model did not sample),
+        sample_index (``i x params.n + j`` for the j-th sample of prompt i: the segments of
+        one split session share it, a failed run has no row); for
         agent loops other than single_turn also response_attention_mask, turns and
         agent_<info key>."""
         return self.client.run(self.agenerate(prompts, params))
@@ -199,7 +201,9 @@ class Rollout:
         runs.trajectories = [ts for ts in runs.trajectories for _ in range(copies)]
         rows = runs.rows()  # a prompt's rows stay consecutive; a failed run has none
         batch = prompts.select([i // params.n for i, _ in rows])
-        return self.trajectory_batch(batch, [t for _, t in rows], a.width(params))
+        batch = self.trajectory_batch(batch, [t for _, t in rows], a.width(params))
+        batch["sample_index"] = torch.tensor([i for i, _ in rows])  # prompt x n + its sample
+        return batch
 
     def _count(self, runs: AgentRuns) -> None:
         with self._counting:  # (the async modes generate in the client's thread)

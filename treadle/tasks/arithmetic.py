@@ -31,7 +31,7 @@ import logging
 import random
 import re
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -279,6 +279,12 @@ def compute_score(prompt: str, response: str, ground_truth: str) -> float:
     del prompt  # the answer alone decides
     expected = str(int(str(ground_truth).strip()))
     return 1.0 if extract_answer(response) == expected else 0.0
+
+
+def answer_of(response: str, row: Mapping[str, Any]) -> str | None:
+    """The answer ``compute_score`` reads in ``response`` (what maj@k votes on)."""
+    del row
+    return extract_answer(response)
 
 
 # --- tokenizer and model ---------------------------------------------------------------------

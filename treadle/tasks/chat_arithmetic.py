@@ -214,3 +214,9 @@ def compute_score(prompt: str, response: str, ground_truth: str) -> float:
     del prompt  # the answer alone decides
     expected = str(int(str(ground_truth).strip()))
     return 1.0 if extract_final_number(response) == expected else 0.0
+
+
+def answer_of(response: str, row: Mapping[str, Any]) -> str | None:
+    """The answer ``compute_score`` reads in ``response`` (what maj@k votes on)."""
+    del row
+    return extract_final_number(response)

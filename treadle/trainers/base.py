@@ -30,7 +30,7 @@ from treadle.rollout.fleet import Rollout, reserve_rollout_pool, start_rollout
 from treadle.rollout.replica import ServesRollout
 from treadle.trackers import ConsoleLogger, check_loggers
 from treadle.tracking import Tracker, quiet_start, route_logs
-from treadle.trainers.evaluation import make_scorer
+from treadle.trainers.evaluation import ValSet, close_sets, make_scorer
 from treadle.trainers.roles import Layout, build_actors, start_roles
 from treadle.trainers.run_dir import prepare_run_dir, resume_point
 
@@ -61,6 +61,7 @@ class Trainer:
         # rows for the trackers' "samples" table, left by run_step when they are due
         self.samples: list[dict[str, Any]] = []
         self.console: ConsoleLogger | None = None
+        self.val_sets: dict[str, ValSet] = {}  # the validation sets, when the driver has some
         self._restore_logs = lambda: None
 
     def start_workers(
@@ -256,6 +257,7 @@ class Trainer:
         try:
             if "scorer" in self.__dict__:
                 self.scorer.close()
+            close_sets(self.val_sets)
             if hasattr(self, "rollout"):
                 self.rollout.close()
             self.actors.close()

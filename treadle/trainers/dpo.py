@@ -18,8 +18,9 @@ no reference model at all: the worker group is built without one and the phase i
 Evaluation on ``data.val_files`` (pair files): ``eval/pair_accuracy`` and ``eval/margin`` of
 the implicit reward ``β (log π - log π_ref)`` (reference-free: ``β log π / |y|``) on
 held-out pairs (the reference's log-probs of them are computed once) and, with
-``dpo.eval_task``, the held-out task accuracy of greedy generations (``eval/accuracy``), as
-``treadle eval`` measures it. Checkpoints, resume and ``final_model`` are the SFT driver's.
+``dpo.eval_task``, the validation sets' task metrics (``eval/val/accuracy``, ...;
+:mod:`treadle.trainers.evaluation`), as ``treadle eval`` measures them. Checkpoints, resume and
+``final_model`` are the SFT driver's.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ their own timed phase; the policy's of the mismatched pairs, without gradients, 
 Evaluation on ``data.val_files`` (unpaired or pair files): ``eval/chosen_reward`` and
 ``eval/rejected_reward``, the mean implicit reward ``β (log π - log π_ref)`` of the
 desirable and the undesirable held-out examples, and ``eval/margin`` between them; with
-``kto.eval_task``, the held-out task accuracy of greedy generations (``eval/accuracy``).
+``kto.eval_task``, the validation sets' task metrics (``eval/val/accuracy``, ...;
+:mod:`treadle.trainers.evaluation`).
 Checkpoints, resume and ``final_model`` are the SFT driver's.
 """
 

@@ -30,8 +30,8 @@ from treadle.data import (
 from treadle.protocol import Batch
 from treadle.tracking import timed
 from treadle.trainers.base import Trainer
-from treadle.trainers.evaluation import evaluate
-from treadle.trainers.prompts import held_out, listed, load_prompts, tokenizer
+from treadle.trainers.evaluation import evaluate_sets, load_val_sets
+from treadle.trainers.prompts import held_out, listed, tokenizer
 
 D = TypeVar("D", PairDataset, UnpairedDataset)
 
@@ -102,9 +102,9 @@ class PairTrainer(Trainer, Generic[D]):
         d = cfg.data
         self.train: D = load(cfg, d.train_files, "data.train_files")
         self.val: D | None = load(cfg, d.val_files, "data.val_files") if d.val_files else None
-        self.val_prompts = load_prompts(cfg, d.val_files, "data.val_files") if eval_task else None
         self.val_ref: Batch | None = None  # the reference never changes: score it once
         super().__init__(cfg)
+        self.val_sets = load_val_sets(cfg) if eval_task else {}  # (closed by close())
         sampler, self.steps_per_epoch, self.total = pair_sampler(cfg, self.train)
         self.start_workers(sampler, with_ref=with_ref)
 
@@ -127,9 +127,9 @@ class PairTrainer(Trainer, Generic[D]):
         raise NotImplementedError
 
     def task_accuracy(self, step: int) -> dict[str, float]:
-        """``eval/accuracy`` with the trained weights, when ``eval_task`` asked for it."""
-        if self.val_prompts is None:
+        """The validation sets' metrics (``eval/val/accuracy``, ...) with the trained weights,
+        when ``eval_task`` asked for them."""
+        if not self.val_sets:
             return {}
         self.rollout.sync_weights(version=step)  # generate with the trained weights
-        val = self.val_prompts
-        return {"eval/accuracy": evaluate(self.cfg, self.rollout, val, val.pad_id, self.scorer)}
+        return evaluate_sets(self.cfg, self.rollout, self.val_sets)

@@ -70,7 +70,7 @@ from treadle.rewards import component_matrix, load_reward_fn
 from treadle.rollout.sources import RolloutSource, make_source
 from treadle.tracking import timed
 from treadle.trainers.base import Trainer
-from treadle.trainers.evaluation import evaluate, make_scorer, rule_scores
+from treadle.trainers.evaluation import evaluate_sets, load_val_sets, make_scorer, rule_scores
 from treadle.trainers.prime import ImplicitPRM
 from treadle.trainers.prompts import load_prompts
 from treadle.trainers.roles import plan_roles
@@ -177,9 +177,7 @@ class RLTrainer(Trainer):
         self.resumed_state: dict[str, Any] = {}  # the checkpoint's driver state, when resumed
         alg = cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
-        self.val_ds = (
-            load_prompts(cfg, cfg.data.val_files, "data.val_files") if cfg.data.has_val else None
-        )
+        self.val_sets = load_val_sets(cfg)  # (closed by close())
         self.scorer = make_scorer(cfg)  # now: the async producer scores from its thread
         self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
         self.needs = ADV_ESTIMATORS.needs(alg.adv_estimator)  # what it reads beyond rewards
@@ -370,7 +368,7 @@ class RLTrainer(Trainer):
         return rewards
 
     def run_step(self, step: int) -> dict[str, float]:
-        """:meth:`step` plus throughput and, when due, held-out accuracy."""
+        """:meth:`step` plus throughput and, when due, the validation sets' metrics."""
         start = time.perf_counter()
         metrics = self.step(step)
         metrics["timing/step"] = time.perf_counter() - start
@@ -378,12 +376,10 @@ class RLTrainer(Trainer):
             metrics.pop("generated_tokens") / metrics["timing/step"]
         )
         metrics.update(self.source.metrics(metrics["timing/step"]))
-        if self.val_ds is not None and self.eval_due(step):
+        if self.val_sets and self.eval_due(step):
             self.source.before_eval()  # the replicas hold the learner's weights
             with timed(metrics, "eval"):
-                metrics["eval/accuracy"] = evaluate(
-                    self.cfg, self.rollout, self.val_ds, self.val_ds.pad_id, self.scorer
-                )
+                metrics.update(evaluate_sets(self.cfg, self.rollout, self.val_sets))
         return metrics
 
 

@@ -5,7 +5,8 @@ A row is a prompt and a response (loss on the response) or, without a prompt, a
 actor's worker group (FSDP2 engine, optimizer, checkpoints) without a reference; a step is
 one optimizer step over ``data.batch_size`` samples. The run ends at
 ``trainer.total_steps`` (or after ``trainer.epochs`` passes), writes a checkpoint and exports
-``<output_dir>/final_model``, and reports held-out accuracy when ``data.val_files`` is set.
+``<output_dir>/final_model``, and evaluates the validation sets (``data.val_files``,
+``data.val_sets``; :mod:`treadle.trainers.evaluation`) when there are some.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from treadle.data.templating import pad_or_eos_id
 from treadle.protocol import Batch
 from treadle.tracking import timed
 from treadle.trainers.base import Trainer
-from treadle.trainers.evaluation import evaluate
-from treadle.trainers.prompts import listed, load_prompts, tokenizer
+from treadle.trainers.evaluation import evaluate_sets, load_val_sets
+from treadle.trainers.prompts import listed, tokenizer
 
 
 class SFTTrainer(Trainer):
@@ -35,7 +36,7 @@ class SFTTrainer(Trainer):
         tok = tokenizer(cfg)
         self.pad = pad_or_eos_id(tok)
         self.ds = config_sft(cfg, files, "data.train_files", tok)
-        self.val = load_prompts(cfg, d.val_files, "data.val_files") if d.has_val else None
+        self.val_sets = load_val_sets(cfg)  # (closed by close())
         self.steps_per_epoch = max(len(self.ds) // d.batch_size, 1)
         if cfg.trainer.epochs is not None:
             self.total = cfg.trainer.epochs * self.steps_per_epoch
@@ -54,12 +55,10 @@ class SFTTrainer(Trainer):
             metrics.update(self.group.train_sft(batch))
         metrics["timing/step"] = time.perf_counter() - start
         metrics["epoch"] = step / self.steps_per_epoch
-        if self.val is not None and self.eval_due(step):
+        if self.val_sets and self.eval_due(step):
             self.rollout.sync_weights(version=step)  # generate with the trained weights
             with timed(metrics, "eval"):
-                metrics["eval/accuracy"] = evaluate(
-                    self.cfg, self.rollout, self.val, self.pad, self.scorer
-                )
+                metrics.update(evaluate_sets(self.cfg, self.rollout, self.val_sets))
         return metrics
 
 
