@@ -143,6 +143,12 @@ def test_named_validation_sets_are_checked(env, capsys) -> None:  # type: ignore
     assert_bad(check(env, capsys, "eval.top_p=1.5"), r"eval\.top_p: ")
 
 
+def test_keep_best_passes_when_every_save_step_is_evaluated(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    keys = ["trainer.keep_best=eval/val/accuracy", "trainer.final_model=best"]
+    code, _, err = check(env, capsys, *keys, "trainer.save_every=4", "trainer.eval_every=2")
+    assert code == 0, err
+
+
 # --- field types and bounds ----------------------------------------------------------------------
 
 BAD_FIELDS = {
@@ -233,7 +239,7 @@ BAD_FIELDS = {
     "trainer.total_steps": ["0", "-1"],
     "trainer.epochs": ["0", "-1"],
     "trainer.save_every": ["-1"],
-    "trainer.keep_checkpoints": ["0"],
+    "trainer.keep_last": ["0"],
     "trainer.eval_every": ["-1"],
     "trainer.seed": ["-1", "4294967296", "1.5", "false"],
     "trainer.resume": ["perhaps"],
@@ -296,6 +302,25 @@ CROSS_FIELD = [
     (["algorithm.kl_reward_estimator=k5"], r"algorithm\.kl_reward_estimator: unknown"),
     (["data.max_prompt_length=100"], r"data\.max_prompt_length=100 \+ rollout\.max_new_tokens=32"),
     (["rollout.max_new_tokens=100"], r"max_position_embeddings=128"),
+    (["trainer.final_model=best"], r"trainer\.final_model=best .*set trainer\.keep_best"),
+    (
+        ["trainer.keep_best=eval/val/accuracy", "trainer.save_every=4", "trainer.eval_every=3"],
+        r"trainer\.save_every=4 saves at steps trainer\.eval_every=3 does not evaluate: set "
+        r"trainer\.eval_every to 4",
+    ),
+    (
+        ["trainer.keep_best=eval/val/accuracy", "trainer.save_every=4"],
+        r"trainer\.eval_every=0 does not evaluate",
+    ),
+    (
+        ["trainer.keep_best=eval/val/accuracy", "data.val_files=[]"],
+        r"keep_best=eval/val/accuracy .*no held-out data: set data\.val_files",
+    ),
+    (
+        ["trainer.keep_best=eval/test/accuracy"],
+        r"names the set 'test', which the run does not evaluate; its sets: val",
+    ),
+    (["trainer.keep_best=val/accuracy"], r"trainer\.keep_best: name an evaluation metric as eval/"),
 ]
 
 
@@ -371,6 +396,10 @@ OVERRIDES = [
     ("trainer..seed=1", r"override 'trainer\.\.seed=1' is not of the form"),
     ("trainer.totl_steps=2", r"'trainer\.totl_steps'.*did you mean 'trainer\.total_steps'"),
     ("trainr.seed=1", r"unknown key 'trainr'.*did you mean 'trainer'"),
+    (
+        "trainer.keep_checkpoints=3",
+        r"unknown key 'trainer\.keep_checkpoints'.*it is now 'trainer\.keep_last'",
+    ),
     ("data.train_files=[a", r"override 'data\.train_files=\[a': the value is not valid YAML"),
     ("data.prompt_key={a", r"override 'data\.prompt_key=\{a': the value is not valid YAML"),
     ("trainer.total_steps.x=1", r"trainer\.total_steps: input should be a valid integer"),

@@ -12,9 +12,15 @@ verifies the newest: a file missing, truncated or with other bytes (a flipped bi
 makes it fall back to the one before, with a warning naming the file; when no complete
 checkpoint is left the run stops with one error naming what is damaged.
 
-:func:`save` writes one (the actor's group at the top, each other role in ``<name>/``); the
-run's last one is also exported as ``<output_dir>/final_model``, files of its own that
+:func:`save` writes one (the actor's group at the top, each other role in ``<name>/``);
+:func:`export_model` copies one to ``<output_dir>/final_model``, files of its own that
 rotation cannot touch (with LoRA: the merged model, its adapter in ``adapter/``).
+
+Retention (:class:`Retention`): once a checkpoint is sealed, the older ones beyond the newest
+``keep_last`` are removed, except the best: the one whose state.json records the best value
+of the ``best`` metric (``state["eval"]``, the step's evaluation metrics). The ranking is read
+from the directories on disk, so the best of an earlier process of the run is kept after a
+resume; a checkpoint without the metric (an older treadle's) is not ranked.
 """
 
 from __future__ import annotations
@@ -26,8 +32,9 @@ import os
 import re
 import shutil
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from treadle.errors import TreadleError
 from treadle.faults import failpoint
@@ -123,8 +130,57 @@ def begin(output_dir: str | Path, step: int) -> Path:
     return tmp
 
 
-def commit(tmp: Path, state: dict[str, Any], keep: int) -> Path:
-    """Write state.json and the manifest, rename to its final name, prune older checkpoints."""
+@dataclass(frozen=True)
+class Retention:
+    """Which sealed checkpoints stay: the newest ``keep_last`` and, with ``best`` (an eval
+    metric's name), the one with its best value (``mode``: higher or lower is better; on a
+    tie the earlier one)."""
+
+    keep_last: int = 2
+    best: str | None = None
+    mode: Literal["max", "min"] = "max"
+
+
+def evaluated(path: Path, metric: str) -> float | None:
+    """The value of ``metric`` the checkpoint's state.json records (None: not evaluated)."""
+    try:
+        value = read_state(path).get("eval", {}).get(metric)
+    except (OSError, ValueError, AttributeError):  # a damaged state.json ranks nothing
+        return None
+    return float(value) if isinstance(value, int | float) else None
+
+
+def best_checkpoint(output_dir: str | Path, metric: str, mode: str = "max") -> Path | None:
+    """The sealed checkpoint with the best recorded ``metric`` (the earliest on a tie), or
+    None when no checkpoint records it."""
+    best: tuple[float, Path] | None = None
+    for _, path in _steps(checkpoint_root(output_dir)):
+        value = evaluated(path, metric)
+        if value is None:
+            continue
+        signed = value if mode == "max" else -value
+        if best is None or signed > best[0]:
+            best = (signed, path)
+    return best[1] if best is not None else None
+
+
+def prune(output_dir: str | Path, retention: Retention) -> list[Path]:
+    """Remove the sealed checkpoints beyond ``retention`` (never the newest, never the
+    best); the removed ones."""
+    found = [path for _, path in _steps(checkpoint_root(output_dir))]
+    kept = set(found[-retention.keep_last :])
+    best = retention.best and best_checkpoint(output_dir, retention.best, retention.mode)
+    if best:
+        kept.add(best)
+    removed = [path for path in found if path not in kept]
+    for path in removed:
+        shutil.rmtree(path)
+    return removed
+
+
+def commit(tmp: Path, state: dict[str, Any], retention: Retention) -> Path:
+    """Write state.json and the manifest, rename to its final name, then prune older
+    checkpoints as ``retention`` says."""
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     files = {
         str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
@@ -140,8 +196,7 @@ def commit(tmp: Path, state: dict[str, Any], keep: int) -> Path:
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    for _, old in _steps(final.parent)[:-keep]:
-        shutil.rmtree(old)
+    prune(final.parent.parent, retention)
     return final
 
 
@@ -162,23 +217,20 @@ def save(
     actors: Saves,
     roles: Mapping[str, Saves],
     state: dict[str, Any],
-    keep: int,
-    final: bool,
+    retention: Retention,
 ) -> Path:
-    """Checkpoint ``step`` atomically; the ``final`` one is also exported as ``final_model``.
+    """Checkpoint ``step`` atomically, then prune as ``retention`` says.
 
     ``actors`` write the top of the directory, each of ``roles`` its own ``<name>/``;
-    ``state`` (the data position and whatever else the driver keeps) goes to state.json.
+    ``state`` (the data position, the step's eval metrics and whatever else the driver keeps)
+    goes to state.json.
     """
     tmp = begin(output_dir, step)
     actors.save_checkpoint(str(tmp))
     for name, role in roles.items():
         role.save_checkpoint(str(tmp / name))
     failpoint("checkpoint", step)
-    done = commit(tmp, {"step": step, **state}, keep)
-    if final:
-        export_model(done, Path(output_dir) / "final_model")
-    return done
+    return commit(tmp, {"step": step, **state}, retention)
 
 
 def export_model(checkpoint_dir: Path, dest: Path) -> Path:

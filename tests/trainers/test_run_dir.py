@@ -17,6 +17,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import pytest
 import torch
@@ -29,7 +30,14 @@ from treadle.tracking import Tracker, read_metrics
 from treadle.trainers.run_dir import RunLock
 
 
-def _save(out: Path, step: int, keep: int = 5) -> Path:
+def _save(
+    out: Path,
+    step: int,
+    keep: int = 5,
+    evals: dict[str, float] | None = None,
+    best: str | None = None,
+    mode: Literal["max", "min"] = "max",
+) -> Path:
     tmp = ckpt.begin(out, step)
     (tmp / "model").mkdir()
     save_file({"w": torch.full((64,), float(step))}, str(tmp / "model" / "model.safetensors"))
@@ -37,7 +45,8 @@ def _save(out: Path, step: int, keep: int = 5) -> Path:
     save_file({"torch": torch.get_rng_state()}, str(tmp / "rng_rank0.safetensors"))
     (tmp / "critic").mkdir()
     (tmp / "critic" / "optimizer.json").write_text("{}")
-    return ckpt.commit(tmp, {"step": step}, keep)
+    state = {"step": step, "eval": evals or {}}
+    return ckpt.commit(tmp, state, ckpt.Retention(keep, best, mode))
 
 
 @pytest.fixture
@@ -137,6 +146,61 @@ def test_final_model_is_a_copy_that_outlives_the_checkpoint(run):
     _save(run, 4, keep=1)  # rotation deletes step_3
     assert not (run / "checkpoints" / "step_3").exists()
     assert json.loads((final / "config.json").read_text()) == {"step": 3}
+
+
+def _kept(out: Path) -> list[str]:
+    return sorted(p.name for p in (out / "checkpoints").iterdir())
+
+
+ACC = "eval/val/accuracy"
+
+
+def test_keep_best_keeps_the_best_checkpoint_whatever_keep_last_removes(tmp_path):
+    for step, acc in [(1, 0.2), (2, 0.7), (3, 0.5), (4, 0.6)]:
+        _save(tmp_path, step, keep=1, evals={ACC: acc, "eval/val/reward": 1 - acc}, best=ACC)
+    assert _kept(tmp_path) == ["step_2", "step_4"]
+    assert ckpt.best_checkpoint(tmp_path, ACC) == tmp_path / "checkpoints" / "step_2"
+    # a better one takes its place (the newest stays: it is the best now)
+    _save(tmp_path, 5, keep=1, evals={ACC: 0.9}, best=ACC)
+    assert _kept(tmp_path) == ["step_5"]
+    # the ranking is read back from the state.json of each checkpoint: a later process keeps
+    # the best of an earlier one, and the newest even when it is worse
+    _save(tmp_path, 6, keep=1, evals={ACC: 0.1}, best=ACC)
+    assert _kept(tmp_path) == ["step_5", "step_6"]
+    assert ckpt.evaluated(tmp_path / "checkpoints" / "step_5", ACC) == 0.9
+
+
+def test_keep_best_min_ties_and_unranked_checkpoints(tmp_path):
+    loss = "eval/val/loss"
+    _save(tmp_path, 1, keep=1)  # an older treadle's checkpoint: nothing recorded, not ranked
+    for step, value in [(2, 0.5), (3, 0.3), (4, 0.3), (5, 0.8)]:
+        _save(tmp_path, step, keep=1, evals={loss: value}, best=loss, mode="min")
+    assert _kept(tmp_path) == ["step_3", "step_5"]  # a tie keeps the earlier one
+    assert ckpt.best_checkpoint(tmp_path, loss, "max") == tmp_path / "checkpoints" / "step_5"
+    assert ckpt.best_checkpoint(tmp_path, "eval/other/accuracy") is None
+
+
+def test_keep_best_mode_follows_the_metric_name_unless_given():
+    from treadle.config.trainer import TrainerConfig
+
+    modes = {
+        name: TrainerConfig(keep_best=name).best_mode()
+        for name in ("eval/val/accuracy", "eval/val/pass@4", "eval/sft/loss", "eval/val/error")
+    }
+    assert modes == {
+        "eval/val/accuracy": "max",
+        "eval/val/pass@4": "max",
+        "eval/sft/loss": "min",
+        "eval/val/error": "min",
+    }
+    assert TrainerConfig(keep_best="eval/val/loss", keep_best_mode="max").best_mode() == "max"
+
+
+def test_an_unsealed_newer_checkpoint_removes_nothing(tmp_path):
+    for step in (1, 2):
+        _save(tmp_path, step, keep=1, evals={ACC: step / 10}, best=ACC)
+    ckpt.begin(tmp_path, 3)  # killed while writing step 3: step 2 is still the newest sealed
+    assert _kept(tmp_path) == ["step_2", "step_3.tmp"]
 
 
 def test_after_a_resume_each_step_is_in_the_metrics_once(tmp_path):

@@ -121,6 +121,10 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     node[parts[-1]] = parsed
 
 
+# keys of earlier versions: the error names the new key
+RENAMED = {"trainer.keep_checkpoints": "trainer.keep_last"}
+
+
 def _check_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str) -> list[str]:
     """Every unknown key (with the closest valid one) and every section that is no mapping."""
     fields = {f.alias or name: f for name, f in model.model_fields.items()}
@@ -130,6 +134,8 @@ def _check_keys(raw: dict[str, Any], model: type[BaseModel], prefix: str) -> lis
             valid = list(fields)
             close = difflib.get_close_matches(str(key), valid, n=1, cutoff=0.5)
             hint = f"; did you mean '{prefix}{close[0]}'?" if close else ""
+            if f"{prefix}{key}" in RENAMED:
+                hint = f"; it is now '{RENAMED[f'{prefix}{key}']}'"
             where = f"section '{prefix[:-1]}'" if prefix else "the config"
             problems.append(
                 f"unknown key '{prefix}{key}' in {where}{hint} (valid: {', '.join(valid)})"

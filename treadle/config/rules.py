@@ -109,6 +109,44 @@ def config_problems(cfg: Sections) -> Iterator[str]:
     yield from _check_rollout(cfg.rollout, cfg.actor, cfg.trainer)
     yield from _check_agents(cfg.rollout, cfg.data)
     yield from _check_mode(cfg)
+    yield from _check_retention(cfg)
+
+
+def _held_out_sets(cfg: Sections) -> list[str]:
+    """The names of the run's held-out sets (``eval/<set>/...``)."""
+    return ["val"] if cfg.data.has_val else []
+
+
+def _check_retention(cfg: Sections) -> Iterator[str]:
+    """trainer.keep_best ranks checkpoints by their step's evaluation: there must be one at
+    every save step, of a set the run has; trainer.final_model=best needs it."""
+    t = cfg.trainer
+    if t.final_model == "best" and t.keep_best is None:
+        yield (
+            "trainer.final_model=best exports the best checkpoint by trainer.keep_best: set "
+            "trainer.keep_best (e.g. eval/val/accuracy) or trainer.final_model=last"
+        )
+    if t.keep_best is None:
+        return
+    sets = _held_out_sets(cfg)
+    parts = t.keep_best.split("/")
+    if not sets:
+        yield (
+            f"trainer.keep_best={t.keep_best} ranks checkpoints by their evaluation, but the "
+            "run has no held-out data: set data.val_files, or drop trainer.keep_best"
+        )
+    elif len(parts) > 2 and parts[1] not in sets:
+        yield (
+            f"trainer.keep_best={t.keep_best} names the set {parts[1]!r}, which the run does "
+            f"not evaluate; its sets: {', '.join(sets)} (eval/<set>/<metric>)"
+        )
+    if t.save_every and (not t.eval_every or t.save_every % t.eval_every):
+        yield (
+            f"trainer.keep_best ranks each checkpoint by its step's evaluation, but "
+            f"trainer.save_every={t.save_every} saves at steps trainer.eval_every="
+            f"{t.eval_every} does not evaluate: set trainer.eval_every to "
+            f"{t.save_every} (or a divisor of it)"
+        )
 
 
 def _check_mode(cfg: Sections) -> Iterator[str]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from treadle.config.base import Key, Section
 
@@ -23,7 +23,31 @@ class TrainerConfig(Section):
     total_steps: int = Field(10, gt=0, description="RL (or SFT) steps after which the run ends.")
     epochs: int | None = Field(None, gt=0, description="SFT: train for this many epochs instead.")
     save_every: int = Field(0, ge=0, description="Checkpoint every N steps (0: only at the end).")
-    keep_checkpoints: int = Field(2, gt=0, description="Newest checkpoints kept on disk.")
+    keep_last: int = Field(
+        2,
+        gt=0,
+        description="Newest checkpoints kept on disk; an older one is removed only after a "
+        "newer one is sealed, and never the trainer.keep_best one.",
+    )
+    keep_best: str | None = Field(
+        None,
+        description="Keep the checkpoint with the best value of this evaluation metric "
+        "(eval/<set>/<metric>, e.g. eval/val/accuracy), whatever trainer.keep_last removes; "
+        "every save step must be an eval step (trainer.eval_every divides "
+        "trainer.save_every). Each checkpoint's state.json records its step's eval metrics, "
+        "so the ranking survives a resume. null: no best is kept.",
+    )
+    keep_best_mode: Literal["max", "min"] | None = Field(
+        None,
+        description="Whether a higher (max) or lower (min) trainer.keep_best is better; "
+        "null: min when the metric's name says loss, perplexity or error, else max. A tie "
+        "keeps the earlier checkpoint.",
+    )
+    final_model: Literal["last", "best"] = Field(
+        "last",
+        description="What <output_dir>/final_model is at the end: the last step's model, or "
+        "the best sealed checkpoint's by trainer.keep_best (which it needs).",
+    )
     save_optimizer: bool = Field(
         True,
         description="Checkpoints hold the optimizer state (about twice the trained weights); "
@@ -86,3 +110,21 @@ class TrainerConfig(Section):
         description="Show Ray's, vLLM's and torch's messages on the console; otherwise they go "
         "to <output_dir>/logs/.",
     )
+
+    @field_validator("keep_best")
+    @classmethod
+    def _an_eval_metric(cls, value: str | None) -> str | None:
+        parts = value.split("/") if value is not None else []
+        if value is not None and (parts[0] != "eval" or len(parts) < 2 or not all(parts)):
+            raise ValueError(
+                "name an evaluation metric as eval/<set>/<metric>, e.g. eval/val/accuracy"
+            )
+        return value
+
+    def best_mode(self) -> Literal["max", "min"]:
+        """``keep_best_mode``, or the one the metric's name implies (min for a loss)."""
+        if self.keep_best_mode is not None:
+            return self.keep_best_mode
+        last = (self.keep_best or "").rsplit("/", 1)[-1].lower()
+        lower = any(word in last for word in ("loss", "perplexity", "error"))
+        return "min" if lower else "max"

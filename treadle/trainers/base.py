@@ -22,7 +22,7 @@ from treadle import startup
 from treadle.config import Config
 from treadle.controller import Actors, Placement, WorkerGroup
 from treadle.data import ResumableSampler
-from treadle.errors import Stopped, WorkerDied, raise_if_signalled, stop_cause
+from treadle.errors import ConfigError, Stopped, WorkerDied, raise_if_signalled, stop_cause
 from treadle.faults import failpoint
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
@@ -62,6 +62,7 @@ class Trainer:
         self.samples: list[dict[str, Any]] = []
         self.console: ConsoleLogger | None = None
         self.val_sets: dict[str, ValSet] = {}  # the validation sets, when the driver has some
+        self.final_note = ""  # what final_model is, when it is not the last step's
         self._restore_logs = lambda: None
 
     def start_workers(
@@ -198,16 +199,7 @@ class Trainer:
                         raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
                     last = step == self.total
                     if last or (t.save_every and step % t.save_every == 0):
-                        state = self.driver_state()
-                        ckpt.save(
-                            t.output_dir,
-                            step,
-                            self.group,
-                            self.roles,
-                            state,
-                            t.keep_checkpoints,
-                            final=last,
-                        )
+                        self.save(step, metrics, last)
                         failpoint("sealed", step)
         except KeyboardInterrupt as e:
             how, code = stop_cause(e)
@@ -218,10 +210,34 @@ class Trainer:
         finally:
             self.close()
         if self.console is not None:
-            self.console.print(f"final model: {self.out / 'final_model'}")
+            self.console.print(f"final model: {self.out / 'final_model'}{self.final_note}")
             if "jsonl" in t.loggers:
                 self.console.print(f"report: treadle report {self.out}")
         return metrics
+
+    def save(self, step: int, metrics: dict[str, float], last: bool) -> None:
+        """Checkpoint ``step``, its eval metrics in state.json (``trainer.keep_best`` ranks
+        checkpoints by them), prune (``trainer.keep_last``), and at the last step export
+        ``final_model``: this step's model, or the best checkpoint's (``trainer.final_model``)."""
+        t = self.cfg.trainer
+        evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+        retention = ckpt.Retention(t.keep_last, t.keep_best, t.best_mode())
+        state = {**self.driver_state(), "eval": evals}
+        done = ckpt.save(t.output_dir, step, self.group, self.roles, state, retention)
+        if t.keep_best is not None and t.keep_best not in evals:
+            logged = ", ".join(sorted(evals)) or "none: no evaluation ran at this step"
+            raise ConfigError(
+                f"trainer.keep_best={t.keep_best}: step {step} logged no such metric (its eval "
+                f"metrics: {logged}); set trainer.keep_best to one of them. The checkpoint of "
+                f"step {step} is saved: the same command resumes from it"
+            )
+        if last:
+            source = done
+            if t.final_model == "best" and t.keep_best is not None:
+                source = ckpt.best_checkpoint(self.out, t.keep_best, t.best_mode()) or done
+                value = ckpt.evaluated(source, t.keep_best)
+                self.final_note = f" (the best checkpoint, {source.name}: {t.keep_best}={value})"
+            ckpt.export_model(source, self.out / "final_model")
 
     def open_tracker(self) -> Tracker:
         t = self.cfg.trainer
