@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from treadle.cli import main
-from treadle.report import figures, numeric_series, read_jsonl
+from treadle.report import checkpoint_series, figures, numeric_series, read_jsonl
 
 CHROMIUM = "/usr/bin/chromium"
 SCRIPT = "<script>window.pwned = 1</script>"  # model text is untrusted: it must stay text
@@ -105,6 +105,43 @@ def test_panels_plot_the_run_s_series(run_dir):
     assert [t.name for t in figs["rollout"].data] == ["rollout/weight_version"]
 
 
+def test_each_validation_set_has_a_panel_with_the_checkpoints_evaluation(run_dir):
+    """Sets of metrics.jsonl (in training) and of eval.jsonl (`treadle eval RUN_DIR`, dashed)."""
+    lines = [
+        {"step": 2, "eval/val/accuracy": 0.3, "eval/hard/accuracy": 0.1, "eval/hard/pass@4": 0.2},
+        {"step": 4, "eval/val/accuracy": 0.6, "eval/hard/accuracy": 0.2, "eval/hard/pass@4": 0.5},
+    ]
+    for line in lines:
+        line["eval/hard/pass@4/std"] = 0.01
+    (run_dir / "metrics.jsonl").write_text(
+        "".join(json.dumps({**r, "reward/mean": 0.5}) + "\n" for r in lines)
+    )
+    checkpoints = [{**r, "eval/val/accuracy": r["eval/val/accuracy"] + 0.05} for r in lines]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in checkpoints))
+    series = numeric_series(read_jsonl(run_dir / "metrics.jsonl"))
+    series.update(checkpoint_series(run_dir / "eval.jsonl"))
+    figs = dict(figures(series))
+    assert list(figs)[:3] == ["Reward", "Held-out: val", "Held-out: hard"]
+    val = {t.name: (list(t.x), list(t.y), t.line.dash) for t in figs["Held-out: val"].data}
+    assert val == {
+        "eval/val/accuracy": ([2, 4], [0.3, 0.6], None),
+        "eval/val/accuracy (treadle eval)": ([2, 4], [0.35, 0.65], "dash"),
+    }
+    hard = [t.name for t in figs["Held-out: hard"].data]
+    assert hard == [
+        "eval/hard/accuracy",
+        "eval/hard/pass@4",
+        "eval/hard/accuracy (treadle eval)",
+        "eval/hard/pass@4 (treadle eval)",
+    ]
+    assert "Held-out accuracy" not in figs  # (the sets' accuracies are in their panels)
+    # the bootstrap std goes with the other eval series, apart
+    assert {t.name for t in figs["eval"].data} == {
+        "eval/hard/pass@4/std",
+        "eval/hard/pass@4/std (treadle eval)",
+    }
+
+
 def test_report_command_writes_one_self_contained_page(run_dir, capsys):
     assert main(["report", str(run_dir)]) == 0
     out = run_dir / "report.html"
@@ -148,6 +185,13 @@ def test_report_command_writes_one_self_contained_page(run_dir, capsys):
             ],
             "{d}/config.yaml: cannot read the resolved config: while parsing",
         ),
+        (
+            lambda d: [
+                (d / "metrics.jsonl").write_text('{"step": 1}\n'),
+                (d / "eval.jsonl").write_text('{"step": 1}\n{"eval/val/accuracy": 1}\n'),
+            ],
+            "{d}/eval.jsonl line 2: no integer 'step'",
+        ),
     ],
     ids=[
         "missing",
@@ -158,6 +202,7 @@ def test_report_command_writes_one_self_contained_page(run_dir, capsys):
         "no-step",
         "bad-sample",
         "bad-config",
+        "bad-eval",
     ],
 )
 def test_bad_run_dir_is_one_line_naming_file_and_line(tmp_path, capsys, setup, message):

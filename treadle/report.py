@@ -1,17 +1,23 @@
 """``treadle report RUN_DIR``: one HTML page that shows a run, written to ``RUN_DIR/report.html``.
 
 It reads what every run leaves in its output directory: ``metrics.jsonl`` (one object per
-step), ``config.yaml`` (the resolved config) and, when the run logged samples,
-``samples.jsonl`` (``{"step", "prompt", "response", "reward", "ground_truth", ...}``).
+step), ``config.yaml`` (the resolved config), when the run logged samples ``samples.jsonl``
+(``{"step", "prompt", "response", "reward", "ground_truth", ...}``) and, when ``treadle eval
+RUN_DIR`` evaluated its checkpoints, ``eval.jsonl`` (one object per checkpoint's step).
 
 Choices:
 
 - Plots are plotly figures, and plotly.js is inlined once in the page (about 4.6 MB), so the
   page works from ``file://`` with no network: copy it anywhere, open it offline.
-- The named panels come first (reward, held-out accuracy, KL, entropy, response length, clip
-  fraction, time per phase stacked per step, throughput), each from whichever of its series the
-  run has; every other numeric series is plotted too, one small panel per series, grouped by
-  its prefix (``actor/``, ``rollout/``, ``dpo/``, ...), so an SFT, DPO or RM run shows its own.
+- The named panels come first (reward, loss, one per validation set, held-out accuracy, KL,
+  entropy, response length, clip fraction, time per phase stacked per step, throughput), each
+  from whichever of its series the run has; every other numeric series is plotted too, one
+  small panel per series, grouped by its prefix (``actor/``, ``rollout/``, ``dpo/``, ...), so
+  an SFT, DPO or RM run shows its own.
+- A validation set's panel (``Held-out: <set>``) has every metric of the set against the step
+  (``eval/<set>/<metric>``, its bootstrap ``/std`` aside): the in-training evaluation's from
+  metrics.jsonl and, dashed, ``treadle eval``'s of the checkpoints from eval.jsonl, named
+  ``<metric> (treadle eval)``.
 - Model text and config values are untrusted: everything put into the page's HTML is escaped,
   and plotly escapes what goes into its JSON.
 """
@@ -50,6 +56,7 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
 # "other") and the one-off start-up time (shown in the summary); evaluation is timed after the
 # step, outside ``timing/step``.
 STEP_TIME, STARTUP_TIME, AFTER_STEP = "timing/step", "timing/startup", ("timing/eval",)
+EVAL_FILE, CHECKPOINT_EVAL = "eval.jsonl", " (treadle eval)"  # its series: <name> (treadle eval)
 MAX_SAMPLES = 200  # the newest ones: a long run logs thousands
 
 Series = dict[str, tuple[list[float], list[float]]]  # name -> (steps, values)
@@ -73,6 +80,7 @@ def write_report(run_dir: str | Path) -> Path:
         if not isinstance(record.get("step"), int):
             raise TreadleError(f"{metrics_path} line {lineno}: no integer 'step'")
     series = numeric_series(records)
+    series.update(checkpoint_series(run / EVAL_FILE))
     samples_path = run / "samples.jsonl"
     samples = read_jsonl(samples_path) if samples_path.is_file() else []
     page = _page(run, series, _read_config(run / "config.yaml"), samples)
@@ -119,6 +127,32 @@ def numeric_series(records: Iterable[dict[str, Any]]) -> Series:
     return series
 
 
+def checkpoint_series(path: Path) -> Series:
+    """The ``eval/...`` series of ``treadle eval``'s file (none if there is none), each named
+    ``<metric> (treadle eval)``."""
+    if not path.is_file():
+        return {}
+    records = read_jsonl(path)
+    for lineno, record in enumerate(records, 1):
+        if not isinstance(record.get("step"), int):
+            raise TreadleError(f"{path} line {lineno}: no integer 'step'")
+    return {
+        name + CHECKPOINT_EVAL: values
+        for name, values in numeric_series(records).items()
+        if name.startswith("eval/")
+    }
+
+
+def eval_sets(names: Iterable[str]) -> list[str]:
+    """The validation sets of ``eval/<set>/<metric>`` names, in order of appearance."""
+    found: dict[str, None] = {}
+    for name in names:
+        parts = name.split("/")
+        if parts[0] == "eval" and len(parts) > 2:
+            found.setdefault(parts[1], None)
+    return list(found)
+
+
 def _number(value: Any) -> float | None:
     if isinstance(value, bool):
         return None
@@ -150,6 +184,16 @@ def figures(series: Series) -> list[tuple[str, go.Figure]]:
     left = [name for name in series if name not in (STEP_TIME, STARTUP_TIME)]
     out = []
     for title, patterns in PANELS:
+        if title == "Held-out accuracy":  # one panel per validation set before
+            for name in eval_sets(left):
+                metrics = [
+                    n
+                    for n in left
+                    if n.startswith(f"eval/{name}/")
+                    and not n.removesuffix(CHECKPOINT_EVAL).endswith("/std")
+                ]
+                out.append((f"Held-out: {name}", _line_figure(series, metrics)))
+                left = [n for n in left if n not in metrics]
         names = [n for n in left if any(fnmatchcase(n, p) for p in patterns)]
         if names:
             out.append((title, _line_figure(series, names)))
@@ -174,7 +218,10 @@ def _line_figure(series: Series, names: list[str]) -> go.Figure:
     fig = go.Figure()
     for name in names:
         steps, values = series[name]
-        fig.add_trace(go.Scatter(x=steps, y=values, name=name, mode=_mode(steps)))
+        dash = "dash" if name.endswith(CHECKPOINT_EVAL) else None
+        fig.add_trace(
+            go.Scatter(x=steps, y=values, name=name, mode=_mode(steps), line={"dash": dash})
+        )
     fig.update_xaxes(title_text="step")
     return _layout(fig, height=320, showlegend=True)
 
