@@ -64,6 +64,12 @@ def _steps(root: Path) -> list[tuple[int, Path]]:
     return sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.match(p.name)))
 
 
+def checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, directory) of the run's renamed checkpoints, oldest first (not verified:
+    :func:`damage` says whether one is complete)."""
+    return _steps(checkpoint_root(output_dir))
+
+
 def _sha256(path: Path) -> str:
     with path.open("rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -88,6 +89,31 @@ def full_tensors(
             continue
         full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
         yield name.removeprefix(prefix), full.detach()
+
+
+def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> None:
+    """The weights of the HF folder ``folder`` (its ``*.safetensors``) into the sharded
+    ``module`` (every rank reads the files). A tensor the module lacks, or a parameter the
+    folder lacks (but a tied output embedding, stored once), is a CheckpointError."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{folder} holds no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update({prefix + k: v for k, v in load_file(str(f)).items()})
+    names = set(module.state_dict())
+    lm = getattr(module, prefix.rstrip("."), None)
+    tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
+    missing = names - set(state) - ({f"{prefix}lm_head.weight"} if tied else set())
+    unknown = set(state) - names
+    if missing or unknown:
+        raise CheckpointError(
+            f"{folder} does not hold this model's weights (missing: "
+            f"{sorted(missing)[:3]}, unknown: {sorted(unknown)[:3]}): is it the run's model?"
+        )
+    set_model_state_dict(
+        module, state, options=StateDictOptions(full_state_dict=True, strict=False)
+    )
 
 
 class TrainEngine:
@@ -280,6 +306,19 @@ class TrainEngine:
                 "resume with the same actor.world_size, or set trainer.resume=false"
             )
         torch.set_rng_state(load_file(str(rng))["torch"])
+
+    def load_weights(self, out: Path) -> None:
+        """The model weights of the checkpoint ``out`` (``model/``; LoRA: ``adapter/``), not its
+        optimizer or RNG: for evaluating a run's checkpoints one after another."""
+        if self.lora:
+            load_adapters(self.module, out / ADAPTER_DIR)
+        elif (out / "model").is_dir():
+            load_full_weights(self.module, out / "model")
+        else:
+            raise CheckpointError(
+                f"{out} holds LoRA adapters (adapter/), not a model/: evaluate it with the "
+                "run's actor.lora"
+            )
 
     def load_optimizer(self, path: Path) -> None:
         """The optimizer state and schedule :meth:`save_checkpoint` wrote to ``path``."""

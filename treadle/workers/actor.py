@@ -304,6 +304,12 @@ class ActorRolloutRefWorker(ServesRollout, TrainingWorker):
     # ------------------------------------------------------------------ checkpoints
 
     @register(Dispatch.ALL, Collect.RANK0)
+    def load_weights(self, path: str) -> None:
+        """The model weights of checkpoint ``path`` (LoRA: its adapters), without optimizer or
+        RNG; :meth:`sync_weights` then gives them to the rollout (``treadle eval RUN_DIR``)."""
+        self.engine.load_weights(Path(path))
+
+    @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
         """Optimizer and RNG (LoRA: and the adapters); the model weights were loaded at start
         from ``path/model``, so the colocated replica serves the checkpoint's weights: their
