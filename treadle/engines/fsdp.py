@@ -98,7 +98,7 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{folder} holds no *.safetensors weights")
-    state: dict[str, torch.Tensor] = {}
+    state: dict[str, Any] = {}  # (set_model_state_dict's value type)
     for f in files:
         state.update({prefix + k: v for k, v in load_file(str(f)).items()})
     names = set(module.state_dict())
