@@ -147,6 +147,9 @@ def test_keep_best_passes_when_every_save_step_is_evaluated(env, capsys) -> None
     keys = ["trainer.keep_best=eval/val/accuracy", "trainer.final_model=best"]
     code, _, err = check(env, capsys, *keys, "trainer.save_every=4", "trainer.eval_every=2")
     assert code == 0, err
+    hard = f"data.val_sets={{hard: {{files: [{env['test']}]}}}}"  # a named set ranks too
+    code, _, err = check(env, capsys, hard, "trainer.keep_best=eval/hard/pass@4")
+    assert code == 0, err
 
 
 # --- field types and bounds ----------------------------------------------------------------------
@@ -314,7 +317,7 @@ CROSS_FIELD = [
     ),
     (
         ["trainer.keep_best=eval/val/accuracy", "data.val_files=[]"],
-        r"keep_best=eval/val/accuracy .*no held-out data: set data\.val_files",
+        r"keep_best=eval/val/accuracy .*no validation set: set data\.val_files or data\.val_sets",
     ),
     (
         ["trainer.keep_best=eval/test/accuracy"],

@@ -21,7 +21,7 @@ REWARD = [0.1, 0.25, 0.5, 0.75]
 ACCURACY = {2: 0.3, 4: 0.6}  # held-out evaluation every 2 steps
 TITLES = [
     "Reward",
-    "Held-out accuracy",
+    "Held-out: val",
     "KL",
     "Entropy",
     "Response length",
@@ -84,7 +84,7 @@ def test_panels_plot_the_run_s_series(run_dir):
     assert list(figs) == TITLES
     reward = {t.name: list(t.y) for t in figs["Reward"].data}
     assert reward == {"reward/mean": REWARD, "reward/max": [1.0] * 4}
-    (accuracy,) = figs["Held-out accuracy"].data
+    (accuracy,) = figs["Held-out: val"].data
     assert list(accuracy.x) == [2, 4] and list(accuracy.y) == [0.3, 0.6]
     kl = figs["KL"].data[0].y
     assert kl[2] != kl[2] and kl[3] == pytest.approx(0.04)  # NaN stays a gap

@@ -7,6 +7,10 @@ Problems a user can fix (config keys, data rows, reward functions) end the comma
 line per problem on stderr, ``treadle: error: ...``, and exit code 2; nothing already written
 is removed.
 
+``treadle eval`` takes a run directory (every sealed checkpoint, or ``--steps``, on the run's
+sets or ``--set name=FILE``, into ``RUN_DIR/eval.jsonl``: :mod:`treadle.trainers.run_eval`), a
+Hugging Face model folder with ``--config CONFIG``, or a config (its ``model.path``).
+
 ``treadle serve CONFIG`` serves ``model.path`` with ``rollout.engine`` over an OpenAI-compatible
 API (``rollout.endpoint.*``; :mod:`treadle.rollout.endpoint`) in this process, prints one line
 ``serving <model> at http://HOST:PORT/v1 (api key: ...)`` and serves until Ctrl-C (exit 130)
@@ -122,10 +126,95 @@ def cmd_rm(args: argparse.Namespace) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> None:
+    """``treadle eval RUN_DIR | MODEL_DIR --config CONFIG | CONFIG``: what the target is
+    decides (:mod:`treadle.trainers.run_eval`)."""
+    from treadle.trainers.run_eval import is_run_dir
+
+    target = Path(args.target)
+    if not target.exists():
+        raise TreadleError(
+            f"{target}: no such file or directory (give RUN_DIR, MODEL_DIR or CONFIG)"
+        )
+    if target.is_dir() and is_run_dir(target):
+        _eval_run(args, target)
+        return
+    if args.steps is not None:
+        raise TreadleError(f"--steps picks checkpoints of a run directory; {target} is none")
+    if target.is_dir():
+        if not (target / "config.json").is_file():
+            raise TreadleError(
+                f"{target} is neither a run directory (no config.yaml) nor a Hugging Face "
+                "model folder (no config.json)"
+            )
+        if args.config is None:
+            raise TreadleError(
+                f"{target} is a model folder: give the config of the evaluation (its sets, "
+                "reward, sampling) with --config CONFIG"
+            )
+        args.overrides = [*args.overrides, f"model.path={target}"]
+    else:
+        if args.config is not None:
+            raise TreadleError(f"--config goes with a model folder; {target} is a config itself")
+        args.config = str(target)
+    if args.sets:
+        from treadle.config import load_config
+        from treadle.trainers.run_eval import set_files
+
+        raw = load_config(args.config, args.overrides).model_dump(mode="json", by_alias=True)
+        raw["data"].update(set_files(_named_sets(args.sets)))
+        args.config, args.overrides = raw, []
     cfg = _config(args)
     from treadle.trainers.evaluation import evaluate_model
 
     print_accuracies(evaluate_model(cfg))
+
+
+def _eval_run(args: argparse.Namespace, run_dir: Path) -> None:
+    """``treadle eval RUN_DIR``: the run's checkpoints, one line a step; eval.jsonl."""
+    from treadle.check import check
+    from treadle.cluster import start_ray_early
+    from treadle.trainers.run_eval import evaluate_checkpoints, run_config, sealed_checkpoints
+
+    if args.config is not None:
+        raise TreadleError(
+            f"{run_dir} is a run directory, evaluated with its own config.yaml: drop --config "
+            "(change its keys with overrides)"
+        )
+    steps = _steps(args.steps) if args.steps is not None else None
+    checkpoints = sealed_checkpoints(run_dir, steps)
+    cfg = run_config(run_dir, args.overrides, _named_sets(args.sets) if args.sets else None)
+    check(cfg, "eval")
+    start_ray_early(cfg)
+
+    def done(step: int, metrics: dict[str, float]) -> None:
+        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.endswith("/std"))
+        print(f"step {step}: {shown}", flush=True)
+
+    evaluate_checkpoints(cfg, run_dir, checkpoints, done)
+    print(f"eval: {run_dir / 'eval.jsonl'}")
+
+
+def _steps(text: str) -> list[int]:
+    try:
+        steps = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        steps = []
+    if not steps or any(s < 1 for s in steps):
+        raise TreadleError(f"--steps {text!r}: give step numbers separated by commas, e.g. 10,20")
+    return steps
+
+
+def _named_sets(items: list[str]) -> dict[str, str]:
+    """``--set name=FILE`` options as {name: FILE}."""
+    sets: dict[str, str] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not name or not path:
+            raise TreadleError(f"--set {item!r}: give it as name=FILE (e.g. --set val=test.jsonl)")
+        if name in sets:
+            raise TreadleError(f"--set {name}= is given twice")
+        sets[name] = path
+    return sets
 
 
 def cmd_serve(args: argparse.Namespace) -> None:
@@ -189,6 +278,32 @@ def cmd_sandbox_grade(args: argparse.Namespace) -> None:
     print(verdict.to_json(), flush=True)
     if verdict.detail:
         print(f"treadle: {verdict.status}: {verdict.detail}", file=sys.stderr)
+
+
+def _add_eval(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    s = sub.add_parser(
+        "eval",
+        help="evaluate a run's checkpoints, a model folder or a config's model.path",
+        description="Evaluate on the validation sets: every checkpoint of a run (RUN_DIR: "
+        "its config.yaml's sets, results to RUN_DIR/eval.jsonl; e.g. `treadle eval "
+        "runs/arithmetic/grpo --steps 10,20 --set hard=data/hard.jsonl`), a Hugging Face "
+        "model folder (MODEL_DIR --config CONFIG) or a config's model.path (CONFIG).",
+        epilog=_epilog("eval"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("target", metavar="RUN_DIR | MODEL_DIR | CONFIG")
+    s.add_argument("overrides", nargs="*", help="section.key=value overrides")
+    s.add_argument("--config", default=None, help="with MODEL_DIR: the evaluation's config")
+    s.add_argument("--steps", default=None, help="with RUN_DIR: these steps only, e.g. 10,20")
+    s.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="NAME=FILE",
+        help="evaluate on this set instead of the config's (repeatable; val: data.val_files)",
+    )
+    s.set_defaults(fn=cmd_eval)
 
 
 def _add_sandbox(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -268,9 +383,9 @@ def build_parser() -> argparse.ArgumentParser:
         ("dpo", cmd_dpo, "DPO and its kin (ORPO, SimPO, IPO...) on chosen/rejected pairs"),
         ("kto", cmd_kto, "KTO on unpaired examples labelled desirable or not"),
         ("rm", cmd_rm, "train a Bradley-Terry reward model on chosen/rejected pairs"),
-        ("eval", cmd_eval, "held-out accuracy of model.path (greedy)"),
     ):
         _job_parser(sub, name, text).set_defaults(fn=fn)
+    _add_eval(sub)
     _job_parser(
         sub, "serve", "serve model.path over an OpenAI-compatible API until Ctrl-C"
     ).set_defaults(fn=cmd_serve)

@@ -11,7 +11,7 @@ import tiny_runs
 import torch
 from safetensors.torch import load_file
 
-METRIC = "eval/accuracy"
+METRIC = "eval/val/accuracy"
 
 # An even-length response scores FULL (1.0 in the first process: some held-out prompts are
 # "right"; 0.5 in the second: none is), an odd one 0: the rewards vary, so the weights move.

@@ -112,11 +112,6 @@ def config_problems(cfg: Sections) -> Iterator[str]:
     yield from _check_retention(cfg)
 
 
-def _held_out_sets(cfg: Sections) -> list[str]:
-    """The names of the run's held-out sets (``eval/<set>/...``)."""
-    return ["val"] if cfg.data.has_val else []
-
-
 def _check_retention(cfg: Sections) -> Iterator[str]:
     """trainer.keep_best ranks checkpoints by their step's evaluation: there must be one at
     every save step, of a set the run has; trainer.final_model=best needs it."""
@@ -128,12 +123,13 @@ def _check_retention(cfg: Sections) -> Iterator[str]:
         )
     if t.keep_best is None:
         return
-    sets = _held_out_sets(cfg)
+    sets = cfg.data.set_names
     parts = t.keep_best.split("/")
     if not sets:
         yield (
             f"trainer.keep_best={t.keep_best} ranks checkpoints by their evaluation, but the "
-            "run has no held-out data: set data.val_files, or drop trainer.keep_best"
+            "run has no validation set: set data.val_files or data.val_sets, or drop "
+            "trainer.keep_best"
         )
     elif len(parts) > 2 and parts[1] not in sets:
         yield (
