@@ -20,32 +20,27 @@ def _evals(record: dict) -> dict[str, float]:
     return {k: v for k, v in record.items() if k.startswith("eval/")}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "lora",
-    [[], ["actor.lora.rank=4", "actor.lora.alpha=16", "actor.lr=5e-2"]],  # (B starts at 0)
-    ids=["full", "lora"],
-)
-def test_checkpoints_give_the_numbers_their_steps_logged(tiny_task, tmp_path, capsys, lora):
+def _train_then_evaluate(task, tmp_path, capsys, *extra: str):
+    """A 3-step run with a checkpoint and an evaluation at every step, then `treadle eval` of
+    its directory: (the run's metrics, eval.jsonl's lines by step)."""
     out = tmp_path / "run"
     reward = tmp_path / "reward.py"  # scores in [0, 1] that move with the weights' answers
     reward.write_text("def score(p, response, g):\n    return sum(map(ord, response)) % 7 / 6\n")
     keys = (
-        f"data.val_files=[{tiny_task['test']}]",
+        f"data.val_files=[{task['test']}]",
         "data.val_size=16",
         "data.max_prompt_length=64",
         "rollout.max_new_tokens=8",
         "actor.lr=3e-3",  # the weights move enough for the answers to change
-        "trainer.backend=local",
         "trainer.total_steps=3",
         "trainer.save_every=1",
         "trainer.eval_every=1",
         "trainer.keep_last=3",
         "reward.num_workers=0",
         f"reward.function={reward}:score",
-        *lora,
+        *extra,
     )
-    code, logged = tiny_runs.train(out, tiny_runs.overrides(tiny_task, out, *keys))
+    code, logged = tiny_runs.train(out, tiny_runs.overrides(task, out, *keys))
     assert code == 0
     capsys.readouterr()
 
@@ -59,6 +54,17 @@ def test_checkpoints_give_the_numbers_their_steps_logged(tiny_task, tmp_path, ca
         assert _evals(lines[record["step"]]) == _evals(record) != {}
     assert "eval/val/accuracy" in lines[1]
     assert len({lines[s]["eval/val/reward"] for s in lines}) > 1  # each step's own weights
+    return out, lines
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "lora",
+    [[], ["actor.lora.rank=4", "actor.lora.alpha=16", "actor.lr=5e-2"]],  # (B starts at 0)
+    ids=["full", "lora"],
+)
+def test_checkpoints_give_the_numbers_their_steps_logged(tiny_task, tmp_path, capsys, lora):
+    out, lines = _train_then_evaluate(tiny_task, tmp_path, capsys, "trainer.backend=local", *lora)
 
     # again, on step 2 only, on another set: its line is replaced, the others stay
     assert main(["eval", str(out), "--steps", "2", "--set", f"other={tiny_task['test']}"]) == 0
@@ -72,6 +78,13 @@ def test_checkpoints_give_the_numbers_their_steps_logged(tiny_task, tmp_path, ca
     assert main(["eval", str(out / "final_model"), "--config", str(config)]) == 0
     accuracy = 100 * lines[3]["eval/val/accuracy"]
     assert f"held-out accuracy: {accuracy:.1f}%" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_checkpoints_through_vllm_replicas_under_ray(tiny_task, ray_session, tmp_path, capsys):
+    """The same through vLLM (the replica in the actor's Ray process): weights synced into it
+    per checkpoint."""
+    _train_then_evaluate(tiny_task, tmp_path, capsys, "rollout.engine=vllm")
 
 
 @pytest.fixture

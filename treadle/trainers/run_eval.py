@@ -7,7 +7,8 @@ is ``data.val_files``, any other name a ``data.val_sets`` entry) by those files.
 The actors and the rollout start once, from the first checkpoint's model; every other
 checkpoint's weights (LoRA: the base model's, with the checkpoint's ``adapter/``) are loaded
 into the actor and synced to the replicas as version ``<step>``, as a training step's are, so a
-checkpoint costs its evaluation and one weight sync, not a start. The replicas live in the
+checkpoint costs its evaluation and one weight sync, not a start. As in training, Ray's, vLLM's
+and torch's messages go to ``RUN_DIR/logs/`` unless ``trainer.verbose``. The replicas live in the
 actor's processes (``rollout.placement=colocated``) whatever the run's placement, as for
 ``treadle eval CONFIG``: nothing else runs beside them. The metrics are the in-training
 evaluation's (:func:`~treadle.trainers.evaluation.evaluate_sets`, the ``eval`` section's
@@ -34,6 +35,7 @@ from treadle.config import Config, load_config
 from treadle.config.data import VAL
 from treadle.errors import ConfigError
 from treadle.rollout.fleet import start_rollout
+from treadle.tracking import quiet_start, route_logs
 from treadle.trainers.evaluation import close_sets, evaluate_sets, load_val_sets
 from treadle.trainers.roles import build_actors
 
@@ -123,10 +125,13 @@ def evaluate_checkpoints(
     lora = ckpt.holds_adapters(first)
     start = cfg.model.path if lora else str(first / "model")  # LoRA: the base model
     results: dict[int, dict[str, float]] = {}
+    restore_logs = route_logs(run_dir, cfg.trainer.verbose)  # the workers' too, as in training
     try:
-        actors = build_actors(cfg, start, with_ref=False)
+        with quiet_start():
+            actors = build_actors(cfg, start, with_ref=False)
         try:
-            rollout = start_rollout(cfg, actors.group, start, _step(first))
+            with quiet_start():
+                rollout = start_rollout(cfg, actors.group, start, _step(first))
             try:
                 for path in checkpoints:
                     if lora or path != first:
@@ -142,6 +147,7 @@ def evaluate_checkpoints(
             actors.close()
     finally:
         close_sets(sets)
+        restore_logs()
     return results
 
 
