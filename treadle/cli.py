@@ -158,10 +158,10 @@ def cmd_eval(args: argparse.Namespace) -> None:
         args.config = str(target)
     if args.sets:
         from treadle.config import load_config
-        from treadle.trainers.run_eval import set_files
+        from treadle.trainers.run_eval import with_sets
 
         raw = load_config(args.config, args.overrides).model_dump(mode="json", by_alias=True)
-        raw["data"].update(set_files(_named_sets(args.sets)))
+        raw["data"] = with_sets(raw["data"], _named_sets(args.sets))
         args.config, args.overrides = raw, []
     cfg = _config(args)
     from treadle.trainers.evaluation import evaluate_model

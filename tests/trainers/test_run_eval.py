@@ -13,7 +13,9 @@ import tiny_runs
 import yaml
 
 from treadle.cli import main
-from treadle.trainers.run_eval import read_eval_lines, write_eval_lines
+from treadle.config import load_config
+from treadle.errors import ConfigError
+from treadle.trainers.run_eval import read_eval_lines, with_sets, write_eval_lines
 
 
 def _evals(record: dict) -> dict[str, float]:
@@ -142,3 +144,18 @@ def test_eval_lines_are_one_per_step_in_order_and_replaced(tmp_path):
         {"step": 2, "eval/val/accuracy": 0.25},
         {"step": 4, "eval/hard/accuracy": 0.75},
     ]
+
+
+def test_set_options_replace_the_run_s_sets(tmp_path):
+    files = {"data": {"val_files": ["a.jsonl"], "val_sets": {"hard": {"files": ["h.jsonl"]}}}}
+    data = load_config(files).data
+    assert data.set_names == ["val", "hard"]
+    sets = {"val": "b.jsonl", "other": "o.jsonl"}
+    data = load_config({"data": with_sets(files["data"], sets)}).data
+    assert data.set_names == ["val", "other"] and data.val_files == ["b.jsonl"]
+    assert data.val_sets["other"].files == ["o.jsonl"]
+    gym = {"source": "reasoning_gym", "reasoning_gym": {"datasets": [{"name": "leg_counting"}]}}
+    data = load_config({"data": with_sets(gym, {"other": "o.jsonl"})}).data
+    assert data.set_names == ["other"]  # reasoning-gym's held-out rows are no set now
+    with pytest.raises(ConfigError, match=r"--set val=\.\.\.: the run's rows are reasoning-gym's"):
+        with_sets(gym, {"val": "b.jsonl"})

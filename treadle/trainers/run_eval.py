@@ -62,16 +62,24 @@ def run_config(
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: not a mapping of config sections")
     if sets:
-        raw["data"] = {**(raw.get("data") or {}), **set_files(sets)}
+        raw["data"] = with_sets(raw.get("data") or {}, sets)
     return load_config(raw, overrides)
 
 
-def set_files(sets: Mapping[str, str]) -> dict[str, Any]:
-    """The ``data`` keys that make ``sets`` (name -> file) the validation sets, and no other."""
-    return {
-        "val_files": [sets[VAL]] if VAL in sets else [],
-        "val_sets": {name: {"files": [f]} for name, f in sets.items() if name != VAL},
-    }
+def with_sets(data: Mapping[str, Any], sets: Mapping[str, str]) -> dict[str, Any]:
+    """The ``data`` section ``data`` with ``sets`` (name -> file) as its validation sets, and
+    no other (with reasoning-gym rows: none of its held-out rows)."""
+    out = {**data, "val_files": [sets[VAL]] if VAL in sets else []}
+    out["val_sets"] = {name: {"files": [f]} for name, f in sets.items() if name != VAL}
+    if data.get("source") == "reasoning_gym":
+        if VAL in sets:
+            raise ConfigError(
+                f"--set {VAL}=...: the run's rows are reasoning-gym's (data.source), which "
+                "takes no data.val_files: give the file's set another name"
+            )
+        out.pop("val_files")
+        out["reasoning_gym"] = {**(data.get("reasoning_gym") or {}), "val_size": 0}
+    return out
 
 
 def sealed_checkpoints(run_dir: Path, steps: Sequence[int] | None = None) -> list[Path]:
