@@ -23,7 +23,9 @@ def score(prompt, response, ground_truth):
 
 
 @pytest.mark.slow
-def test_the_best_checkpoint_outlives_keep_last_and_a_resume(tiny_task, tmp_path, monkeypatch):
+def test_the_best_checkpoint_outlives_keep_last_and_a_resume(
+    tiny_task, tmp_path, monkeypatch, capsys
+):
     reward = tmp_path / "parity.py"
     reward.write_text(REWARD)
     out = tmp_path / "run"
@@ -46,6 +48,7 @@ def test_the_best_checkpoint_outlives_keep_last_and_a_resume(tiny_task, tmp_path
         out, tiny_runs.overrides(tiny_task, out, *keys, "trainer.total_steps=2")
     )
     assert code == 0
+    capsys.readouterr()
     monkeypatch.setenv("FULL", "0.5")
     code, rows = tiny_runs.train(
         out, tiny_runs.overrides(tiny_task, out, *keys, "trainer.total_steps=4")
@@ -65,3 +68,5 @@ def test_the_best_checkpoint_outlives_keep_last_and_a_resume(tiny_task, tmp_path
     for step, same in ((best, True), (4, False)):
         saved = load_file(str(out / f"checkpoints/step_{step}/model/model.safetensors"))
         assert all(torch.equal(final[k], saved[k]) for k in final) == same, step
+    said = f"final model: {out / 'final_model'} (the best checkpoint, step_{best}: {METRIC}="
+    assert f"{said}{metrics[best][METRIC]})" in capsys.readouterr().out
