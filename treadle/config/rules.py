@@ -109,6 +109,11 @@ def config_problems(cfg: Sections) -> Iterator[str]:
     yield from _check_rollout(cfg.rollout, cfg.actor, cfg.trainer)
     yield from _check_agents(cfg.rollout, cfg.data)
     yield from _check_mode(cfg)
+    if cfg.eval.n > 1 and cfg.eval.temperature == 0:
+        yield (
+            f"eval.n={cfg.eval.n} with eval.temperature=0 draws {cfg.eval.n} equal greedy "
+            "samples: set eval.temperature (e.g. 1.0) for pass@k and maj@k, or eval.n=1"
+        )
 
 
 def _check_mode(cfg: Sections) -> Iterator[str]:
