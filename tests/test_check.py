@@ -140,6 +140,7 @@ def test_named_validation_sets_are_checked(env, capsys) -> None:  # type: ignore
         r"data\.val_sets\.a/b: a set's name is letters",
     )
     assert_bad(check(env, capsys, "eval.n=0"), r"eval\.n: ")
+    assert_bad(check(env, capsys, "eval.n=4"), r"eval\.n=4 with eval\.temperature=0 draws 4 equal")
     assert_bad(check(env, capsys, "eval.top_p=1.5"), r"eval\.top_p: ")
 
 

@@ -8,9 +8,11 @@ completed by running the same command again.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -78,6 +80,95 @@ def test_one_step_off_trains_on_samples_one_version_old(
     assert [m["rollout/weight_version"] for m in metrics] == [0, 0, 1]
     assert all(0 <= m["async/trainer_idle_frac"] <= 1 for m in metrics)
     assert all(0 <= m["async/rollout_idle_frac"] <= 1 for m in metrics)
+
+
+def test_evaluation_runs_beside_training_on_the_weights_of_its_step(
+    tiny_task, length_reward, tmp_path, ray_session, monkeypatch
+):
+    """one_step_off, evaluated at steps 2 and 3: step 2's evaluation may not send a request
+    before step 3's update is done (an event set then), so it finishes only if the trainer
+    went on without waiting for it; every token it evaluated comes from version 2, and its
+    metrics are logged with step 2."""
+    from treadle.trainers import rl
+
+    step3_updated = threading.Event()
+    sent: list[bool] = []  # per evaluation: whether step 3 was updated before its requests
+    outs: list[dict] = []
+    real = rl.agenerate_sets
+
+    async def gated(rollout, sets, params):  # type: ignore[no-untyped-def]
+        if not outs and not sent:  # step 2's evaluation
+            sent.append(await asyncio.to_thread(step3_updated.wait, 300))
+        else:
+            sent.append(step3_updated.is_set())
+        out = await real(rollout, sets, params)
+        outs.append(out)
+        return out
+
+    monkeypatch.setattr(rl, "agenerate_sets", gated)
+    out = tmp_path / "run"
+    extra = [
+        "trainer.mode=one_step_off",
+        f"data.val_files=[{tiny_task['test']}]",
+        "data.val_size=8",
+        "trainer.eval_every=2",
+        "eval.n=2",
+        "eval.temperature=1.0",
+    ]
+    trainer = RLTrainer(load_config(None, _overrides(tiny_task, out, length_reward, *extra)))
+    running: dict[int, set[int]] = {}  # at each update: the steps whose evaluation runs
+    after_update = trainer.source.after_update
+
+    def updated(step: int) -> dict[str, float]:
+        running[step] = trainer.source.evaluating()
+        if step == 3:
+            step3_updated.set()
+        return after_update(step)
+
+    trainer.source.after_update = updated  # type: ignore[method-assign]
+    final = trainer.fit()
+    assert sent == [True, True]  # step 2's evaluation waited for step 3's update: it overlapped
+    assert running == {1: set(), 2: set(), 3: {2}}
+    metrics = _metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    assert not [k for k in metrics[0] if k.startswith("eval/")]
+    for step, m, batches in ((2, metrics[1], outs[0]), (3, metrics[2], outs[1])):
+        assert m["eval/weight_version"] == step  # logged with its step, on that step's weights
+        for batch in batches.values():
+            tokens = batch["token_versions"][batch["token_versions"] >= 0]
+            assert set(tokens.tolist()) == {step}
+            assert set(batch["weight_version"].tolist()) == {step}
+        assert {"eval/val/accuracy", "eval/val/pass@2", "eval/val/maj@2"} <= m.keys()
+    assert metrics[2]["async/eval_wait"] >= 0  # the sync after step 3 waited for step 2's
+    assert final["eval/val/accuracy"] == metrics[2]["eval/val/accuracy"]
+
+
+def test_a_checkpoint_ranked_by_its_evaluation_waits_for_the_one_beside_training(
+    tiny_task, length_reward, tmp_path, ray_session
+):
+    """one_step_off with trainer.keep_best: each save step waits for its own evaluation (which
+    runs beside training), so every checkpoint records it and the best one is kept."""
+    out = tmp_path / "run"
+    extra = [
+        "trainer.mode=one_step_off",
+        f"data.val_files=[{tiny_task['test']}]",
+        "data.val_size=8",
+        "trainer.total_steps=2",
+        "trainer.eval_every=1",
+        "trainer.save_every=1",
+        "trainer.keep_last=1",
+        "trainer.keep_best=eval/val/reward",
+    ]
+    RLTrainer(load_config(None, _overrides(tiny_task, out, length_reward, *extra))).fit()
+    logged = {m["step"]: m["eval/val/reward"] for m in _metrics(out)}
+    assert set(logged) == {1, 2}
+    kept = sorted((out / "checkpoints").iterdir())
+    best = max(logged, key=lambda s: (logged[s], -s))  # a tie keeps the earlier
+    assert [p.name for p in kept] == sorted({f"step_{best}", "step_2"})
+    for path in kept:
+        state = json.loads((path / "state.json").read_text())
+        step = int(path.name.removeprefix("step_"))
+        assert state["eval"]["eval/val/reward"] == logged[step]
 
 
 def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(

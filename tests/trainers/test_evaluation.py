@@ -38,7 +38,8 @@ class ScriptedRollout:
         self.client = ScriptedClient()
         self.params = None
 
-    async def agenerate(self, prompts: Batch, params) -> Batch:  # type: ignore[no-untyped-def]
+    async def agenerate(self, prompts: Batch, params, count=True) -> Batch:  # type: ignore[no-untyped-def]
+        assert not count  # an evaluation's failed runs are not agent/errors
         self.params = params
         picks, texts, samples = [], [], []
         for i, truth in enumerate(prompts["ground_truth"]):
@@ -128,8 +129,8 @@ def test_sets_equal_verl_process_validation_metrics(sets_config, n, seed):
         outs = {}
         real = rollout.agenerate
 
-        async def keep(prompts, params):  # type: ignore[no-untyped-def]
-            out = await real(prompts, params)
+        async def keep(prompts, params, count=True):  # type: ignore[no-untyped-def]
+            out = await real(prompts, params, count)
             outs[len(outs)] = out
             return out
 
@@ -261,3 +262,58 @@ def test_a_reasoning_gym_set_reports_each_dataset(tiny_task):
         assert s.answer("no tag", rows[0]) == ""
     finally:
         close_sets(sets)
+
+
+def test_a_step_is_logged_once_its_evaluation_is_in_and_steps_stay_in_order():
+    """Trainer.log_ready holds a step's record while its evaluation runs beside training, and
+    the records after it; they go out, in order, with the evaluation's metrics in its step."""
+    from treadle.trainers.base import Trainer
+
+    class Logged:
+        def __init__(self) -> None:
+            self.lines: list[tuple[str, int, object]] = []
+
+        def log(self, step, metrics):  # type: ignore[no-untyped-def]
+            self.lines.append(("log", step, dict(metrics)))
+
+        def log_table(self, step, name, rows):  # type: ignore[no-untyped-def]
+            self.lines.append((name, step, rows))
+
+    class Beside(Trainer):
+        def __init__(self) -> None:  # (no run directory: only the logging is used)
+            self.running: set[int] = set()
+            self.arrived: dict[int, dict[str, float]] = {}
+
+        def late_metrics(self, wait):  # type: ignore[no-untyped-def]
+            out, self.arrived = self.arrived, {}
+            return out
+
+        def evaluating(self):  # type: ignore[no-untyped-def]
+            return set(self.running)
+
+    trainer, tracker, held = Beside(), Logged(), []
+    held.append((1, {"reward/mean": 0.1}, []))
+    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
+    trainer.running = {2}  # step 2's evaluation was sent
+    held.append((2, {"reward/mean": 0.2}, [{"prompt": "p"}]))
+    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
+    held.append((3, {"reward/mean": 0.3}, []))
+    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
+    assert tracker.lines == [("log", 1, {"reward/mean": 0.1})]  # 2 and 3 wait for it
+    trainer.running, trainer.arrived = set(), {2: {"eval/val/accuracy": 0.5}}
+    held.append((4, {"reward/mean": 0.4}, []))
+    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
+    assert tracker.lines[1:] == [
+        ("log", 2, {"reward/mean": 0.2, "eval/val/accuracy": 0.5}),
+        ("samples", 2, [{"prompt": "p"}]),
+        ("log", 3, {"reward/mean": 0.3}),
+        ("log", 4, {"reward/mean": 0.4}),
+    ]
+    assert held == []
+    # a run that stops while an evaluation runs logs the held steps without it
+    trainer.running = {5}
+    held.append((5, {"reward/mean": 0.5}, []))
+    with pytest.raises(KeyboardInterrupt), trainer.logging_left(tracker, held):  # type: ignore[arg-type]
+        trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
+        raise KeyboardInterrupt
+    assert tracker.lines[-1] == ("log", 5, {"reward/mean": 0.5}) and held == []

@@ -110,6 +110,11 @@ def config_problems(cfg: Sections) -> Iterator[str]:
     yield from _check_agents(cfg.rollout, cfg.data)
     yield from _check_mode(cfg)
     yield from _check_retention(cfg)
+    if cfg.eval.n > 1 and cfg.eval.temperature == 0:
+        yield (
+            f"eval.n={cfg.eval.n} with eval.temperature=0 draws {cfg.eval.n} equal greedy "
+            "samples: set eval.temperature (e.g. 1.0) for pass@k and maj@k, or eval.n=1"
+        )
 
 
 def _check_retention(cfg: Sections) -> Iterator[str]:

@@ -167,8 +167,9 @@ class Rollout:
         agent_<info key>."""
         return self.client.run(self.agenerate(prompts, params))
 
-    async def agenerate(self, prompts: Batch, params: SamplingParams) -> Batch:
-        """:meth:`generate` as a coroutine on the client's loop."""
+    async def agenerate(self, prompts: Batch, params: SamplingParams, count: bool = True) -> Batch:
+        """:meth:`generate` as a coroutine on the client's loop; ``count``: its failed runs
+        and broken sessions count in :meth:`take_counters` (not an evaluation's)."""
         copies = params.n if params.temperature == 0 else 1  # greedy samples are all equal
         a = self.agents
         samples = [
@@ -197,7 +198,8 @@ class Rollout:
             failures=a.failures,
             endpoint=self.endpoint,
         )
-        self._count(runs)
+        if count:
+            self._count(runs)
         runs.trajectories = [ts for ts in runs.trajectories for _ in range(copies)]
         rows = runs.rows()  # a prompt's rows stay consecutive; a failed run has none
         batch = prompts.select([i // params.n for i, _ in rows])

@@ -1,10 +1,11 @@
 """Where the driver's batches come from: one :class:`RolloutSource`, whatever ``trainer.mode``.
 
 The driver asks a source for a step's scored batch (:meth:`~RolloutSource.sample`), tells it
-when the actor's weights changed (:meth:`~RolloutSource.after_update`) and before it evaluates
-(:meth:`~RolloutSource.before_eval`), and saves and restores its position with the checkpoint
-(:meth:`~RolloutSource.state` / :meth:`~RolloutSource.load_state`). It never asks which mode
-runs; :func:`make_source` picks the source once.
+when the actor's weights changed (:meth:`~RolloutSource.after_update`), has it evaluate the
+learner's weights (:meth:`~RolloutSource.evaluate`: now, or beside training with the metrics
+later, :meth:`~RolloutSource.late_metrics`), and saves and restores its position with the
+checkpoint (:meth:`~RolloutSource.state` / :meth:`~RolloutSource.load_state`). It never asks
+which mode runs; :func:`make_source` picks the source once.
 
 - :class:`SyncSource` (``trainer.mode=sync``): the step draws its prompts, generates with the
   learner's weights, scores, and syncs the weights after the update.
@@ -42,6 +43,13 @@ groups sits between it and the trainer, which takes a batch as soon as one is th
   stops sending, the requests in flight finish, the weights load, sending resumes; with
   ``async.partial_rollout`` the replicas pause what is in flight, load, and go on (each token
   keeps its version, :mod:`treadle.rollout.server`).
+- **Evaluation** runs on the replicas beside training, on the weights of a named version:
+  when it is due after step ``s``'s update, the replicas get version ``s`` (a sync, if they are
+  behind) and the evaluation's requests go out with the producer's, while the trainer goes on
+  with step ``s + 1``. The next sync waits until they are answered (``async/eval_wait``, its
+  seconds), so every evaluated token is version ``s`` (``eval/weight_version``); their metrics
+  are collected when done and logged with step ``s``'s record, which waits for them
+  (:meth:`late_metrics`; the driver's log keeps steps in order).
 - **Dynamic sampling** drops groups of equal rewards as they are taken and takes more; a
   trainer that waits with nothing in flight may start the next step-batch whatever the bound,
   so it never waits forever.
@@ -59,10 +67,11 @@ idle fractions of the trainer (waiting for a batch) and of the replicas (no requ
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import functools
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -81,6 +90,11 @@ Score = Callable[[Batch, dict[str, float] | None], torch.Tensor]
 """The driver's scorer: token-level scores [B, R] of a generated batch; it may log into the
 metrics it is given (None: nothing)."""
 
+EvalRequests = Callable[[], Coroutine[Any, Any, Any]]
+"""An evaluation's generation: a coroutine on the client's loop (made in the caller's thread)."""
+EvalScores = Callable[[Any], dict[str, float]]
+"""An evaluation's metrics from what its generation returned (called in the trainer's thread)."""
+
 
 class RolloutSource(Protocol):
     """What the driver takes its batches from, in every ``trainer.mode``."""
@@ -94,8 +108,19 @@ class RolloutSource(Protocol):
         """The actor's weights are now ``version``: sync them to the replicas (when due)."""
         ...
 
-    def before_eval(self) -> None:
-        """Make the replicas hold the learner's weights."""
+    def evaluate(self, step: int, requests: EvalRequests, scores: EvalScores) -> dict[str, float]:
+        """Evaluate the learner's weights (those of step ``step``): ``requests`` generate on
+        the replicas, ``scores`` make the metrics of what they return. Now, the metrics
+        returned; or beside training, ``{}`` returned and the metrics by :meth:`late_metrics`."""
+        ...
+
+    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
+        """The metrics of the evaluations finished since the last call, by the step whose
+        weights they evaluated; ``wait``: every one in flight (at the end of a run)."""
+        ...
+
+    def evaluating(self) -> set[int]:
+        """The steps whose evaluation is in flight."""
         ...
 
     def metrics(self, step_seconds: float) -> dict[str, float]:
@@ -254,8 +279,14 @@ class SyncSource:
     def after_update(self, version: int) -> dict[str, float]:
         return self.rollout.sync_weights(version=version)
 
-    def before_eval(self) -> None:
-        pass  # synced after every update
+    def evaluate(self, step: int, requests: EvalRequests, scores: EvalScores) -> dict[str, float]:
+        return scores(self.rollout.client.run(requests()))  # synced after every update
+
+    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
+        return {}
+
+    def evaluating(self) -> set[int]:
+        return set()
 
     def metrics(self, step_seconds: float) -> dict[str, float]:
         return {}
@@ -268,6 +299,13 @@ class SyncSource:
 
 
 # ----------------------------------------------------------------------------- ahead of training
+
+
+@dataclass(eq=False)
+class _Eval:
+    step: int  # the step that asked for it (its record gets the metrics)
+    generated: concurrent.futures.Future[Any]  # its requests, answered
+    scores: EvalScores
 
 
 @dataclass
@@ -313,6 +351,7 @@ class AsyncSource:
         self.dropped_total = 0
         self.waited = 0.0  # seconds the last sample waited for the buffer
         self._producer: Any = None
+        self.evals: list[_Eval] = []  # sent, not yet collected
         self._busy: list[float] | None = None
         self._clock = time.perf_counter()
 
@@ -464,9 +503,11 @@ class AsyncSource:
         return self.sync()
 
     def sync(self) -> dict[str, float]:
-        """Push the learner's weights to the replicas now (see the module docstring)."""
+        """Push the learner's weights to the replicas now (see the module docstring), once
+        the evaluations of the weights they hold have been answered."""
         if self.version == self.learner:
             return {}
+        waited = self._evals_answered()
         if self._producer is None:  # nothing generates yet
             out = self.rollout.sync_weights(self.learner)
         elif self.partial:
@@ -478,10 +519,39 @@ class AsyncSource:
             finally:
                 self.client.run(self.client.resume())
         self.version = self.learner
-        return out
+        return {**out, "async/eval_wait": waited} if waited is not None else out
 
-    def before_eval(self) -> None:
-        self.sync()  # evaluate the learner's weights
+    def _evals_answered(self) -> float | None:
+        """Wait until every evaluation's requests are answered; the seconds it took (None:
+        none was in flight)."""
+        pending = [e.generated for e in self.evals if not e.generated.done()]
+        if not pending:
+            return None
+        started = time.perf_counter()
+        concurrent.futures.wait(pending)
+        return time.perf_counter() - started
+
+    def evaluate(self, step: int, requests: EvalRequests, scores: EvalScores) -> dict[str, float]:
+        """Send the evaluation of the learner's weights beside training: the replicas get them
+        now (a sync, if they are behind: its metrics are returned), its requests go out with
+        the producer's, and the next sync waits until they are answered, so that every
+        evaluated token comes from the learner's version. Its metrics come from
+        :meth:`late_metrics`, for step ``step``."""
+        self.start()
+        synced = self.sync()
+        self.evals.append(_Eval(step, self.client.spawn(requests()), scores))
+        return synced
+
+    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
+        done: list[_Eval] = []
+        for e in list(self.evals):
+            if wait or e.generated.done():  # (checked once: it may finish meanwhile)
+                done.append(e)
+                self.evals.remove(e)
+        return {e.step: e.scores(e.generated.result()) for e in done}
+
+    def evaluating(self) -> set[int]:
+        return {e.step for e in self.evals}
 
     def metrics(self, step_seconds: float) -> dict[str, float]:
         """The idle fractions of the trainer and of the replicas since the last call."""

@@ -9,9 +9,11 @@ group (restored from the checkpoint), the rollout, the side roles
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,8 @@ from treadle.tracking import Tracker, quiet_start, route_logs
 from treadle.trainers.evaluation import ValSet, close_sets, make_scorer
 from treadle.trainers.roles import Layout, build_actors, start_roles
 from treadle.trainers.run_dir import prepare_run_dir, resume_point
+
+Record = tuple[int, dict[str, float], list[dict[str, Any]]]  # step, metrics, samples
 
 
 class Trainer:
@@ -182,23 +186,26 @@ class Trainer:
         command line) stops it with :class:`Stopped`, after the workers are shut down."""
         t, metrics = self.cfg.trainer, {}
         step = self.start
+        held: list[Record] = []  # steps not logged yet: their evaluation runs beside training
         try:
-            with self.open_tracker() as tracker:
+            with self.open_tracker() as tracker, self.logging_left(tracker, held):
                 started = startup.startup_metrics()
                 for step in range(self.start + 1, self.total + 1):
                     failpoint("begin", step)
                     metrics = {**self.run_step(step), **started}
                     raise_if_signalled()  # one whose exception was lost in the step
                     started = {}
-                    tracker.log(step, metrics)
-                    if self.samples:
-                        tracker.log_table(step, "samples", self.samples)
-                        self.samples = []
+                    held.append((step, metrics, self.samples))
+                    self.samples = []
+                    last = step == self.total
+                    saving = last or bool(t.save_every and step % t.save_every == 0)
+                    # a checkpoint ranked by its step's evaluation waits for one running beside
+                    wait = last or (saving and t.keep_best is not None)
+                    self.log_ready(tracker, held, wait=wait)
                     failpoint("step", step)
                     if not all(math.isfinite(v) for v in metrics.values()):
                         raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
-                    last = step == self.total
-                    if last or (t.save_every and step % t.save_every == 0):
+                    if saving:
                         self.save(step, metrics, last)
                         failpoint("sealed", step)
         except KeyboardInterrupt as e:
@@ -238,6 +245,42 @@ class Trainer:
                 value = ckpt.evaluated(source, t.keep_best)
                 self.final_note = f" (the best checkpoint, {source.name}: {t.keep_best}={value})"
             ckpt.export_model(source, self.out / "final_model")
+
+    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
+        """Metrics of earlier steps that came since the last call (an evaluation that ran
+        beside training), by step; ``wait``: wait for all of them."""
+        return {}
+
+    def evaluating(self) -> set[int]:
+        """The steps whose evaluation still runs (their records wait for it)."""
+        return set()
+
+    def log_ready(self, tracker: Tracker, held: list[Record], wait: bool) -> None:
+        """Log the ``held`` records, in step order, up to the first whose evaluation still
+        runs: a step evaluated beside training is logged once its metrics are in, with them,
+        at its own step, so every tracker sees each step once and in order."""
+        late = self.late_metrics(wait)
+        for step, metrics, _ in held:
+            metrics.update(late.pop(step, {}))
+        running = self.evaluating()
+        while held and held[0][0] not in running:
+            step, metrics, samples = held.pop(0)
+            tracker.log(step, metrics)
+            if samples:
+                tracker.log_table(step, "samples", samples)
+
+    @contextlib.contextmanager
+    def logging_left(self, tracker: Tracker, held: list[Record]) -> Iterator[None]:
+        """On the way out, log what is still held (a run that stopped before an evaluation
+        beside training came back: those steps go without it)."""
+        try:
+            yield
+        finally:
+            for step, metrics, samples in held:
+                tracker.log(step, metrics)
+                if samples:
+                    tracker.log_table(step, "samples", samples)
+            held.clear()
 
     def open_tracker(self) -> Tracker:
         t = self.cfg.trainer

@@ -135,10 +135,27 @@ def eval_params(cfg: Config) -> SamplingParams:
 async def agenerate_sets(
     rollout: Rollout, sets: Mapping[str, ValSet], params: SamplingParams
 ) -> dict[str, Batch]:
-    """Every set's ``params.n`` samples per evaluated prompt, all sent at once."""
+    """Every set's ``params.n`` samples per evaluated prompt, all sent at once (their failed
+    runs count as wrong answers, not in ``agent/errors``)."""
     batches = [prompt_batch(s.ds, s.rows, s.ds.pad_id) for s in sets.values()]
-    outs = await asyncio.gather(*(rollout.agenerate(b, params) for b in batches))
+    outs = await asyncio.gather(*(rollout.agenerate(b, params, count=False) for b in batches))
     return dict(zip(sets, outs, strict=True))
+
+
+def score_sets(
+    cfg: Config, sets: Mapping[str, ValSet], outs: Mapping[str, Batch]
+) -> dict[str, float]:
+    """Every set's metrics from its samples ``outs`` (:func:`agenerate_sets`), and
+    ``eval/weight_version``: the oldest weights any evaluated token came from."""
+    metrics: dict[str, float] = {}
+    for name, s in sets.items():
+        metrics.update(set_metrics(s, outs[name], cfg.eval.n, cfg.eval.seed))
+    versions = [
+        int(b["weight_version"].min()) for b in outs.values() if len(b) and "weight_version" in b
+    ]
+    if versions:
+        metrics["eval/weight_version"] = float(min(versions))
+    return metrics
 
 
 def set_metrics(s: ValSet, out: Batch, n: int, seed: int) -> dict[str, float]:
@@ -168,14 +185,9 @@ def evaluate_sets(cfg: Config, rollout: Rollout, sets: Mapping[str, ValSet]) -> 
     """Every set's metrics (see the module docstring) with the replicas' present weights."""
     if not sets:
         return {}
-    params = eval_params(cfg)
     failpoint("eval")
-    outs = rollout.client.run(agenerate_sets(rollout, sets, params))
-    rollout.take_counters()  # (an evaluation's failed agent runs count as wrong, not as errors)
-    metrics: dict[str, float] = {}
-    for name, s in sets.items():
-        metrics.update(set_metrics(s, outs[name], params.n, cfg.eval.seed))
-    return metrics
+    outs = rollout.client.run(agenerate_sets(rollout, sets, eval_params(cfg)))
+    return score_sets(cfg, sets, outs)
 
 
 def rule_scores(scorer: Scorer, batch: Batch) -> list[float]:

@@ -34,6 +34,12 @@ a buffer the step takes its batch from, weights are synced as ``async.sync_every
 step itself is the same in every mode, and DAPO's dynamic sampling is the sources' one group
 filter.
 
+Evaluation (``trainer.eval_every``, the validation sets of :mod:`treadle.trainers.evaluation`)
+is the source's too: in sync mode it runs in the step, with the weights just synced; in the
+modes that generate ahead it runs on the replicas beside training, on the weights of the step
+that asked for it, and its metrics join that step's record when they come back (the record is
+logged then: :meth:`~treadle.trainers.base.Trainer.log_ready`).
+
 Resume: the newest complete checkpoint gives the actor (and critic) weights, optimizers, data
 position, the adaptive KL coefficient and RNG; sampling seeds are derived from (seed, step,
 round), so a resumed run draws the same samples as an uninterrupted one.
@@ -65,12 +71,20 @@ from treadle.config import Config
 from treadle.config.rules import check_algorithm
 from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
+from treadle.faults import failpoint
 from treadle.protocol import Batch, response_attention
 from treadle.rewards import component_matrix, load_reward_fn
 from treadle.rollout.sources import RolloutSource, make_source
 from treadle.tracking import timed
 from treadle.trainers.base import Trainer
-from treadle.trainers.evaluation import evaluate_sets, load_val_sets, make_scorer, rule_scores
+from treadle.trainers.evaluation import (
+    agenerate_sets,
+    eval_params,
+    load_val_sets,
+    make_scorer,
+    rule_scores,
+    score_sets,
+)
 from treadle.trainers.prime import ImplicitPRM
 from treadle.trainers.prompts import load_prompts
 from treadle.trainers.roles import plan_roles
@@ -377,10 +391,24 @@ class RLTrainer(Trainer):
         )
         metrics.update(self.source.metrics(metrics["timing/step"]))
         if self.val_sets and self.eval_due(step):
-            self.source.before_eval()  # the replicas hold the learner's weights
+            # now (sync), or sent beside training, its metrics joining this step's later
             with timed(metrics, "eval"):
-                metrics.update(evaluate_sets(self.cfg, self.rollout, self.val_sets))
+                metrics.update(self.source.evaluate(step, self.eval_requests, self.eval_scores))
         return metrics
+
+    def eval_requests(self) -> Any:
+        """The validation sets' generation (a coroutine for the rollout client's loop)."""
+        failpoint("eval")
+        return agenerate_sets(self.rollout, self.val_sets, eval_params(self.cfg))
+
+    def eval_scores(self, outs: Any) -> dict[str, float]:
+        return score_sets(self.cfg, self.val_sets, outs)
+
+    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
+        return self.source.late_metrics(wait)
+
+    def evaluating(self) -> set[int]:
+        return self.source.evaluating()
 
 
 def train(cfg: Config) -> dict[str, float]:
