@@ -112,6 +112,27 @@ def test_default_phrasing_shows_the_answer_line_then_asks():
     assert ca.phrase(47, "+", 38, "answer_tag").startswith("What is 47 + 38? Think briefly")
 
 
+@pytest.mark.parametrize(
+    ("a", "op", "b", "text"),
+    [
+        (97, "-", 53, "97 - 53: 97 - 50 = 47, 47 - 3 = 44. Answer: 44"),
+        (29, "+", 11, "29 + 11: 29 + 10 = 39, 39 + 1 = 40. Answer: 40"),
+        (5, "+", 40, "5 + 40 = 45. Answer: 45"),
+        (12, "-", 7, "12 - 7 = 5. Answer: 5"),
+        (0, "+", 0, "0 + 0 = 0. Answer: 0"),
+    ],
+)
+def test_solution_takes_the_tens_then_the_units(a: int, op: str, b: int, text: str):
+    assert ca.solution(a, op, b) == text
+
+
+def test_every_solution_earns_the_reward_and_shows_only_true_steps():
+    for row in ca.generate_chat_problems(300, seed=2):
+        assert ca.compute_score(row["prompt"], row["solution"], row["answer"]) == 1.0
+        for x, op, y, z in re.findall(r"(\d+) ([+-]) (\d+) = (\d+)", row["solution"]):
+            assert int(z) == (int(x) + int(y) if op == "+" else int(x) - int(y))
+
+
 def test_unknown_phrasing():
     with pytest.raises(ValueError, match="unknown phrasing 'nope': use one of"):
         ca.phrase(1, "+", 2, "nope")
@@ -131,7 +152,7 @@ def test_prepare_chat_is_deterministic_and_held_out(tmp_path: Path):
         assert a[split].read_bytes() == b[split].read_bytes()
     train, test = _read(a["train"]), _read(a["test"])
     assert (len(train), len(test)) == (300, 50)
-    assert set(train[0]) == {"prompt", "answer"}
+    assert set(train[0]) == {"prompt", "answer", "solution"}
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     assert len({r["prompt"] for r in train}) == 300
     # the test split does not depend on n_train; another seed gives other problems

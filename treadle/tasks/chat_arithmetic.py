@@ -76,7 +76,7 @@ PHRASINGS: dict[str, str] = {
 }
 DEFAULT_PHRASING = "one_shot_qa"
 # Bump when the files prepare_chat writes change meaning, so old directories are rebuilt.
-PREPARE_FORMAT = 1
+PREPARE_FORMAT = 2  # 2: the `solution` column
 
 _PROBLEM_RE = re.compile(r"What is (\d+)([+-])(\d+)\?")
 _EMPHASIS_RE = re.compile(r"\*\*|__|[*`$]")
@@ -108,7 +108,8 @@ def generate_chat_problems(
     max_value: int = 99,
     ops: str = OPS,
 ) -> list[dict[str, str]]:
-    """`n` distinct problems as `{"prompt": <chat phrasing>, "answer": "85"}` rows.
+    """`n` distinct problems as `{"prompt": <chat phrasing>, "answer": "85", "solution": ...}`
+    rows (:func:`solution`).
 
     The same problems, in the same order, as `arithmetic.generate_problems` with these
     arguments; only the wording differs.
@@ -118,9 +119,32 @@ def generate_chat_problems(
         match = _PROBLEM_RE.fullmatch(row["prompt"])
         if match is None:  # the generator's format changed
             raise AssertionError(f"unexpected problem text {row['prompt']!r}")
-        a, op, b = match.groups()
-        rows.append({"prompt": phrase(int(a), op, int(b), phrasing), "answer": row["answer"]})
+        a, op, b = (int(match[1]), match[2], int(match[3]))
+        rows.append(
+            {
+                "prompt": phrase(a, op, b, phrasing),
+                "answer": row["answer"],
+                "solution": solution(a, op, b),
+            }
+        )
     return rows
+
+
+def solution(a: int, op: str, b: int) -> str:
+    """The SFT target of `a op b`: the second number's tens first, then its units, in the
+    one-shot example's words, e.g. `97 - 53: 97 - 50 = 47, 47 - 3 = 44. Answer: 44` (one
+    step, `97 - 50 = 47. Answer: 47`, when `b` is a multiple of ten or below ten).
+
+    Two small steps a 135M model gets right far more often than the sum in one: SmolLM2-135M-
+    Instruct fine-tuned on these reached 72% held-out after 40 SFT steps, on the one-step form
+    (`97 - 53 = 44. Answer: 44`) 45% (examples/smollm2/README.md has the sweep).
+    """
+    apply = (lambda x, y: x + y) if op == "+" else (lambda x, y: x - y)
+    tens, units = b - b % 10, b % 10
+    if tens == 0 or units == 0:
+        return f"{a} {op} {b} = {apply(a, b)}. Answer: {apply(a, b)}"
+    half, whole = apply(a, tens), apply(a, b)
+    return f"{a} {op} {b}: {a} {op} {tens} = {half}, {half} {op} {units} = {whole}. Answer: {whole}"
 
 
 def prepare_chat(
@@ -134,7 +158,8 @@ def prepare_chat(
     max_value: int = 99,
     ops: str = OPS,
 ) -> dict[str, Path]:
-    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`): :func:`write_phrased`."""
+    """Write held-out `train.jsonl` and `test.jsonl` (`prompt`, `answer`, `solution`: the
+    SFT target) with :func:`write_phrased`."""
     return write_phrased(
         out_dir,
         "chat_arithmetic",
