@@ -325,6 +325,12 @@ CROSS_FIELD = [
         r"names the set 'test', which the run does not evaluate; its sets: val",
     ),
     (["trainer.keep_best=val/accuracy"], r"trainer\.keep_best: name an evaluation metric as eval/"),
+    (
+        ["actor.min_lr_ratio=0.1"],
+        r"actor\.min_lr_ratio=0\.1 is the floor of a decaying lr, but actor\.lr_schedule=constant "
+        r"never decays: set actor\.lr_schedule=cosine \(or linear\), or drop actor\.min_lr_ratio",
+    ),
+    (["critic.min_lr_ratio=0.5"], r"critic\.min_lr_ratio=0\.5 .*critic\.lr_schedule=constant"),
 ]
 
 

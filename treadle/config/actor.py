@@ -8,6 +8,9 @@ from pydantic import Field
 
 from treadle.config.base import Beta, Key, Section, defaults
 
+LrScheduleName = Literal["constant", "linear", "cosine"]
+"""What the lr does after the warm-up (:class:`~treadle.engines.schedule.LrSchedule`)."""
+
 
 class LoraConfig(Section):
     """LoRA adapters on the actor (peft): only they train and are checkpointed."""
@@ -35,6 +38,22 @@ class ActorConfig(Section):
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
     warmup_steps: int = Field(0, ge=0, description="Linear learning-rate warm-up, optimizer steps.")
+    lr_schedule: LrScheduleName = Field(
+        "constant",
+        description="The lr after the warm-up: constant, or a linear or half-cosine decay "
+        "from lr to lr x min_lr_ratio at the run's last optimizer step (then it stays there). "
+        "treadle counts the optimizer steps: RL, (trainer.total_steps - critic.warmup_steps) "
+        "x ppo_epochs x ceil(data.batch_size x rollout.n / ppo_mini_batch_size) (the nominal "
+        "batch: agents or filters that change a step's rows change its steps, and steps past "
+        "the count stay at the floor); sft, dpo, kto, rm: one a step, trainer.total_steps or "
+        "trainer.epochs x the steps of an epoch.",
+    )
+    min_lr_ratio: float = Field(
+        0.0,
+        ge=0,
+        le=1,
+        description="A decaying lr_schedule ends at lr x this (verl's min_lr_ratio).",
+    )
     grad_clip: float = Field(1.0, gt=0, description="Gradient-norm clipping threshold.")
     ppo_epochs: int = Field(1, gt=0, description="Passes over each RL batch.")
     ppo_mini_batch_size: int = Field(

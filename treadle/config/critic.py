@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from treadle.config.actor import LrScheduleName
 from treadle.config.base import Section
 
 
@@ -30,6 +31,16 @@ class CriticConfig(Section):
     )
     lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")
+    lr_schedule: LrScheduleName = Field(
+        "constant",
+        description="The critic's lr: constant, or a linear or half-cosine decay (no "
+        "warm-up) from critic.lr to critic.lr x critic.min_lr_ratio at its last optimizer "
+        "step, trainer.total_steps x its ppo_epochs x ceil(data.batch_size x rollout.n / its "
+        "ppo_mini_batch_size) (the nominal batch, as actor.lr_schedule's).",
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0, le=1, description="A decaying critic.lr_schedule ends at critic.lr x this."
+    )
     grad_clip: float = Field(1.0, gt=0, description="Critic gradient-norm clipping threshold.")
     cliprange_value: float = Field(
         0.5, gt=0, description="Value clipping: new values stay within ±this of the old ones."

@@ -110,11 +110,24 @@ def config_problems(cfg: Sections) -> Iterator[str]:
     yield from _check_agents(cfg.rollout, cfg.data)
     yield from _check_mode(cfg)
     yield from _check_retention(cfg)
+    yield from _check_schedules(cfg)
     if cfg.eval.n > 1 and cfg.eval.temperature == 0:
         yield (
             f"eval.n={cfg.eval.n} with eval.temperature=0 draws {cfg.eval.n} equal greedy "
             "samples: set eval.temperature (e.g. 1.0) for pass@k and maj@k, or eval.n=1"
         )
+
+
+def _check_schedules(cfg: Sections) -> Iterator[str]:
+    """A floor (``min_lr_ratio``) for an lr that never decays is a setting nothing reads."""
+    for section in ("actor", "critic"):
+        opt = getattr(cfg, section)
+        if opt.min_lr_ratio and opt.lr_schedule == "constant":
+            yield (
+                f"{section}.min_lr_ratio={opt.min_lr_ratio} is the floor of a decaying lr, but "
+                f"{section}.lr_schedule=constant never decays: set {section}.lr_schedule=cosine "
+                f"(or linear), or drop {section}.min_lr_ratio"
+            )
 
 
 def _check_retention(cfg: Sections) -> Iterator[str]:

@@ -53,6 +53,7 @@ from torch.distributed.tensor import DTensor
 from treadle.checkpoint import CheckpointError
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
+from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, save_optimizer, save_schedule
 from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
 
@@ -117,7 +118,8 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
 
 
 class TrainEngine:
-    """FSDP2 model + AdamW + warm-up schedule. ``trainable=False`` gives a frozen reference.
+    """FSDP2 model + AdamW + lr schedule (default constant). ``trainable=False``: a frozen
+    reference.
 
     ``head`` builds the FSDP2 root around the LM (default :class:`LogProbHead`); a value
     model passes its own, called as ``head(lm, row_tokens=row_tokens)``, which must hold the
@@ -134,7 +136,7 @@ class TrainEngine:
         lr: float = 1e-5,
         betas: tuple[float, float] = (0.9, 0.999),
         weight_decay: float = 0.0,
-        warmup_steps: int = 0,
+        schedule: LrSchedule | None = None,
         grad_clip: float = 1.0,
         gradient_checkpointing: bool = False,
         row_tokens: int | None = None,
@@ -166,10 +168,9 @@ class TrainEngine:
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, betas=betas, weight_decay=weight_decay
         )
-        warm = max(warmup_steps, 0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / warm) if warm else 1.0
-        )
+        factor = schedule or LrSchedule()
+        # LambdaLR counts from 0, the schedule's steps from 1
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: factor(s + 1))
 
     def forward(self, request: LogProbRequest) -> LogProbOutput:
         """The head's forward on ``request`` (a reference view of a LoRA engine: with the

@@ -62,9 +62,6 @@ def load_optimizer(module: Any, optimizer: Optimizer, scheduler: LambdaLR, path:
             path,
         )
         _load_scheduler(scheduler, meta)
-        lrs = scheduler.get_last_lr()  # the schedule's, not its first step's
-        for group, lr in zip(optimizer.param_groups, lrs, strict=True):
-            group["lr"] = lr
         return
     tensors = load_file(str(path / "optimizer.safetensors"))
     state: dict[str, dict[str, torch.Tensor]] = {}
@@ -81,9 +78,17 @@ def load_optimizer(module: Any, optimizer: Optimizer, scheduler: LambdaLR, path:
 
 
 def _load_scheduler(scheduler: LambdaLR, meta: dict[str, Any]) -> None:
+    """The saved step count, and the lr of the next step from this run's schedule at it: the
+    same as saved when the run is resumed as it was, the new one's when its length changed
+    (``trainer.total_steps`` raised: a decay then ends at the new last step)."""
     scheduler_state = meta["scheduler"]
     scheduler_state.pop("lr_lambdas", None)
     scheduler.load_state_dict({**scheduler.state_dict(), **scheduler_state})
+    step = scheduler.last_epoch
+    lrs = [base * f(step) for base, f in zip(scheduler.base_lrs, scheduler.lr_lambdas, strict=True)]
+    for group, lr in zip(scheduler.optimizer.param_groups, lrs, strict=True):
+        group["lr"] = lr
+    scheduler._last_lr = lrs  # what get_last_lr() reports (LambdaLR's own step sets it so)
 
 
 def _jsonable(value: object) -> object:

@@ -165,7 +165,12 @@ class Trainer:
 
     def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
         """The trained worker group, from the weights at ``start_path`` (default: the actor)."""
-        return build_actors(self.cfg, start_path, with_ref, placement)
+        return build_actors(self.cfg, start_path, with_ref, placement, self.optimizer_steps())
+
+    def optimizer_steps(self) -> int:
+        """The run's optimizer steps, where a decaying lr schedule ends: one a step (SFT, DPO,
+        KTO, RM), ``total`` set by the driver before :meth:`start_workers`."""
+        return self.total
 
     def run_step(self, step: int) -> dict[str, float]:
         raise NotImplementedError

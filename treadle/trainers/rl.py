@@ -88,6 +88,7 @@ from treadle.trainers.evaluation import (
 from treadle.trainers.prime import ImplicitPRM
 from treadle.trainers.prompts import load_prompts
 from treadle.trainers.roles import plan_roles
+from treadle.workers import ppo_steps
 
 
 def check_names(cfg: Config) -> None:
@@ -225,6 +226,13 @@ class RLTrainer(Trainer):
             f"RL ({alg.adv_estimator} advantages, {alg.policy_loss} loss, rollout "
             f"{r.engine} {r.placement}, trainer.mode={self.cfg.trainer.mode})"
         )
+
+    def optimizer_steps(self) -> int:
+        """The actor's: every step after the critic's warm-up, PPO's mini-batches over its
+        epochs of the nominal batch (:func:`~treadle.workers.ppo_steps`)."""
+        a = self.cfg.actor
+        per_step = ppo_steps(self.cfg, a.ppo_epochs, a.ppo_mini_batch_size, a.world_size)
+        return max(self.total - self.cfg.critic.warmup_steps, 0) * per_step
 
     def driver_state(self) -> dict[str, Any]:
         # the source's data position: ahead of training, the sampler's at what is not trained

@@ -34,7 +34,7 @@ class RMTrainer(PairTrainer[PairDataset]):
         super().__init__(cfg, load_pairs, with_ref=False)
 
     def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
-        kwargs = {"model_path": start_path}
+        kwargs = {"model_path": start_path, "optimizer_steps": self.optimizer_steps()}
         return start_group(self.cfg, placement, RewardTrainerWorker, kwargs)
 
     def update(self, indices: list[int], m: dict[str, float]) -> None:

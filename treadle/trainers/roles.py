@@ -52,11 +52,16 @@ from treadle.workers.prm import ImplicitPRMWorker
 
 
 def build_actors(
-    cfg: Config, actor_path: str, with_ref: bool, placement: Placement | None = None
+    cfg: Config,
+    actor_path: str,
+    with_ref: bool,
+    placement: Placement | None = None,
+    optimizer_steps: int = 0,
 ) -> Actors:
     """The actor+rollout+reference group, starting from the weights at ``actor_path``, placed
-    as ``placement`` says (default: alone on all the run's CPUs)."""
-    kwargs = {"actor_path": actor_path, "with_ref": with_ref}
+    as ``placement`` says (default: alone on all the run's CPUs); ``optimizer_steps``: the
+    run's, where a decaying ``actor.lr_schedule`` ends (0: a group that does not train)."""
+    kwargs = {"actor_path": actor_path, "with_ref": with_ref, "optimizer_steps": optimizer_steps}
     return start_group(cfg, placement or Placement.plan(cfg), ActorRolloutRefWorker, kwargs)
 
 

@@ -28,6 +28,7 @@ from treadle.workers.common import (
     global_sums,
     micro_batches,
     pair_sequences,
+    ppo_steps,
     prompt_response,
     value_engine,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "global_sums",
     "micro_batches",
     "pair_sequences",
+    "ppo_steps",
     "prompt_response",
     "value_engine",
 ]

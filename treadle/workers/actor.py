@@ -93,14 +93,19 @@ class ActorRolloutRefWorker(ServesRollout, TrainingWorker):
 
     role = "actor"
 
-    def setup(self, *, actor_path: str, with_ref: bool, version: int = 0) -> None:
+    def setup(
+        self, *, actor_path: str, with_ref: bool, version: int = 0, optimizer_steps: int = 0
+    ) -> None:
+        """``optimizer_steps``: the run's, where a decaying ``actor.lr_schedule`` ends (0: a
+        group that does not train, an evaluation's)."""
         config, timer = self.cfg, self.startup
         self.tokenizer = self.load_tokenizer(actor_path)
         lm = self.load_lm(actor_path)
         lora = config.actor.lora
         if lora.rank:  # actor_path is the base model; a checkpoint's adapters come in resume
             lm = apply_lora(lm, lora, config.model.path, config.trainer.seed)
-        self.engine = TrainEngine(lm, **engine_options(config), **actor_optimizer(config))
+        options = engine_options(config)
+        self.engine = TrainEngine(lm, **options, **actor_optimizer(config, optimizer_steps))
         timer.done("actor_model")
         self.ref: TrainEngine | None = None
         if with_ref and lora.rank:  # the base model: the actor with its adapters disabled

@@ -9,6 +9,7 @@ A role module (:mod:`~treadle.workers.actor`, :mod:`~treadle.workers.critic`,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,7 @@ from treadle.algorithms import masked_sum
 from treadle.config import ActorConfig, Config
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.packing import first_fit_decreasing, token_micro_batches
+from treadle.engines.schedule import LrSchedule
 from treadle.engines.value import ValueHead
 from treadle.models import load_value_model
 from treadle.protocol import Batch, response_attention
@@ -36,17 +38,27 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     }
 
 
-def actor_optimizer(cfg: Config) -> dict[str, Any]:
-    """The ``actor`` section's optimizer settings (the actor's, and the reward-model trainer's)."""
+def actor_optimizer(cfg: Config, optimizer_steps: int) -> dict[str, Any]:
+    """The ``actor`` section's optimizer settings (the actor's, and the reward-model trainer's),
+    its lr schedule ending at ``optimizer_steps``, the run's count (:func:`ppo_steps`, or one
+    per trainer step)."""
     a = cfg.actor
     return {
         "lr": a.lr,
         "betas": a.betas,
         "weight_decay": a.weight_decay,
-        "warmup_steps": a.warmup_steps,
+        "schedule": LrSchedule(a.warmup_steps, a.lr_schedule, a.min_lr_ratio, optimizer_steps),
         "grad_clip": a.grad_clip,
         "gradient_checkpointing": a.gradient_checkpointing,
     }
+
+
+def ppo_steps(cfg: Config, epochs: int, mini_batch_size: int, world_size: int) -> int:
+    """Optimizer steps of one RL update of the nominal batch (``data.batch_size x rollout.n``
+    rows, cut into ``world_size`` equal chunks) by :func:`ppo_mini_batches`: ``epochs`` passes
+    in mini-batches of ``mini_batch_size // world_size`` rows per rank."""
+    rows = cfg.data.batch_size * cfg.rollout.n // world_size
+    return epochs * math.ceil(rows / max(mini_batch_size // world_size, 1))
 
 
 def value_engine(

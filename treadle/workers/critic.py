@@ -20,6 +20,7 @@ import torch
 
 from treadle.algorithms import Aggregation, value_loss
 from treadle.controller import Collect, Dispatch, register
+from treadle.engines.schedule import LrSchedule
 from treadle.protocol import Batch
 from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
@@ -28,6 +29,7 @@ from treadle.workers.common import (
     global_sums,
     mean_over_steps,
     ppo_mini_batches,
+    ppo_steps,
     prompt_response,
     value_engine,
 )
@@ -48,7 +50,8 @@ class CriticWorker(TrainingWorker):
         a, c = config.actor, config.critic
         self.c = c
         self.epochs = c.ppo_epochs or a.ppo_epochs
-        self.mini = (c.ppo_mini_batch_size or a.ppo_mini_batch_size) // world_size
+        mini = c.ppo_mini_batch_size or a.ppo_mini_batch_size
+        self.mini = mini // world_size
         self.micro = c.micro_batch_size or a.micro_batch_size
         self.tokenizer = self.load_tokenizer()
         self.engine = value_engine(
@@ -59,6 +62,13 @@ class CriticWorker(TrainingWorker):
             trainable=True,
             lr=c.lr,
             weight_decay=c.weight_decay,
+            # every RL step trains the critic (its warm-up steps too)
+            schedule=LrSchedule(
+                0,
+                c.lr_schedule,
+                c.min_lr_ratio,
+                config.trainer.total_steps * ppo_steps(config, self.epochs, mini, world_size),
+            ),
             grad_clip=c.grad_clip,
         )
 

@@ -74,7 +74,8 @@ class RewardTrainerWorker(TrainingWorker):
 
     role = "reward model"
 
-    def setup(self, *, model_path: str) -> None:
+    def setup(self, *, model_path: str, optimizer_steps: int = 0) -> None:
+        """``optimizer_steps``: the run's (one a step), where a decaying lr schedule ends."""
         config = self.cfg
         if config.actor.lora.rank:
             raise ConfigError(
@@ -82,9 +83,8 @@ class RewardTrainerWorker(TrainingWorker):
                 "model (LoRA is for the actor of train, sft and dpo); set actor.lora.rank=0"
             )
         self.tokenizer = self.load_tokenizer(model_path)
-        self.engine = value_engine(
-            config, model_path, "model.path", self.device, True, **actor_optimizer(config)
-        )
+        opt = actor_optimizer(config, optimizer_steps)
+        self.engine = value_engine(config, model_path, "model.path", self.device, True, **opt)
 
     def _scores(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask, _, _ = pair_sequences(mb, self.device)
