@@ -457,7 +457,8 @@ def test_hostile_program_is_contained(solution, tests, timeout_s, statuses, host
     verdict = grade(_source(solution, host), tests, timeout_s=timeout_s)
     assert verdict.reward == 0.0 and verdict.passed == 0, verdict
     assert verdict.status in statuses, verdict
-    assert verdict.seconds < timeout_s + 1.0, verdict  # the deadline holds
+    # the deadline holds (with room for a loaded machine, slow to reap a fork bomb)
+    assert verdict.seconds < timeout_s + 5.0, verdict
     assert _leftovers() == []
     assert Path(host["secret"]).is_file()
     assert (Path(host["home"]) / "keep.txt").read_text() == "precious"

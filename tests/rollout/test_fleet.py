@@ -58,7 +58,7 @@ def _overrides(task, out, reward, *extra: str) -> list[str]:
 def _check_against_actor(t: RLTrainer, task, tmp_path) -> None:
     """One step, then greedy rollouts at version 1 equal the actor's transformers model."""
     t.step(1)
-    prompts = t.val_ds
+    prompts = t.val_sets["val"].ds
     from treadle.data import prompt_batch
 
     batch = prompt_batch(prompts, list(range(8)), prompts.pad_id)

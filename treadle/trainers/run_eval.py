@@ -6,8 +6,8 @@ is ``data.val_files``, any other name a ``data.val_sets`` entry) by those files.
 
 The actors and the rollout start once, from the first checkpoint's model; every other
 checkpoint's weights (LoRA: the base model's, with the checkpoint's ``adapter/``) are loaded
-into the actor and synced to the replicas as version ``<step>``, as a training step's are, so a
-checkpoint costs its evaluation and one weight sync, not a start. As in training, Ray's, vLLM's
+into the actor, and each checkpoint's are synced to the replicas as version ``<step>``, as a
+training step's are, so a checkpoint costs its evaluation and one weight sync, not a start. As in training, Ray's, vLLM's
 and torch's messages go to ``RUN_DIR/logs/`` unless ``trainer.verbose``. The replicas live in the
 actor's processes (``rollout.placement=colocated``) whatever the run's placement, as for
 ``treadle eval CONFIG``: nothing else runs beside them. The metrics are the in-training
@@ -144,7 +144,7 @@ def evaluate_checkpoints(
                 for path in checkpoints:
                     if lora or path != first:
                         actors.group.load_weights(str(path))
-                        rollout.sync_weights(_step(path))
+                    rollout.sync_weights(_step(path))  # the replicas serve version <step>
                     metrics = evaluate_sets(cfg, rollout, sets)
                     results[_step(path)] = metrics
                     write_eval_lines(run_dir, {_step(path): metrics})
