@@ -76,3 +76,17 @@ def test_sft_local_lowers_loss_and_exports(tiny_task, tmp_path, capsys):
     assert (out / "final_model" / "model.safetensors").is_file()
     assert (out / "checkpoints" / "step_12" / "optimizer.safetensors").is_file()
     assert "held-out accuracy:" in capsys.readouterr().out
+
+
+def test_overrides_may_follow_the_options(capsys):
+    """``treadle eval MODEL_DIR --config C eval.n=8``: overrides after an option are overrides,
+    in order; anything else left over is still refused by name."""
+    from treadle.cli import parse
+
+    args = parse(["eval", "model", "a.b=1", "--config", "c.yaml", "eval.n=8", "eval.top_p=0.9"])
+    assert (args.config, args.overrides) == ("c.yaml", ["a.b=1", "eval.n=8", "eval.top_p=0.9"])
+    for extra in ("--nope", "stray"):
+        with pytest.raises(SystemExit) as exit_:
+            parse(["eval", "model", "--config", "c.yaml", extra])
+        assert exit_.value.code == 2
+        assert f"unrecognized arguments: {extra}" in capsys.readouterr().err

@@ -166,7 +166,15 @@ def cmd_eval(args: argparse.Namespace) -> None:
     cfg = _config(args)
     from treadle.trainers.evaluation import evaluate_model
 
-    print_accuracies(evaluate_model(cfg))
+    metrics = evaluate_model(cfg)
+    print_accuracies(metrics)
+    if cfg.eval.n > 1:  # the sampled metrics too (pass@k, maj@k, ...)
+        print(_shown(metrics))
+
+
+def _shown(metrics: dict[str, float]) -> str:
+    """``metrics`` on one line, without their bootstrap spreads."""
+    return "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.endswith("/std"))
 
 
 def _eval_run(args: argparse.Namespace, run_dir: Path) -> None:
@@ -187,8 +195,7 @@ def _eval_run(args: argparse.Namespace, run_dir: Path) -> None:
     start_ray_early(cfg)
 
     def done(step: int, metrics: dict[str, float]) -> None:
-        shown = "  ".join(f"{k} {v:.4g}" for k, v in metrics.items() if not k.endswith("/std"))
-        print(f"step {step}: {shown}", flush=True)
+        print(f"step {step}: {_shown(metrics)}", flush=True)
 
     evaluate_checkpoints(cfg, run_dir, checkpoints, done)
     print(f"eval: {run_dir / 'eval.jsonl'}")
@@ -430,6 +437,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.modules["treadle.cluster"].settle()
 
 
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line; overrides may also follow the options (``treadle eval MODEL_DIR
+    --config C eval.n=8``), where argparse alone takes no more positionals."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 def _main(argv: Sequence[str] | None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -440,7 +459,7 @@ def _main(argv: Sequence[str] | None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         for name in ("httpx", "httpx2"):  # an agent's openai client: a line a call
             logging.getLogger(name).setLevel(logging.WARNING)
-        args = build_parser().parse_args(argv)
+        args = parse(argv)
         startup.from_process_start()
         args.fn(args)
         raise_if_signalled()  # one whose exception was lost on the way still stops it

@@ -80,6 +80,11 @@ def test_checkpoints_give_the_numbers_their_steps_logged(tiny_task, tmp_path, ca
     assert main(["eval", str(out / "final_model"), "--config", str(config)]) == 0
     accuracy = 100 * lines[3]["eval/val/accuracy"]
     assert f"held-out accuracy: {accuracy:.1f}%" in capsys.readouterr().out
+    if not lora:  # sampled, with the overrides after --config: the sampled metrics are shown
+        argv = ["eval", str(out / "final_model"), "--config", str(config), "eval.n=2"]
+        assert main([*argv, "eval.temperature=1.0"]) == 0
+        shown = capsys.readouterr().out.splitlines()[-1].split("  ")
+        assert {"eval/val/pass@2", "eval/val/maj@2"} <= {item.split(" ")[0] for item in shown}
 
 
 @pytest.mark.slow

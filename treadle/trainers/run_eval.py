@@ -7,8 +7,9 @@ is ``data.val_files``, any other name a ``data.val_sets`` entry) by those files.
 The actors and the rollout start once, from the first checkpoint's model; every other
 checkpoint's weights (LoRA: the base model's, with the checkpoint's ``adapter/``) are loaded
 into the actor, and each checkpoint's are synced to the replicas as version ``<step>``, as a
-training step's are, so a checkpoint costs its evaluation and one weight sync, not a start. As in training, Ray's, vLLM's
-and torch's messages go to ``RUN_DIR/logs/`` unless ``trainer.verbose``. The replicas live in the
+training step's are, so a checkpoint costs its evaluation and one weight sync, not a start.
+As in training, Ray's, vLLM's and torch's messages go to ``RUN_DIR/logs/`` unless
+``trainer.verbose``. The replicas live in the
 actor's processes (``rollout.placement=colocated``) whatever the run's placement, as for
 ``treadle eval CONFIG``: nothing else runs beside them. The metrics are the in-training
 evaluation's (:func:`~treadle.trainers.evaluation.evaluate_sets`, the ``eval`` section's
