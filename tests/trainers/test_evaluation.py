@@ -265,9 +265,9 @@ def test_a_reasoning_gym_set_reports_each_dataset(tiny_task):
 
 
 def test_a_step_is_logged_once_its_evaluation_is_in_and_steps_stay_in_order():
-    """Trainer.log_ready holds a step's record while its evaluation runs beside training, and
-    the records after it; they go out, in order, with the evaluation's metrics in its step."""
-    from treadle.trainers.base import Trainer
+    """HeldRecords holds a step's record while its evaluation runs beside training, and the
+    records after it; they go out, in order, with the evaluation's metrics in its step."""
+    from treadle.trainers.base import HeldRecords
 
     class Logged:
         def __init__(self) -> None:
@@ -279,41 +279,34 @@ def test_a_step_is_logged_once_its_evaluation_is_in_and_steps_stay_in_order():
         def log_table(self, step, name, rows):  # type: ignore[no-untyped-def]
             self.lines.append((name, step, rows))
 
-    class Beside(Trainer):
-        def __init__(self) -> None:  # (no run directory: only the logging is used)
-            self.running: set[int] = set()
-            self.arrived: dict[int, dict[str, float]] = {}
+    running: set[int] = set()
+    arrived: dict[int, dict[str, float]] = {}
 
-        def late_metrics(self, wait):  # type: ignore[no-untyped-def]
-            out, self.arrived = self.arrived, {}
-            return out
+    def late(wait: bool) -> dict[int, dict[str, float]]:
+        out = dict(arrived)
+        arrived.clear()
+        return out
 
-        def evaluating(self):  # type: ignore[no-untyped-def]
-            return set(self.running)
-
-    trainer, tracker, held = Beside(), Logged(), []
-    held.append((1, {"reward/mean": 0.1}, []))
-    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
-    trainer.running = {2}  # step 2's evaluation was sent
-    held.append((2, {"reward/mean": 0.2}, [{"prompt": "p"}]))
-    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
-    held.append((3, {"reward/mean": 0.3}, []))
-    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
+    tracker = Logged()
+    held = HeldRecords(tracker, late, lambda: set(running))  # type: ignore[arg-type]
+    held.add((1, {"reward/mean": 0.1}, []), wait=False)
+    running.add(2)  # step 2's evaluation was sent
+    held.add((2, {"reward/mean": 0.2}, [{"prompt": "p"}]), wait=False)
+    held.add((3, {"reward/mean": 0.3}, []), wait=False)
     assert tracker.lines == [("log", 1, {"reward/mean": 0.1})]  # 2 and 3 wait for it
-    trainer.running, trainer.arrived = set(), {2: {"eval/val/accuracy": 0.5}}
-    held.append((4, {"reward/mean": 0.4}, []))
-    trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
+    running.clear()
+    arrived[2] = {"eval/val/accuracy": 0.5}
+    held.add((4, {"reward/mean": 0.4}, []), wait=False)
     assert tracker.lines[1:] == [
         ("log", 2, {"reward/mean": 0.2, "eval/val/accuracy": 0.5}),
         ("samples", 2, [{"prompt": "p"}]),
         ("log", 3, {"reward/mean": 0.3}),
         ("log", 4, {"reward/mean": 0.4}),
     ]
-    assert held == []
+    assert held.held == []
     # a run that stops while an evaluation runs logs the held steps without it
-    trainer.running = {5}
-    held.append((5, {"reward/mean": 0.5}, []))
-    with pytest.raises(KeyboardInterrupt), trainer.logging_left(tracker, held):  # type: ignore[arg-type]
-        trainer.log_ready(tracker, held, wait=False)  # type: ignore[arg-type]
-        raise KeyboardInterrupt
-    assert tracker.lines[-1] == ("log", 5, {"reward/mean": 0.5}) and held == []
+    running.add(5)
+    held.add((5, {"reward/mean": 0.5}, []), wait=False)
+    assert tracker.lines[-1][1] == 4
+    held.flush_all()
+    assert tracker.lines[-1] == ("log", 5, {"reward/mean": 0.5}) and held.held == []

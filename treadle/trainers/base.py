@@ -13,7 +13,7 @@ import contextlib
 import functools
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,7 @@ from treadle import startup
 from treadle.config import Config
 from treadle.controller import Actors, Placement, WorkerGroup
 from treadle.data import ResumableSampler
-from treadle.errors import ConfigError, Stopped, WorkerDied, raise_if_signalled, stop_cause
+from treadle.errors import Stopped, WorkerDied, raise_if_signalled, stop_cause
 from treadle.faults import failpoint
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
@@ -34,9 +34,46 @@ from treadle.trackers import ConsoleLogger, check_loggers
 from treadle.tracking import Tracker, quiet_start, route_logs
 from treadle.trainers.evaluation import ValSet, close_sets, make_scorer
 from treadle.trainers.roles import Layout, build_actors, start_roles
-from treadle.trainers.run_dir import prepare_run_dir, resume_point
+from treadle.trainers.run_dir import prepare_run_dir, resume_hint, resume_point, save_checkpoint
 
 Record = tuple[int, dict[str, float], list[dict[str, Any]]]  # step, metrics, samples
+
+
+class HeldRecords:
+    """The steps' records not logged yet. A step evaluated beside training is logged once its
+    metrics are in (``late``: by step, as they come; ``wait``: all of them), with them, at its
+    own step, and the steps after it wait for it (``running``: the steps whose evaluation still
+    runs), so every tracker sees each step once and in order."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        late: Callable[[bool], dict[int, dict[str, float]]],
+        running: Callable[[], set[int]],
+    ) -> None:
+        self.tracker, self.late, self.running = tracker, late, running
+        self.held: list[Record] = []
+
+    def add(self, record: Record, wait: bool) -> None:
+        """Hold ``record``, then log the held ones up to the first still evaluated."""
+        self.held.append(record)
+        late = self.late(wait)
+        for step, metrics, _ in self.held:
+            metrics.update(late.pop(step, {}))
+        running = self.running()
+        while self.held and self.held[0][0] not in running:
+            self._log(self.held.pop(0))
+
+    def flush_all(self) -> None:
+        """Log every held record, evaluated or not."""
+        while self.held:
+            self._log(self.held.pop(0))
+
+    def _log(self, record: Record) -> None:
+        step, metrics, samples = record
+        self.tracker.log(step, metrics)
+        if samples:
+            self.tracker.log_table(step, "samples", samples)
 
 
 class Trainer:
@@ -191,22 +228,20 @@ class Trainer:
         command line) stops it with :class:`Stopped`, after the workers are shut down."""
         t, metrics = self.cfg.trainer, {}
         step = self.start
-        held: list[Record] = []  # steps not logged yet: their evaluation runs beside training
         try:
-            with self.open_tracker() as tracker, self.logging_left(tracker, held):
+            with self.open_tracker() as tracker, self.held_records(tracker) as held:
                 started = startup.startup_metrics()
                 for step in range(self.start + 1, self.total + 1):
                     failpoint("begin", step)
                     metrics = {**self.run_step(step), **started}
                     raise_if_signalled()  # one whose exception was lost in the step
                     started = {}
-                    held.append((step, metrics, self.samples))
-                    self.samples = []
                     last = step == self.total
                     saving = last or bool(t.save_every and step % t.save_every == 0)
                     # a checkpoint ranked by its step's evaluation waits for one running beside
                     wait = last or (saving and t.keep_best is not None)
-                    self.log_ready(tracker, held, wait=wait)
+                    held.add((step, metrics, self.samples), wait)
+                    self.samples = []
                     failpoint("step", step)
                     if not all(math.isfinite(v) for v in metrics.values()):
                         raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
@@ -215,10 +250,10 @@ class Trainer:
                         failpoint("sealed", step)
         except KeyboardInterrupt as e:
             how, code = stop_cause(e)
-            hint = self._resume_hint()
+            hint = resume_hint(self.cfg)
             raise Stopped(f"stopped by {how} during step {step}; {hint}", code) from None
         except (WorkerDied, RolloutError) as e:  # a process of the run is gone
-            raise type(e)(f"step {step}: {e}; {self._resume_hint()}") from None
+            raise type(e)(f"step {step}: {e}; {resume_hint(self.cfg)}") from None
         finally:
             self.close()
         if self.console is not None:
@@ -228,28 +263,11 @@ class Trainer:
         return metrics
 
     def save(self, step: int, metrics: dict[str, float], last: bool) -> None:
-        """Checkpoint ``step``, its eval metrics in state.json (``trainer.keep_best`` ranks
-        checkpoints by them), prune (``trainer.keep_last``), and at the last step export
-        ``final_model``: this step's model, or the best checkpoint's (``trainer.final_model``)."""
-        t = self.cfg.trainer
-        evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
-        retention = ckpt.Retention(t.keep_last, t.keep_best, t.best_mode())
-        state = {**self.driver_state(), "eval": evals}
-        done = ckpt.save(t.output_dir, step, self.group, self.roles, state, retention)
-        if t.keep_best is not None and t.keep_best not in evals:
-            logged = ", ".join(sorted(evals)) or "none: no evaluation ran at this step"
-            raise ConfigError(
-                f"trainer.keep_best={t.keep_best}: step {step} logged no such metric (its eval "
-                f"metrics: {logged}); set trainer.keep_best to one of them. The checkpoint of "
-                f"step {step} is saved: the same command resumes from it"
-            )
+        """Checkpoint ``step`` (:func:`~treadle.trainers.run_dir.save_checkpoint`)."""
+        state = self.driver_state()
+        note = save_checkpoint(self.cfg, step, self.group, self.roles, state, metrics, last)
         if last:
-            source = done
-            if t.final_model == "best" and t.keep_best is not None:
-                source = ckpt.best_checkpoint(self.out, t.keep_best, t.best_mode()) or done
-                value = ckpt.evaluated(source, t.keep_best)
-                self.final_note = f" (the best checkpoint, {source.name}: {t.keep_best}={value})"
-            ckpt.export_model(source, self.out / "final_model")
+            self.final_note = note
 
     def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
         """Metrics of earlier steps that came since the last call (an evaluation that ran
@@ -260,32 +278,15 @@ class Trainer:
         """The steps whose evaluation still runs (their records wait for it)."""
         return set()
 
-    def log_ready(self, tracker: Tracker, held: list[Record], wait: bool) -> None:
-        """Log the ``held`` records, in step order, up to the first whose evaluation still
-        runs: a step evaluated beside training is logged once its metrics are in, with them,
-        at its own step, so every tracker sees each step once and in order."""
-        late = self.late_metrics(wait)
-        for step, metrics, _ in held:
-            metrics.update(late.pop(step, {}))
-        running = self.evaluating()
-        while held and held[0][0] not in running:
-            step, metrics, samples = held.pop(0)
-            tracker.log(step, metrics)
-            if samples:
-                tracker.log_table(step, "samples", samples)
-
     @contextlib.contextmanager
-    def logging_left(self, tracker: Tracker, held: list[Record]) -> Iterator[None]:
-        """On the way out, log what is still held (a run that stopped before an evaluation
-        beside training came back: those steps go without it)."""
+    def held_records(self, tracker: Tracker) -> Iterator[HeldRecords]:
+        """The steps' records on their way to ``tracker``; on the way out, what is still held
+        is logged (a run stopped before an evaluation beside training came back: without it)."""
+        held = HeldRecords(tracker, self.late_metrics, self.evaluating)
         try:
-            yield
+            yield held
         finally:
-            for step, metrics, samples in held:
-                tracker.log(step, metrics)
-                if samples:
-                    tracker.log_table(step, "samples", samples)
-            held.clear()
+            held.flush_all()
 
     def open_tracker(self) -> Tracker:
         t = self.cfg.trainer
@@ -305,12 +306,6 @@ class Trainer:
         """Whether this step's samples go to samples.jsonl and the trackers' tables."""
         every = self.cfg.trainer.log_samples_every
         return bool(every) and (step == self.total or step % every == 0)
-
-    def _resume_hint(self) -> str:
-        latest = ckpt.latest_checkpoint(self.out) if self.cfg.trainer.resume else None
-        if latest is not None:
-            return f"the last checkpoint is {latest}: the same command resumes from it"
-        return "there is no checkpoint yet: the same command starts over"
 
     @functools.cached_property
     def scorer(self) -> Scorer:

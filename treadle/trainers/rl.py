@@ -38,7 +38,7 @@ Evaluation (``trainer.eval_every``, the validation sets of :mod:`treadle.trainer
 is the source's too: in sync mode it runs in the step, with the weights just synced; in the
 modes that generate ahead it runs on the replicas beside training, on the weights of the step
 that asked for it, and its metrics join that step's record when they come back (the record is
-logged then: :meth:`~treadle.trainers.base.Trainer.log_ready`).
+logged then: :class:`~treadle.trainers.base.HeldRecords`).
 
 Resume: the newest complete checkpoint gives the actor (and critic) weights, optimizers, data
 position, the adaptive KL coefficient and RNG; sampling seeds are derived from (seed, step,

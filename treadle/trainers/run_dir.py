@@ -1,4 +1,5 @@
-"""The run directory: its lock, its resolved config, and where a run resumes from.
+"""The run directory: its lock, its resolved config, its checkpoints saved and exported, and
+where a run resumes from.
 
 ``<output_dir>/.lock`` is held by the one run working on the directory; ``config.yaml`` is
 the config as resolved; the newest complete checkpoint (:mod:`treadle.checkpoint`) is where
@@ -12,7 +13,9 @@ import fcntl
 import logging
 import os
 import socket
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from treadle import checkpoint as ckpt
 from treadle.config import Config, dump_config
@@ -72,3 +75,46 @@ def resume_point(cfg: Config) -> tuple[Path | None, str]:
     if not cfg.model.path:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
     return None, cfg.model.path
+
+
+def save_checkpoint(
+    cfg: Config,
+    step: int,
+    actors: ckpt.Saves,
+    roles: Mapping[str, ckpt.Saves],
+    state: dict[str, Any],
+    metrics: Mapping[str, float],
+    last: bool,
+) -> str:
+    """Checkpoint ``step`` with the driver's ``state`` and the step's eval metrics in
+    state.json (``trainer.keep_best`` ranks checkpoints by them), prune (``trainer.keep_last``),
+    and at the last step export ``final_model``: this step's model, or the best checkpoint's
+    (``trainer.final_model``). Returns what final_model is when it is not this step's ("")."""
+    t = cfg.trainer
+    evals = {k: v for k, v in metrics.items() if k.startswith("eval/")}
+    retention = ckpt.Retention(t.keep_last, t.keep_best, t.best_mode())
+    done = ckpt.save(t.output_dir, step, actors, roles, {**state, "eval": evals}, retention)
+    if t.keep_best is not None and t.keep_best not in evals:
+        logged = ", ".join(sorted(evals)) or "none: no evaluation ran at this step"
+        raise ConfigError(
+            f"trainer.keep_best={t.keep_best}: step {step} logged no such metric (its eval "
+            f"metrics: {logged}); set trainer.keep_best to one of them. The checkpoint of "
+            f"step {step} is saved: the same command resumes from it"
+        )
+    if not last:
+        return ""
+    source, note = done, ""
+    if t.final_model == "best" and t.keep_best is not None:
+        source = ckpt.best_checkpoint(t.output_dir, t.keep_best, t.best_mode()) or done
+        value = ckpt.evaluated(source, t.keep_best)
+        note = f" (the best checkpoint, {source.name}: {t.keep_best}={value})"
+    ckpt.export_model(source, Path(t.output_dir) / "final_model")
+    return note
+
+
+def resume_hint(cfg: Config) -> str:
+    """What running the same command again does, for a message about a stopped run."""
+    latest = ckpt.latest_checkpoint(cfg.trainer.output_dir) if cfg.trainer.resume else None
+    if latest is not None:
+        return f"the last checkpoint is {latest}: the same command resumes from it"
+    return "there is no checkpoint yet: the same command starts over"
