@@ -28,14 +28,16 @@ Sampling uses ``eval.seed``, the bootstrap too: the same weights give the same n
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.algorithms.sampled import PromptSamples, sampled_metrics
 from treadle.config import Config
 from treadle.config.data import VAL
+from treadle.controller import Actors
 from treadle.data import PromptDataset, prompt_batch, val_set_prompts
 from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
@@ -43,6 +45,7 @@ from treadle.faults import failpoint
 from treadle.protocol import Batch
 from treadle.rewards import Scorer, answer_reader
 from treadle.rollout.fleet import Rollout, start_rollout
+from treadle.tracking import quiet_start
 from treadle.trainers.prompts import load_prompts, tokenizer, tool_schemas
 from treadle.trainers.roles import build_actors
 
@@ -223,24 +226,38 @@ def evaluate_model(cfg: Config) -> dict[str, float]:
         raise ConfigError("model.path is empty: give a local Hugging Face model folder")
     sets = load_val_sets(cfg)
     try:
-        # A one-off pass: the replicas live in the actor's processes whatever the placement.
-        colocated = cfg.rollout.model_copy(
-            update={
-                "placement": "colocated",
-                "replicas": None,
-                "num_cpus": None,
-                "ray_resources": {},
-            }
-        )
-        cfg = cfg.model_copy(update={"rollout": colocated})
-        actors = build_actors(cfg, cfg.model.path, with_ref=False)
-        try:
-            rollout = start_rollout(cfg, actors.group, cfg.model.path, 0)
-            try:
-                return evaluate_sets(cfg, rollout, sets)
-            finally:
-                rollout.close()
-        finally:
-            actors.close()
+        with evaluation_rollout(cfg, cfg.model.path, 0) as (_, rollout):
+            return evaluate_sets(cfg, rollout, sets)
     finally:
         close_sets(sets)
+
+
+def colocated(cfg: Config) -> Config:
+    """``cfg`` with the replicas in the actor's processes: a one-off evaluation needs no
+    others, whatever the run's placement."""
+    update: dict[str, Any] = {
+        "placement": "colocated",
+        "replicas": None,
+        "num_cpus": None,
+        "ray_resources": {},
+    }
+    return cfg.model_copy(update={"rollout": cfg.rollout.model_copy(update=update)})
+
+
+@contextlib.contextmanager
+def evaluation_rollout(cfg: Config, start: str, version: int) -> Iterator[tuple[Actors, Rollout]]:
+    """The actors (no reference) from the weights at ``start`` (version ``version``) and their
+    colocated replicas, for an evaluation outside training; closed on the way out. While they
+    start, this process's output goes to the run's logs when they are routed there."""
+    cfg = colocated(cfg)
+    with quiet_start():
+        actors = build_actors(cfg, start, with_ref=False)
+    try:
+        with quiet_start():
+            rollout = start_rollout(cfg, actors.group, start, version)
+        try:
+            yield actors, rollout
+        finally:
+            rollout.close()
+    finally:
+        actors.close()

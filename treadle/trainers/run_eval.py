@@ -35,10 +35,13 @@ from treadle import checkpoint as ckpt
 from treadle.config import Config, load_config
 from treadle.config.data import VAL
 from treadle.errors import ConfigError
-from treadle.rollout.fleet import start_rollout
-from treadle.tracking import quiet_start, route_logs
-from treadle.trainers.evaluation import close_sets, evaluate_sets, load_val_sets
-from treadle.trainers.roles import build_actors
+from treadle.tracking import route_logs
+from treadle.trainers.evaluation import (
+    close_sets,
+    evaluate_sets,
+    evaluation_rollout,
+    load_val_sets,
+)
 
 EVAL_FILE = "eval.jsonl"
 log = logging.getLogger("treadle")
@@ -123,7 +126,6 @@ def evaluate_checkpoints(
 ) -> dict[int, dict[str, float]]:
     """Every checkpoint's metrics by step, each also written to ``run_dir/eval.jsonl`` and
     given to ``done`` as soon as it is known."""
-    cfg = _colocated(cfg)
     sets = load_val_sets(cfg)
     if not sets:
         raise ConfigError(
@@ -136,24 +138,15 @@ def evaluate_checkpoints(
     results: dict[int, dict[str, float]] = {}
     restore_logs = route_logs(run_dir, cfg.trainer.verbose)  # the workers' too, as in training
     try:
-        with quiet_start():
-            actors = build_actors(cfg, start, with_ref=False)
-        try:
-            with quiet_start():
-                rollout = start_rollout(cfg, actors.group, start, _step(first))
-            try:
-                for path in checkpoints:
-                    if lora or path != first:
-                        actors.group.load_weights(str(path))
-                    rollout.sync_weights(_step(path))  # the replicas serve version <step>
-                    metrics = evaluate_sets(cfg, rollout, sets)
-                    results[_step(path)] = metrics
-                    write_eval_lines(run_dir, {_step(path): metrics})
-                    done(_step(path), metrics)
-            finally:
-                rollout.close()
-        finally:
-            actors.close()
+        with evaluation_rollout(cfg, start, _step(first)) as (actors, rollout):
+            for path in checkpoints:
+                if lora or path != first:
+                    actors.group.load_weights(str(path))
+                rollout.sync_weights(_step(path))  # the replicas serve version <step>
+                metrics = evaluate_sets(cfg, rollout, sets)
+                results[_step(path)] = metrics
+                write_eval_lines(run_dir, {_step(path): metrics})
+                done(_step(path), metrics)
     finally:
         close_sets(sets)
         restore_logs()
@@ -162,14 +155,6 @@ def evaluate_checkpoints(
 
 def _step(path: Path) -> int:
     return int(path.name.removeprefix("step_"))
-
-
-def _colocated(cfg: Config) -> Config:
-    """``cfg`` with the replicas in the actor's processes (a one-off pass needs no others)."""
-    colocated = cfg.rollout.model_copy(
-        update={"placement": "colocated", "replicas": None, "num_cpus": None, "ray_resources": {}}
-    )
-    return cfg.model_copy(update={"rollout": colocated})
 
 
 def read_eval_lines(run_dir: Path) -> dict[int, dict[str, Any]]:
