@@ -42,22 +42,7 @@ def tiny_task(tmp_path_factory):
     """The built-in task at test size: data, tokenizer, a ~0.1M model.
 
     Head size 32 (64 / 2 heads): the smallest vLLM's CPU attention runs."""
-    from treadle.tasks.arithmetic import prepare
-
-    out = tmp_path_factory.mktemp("arithmetic")
-    return prepare(
-        out,
-        seed=0,
-        n_train=400,
-        n_test=64,
-        max_value=20,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_positions=128,
-    )
+    return _tiny(tmp_path_factory.mktemp("arithmetic"), 400, 64, max_positions=128)
 
 
 @pytest.fixture(scope="session")
@@ -65,20 +50,25 @@ def long_task(tmp_path_factory):
     """The tiny task with room for tool instructions, games and several turns: 1152 positions
     (its tokenizer spells English nearly letter by letter: the tool instructions alone are ~800
     tokens, TextArena's first message ~600)."""
+    return _tiny(tmp_path_factory.mktemp("arithmetic_long"), 64, 16, max_positions=1152)
+
+
+def _tiny(out, n_train: int, n_test: int, max_positions: int):  # type: ignore[no-untyped-def]
+    """The built-in task (sums up to 20) with the tests' tiny model shape."""
     from treadle.tasks.arithmetic import prepare
 
     return prepare(
-        tmp_path_factory.mktemp("arithmetic_long"),
+        out,
         seed=0,
-        n_train=64,
-        n_test=16,
+        n_train=n_train,
+        n_test=n_test,
         max_value=20,
         hidden_size=64,
         num_layers=2,
         num_heads=2,
         num_kv_heads=1,
         intermediate_size=128,
-        max_positions=1152,
+        max_positions=max_positions,
     )
 
 
