@@ -13,7 +13,7 @@ or models ``treadle.check``'s. The fully resolved config is written to
 
 The schema knows nothing of Ray or torch; it is plain pydantic. The package holds one module
 per section (``model``, ``data``, ``rollout``, ``reward``, ``algorithm``, ``dpo``, ``kto``,
-``actor``, ``critic``, ``prime``, ``trainer``, ``asynchronous``, ``evaluation``), ``run`` (the
+``actor``, ``critic``, ``prime``, ``teacher`` and ``distill``, ``trainer``, ``asynchronous``, ``evaluation``), ``run`` (the
 sections composed), ``rules`` (every cross-field rule: validation, ``treadle check`` and role
 selection read it), ``schema`` (``Config``) and ``loader`` (YAML, overrides, dump).
 """
@@ -24,6 +24,7 @@ from treadle.config.asynchronous import AsyncConfig
 from treadle.config.base import Beta, Key, Section
 from treadle.config.critic import CriticConfig
 from treadle.config.data import DataConfig
+from treadle.config.distill import DistillConfig, TeacherConfig
 from treadle.config.dpo import DPO_KNOBS, DPOConfig
 from treadle.config.evaluation import EvalConfig
 from treadle.config.kto import KTOConfig
@@ -46,6 +47,7 @@ __all__ = [
     "CriticConfig",
     "DPOConfig",
     "DataConfig",
+    "DistillConfig",
     "EvalConfig",
     "KTOConfig",
     "Key",
@@ -56,6 +58,7 @@ __all__ = [
     "RewardConfig",
     "RolloutConfig",
     "Section",
+    "TeacherConfig",
     "TrainerConfig",
     "dump_config",
     "load_config",

@@ -10,6 +10,7 @@ from treadle.config.asynchronous import AsyncConfig
 from treadle.config.base import Section, defaults
 from treadle.config.critic import CriticConfig
 from treadle.config.data import DataConfig
+from treadle.config.distill import DistillConfig, TeacherConfig
 from treadle.config.dpo import DPOConfig
 from treadle.config.evaluation import EvalConfig
 from treadle.config.kto import KTOConfig
@@ -38,6 +39,8 @@ class Sections(Section):
     actor: ActorConfig = Field(default_factory=defaults(ActorConfig))
     critic: CriticConfig = Field(default_factory=defaults(CriticConfig))
     prime: PrimeConfig = Field(default_factory=defaults(PrimeConfig))
+    teacher: TeacherConfig = Field(default_factory=defaults(TeacherConfig))
+    distill: DistillConfig = Field(default_factory=defaults(DistillConfig))
     trainer: TrainerConfig = Field(default_factory=defaults(TrainerConfig))
     eval: EvalConfig = Field(default_factory=defaults(EvalConfig))
     async_: AsyncConfig = Field(default_factory=defaults(AsyncConfig), alias="async")
