@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -233,3 +234,25 @@ def test_prepare_builds_everything_and_reuses_it(tmp_path: Path):
     ar.prepare(tmp_path, **{**kwargs, "n_train": 70})  # type: ignore[arg-type]
     assert len(paths["train"].read_text().splitlines()) == 70
     assert json.loads(paths["manifest"].read_text())["n_train"] == 70
+
+
+def test_prepare_builds_a_smaller_student_with_the_same_tokenizer(tmp_path: Path):
+    kwargs = {"n_train": 60, "n_test": 20, **SMALL_MODEL}
+    paths = ar.prepare(tmp_path, **kwargs)  # type: ignore[arg-type]
+    big = json.loads((paths["model"] / "config.json").read_text())
+    small = json.loads((paths["model_small"] / "config.json").read_text())
+    assert small["vocab_size"] == big["vocab_size"]
+    assert small["num_hidden_layers"] == max(big["num_hidden_layers"] // 2, 1)
+    assert small["hidden_size"] // small["num_attention_heads"] == (
+        big["hidden_size"] // big["num_attention_heads"]
+    )  # the head size vLLM's CPU attention needs
+    small_tok, big_tok = load_tokenizer(paths["model_small"]), load_tokenizer(paths["model"])
+    assert small_tok.get_vocab() == big_tok.get_vocab()
+    text = "What is 12+34? 12+34: 2+4=6, 1+3=4. Answer: 46"
+    assert small_tok.encode(text) == big_tok.encode(text)
+    # a task prepared before the small model existed gets it, and keeps its data
+    shutil.rmtree(paths["model_small"])
+    train = paths["train"].stat().st_mtime_ns
+    assert ar.prepare(tmp_path, **kwargs) == paths  # type: ignore[arg-type]
+    assert (paths["model_small"] / "model.safetensors").is_file()
+    assert paths["train"].stat().st_mtime_ns == train

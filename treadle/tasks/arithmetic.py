@@ -412,8 +412,9 @@ def prepare(
 ) -> dict[str, Path]:
     """Build data splits, a tokenizer trained on the train split and an initial model.
 
-    Returns `{"train", "test", "pairs_train", "pairs_test", "model", "manifest"}` paths
-    (`write_pairs`: preference pairs of each split; the model folder: `out_dir/model_init`).
+    Returns `{"train", "test", "pairs_train", "pairs_test", "model", "model_small", "manifest"}`
+    paths (`write_pairs`: preference pairs of each split; the model folder: `out_dir/model_init`;
+    a smaller one with the same tokenizer: `out_dir/model_small`).
     When `out_dir/prepare.json` records the same arguments and all the files exist, nothing is
     rebuilt; the manifest is written last, so an interrupted run is rebuilt next time.
     """
@@ -441,6 +442,7 @@ def prepare(
     paths = _task_paths(out)
     if _is_prepared(paths, manifest):
         logger.info("reusing prepared arithmetic task in %s", out)
+        _small_student(paths, model, seed)
         return paths
     paths["manifest"].unlink(missing_ok=True)
     write_splits(out, n_train=n_train, n_test=n_test, seed=seed, **gen)
@@ -448,13 +450,44 @@ def prepare(
     shutil.rmtree(paths["model"], ignore_errors=True)
     tokenizer = build_tokenizer(_corpus(paths["train"]), paths["model"], vocab_size=vocab_size)
     build_tiny_model(tokenizer, paths["model"], seed=seed, **model)
+    shutil.rmtree(paths["model_small"], ignore_errors=True)
+    _small_student(paths, model, seed)
     write_manifest(paths["manifest"], manifest)
     return paths
 
 
+def _small_student(paths: dict[str, Path], model: dict[str, Any], seed: int) -> None:
+    """``model_small``: the initial model at half the width and depth (head size kept, so
+    vLLM's CPU attention runs it), with the same tokenizer: a smaller student to distil into
+    (``examples/distill``). Built when missing, also in a task prepared before it existed."""
+    if (paths["model_small"] / "model.safetensors").is_file():
+        return
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    heads = max(model["num_heads"] // 2, 1)
+    shape = {
+        **model,
+        "hidden_size": model["hidden_size"] * heads // model["num_heads"],
+        "num_layers": max(model["num_layers"] // 2, 1),
+        "num_heads": heads,
+        "num_kv_heads": max(model["num_kv_heads"] // 2, 1),
+        "intermediate_size": model["intermediate_size"] // 2,
+    }
+    tmp = paths["model_small"].with_name("model_small.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    build_tiny_model(tokenizer, tmp, seed=seed, **shape)
+    tmp.replace(paths["model_small"])
+
+
 def _task_paths(out: Path) -> dict[str, Path]:
     paths = {name: out / f"{name}.jsonl" for name in ("train", "test", "pairs_train", "pairs_test")}
-    return {**paths, "model": out / "model_init", "manifest": out / "prepare.json"}
+    return {
+        **paths,
+        "model": out / "model_init",
+        "model_small": out / "model_small",
+        "manifest": out / "prepare.json",
+    }
 
 
 def _corpus(train: Path) -> list[str]:
