@@ -7,6 +7,8 @@
 - ``preference``: losses on chosen/rejected pairs: the DPO family, ORPO and SimPO
   (``PREFERENCE_LOSSES``: sigmoid, ipo, hinge, ...), on unpaired good/bad examples (KTO,
   ``UNPAIRED_LOSSES``) and the Bradley-Terry reward-model loss
+- ``distill``: what a student learns from a frozen teacher (``DISTILL_LOSSES``: reverse_kl,
+  gkd, seq_kd): on-policy distillation's advantages, the generalized JSD, the NLL
 - ``prime``: PRIME's implicit process rewards, its PRM losses and the ``prime`` estimator
 - ``utils``: masked statistics
 - ``inputs``: the records the functions take (``PolicyLossInputs``, ``EstimatorInputs``,
@@ -18,7 +20,8 @@ Nothing here knows about Ray, models or config objects. Importing this package r
 built-in function, so ``ADV_ESTIMATORS.get("grpo")`` works after ``import treadle.algorithms``.
 """
 
-from treadle.algorithms import advantages, kl, losses, preference, prime
+from treadle.algorithms import advantages, distill, kl, losses, preference, prime
+from treadle.algorithms.distill import generalized_jsd, reverse_kl_advantages
 from treadle.algorithms.inputs import (
     Aggregation,
     EstimatorInputs,
@@ -38,6 +41,7 @@ from treadle.algorithms.preference import (
 )
 from treadle.algorithms.registry import (
     ADV_ESTIMATORS,
+    DISTILL_LOSSES,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
     POLICY_LOSSES,
@@ -45,6 +49,7 @@ from treadle.algorithms.registry import (
     UNPAIRED_LOSSES,
     Registry,
     register_adv_estimator,
+    register_distill_loss,
     register_kl_estimator,
     register_loss_agg_mode,
     register_policy_loss,
@@ -55,6 +60,7 @@ from treadle.algorithms.utils import masked_mean, masked_sum, masked_var, masked
 
 __all__ = [
     "ADV_ESTIMATORS",
+    "DISTILL_LOSSES",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSSES",
@@ -72,7 +78,9 @@ __all__ = [
     "advantages",
     "agg_loss",
     "bradley_terry_loss",
+    "distill",
     "entropy_from_logits",
+    "generalized_jsd",
     "implicit_rewards",
     "kl",
     "kl_penalty",
@@ -87,10 +95,12 @@ __all__ = [
     "preference",
     "prime",
     "register_adv_estimator",
+    "register_distill_loss",
     "register_kl_estimator",
     "register_loss_agg_mode",
     "register_policy_loss",
     "register_preference_loss",
     "register_unpaired_loss",
+    "reverse_kl_advantages",
     "value_loss",
 ]

@@ -26,8 +26,8 @@ HEADER = f"""# Algorithm reference
 
 <!-- Generated from the registries in treadle/algorithms by `{COMMAND}`: do not edit. -->
 
-Every advantage estimator, policy loss, loss aggregation, KL estimator and preference loss
-treadle has, one table per kind. A config selects one by its registered name
+Every advantage estimator, policy loss, loss aggregation, KL estimator, preference loss and
+distillation loss treadle has, one table per kind. A config selects one by its registered name
 (`algorithm.adv_estimator=rloo`); an unknown name is an error listing the valid ones. Each
 function is a pure function over tensors in `treadle/algorithms/`; its docstring says where it
 deliberately differs from verl or TRL. Your own go into the same registries from a module named
@@ -90,6 +90,15 @@ def _unpaired_needs(info: dict[str, Any]) -> str:
     return _preference_needs(info, "unpaired", "kto")
 
 
+def _distill_needs(info: dict[str, Any]) -> str:
+    parts = [NEEDS[need] for need in info.get("needs", ())]
+    if info.get("nll"):
+        parts.append("trained as SFT (next-token NLL, token-mean)")
+    if info.get("knobs"):
+        parts.append("reads " + ", ".join(f"`distill.{k}`" for k in info["knobs"]))
+    return "; ".join(parts)
+
+
 # what a registration's `needs` asks of the dataflow, in a reader's words
 NEEDS = {
     "values": "a critic (`critic.enable=true`): per-token values",
@@ -100,6 +109,9 @@ NEEDS = {
     "reward_components": "a reward function returning a dict of named scores",
     "implicit_rewards": "an implicit process reward model (`prime.*`), trained every step",
     "ref_logits": "the reference's whole distribution in the update (a forward per micro-batch)",
+    "teacher_log_probs": "the teacher's log-probs of the student's sampled tokens",
+    "teacher_topk": "the teacher's top-k ids and log-probs at each position",
+    "teacher_samples": "the teacher's own samples (the teacher generates)",
 }
 DATA = {
     "pairs": "pairs: `{prompt, chosen, rejected}`",
@@ -155,6 +167,14 @@ KINDS = (
         "One loss per example labelled good or bad, from its sequence log-probs under the "
         "policy and a frozen reference; run by `treadle kto`.",
         _unpaired_needs,
+    ),
+    Kind(
+        "Distillation losses",
+        algorithms.DISTILL_LOSSES,
+        "distill.loss",
+        "What a student learns from a frozen teacher (`teacher.model_path`); run by "
+        "`treadle distill`. π is the student, π_teacher the teacher.",
+        _distill_needs,
     ),
 )
 

@@ -16,6 +16,8 @@ absent). ``settings=`` is the function's settings class, a frozen dataclass: its
 knobs the function reads (``knobs(name)``, the config settings of the same names, which the
 caller passes it, no others; a registry's ``shared`` fields, DPO's ``beta``, every function
 reads and are not counted). An aggregation mode lists its knobs as ``knobs=(...)``.
+Distillation losses say what the teacher supplies as ``needs`` and ``nll=1.0`` when the loss
+is the SFT objective's NLL (``seq_kd``).
 Preference losses say ``reference=False`` (no reference model is built), ``nll=`` (the chosen
 NLL they include), ``batchwise=True``; unpaired losses ``kl=True`` (KTO's reference point).
 ``treadle check`` reads these facts. Each is a keyword of ``register``: a misspelt one is a
@@ -234,12 +236,18 @@ class UnpairedLoss(Protocol):
     def __call__(self, inputs: records.UnpairedInputs, settings: Any, /) -> Tensor: ...
 
 
+# A distillation loss's signature is its own (one per kind of teacher signal: advantages from
+# the teacher's log-probs, a divergence over its top-k, the NLL of its samples): see
+# treadle.algorithms.distill; the driver calls each with what its registration ``needs``.
+DistillLoss = Callable[..., Tensor]
+
 ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
 POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
 KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
 LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode")
 PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", shared=("beta",))
 UNPAIRED_LOSSES: Registry[UnpairedLoss] = Registry("unpaired preference loss", shared=("beta",))
+DISTILL_LOSSES: Registry[DistillLoss] = Registry("distillation loss")
 
 register_adv_estimator = ADV_ESTIMATORS.register
 register_policy_loss = POLICY_LOSSES.register
@@ -247,3 +255,4 @@ register_kl_estimator = KL_ESTIMATORS.register
 register_loss_agg_mode = LOSS_AGG_MODES.register
 register_preference_loss = PREFERENCE_LOSSES.register
 register_unpaired_loss = UNPAIRED_LOSSES.register
+register_distill_loss = DISTILL_LOSSES.register

@@ -8,8 +8,9 @@ hidden states that predict selected label tokens, so no head compute is spent on
 
 :class:`LogProbHead` takes one :class:`LogProbRequest` and returns one :class:`LogProbOutput`:
 the request names what to compute beside the log-probs and entropy (``Σ_v π(v)²``, the whole
-log-softmax, a term against another model's distribution), the output carries those fields
-and ``None`` for the others. The chunked float32 arithmetic is :mod:`treadle.engines.lm_head`.
+log-softmax, a term against another model's distribution, the logits at given ids), the
+output carries those fields and ``None`` for the others. The chunked float32 arithmetic is
+:mod:`treadle.engines.lm_head`.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from treadle.engines.lm_head import (
     full_vocab_term,
     linear_log_probs,
     linear_token_stats,
+    linear_topk_logits,
 )
 from treadle.engines.packing import label_positions, pack, scatter_labels
 
@@ -117,6 +119,10 @@ class LogProbRequest:
     - ``sum_pi_squared``: ``Σ_v π(v)²`` of each label position (no gradients);
     - ``full_vocab``: the whole log-softmax ``[N, V]`` at the selected labels (no gradients);
     - ``pair``: a :class:`PairTerm` per label, differentiable.
+
+    ``topk_ids`` ``[B, num_labels, K]`` (long; K ids at each label position, e.g. a teacher's
+    top-k) adds the logits at those ids, differentiable, beside the log-probs and entropy (and
+    ``pair``); not with ``sum_pi_squared`` or ``full_vocab``.
     """
 
     input_ids: torch.Tensor
@@ -127,6 +133,21 @@ class LogProbRequest:
     sum_pi_squared: bool = False
     full_vocab: bool = False
     pair: PairTerm | None = None
+    topk_ids: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.topk_ids is None:
+            return
+        if self.sum_pi_squared or self.full_vocab:
+            raise ValueError(
+                "LogProbRequest: topk_ids goes with neither sum_pi_squared nor full_vocab"
+            )
+        want = (self.input_ids.shape[0], self.num_labels)
+        if self.topk_ids.dim() != 3 or tuple(self.topk_ids.shape[:2]) != want:
+            raise ValueError(
+                f"LogProbRequest: topk_ids must be [B, num_labels, K] = [{want[0]}, {want[1]}, K], "
+                f"got {list(self.topk_ids.shape)}"
+            )
 
 
 @dataclass(frozen=True)
@@ -139,6 +160,8 @@ class LogProbOutput:
     sum_pi_squared: torch.Tensor | None = None
     full_log_softmax: torch.Tensor | None = None  # [N, V], in row-major order of the labels
     pair_term: torch.Tensor | None = None
+    # [N, K] logits / temperature at the request's topk_ids, in row-major order of the labels
+    topk_logits: torch.Tensor | None = None
 
 
 class LogProbHead(HeadRoot):
@@ -190,6 +213,12 @@ class LogProbHead(HeadRoot):
             pair = req.pair
             term = full_vocab_term(hidden, head, pair.other, pair.fn) if len(labels) else logp
             term = scatter_labels(term, where)
+        topk = None
+        if req.topk_ids is not None:
+            topk = linear_topk_logits(hidden, req.topk_ids[where], head)
         return LogProbOutput(
-            scatter_labels(logp, where), scatter_labels(ent, where), pair_term=term
+            scatter_labels(logp, where),
+            scatter_labels(ent, where),
+            pair_term=term,
+            topk_logits=topk,
         )

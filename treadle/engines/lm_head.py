@@ -20,6 +20,10 @@ backward:
 :func:`linear_token_stats` gives the same two numbers and ``Σ_v p_v²`` of each token's
 distribution, without gradients (the old-policy pass of the optimal token baseline).
 
+:func:`linear_topk_logits` gives the logits of K given ids a token (a teacher's top-k, for
+GKD), differentiable: K dot products with the head's rows at those ids, never a ``[chunk, V]``
+block (``(h W^T).gather(ids)`` would keep one a chunk for backward: ``gather`` saves its input).
+
 Same results as the naive computation (tests compare values and gradients); measured on
 SmolLM2-135M it removes most of the time the LM head spent outside its matrix products
 (``bench/train_step.py``). ``compute_dtype`` (bfloat16 under mixed precision) runs the three
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
@@ -209,5 +214,34 @@ def full_vocab_term(
     parts = [
         checkpoint(chunk_term, hidden[s : s + size], w, other[s : s + size], use_reentrant=False)
         for s in head.chunks(hidden.shape[0])
+    ]
+    return torch.cat(parts)
+
+
+def linear_topk_logits(hidden: torch.Tensor, ids: torch.Tensor, head: LMHead) -> torch.Tensor:
+    """``(hidden @ weight.T / temperature).gather(-1, ids)`` ``[N, K]``, differentiable, without
+    the ``[N, V]`` logits.
+
+    ``hidden [N, H]``, ``ids [N, K]`` (long): each row's logits at its own K ids, from the head's
+    rows at those ids (``embedding(ids, weight) @ h``: K dot products a token, against V for the
+    whole row). Each chunk is recomputed in backward (activation checkpointing), so autograd
+    keeps only the inputs (``hidden``, the weight, the ids), not the ``[chunk, K, H]`` rows; its
+    backward adds each chunk's ``[V, H]`` gradient of the weight, as a matrix product's would.
+    The products run in float32 (float64 for a float64 weight), whatever ``compute_dtype``:
+    they are cheap, and bfloat16 would round logits of ~20 by ~0.1. ``N = 0`` gives ``[0, K]``
+    on the autograd graph (backward then still reaches the decoder)."""
+    acc = torch.promote_types(head.weight.dtype, torch.float32)
+
+    def chunk_logits(h: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
+        rows = F.embedding(i, w).to(acc)  # [n, K, H]: the head's rows at the ids
+        z = torch.bmm(rows, h.to(acc)[:, :, None])[..., 0]
+        return z / head.temperature if head.temperature != 1.0 else z
+
+    size = head.chunk_size
+    parts = [
+        checkpoint(
+            chunk_logits, hidden[s : s + size], head.weight, ids[s : s + size], use_reentrant=False
+        )
+        for s in range(0, max(hidden.shape[0], 1), size)  # one empty chunk when N = 0
     ]
     return torch.cat(parts)
