@@ -94,6 +94,8 @@ def test_dump_is_complete_and_reloads(tmp_path):
         "actor",
         "critic",
         "prime",
+        "teacher",
+        "distill",
         "trainer",
         "eval",
         "async",
