@@ -24,6 +24,10 @@ Standard fields of one RL step (B = batch, P = prompt length, R = response lengt
     sum_pi_squared        [B, R]   Σ_v π(v)² of the old policy per token    actor
                                    (optimal token baseline only)
     ref_log_probs         [B, R]   log-probs of the frozen reference        reference
+    teacher_log_probs     [B, R]   log-probs of the distillation teacher    teacher
+    teacher_topk_ids      [B, R, K] the teacher's K most likely ids, most   teacher
+                                   likely first (0 where not counted)
+    teacher_topk_log_probs [B, R, K] their log-probs (0 where not counted)  teacher
     values                [B, R]   critic values (PPO)                      critic
     token_level_rewards   [B, R]   reward per token (usually at the end)    reward
     reward_components     [B, K]   named parts of the reward, in the order  reward
@@ -85,6 +89,9 @@ STANDARD_SHAPES: dict[str, tuple[str, ...]] = {
     "old_log_probs": _RESPONSE,
     "sum_pi_squared": _RESPONSE,
     "ref_log_probs": _RESPONSE,
+    "teacher_log_probs": _RESPONSE,
+    "teacher_topk_ids": (*_RESPONSE, "topk"),
+    "teacher_topk_log_probs": (*_RESPONSE, "topk"),
     "values": _RESPONSE,
     "token_level_rewards": _RESPONSE,
     "advantages": _RESPONSE,

@@ -12,6 +12,17 @@ server (:mod:`treadle.rollout.server`) knows only this interface. Two ways in:
   one's ``seed``).
 - a whole batch in one call: ``generate`` (the in-process baseline of ``bench/rollout.py``).
 
+Besides sampling, an engine **scores** given token sequences (``score``: the frozen teacher of
+``treadle distill``): for every position ``i >= start`` the log-prob of ``tokens[i]`` given
+``tokens[:i]`` and the ``top_k`` most likely ids there, from the raw logits at temperature 1,
+log-softmax in float32 (what the training engine computes), whatever sampling options the
+engine's rollouts use. The transformers engine runs one forward per ``micro_batch_size``
+sequences (right-padded, longest first; only the logits from the first scored position on,
+turned into float32 one sequence at a time). Scoring is safe between ``step`` calls with
+generation requests in flight: the transformers engine does not touch them; vLLM's engine
+(:mod:`treadle.engines.vllm`) scores through its own request queue and keeps what the
+in-flight requests produce meanwhile for the next ``step``.
+
 The transformers engine is the debugging engine and the fallback: plain ``generate`` with a
 KV cache on a left-padded batch. Log-probs are taken from the raw logits divided by the
 temperature (the policy the actor trains), not from the top-p/top-k-filtered scores.
@@ -22,6 +33,7 @@ response (every response runs to ``max_new_tokens``, for benchmarks); stop token
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -62,8 +74,37 @@ class Finished:
     stop_reason: str  # "stop" | "length"
 
 
+@dataclass(frozen=True)
+class Scored:
+    """What :meth:`RolloutEngine.score` computed for one sequence, positions ``start..L-1``."""
+
+    log_probs: list[float]  # log p(tokens[i] | tokens[:i]), temperature 1, float32 math
+    topk_ids: list[list[int]]  # per position the top_k most likely ids, most likely first
+    topk_log_probs: list[list[float]]  # their log-probs ([] per position when top_k == 0)
+
+
+def check_score_args(sequences: list[list[int]], starts: list[int], top_k: int) -> None:
+    """ValueError unless every start is within its sequence (>= 1: the first token has no
+    log-prob) and ``top_k >= 0``."""
+    if len(sequences) != len(starts):
+        raise ValueError(f"score: {len(sequences)} sequences but {len(starts)} starts")
+    if top_k < 0:
+        raise ValueError(f"score: top_k must be >= 0, got {top_k}")
+    for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        if not 1 <= start <= len(seq):
+            raise ValueError(
+                f"score: sequence {i} has {len(seq)} tokens and start {start}; a start is "
+                "1..len (the first token has no log-prob)"
+            )
+
+
 class RolloutEngine(Protocol):
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput: ...
+
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[Scored]:
+        """Per sequence, the log-probs of its tokens from ``start`` on and the ``top_k`` most
+        likely ids of each of those positions (see the module docstring)."""
+        ...
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None: ...
 
@@ -146,6 +187,55 @@ class HFRolloutEngine:
             out.token_ids.append(row[:length])
             out.log_probs.append(lp[:length])
             out.stop_reasons.append("stop" if end is not None else "length")
+
+    @torch.no_grad()
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[Scored]:
+        """See :meth:`RolloutEngine.score`: ``micro_batch_size`` sequences a forward."""
+        check_score_args(sequences, starts, top_k)
+        out: list[Scored | None] = [None] * len(sequences)
+        order = sorted(range(len(sequences)), key=lambda i: -len(sequences[i]))  # less padding
+        for k in range(0, len(order), self.micro_batch_size):
+            chunk = order[k : k + self.micro_batch_size]
+            for i, scored in zip(
+                chunk, self._score_chunk(sequences, starts, chunk, top_k), strict=True
+            ):
+                out[i] = scored
+        return [s for s in out if s is not None]
+
+    def _score_chunk(
+        self, sequences: list[list[int]], starts: list[int], chunk: list[int], top_k: int
+    ) -> list[Scored]:
+        device = next(self.model.parameters()).device
+        width = max(len(sequences[i]) for i in chunk)
+        ids = torch.full((len(chunk), width), self.pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, i in enumerate(chunk):  # right padding: positions count from 0 in every row
+            ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
+            mask[row, : len(sequences[i])] = 1
+        first = min(starts[i] for i in chunk) - 1  # the first position whose logits are used
+        kwargs = {"logits_to_keep": width - first} if self._keeps_logits() else {}
+        logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
+        logits = logits.logits
+        offset = width - logits.shape[1]  # kept: positions offset..width-1
+        out = []
+        for row, i in enumerate(chunk):
+            seq, start = sequences[i], starts[i]
+            lp = torch.log_softmax(
+                logits[row, start - 1 - offset : len(seq) - 1 - offset].float(), -1
+            )
+            target = torch.tensor(seq[start:], device=lp.device)
+            chosen = lp.gather(-1, target[:, None]).squeeze(-1)
+            if top_k:
+                values, indices = lp.topk(min(top_k, lp.shape[-1]), dim=-1)
+                top = (indices.cpu().tolist(), values.cpu().tolist())
+            else:
+                top = ([[] for _ in seq[start:]], [[] for _ in seq[start:]])
+            out.append(Scored(chosen.cpu().tolist(), *top))
+        return out
+
+    def _keeps_logits(self) -> bool:
+        """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs)."""
+        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         if params.n != 1:

@@ -53,6 +53,20 @@ Choices:
   that fills the embedding leaves the head computing with the old weights. After the reload
   the head is re-tied to the embedding and its post-load processing re-run. `lm_head.weight`
   is not sent for a tied model (it is the embedding).
+- **Scoring through the engine's own queue** (`score`, the teacher of `treadle distill`). The
+  engine is shared: the rollout server steps it request by request (`add_request`/`step`), so
+  `LLM.generate` (which steps the engine until *everything* in it is done and drops the
+  outputs of requests it did not add) must not run while requests are in flight. `score` adds
+  one request per sequence (`max_tokens=1`, greedy, `prompt_logprobs=top_k`, flat log-probs,
+  final output only) to the same engine and steps it until those are done; the outputs of
+  the generation requests in flight that those steps produce are accumulated as `step` does,
+  and the ones that finish are kept and returned by the next `step` (an `abort` of one takes
+  it back). So scoring is correct at any point between two steps, and in-flight generation
+  advances (batched with the scoring) meanwhile. vLLM computes prompt log-probs from the raw
+  logits, `log_softmax` in float32, whatever `logprobs_mode` says ("prompt tokens skip
+  sampling processors", `gpu_model_runner._get_prompt_logprobs_dict`), and never reads the
+  prefix cache for such a request (`skip_reading_prefix_cache`); the top-k needs an engine
+  started with `max_logprobs >= top_k` (vLLM's default is 20).
 - **Sleep mode** (free the weights and KV cache while training runs) is used on CUDA (level 1;
   a weight update while asleep wakes the engine for the copy and puts it back to sleep).
   vLLM does not support it on CPU: `sleep`/`wake` are no-ops there.
@@ -65,6 +79,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -79,7 +94,13 @@ import numpy as np
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 
-from treadle.engines.inference import Finished, RolloutOutput, SamplingParams
+from treadle.engines.inference import (
+    Finished,
+    RolloutOutput,
+    SamplingParams,
+    Scored,
+    check_score_args,
+)
 from treadle.engines.weights import weight_buckets
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
@@ -114,6 +135,8 @@ class _LiveEngine:
     warned: set[str] = field(default_factory=set)
     # request id -> its tokens and log-probs so far (step() returns deltas)
     so_far: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # requests that finished while `score` stepped the engine: the next step() returns them
+    stash: list[Finished] = field(default_factory=list)
 
 
 _LIVE: _LiveEngine | None = None
@@ -199,25 +222,32 @@ class VLLMRolloutEngine:
         self._live.so_far[request_id] = ([], [])
 
     def step(self) -> list[Finished]:
-        """One engine step over every request in flight; the requests it finished."""
-        done = []
-        for result in self.llm.llm_engine.step():
-            (sample,) = result.outputs
-            tokens, logps = self._live.so_far[result.request_id]
-            new = list(sample.token_ids)
-            tokens += new
-            logps += [step[t].logprob for step, t in zip(sample.logprobs or [], new, strict=True)]
-            if result.finished:
-                del self._live.so_far[result.request_id]
-                done.append(
-                    Finished(result.request_id, tokens, logps, _stop_reason(sample.finish_reason))
-                )
+        """One engine step over every request in flight; the requests it finished (and those
+        that finished while :meth:`score` stepped the engine)."""
+        live = self._live
+        done, live.stash = live.stash, []
+        if live.so_far:
+            for result in live.llm.llm_engine.step():
+                _take_output(live, result, done)
         return done
 
     def abort(self, request_id: str) -> tuple[list[int], list[float]]:
         """Abort a request in flight; the tokens and log-probs it had."""
+        live = self._live
+        kept = next((f for f in live.stash if f.request_id == request_id), None)
+        if kept is not None:  # it finished during a score: take it back
+            live.stash.remove(kept)
+            return kept.token_ids, kept.log_probs
         self.llm.llm_engine.abort_request([request_id])
-        return self._live.so_far.pop(request_id, ([], []))
+        return live.so_far.pop(request_id, ([], []))
+
+    def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[Scored]:
+        """The log-probs of each sequence's tokens from ``start`` on and the ``top_k`` most
+        likely ids there (prompt log-probs: see the module docstring), safe with generation
+        requests in flight."""
+        check_score_args(sequences, starts, top_k)
+        self._check_weights()
+        return _score(self._live, sequences, starts, top_k)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
         self._check_weights()
@@ -343,6 +373,87 @@ class VLLMRolloutEngine:
         if "sleep" not in self._live.warned:
             self._live.warned.add("sleep")
             logger.info("vLLM sleep mode is not supported on CPU: sleep()/wake() are skipped")
+
+
+# ---------------------------------------------------------------------- step outputs
+
+_SCORE_IDS = itertools.count()
+
+
+def _take_output(live: _LiveEngine, result: Any, done: list[Finished]) -> None:
+    """Add a generation request's new tokens (a DELTA output) to what it has so far; a
+    finished one goes to ``done``."""
+    (sample,) = result.outputs
+    tokens, logps = live.so_far[result.request_id]
+    new = list(sample.token_ids)
+    tokens += new
+    logps += [step[t].logprob for step, t in zip(sample.logprobs or [], new, strict=True)]
+    if result.finished:
+        del live.so_far[result.request_id]
+        done.append(Finished(result.request_id, tokens, logps, _stop_reason(sample.finish_reason)))
+
+
+def _score(
+    live: _LiveEngine, sequences: list[list[int]], starts: list[int], top_k: int
+) -> list[Scored]:
+    """Score through the engine's queue: one request per sequence, stepped to the end; the
+    generation requests in flight advance meanwhile (their finished ones go to the stash)."""
+    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.sampling_params import RequestOutputKind
+
+    most = live.llm.llm_engine.model_config.max_logprobs
+    if most != -1 and top_k > most:
+        raise ValueError(
+            f"score: top_k={top_k} is more than the vLLM engine's max_logprobs={most} (the "
+            "teacher's engine is started with max_logprobs >= distill.top_k)"
+        )
+    params = VLLMSamplingParams(
+        max_tokens=1,
+        temperature=0.0,
+        prompt_logprobs=top_k,
+        flat_logprobs=True,
+        detokenize=False,
+        output_kind=RequestOutputKind.FINAL_ONLY,
+    )
+    out: dict[int, Scored] = {}
+    pending: dict[str, int] = {}
+    for i, (seq, start) in enumerate(zip(sequences, starts, strict=True)):
+        if start == len(seq):
+            out[i] = Scored([], [], [])
+            continue
+        rid = f"treadle-score-{next(_SCORE_IDS)}"
+        live.llm.llm_engine.add_request(rid, TokensPrompt(prompt_token_ids=list(seq)), params)
+        pending[rid] = i
+    try:
+        while pending:
+            for result in live.llm.llm_engine.step():
+                i = pending.pop(result.request_id, -1)
+                if i >= 0:
+                    out[i] = _scored(result.prompt_logprobs, sequences[i], starts[i], top_k)
+                elif result.request_id in live.so_far:
+                    _take_output(live, result, live.stash)
+    finally:
+        if pending:  # an error: leave nothing of ours in the engine
+            live.llm.llm_engine.abort_request(list(pending))
+    return [out[i] for i in range(len(sequences))]
+
+
+def _scored(flat: Any, seq: list[int], start: int, top_k: int) -> Scored:
+    """Positions ``start..L-1`` of a request's flat prompt log-probs. Each position holds the
+    actual token first (with its rank), then the top ``top_k`` by rank."""
+    log_probs, ids, top = [], [], []
+    for pos in range(start, len(seq)):
+        a, b = flat.start_indices[pos], flat.end_indices[pos]
+        if flat.token_ids[a] != seq[pos] or b - a != top_k + 1:
+            raise RuntimeError(
+                f"vLLM's prompt log-probs at position {pos}: expected token {seq[pos]} and "
+                f"{top_k} top entries, got {flat.token_ids[a:b]}"
+            )
+        log_probs.append(flat.logprobs[a])
+        ids.append(flat.token_ids[a + 1 : b])
+        top.append(flat.logprobs[a + 1 : b])
+    return Scored(log_probs, ids, top)
 
 
 # ---------------------------------------------------------------------- engine slot

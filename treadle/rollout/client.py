@@ -23,6 +23,13 @@ does not interrupt requests); :meth:`resume` lets them go. Replicas are reached 
 :class:`ReplicaHandle`: a Ray actor (:class:`RayReplica`) or a server in this process
 (:class:`LocalReplica`, the local backend, whose engine then steps in the driver's thread,
 the one that made it: see :mod:`treadle.rollout.server`).
+
+Scoring (:class:`~treadle.rollout.server.ScoreRequest`, a teacher's log-probs of given
+sequences) goes the same way: :meth:`RolloutClient.score_many` routes each request to the
+replica with the fewest outstanding requests (no sessions), under the same bound and timeout.
+A Ray replica is called through named methods: ``rollout_generate``/``rollout_score`` of a
+replica actor or an actor rank, ``teacher_generate``/``teacher_score`` of a colocated
+teacher.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from typing import Any, Protocol, TypeVar
 
 from treadle.controller import death_cause, pid_note
 from treadle.errors import TreadleError, signalled
-from treadle.rollout.server import Request, Response, RolloutServer
+from treadle.rollout.server import Request, Response, RolloutServer, ScoreRequest, ScoreResponse
 
 T = TypeVar("T")
 
@@ -50,6 +57,8 @@ class ReplicaHandle(Protocol):
 
     async def generate(self, requests: list[Request]) -> list[Response]: ...
 
+    async def score(self, requests: list[ScoreRequest]) -> list[ScoreResponse]: ...
+
 
 class LocalReplica:
     """A :class:`RolloutServer` in this process."""
@@ -60,22 +69,40 @@ class LocalReplica:
     async def generate(self, requests: list[Request]) -> list[Response]:
         return await self.server.generate(requests)
 
+    async def score(self, requests: list[ScoreRequest]) -> list[ScoreResponse]:
+        return await self.server.score(requests)
+
 
 class RayReplica:
-    """A Ray actor serving requests through its async ``rollout_generate`` method."""
+    """A Ray actor serving requests through its async methods ``generate`` and ``score``
+    name (a replica's ``rollout_generate``, a colocated teacher's ``teacher_generate``)."""
 
-    def __init__(self, actor: Any, name: str) -> None:
+    def __init__(
+        self,
+        actor: Any,
+        name: str,
+        generate: str = "rollout_generate",
+        score: str = "rollout_score",
+    ) -> None:
         self.actor, self.name = actor, name
+        self.methods = {"generate": generate, "score": score}
 
     async def generate(self, requests: list[Request]) -> list[Response]:
+        responses: list[Response] = await self._call("generate", requests, "a rollout")
+        return responses
+
+    async def score(self, requests: list[ScoreRequest]) -> list[ScoreResponse]:
+        responses: list[ScoreResponse] = await self._call("score", requests, "scoring")
+        return responses
+
+    async def _call(self, what: str, requests: list[Any], during: str) -> Any:
         import ray
 
         try:
-            responses: list[Response] = await self.actor.rollout_generate.remote(requests)
+            return await getattr(self.actor, self.methods[what]).remote(requests)
         except ray.exceptions.RayActorError as e:
-            dead = f"{self.name}{pid_note(e)} died during a rollout"
+            dead = f"{self.name}{pid_note(e)} died during {during}"
             raise RolloutError(f"{dead} ({death_cause(e)})") from None
-        return responses
 
 
 class RolloutClient:
@@ -142,6 +169,10 @@ class RolloutClient:
         """All ``requests``, routed and answered; responses in request order."""
         return self.run(self.submit_many(requests))
 
+    def score(self, requests: list[ScoreRequest]) -> list[ScoreResponse]:
+        """All score ``requests``, routed and answered; responses in request order."""
+        return self.run(self.score_many(requests))
+
     def new_id(self, prefix: str = "r") -> str:
         return f"{prefix}{next(self._ids)}"
 
@@ -182,13 +213,22 @@ class RolloutClient:
     async def submit_many(self, requests: Sequence[Request]) -> list[Response]:
         """Route each request, send each replica its share in calls of at most max_inflight."""
         await self._open.wait()
+        return await self._fan_out("generate", requests, [self.route(r) for r in requests])
+
+    async def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResponse]:
+        """Each score request to the least loaded replica, as :meth:`submit_many` does."""
+        await self._open.wait()
+        return await self._fan_out("score", requests, [self._least_loaded() for _ in requests])
+
+    async def _fan_out(self, what: str, requests: Sequence[Any], routes: list[int]) -> list[Any]:
+        """``requests`` sent to the replicas ``routes`` names (counted outstanding there)."""
         shares: dict[int, list[int]] = {}
-        for i, request in enumerate(requests):
-            shares.setdefault(self.route(request), []).append(i)
+        for i, index in enumerate(routes):
+            shares.setdefault(index, []).append(i)
         m = self.max_inflight
         chunks = [(k, idx[s : s + m]) for k, idx in shares.items() for s in range(0, len(idx), m)]
         calls = [
-            asyncio.ensure_future(self._call(k, [requests[i] for i in chunk]))
+            asyncio.ensure_future(self._call(k, what, [requests[i] for i in chunk]))
             for k, chunk in chunks
         ]
         try:
@@ -210,16 +250,25 @@ class RolloutClient:
         session = request.session_id
         index = self.sessions.get(session) if session is not None else None
         if index is None:
-            index = min(range(len(self.replicas)), key=lambda k: (self.outstanding[k], k))
+            index = self._least_loaded(count=False)
             if session is not None:
                 self.sessions[session] = index
         self.outstanding[index] += 1
         return index
 
+    def _least_loaded(self, count: bool = True) -> int:
+        """The replica with the fewest outstanding requests (ties: the lowest index);
+        ``count``: one more is outstanding there."""
+        index = min(range(len(self.replicas)), key=lambda k: (self.outstanding[k], k))
+        if count:
+            self.outstanding[index] += 1
+        return index
+
     def end_session(self, session_id: str) -> None:
         self.sessions.pop(session_id, None)
 
-    async def _call(self, index: int, requests: list[Request]) -> list[Response]:
+    async def _call(self, index: int, what: str, requests: list[Any]) -> list[Any]:
+        """``replica.generate`` or ``replica.score`` (``what``) of ``requests``."""
         replica = self.replicas[index]
         lock, permits = self._admit[index]
         held = 0
@@ -228,7 +277,8 @@ class RolloutClient:
                 for _ in requests:
                     await permits.acquire()
                     held += 1
-            return await asyncio.wait_for(replica.generate(requests), self.timeout_s)
+            call = replica.generate(requests) if what == "generate" else replica.score(requests)
+            return await asyncio.wait_for(call, self.timeout_s)
         except TimeoutError:
             raise RolloutError(
                 f"{replica.name} did not answer {len(requests)} request(s) within "

@@ -69,7 +69,7 @@ from treadle.rollout.client import (
     RolloutClient,
     RolloutError,
 )
-from treadle.rollout.replica import RolloutReplica
+from treadle.rollout.replica import Role, RolloutReplica
 
 if TYPE_CHECKING:
     from treadle.rollout.endpoint import Endpoint
@@ -358,7 +358,7 @@ def start_rollout(
     if pool is None:
         pool = reserve_rollout_pool(cfg)
         assert pool is not None
-    replicas = _start_replicas(cfg, pool, actor_path, version)
+    replicas = start_replicas(cfg, pool, actor_path, version)
     try:
         _join_weight_sync(group, replicas)
         names = [f"rollout replica {i}" for i in range(len(replicas))]
@@ -366,7 +366,7 @@ def start_rollout(
             [RayReplica(a, n) for a, n in zip(replicas, names, strict=True)], **opts
         )
     except BaseException:
-        _kill(replicas, pool)
+        kill_replicas(replicas, pool)
         raise
     return Rollout(
         group, client, decode, pad_id, agents, replicas, pool, _endpoint(cfg, client, tok)
@@ -382,8 +382,11 @@ def _endpoint(cfg: Config, client: RolloutClient, tokenizer: Any) -> Endpoint | 
     return Endpoint.from_config(cfg, client, tokenizer)
 
 
-def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) -> list[Any]:
-    """One :class:`RolloutReplica` actor on each bundle of ``pool`` (removed on failure)."""
+def start_replicas(
+    cfg: Config, pool: ResourcePool, path: str, version: int, role: Role = "rollout"
+) -> list[Any]:
+    """One :class:`RolloutReplica` actor of ``role`` serving the weights at ``path`` on each
+    bundle of ``pool`` (the pool is removed on failure)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -398,13 +401,13 @@ def _start_replicas(cfg: Config, pool: ResourcePool, path: str, version: int) ->
                 pool.pg, placement_group_bundle_index=i
             ),
             runtime_env={"env_vars": ray_env(threads)},
-        ).remote(i, config=cfg, model_path=path, version=version, threads=threads)
+        ).remote(i, config=cfg, model_path=path, version=version, threads=threads, role=role)
         for i in range(pool.world_size)
     ]
     try:
         ray_get([a.treadle_check.remote() for a in replicas])
     except BaseException:
-        _kill(replicas, pool)
+        kill_replicas(replicas, pool)
         raise
     return replicas
 
@@ -446,7 +449,8 @@ def _join_weight_sync(group: WorkerGroup, replicas: list[Any]) -> None:
     ray_get(joining)
 
 
-def _kill(replicas: list[Any], pool: ResourcePool) -> None:
+def kill_replicas(replicas: list[Any], pool: ResourcePool) -> None:
+    """Kill replica actors and give their pool back."""
     import ray
 
     for a in replicas:

@@ -42,6 +42,14 @@ Choices:
   the driver can report how much of the run a replica idled.
 - **Sleep.** Colocated on a GPU the engine sleeps whenever it is idle, so the actor trains with
   the memory; on CPU sleep is a no-op.
+- **Scoring runs between two steps.** :meth:`RolloutServer.score` (a teacher's per-token
+  log-probs and top-k of given sequences, :class:`ScoreRequest`) calls the engine's ``score``
+  directly, in the loop's thread, while the pump (if any) waits at its ``await`` between two
+  steps: the engine is never entered twice at once, and no step is needed to answer. The
+  engine keeps generation in flight correct across it (vLLM's scores go through its own
+  queue and keep the outputs they step past for the next ``step``, see
+  :mod:`treadle.engines.vllm`). Requests of one call with the same ``top_k`` go to the engine
+  in one call (micro-batched, or batched by vLLM). A score does not touch the sampling RNG.
 """
 
 from __future__ import annotations
@@ -54,7 +62,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from treadle.engines.inference import Finished, RolloutEngine, SamplingParams
+from treadle.engines.inference import Finished, RolloutEngine, SamplingParams, Scored
 
 
 @dataclass(frozen=True)
@@ -82,6 +90,29 @@ class Response:
     def versions(self) -> list[int]:
         """The version of the weights that sampled each token."""
         return list(self.token_versions) or [self.weight_version] * len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class ScoreRequest:
+    """One sequence to score: log-probs of ``token_ids[start:]`` and the ``top_k`` most likely
+    ids at each of those positions (``start >= 1``)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    start: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class ScoreResponse:
+    """What a score request computed (positions ``start..len-1``), by which replica."""
+
+    request_id: str
+    log_probs: list[float]
+    topk_ids: list[list[int]]
+    topk_log_probs: list[list[float]]
+    replica: str
+    weight_version: int
 
 
 @dataclass
@@ -147,6 +178,40 @@ class RolloutServer:
             self._pump = asyncio.create_task(self._run(), name=f"treadle {self.name}")
         responses: list[Response] = await group.future
         return responses
+
+    async def score(self, requests: list[ScoreRequest]) -> list[ScoreResponse]:
+        """The scores of ``requests``, in their order (see the module docstring)."""
+        if not requests:
+            return []
+        idle = self._rng is None  # no generation in flight: the engine may be asleep
+        if idle and self.sleep_when_idle:
+            self.engine.wake()
+        began = time.perf_counter()
+        out: dict[int, Scored] = {}
+        try:
+            by_k: dict[int, list[int]] = {}
+            for i, r in enumerate(requests):
+                by_k.setdefault(r.top_k, []).append(i)
+            for top_k, idx in by_k.items():
+                sequences = [list(requests[i].token_ids) for i in idx]
+                scored = self.engine.score(sequences, [requests[i].start for i in idx], top_k)
+                out.update(zip(idx, scored, strict=True))
+        finally:
+            if idle:
+                self._busy += time.perf_counter() - began
+                if self.sleep_when_idle:
+                    self.engine.sleep()
+        return [
+            ScoreResponse(
+                r.request_id,
+                out[i].log_probs,
+                out[i].topk_ids,
+                out[i].topk_log_probs,
+                self.name,
+                self.version,
+            )
+            for i, r in enumerate(requests)
+        ]
 
     def update_weights(
         self,

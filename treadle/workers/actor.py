@@ -38,10 +38,14 @@ train_kto                   UNPAIRED + labels, ref_logps,          metrics kto/*
                             ref_kl_logps
 ==========================  =====================================  ===========================
 
-The rollout side: ``rollout_generate`` (:class:`~treadle.rollout.replica.ServesRollout`, the
-interface every process holding a replica has) serves requests from this rank's colocated
-replica (``rollout.placement=colocated``), and ``sync_weights`` sends the actor's weights to the
-rollout, in memory (colocated) or over the weight-sync group (split).
+The rollout side: ``rollout_generate`` and ``rollout_score``
+(:class:`~treadle.rollout.replica.ServesRollout`, the interface every process holding a replica
+has) serve requests from this rank's colocated replica (``rollout.placement=colocated``), and
+``sync_weights`` sends the actor's weights to the rollout, in memory (colocated) or over the
+weight-sync group (split). A colocated teacher (``treadle distill``,
+``teacher.placement=colocated``, :class:`~treadle.rollout.replica.ServesTeacher`) is a second
+engine and server in the same process: ``init_teacher`` loads it, ``teacher_generate`` and
+``teacher_score`` serve it.
 """
 
 from __future__ import annotations
@@ -59,7 +63,7 @@ from treadle.engines.heads import LogProbRequest
 from treadle.engines.weights import weight_buckets
 from treadle.models import apply_lora
 from treadle.protocol import Batch
-from treadle.rollout.replica import ServesRollout, make_engine
+from treadle.rollout.replica import ServesRollout, ServesTeacher, make_engine
 from treadle.rollout.server import RolloutServer
 from treadle.rollout.weight_sync import WeightSyncGroup
 from treadle.workers.base import TrainingWorker
@@ -88,8 +92,8 @@ from treadle.workers.objectives import (
 )
 
 
-class ActorRolloutRefWorker(ServesRollout, TrainingWorker):
-    """Actor + rollout engine + reference, colocated in one process per rank."""
+class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
+    """Actor + rollout engine + reference (+ a colocated teacher), in one process per rank."""
 
     role = "actor"
 
