@@ -716,6 +716,8 @@ COMMANDS = [
     ("train", ["rollout.n=1", "actor.ppo_mini_batch_size=8"], r"rollout\.n=1"),
     ("train", ["data.train_files=[/no/such.jsonl]"], r"data\.train_files: file '/no/such\.jsonl'"),
     ("train", ["reward.function=arithmatic"], r"did you mean 'arithmetic'"),
+    ("distill", [], r"set teacher\.model_path"),
+    ("distill", ["teacher.model_path=/no/teacher"], r"teacher\.model_path: '/no/teacher'"),
     ("sft", ["data.val_files=[]", "model.path=/no/model"], r"model\.path: '/no/model'"),
     ("dpo", ["dpo.loss_type=nope"], r"dpo\.loss_type: unknown"),
     ("rm", [], r"has no column 'chosen'"),
@@ -737,5 +739,5 @@ def test_example_configs_pass_the_config_and_algorithm_checks(path: Path) -> Non
     from treadle.config import load_config
 
     kinds = {"sft": "sft", "dpo": "dpo", "rm": "rm", "kto": "kto", "orpo": "dpo", "simpo": "dpo"}
-    kind = kinds.get(path.stem, "train")
+    kind = "distill" if path.parent.name == "distill" else kinds.get(path.stem, "train")
     check_algorithm(load_config(path), kind)  # type: ignore[arg-type]

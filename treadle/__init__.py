@@ -5,9 +5,10 @@ One driver (:mod:`treadle.trainers`) runs the RL dataflow over SPMD worker group
 (:mod:`treadle.engines`); algorithms are pure functions chosen by name
 (:mod:`treadle.algorithms`); the run is one typed config (:mod:`treadle.config`).
 
-From Python: ``treadle.train(config, reward=fn, train_dataset=ds)``, ``treadle.sft``,
-``treadle.dpo``, ``treadle.kto`` and ``treadle.rm`` (:mod:`treadle.api`). They are imported
-on first use, so ``import treadle`` stays cheap (the command line imports this package too).
+From Python: ``treadle.train(config, reward=fn, train_dataset=ds)``, ``treadle.distill``,
+``treadle.sft``, ``treadle.dpo``, ``treadle.kto`` and ``treadle.rm`` (:mod:`treadle.api`).
+They are imported on first use, so ``import treadle`` stays cheap (the command line imports
+this package too).
 """
 
 from __future__ import annotations
@@ -18,12 +19,13 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from treadle.api import RunResult, dpo, kto, rm, sft, train
+    from treadle.api import RunResult, distill, dpo, kto, rm, sft, train
     from treadle.config import Config, load_config
 
 _LAZY = {
     "train": "treadle.api",
     "sft": "treadle.api",
+    "distill": "treadle.api",
     "dpo": "treadle.api",
     "kto": "treadle.api",
     "rm": "treadle.api",
@@ -31,7 +33,7 @@ _LAZY = {
     "Config": "treadle.config",
     "load_config": "treadle.config",
 }
-__all__ = ["Config", "RunResult", "dpo", "kto", "load_config", "rm", "sft", "train"]
+__all__ = ["Config", "RunResult", "distill", "dpo", "kto", "load_config", "rm", "sft", "train"]
 
 
 def __getattr__(name: str) -> Any:

@@ -1,5 +1,5 @@
-"""The Python API: ``treadle.train``, ``treadle.sft``, ``treadle.dpo``, ``treadle.kto`` and
-``treadle.rm``.
+"""The Python API: ``treadle.train``, ``treadle.distill``, ``treadle.sft``, ``treadle.dpo``,
+``treadle.kto`` and ``treadle.rm``.
 
 Each runs what the command of the same name runs, from Python::
 
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 ConfigLike = str | os.PathLike[str] | Mapping[str, Any] | Config | None
 RewardLike = Callable[..., Any] | str | None
-Kind = Literal["train", "sft", "dpo", "kto", "rm"]
+Kind = Literal["train", "distill", "sft", "dpo", "kto", "rm"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,11 @@ def _driver(kind: Kind, doc: str) -> Driver:
 
 
 train = _driver("train", "RL training (GRPO and the PPO family), as ``treadle train``.")
+distill = _driver(
+    "distill",
+    "Distillation from ``teacher.model_path`` (``distill.loss``: on-policy reverse KL, GKD or "
+    "sequence-level KD), as ``treadle distill``; ``reward`` scores samples and held-out sets.",
+)
 sft = _driver(
     "sft", "Supervised fine-tuning, as ``treadle sft``; ``reward`` scores held-out accuracy."
 )
@@ -190,6 +195,8 @@ def _run(
 def _trainer(kind: Kind) -> Callable[[Config], dict[str, float]]:
     if kind == "train":
         from treadle.trainers.rl import train as run
+    elif kind == "distill":
+        from treadle.trainers.distill import distill as run
     elif kind == "sft":
         from treadle.trainers.sft import sft as run
     elif kind == "dpo":

@@ -41,6 +41,8 @@ from treadle.config.rules import KINDS, Kind, check_algorithm
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
 from treadle.errors import ConfigError, TreadleError
 
+RL_KINDS: tuple[Kind, ...] = ("train", "distill")  # the commands that run the RL dataflow
+
 __all__ = [
     "IMPORT_TIMEOUT_S",
     "KINDS",
@@ -116,18 +118,36 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
             problems.append(
                 f"{key}: cannot load a tokenizer from '{m.tokenizer_path or path}': {e}"
             )
+    if kind == "distill" and cfg.teacher.model_path and path:
+        _check_teacher(cfg, path, summary, problems)
     for key, other in (
         ("reward.model_path", cfg.reward.model_path),
         ("critic.model_path", cfg.critic.model_path),
         ("prime.model_path", cfg.prime.model_path),
         ("prime.ref_path", cfg.prime.ref_path),
     ):
-        if other is not None and kind == "train":
+        if other is not None and kind in RL_KINDS:
             try:
                 resolve_model_path(other, key=key, allow_download=m.allow_download)
             except ConfigError as e:
                 problems.append(str(e))
     return tokenizer
+
+
+def _check_teacher(cfg: Config, student: str, summary: list[str], problems: list[str]) -> None:
+    """The teacher's folder is there and its vocabulary is the student's (``model.path``)."""
+    from treadle.models import resolve_model_path, shared_vocabulary
+
+    t, download = cfg.teacher, cfg.model.allow_download
+    try:
+        assert t.model_path is not None
+        teacher = resolve_model_path(
+            t.model_path, key="teacher.model_path", allow_download=download
+        )
+        shared_vocabulary(student, [("teacher.model_path", teacher)], download)
+        summary.append(f"teacher: {teacher} ({t.engine}, {t.placement})")
+    except ConfigError as e:
+        problems.append(str(e))
 
 
 def _resumed_model(cfg: Config) -> str:
@@ -153,7 +173,7 @@ def _context_note(cfg: Config, kind: Kind, folder: str) -> str:
     if not isinstance(context, int) or isinstance(context, bool):
         return ""
     d, r = cfg.data, cfg.rollout
-    response = cfg.response_length() if kind == "train" else r.max_new_tokens
+    response = cfg.response_length() if kind in RL_KINDS else r.max_new_tokens
     response_key = (
         "rollout.max_new_tokens"
         if kind != "train" or r.agent_loop == "single_turn"
@@ -175,7 +195,7 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
     """Loads the reward function, the tools and (RL) the agent loop, adding to ``problems``;
     the tools' schemas (None without tools)."""
     uses_reward = (
-        kind in ("train", "eval")
+        kind in (*RL_KINDS, "eval")
         or (kind == "sft" and cfg.data.val_files)
         or (kind == "dpo" and cfg.dpo.eval_task)
         or (kind == "kto" and cfg.kto.eval_task)
@@ -191,14 +211,14 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
         except TreadleError as e:
             problems.append(str(e))
     schemas = None
-    if kind in ("train", "eval"):
+    if kind in (*RL_KINDS, "eval"):
         from treadle.agents.registry import load_agent_loop
         from treadle.agents.tools import Toolbox
 
         loads: list[tuple[str, Callable[[], Any]]] = [
             ("rollout.tools", lambda: Toolbox.load(cfg.rollout.tools).schemas)  # shown in prompts
         ]
-        if kind == "train":
+        if kind in RL_KINDS:
             loads.append(
                 (
                     "rollout.agent_loop",
@@ -246,7 +266,7 @@ def _check_gym(
         if count is None:
             break  # both splits come from one spec: its problem is said once
         summary.append(f"data.reasoning_gym ({split}): {count} rows")
-        if split == "train" and kind == "train" and count < cfg.data.batch_size:
+        if split == "train" and kind in RL_KINDS and count < cfg.data.batch_size:
             problems.append(
                 f"data.reasoning_gym.size: {count} rows, fewer than one batch of "
                 f"data.batch_size={cfg.data.batch_size}: lower data.batch_size or raise it"
@@ -281,8 +301,14 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
     train, val = ("data.train_files", d.train_files), ("data.val_files", d.val_files)
     if kind == "serve":
         return []
-    if kind == "train":
-        return [(*train, _prompt_rows, True), (*val, _prompt_rows, False)]
+    if kind in RL_KINDS:
+        responses = kind == "distill" and cfg.distill.loss == "gkd" and cfg.distill.lmbda < 1
+        prompts: list[tuple[str, list[str], Reader, bool]] = [
+            (*train, _prompt_rows, True),
+            (*val, _prompt_rows, False),
+        ]
+        # gkd trains on the dataset's responses too
+        return [*prompts, (*train, _sft_rows, True)] if responses else prompts
     if kind == "eval":  # (data.val_sets instead will do)
         return [(*val, _prompt_rows, not d.val_sets)]
     if kind == "sft":
@@ -298,13 +324,13 @@ def _data_files(cfg: Config, kind: Kind) -> list[tuple[str, list[str], Reader, b
     return out
 
 
-GYM_KINDS = ("train", "sft", "eval")  # the commands that read data.source=reasoning_gym
+GYM_KINDS = (*RL_KINDS, "sft", "eval")  # the commands that read data.source=reasoning_gym
 
 
 def evaluates(cfg: Config, kind: Kind) -> bool:
     """Whether ``kind`` generates on the validation sets (and scores them)."""
     return (
-        kind in ("train", "sft", "eval")
+        kind in (*RL_KINDS, "sft", "eval")
         or (kind == "dpo" and cfg.dpo.eval_task)
         or (kind == "kto" and cfg.kto.eval_task)
     )

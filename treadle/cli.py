@@ -1,5 +1,5 @@
-"""``treadle`` command line: train | sft | dpo | kto | rm | eval | serve | check | report |
-prepare | demo | model | sandbox.
+"""``treadle`` command line: train | distill | sft | dpo | kto | rm | eval | serve | check |
+report | prepare | demo | model | sandbox.
 
 Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides, and
 first runs ``treadle.check`` for itself (``treadle check CONFIG --kind train`` runs only that).
@@ -78,6 +78,13 @@ def cmd_train(args: argparse.Namespace) -> None:
     from treadle.trainers.rl import train
 
     print_accuracies(train(cfg))
+
+
+def cmd_distill(args: argparse.Namespace) -> None:
+    cfg = _config(args)
+    from treadle.trainers.distill import distill
+
+    print_accuracies(distill(cfg))
 
 
 def cmd_sft(args: argparse.Namespace) -> None:
@@ -327,6 +334,7 @@ def _add_sandbox(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 
 EXAMPLES = {
     "train": "treadle train examples/arithmetic/grpo.yaml trainer.total_steps=20 rollout.n=8",
+    "distill": "treadle distill examples/distill/on_policy.yaml distill.coef=0.5",
     "sft": "treadle sft examples/arithmetic/sft.yaml trainer.epochs=2",
     "dpo": "treadle dpo examples/arithmetic/dpo.yaml dpo.beta=0.05",
     "kto": "treadle kto examples/preference/kto.yaml kto.desirable_weight=1.2",
@@ -386,6 +394,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     for name, fn, text in (
         ("train", cmd_train, "RL training (GRPO and the PPO family)"),
+        ("distill", cmd_distill, "distil a teacher into the model (on-policy, GKD, seq-KD)"),
         ("sft", cmd_sft, "supervised fine-tuning on worked answers"),
         ("dpo", cmd_dpo, "DPO and its kin (ORPO, SimPO, IPO...) on chosen/rejected pairs"),
         ("kto", cmd_kto, "KTO on unpaired examples labelled desirable or not"),

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from treadle import algorithms  # the package: importing it registers every built-in name
 from treadle.config.actor import ActorConfig
 from treadle.config.data import DataConfig
+from treadle.config.distill import DistillConfig
 from treadle.config.dpo import DPO_KNOBS, DPOConfig
 from treadle.config.prime import PrimeConfig
 from treadle.config.rollout import RolloutConfig
@@ -35,8 +36,8 @@ from treadle.config.trainer import TrainerConfig
 from treadle.errors import ConfigError
 from treadle.plugins import load_plugins
 
-Kind = Literal["train", "sft", "dpo", "kto", "rm", "eval", "serve"]
-KINDS: tuple[Kind, ...] = ("train", "sft", "dpo", "kto", "rm", "eval", "serve")
+Kind = Literal["train", "distill", "sft", "dpo", "kto", "rm", "eval", "serve"]
+KINDS: tuple[Kind, ...] = ("train", "distill", "sft", "dpo", "kto", "rm", "eval", "serve")
 
 # --- between sections (config validation) ---------------------------------------------------
 
@@ -302,10 +303,8 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
             problems.append(
                 f"{key}: unknown name {name!r}; valid: {', '.join(registry.names())}{hint}"
             )
-    if kind == "train":
-        problems += [*_estimator_rules(cfg), *_loss_rules(cfg)]
-        problems += _algorithm_knobs(cfg, algorithms.POLICY_LOSSES, algorithms.LOSS_AGG_MODES)
-        problems += role_problems(cfg)
+    if kind in ("train", "distill"):
+        problems += _rl_kind_problems(cfg, kind)
     if kind == "dpo" and cfg.dpo.loss_type in algorithms.PREFERENCE_LOSSES:
         problems += _preference_knobs(cfg, algorithms.PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
     if kind == "kto" and cfg.data.batch_size < 2:
@@ -324,9 +323,30 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
         raise ConfigError("\n".join(problems))
 
 
+def _rl_kind_problems(cfg: Sections, kind: Kind) -> list[str]:
+    """The rules of ``train`` and ``distill``: the policy loss's (distill: reverse_kl's), the
+    roles', and a teacher only where it is read."""
+    problems = []
+    if kind == "train" or cfg.distill.loss == "reverse_kl":
+        problems += [*_estimator_rules(cfg), *_loss_rules(cfg)]
+        problems += _algorithm_knobs(cfg, algorithms.POLICY_LOSSES, algorithms.LOSS_AGG_MODES)
+    problems += role_problems(cfg)
+    if kind == "distill":
+        problems += _distill_problems(cfg)
+    elif cfg.teacher.model_path or cfg.distill != DistillConfig.model_validate({}):
+        problems.append(
+            "the config sets a teacher or the 'distill' section, which are for `treadle "
+            "distill`; `treadle train` runs RL: run `treadle distill`, or remove them"
+        )
+    return problems
+
+
 def _registered_names(cfg: Sections, kind: Kind) -> list[tuple[str, Any, str]]:
     """(config key, registry, name) of every name ``kind`` looks up."""
     alg = cfg.algorithm
+    if kind == "distill":
+        names = [("distill.loss", algorithms.DISTILL_LOSSES, cfg.distill.loss)]
+        return names + (_registered_names(cfg, "train") if cfg.distill.loss == "reverse_kl" else [])
     if kind == "train":
         return [
             ("algorithm.adv_estimator", algorithms.ADV_ESTIMATORS, alg.adv_estimator),
@@ -546,6 +566,55 @@ def _prm_problems(cfg: Sections) -> Iterator[str]:
         yield (
             "algorithm.adv_estimator=prime trains its PRM on outcome labels in [0, 1]; the "
             "over-long penalty would take them below 0: set reward.overlong_buffer_len=0"
+        )
+
+
+def _distill_problems(cfg: Sections) -> Iterator[str]:
+    """The rules of ``treadle distill``: a teacher, where it can run, what each loss reads."""
+    t, d = cfg.teacher, cfg.distill
+    if not t.model_path:
+        yield "treadle distill needs a teacher: set teacher.model_path to a model folder"
+    if t.engine == "vllm" and t.placement == "colocated":
+        yield (
+            "teacher.engine=vllm cannot share the actor's processes (one vLLM engine per "
+            "process): set teacher.placement=split, or teacher.engine=hf"
+        )
+    if t.placement == "split" and cfg.trainer.backend == "local":
+        yield (
+            "trainer.backend=local runs one rank in-process; set teacher.placement=colocated "
+            "or use trainer.backend=ray"
+        )
+    if t.placement == "colocated" and t.replicas not in (None, cfg.actor.world_size):
+        yield (
+            f"teacher.replicas={t.replicas} must equal actor.world_size={cfg.actor.world_size} "
+            "when teacher.placement=colocated (one in each actor rank's process); set "
+            "teacher.placement=split or drop teacher.replicas"
+        )
+    sides = {"values": "a critic", "implicit_rewards": "PRIME's PRM"}
+    for need in _needs(cfg.algorithm.adv_estimator):
+        if need in sides:
+            yield (
+                f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs {sides[need]}, "
+                "which treadle distill does not train: choose an estimator without one (grpo, "
+                "rloo, reinforce_plus_plus, ...)"
+            )
+    if d.loss == "reverse_kl":
+        return
+    if cfg.trainer.mode != "sync":
+        yield (
+            f"distill.loss={d.loss} takes its batch from the teacher or the dataset in the "
+            f"step: set trainer.mode=sync (trainer.mode={cfg.trainer.mode} is for reverse_kl)"
+        )
+    default = type(cfg.algorithm).model_validate({})
+    unread = [
+        f"algorithm.{key}"
+        for key, value in cfg.algorithm
+        if key != "plugins" and value != getattr(default, key)
+    ]
+    if unread:
+        yield (
+            f"distill.loss={d.loss} trains without the policy loss, so it reads no algorithm "
+            f"setting: remove {', '.join(unread)} (or use distill.loss=reverse_kl)"
         )
 
 

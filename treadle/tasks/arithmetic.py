@@ -410,14 +410,11 @@ def prepare(
     max_positions: int = 256,
     arch: str = "qwen2",
 ) -> dict[str, Path]:
-    """Build data splits, a tokenizer trained on the train split and an initial model.
-
-    Returns `{"train", "test", "pairs_train", "pairs_test", "model", "model_small", "manifest"}`
-    paths (`write_pairs`: preference pairs of each split; the model folder: `out_dir/model_init`;
-    a smaller one with the same tokenizer: `out_dir/model_small`).
-    When `out_dir/prepare.json` records the same arguments and all the files exist, nothing is
-    rebuilt; the manifest is written last, so an interrupted run is rebuilt next time.
-    """
+    """Build data splits, a tokenizer trained on the train split and initial models: the
+    paths of train, test, pairs_train, pairs_test (`write_pairs`), model (`out_dir/model_init`),
+    model_small (smaller, same tokenizer) and manifest. When `out_dir/prepare.json` records the
+    same arguments and all the files exist, nothing is rebuilt; the manifest is written last,
+    so an interrupted run is rebuilt next time."""
     gen = {"min_value": min_value, "max_value": max_value, "ops": ops}
     model: dict[str, Any] = {  # build_tiny_model's shape
         "hidden_size": hidden_size,
@@ -442,17 +439,16 @@ def prepare(
     paths = _task_paths(out)
     if _is_prepared(paths, manifest):
         logger.info("reusing prepared arithmetic task in %s", out)
-        _small_student(paths, model, seed)
-        return paths
-    paths["manifest"].unlink(missing_ok=True)
-    write_splits(out, n_train=n_train, n_test=n_test, seed=seed, **gen)
-    write_pairs(out, seed=seed)
-    shutil.rmtree(paths["model"], ignore_errors=True)
-    tokenizer = build_tokenizer(_corpus(paths["train"]), paths["model"], vocab_size=vocab_size)
-    build_tiny_model(tokenizer, paths["model"], seed=seed, **model)
-    shutil.rmtree(paths["model_small"], ignore_errors=True)
-    _small_student(paths, model, seed)
-    write_manifest(paths["manifest"], manifest)
+    else:
+        paths["manifest"].unlink(missing_ok=True)
+        write_splits(out, n_train=n_train, n_test=n_test, seed=seed, **gen)
+        write_pairs(out, seed=seed)
+        shutil.rmtree(paths["model"], ignore_errors=True)
+        tokenizer = build_tokenizer(_corpus(paths["train"]), paths["model"], vocab_size=vocab_size)
+        build_tiny_model(tokenizer, paths["model"], seed=seed, **model)
+        shutil.rmtree(paths["model_small"], ignore_errors=True)
+        write_manifest(paths["manifest"], manifest)
+    _small_student(paths, model, seed)  # (also for a task prepared before it existed)
     return paths
 
 
@@ -462,9 +458,9 @@ def _small_student(paths: dict[str, Path], model: dict[str, Any], seed: int) -> 
     (``examples/distill``). Built when missing, also in a task prepared before it existed."""
     if (paths["model_small"] / "model.safetensors").is_file():
         return
-    from transformers import AutoTokenizer
+    from transformers import PreTrainedTokenizerFast
 
-    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(paths["model"])
     heads = max(model["num_heads"] // 2, 1)
     shape = {
         **model,

@@ -68,7 +68,7 @@ from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
-from treadle.config.rules import check_algorithm
+from treadle.config.rules import Kind, check_algorithm
 from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
 from treadle.faults import failpoint
@@ -91,10 +91,10 @@ from treadle.trainers.roles import plan_roles
 from treadle.workers import ppo_steps
 
 
-def check_names(cfg: Config) -> None:
+def check_names(cfg: Config, kind: Kind = "train") -> None:
     """Fail before anything starts if a registered name or a rule of an RL run's roles is
     broken (``treadle.config.rules``), or the reward function or agent loop does not load."""
-    check_algorithm(cfg, "train")
+    check_algorithm(cfg, kind)
     load_reward_fn(cfg.reward.function)
     load_agent_loop(cfg.rollout.agent_loop, cfg.rollout.env)
 
@@ -185,8 +185,10 @@ def old_log_prob_pass(cfg: Config, needs: Sequence[str]) -> bool:
 class RLTrainer(Trainer):
     """Owns the prompts, the reward and the actor worker group; ``fit`` runs the loop."""
 
+    kind: Kind = "train"  # whose rules the config is checked with
+
     def __init__(self, cfg: Config) -> None:
-        check_names(cfg)
+        check_names(cfg, self.kind)
         layout = plan_roles(cfg)  # critic? reward model? where? (fails before anything starts)
         super().__init__(cfg)
         self.resumed_state: dict[str, Any] = {}  # the checkpoint's driver state, when resumed

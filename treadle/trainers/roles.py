@@ -46,6 +46,7 @@ from treadle.controller import Actors, Placement, Worker, WorkerGroup, start_gro
 from treadle.errors import ConfigError
 from treadle.models import shared_vocabulary
 from treadle.rollout.fleet import rollout_cpus
+from treadle.rollout.teacher import teacher_cpus
 from treadle.trainers.prime import uses_prm
 from treadle.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 from treadle.workers.prm import ImplicitPRMWorker
@@ -184,10 +185,11 @@ class Layout:
         return 1 + sum(not p.split for p in self.roles)
 
     def placement(self, cfg: Config) -> Placement:
-        """The run's placement: the training side's CPUs (all but a split rollout pool's) over
-        the actor's ranks and every split role's."""
+        """The run's placement: the training side's CPUs (all but a split rollout pool's and a
+        split teacher's) over the actor's ranks and every split role's."""
         split_ranks = sum(p.world_size for p in self.roles if p.split)
-        return Placement.plan(cfg, self.colocated, split_ranks, rollout_cpus(cfg))
+        reserved = rollout_cpus(cfg) + teacher_cpus(cfg)
+        return Placement.plan(cfg, self.colocated, split_ranks, reserved)
 
 
 def plan_roles(cfg: Config) -> Layout:

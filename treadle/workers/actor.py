@@ -83,6 +83,7 @@ from treadle.workers.common import (
 from treadle.workers.objectives import (
     REF_PAIRS,
     SFT,
+    Distillation,
     Objective,
     PairPreference,
     Policy,
@@ -298,6 +299,16 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (:class:`SFT`)."""
         return self.update(batch, SFT(self.policy()))
+
+    @register(
+        Dispatch.DP,
+        Collect.MEAN,
+        reads=SEQUENCES,
+        optional=(*ATTENTION, "teacher_topk_ids", "teacher_topk_log_probs"),
+    )
+    def train_distill(self, batch: Batch) -> dict[str, float]:
+        """GKD (the teacher's top-k) or sequence-level KD (:class:`Distillation`)."""
+        return self.update(batch, Distillation(self.policy()))
 
     @register(Dispatch.DP, Collect.MEAN, reads=PAIRS, optional=REF_PAIRS)
     def train_dpo(self, batch: Batch) -> dict[str, float]:

@@ -17,6 +17,8 @@ objective                   metrics    loss
 :class:`SFT`                sft/*      next-token NLL of the response tokens (token-mean)
 :class:`PairPreference`     dpo/*      ``dpo.loss_type`` on preference pairs (DPO family)
 :class:`Unpaired`           kto/*      ``kto.loss_type`` on unpaired examples (KTO)
+:class:`Distillation`       distill/*  ``distill.loss`` gkd (generalized JSD to the teacher over
+                                       its top-k) or seq_kd (NLL of the teacher's samples)
 ==========================  =========  ==========================================================
 
 A loss returns a :class:`MicroLoss`: the loss, its metrics (summed over micro-batches) and,
@@ -52,6 +54,7 @@ from treadle.algorithms import (
     pair_stats,
 )
 from treadle.algorithms.correction import rollout_correction
+from treadle.algorithms.distill import generalized_jsd
 from treadle.algorithms.inputs import Aggregation, PairInputs, PolicyLossInputs, UnpairedInputs
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
@@ -314,6 +317,52 @@ class SFT(Objective[float]):
         logp, _ = self.policy.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
         loss = agg_loss(-logp, lmask.to(logp.dtype), "token-mean", num_tokens=max(tokens, 1.0))
         return MicroLoss(loss, {"sft/loss": float(loss.detach())})
+
+
+class Distillation(Objective[float]):
+    """GKD and sequence-level KD (``distill.loss``): PPO's mini-batches over its epochs, each
+    one optimizer step of a token-mean loss over the response tokens of every rank.
+
+    - ``gkd``: the generalized Jensen-Shannon divergence (``distill.beta``,
+      ``distill.temperature``) between the student and the teacher over the teacher's top-k
+      ids of each position (``teacher_topk_ids``, ``teacher_topk_log_probs``): the student's
+      logits at those ids come from the head (no ``[N, V]`` kept for backward) and both are
+      renormalised over them (:func:`~treadle.algorithms.distill.generalized_jsd`);
+    - ``seq_kd``: next-token NLL of the responses (the teacher's samples).
+    """
+
+    prefix = "distill/"
+
+    def steps(self, batch: Batch) -> Iterable[Batch]:
+        a = self.cfg.actor
+        return ppo_mini_batches(
+            batch, a.ppo_epochs, a.ppo_mini_batch_size // self.policy.world_size
+        )
+
+    def prepare(self, step: Batch) -> tuple[list[Batch], float]:
+        tokens = global_sums(float(step["response_mask"].sum()))[0] / self.policy.world_size
+        return [step.select(idx) for idx in micro_batches(step, self.cfg.actor)], tokens
+
+    def loss(self, mb: Batch, tokens: float) -> MicroLoss:
+        d = self.cfg.distill
+        ids, mask = prompt_response(mb, self.policy.device)
+        rmask = mb["response_mask"].to(self.policy.device)
+        r = rmask.shape[1]
+        if d.loss == "seq_kd":
+            logp, _ = self.policy.actor.log_probs(ids, mask, r, label_mask=rmask)
+            per_token = -logp[rmask.bool()]
+            name = "distill/nll"
+        else:
+            topk = mb["teacher_topk_ids"].to(self.policy.device)
+            out = self.policy.actor.forward(
+                LogProbRequest(ids, mask, r, label_mask=rmask, topk_ids=topk)
+            )
+            assert out.topk_logits is not None
+            teacher = mb["teacher_topk_log_probs"].to(out.topk_logits)[rmask.bool()]
+            per_token = generalized_jsd(out.topk_logits, teacher, d.beta, d.temperature)
+            name = "distill/jsd"
+        loss = per_token.sum() / max(tokens, 1.0)  # token-mean over every rank's tokens
+        return MicroLoss(loss, {name: float(loss.detach())})
 
 
 # ----------------------------------------------------------------------------- pairs (DPO)
