@@ -29,7 +29,10 @@ def pytest_collection_modifyitems(items):
 @pytest.fixture(autouse=True)
 def _fast_tests_start_no_ray(request, monkeypatch):
     if request.node.get_closest_marker("slow") is None:
-        import ray
+        try:
+            import ray
+        except ImportError:  # (the GPU machine's image has no Ray: nothing can start it)
+            return
 
         def refuse(*args, **kwargs):
             raise RuntimeError(f"{request.node.nodeid} starts Ray: mark it `slow`")
