@@ -68,27 +68,13 @@ def test_async_with_no_staleness_trains_exactly_what_sync_trains(
     assert [m["rollout/weight_version"] for m in runs["async"]] == [0, 1, 2]
 
 
-def test_one_step_off_trains_on_samples_one_version_old(
-    tiny_task, length_reward, tmp_path, ray_session
-):
-    out = tmp_path / "run"
-    cfg = load_config(None, _overrides(tiny_task, out, length_reward, "trainer.mode=one_step_off"))
-    RLTrainer(cfg).fit()
-    metrics = _metrics(out)
-    # step 1 takes version 0 (nothing older exists); later steps the batch of the step before
-    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 1]
-    assert [m["rollout/weight_version"] for m in metrics] == [0, 0, 1]
-    assert all(0 <= m["async/trainer_idle_frac"] <= 1 for m in metrics)
-    assert all(0 <= m["async/rollout_idle_frac"] <= 1 for m in metrics)
-
-
-def test_evaluation_runs_beside_training_on_the_weights_of_its_step(
+def test_one_step_off_trains_one_version_behind_and_evaluates_beside_training(
     tiny_task, length_reward, tmp_path, ray_session, monkeypatch
 ):
-    """one_step_off, evaluated at steps 2 and 3: step 2's evaluation may not send a request
-    before step 3's update is done (an event set then), so it finishes only if the trainer
-    went on without waiting for it; every token it evaluated comes from version 2, and its
-    metrics are logged with step 2."""
+    """one_step_off trains each step on samples one version behind the learner. Evaluated at
+    steps 2 and 3: step 2's evaluation may not send a request before step 3's update is done
+    (an event set then), so it finishes only if the trainer went on without waiting for it;
+    every token it evaluated comes from version 2, and its metrics are logged with step 2."""
     from treadle.trainers import rl
 
     step3_updated = threading.Event()
@@ -131,6 +117,11 @@ def test_evaluation_runs_beside_training_on_the_weights_of_its_step(
     assert running == {1: set(), 2: set(), 3: {2}}
     metrics = _metrics(out)
     assert [m["step"] for m in metrics] == [1, 2, 3]
+    # step 1 takes version 0 (nothing older exists); later steps the batch of the step before
+    assert [m["async/staleness_max"] for m in metrics] == [0, 1, 1]
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 0, 1]
+    assert all(0 <= m["async/trainer_idle_frac"] <= 1 for m in metrics)
+    assert all(0 <= m["async/rollout_idle_frac"] <= 1 for m in metrics)
     assert not [k for k in metrics[0] if k.startswith("eval/")]
     for step, m, batches in ((2, metrics[1], outs[0]), (3, metrics[2], outs[1])):
         assert m["eval/weight_version"] == step  # logged with its step, on that step's weights
