@@ -10,7 +10,7 @@ demo is run first when it is missing. Each row starts every method from the same
   warm start (`examples/arithmetic/sft.yaml`, run here once into `runs/distill/small_sft`).
 
 The methods, each a `treadle` process of `--steps` steps, evaluated greedily on all 500
-held-out problems every 5 steps:
+held-out problems every 2 steps:
 
 - `grpo`: `examples/arithmetic/grpo.yaml` (the demo's RL run), the baseline;
 - `on_policy`, `gkd`, `seq_kd`: `examples/distill/{on_policy,gkd,seq_kd}.yaml`.
@@ -45,7 +45,7 @@ METHODS = {
     "gkd": ("distill", "examples/distill/gkd.yaml"),
     "seq_kd": ("distill", "examples/distill/seq_kd.yaml"),
 }
-EVAL = ["data.val_size=null", "trainer.eval_every=5", "trainer.progress=false"]
+EVAL = ["data.val_size=null", "trainer.eval_every=2", "trainer.progress=false"]
 
 
 def treadle(*args: str) -> str:

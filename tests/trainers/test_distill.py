@@ -293,3 +293,10 @@ def test_distill_on_ray_split_and_colocated_teachers(tiny_task, teacher, ray_ses
     metrics = distill(load_config(None, args))
     assert metrics["distill/jsd"] > 0 and "eval/val/accuracy" in metrics
     assert (colocated / "final_model" / "config.json").is_file()
+
+
+def test_the_estimators_rules_hold_only_when_it_runs() -> None:
+    one = ["teacher.model_path=t", "rollout.n=1", "actor.ppo_mini_batch_size=16"]
+    check_algorithm(load_config(None, ["model.path=m", *one]), "distill")  # no groups needed
+    text = problems(*one, "distill.task_reward=true")
+    assert "rollout.n=1 makes groups of one" in text

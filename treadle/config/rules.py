@@ -328,7 +328,8 @@ def _rl_kind_problems(cfg: Sections, kind: Kind) -> list[str]:
     roles', and a teacher only where it is read."""
     problems = []
     if kind == "train" or cfg.distill.loss == "reverse_kl":
-        problems += [*_estimator_rules(cfg), *_loss_rules(cfg)]
+        estimator = kind == "train" or cfg.distill.task_reward
+        problems += [*_estimator_rules(cfg, estimator), *_loss_rules(cfg)]
         problems += _algorithm_knobs(cfg, algorithms.POLICY_LOSSES, algorithms.LOSS_AGG_MODES)
     problems += role_problems(cfg)
     if kind == "distill":
@@ -422,17 +423,20 @@ def _preference_knobs(cfg: Sections, info: dict[str, Any]) -> list[str]:
     return problems
 
 
-def _estimator_rules(cfg: Sections) -> Iterator[str]:
-    """What the advantage estimator (and the loss's aggregation) need from the config."""
+def _estimator_rules(cfg: Sections, runs: bool = True) -> Iterator[str]:
+    """What the advantage estimator (and the loss's aggregation) need from the config;
+    ``runs``: whether the estimator runs (``treadle distill`` without ``distill.task_reward``
+    has the teacher's advantages only)."""
     alg, estimators, losses = cfg.algorithm, algorithms.ADV_ESTIMATORS, algorithms.POLICY_LOSSES
-    groups = alg.adv_estimator in estimators and estimators.info(alg.adv_estimator).get("groups")
+    known = runs and alg.adv_estimator in estimators
+    groups = known and estimators.info(alg.adv_estimator).get("groups")
     if groups and cfg.rollout.n < 2:
         yield (
             f"algorithm.adv_estimator={alg.adv_estimator} takes its baseline from a group "
             f"of samples of one prompt, and rollout.n=1 makes groups of one: set rollout.n "
             "to 2 or more, or use an estimator without groups (reinforce_plus_plus, gae)"
         )
-    needs = estimators.needs(alg.adv_estimator) if alg.adv_estimator in estimators else ()
+    needs = estimators.needs(alg.adv_estimator) if known else ()
     if "reward_components" in needs and not alg.gdpo_reward_keys:
         yield (
             f"algorithm.adv_estimator={alg.adv_estimator} normalizes each component of the "
