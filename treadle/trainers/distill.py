@@ -90,9 +90,8 @@ class DistillTrainer(RLTrainer):
 
     def uses_dataset(self) -> bool:
         d = self.cfg.distill
-        return d.loss == "gkd" and round(d.lmbda * self.cfg.data.batch_size) < (
-            self.cfg.data.batch_size
-        )
+        prompts = self.cfg.data.batch_size
+        return d.loss == "gkd" and round(d.lmbda * prompts) < prompts
 
     def step(self, step: int) -> dict[str, float]:
         d, m = self.cfg.distill, dict[str, float]()
@@ -102,15 +101,16 @@ class DistillTrainer(RLTrainer):
             with timed(m, "teacher"):
                 batch = batch.union(self.teacher.score(batch, d.top_k if d.loss == "gkd" else 0))
             m.update(teacher_metrics(batch))
+        if d.loss == "reverse_kl":  # the old policy's (and reference's) passes, when needed
+            batch = self.log_prob_passes(batch, m)
+        # the rollout's metrics are the student's samples' (seq_kd: the teacher's)
         student = batch.select(torch.tensor(batch["origin"] == "student").nonzero()[:, 0])
-        m.update(rollout_metrics(student if len(student) else batch))
+        shown = student if len(student) else batch
+        m.update(rollout_metrics(shown))
         if self.samples_due(step):
-            self.samples = sample_rows(
-                student if len(student) else batch, self.cfg.trainer.log_samples
-            )
+            self.samples = sample_rows(shown, self.cfg.trainer.log_samples)
         batch.meta["step"] = step
         if d.loss == "reverse_kl":
-            batch = self.log_prob_passes(batch, m)
             batch["token_level_rewards"] = self.kl_shaped_rewards(batch, m)
             with timed(m, "advantages"):
                 batch["advantages"] = self.advantages(batch)
