@@ -290,3 +290,16 @@ def test_an_sft_run_plots_its_own_series():
     (step_time,) = figs["Time per phase (s)"].data  # no named phase: the step's time alone
     assert step_time.name == "step" and list(step_time.y) == pytest.approx([0.2] * 3)
     assert [t.name for t in figs["sft"].data] == ["sft/lr"]
+
+
+def test_a_distillation_run_has_its_panel_first():
+    records = [
+        {"step": s, "distill/reverse_kl": 0.5 / s, "distill/teacher_log_prob": -1.0 / s}
+        | {"reward/mean": 0.1 * s, "timing/step": 0.3}
+        for s in (1, 2)
+    ]
+    figs = dict(figures(numeric_series(records)))
+    assert list(figs)[:2] == ["Distillation", "Reward"]
+    kl, teacher = figs["Distillation"].data
+    assert kl.name == "distill/reverse_kl" and list(kl.y) == pytest.approx([0.5, 0.25])
+    assert list(teacher.y) == pytest.approx([-1.0, -0.5])

@@ -9,11 +9,11 @@ Choices:
 
 - Plots are plotly figures, and plotly.js is inlined once in the page (about 4.6 MB), so the
   page works from ``file://`` with no network: copy it anywhere, open it offline.
-- The named panels come first (reward, loss, one per validation set, held-out accuracy, KL,
-  entropy, response length, clip fraction, time per phase stacked per step, throughput), each
-  from whichever of its series the run has; every other numeric series is plotted too, one
-  small panel per series, grouped by its prefix (``actor/``, ``rollout/``, ``dpo/``, ...), so
-  an SFT, DPO or RM run shows its own.
+- The named panels come first (distillation, reward, loss, one per validation set, held-out
+  accuracy, KL, entropy, response length, clip fraction, time per phase stacked per step,
+  throughput), each from whichever of its series the run has; every other numeric series is
+  plotted too, one small panel per series, grouped by its prefix (``actor/``, ``rollout/``,
+  ``dpo/``, ...), so an SFT, DPO or RM run shows its own.
 - A validation set's panel (``Held-out: <set>``) has every metric of the set against the step
   (``eval/<set>/<metric>``, its bootstrap ``/std`` aside): the in-training evaluation's from
   metrics.jsonl and, dashed, ``treadle eval``'s of the checkpoints from eval.jsonl, named
@@ -43,6 +43,7 @@ from treadle.trackers import accuracy_keys
 # (title, the metric names it plots as fnmatch patterns); a series goes to the first panel that
 # matches it. Time per phase is drawn apart (stacked bars), see ``_timing_figure``.
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("Distillation", ("distill/*",)),  # treadle distill: the divergence to the teacher
     ("Reward", ("reward/*",)),
     ("Loss", ("*/loss",)),  # SFT, DPO and RM runs; RL's losses are in the actor/critic groups
     ("Held-out accuracy", ("eval/*accuracy*",)),
@@ -71,7 +72,7 @@ def write_report(run_dir: str | Path) -> Path:
     if not metrics_path.is_file():
         raise TreadleError(
             f"{run}: no metrics.jsonl (not a run directory: give a run's trainer.output_dir, "
-            "where treadle train, sft, dpo, kto and rm write one line per step)"
+            "where treadle train, distill, sft, dpo, kto and rm write one line per step)"
         )
     records = read_jsonl(metrics_path)
     if not records:
