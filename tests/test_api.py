@@ -283,3 +283,22 @@ def test_the_plugin_example_trains_from_the_command_line(tiny_task, tmp_path):
     assert cfg.algorithm.adv_estimator == "my_baseline"
     assert cfg.algorithm.plugins == [str(ROOT / "examples" / "plugins" / "my_estimator.py")]
     assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text())["step"] == 1
+
+
+def test_distill_with_a_dataset_and_a_python_reward(tiny_task, tmp_path):
+    """treadle.distill: the teacher is another model folder; the reward is scored, not trained."""
+    scored = []
+
+    def reward(prompt, response, ground_truth):
+        scored.append(ground_truth)
+        return 1.0
+
+    config = fast(tiny_task, tmp_path / "run") | {
+        "teacher": {"model_path": str(tiny_task["model"])}
+    }
+    data = Dataset.from_list(rows(tiny_task, 8))
+    result = treadle.distill(config, reward=reward, train_dataset=data)
+    # the teacher is the student's own start: the per-token gap starts near 0
+    assert abs(result.metrics["distill/reverse_kl"]) < 0.05
+    assert result.metrics["reward/mean"] == 1.0 and len(scored) == 8
+    assert (result.final_model / "config.json").is_file()
