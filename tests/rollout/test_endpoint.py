@@ -109,6 +109,20 @@ def text_of(tok: Any, ids: list[int]) -> str:
 # --- chat and completions on the tiny model ---------------------------------------------------
 
 
+def test_a_server_that_does_not_record_keeps_no_calls(client, tok):
+    """``treadle serve``'s endpoint (record=False): a session's calls are answered, not kept."""
+
+    async def scenario(ep: Endpoint) -> Any:
+        answer = await oai(ep, ep.session_url("s/2")).chat.completions.create(
+            model="tiny", messages=MESSAGES, max_tokens=4
+        )
+        return answer, ep.take_calls("s/2"), dict(ep.recorder.calls)
+
+    answer, calls, kept = serve(client, tok, scenario, record=False)
+    assert answer.choices[0].message.content is not None
+    assert calls == [] and kept == {}
+
+
 def test_chat_returns_what_was_sampled_and_records_it(client, tok):
     async def scenario(ep: Endpoint) -> Any:
         answer = await oai(ep, ep.session_url("s/1")).chat.completions.create(

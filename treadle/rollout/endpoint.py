@@ -20,7 +20,8 @@ names the field; errors have OpenAI's JSON shape. Any model name is accepted: th
 conversation stays on one replica, its prefix cache warm) and each of its calls is recorded as
 a :class:`Call`: the exact prompt ids sent, and per choice the completion ids, log-probs and
 weight versions the engine returned. :meth:`Endpoint.take_calls` hands them over in arrival
-order. Calls without a session are served and not recorded.
+order. Calls without a session are served and not recorded; under ``treadle serve`` nothing is
+recorded (nobody takes the calls: a server's memory must not grow with its sessions).
 
 **Sampling.** In training a session is opened with the run's sampling
 (:meth:`Endpoint.open_session`, or ``sampling=`` for every call): temperature, top_p, top_k and
@@ -93,8 +94,8 @@ class Call:
 class Recorder:
     """Calls by session, and the sampling each open session is held to."""
 
-    def __init__(self, sampling: SamplingParams | None) -> None:
-        self.sampling = sampling
+    def __init__(self, sampling: SamplingParams | None, keep: bool = True) -> None:
+        self.sampling, self.keep = sampling, keep
         self.calls: dict[str, list[Call]] = {}
         self.forced: dict[str, SamplingParams] = {}
         self._count = itertools.count()
@@ -128,7 +129,7 @@ class Recorder:
     def record(
         self, session: str | None, prompt_ids: list[int], sampled: list[cmp.Sampled]
     ) -> None:
-        if session is None:
+        if session is None or not self.keep:
             return
         calls = self.calls.setdefault(session, [])
         for s in sampled:
@@ -165,12 +166,15 @@ class Endpoint:
         host: str = "127.0.0.1",
         port: int = 0,
         api_key: str | None = None,
+        record: bool = True,
     ) -> None:
         """``sampling``: every call's sampling (training), None: the request's (serving);
         ``max_new_tokens``: a request's default budget then; ``max_model_len``: prompt plus
-        completion at most (a longer prompt is a 400; the budget shrinks to fit)."""
+        completion at most (a longer prompt is a 400; the budget shrinks to fit); ``record``:
+        keep sessions' calls for :meth:`take_calls` (``treadle serve``, where nobody takes
+        them, does not: its memory stays flat however many sessions come)."""
         self.client, self.tokenizer, self.model = client, tokenizer, model
-        self.recorder = Recorder(sampling)
+        self.recorder = Recorder(sampling, record)
         self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len
         self.parsers = ChatParsers(tokenizer, tool_parser, reasoning_parser)
         self.host, self.port = host, port
@@ -203,6 +207,7 @@ class Endpoint:
             host=e.host,
             port=e.port,
             api_key=e.api_key,
+            record=force_sampling,
         )
 
     # ------------------------------------------------------------------ lifetime and sessions
