@@ -61,6 +61,17 @@ def self_kill(prompt, response, ground_truth):
         os.kill(os.getpid(), signal.SIGKILL)
     return 1.0
 
+def dies_once(prompt, response, ground_truth):
+    # kills its process the first time it sees `response`; scores len(response) the next
+    import os, pathlib, signal
+    marker = pathlib.Path(__file__).with_name(f"died_{response}")
+    if response.startswith("die") and not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    if response == "raise":
+        raise ValueError("no")
+    return len(response)
+
 def hangs(prompt, response, ground_truth):
     import time
     if response == "hang":
@@ -302,6 +313,40 @@ def test_a_reward_that_ends_its_process_is_an_error_naming_it(
         ), str(info.value)
         # the pool goes on (a process that ended has a new one in its place)
         assert scorer(["p"] * 3, ["fine"] * 3, ["g"] * 3) == [1.0] * 3
+
+
+def test_a_worker_that_dies_scoring_is_started_again_and_the_sample_scored_again(
+    user_file: str,
+):
+    with Scorer(f"{user_file}:dies_once", num_workers=2) as scorer:
+        assert scorer.pool is not None and scorer.restarts == 0
+        responses = ["a", "die1", "abc", "die22", "abcde"]
+        assert scorer(["p"] * 5, responses, ["g"] * 5) == [1.0, 4.0, 3.0, 5.0, 5.0]
+        assert scorer.restarts == 2
+        assert all(Path(user_file).with_name(f"died_{r}").exists() for r in ("die1", "die22"))
+        assert scorer(["p"] * 2, ["die1", "xy"], ["g"] * 2) == [4.0, 2.0]  # no deaths now
+        assert scorer.restarts == 2
+        # a retry still runs when another sample fails meanwhile: the error names that one
+        with pytest.raises(RewardError, match="failed on sample 1: raised ValueError: no"):
+            scorer(["p"] * 3, ["die3", "raise", "abc"], ["g"] * 3)
+        assert scorer.restarts == 3
+    with Scorer(f"{user_file}:dies_once", num_workers=0) as scorer:
+        assert scorer.restarts == 0  # no pool, nothing to restart
+
+
+def test_a_reward_that_kills_its_process_every_time_is_the_error_after_one_retry(
+    user_file: str,
+):
+    spec = f"{user_file}:self_kill"
+    with Scorer(spec, num_workers=1) as scorer:
+        with pytest.raises(RewardError) as info:
+            scorer(["p", "q"], ["fine", "kill"], ["g"] * 2)
+        assert str(info.value) == (
+            f"reward function '{spec}' failed on sample 1: its worker process ended (killed by "
+            "SIGKILL) while scoring it (prompt 'q', response 'kill')"
+        )
+        assert scorer.restarts == 2  # the retry's process died too
+        assert scorer(["p"], ["fine"], ["g"]) == [1.0]
 
 
 def test_a_hanging_reward_times_out_and_the_pool_goes_on(user_file: str):

@@ -16,6 +16,11 @@ checkpoint is left the run stops with one error naming what is damaged.
 :func:`export_model` copies one to ``<output_dir>/final_model``, files of its own that
 rotation cannot touch (with LoRA: the merged model, its adapter in ``adapter/``).
 
+A write that fails (disk full, no permission, an I/O error: an OSError here or in a worker)
+is a :class:`CheckpointWriteError`, one line naming the path and the cause; the partial
+``step_<N>.tmp`` is removed and nothing older is pruned, so the previous sealed checkpoint is
+where the same command resumes.
+
 Retention (:class:`Retention`): once a checkpoint is sealed, the older ones beyond the newest
 ``keep_last`` are removed, except the best: the one whose state.json records the best value
 of the ``best`` metric (``state["eval"]``, the step's evaluation metrics). The ranking is read
@@ -25,6 +30,7 @@ resume; a checkpoint without the metric (an older treadle's) is not ranked.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -46,6 +52,33 @@ log = logging.getLogger("treadle")
 
 class CheckpointError(TreadleError):
     """No complete checkpoint to resume from although there are checkpoints; names the damage."""
+
+
+class CheckpointWriteError(TreadleError):
+    """A checkpoint (or final_model) could not be written; names the path and the cause."""
+
+
+def os_error(error: BaseException) -> OSError | None:
+    """The OSError behind ``error``: itself, or a Ray worker's that a RayTaskError wraps."""
+    for e in (getattr(error, "cause", None), error):
+        if isinstance(e, OSError):
+            return e
+    return None
+
+
+def write_error(step: int, error: OSError, path: Path) -> CheckpointWriteError:
+    """``checkpoint step N: cannot write <path>: <cause> (<errno name>)``; the path is the
+    file the OSError names, else ``path``."""
+    where = error.filename if error.filename is not None else path
+    if isinstance(error, shutil.Error) and error.args and isinstance(error.args[0], list):
+        _, where, cause = error.args[0][0]  # copytree's first (source, destination, why)
+        return CheckpointWriteError(f"checkpoint step {step}: cannot write {where}: {cause}")
+    if error.errno is None:
+        cause = str(error) or type(error).__name__
+    else:
+        name = errno.errorcode.get(error.errno, f"errno {error.errno}")
+        cause = f"{error.strerror or os.strerror(error.errno)} ({name})"
+    return CheckpointWriteError(f"checkpoint step {step}: cannot write {where}: {cause}")
 
 
 class Saves(Protocol):
@@ -172,7 +205,7 @@ def best_checkpoint(output_dir: str | Path, metric: str, mode: str = "max") -> P
 
 def prune(output_dir: str | Path, retention: Retention) -> list[Path]:
     """Remove the sealed checkpoints beyond ``retention`` (never the newest, never the
-    best); the removed ones."""
+    best); the removed ones. One that cannot be removed is a warning: the newest is sealed."""
     found = [path for _, path in _steps(checkpoint_root(output_dir))]
     kept = set(found[-retention.keep_last :])
     best = retention.best and best_checkpoint(output_dir, retention.best, retention.mode)
@@ -180,13 +213,22 @@ def prune(output_dir: str | Path, retention: Retention) -> list[Path]:
         kept.add(best)
     removed = [path for path in found if path not in kept]
     for path in removed:
-        shutil.rmtree(path)
+        try:
+            shutil.rmtree(path)
+        except OSError as e:
+            log.warning("could not remove the old checkpoint %s: %s", path, e)
     return removed
 
 
 def commit(tmp: Path, state: dict[str, Any], retention: Retention) -> Path:
-    """Write state.json and the manifest, rename to its final name, then prune older
-    checkpoints as ``retention`` says."""
+    """:func:`seal` ``tmp``, then prune older checkpoints as ``retention`` says."""
+    final = seal(tmp, state)
+    prune(final.parent.parent, retention)
+    return final
+
+
+def seal(tmp: Path, state: dict[str, Any]) -> Path:
+    """Write state.json and the manifest, and rename ``tmp`` to its final name."""
     (tmp / "state.json").write_text(json.dumps(state, indent=2))
     files = {
         str(f.relative_to(tmp)): {"size": f.stat().st_size, "sha256": _sha256(f)}
@@ -202,7 +244,6 @@ def commit(tmp: Path, state: dict[str, Any], retention: Retention) -> Path:
     if final.exists():
         shutil.rmtree(final)
     tmp.rename(final)
-    prune(final.parent.parent, retention)
     return final
 
 
@@ -229,14 +270,25 @@ def save(
 
     ``actors`` write the top of the directory, each of ``roles`` its own ``<name>/``;
     ``state`` (the data position, the step's eval metrics and whatever else the driver keeps)
-    goes to state.json.
+    goes to state.json. A failed write is a :class:`CheckpointWriteError` (see the module's
+    docstring): the partial directory is removed, no older checkpoint is.
     """
-    tmp = begin(output_dir, step)
-    actors.save_checkpoint(str(tmp))
-    for name, role in roles.items():
-        role.save_checkpoint(str(tmp / name))
-    failpoint("checkpoint", step)
-    return commit(tmp, {"step": step, **state}, retention)
+    tmp = checkpoint_root(output_dir) / f"step_{step}.tmp"
+    try:
+        begin(output_dir, step)
+        actors.save_checkpoint(str(tmp))
+        for name, role in roles.items():
+            role.save_checkpoint(str(tmp / name))
+        failpoint("checkpoint", step)
+        final = seal(tmp, {"step": step, **state})
+    except Exception as e:
+        cause = os_error(e)
+        if cause is None:
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise write_error(step, cause, tmp) from e
+    prune(output_dir, retention)
+    return final
 
 
 def export_model(checkpoint_dir: Path, dest: Path) -> Path:
@@ -244,14 +296,18 @@ def export_model(checkpoint_dir: Path, dest: Path) -> Path:
     own, which checkpoint rotation cannot touch."""
     from treadle.models import ADAPTER_DIR, export_merged  # transformers: only to export
 
-    if dest.exists():
-        shutil.rmtree(dest)
     tmp = dest.with_name(dest.name + ".tmp")
     if tmp.exists():
         shutil.rmtree(tmp)
-    if holds_adapters(checkpoint_dir):  # LoRA: merged, with the adapter in adapter/
-        export_merged(checkpoint_dir / ADAPTER_DIR, tmp)
-    else:
-        shutil.copytree(checkpoint_dir / "model", tmp)
+    try:
+        if holds_adapters(checkpoint_dir):  # LoRA: merged, with the adapter in adapter/
+            export_merged(checkpoint_dir / ADAPTER_DIR, tmp)
+        else:
+            shutil.copytree(checkpoint_dir / "model", tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dest.exists():  # only now: a failed export leaves the previous final_model
+        shutil.rmtree(dest)
     tmp.rename(dest)
     return dest

@@ -48,8 +48,10 @@ A run scores through a `Scorer` (`reward.num_workers`, `reward.timeout_s`): any 
 is called in a `RewardPool` of `num_workers` processes, each call under `timeout_s`, so a reward
 that hangs, crashes its process, calls `sys.exit` or `os._exit` cannot stall the run or end it
 silently: the sample's process is killed (on a timeout) or found dead, a new one takes its place,
-and the RewardError says what happened. `num_workers: 0` calls it in the trainer's process,
-without a time limit (the fastest; for functions you trust).
+and the RewardError says what happened. A process that ends while scoring (a crash, the OOM
+killer) is started again and the sample scored once more; only a second end is the error
+(`Scorer.restarts` counts them, logged as `reward/worker_restarts`). `num_workers: 0` calls it
+in the trainer's process, without a time limit (the fastest; for functions you trust).
 """
 
 from __future__ import annotations
@@ -486,6 +488,11 @@ class Scorer:
         samples = _samples(prompts, responses, ground_truths)
         return _judge(self.spec, samples, self.pool.map(samples))
 
+    @property
+    def restarts(self) -> int:
+        """How many worker processes ended while scoring and were started again, so far."""
+        return 0 if self.pool is None else self.pool.restarts
+
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
@@ -562,9 +569,11 @@ class RewardPool:
     under ``timeout_s``.
 
     A process scores one sample at a time; one that times out is killed, one that ends (a
-    crash, ``os._exit``, the OOM killer) is found dead, and either way the sample's outcome says
-    so and a new process takes the place. After the first failure no further samples are
-    handed out; those in progress finish. The processes ignore Ctrl-C (the trainer handles it
+    crash, ``os._exit``, the OOM killer) is found dead, and either way a new process takes its
+    place. A sample whose process ended is scored once more, in a new process (``restarts``
+    counts those processes); a timeout, or a second end, is the sample's outcome. After the
+    first failure no further samples are handed out but those retries; those in progress
+    finish. The processes ignore Ctrl-C (the trainer handles it
     and closes the pool) and exit when the trainer's end of their pipe closes, so a trainer
     killed with SIGKILL leaves none behind. ``map`` is safe to call from several threads (one
     batch at a time).
@@ -574,6 +583,8 @@ class RewardPool:
         self.spec, self.size, self.timeout_s = spec, num_workers, timeout_s
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
+        self.restarts = 0  # processes that ended while scoring, each started again
+        self._retried: set[int] = set()  # this batch's samples already scored again
         registered = _REGISTERED.get(spec) if spec.startswith(PYTHON) else None
         self._payload = None if registered is None else pickled(registered, spec)
 
@@ -594,15 +605,20 @@ class RewardPool:
     def _run(self, samples: list[Sample]) -> list[Outcome]:
         pending = deque(range(len(samples)))
         outcomes: dict[int, Outcome] = {}
+        self._retried = set()
         failed = False
-        while (pending and not failed) or any(w.job for w in self._workers):
+
+        def due() -> bool:  # after a failure, only the retries (at the front) are handed out
+            return bool(pending) and (not failed or pending[0] in self._retried)
+
+        while due() or any(w.job for w in self._workers):
             for w in self._workers:
-                if w.ready and w.job is None and pending and not failed:
+                if w.ready and w.job is None and due():
                     i = pending.popleft()
                     w.conn.send((i, samples[i]))
                     w.job = (i, time.monotonic() + self.timeout_s)
             for conn in wait([w.conn for w in self._workers], self._until_next_deadline()):
-                failed |= self._receive(self._find(conn), outcomes)
+                failed |= self._receive(self._find(conn), outcomes, pending)
             failed |= self._reap_overdue(outcomes)
         return [outcomes[i] for i in sorted(outcomes)]
 
@@ -615,8 +631,9 @@ class RewardPool:
         deadlines += [w.started + STARTUP_TIMEOUT_S for w in self._workers if not w.ready]
         return max(0.0, min(deadlines, default=now + 1.0) - now)
 
-    def _receive(self, w: _Worker, outcomes: dict[int, Outcome]) -> bool:
-        """Take `w`'s message; whether a sample failed."""
+    def _receive(self, w: _Worker, outcomes: dict[int, Outcome], pending: deque[int]) -> bool:
+        """Take `w`'s message; whether a sample failed (a sample whose process ended goes back
+        to the front of `pending` the first time)."""
         try:
             message = w.conn.recv()
         except (EOFError, OSError):
@@ -629,8 +646,14 @@ class RewardPool:
                         "loading the function"
                     ) from None
                 return False
-            outcomes[w.job[0]] = (None, f"its worker process ended ({how}) while scoring it")
+            index = w.job[0]
             self._replace(w)
+            self.restarts += 1
+            if index not in self._retried:  # once more, in the new process
+                self._retried.add(index)
+                pending.appendleft(index)
+                return False
+            outcomes[index] = (None, f"its worker process ended ({how}) while scoring it")
             return True
         kind, payload = message
         if kind == "ready":

@@ -265,7 +265,10 @@ class Trainer:
     def save(self, step: int, metrics: dict[str, float], last: bool) -> None:
         """Checkpoint ``step`` (:func:`~treadle.trainers.run_dir.save_checkpoint`)."""
         state = self.driver_state()
-        note = save_checkpoint(self.cfg, step, self.group, self.roles, state, metrics, last)
+        try:
+            note = save_checkpoint(self.cfg, step, self.group, self.roles, state, metrics, last)
+        except ckpt.CheckpointWriteError as e:  # disk full, no permission: say where to go on from
+            raise ckpt.CheckpointWriteError(f"{e}; {resume_hint(self.cfg)}") from None
         if last:
             self.final_note = note
 

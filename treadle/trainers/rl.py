@@ -271,6 +271,8 @@ class RLTrainer(Trainer):
                 self.estimator_inputs(batch, implicit), self.estimator_settings()
             )
         m.update(rollout_metrics(batch, alg.gdpo_reward_keys))
+        if self.scorer.pool is not None:  # reward processes that died scoring, started again
+            m["reward/worker_restarts"] = float(self.scorer.restarts)
         if self.samples_due(step):
             self.samples = sample_rows(batch, self.cfg.trainer.log_samples)
         if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer

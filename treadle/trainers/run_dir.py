@@ -108,7 +108,11 @@ def save_checkpoint(
         source = ckpt.best_checkpoint(t.output_dir, t.keep_best, t.best_mode()) or done
         value = ckpt.evaluated(source, t.keep_best)
         note = f" (the best checkpoint, {source.name}: {t.keep_best}={value})"
-    ckpt.export_model(source, Path(t.output_dir) / "final_model")
+    dest = Path(t.output_dir) / "final_model"
+    try:
+        ckpt.export_model(source, dest)
+    except OSError as e:  # the step's checkpoint is sealed; the previous final_model stays
+        raise ckpt.write_error(step, e, dest) from e
     return note
 
 
