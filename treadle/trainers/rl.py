@@ -271,8 +271,6 @@ class RLTrainer(Trainer):
                 self.estimator_inputs(batch, implicit), self.estimator_settings()
             )
         m.update(rollout_metrics(batch, alg.gdpo_reward_keys))
-        if self.scorer.pool is not None:  # reward processes that died scoring, started again
-            m["reward/worker_restarts"] = float(self.scorer.restarts)
         if self.samples_due(step):
             self.samples = sample_rows(batch, self.cfg.trainer.log_samples)
         if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer
@@ -402,6 +400,8 @@ class RLTrainer(Trainer):
             metrics.pop("generated_tokens") / metrics["timing/step"]
         )
         metrics.update(self.source.metrics(metrics["timing/step"]))
+        if self.scorer.pool is not None:  # reward processes that died scoring, started again
+            metrics["reward/worker_restarts"] = float(self.scorer.restarts)
         if self.val_sets and self.eval_due(step):
             # now (sync), or sent beside training, its metrics joining this step's later
             with timed(metrics, "eval"):
