@@ -72,6 +72,7 @@ def check(cfg: Config, kind: Kind) -> list[str]:
         return None
 
     attempt("algorithm", check_algorithm, cfg, kind)
+    problems += _machine_problems(cfg, kind)
     attempt("rollout.tool_parser", _check_parsers, cfg, summary)
     tokenizer = attempt("model.path", _check_models, cfg, kind, summary, problems)
     tools = attempt("rollout.tools", _check_user_code, cfg, kind, summary, problems)
@@ -87,6 +88,50 @@ def check(cfg: Config, kind: Kind) -> list[str]:
     return summary
 
 
+# --- the machine -----------------------------------------------------------------------------
+
+BATCH_BYTES_PER_TOKEN = 64  # a step's batch on the driver: ids, masks, log-probs, advantages...
+
+
+def _machine_problems(cfg: Config, kind: Kind) -> list[str]:
+    """Sizes beyond this machine (a run that starts its own Ray cluster or runs locally):
+    memory for a step's batch and the vLLM KV caches, a CPU for each actor rank."""
+    t, r = cfg.trainer, cfg.rollout
+    if t.backend == "ray" and (t.ray_address or os.environ.get("RAY_ADDRESS", "local")) != "local":
+        return []  # a joined cluster: its nodes' sizes are Ray's to say
+    gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpus = os.cpu_count() or 1
+    problems = []
+    if kind in RL_KINDS:
+        samples = cfg.data.batch_size * r.n
+        tokens = cfg.data.max_prompt_length + cfg.response_length()
+        need = samples * tokens * BATCH_BYTES_PER_TOKEN / 2**30
+        if need > gib:
+            problems.append(
+                f"rollout.n={r.n}: a step's batch of data.batch_size x rollout.n = {samples} "
+                f"samples of up to {tokens} tokens takes about {need:,.0f} GiB, more than this "
+                f"machine's {gib:.0f} GiB of memory: lower rollout.n or data.batch_size"
+            )
+    replicas = r.replicas or (cfg.actor.world_size if r.placement == "colocated" else 1)
+    if (
+        r.engine == "vllm"
+        and kind in (*RL_KINDS, "eval", "serve")
+        and r.kv_cache_gib * replicas > gib
+    ):
+        problems.append(
+            f"rollout.kv_cache_gib={r.kv_cache_gib:g} for each of {replicas} vLLM replicas is "
+            f"more than this machine's {gib:.0f} GiB of memory: lower rollout.kv_cache_gib"
+        )
+    ranks = cfg.actor.world_size
+    if t.backend == "ray" and ranks > (t.num_cpus or cpus):
+        have = f"trainer.num_cpus={t.num_cpus:g}" if t.num_cpus else f"{cpus} CPUs of this machine"
+        problems.append(
+            f"actor.world_size={ranks} ranks need a CPU each, more than the {have}: lower "
+            "actor.world_size, or join a Ray cluster with more (trainer.ray_address)"
+        )
+    return problems
+
+
 # --- models ----------------------------------------------------------------------------------
 
 
@@ -97,7 +142,7 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
 
     m = cfg.model
     path = m.path or _resumed_model(cfg)
-    tokenizer = None
+    tokenizer = folder = None
     if not path:
         problems.append("model.path is empty: give a local Hugging Face model folder")
     else:
@@ -120,18 +165,105 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
             )
     if kind == "distill" and cfg.teacher.model_path and path:
         _check_teacher(cfg, path, summary, problems)
+    if folder is not None:
+        try:
+            _check_folder(str(folder), "model.path", tokenizer)
+        except ConfigError as e:
+            problems.append(str(e))
+    if kind in RL_KINDS:
+        _check_side_models(cfg, problems)
+    return tokenizer
+
+
+def _check_side_models(cfg: Config, problems: list[str]) -> None:
+    """The folders of the reward model, the critic and PRIME's models (RL)."""
+    from treadle.config.rules import uses_critic
+    from treadle.models import resolve_model_path
+
+    found = True
     for key, other in (
         ("reward.model_path", cfg.reward.model_path),
         ("critic.model_path", cfg.critic.model_path),
         ("prime.model_path", cfg.prime.model_path),
         ("prime.ref_path", cfg.prime.ref_path),
     ):
-        if other is not None and kind in RL_KINDS:
+        if other is not None:
             try:
-                resolve_model_path(other, key=key, allow_download=m.allow_download)
+                folder = resolve_model_path(other, key=key, allow_download=cfg.model.allow_download)
+                _check_folder(str(folder), key, None)
             except ConfigError as e:
                 problems.append(str(e))
-    return tokenizer
+                found = False
+    if found and cfg.model.path:
+        try:
+            check_value_models(cfg, critic=uses_critic(cfg))
+        except ConfigError as e:
+            problems.append(str(e))
+
+
+def check_value_models(cfg: Config, critic: bool) -> None:
+    """The critic's (``critic``: the run has one) and reward model's folders exist and share
+    the actor's vocabulary; the reward model is one (a *ForTokenClassification folder)."""
+    from treadle.models import shared_vocabulary
+
+    paths = []
+    if critic and cfg.critic.model_path:
+        paths.append(("critic.model_path", cfg.critic.model_path))
+    if cfg.reward.model_path:
+        paths.append(("reward.model_path", cfg.reward.model_path))
+    if not paths:
+        return
+    configs = shared_vocabulary(cfg.model.path, paths, cfg.model.allow_download)
+    config = configs.get("reward.model_path")
+    arch = (config or {}).get("architectures") or []
+    if config and not any(a.endswith("ForTokenClassification") for a in arch):
+        raise ConfigError(
+            f"reward.model_path: '{cfg.reward.model_path}' is not a reward model (architectures: "
+            f"{', '.join(arch) or 'none'}); train one with `treadle rm` (a "
+            "*ForTokenClassification folder with one label)"
+        )
+
+
+def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
+    """What transformers would refuse (or get wrong) at load, without loading weights:
+    ``model_type`` unknown, a vocabulary smaller than the tokenizer's, weights whose
+    safetensors header does not read."""
+    from safetensors import safe_open
+    from transformers import CONFIG_MAPPING
+
+    from treadle.models import vocab_size
+
+    path = Path(folder)
+    if not (path / "config.json").is_file():  # a hub id with model.allow_download
+        return
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except ValueError:  # not UTF-8, not JSON: _context_note says so
+        return
+    if not isinstance(config, dict):
+        return
+    model_type = config.get("model_type")
+    if model_type is not None and model_type not in CONFIG_MAPPING:
+        raise ConfigError(
+            f"{key}: '{path / 'config.json'}' has model_type {model_type!r}, which this "
+            "transformers does not know: fix model_type, or upgrade transformers"
+        )
+    vocab = vocab_size(config)
+    if tokenizer is not None and vocab is not None and vocab < len(tokenizer):
+        raise ConfigError(
+            f"{key}: '{path / 'config.json'}' has vocab_size={vocab}, fewer than the "
+            f"tokenizer's {len(tokenizer)} tokens (ids past the embedding would crash): use "
+            "the model's own tokenizer or resize its embeddings"
+        )
+    for file in sorted(path.glob("*.safetensors")):
+        try:
+            with safe_open(str(file), framework="pt") as weights:
+                weights.keys()
+        except Exception as e:  # a header that is not JSON, a file cut short
+            raise ConfigError(
+                f"{key}: '{file}' is not a safetensors file (or is corrupt: {e}): download "
+                "or save the model again"
+            ) from None
 
 
 def _check_teacher(cfg: Config, student: str, summary: list[str], problems: list[str]) -> None:
@@ -399,17 +531,15 @@ def _unpaired_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any)
 def _check_output_dir(cfg: Config, summary: list[str]) -> None:
     key = "trainer.output_dir"
     out = Path(cfg.trainer.output_dir).expanduser()
+    if out.is_symlink() and not out.exists():
+        raise ConfigError(
+            f"{key}: '{out}' is a symlink to '{os.readlink(out)}', which does not exist: "
+            "create its target, or set trainer.output_dir to another directory"
+        )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key}: '{out}' is a file, not a directory")
     if out.is_dir():
-        if not os.access(out, os.W_OK | os.X_OK):
-            raise ConfigError(f"{key}: '{out}' is not writable")
-        holder = lock_holder(out / ".lock")
-        if holder is not None:
-            raise ConfigError(
-                f"{key}: '{out}' is in use by another run ({holder}): wait for it to end or "
-                "stop it, or set trainer.output_dir to another directory"
-            )
+        _check_existing_dir(out, key)
         summary.append(f"{key}: {out} (exists)")
         return
     parent = out.parent
@@ -417,9 +547,29 @@ def _check_output_dir(cfg: Config, summary: list[str]) -> None:
         parent = parent.parent
     if not parent.is_dir():
         raise ConfigError(f"{key}: cannot create '{out}': '{parent}' is a file")
+    if _read_only(parent):
+        raise ConfigError(f"{key}: cannot create '{out}': '{parent}' is on a read-only file system")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: cannot create '{out}': '{parent}' is not writable")
     summary.append(f"{key}: {out} (new)")
+
+
+def _check_existing_dir(out: Path, key: str) -> None:
+    if _read_only(out):
+        raise ConfigError(f"{key}: '{out}' is on a read-only file system")
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise ConfigError(f"{key}: '{out}' is not writable")
+    holder = lock_holder(out / ".lock")
+    if holder is not None:
+        raise ConfigError(
+            f"{key}: '{out}' is in use by another run ({holder}): wait for it to end or "
+            "stop it, or set trainer.output_dir to another directory"
+        )
+
+
+def _read_only(path: Path) -> bool:
+    """Whether ``path`` is on a file system mounted read-only (root may write elsewhere)."""
+    return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
 
 
 def lock_holder(path: Path) -> str | None:

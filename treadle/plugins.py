@@ -51,8 +51,8 @@ def load_plugins(specs: list[str], key: str = "algorithm.plugins") -> None:
             continue
         try:
             importlib.import_module(spec)
-        except Exception as e:  # ImportError, or whatever the module raised while importing
-            raise ConfigError(f"{key}: importing {spec!r} raised {type(e).__name__}: {e}") from e
+        except (Exception, SystemExit) as e:  # ImportError, or what the module raised
+            raise ConfigError(f"{key}: importing {spec!r} {_raised(e)}") from e
 
 
 def _import_module(name: str, key: str) -> ModuleType:
@@ -60,6 +60,18 @@ def _import_module(name: str, key: str) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as e:
         raise ConfigError(f"{key}: cannot import module {name!r} ({e})") from e
+    except SystemExit as e:
+        raise ConfigError(f"{key}: importing {name!r} {_raised(e)}") from e
+
+
+def _raised(e: BaseException) -> str:
+    """What an import did instead of defining its functions, for a ConfigError."""
+    if isinstance(e, SystemExit):
+        return (
+            f"called sys.exit({e.code!r}): a module must not exit when imported (put the "
+            "script's code under `if __name__ == '__main__':`)"
+        )
+    return f"raised {type(e).__name__}: {e}"
 
 
 def _file_module_name(path: Path) -> str:
@@ -81,7 +93,7 @@ def _import_file(path: Path, key: str) -> ModuleType:
     sys.modules[module_name] = module  # lets the module use dataclasses, pickle, ...
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except (Exception, SystemExit) as e:
         del sys.modules[module_name]
-        raise ConfigError(f"{key}: importing '{path}' raised {type(e).__name__}: {e}") from e
+        raise ConfigError(f"{key}: importing '{path}' {_raised(e)}") from e
     return module

@@ -156,6 +156,7 @@ class RewardFn:
     def __init__(self, spec: str, key: str = "reward.function") -> None:
         self.spec = spec
         self._fn = _resolve(spec, key)
+        _check_plain(self._fn, spec, key)
         if not self.batched:
             _check_signature(self._fn, spec, self.treadle_sandboxed, key)
 
@@ -229,6 +230,22 @@ def _resolve(spec: str, key: str = "reward.function") -> Callable[..., Any]:
             "'path/to/file.py:function'"
         )
     return load_callable(spec, key)
+
+
+def _check_plain(fn: Callable[..., Any], spec: str, key: str) -> None:
+    """A reward is a plain function that returns its score: not a coroutine or generator
+    function (its call would return a coroutine or generator, not a number)."""
+    kinds = (
+        (inspect.iscoroutinefunction, "a coroutine function (async def)"),
+        (inspect.isasyncgenfunction, "an async generator function"),
+        (inspect.isgeneratorfunction, "a generator function (it yields)"),
+    )
+    for test, what in kinds:
+        if test(fn):
+            raise ConfigError(
+                f"{key}: '{spec}' is {what}, but a reward function returns its score: make it "
+                "a plain `def` that returns a float (or a dict of them)"
+            )
 
 
 def _check_signature(

@@ -95,6 +95,11 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"{path}:{where}: YAML syntax error: {what}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: YAML error: {e}") from None
+    except RecursionError:
+        raise ConfigError(
+            f"{path}: the YAML is nested too deeply to read: a run's config is sections of "
+            "keys, a few levels deep"
+        ) from None
     if loaded is not None and not isinstance(loaded, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
     return loaded or {}

@@ -112,10 +112,33 @@ def config_problems(cfg: Sections) -> Iterator[str]:
     yield from _check_mode(cfg)
     yield from _check_retention(cfg)
     yield from _check_schedules(cfg)
+    yield from _check_unread(cfg)
     if cfg.eval.n > 1 and cfg.eval.temperature == 0:
         yield (
             f"eval.n={cfg.eval.n} with eval.temperature=0 draws {cfg.eval.n} equal greedy "
             "samples: set eval.temperature (e.g. 1.0) for pass@k and maj@k, or eval.n=1"
+        )
+
+
+def _check_unread(cfg: Sections) -> Iterator[str]:
+    """Settings another one makes void: they would be silently ignored."""
+    alg, t = cfg.algorithm, cfg.trainer
+    if alg.kl_target is not None and alg.kl_reward_coef == 0:
+        yield (
+            f"algorithm.kl_target={alg.kl_target} steers algorithm.kl_reward_coef, which is 0 "
+            "(the KL penalty is off, and a coefficient of 0 stays 0): set "
+            "algorithm.kl_reward_coef > 0 (its initial value), or drop algorithm.kl_target"
+        )
+    if t.eval_every and not cfg.data.set_names:
+        yield (
+            f"trainer.eval_every={t.eval_every} evaluates the validation sets, but the run has "
+            "no validation set: set data.val_files or data.val_sets, or trainer.eval_every=0"
+        )
+    if alg.mask_truncated and cfg.rollout.ignore_eos:
+        yield (
+            "algorithm.mask_truncated=true drops responses cut at rollout.max_new_tokens from "
+            "the loss, and rollout.ignore_eos=true cuts every response there, so nothing would "
+            "train: set one of them to false"
         )
 
 
@@ -548,6 +571,16 @@ def _critic_problems(cfg: Sections) -> Iterator[str]:
             f"warms up, but algorithm.adv_estimator={alg.adv_estimator} has no critic: set "
             "critic.warmup_steps=0"
         )
+    if needs or enable:
+        return
+    default = type(cfg.critic).model_validate({})
+    for key, value in cfg.critic:
+        if key not in ("enable", "warmup_steps") and value != getattr(default, key):
+            yield (
+                f"critic.{key}={value} configures the critic, but algorithm.adv_estimator="
+                f"{alg.adv_estimator} has no critic (it reads no values): remove critic.{key}, "
+                "or set algorithm.adv_estimator=gae"
+            )
 
 
 def _prm_problems(cfg: Sections) -> Iterator[str]:

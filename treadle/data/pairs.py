@@ -15,7 +15,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.prompts import collate_prompts
-from treadle.data.readers import Record, as_text, check_messages, read_records, require
+from treadle.data.readers import Record, answer_text, as_text, check_messages, read_records, require
 from treadle.data.rows import Rows, keep, kept, right_padded
 from treadle.data.templating import (
     check_template,
@@ -87,7 +87,7 @@ def _pair_row(record: Record, tokenizer: PreTrainedTokenizerBase, options: TextO
         prompt_ids=prompt_ids(tokenizer, text, contents, options),
         chosen_ids=response_ids(tokenizer, chosen, options),
         rejected_ids=response_ids(tokenizer, rejected, options),
-        ground_truth="" if answer is None else as_text(answer),
+        ground_truth="" if answer is None else answer_text(record, options.answer_key or "", answer),
     )
 
 

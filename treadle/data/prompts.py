@@ -16,7 +16,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.protocol import Batch
-from treadle.data.readers import Record, as_text, read_records, require
+from treadle.data.readers import Record, answer_text, read_records, require
 from treadle.data.rows import Rows, keep, kept
 from treadle.data.templating import (
     check_template,
@@ -91,7 +91,7 @@ def _parse(
         record, options.prompt_key, tokenizer, options, options.tools
     )
     key = options.answer_key
-    truth = "" if key is None else as_text(require(record, key, "answer"))
+    truth = "" if key is None else answer_text(record, key, require(record, key, "answer"))
     return shown, text, contents, truth
 
 

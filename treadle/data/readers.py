@@ -164,6 +164,18 @@ def as_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value)
 
 
+def answer_text(record: Record, key: str, value: Any) -> str:
+    """The ground truth handed to the reward function: a string, number or list (as JSON);
+    a JSON object is refused (a nested row, not an answer)."""
+    if isinstance(value, dict):
+        raise DataError(
+            f"{record.where}: answer field '{key}' is a JSON object; the answer is the ground "
+            "truth given to the reward function as text: give it as a string (or set "
+            "data.answer_key to the column that holds the answer)"
+        )
+    return as_text(value)
+
+
 def check_messages(record: Record, key: str, value: Any) -> list[dict[str, str]]:
     ok = isinstance(value, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)

@@ -14,7 +14,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.data.options import TextOptions
 from treadle.data.pairs import response_text
 from treadle.data.prompts import collate_prompts
-from treadle.data.readers import Record, as_text, read_records
+from treadle.data.readers import Record, answer_text, as_text, read_records
 from treadle.data.rows import Rows, keep, kept, right_padded
 from treadle.data.templating import (
     check_template,
@@ -100,7 +100,7 @@ def _examples(
             prompt_ids=prompt,
             completion_ids=response_ids(tokenizer, c, o),
             label=label,
-            ground_truth="" if answer is None else as_text(answer),
+            ground_truth="" if answer is None else answer_text(record, o.answer_key or "", answer),
         )
         for uid, c, label in examples
     ]

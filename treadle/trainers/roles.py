@@ -40,11 +40,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from treadle.check import check_value_models
 from treadle.config import Config
 from treadle.config.rules import uses_critic
 from treadle.controller import Actors, Placement, Worker, WorkerGroup, start_group
 from treadle.errors import ConfigError
-from treadle.models import shared_vocabulary
 from treadle.rollout.fleet import rollout_cpus
 from treadle.rollout.teacher import teacher_cpus
 from treadle.trainers.prime import uses_prm
@@ -64,31 +64,6 @@ def build_actors(
     run's, where a decaying ``actor.lr_schedule`` ends (0: a group that does not train)."""
     kwargs = {"actor_path": actor_path, "with_ref": with_ref, "optimizer_steps": optimizer_steps}
     return start_group(cfg, placement or Placement.plan(cfg), ActorRolloutRefWorker, kwargs)
-
-
-def check_value_models(cfg: Config, critic: bool) -> None:
-    """The critic's and reward model's folders exist and share the actor's vocabulary."""
-    paths = []
-    if critic and cfg.critic.model_path:
-        paths.append(("critic.model_path", cfg.critic.model_path))
-    if cfg.reward.model_path:
-        paths.append(("reward.model_path", cfg.reward.model_path))
-    if not paths:
-        return
-    configs = shared_vocabulary(cfg.model.path, paths, cfg.model.allow_download)
-    for key, path in paths:
-        config = configs[key]
-        arch = config.get("architectures") or []
-        if (
-            config
-            and key == "reward.model_path"
-            and not any(a.endswith("ForTokenClassification") for a in arch)
-        ):
-            raise ConfigError(
-                f"reward.model_path: '{path}' is not a reward model (architectures: "
-                f"{', '.join(arch) or 'none'}); train one with `treadle rm` (a "
-                "*ForTokenClassification folder with one label)"
-            )
 
 
 class RoleSection(Protocol):

@@ -1,0 +1,265 @@
+"""Bad input a careless user gives, each case one `treadle: error:` line naming the key, file
+or row and what to do (issue 27 item 7): sizes beyond the machine, settings the chosen setup
+never reads or contradicts, model folders, data rows, the output directory, reward functions,
+the config file itself.
+
+Like tests/test_check.py, each case runs `treadle.cli.main` in-process on a good config made bad
+in one way; nothing here starts Ray or loads weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from treadle.cli import main
+
+GOOD_ROW = '{"prompt": "What is 1+2?", "answer": "3"}\n'
+
+
+@pytest.fixture(scope="module")
+def env(tiny_task, tmp_path_factory) -> dict[str, Any]:
+    """A good run config (tiny model, 40 prompts, 16 pairs) and a scratch directory."""
+    root = tmp_path_factory.mktemp("bad_input27")
+
+    def head(src: Path, name: str, n: int) -> str:
+        lines = Path(src).read_text().splitlines()[:n]
+        (root / name).write_text("\n".join(lines) + "\n")
+        return str(root / name)
+
+    files = {
+        "model": str(tiny_task["model"]),
+        "train": head(tiny_task["train"], "train.jsonl", 40),
+        "test": head(tiny_task["test"], "test.jsonl", 8),
+        "pairs": head(tiny_task["pairs_train"], "pairs.jsonl", 16),
+    }
+    config = {
+        "model": {"path": files["model"]},
+        "data": {
+            "train_files": [files["train"]],
+            "val_files": [files["test"]],
+            "max_prompt_length": 64,
+            "batch_size": 8,
+        },
+        "rollout": {"n": 4, "max_new_tokens": 32},
+        "reward": {"function": "arithmetic", "num_workers": 0},
+        "actor": {"ppo_mini_batch_size": 32, "micro_batch_size": 8},
+        "trainer": {"backend": "local", "output_dir": str(root / "run"), "progress": False},
+    }
+    path = root / "good.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return {**files, "config": str(path), "root": root}
+
+
+def check(env, capsys, *overrides: str, kind: str = "train", config: str | None = None):  # type: ignore[no-untyped-def]
+    code = main(["check", config or env["config"], *overrides, "--kind", kind])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_bad(result: tuple[int, str, str], pattern: str) -> None:
+    code, out, err = result
+    assert code == 2, (out, err)
+    assert "Traceback" not in out + err
+    errors = [line for line in err.splitlines() if line.startswith("treadle: error: ")]
+    assert errors, err
+    assert re.search(pattern, "\n".join(errors)), err
+
+
+def write(env, name: str, content: str | bytes) -> str:  # type: ignore[no-untyped-def]
+    path = Path(env["root"]) / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return str(path)
+
+
+def model_copy(env, name: str, config: dict[str, Any] | None = None) -> str:  # type: ignore[no-untyped-def]
+    """A copy of the tiny model whose config.json is updated with ``config``."""
+    dest = Path(env["root"]) / name
+    if not dest.exists():
+        shutil.copytree(env["model"], dest)
+        if config:
+            path = dest / "config.json"
+            path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    return str(dest)
+
+
+RAY = ["trainer.backend=ray"]
+
+# --- sizes beyond the machine -------------------------------------------------------------------
+
+SIZE_CASES = [
+    (
+        ["rollout.n=4000000", "actor.ppo_mini_batch_size=32000000"],
+        r"rollout\.n=4000000: .* GiB, more than this machine's \d+ GiB of memory",
+    ),
+    (
+        ["rollout.engine=vllm", "rollout.kv_cache_gib=100000"],
+        r"rollout\.kv_cache_gib=100000 .* more than this machine's .* GiB of memory",
+    ),
+    (
+        [*RAY, f"actor.world_size={4 * (os.cpu_count() or 1)}", "data.batch_size=64"],
+        r"actor\.world_size=\d+ ranks need a CPU each, more than the \d+ CPUs",
+    ),
+]
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), SIZE_CASES)
+def test_sizes_beyond_the_machine(env, capsys, overrides, pattern) -> None:  # type: ignore[no-untyped-def]
+    assert_bad(check(env, capsys, *overrides), pattern)
+
+
+# --- settings the chosen setup never reads or contradicts -----------------------------------------
+
+UNREAD_CASES = [
+    (["critic.lr=1e-4"], "train", r"critic\.lr=0\.0001 configures the critic, but .*grpo has no critic"),
+    (
+        ["algorithm.adv_estimator=gae", "critic.enable=false"],
+        "train",
+        r"algorithm\.adv_estimator=gae needs a critic's values, but critic\.enable=false",
+    ),
+    (
+        ["algorithm.kl_target=0.1"],
+        "train",
+        r"algorithm\.kl_target=0\.1 steers algorithm\.kl_reward_coef, which is 0",
+    ),
+    (
+        ["dpo.loss_type=ipo", "dpo.label_smoothing=0.1"],
+        "dpo",
+        r"dpo\.label_smoothing=0\.1 is not read by dpo\.loss_type=ipo",
+    ),
+    (
+        ["trainer.eval_every=2", "data.val_files=[]"],
+        "train",
+        r"trainer\.eval_every=2 .* no validation set",
+    ),
+    (
+        ["algorithm.mask_truncated=true", "rollout.ignore_eos=true"],
+        "train",
+        r"algorithm\.mask_truncated=true .* rollout\.ignore_eos=true",
+    ),
+    (["dpo.loss_type=nosuch"], "train", r"the config sets the 'dpo' section, which is for"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "kind", "pattern"), UNREAD_CASES)
+def test_settings_the_setup_does_not_read(env, capsys, overrides, kind, pattern) -> None:  # type: ignore[no-untyped-def]
+    if kind == "dpo":
+        overrides = [*overrides, f"data.train_files=[{env['pairs']}]", "data.val_files=[]"]
+    assert_bad(check(env, capsys, *overrides, kind=kind), pattern)
+
+
+# --- model folders ------------------------------------------------------------------------------
+
+
+def test_causal_lm_as_reward_model(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    result = check(env, capsys, f"reward.model_path={env['model']}")
+    assert_bad(result, r"reward\.model_path: '.*' is not a reward model \(architectures: ")
+
+
+def test_critic_with_another_vocabulary(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    critic = model_copy(env, "bigvocab", {"vocab_size": 4096})
+    result = check(env, capsys, "algorithm.adv_estimator=gae", f"critic.model_path={critic}")
+    assert_bad(result, r"critic\.model_path: '.*bigvocab' has a vocabulary of 4096 tokens")
+
+
+def test_corrupt_weights(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    folder = model_copy(env, "corrupt")
+    (Path(folder) / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{garbage")
+    result = check(env, capsys, f"model.path={folder}")
+    assert_bad(result, r"model\.path: .*corrupt/model\.safetensors' is not a safetensors file")
+
+
+def test_unknown_model_type(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    folder = model_copy(env, "unknowntype", {"model_type": "nosuchmodel"})
+    result = check(env, capsys, f"model.path={folder}")
+    assert_bad(result, r"model\.path: .*config\.json' has model_type 'nosuchmodel', which")
+
+
+def test_vocabulary_smaller_than_the_tokenizer(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    folder = model_copy(env, "smallvocab", {"vocab_size": 8})
+    result = check(env, capsys, f"model.path={folder}")
+    assert_bad(result, r"model\.path: .*vocab_size=8, fewer than the tokenizer's \d+ tokens")
+
+
+# --- data rows ----------------------------------------------------------------------------------
+
+
+def test_answer_that_is_an_object(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = write(env, "objanswer.jsonl", GOOD_ROW * 8 + '{"prompt": "x", "answer": {"a": 1}}\n')
+    result = check(env, capsys, f"data.train_files=[{path}]")
+    assert_bad(result, r"objanswer\.jsonl.* row 9: .*answer")
+
+
+def test_pairs_without_the_rejected_column(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    rows = [json.loads(line) for line in Path(env["pairs"]).read_text().splitlines()]
+    text = "".join(json.dumps({k: v for k, v in r.items() if k != "rejected"}) + "\n" for r in rows)
+    path = write(env, "norejected.jsonl", text)
+    result = check(env, capsys, f"data.train_files=[{path}]", "data.val_files=[]", kind="dpo")
+    assert_bad(result, r"norejected\.jsonl has no column 'rejected' \(data\.rejected_key\)")
+
+
+# --- the output directory -----------------------------------------------------------------------
+
+
+def test_output_dir_on_a_read_only_file_system(env, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    real = os.statvfs
+
+    class ReadOnly:
+        def __init__(self, path: Any) -> None:
+            self._stat = real(path)
+
+        def __getattr__(self, name: str) -> Any:
+            value = getattr(self._stat, name)
+            return value | os.ST_RDONLY if name == "f_flag" else value
+
+    monkeypatch.setattr(os, "statvfs", ReadOnly)
+    result = check(env, capsys)
+    assert_bad(result, r"trainer\.output_dir: cannot create '.*run': .* read-only file system")
+
+
+def test_output_dir_that_is_a_dangling_symlink(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    link = Path(env["root"]) / "dangling"
+    if not link.is_symlink():
+        link.symlink_to(Path(env["root"]) / "gone" / "run")
+    result = check(env, capsys, f"trainer.output_dir={link}")
+    assert_bad(result, r"trainer\.output_dir: '.*dangling' is a symlink to '.*gone/run', which")
+
+
+# --- reward functions ---------------------------------------------------------------------------
+
+REWARDS = {
+    "async_reward.py": "async def score(prompt, response, ground_truth):\n    return 1.0\n",
+    "gen_reward.py": "def score(prompt, response, ground_truth):\n    yield 1.0\n",
+    "hangs.py": "import time\ntime.sleep(60)\ndef score(p, r, g):\n    return 0.0\n",
+    "exits.py": "import sys\nsys.exit(3)\ndef score(p, r, g):\n    return 0.0\n",
+}
+REWARD_CASES = [
+    ("async_reward.py", r"reward\.function: .*async_reward\.py:score' is a coroutine function"),
+    ("gen_reward.py", r"reward\.function: .*gen_reward\.py:score' is a generator function"),
+    ("exits.py", r"reward\.function: importing .*exits\.py' called sys\.exit\(3\)"),
+    ("hangs.py", r"reward\.function: importing it took longer than 2 s"),
+]
+
+
+@pytest.mark.parametrize(("name", "pattern"), REWARD_CASES)
+def test_bad_reward_function(env, capsys, monkeypatch, name, pattern) -> None:  # type: ignore[no-untyped-def]
+    import treadle.check
+
+    monkeypatch.setattr(treadle.check, "IMPORT_TIMEOUT_S", 2.0)
+    path = write(env, name, REWARDS[name])
+    assert_bad(check(env, capsys, f"reward.function={path}:score"), pattern)
+
+
+# --- the config file ----------------------------------------------------------------------------
+
+
+def test_deeply_nested_yaml(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    path = write(env, "nested.yaml", "a: " + "[" * 5000 + "]" * 5000 + "\n")
+    assert_bad(check(env, capsys, config=path), r"nested\.yaml: .*nested too deeply")
