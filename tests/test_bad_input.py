@@ -118,7 +118,11 @@ def test_sizes_beyond_the_machine(env, capsys, overrides, pattern) -> None:  # t
 # --- settings the chosen setup never reads or contradicts -----------------------------------------
 
 UNREAD_CASES = [
-    (["critic.lr=1e-4"], "train", r"critic\.lr=0\.0001 configures the critic, but .*grpo has no critic"),
+    (
+        ["critic.lr=1e-4"],
+        "train",
+        r"critic\.lr=0\.0001 configures the critic, but .*grpo has no critic",
+    ),
     (
         ["algorithm.adv_estimator=gae", "critic.enable=false"],
         "train",
@@ -239,12 +243,21 @@ REWARDS = {
     "gen_reward.py": "def score(prompt, response, ground_truth):\n    yield 1.0\n",
     "hangs.py": "import time\ntime.sleep(60)\ndef score(p, r, g):\n    return 0.0\n",
     "exits.py": "import sys\nsys.exit(3)\ndef score(p, r, g):\n    return 0.0\n",
+    "os_exit.py": "import os\nos._exit(5)\n",
+    "deaf.py": "import signal, time\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n"
+    "time.sleep(60)\n",
 }
 REWARD_CASES = [
     ("async_reward.py", r"reward\.function: .*async_reward\.py:score' is a coroutine function"),
     ("gen_reward.py", r"reward\.function: .*gen_reward\.py:score' is a generator function"),
     ("exits.py", r"reward\.function: importing .*exits\.py' called sys\.exit\(3\)"),
-    ("hangs.py", r"reward\.function: importing it took longer than 2 s"),
+    ("hangs.py", r"reward\.function: importing '.*hangs\.py' did not finish in 2 s"),
+    # (what no signal interrupts in this process: the import is tried in a child first)
+    (
+        "os_exit.py",
+        r"reward\.function: importing '.*os_exit\.py' ended its process with exit code 5",
+    ),
+    ("deaf.py", r"reward\.function: importing '.*deaf\.py' did not finish in 2 s"),
 ]
 
 

@@ -644,15 +644,15 @@ def test_bad_reward_function_is_named(env, capsys, spec, pattern) -> None:  # ty
     assert_bad(check(env, capsys, f"reward.function={spec}"), pattern)
 
 
-def test_reward_that_blocks_at_import_is_interrupted(env, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_an_agent_loop_that_blocks_at_import_is_interrupted(env, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import treadle.check
 
     monkeypatch.setattr(treadle.check, "IMPORT_TIMEOUT_S", 0.3)
     path = write(
-        env, "hangs.py", "import time\ntime.sleep(60)\ndef score(p, r, g):\n    return 0\n"
+        env, "slow_loop.py", "import time\ntime.sleep(60)\nasync def loop(*a):\n    pass\n"
     )
-    result = check(env, capsys, f"reward.function={path}:score")
-    assert_bad(result, r"reward\.function: importing it took longer than 0\.3 s")
+    result = check(env, capsys, f"rollout.agent_loop={path}:loop")
+    assert_bad(result, r"rollout\.agent_loop: importing it took longer than 0\.3 s")
 
 
 def test_bad_agent_loop_and_tools_are_named(env, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -40,6 +40,7 @@ from treadle.config import Config
 from treadle.config.rules import KINDS, Kind, check_algorithm
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
 from treadle.errors import ConfigError, TreadleError
+from treadle.plugins import probe_import
 
 RL_KINDS: tuple[Kind, ...] = ("train", "distill")  # the commands that run the RL dataflow
 
@@ -337,6 +338,8 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
 
         spec = cfg.reward.function
         try:
+            if not spec.startswith("python:"):  # (a function given in this process)
+                probe_import(spec, "reward.function", IMPORT_TIMEOUT_S)  # a hang, an os._exit
             with time_limit(IMPORT_TIMEOUT_S, "reward.function"):
                 load_reward_fn(spec)
             summary.append(f"reward.function: {spec}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -27,14 +28,58 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
     left, sep, name = spec.rpartition(":")
     if not sep or not left or not name:
         raise ConfigError(f"{key}: {spec!r} is not 'module:function' or 'path/to/file.py:function'")
-    is_file = left.endswith(".py") or "/" in left
-    module = _import_file(Path(left), key) if is_file else _import_module(left, key)
+    module = _import_file(Path(left), key) if _is_file(left) else _import_module(left, key)
     obj = getattr(module, name, None)
     if obj is None:
         raise ConfigError(f"{key}: {left!r} has no function {name!r}")
     if not callable(obj):
         raise ConfigError(f"{key}: {name!r} in {left!r} is a {type(obj).__name__}, not a function")
     return obj  # type: ignore[no-any-return]
+
+
+# The child of :func:`probe_import`: exit 0 when the module imports, 3 when treadle's own
+# import of it raises a ConfigError (the parent's import then says the same).
+_PROBE = """
+import sys
+from pathlib import Path
+from treadle.errors import ConfigError
+from treadle.plugins import _import_file, _import_module, _is_file
+left, key = sys.argv[1:]
+try:
+    _import_file(Path(left), key) if _is_file(left) else _import_module(left, key)
+except ConfigError:
+    sys.exit(3)
+"""
+
+
+def probe_import(spec: str, key: str, timeout_s: float) -> None:
+    """Import the module of ``spec`` (``module:function``, ``file.py:function``) in a child
+    process first, for at most ``timeout_s`` seconds: a module that hangs where no signal
+    reaches it (C code, SIGALRM blocked) or ends its process (``os._exit``, a crash) is a
+    ConfigError naming ``key``, not a command that hangs or vanishes. What an import raises is
+    left to the import in this process, whose message it is."""
+    left, sep, _ = spec.rpartition(":")
+    if not sep or not left:
+        return
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", _PROBE, left, key],
+            check=False,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+    except subprocess.TimeoutExpired:
+        raise ConfigError(
+            f"{key}: importing {left!r} did not finish in {timeout_s:g} s: a module must "
+            "define its functions quickly when imported (load models or data on first call)"
+        ) from None
+    if child.returncode not in (0, 3):
+        how = (
+            f"was killed by signal {-child.returncode}"
+            if child.returncode < 0
+            else f"ended its process with exit code {child.returncode}"
+        )
+        raise ConfigError(f"{key}: importing {left!r} {how}: a module must not end its process")
 
 
 def load_plugins(specs: list[str], key: str = "algorithm.plugins") -> None:
@@ -53,6 +98,10 @@ def load_plugins(specs: list[str], key: str = "algorithm.plugins") -> None:
             importlib.import_module(spec)
         except (Exception, SystemExit) as e:  # ImportError, or what the module raised
             raise ConfigError(f"{key}: importing {spec!r} {_raised(e)}") from e
+
+
+def _is_file(left: str) -> bool:
+    return left.endswith(".py") or "/" in left
 
 
 def _import_module(name: str, key: str) -> ModuleType:
