@@ -122,6 +122,7 @@ def rollout_metrics(batch: Batch, component_keys: Sequence[str] = ()) -> dict[st
         "response/length_mean": float(lengths.mean()),
         "response/clip_ratio": float(sum(r == "length" for r in batch["stop_reason"]) / len(batch)),
         "generated_tokens": float(mask.sum()),
+        "rollout/samples": float(len(batch)),  # trained this step (a soak checks none is lost)
         # the oldest weights any sample was generated with (all equal in a synchronous step)
         "rollout/weight_version": float(batch["weight_version"].min()),
     }
