@@ -28,17 +28,34 @@ groups sits between it and the trainer, which takes a batch as soon as one is th
 
 - **The unit of generation** is a step-batch: the ``data.batch_size`` prompts the sampler gives
   for step ``s``, sampled with step ``s``'s seed and sent together, exactly as a synchronous
-  step sends them. Its groups enter the buffer when they finish; the trainer takes the oldest
-  first.
+  step sends them. Its groups enter the buffer when they finish; the trainer takes them oldest
+  first (the oldest finished ones, with ``admission: drop``).
 - **Staleness.** A sample's version is the oldest weight version of its tokens; its staleness
-  is the learner's version (the step of the actor's last update) minus that. Step-batch ``s``
-  starts only once the replicas hold version ``s - 1 - max_staleness`` or newer and the
-  buffer, with what is in flight, has room (``async.buffer_groups``, default
-  ``(max_staleness + 1) x data.batch_size``); a sample that is still older than the bound when
-  the trainer takes it (it waited behind others) is dropped and counted. ``max_staleness: 0``
-  is synchronous training, sample for sample; ``one_step_off`` is ``max_staleness: 1`` with a
-  sync after every update and no partial rollouts: step t+1's samples are generated with the
-  weights before step t's update while step t trains.
+  is the learner's version (the step of the actor's last update) minus that. A step-batch
+  starts only while the buffer, with what is in flight, has room (``async.buffer_groups``,
+  default ``(max_staleness + 1) x data.batch_size``), and ``async.admission`` says how the
+  bound ``async.max_staleness`` is kept:
+
+  - ``bounded`` (the default) admits work so that it cannot go stale. The trainer takes groups
+    oldest first, waiting for an older group still generating rather than take a newer one
+    past it, and every step takes at least ``data.batch_size`` groups, so the group ``p``
+    places behind the front of those started and not yet taken is trained by step
+    :func:`trained_by` at the latest. A step-batch starts only when its last group will be
+    trained by then within the bound of the replicas' version now (its oldest token's version
+    at worst, with partial rollouts too). Groups dynamic sampling takes on top only come
+    earlier; a trainer waiting for them takes them in its current step, which the sync rule
+    (``sync_every <= max_staleness + 1``) keeps within the bound. Nothing is dropped (tinker
+    cookbook PR 822: dropping favours prompts that finish fast).
+  - ``drop`` starts step-batch ``s`` once the replicas hold version ``s - 1 - max_staleness``
+    or newer; the trainer takes whichever groups finished first, and a sample that is older
+    than the bound when taken (it finished after a later step-batch, or waited behind others)
+    is dropped and counted.
+
+  Either way a sample still outside the bound when taken is dropped and counted
+  (``async/dropped``). ``max_staleness: 0`` is synchronous training, sample for sample;
+  ``one_step_off`` is ``max_staleness: 1`` with a sync after every update and no partial
+  rollouts: step t+1's samples are generated with the weights before step t's update while
+  step t trains.
 - **Weight sync** after every ``async.sync_every`` updates. Without partial rollouts the client
   stops sending, the requests in flight finish, the weights load, sending resumes; with
   ``async.partial_rollout`` the replicas pause what is in flight, load, and go on (each token
@@ -51,8 +68,8 @@ groups sits between it and the trainer, which takes a batch as soon as one is th
   are collected when done and logged with step ``s``'s record, which waits for them
   (:meth:`late_metrics`; the driver's log keeps steps in order).
 - **Dynamic sampling** drops groups of equal rewards as they are taken and takes more; a
-  trainer that waits with nothing in flight may start the next step-batch whatever the bound,
-  so it never waits forever.
+  trainer that waits with nothing in flight may start the next step-batch whatever the room
+  and the bound (``bounded``: it is within the bound anyway), so it never waits forever.
 - **Resume.** A checkpoint keeps the sampler's position at the oldest step-batch not wholly
   trained and which of its groups (and later ones') were trained; a resumed run draws those
   step-batches again and generates the groups not yet trained. Whatever was in flight or in the
