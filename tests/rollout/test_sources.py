@@ -407,3 +407,23 @@ def test_bounded_admission_drops_nothing_where_dropping_does(admission):
         assert dropped == [0, 0, 0] and steps[-1][1]["async/dropped_total"] == 0
         assert [uids for uids, _ in steps] == drawn[:3]  # oldest first
         assert [m["async/staleness_max"] for _, m in steps] == [0, 1, 1]
+
+
+def test_groups_dynamic_sampling_takes_on_top_are_admitted_within_the_bound():
+    """filter_groups at max_staleness 1 (prompts with an even number: equal rewards): steps
+    take more groups than a step-batch, from later step-batches, and none is stale."""
+
+    def score(batch: Batch, m=None) -> torch.Tensor:
+        odd = torch.tensor([int(u[1:]) % 2 for u in batch["uid"]], dtype=torch.float32)
+        return (odd * torch.arange(len(batch)))[:, None]
+
+    rollout = FakeRollout()
+    producer = _producer(rollout, score=score, max_staleness=1)
+    producer.cfg.algorithm.filter_groups = True
+    try:
+        steps = _run(producer, 1, 5)
+    finally:
+        rollout.client.close()
+    assert all(m["async/dropped"] == 0 and m["async/staleness_max"] <= 1 for _, m in steps)
+    assert any(m["rollout/kept_group_frac"] < 1 for _, m in steps)
+    assert max(rollout.started) > 6  # it drew more than a step-batch a step
