@@ -3,7 +3,8 @@
 Async with ``max_staleness: 0`` draws, samples and trains exactly what sync does (same rewards,
 lengths and losses step by step); one_step_off trains each step on samples one version behind
 the learner; an async run with partial rollouts killed with SIGKILL after a checkpoint is
-completed by running the same command again.
+completed by running the same command again; at max_staleness 1, a step-batch that finishes
+after the next one is dropped by ``async.admission: drop`` and trained by ``bounded``.
 """
 
 from __future__ import annotations
