@@ -22,8 +22,9 @@ own for `--steps` steps (the same number of trained samples):
 
 Trained tokens/s is the response tokens of every trained batch over the summed step times
 (`timing/step`: generation, or waiting for it, plus training and weight sync; start-up,
-checkpoint and evaluation excluded). Held-out accuracy is greedy, on all 500 held-out problems,
-after the last step. The table is followed by
+checkpoint and evaluation excluded); the median step time is the steadier number on a shared
+machine, where a few steps slowed by other load move the sum. Held-out accuracy is greedy, on
+all 500 held-out problems, after the last step. The table is followed by
 `ratio async/sync_split: <r>`, `ratio async/sync_colocated: <r>`,
 `ratio one_step_off/sync_split: <r>`, `ratio async/async_drop: <r>` (tokens/s),
 `accuracy async-sync: <points>` (async minus sync_split, the run that differs from it only in
@@ -36,6 +37,7 @@ import argparse
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -86,6 +88,7 @@ def run(name: str, steps: int, out: Path) -> dict[str, float]:
         "steps": len(metrics),
         "tokens": tokens,
         "seconds": seconds,
+        "median_step": statistics.median(m["timing/step"] for m in metrics),
         "tokens_per_s": tokens / seconds,
         "accuracy": 100 * metrics[-1]["eval/val/accuracy"],
         "dropped": metrics[-1].get("async/dropped_total", 0.0),
@@ -119,13 +122,15 @@ def main() -> None:
 def report(results: dict[str, dict[str, float]]) -> None:
     print()
     print(
-        "| run | trained tokens | step time (s) | trained tokens/s | held-out accuracy "
+        "| run | trained tokens | step time (s) | median step (s) | trained tokens/s "
+        "| held-out accuracy "
         "| staleness mean | dropped | replica idle | trainer idle |"
     )
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for name, r in results.items():
         print(
-            f"| {name} | {r['tokens']:.0f} | {r['seconds']:.1f} | {r['tokens_per_s']:.0f} "
+            f"| {name} | {r['tokens']:.0f} | {r['seconds']:.1f} | {r['median_step']:.2f} "
+            f"| {r['tokens_per_s']:.0f} "
             f"| {r['accuracy']:.1f}% | {r['staleness']:.2f} | {r['dropped']:.0f} "
             f"| {_pct(r['rollout_idle'])} | {_pct(r['trainer_idle'])} |"
         )
