@@ -21,7 +21,7 @@ from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
 from treadle.protocol import Batch
 from treadle.rollout import Request, Response, RolloutClient
-from treadle.rollout.sources import AsyncSource
+from treadle.rollout.sources import AsyncSource, _Group
 
 N = 2  # samples per prompt
 BATCH = 4  # prompts per step
@@ -310,3 +310,120 @@ def test_the_group_filter_cuts_the_batch_at_whole_groups():
     groups.add(part, failed=1)
     assert groups.done() and groups.examined == 4
     assert list(groups.batch({})["uid"]) == ["a"] * N + ["b"] * (N + 1)
+
+
+# ----------------------------------------------------------------------------- admission
+
+
+@pytest.mark.parametrize(
+    ("at", "waiting", "steps"),
+    [
+        # between steps 1 and 2: four groups a step, oldest first
+        ((2, 0), 0, [2, 2, 2, 2, 3, 3, 3, 3, 4]),
+        # step 2 took 2 groups and waits for 2 more: 2 more go to step 2, the rest after
+        ((2, 2), 2, [2, 2, 3, 3, 3, 3, 4]),
+        # dynamic sampling: step 2 took 6 groups (4 dropped) and waits for 2 more
+        ((2, 6), 2, [2, 2, 3, 3, 3, 3, 4]),
+        # ... and between two takes: it may stop now, so the next group may be step 3's
+        ((2, 6), 0, [3, 3, 3, 3, 4]),
+    ],
+)
+def test_the_latest_step_that_trains_a_group_by_its_place_in_line(at, waiting, steps):
+    from treadle.rollout.sources import trained_by
+
+    assert [trained_by(p, *at, waiting, 4) for p in range(len(steps))] == steps
+
+
+def test_a_step_batch_is_admitted_when_its_last_group_will_be_trained_in_time():
+    """max_staleness 1, four groups a step (one_step_off's schedule, worked by hand)."""
+    from treadle.rollout.sources import Admission
+
+    bounded, drop = Admission(True, 1, 4), Admission(False, 1, 4)
+    # after step 1, replicas at version 0: step-batch 2 (nothing ahead) is trained at step 2
+    assert bounded.fresh(2, 4, version=0, ahead=0, at=(2, 0), waiting=0)
+    # step-batch 3 behind it is trained at step 3: version 1 at least (the sync after step 1)
+    assert not bounded.fresh(3, 4, version=0, ahead=4, at=(2, 0), waiting=0)
+    assert bounded.fresh(3, 4, version=1, ahead=4, at=(2, 0), waiting=0)
+    assert not bounded.fresh(4, 4, version=1, ahead=8, at=(2, 0), waiting=0)
+    assert drop.fresh(3, 4, 1, 4, (2, 0), 0) and not drop.fresh(4, 4, 1, 8, (2, 0), 0)
+    # resumed with one group of step-batch 2 trained: its other 3 and step-batch 3 (groups
+    # 3..6 in line) are trained by step 3; step-batch 4 (7..10) by step 4, so needs version 2
+    assert bounded.fresh(3, 4, version=1, ahead=3, at=(2, 0), waiting=0)
+    assert not bounded.fresh(4, 4, version=1, ahead=7, at=(2, 0), waiting=0)
+    assert bounded.fresh(4, 4, version=2, ahead=7, at=(2, 0), waiting=0)
+    # the trainer waits for step-batch 3, step-batch 2 still generating: bounded waits for it
+    later = [_Group(3, i, Batch.from_dict({"x": torch.zeros(1)})) for i in range(4)]
+    assert not bounded.ready(later, 4, flying={2}) and drop.ready(later, 4, flying={2})
+    assert bounded.ready(later, 4, flying={4}) and not bounded.ready(later[:3], 4, flying=set())
+
+
+class SecondAfterThird(FakeRollout):
+    """Step-batch 2 finishes after step-batch 3: once the trainer has looked at a buffer
+    holding step-batch 3 (``looked``, set by :class:`Watched`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.looked = asyncio.Event()
+
+    async def agenerate(self, prompts: Batch, params: SamplingParams) -> Batch:
+        batch = await super().agenerate(prompts, params)
+        if params.seed % 100_003 == 2:
+            await self.looked.wait()
+        return batch
+
+
+def watch(producer: AsyncSource, looked: asyncio.Event) -> None:
+    """Set ``looked`` when the trainer checks a buffer that holds step-batch 3's groups."""
+    from treadle.rollout.sources import Admission
+
+    class Watched(Admission):
+        def ready(self, buffer, count, flying) -> bool:  # type: ignore[no-untyped-def]
+            if any(g.step == 3 for g in buffer):
+                looked.set()
+            return super().ready(buffer, count, flying)
+
+    a = producer.admission
+    producer.admission = Watched(a.bounded, a.max_staleness, a.batch_size)
+
+
+@pytest.mark.parametrize("admission", ["drop", "bounded"])
+def test_bounded_admission_drops_nothing_where_dropping_does(admission):
+    """max_staleness 1, step-batch 2 finishing after step-batch 3: dropping takes step-batch 3
+    for step 2 and drops step-batch 2 (version 0) at step 3; bounded takes them in order."""
+    rollout = SecondAfterThird()
+    producer = _producer(rollout, max_staleness=1, admission=admission)
+    watch(producer, rollout.looked)
+    try:
+        steps = _run(producer, 1, 3)
+    finally:
+        rollout.client.close()
+    sampler = ResumableSampler(40, BATCH, seed=3)
+    drawn = [[f"p{i}" for i in sampler.next_indices() for _ in range(N)] for _ in range(4)]
+    dropped = [m["async/dropped"] for _, m in steps]
+    if admission == "drop":
+        assert dropped == [0, 0, N * BATCH]
+        assert [uids for uids, _ in steps] == [drawn[0], drawn[2], drawn[3]]
+    else:
+        assert dropped == [0, 0, 0] and steps[-1][1]["async/dropped_total"] == 0
+        assert [uids for uids, _ in steps] == drawn[:3]  # oldest first
+        assert [m["async/staleness_max"] for _, m in steps] == [0, 1, 1]
+
+
+def test_groups_dynamic_sampling_takes_on_top_are_admitted_within_the_bound():
+    """filter_groups at max_staleness 1 (prompts with an even number: equal rewards): steps
+    take more groups than a step-batch, from later step-batches, and none is stale."""
+
+    def score(batch: Batch, m=None) -> torch.Tensor:
+        odd = torch.tensor([int(u[1:]) % 2 for u in batch["uid"]], dtype=torch.float32)
+        return (odd * torch.arange(len(batch)))[:, None]
+
+    rollout = FakeRollout()
+    producer = _producer(rollout, score=score, max_staleness=1)
+    producer.cfg.algorithm.filter_groups = True
+    try:
+        steps = _run(producer, 1, 5)
+    finally:
+        rollout.client.close()
+    assert all(m["async/dropped"] == 0 and m["async/staleness_max"] <= 1 for _, m in steps)
+    assert any(m["rollout/kept_group_frac"] < 1 for _, m in steps)
+    assert max(rollout.started) > 6  # it drew more than a step-batch a step

@@ -3,7 +3,8 @@
 Async with ``max_staleness: 0`` draws, samples and trains exactly what sync does (same rewards,
 lengths and losses step by step); one_step_off trains each step on samples one version behind
 the learner; an async run with partial rollouts killed with SIGKILL after a checkpoint is
-completed by running the same command again.
+completed by running the same command again; at max_staleness 1, a step-batch that finishes
+after the next one is dropped by ``async.admission: drop`` and trained by ``bounded``.
 """
 
 from __future__ import annotations
@@ -201,3 +202,52 @@ def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(
     for m in _metrics(out):
         assert m["async/staleness_max"] <= 2
     assert (out / "final_model" / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("admission", ["drop", "bounded"])
+def test_async_at_max_staleness_one_drops_nothing_where_dropping_would(
+    tiny_task, length_reward, tmp_path, ray_session, admission
+):
+    """Step-batch 2 is held back until the trainer has looked at a buffer holding step-batch 3
+    (the slow prompts of a real run): dropping trains step-batch 3 at step 2 and drops step-batch
+    2 (version 0) at step 3; bounded admission waits for it and drops nothing."""
+    from treadle.rollout.sources import Admission
+
+    out = tmp_path / admission
+    extra = [
+        "trainer.mode=async",
+        "async.max_staleness=1",
+        "async.partial_rollout=true",
+        f"async.admission={admission}",
+    ]
+    cfg = load_config(None, _overrides(tiny_task, out, length_reward, *extra))
+    trainer = RLTrainer(cfg)
+    source = trainer.source
+    looked = asyncio.Event()
+    real = source.rollout.agenerate
+
+    async def second_after_third(prompts, params, count=True):  # type: ignore[no-untyped-def]
+        batch = await real(prompts, params, count)
+        if params.seed == cfg.trainer.seed * 100_003 + 2:
+            await looked.wait()
+        return batch
+
+    class Watched(Admission):
+        def ready(self, buffer, count, flying) -> bool:  # type: ignore[no-untyped-def]
+            if any(g.step == 3 for g in buffer):
+                looked.set()
+            return super().ready(buffer, count, flying)
+
+    source.rollout.agenerate = second_after_third
+    a = source.admission
+    source.admission = Watched(a.bounded, a.max_staleness, a.batch_size)
+    trainer.fit()
+    metrics = _metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    dropped = [m["async/dropped"] for m in metrics]
+    if admission == "drop":
+        assert dropped == [0, 0, 16]  # step-batch 2's 4 x 4 samples
+    else:
+        assert dropped == [0, 0, 0] and metrics[-1]["async/dropped_total"] == 0
+        assert [m["rollout/weight_version"] for m in metrics] == [0, 0, 1]
+    assert all(m["async/staleness_max"] <= 1 for m in metrics)

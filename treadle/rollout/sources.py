@@ -28,17 +28,34 @@ groups sits between it and the trainer, which takes a batch as soon as one is th
 
 - **The unit of generation** is a step-batch: the ``data.batch_size`` prompts the sampler gives
   for step ``s``, sampled with step ``s``'s seed and sent together, exactly as a synchronous
-  step sends them. Its groups enter the buffer when they finish; the trainer takes the oldest
-  first.
+  step sends them. Its groups enter the buffer when they finish; the trainer takes them oldest
+  first (the oldest finished ones, with ``admission: drop``).
 - **Staleness.** A sample's version is the oldest weight version of its tokens; its staleness
-  is the learner's version (the step of the actor's last update) minus that. Step-batch ``s``
-  starts only once the replicas hold version ``s - 1 - max_staleness`` or newer and the
-  buffer, with what is in flight, has room (``async.buffer_groups``, default
-  ``(max_staleness + 1) x data.batch_size``); a sample that is still older than the bound when
-  the trainer takes it (it waited behind others) is dropped and counted. ``max_staleness: 0``
-  is synchronous training, sample for sample; ``one_step_off`` is ``max_staleness: 1`` with a
-  sync after every update and no partial rollouts: step t+1's samples are generated with the
-  weights before step t's update while step t trains.
+  is the learner's version (the step of the actor's last update) minus that. A step-batch
+  starts only while the buffer, with what is in flight, has room (``async.buffer_groups``,
+  default ``(max_staleness + 1) x data.batch_size``), and ``async.admission`` says how the
+  bound ``async.max_staleness`` is kept:
+
+  - ``bounded`` (the default) admits work so that it cannot go stale. The trainer takes groups
+    oldest first, waiting for an older group still generating rather than take a newer one
+    past it, and every step takes at least ``data.batch_size`` groups, so the group ``p``
+    places behind the front of those started and not yet taken is trained by step
+    :func:`trained_by` at the latest. A step-batch starts only when its last group will be
+    trained by then within the bound of the replicas' version now (its oldest token's version
+    at worst, with partial rollouts too). Groups dynamic sampling takes on top only come
+    earlier; a trainer waiting for them takes them in its current step, which the sync rule
+    (``sync_every <= max_staleness + 1``) keeps within the bound. Nothing is dropped (tinker
+    cookbook PR 822: dropping favours prompts that finish fast).
+  - ``drop`` starts step-batch ``s`` once the replicas hold version ``s - 1 - max_staleness``
+    or newer; the trainer takes whichever groups finished first, and a sample that is older
+    than the bound when taken (it finished after a later step-batch, or waited behind others)
+    is dropped and counted.
+
+  Either way a sample still outside the bound when taken is dropped and counted
+  (``async/dropped``). ``max_staleness: 0`` is synchronous training, sample for sample;
+  ``one_step_off`` is ``max_staleness: 1`` with a sync after every update and no partial
+  rollouts: step t+1's samples are generated with the weights before step t's update while
+  step t trains.
 - **Weight sync** after every ``async.sync_every`` updates. Without partial rollouts the client
   stops sending, the requests in flight finish, the weights load, sending resumes; with
   ``async.partial_rollout`` the replicas pause what is in flight, load, and go on (each token
@@ -51,8 +68,8 @@ groups sits between it and the trainer, which takes a batch as soon as one is th
   are collected when done and logged with step ``s``'s record, which waits for them
   (:meth:`late_metrics`; the driver's log keeps steps in order).
 - **Dynamic sampling** drops groups of equal rewards as they are taken and takes more; a
-  trainer that waits with nothing in flight may start the next step-batch whatever the bound,
-  so it never waits forever.
+  trainer that waits with nothing in flight may start the next step-batch whatever the room
+  and the bound (``bounded``: it is within the bound anyway), so it never waits forever.
 - **Resume.** A checkpoint keeps the sampler's position at the oldest step-batch not wholly
   trained and which of its groups (and later ones') were trained; a resumed run draws those
   step-batches again and generates the groups not yet trained. Whatever was in flight or in the
@@ -315,6 +332,34 @@ class _Group:
     batch: Batch  # its rollout.n samples
 
 
+@dataclass(frozen=True)
+class Admission:
+    """``async.admission``: whether a step-batch may start now for the staleness bound, and
+    whether the trainer may take the buffer's first groups (see the module docstring)."""
+
+    bounded: bool
+    max_staleness: int
+    batch_size: int
+
+    def fresh(
+        self, step: int, count: int, version: int, ahead: int, at: tuple[int, int], waiting: int
+    ) -> bool:
+        """Step-batch ``step``'s ``count`` groups, started now with the replicas' ``version``
+        behind the ``ahead`` groups started and not yet taken; ``at``: the step the trainer
+        takes groups for and how many it took, ``waiting``: how many more it waits for."""
+        if not self.bounded:  # within its own step's bound (taken later, it may be dropped)
+            return version >= step - 1 - self.max_staleness
+        last = trained_by(ahead + count - 1, *at, waiting, self.batch_size)
+        return last <= version + self.max_staleness + 1  # its oldest token: ``version``
+
+    def ready(self, buffer: list[_Group], count: int, flying: set[int]) -> bool:
+        """Whether the buffer's first ``count`` groups may be taken (``flying``: the step-batches
+        generating): bounded, only when no older group is still generating."""
+        if len(buffer) < count:
+            return False
+        return not self.bounded or buffer[count - 1].step < min(flying, default=math.inf)
+
+
 class AsyncSource:
     """The producer, the buffer and the sync policy of the modes that generate ahead
     (one_step_off, async); see the module docstring."""
@@ -336,16 +381,20 @@ class AsyncSource:
             self.max_staleness, self.sync_every = a.max_staleness, a.sync_every
             self.partial = a.partial_rollout
         self.batch_size = cfg.data.batch_size
+        bounded = a.admission == "bounded"
+        self.admission = Admission(bounded, self.max_staleness, self.batch_size)
         self.capacity = a.buffer_groups or (self.max_staleness + 1) * self.batch_size
         self.rollout, self.client = rollout, rollout.client
         self.dataset, self.sampler, self.score = dataset, sampler, score
         self.version = self.learner = start  # the replicas' weights; the actor's
         self.next_step = start + 1
+        self.at = (start + 1, 0)  # the step the trainer takes groups for; groups it took so far
         self.consumed: set[tuple[int, int]] = set()  # (step-batch, group) trained
         self.drawn: dict[int, dict[str, int]] = {}  # open step-batch -> sampler state before it
         self.open: dict[int, int] = {}  # step-batch -> its groups not yet taken
         self.buffer: list[_Group] = []
         self.in_flight = 0  # groups
+        self.flying: set[int] = set()  # step-batches generating
         self.waiting = 0  # groups the trainer waits for (0: not waiting)
         self.error: BaseException | None = None
         self.dropped_total = 0
@@ -369,8 +418,10 @@ class AsyncSource:
             await asyncio.sleep(0.005)
 
     def _may_start(self, step: int) -> bool:
-        fresh = self.version >= step - 1 - self.max_staleness
-        room = len(self.buffer) + self.in_flight + self.batch_size <= self.capacity
+        count = self.batch_size - sum(1 for c in self.consumed if c[0] == step)
+        ahead = len(self.buffer) + self.in_flight
+        fresh = self.admission.fresh(step, count, self.version, ahead, self.at, self.waiting)
+        room = ahead + self.batch_size <= self.capacity
         starving = self.waiting > len(self.buffer) and self.in_flight == 0
         return (fresh and room) or starving
 
@@ -390,6 +441,7 @@ class AsyncSource:
                     continue
                 self.drawn[step], self.open[step] = before, len(keep)
                 self.in_flight += len(keep)
+                self.flying.add(step)
                 task = asyncio.ensure_future(self._generate(step, prompts, keep))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -416,16 +468,19 @@ class AsyncSource:
             self.error = e
         finally:
             self.in_flight -= len(keep)
+            self.flying.discard(step)
 
     async def _take(self, count: int) -> list[_Group]:
         self.waiting = count
         try:
-            await self._until(lambda: len(self.buffer) >= count or self.error is not None)
+            ready = self.admission.ready
+            await self._until(lambda: ready(self.buffer, count, self.flying) or bool(self.error))
         finally:
             self.waiting = 0
         if self.error is not None:
             raise self.error
         taken, self.buffer = self.buffer[:count], self.buffer[count:]
+        self.at = (self.at[0], self.at[1] + len(taken))
         for g in taken:
             self.consumed.add((g.step, g.index))
             self.open[g.step] -= 1
@@ -464,6 +519,7 @@ class AsyncSource:
         """The next ``data.batch_size`` groups, scored: stale ones dropped, and with
         ``algorithm.filter_groups`` groups of equal rewards too."""
         self.start()
+        self.at = (step, 0)
         groups = GroupFilter(self.cfg)
         stale = 0
         self.waited = 0.0
@@ -478,6 +534,7 @@ class AsyncSource:
             if batch is not None:  # (the async modes do not log reward/rule_mean)
                 batch["token_level_scores"] = self.score(batch, None)
             groups.add(batch, stale=len(made) - len(fresh), failed=len(taken) - len(made))
+        self.at = (step + 1, 0)  # (one assignment: the producer reads it from its thread)
         batch = groups.batch(m)
         lag = self.learner - batch["weight_version"]
         self.dropped_total += stale
@@ -507,7 +564,7 @@ class AsyncSource:
         the evaluations of the weights they hold have been answered."""
         if self.version == self.learner:
             return {}
-        waited = self._evals_answered()
+        waited = _answered(self.evals)
         if self._producer is None:  # nothing generates yet
             out = self.rollout.sync_weights(self.learner)
         elif self.partial:
@@ -520,16 +577,6 @@ class AsyncSource:
                 self.client.run(self.client.resume())
         self.version = self.learner
         return {**out, "async/eval_wait": waited} if waited is not None else out
-
-    def _evals_answered(self) -> float | None:
-        """Wait until every evaluation's requests are answered; the seconds it took (None:
-        none was in flight)."""
-        pending = [e.generated for e in self.evals if not e.generated.done()]
-        if not pending:
-            return None
-        started = time.perf_counter()
-        concurrent.futures.wait(pending)
-        return time.perf_counter() - started
 
     def evaluate(self, step: int, requests: EvalRequests, scores: EvalScores) -> dict[str, float]:
         """Send the evaluation of the learner's weights beside training: the replicas get them
@@ -563,6 +610,29 @@ class AsyncSource:
             out["async/rollout_idle_frac"] = min(max(sum(idle) / len(idle), 0.0), 1.0)
             self._busy, self._clock = busy, now
         return out
+
+
+def _answered(evals: list[_Eval]) -> float | None:
+    """Wait until every evaluation's requests are answered; the seconds it took (None: none
+    was in flight)."""
+    pending = [e.generated for e in evals if not e.generated.done()]
+    if not pending:
+        return None
+    started = time.perf_counter()
+    concurrent.futures.wait(pending)
+    return time.perf_counter() - started
+
+
+def trained_by(position: int, step: int, taken: int, waiting: int, batch_size: int) -> int:
+    """The latest step that trains the group ``position`` places behind the front of those
+    admitted and not yet taken (0: the next to be taken), when the trainer takes groups oldest
+    first for step ``step``, has taken ``taken`` of them and waits for ``waiting`` more. Every
+    step takes at least ``batch_size`` groups (dynamic sampling may take more: earlier, never
+    later)."""
+    now = max(batch_size - taken, waiting)  # groups step ``step`` is still sure to take
+    if position < now:
+        return step
+    return step + 1 + (position - now) // batch_size
 
 
 def _oldest(group: _Group) -> int:
