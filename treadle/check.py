@@ -180,6 +180,7 @@ def _check_side_models(cfg: Config, problems: list[str]) -> None:
     """The folders of the reward model, the critic and PRIME's models (RL)."""
     from treadle.config.rules import uses_critic
     from treadle.models import resolve_model_path
+    from treadle.trainers.roles import check_value_models
 
     found = True
     for key, other in (
@@ -197,32 +198,9 @@ def _check_side_models(cfg: Config, problems: list[str]) -> None:
                 found = False
     if found and cfg.model.path:
         try:
-            check_value_models(cfg, critic=uses_critic(cfg))
+            check_value_models(cfg, critic=uses_critic(cfg))  # (the trainer's own check)
         except ConfigError as e:
             problems.append(str(e))
-
-
-def check_value_models(cfg: Config, critic: bool) -> None:
-    """The critic's (``critic``: the run has one) and reward model's folders exist and share
-    the actor's vocabulary; the reward model is one (a *ForTokenClassification folder)."""
-    from treadle.models import shared_vocabulary
-
-    paths = []
-    if critic and cfg.critic.model_path:
-        paths.append(("critic.model_path", cfg.critic.model_path))
-    if cfg.reward.model_path:
-        paths.append(("reward.model_path", cfg.reward.model_path))
-    if not paths:
-        return
-    configs = shared_vocabulary(cfg.model.path, paths, cfg.model.allow_download)
-    config = configs.get("reward.model_path")
-    arch = (config or {}).get("architectures") or []
-    if config and not any(a.endswith("ForTokenClassification") for a in arch):
-        raise ConfigError(
-            f"reward.model_path: '{cfg.reward.model_path}' is not a reward model (architectures: "
-            f"{', '.join(arch) or 'none'}); train one with `treadle rm` (a "
-            "*ForTokenClassification folder with one label)"
-        )
 
 
 def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
