@@ -1,0 +1,138 @@
+"""Replica restarts (issue 27): a split replica that dies or stops answering is started again,
+at most ``rollout.max_restarts`` times, and the requests it held are sent again.
+
+The client's side against test doubles (fast); a GRPO run whose replica is SIGKILLed twice mid-
+rollout, and a split teacher replica killed between calls, under Ray (slow).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from treadle.engines.inference import SamplingParams
+from treadle.rollout import Request, Response, RolloutClient, RolloutError
+
+SAMPLE = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=5)
+
+
+class RecordingReplica:
+    """Answers after ``delay`` seconds; records what it was sent."""
+
+    def __init__(self, name: str, delay: float = 0.0) -> None:
+        self.name, self.delay = name, delay
+        self.calls: list[list[Request]] = []
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        self.calls.append(list(requests))
+        await asyncio.sleep(self.delay)
+        return [Response(r.request_id, [1], [-0.5], "stop", 0, self.name) for r in requests]
+
+
+class DyingReplica(RecordingReplica):
+    """Takes its calls, then fails them all after ``delay`` seconds, as a killed actor does."""
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        self.calls.append(list(requests))
+        await asyncio.sleep(self.delay)
+        raise RolloutError(f"{self.name} (pid 1) died during a rollout (killed)")
+
+
+def _client(replicas, max_restarts: int, up_after: float = 0.05, **kw) -> RolloutClient:
+    client = RolloutClient(replicas, max_restarts=max_restarts, **kw)
+    restarted: list[tuple[int, str]] = []
+
+    async def restart(index: int, error: RolloutError) -> None:
+        restarted.append((index, str(error)))
+        await asyncio.sleep(up_after)
+        client.replace(index, RecordingReplica(f"new {index}"), up=True)
+
+    client.restarts.restart = restart
+    client.restarted = restarted  # type: ignore[attr-defined]
+    return client
+
+
+def _requests(client: RolloutClient, n: int) -> list[Request]:
+    return [Request(client.new_id(), (1, 2, 3), SAMPLE) for _ in range(n)]
+
+
+def test_a_dead_replicas_requests_go_to_a_live_one_once_each():
+    live, dying = RecordingReplica("a", delay=0.01), DyingReplica("b", delay=0.02)
+    client = _client([live, dying], max_restarts=1, up_after=1.0)
+    try:
+        requests = _requests(client, 8)
+        out = client.generate(requests)
+        assert [r.request_id for r in out] == [r.request_id for r in requests]
+        assert [r.replica for r in out[1::2]] == ["a"] * 4  # b's share, sent again to a
+        assert sum(len(c) for c in live.calls) == 8  # every request answered once
+        assert client.restarted[0][0] == 1  # type: ignore[attr-defined]
+        assert client.down == {1}  # still restarting; nothing is routed there
+        client.run(asyncio.sleep(1.1))
+        assert client.down == set() and client.replicas[1].name == "new 1"
+        assert client.outstanding == [0, 0]
+    finally:
+        client.close()
+
+
+def test_with_every_replica_down_requests_wait_for_the_restarted_one():
+    client = _client([DyingReplica("only", delay=0.01)], max_restarts=2)
+    try:
+        out = client.generate(_requests(client, 3))
+        assert [r.replica for r in out] == ["new 0"] * 3
+        assert client.restarts.left == 1 and client.outstanding == [0]
+    finally:
+        client.close()
+
+
+def test_a_replica_that_stops_answering_is_restarted():
+    client = _client([RecordingReplica("slow", delay=5.0)], max_restarts=1, timeout_s=0.2)
+    try:
+        out = client.generate(_requests(client, 2))
+        assert [r.replica for r in out] == ["new 0"] * 2
+        ((_, error),) = client.restarted  # type: ignore[attr-defined]
+        assert "did not answer 2 request(s) within rollout.request_timeout_s=0.2 s" in error
+    finally:
+        client.close()
+
+
+def test_restarts_run_out():
+    client = RolloutClient([DyingReplica("r", delay=0.0)], max_restarts=1)
+
+    async def restart(index: int, error: RolloutError) -> None:
+        client.replace(index, DyingReplica("r again"), up=True)  # dies too
+
+    client.restarts.restart = restart
+    try:
+        with pytest.raises(
+            RolloutError,
+            match=r"^r again \(pid 1\) died during a rollout \(killed\); "
+            r"rollout.max_restarts=1 restarts used already$",
+        ):
+            client.generate(_requests(client, 2))
+    finally:
+        client.close()
+
+
+def test_no_restarts_keeps_the_first_error():
+    client = RolloutClient([DyingReplica("r", delay=0.0)])  # max_restarts=0: as before
+    try:
+        with pytest.raises(RolloutError, match=r"^r \(pid 1\) died during a rollout \(killed\)$"):
+            client.generate(_requests(client, 2))
+        assert client.down == set()
+    finally:
+        client.close()
+
+
+def test_a_failed_restart_stops_the_run():
+    client = RolloutClient([DyingReplica("r", delay=0.0)], max_restarts=3)
+
+    async def restart(index: int, error: RolloutError) -> None:
+        raise RuntimeError("no room for it")
+
+    client.restarts.restart = restart
+    try:
+        with pytest.raises(RolloutError, match=r"; its restart failed: no room for it$"):
+            client.generate(_requests(client, 1))
+    finally:
+        client.close()
