@@ -140,11 +140,19 @@ class Restarts:
         c.down.add(index)
         self.tasks[index] = asyncio.ensure_future(self._restart(index, error))
 
+    async def now(self, index: int, error: RolloutError) -> None:
+        """Restart replica ``index``, found dead outside a call, and wait until it is done."""
+        self.failed(index, self.client.replicas[index], error)
+        if index in self.tasks:
+            await self.tasks[index]
+        if self.client.failure is not None:
+            raise self.client.failure
+
     async def _restart(self, index: int, error: RolloutError) -> None:
         assert self.restart is not None
         try:
             await self.restart(index, error)
-        except BaseException as e:  # a failed restart stops the run: every caller hears it
+        except Exception as e:  # a failed restart stops the run: every caller hears it
             failure = RolloutError(f"{error}; its restart failed: {e}")
             self.client.failure = self.client.failure or failure
         finally:
@@ -184,10 +192,17 @@ class RolloutClient:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the client's loop until it is done: in this thread, or in the
-        loop's own thread after :meth:`start_background` (this one waits)."""
+        loop's own thread after :meth:`start_background` (this one waits). In this thread,
+        restarts it began are waited for too (they may use the actor, idle only meanwhile)."""
         if self._thread is not None:
             return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-        return self._loop.run_until_complete(coro)
+        result = self._loop.run_until_complete(coro)
+        if self.restarts.tasks:
+            while self.restarts.tasks:
+                self._loop.run_until_complete(asyncio.wait(list(self.restarts.tasks.values())))
+            if self.failure is not None:  # a restart failed
+                raise self.failure
+        return result
 
     def start_background(self) -> None:
         """Run the loop in a thread of its own from now on (only Ray replicas: a local
