@@ -8,6 +8,12 @@ rollout, and a split teacher replica killed between calls, under Ray (slow).
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
+import re
+import signal
+import threading
+import time
 
 import pytest
 
@@ -67,8 +73,7 @@ def test_a_dead_replicas_requests_go_to_a_live_one_once_each():
         assert [r.replica for r in out[1::2]] == ["a"] * 4  # b's share, sent again to a
         assert sum(len(c) for c in live.calls) == 8  # every request answered once
         assert client.restarted[0][0] == 1  # type: ignore[attr-defined]
-        assert client.down == {1}  # still restarting; nothing is routed there
-        client.run(asyncio.sleep(1.1))
+        # generate returned once the restart was done too (it may use the actor, idle then)
         assert client.down == set() and client.replicas[1].name == "new 1"
         assert client.outstanding == [0, 0]
     finally:
@@ -136,3 +141,90 @@ def test_a_failed_restart_stops_the_run():
             client.generate(_requests(client, 1))
     finally:
         client.close()
+
+
+# ----------------------------------------------------------------------------- under Ray
+
+
+def _kill_when_busy(client: RolloutClient, index: int, pid: int) -> threading.Thread:
+    """A thread that SIGKILLs replica ``index``'s process once requests are outstanding there
+    (mid-rollout: an event of the run, not a time)."""
+
+    def kill() -> None:
+        while client.outstanding[index] == 0:
+            time.sleep(0.002)
+        os.kill(pid, signal.SIGKILL)
+
+    thread = threading.Thread(target=kill, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.slow
+def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samples(
+    tiny_task, length_reward, tmp_path, ray_session, caplog
+):
+    import ray
+
+    from treadle.config import load_config
+    from treadle.trainers.rl import RLTrainer
+
+    overrides = [
+        f"reward.function={length_reward}",
+        f"model.path={tiny_task['model']}",
+        f"data.train_files=[{tiny_task['train']}]",
+        f"data.val_files=[{tiny_task['test']}]",
+        "data.batch_size=4",
+        "data.max_prompt_length=64",
+        "rollout.n=4",
+        "rollout.max_new_tokens=48",
+        "rollout.ignore_eos=true",  # long rollouts: the kill lands while they run
+        "rollout.placement=split",
+        "rollout.replicas=2",
+        "actor.ppo_mini_batch_size=16",
+        "actor.micro_batch_size=8",
+        "trainer.num_cpus=2",
+        "trainer.progress=false",
+        f"trainer.output_dir={tmp_path / 'run'}",
+    ]
+    t = RLTrainer(load_config(None, overrides))
+    sizes: list[int] = []
+    sample = t.source.sample
+
+    def counted(step, m):  # type: ignore[no-untyped-def]
+        batch = sample(step, m)
+        sizes.append(len(batch))
+        return batch
+
+    t.source.sample = counted  # type: ignore[method-assign]
+    client, metrics = t.rollout.client, []
+    try:
+        with caplog.at_level(logging.WARNING, logger="treadle"):
+            for step in range(1, 5):
+                killer = None
+                if step in (2, 3):  # replica 1, then its successor
+                    pid = ray.get(t.rollout.replicas[1].describe.remote())["pid"]
+                    killer = _kill_when_busy(client, 1, pid)
+                metrics.append(t.step(step))
+                if killer is not None:
+                    killer.join(timeout=60)
+                    assert not killer.is_alive()
+        assert sizes == [16] * 4  # data.batch_size x rollout.n, every step
+        restarts = [m.get("rollout/replica_restarts", 0.0) for m in metrics]
+        assert restarts == [0.0, 1.0, 1.0, 0.0]  # in the step whose rollout lost requests
+        warnings = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
+        assert len(warnings) == 2, warnings
+        assert all(w.startswith("rollout replica 1 (pid ") for w in warnings), warnings
+        assert all("died during a rollout" in w and "SIGKILL" in w for w in warnings)
+        assert client.down == set() and client.restarts.left == 1
+        # the restarted replica holds the current weights and version
+        assert set(t.source.sample(5, {})["weight_version"].tolist()) == {4}
+        # one dead between rollouts is restarted before the weight sync it would break
+        ray.kill(t.rollout.replicas[0])
+        t.rollout.sync_weights(5)
+        assert t.rollout.take_counters() == {"rollout/replica_restarts": 1.0}
+        last = caplog.records[-1].getMessage()
+        assert re.match(r"rollout replica 0 \(pid \d+\) died between rollouts", last), last
+        assert set(t.source.sample(6, {})["weight_version"].tolist()) == {5}
+    finally:
+        t.close()
