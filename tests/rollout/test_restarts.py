@@ -160,20 +160,17 @@ def _kill_when_busy(client: RolloutClient, index: int, pid: int) -> threading.Th
     return thread
 
 
-@pytest.mark.slow
-def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samples(
-    tiny_task, length_reward, tmp_path, ray_session, caplog
-):
-    import ray
-
+def _trainer(task, reward, out, *extra: str):  # type: ignore[no-untyped-def]
+    """A GRPO trainer on the tiny task, two split replicas, long rollouts; the sizes of the
+    batches its steps sample are recorded in ``trainer.sizes``."""
     from treadle.config import load_config
     from treadle.trainers.rl import RLTrainer
 
     overrides = [
-        f"reward.function={length_reward}",
-        f"model.path={tiny_task['model']}",
-        f"data.train_files=[{tiny_task['train']}]",
-        f"data.val_files=[{tiny_task['test']}]",
+        f"reward.function={reward}",
+        f"model.path={task['model']}",
+        f"data.train_files=[{task['train']}]",
+        f"data.val_files=[{task['test']}]",
         "data.batch_size=4",
         "data.max_prompt_length=64",
         "rollout.n=4",
@@ -185,18 +182,30 @@ def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samp
         "actor.micro_batch_size=8",
         "trainer.num_cpus=2",
         "trainer.progress=false",
-        f"trainer.output_dir={tmp_path / 'run'}",
+        f"trainer.output_dir={out}",
+        *extra,
     ]
     t = RLTrainer(load_config(None, overrides))
-    sizes: list[int] = []
+    t.sizes = []
     sample = t.source.sample
 
     def counted(step, m):  # type: ignore[no-untyped-def]
         batch = sample(step, m)
-        sizes.append(len(batch))
+        t.sizes.append(len(batch))
         return batch
 
     t.source.sample = counted  # type: ignore[method-assign]
+    return t
+
+
+@pytest.mark.slow
+def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samples(
+    tiny_task, length_reward, tmp_path, ray_session, caplog
+):
+    import ray
+
+    t = _trainer(tiny_task, length_reward, tmp_path / "run")
+    sizes = t.sizes
     client, metrics = t.rollout.client, []
     try:
         with caplog.at_level(logging.WARNING, logger="treadle"):
@@ -226,5 +235,38 @@ def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samp
         last = caplog.records[-1].getMessage()
         assert re.match(r"rollout replica 0 \(pid \d+\) died between rollouts", last), last
         assert set(t.source.sample(6, {})["weight_version"].tolist()) == {5}
+    finally:
+        t.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["one_step_off", "async"])
+def test_a_replica_killed_while_the_producer_generates_is_restarted(
+    mode, tiny_task, length_reward, tmp_path, ray_session, caplog
+):
+    """The asynchronous modes: the new replica waits, down, for the next weight sync (the
+    actor trains meanwhile), which makes the weight-sync group again; the run goes on."""
+    import ray
+
+    t = _trainer(tiny_task, length_reward, tmp_path / "run", f"trainer.mode={mode}")
+    client, metrics = t.rollout.client, []
+    try:
+        with caplog.at_level(logging.WARNING, logger="treadle"):
+            for step in range(1, 5):
+                killer = None
+                if step == 2:
+                    pid = ray.get(t.rollout.replicas[1].describe.remote())["pid"]
+                    killer = _kill_when_busy(client, 1, pid)
+                metrics.append(t.step(step))
+                if killer is not None:
+                    killer.join(timeout=60)
+                    assert not killer.is_alive()
+        assert t.sizes == [16] * 4
+        restarts = sum(m.get("rollout/replica_restarts", 0.0) for m in metrics)
+        assert restarts + t.rollout.take_counters().get("rollout/replica_restarts", 0.0) == 1
+        warnings = [r.getMessage() for r in caplog.records if "restarting it" in r.getMessage()]
+        assert len(warnings) == 1 and warnings[0].startswith("rollout replica 1 (pid "), warnings
+        t.source.sample(5, {})  # (a sync has put the new replica in the group by now)
+        assert client.down == set()
     finally:
         t.close()
