@@ -198,6 +198,16 @@ def _trainer(task, reward, out, *extra: str):  # type: ignore[no-untyped-def]
     return t
 
 
+def _wait_gone(pid: int) -> None:
+    """Until the process ``pid`` has ended."""
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.01)
+
+
 @pytest.mark.slow
 def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samples(
     tiny_task, length_reward, tmp_path, ray_session, caplog
@@ -229,7 +239,9 @@ def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samp
         # the restarted replica holds the current weights and version
         assert set(t.source.sample(5, {})["weight_version"].tolist()) == {4}
         # one dead between rollouts is restarted before the weight sync it would break
-        ray.kill(t.rollout.replicas[0])
+        pid = ray.get(t.rollout.replicas[0].describe.remote())["pid"]
+        os.kill(pid, signal.SIGKILL)
+        _wait_gone(pid)
         t.rollout.sync_weights(5)
         assert t.rollout.take_counters() == {"rollout/replica_restarts": 1.0}
         last = caplog.records[-1].getMessage()

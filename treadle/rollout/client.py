@@ -281,14 +281,12 @@ class RolloutClient:
 
     async def submit_many(self, requests: Sequence[Request]) -> list[Response]:
         """Route each request, send each replica its share in calls of at most max_inflight."""
-        await self._open.wait()
-        await self._wait_up()
+        await self._ready()
         return await self._fan_out("generate", requests, [self.route(r) for r in requests])
 
     async def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResponse]:
         """Each score request to the least loaded replica, as :meth:`submit_many` does."""
-        await self._open.wait()
-        await self._wait_up()
+        await self._ready()
         return await self._fan_out("score", requests, [self._least_loaded() for _ in requests])
 
     async def _fan_out(self, what: str, requests: Sequence[Any], routes: list[int]) -> list[Any]:
@@ -351,13 +349,22 @@ class RolloutClient:
             if self.restarts.restart is None:
                 raise
             self.restarts.failed(index, replica, e)
-        await self._wait_up()
+        await self._ready()
         if what == "generate":
             return await self._fan_out(what, requests, [self.route(r) for r in requests])
         return await self._fan_out(what, requests, [self._least_loaded() for _ in requests])
 
+    async def _ready(self) -> None:
+        """Return once requests may be sent (not paused) and a replica is up to take them
+        (the caller routes them before it awaits anything)."""
+        while True:
+            await self._wait_up()
+            if self._open.is_set():
+                return
+            await self._open.wait()
+
     async def _wait_up(self) -> None:
-        """Return once a replica is up (at once but while all are being restarted)."""
+        """Return once a replica is up: at once, unless all are being restarted."""
         while True:
             if self.failure is not None and self.restarts.restart is not None:
                 raise self.failure
