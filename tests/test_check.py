@@ -185,6 +185,7 @@ BAD_FIELDS = {
     "rollout.ray_resources": ["{gpu: -1}", "{gpu: nan}", "[1]"],
     "rollout.max_inflight_per_replica": ["0"],
     "rollout.request_timeout_s": ["0", "nan", "inf"],
+    "rollout.max_restarts": ["-1", "1.5", "true"],
     "rollout.max_turns": ["0"],
     "rollout.max_tool_response_tokens": ["0"],
     "rollout.tool_timeout_s": ["-1"],

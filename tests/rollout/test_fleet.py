@@ -7,8 +7,8 @@ rank's process, weights copied in memory) and split (two replicas in a pool of t
 weights over a gloo group), both with vLLM under Ray (one vLLM engine per process: not in
 this test process, whose engine belongs to engines/test_vllm.py). The tiny model has tied
 embeddings, the case vLLM gets wrong unless re-tied.
-A replica killed mid-rollout or before a weight sync stops the run with one line naming it;
-what was written stays.
+Without restarts (rollout.max_restarts=0), a replica killed mid-rollout or before a weight sync
+stops the run with one line naming it; what was written stays.
 """
 
 from __future__ import annotations
@@ -111,6 +111,7 @@ def test_split_replicas_after_a_sync_match_the_actor(
             "rollout.placement=split",
             "rollout.replicas=2",
             "trainer.num_cpus=2",
+            "rollout.max_restarts=0",  # no restarts: a dead replica stops the run, as before
         ),
     )
     t = RLTrainer(cfg)
@@ -150,6 +151,7 @@ def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_
         "trainer.total_steps=5",
         "trainer.save_every=1",
         "trainer.num_cpus=2",
+        "rollout.max_restarts=0",  # (tests/rollout/test_restarts.py: with restarts)
     )
     env = {**os.environ, "RAY_COLOR_PREFIX": "0"}
     proc = subprocess.Popen(

@@ -1,10 +1,14 @@
 """The teacher under Ray, one Ray start: two split teacher replicas (Ray actors in a placement
 group of their own) and a colocated teacher in an actor rank's process (``teacher_score``),
-each scoring a batch as the transformers engine does in this process; a dead split replica is
-named ("teacher replica i").
+each scoring a batch as the transformers engine does in this process; a split replica killed
+is started again and its requests sent again (rollout.max_restarts), and once no restart is
+left, a dead one is named ("teacher replica i").
 """
 
 from __future__ import annotations
+
+import os
+import signal
 
 import pytest
 import torch
@@ -129,6 +133,7 @@ def test_split_and_colocated_teachers_under_ray(ray_session, tiny_task, teacher_
         "teacher.placement=split",
         "teacher.replicas=2",
         "teacher.cpus_per_replica=0.5",
+        "rollout.max_restarts=1",
     )
     teacher = start_teacher(split, None, tok)  # split: the actor's group is not used
     try:
@@ -141,8 +146,17 @@ def test_split_and_colocated_teachers_under_ray(ray_session, tiny_task, teacher_
         _check_generate(teacher, batch, tok, teacher_model)
         import ray
 
-        ray.kill(teacher.rollout.replicas[0])
-        with pytest.raises(RolloutError, match=r"teacher replica 0 .*died during scoring"):
+        pid = ray.get(teacher.rollout.replicas[0].describe.remote())["pid"]
+        os.kill(pid, signal.SIGKILL)  # the next scoring finds it dead: restarted, sent again
+        _check(teacher.score(batch, TOP_K), expected)
+        assert teacher.rollout.take_counters()["rollout/replica_restarts"] == 1.0
+        assert teacher.client.down == set() and teacher.client.outstanding == [0, 0]
+        assert ray.get(teacher.rollout.replicas[0].describe.remote())["pid"] != pid
+        ray.kill(teacher.rollout.replicas[0])  # no restart left
+        with pytest.raises(
+            RolloutError,
+            match=r"teacher replica 0 .*died during scoring .*; rollout.max_restarts=1 restarts",
+        ):
             teacher.score(batch, TOP_K)
     finally:
         teacher.close()

@@ -65,7 +65,18 @@ class RolloutConfig(Section):
         256, gt=0, description="Requests in flight per replica at most (the client waits)."
     )
     request_timeout_s: float = Field(
-        600.0, gt=0, description="A request not answered within this many seconds stops the run."
+        600.0,
+        gt=0,
+        description="A request not answered within this many seconds stops the run (split "
+        "replicas: restarts its replica, see max_restarts).",
+    )
+    max_restarts: int = Field(
+        3,
+        ge=0,
+        description="Split rollout (and teacher) replicas that die or do not answer within "
+        "request_timeout_s are restarted, at most this many times in a run, with the current "
+        "weights; their requests are sent again. 0: the first such failure stops the run. A "
+        "colocated replica or a dead training rank always stops it.",
     )
     endpoint: EndpointConfig = Field(
         default_factory=defaults(EndpointConfig),

@@ -11,7 +11,13 @@ The driver (and, later, agent loops) never picks a replica. :class:`RolloutClien
 
 Requests routed together to one replica travel in one call (the driver's fan-out costs one Ray
 call per replica, not per sample) and enter its engine together. A replica that dies or does not
-answer within ``timeout_s`` stops everything with one :class:`RolloutError` naming it.
+answer within ``timeout_s`` stops everything with one :class:`RolloutError` naming it, unless
+the client has a ``restart`` (split replicas, ``rollout.max_restarts``): then, at most
+``max_restarts`` times, the replica is marked down (no request is routed to it), ``restart``
+starts it again in the background, and the requests of every call it failed are routed again
+over the replicas that are up (waiting for one when none is); a failed call returned no answer,
+so none is answered twice. ``restart`` puts the new handle in place with :meth:`replace`, up
+at once or, when it must first get the weights of the next sync, later (:meth:`mark_up`).
 
 The client is asynchronous (``await client.submit(request)``) and owns an event loop that the
 synchronous driver runs in its own thread (:meth:`RolloutClient.run`,
@@ -38,7 +44,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
 from treadle.controller import death_cause, pid_note
@@ -50,6 +56,9 @@ T = TypeVar("T")
 
 class RolloutError(TreadleError):
     """A rollout replica died or did not answer; the message names it."""
+
+
+Restart = Callable[[int, "RolloutError"], Awaitable[None]]
 
 
 class ReplicaHandle(Protocol):
@@ -105,6 +114,51 @@ class RayReplica:
             raise RolloutError(f"{dead} ({death_cause(e)})") from None
 
 
+class Restarts:
+    """Which replicas of ``client`` are being restarted, and how many restarts are left."""
+
+    def __init__(self, client: RolloutClient, max_restarts: int) -> None:
+        self.client = client
+        self.restart: Restart | None = None  # see the module docstring
+        self.max_restarts = self.left = max_restarts
+        self.tasks: dict[int, asyncio.Future[None]] = {}
+
+    def failed(self, index: int, replica: ReplicaHandle, error: RolloutError) -> None:
+        """``replica`` (at ``index``) failed with ``error``: restart it unless that is under
+        way or done already; raise ``error`` when no restart is left."""
+        c = self.client
+        if replica is not c.replicas[index] or index in self.tasks:
+            return  # another of its calls saw it fail first
+        if self.left <= 0:
+            if self.max_restarts:
+                error = RolloutError(
+                    f"{error}; rollout.max_restarts={self.max_restarts} restarts used already"
+                )
+            c.failure = c.failure or error
+            raise error
+        self.left -= 1
+        c.down.add(index)
+        self.tasks[index] = asyncio.ensure_future(self._restart(index, error))
+
+    async def now(self, index: int, error: RolloutError) -> None:
+        """Restart replica ``index``, found dead outside a call, and wait until it is done."""
+        self.failed(index, self.client.replicas[index], error)
+        if index in self.tasks:
+            await self.tasks[index]
+        if self.client.failure is not None:
+            raise self.client.failure
+
+    async def _restart(self, index: int, error: RolloutError) -> None:
+        assert self.restart is not None
+        try:
+            await self.restart(index, error)
+        except Exception as e:  # a failed restart stops the run: every caller hears it
+            failure = RolloutError(f"{error}; its restart failed: {e}")
+            self.client.failure = self.client.failure or failure
+        finally:
+            del self.tasks[index]
+
+
 class RolloutClient:
     """Routes requests over ``replicas``; see the module docstring."""
 
@@ -114,6 +168,7 @@ class RolloutClient:
         *,
         max_inflight: int = 256,
         timeout_s: float = 600.0,
+        max_restarts: int = 0,
     ) -> None:
         if not replicas:
             raise ValueError("a rollout client needs at least one replica")
@@ -130,15 +185,24 @@ class RolloutClient:
         self._open.set()
         self._thread: threading.Thread | None = None
         self.failure: RolloutError | None = None  # the first replica failure, once there is one
+        self.restarts = Restarts(self, max_restarts)
+        self.down: set[int] = set()  # replicas being restarted: nothing is routed to them
 
     # ------------------------------------------------------------------ sync entry points
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run ``coro`` on the client's loop until it is done: in this thread, or in the
-        loop's own thread after :meth:`start_background` (this one waits)."""
+        loop's own thread after :meth:`start_background` (this one waits). In this thread,
+        restarts it began are waited for too (they may use the actor, idle only meanwhile)."""
         if self._thread is not None:
             return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-        return self._loop.run_until_complete(coro)
+        result = self._loop.run_until_complete(coro)
+        if self.restarts.tasks:
+            while self.restarts.tasks:
+                self._loop.run_until_complete(asyncio.wait(list(self.restarts.tasks.values())))
+            if self.failure is not None:  # a restart failed
+                raise self.failure
+        return result
 
     def start_background(self) -> None:
         """Run the loop in a thread of its own from now on (only Ray replicas: a local
@@ -150,6 +214,11 @@ class RolloutClient:
                 target=self._loop.run_forever, name="treadle rollout client", daemon=True
             )
             self._thread.start()
+
+    @property
+    def background(self) -> bool:
+        """Whether the loop runs in a thread of its own (:meth:`start_background`)."""
+        return self._thread is not None
 
     def spawn(self, coro: Coroutine[Any, Any, T]) -> concurrent.futures.Future[T]:
         """Start ``coro`` on the background loop; its result comes through the future."""
@@ -212,12 +281,12 @@ class RolloutClient:
 
     async def submit_many(self, requests: Sequence[Request]) -> list[Response]:
         """Route each request, send each replica its share in calls of at most max_inflight."""
-        await self._open.wait()
+        await self._ready()
         return await self._fan_out("generate", requests, [self.route(r) for r in requests])
 
     async def score_many(self, requests: Sequence[ScoreRequest]) -> list[ScoreResponse]:
         """Each score request to the least loaded replica, as :meth:`submit_many` does."""
-        await self._open.wait()
+        await self._ready()
         return await self._fan_out("score", requests, [self._least_loaded() for _ in requests])
 
     async def _fan_out(self, what: str, requests: Sequence[Any], routes: list[int]) -> list[Any]:
@@ -249,7 +318,7 @@ class RolloutClient:
         """The replica for ``request``; counts it as outstanding there."""
         session = request.session_id
         index = self.sessions.get(session) if session is not None else None
-        if index is None:
+        if index is None or index in self.down:
             index = self._least_loaded(count=False)
             if session is not None:
                 self.sessions[session] = index
@@ -259,7 +328,10 @@ class RolloutClient:
     def _least_loaded(self, count: bool = True) -> int:
         """The replica with the fewest outstanding requests (ties: the lowest index);
         ``count``: one more is outstanding there."""
-        index = min(range(len(self.replicas)), key=lambda k: (self.outstanding[k], k))
+        up = [k for k in range(len(self.replicas)) if k not in self.down] or range(
+            len(self.replicas)
+        )
+        index = min(up, key=lambda k: (self.outstanding[k], k))
         if count:
             self.outstanding[index] += 1
         return index
@@ -268,8 +340,55 @@ class RolloutClient:
         self.sessions.pop(session_id, None)
 
     async def _call(self, index: int, what: str, requests: list[Any]) -> list[Any]:
-        """``replica.generate`` or ``replica.score`` (``what``) of ``requests``."""
+        """``replica.generate`` or ``replica.score`` (``what``) of ``requests``; when the
+        replica fails and may be restarted, the requests routed again (module docstring)."""
         replica = self.replicas[index]
+        try:
+            return await self._send(index, replica, what, requests)
+        except RolloutError as e:
+            if self.restarts.restart is None:
+                raise
+            self.restarts.failed(index, replica, e)
+        await self._ready()
+        if what == "generate":
+            return await self._fan_out(what, requests, [self.route(r) for r in requests])
+        return await self._fan_out(what, requests, [self._least_loaded() for _ in requests])
+
+    async def _ready(self) -> None:
+        """Return once requests may be sent (not paused) and a replica is up to take them
+        (the caller routes them before it awaits anything)."""
+        while True:
+            await self._wait_up()
+            if self._open.is_set():
+                return
+            await self._open.wait()
+
+    async def _wait_up(self) -> None:
+        """Return once a replica is up: at once, unless all are being restarted."""
+        while True:
+            if self.failure is not None and self.restarts.restart is not None:
+                raise self.failure
+            if len(self.down) < len(self.replicas):
+                return
+            await asyncio.sleep(0.02)
+
+    def replace(self, index: int, handle: ReplicaHandle, up: bool) -> None:
+        """``handle`` serves replica ``index`` from now on; ``up``: route requests to it."""
+        self.replicas[index] = handle
+        if up:
+            self.down.discard(index)
+
+    def mark_up(self, indices: set[int]) -> None:
+        """Route requests to the replicas ``indices`` again (from any thread)."""
+        if self._thread is not None:
+            self._loop.call_soon_threadsafe(self.down.difference_update, set(indices))
+        else:
+            self.down.difference_update(indices)
+
+    async def _send(
+        self, index: int, replica: ReplicaHandle, what: str, requests: list[Any]
+    ) -> list[Any]:
+        """``replica.generate`` or ``replica.score`` (``what``) of ``requests``."""
         lock, permits = self._admit[index]
         held = 0
         try:

@@ -20,10 +20,27 @@ version number.
 The version of the weights a replica holds is the step whose update produced them: the start
 weights are version ``start`` (0, or the resumed step), and the sync after step ``t`` makes
 them ``t``; every response carries its version into the batch (``weight_version``).
+
+A split replica that dies or stops answering (``rollout.request_timeout_s``) is restarted, at
+most ``rollout.max_restarts`` times in a run (:class:`Restarter`, called by the client, which
+sends the requests it held again to the replicas that are up, see
+:mod:`treadle.rollout.client`): one warning line naming it and the cause, the old actor
+killed, a new one started on its bundle, then the weight-sync group made again from scratch on
+a new port (a dead member breaks a gloo/NCCL group for good: every replica and the actor's
+rank 0 join the new one) and the current weights and version broadcast over it, before any
+request reaches it. The actor is idle while the synchronous driver generates, so that happens
+at once; while the asynchronous producer generates (the client's loop in a thread of its own,
+the actor training), the new replica waits, down, for the driver's next ``sync_weights``,
+which makes the group again first. A teacher replica has no weights to sync: it starts again
+from ``teacher.model_path`` and is up at once. Each restart counts in
+``rollout/replica_restarts``. An agent loop never sees the failure: its call is answered by
+another replica. A colocated replica (an actor rank) is not restarted.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -73,6 +90,8 @@ from treadle.rollout.replica import Role, RolloutReplica
 
 if TYPE_CHECKING:
     from treadle.rollout.endpoint import Endpoint
+
+log = logging.getLogger("treadle")
 
 
 def rollout_cpus(cfg: Config) -> float:
@@ -153,6 +172,8 @@ class Rollout:
         self.endpoint = endpoint
         self.counters: dict[str, float] = {}
         self._counting = threading.Lock()
+        self.version = 0  # of the weights the replicas hold (set by start_rollout, each sync)
+        self.restarter: Restarter | None = None  # split replicas, rollout.max_restarts > 0
 
     # ------------------------------------------------------------------ generate
 
@@ -212,13 +233,21 @@ class Rollout:
             for key, value in runs.counters().items():
                 self.counters[key] = self.counters.get(key, 0.0) + value
 
+    def count(self, key: str, value: float = 1.0) -> None:
+        with self._counting:
+            self.counters[key] = self.counters.get(key, 0.0) + value
+
     def take_counters(self) -> dict[str, float]:
-        """``agent/errors`` and ``agent/prefix_breaks`` since the last call (0 when none)."""
+        """``agent/errors``, ``agent/prefix_breaks`` and, when replicas may be restarted,
+        ``rollout/replica_restarts`` since the last call (0 when none)."""
         with self._counting:
             counted, self.counters = self.counters, {}
-        if self.agents.loop is single_turn:  # it never fails nor splits
-            return counted
-        return {"agent/errors": 0.0, "agent/prefix_breaks": 0.0, **counted}
+        zeros = {}
+        if self.agents.loop is not single_turn:  # single_turn never fails nor splits
+            zeros = {"agent/errors": 0.0, "agent/prefix_breaks": 0.0}
+        if self.restarter is not None:
+            zeros["rollout/replica_restarts"] = 0.0
+        return {**zeros, **counted}
 
     def trajectory_batch(self, batch: Batch, trajectories: list[Trajectory], width: int) -> Batch:
         """The response side of ``batch`` (one row per trajectory) padded to ``width``."""
@@ -260,7 +289,19 @@ class Rollout:
     def sync_weights(self, version: int, interrupt: bool = False) -> dict[str, float]:
         """Push the actor's weights to every replica as ``version``; the bytes sent (the time
         is the driver's ``timing/sync_weights``). ``interrupt``: split replicas pause the
-        requests in flight instead of refusing them (partial rollouts)."""
+        requests in flight instead of refusing them (partial rollouts). Replicas restarted
+        since the last sync join a new weight-sync group first (module docstring)."""
+        if self.restarter is None:
+            return self.broadcast(version, interrupt)
+        self.restarter.revive()
+        with self.restarter.lock:
+            pending = self.restarter.rejoin_pending()
+            out = self.broadcast(version, interrupt)
+            self.client.mark_up(pending)
+            return out
+
+    def broadcast(self, version: int, interrupt: bool = False) -> dict[str, float]:
+        """:meth:`sync_weights` over the weight-sync group as it is."""
         receiving = [r.receive_weights.remote(version, interrupt) for r in self.replicas]
         try:
             sent = self.group.sync_weights(version)
@@ -269,6 +310,7 @@ class Rollout:
             raise
         for name, ref in zip(self.names, receiving, strict=True):
             _get(ref, name, "a weight sync")
+        self.version = version
         return {"rollout/weight_sync_bytes": float(sent)}
 
     def busy_seconds(self) -> list[float]:
@@ -363,14 +405,19 @@ def start_rollout(
         _join_weight_sync(group, replicas)
         names = [f"rollout replica {i}" for i in range(len(replicas))]
         client = RolloutClient(
-            [RayReplica(a, n) for a, n in zip(replicas, names, strict=True)], **opts
+            [RayReplica(a, n) for a, n in zip(replicas, names, strict=True)],
+            **opts,
+            max_restarts=r.max_restarts,
         )
     except BaseException:
         kill_replicas(replicas, pool)
         raise
-    return Rollout(
+    rollout = Rollout(
         group, client, decode, pad_id, agents, replicas, pool, _endpoint(cfg, client, tok)
     )
+    rollout.version = version
+    Restarter.attach(rollout, cfg, actor_path)
+    return rollout
 
 
 def _endpoint(cfg: Config, client: RolloutClient, tokenizer: Any) -> Endpoint | None:
@@ -387,29 +434,107 @@ def start_replicas(
 ) -> list[Any]:
     """One :class:`RolloutReplica` actor of ``role`` serving the weights at ``path`` on each
     bundle of ``pool`` (the pool is removed on failure)."""
-    import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-    cpus, gpus = pool.cpus_per_rank, pool.gpus_per_rank
-    threads = rank_threads(cfg, cpus)
-    remote_cls: Any = ray.remote(guarded(RolloutReplica))  # type: ignore[arg-type]
-    replicas = [
-        remote_cls.options(
-            num_cpus=cpus,
-            num_gpus=gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pool.pg, placement_group_bundle_index=i
-            ),
-            runtime_env={"env_vars": ray_env(threads)},
-        ).remote(i, config=cfg, model_path=path, version=version, threads=threads, role=role)
-        for i in range(pool.world_size)
-    ]
+    replicas = [_start_replica(cfg, pool, i, path, version, role) for i in range(pool.world_size)]
     try:
         ray_get([a.treadle_check.remote() for a in replicas])
     except BaseException:
         kill_replicas(replicas, pool)
         raise
     return replicas
+
+
+def _start_replica(
+    cfg: Config, pool: ResourcePool, index: int, path: str, version: int, role: Role
+) -> Any:
+    """The :class:`RolloutReplica` actor on bundle ``index`` of ``pool`` (not waited for)."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    cpus, gpus = pool.cpus_per_rank, pool.gpus_per_rank
+    threads = rank_threads(cfg, cpus)
+    remote_cls: Any = ray.remote(guarded(RolloutReplica))  # type: ignore[arg-type]
+    return remote_cls.options(
+        num_cpus=cpus,
+        num_gpus=gpus,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pool.pg, placement_group_bundle_index=index
+        ),
+        runtime_env={"env_vars": ray_env(threads)},
+    ).remote(index, config=cfg, model_path=path, version=version, threads=threads, role=role)
+
+
+class Restarter:
+    """Restarts the split replicas of ``rollout`` for its client (see the module docstring);
+    ``path``: the weights a new replica starts from (the actor's start, or the teacher's)."""
+
+    def __init__(self, rollout: Rollout, cfg: Config, path: str, role: Role) -> None:
+        self.rollout, self.cfg, self.path, self.role = rollout, cfg, path, role
+        self.lock = threading.Lock()  # one restart or weight sync at a time
+        self.pending: set[int] = set()  # restarted, not in the weight-sync group yet
+
+    @classmethod
+    def attach(cls, rollout: Rollout, cfg: Config, path: str, role: Role = "rollout") -> None:
+        """Let ``rollout``'s client restart its replicas (when ``rollout.max_restarts`` > 0)."""
+        if cfg.rollout.max_restarts > 0 and rollout.replicas:
+            rollout.restarter = cls(rollout, cfg, path, role)
+            rollout.client.restarts.restart = rollout.restarter.restart
+
+    async def restart(self, index: int, error: Exception) -> None:
+        """Replica ``index`` failed with ``error``: start it again (on the client's loop)."""
+        client, budget = self.rollout.client, self.rollout.client.restarts
+        log.warning(
+            "%s; restarting it (restart %d of rollout.max_restarts=%d)",
+            error,
+            budget.max_restarts - budget.left,
+            budget.max_restarts,
+        )
+        loop = asyncio.get_running_loop()
+        up = await loop.run_in_executor(None, self._restart, index)
+        name = self.rollout.names[index]
+        client.replace(index, RayReplica(self.rollout.replicas[index], name), up)
+        self.rollout.count("rollout/replica_restarts")
+
+    def _restart(self, index: int) -> bool:
+        """Kill and start replica ``index`` again; whether it is up (has the weights)."""
+        import ray
+
+        r = self.rollout
+        assert r.pool is not None
+        with self.lock:
+            ray.kill(r.replicas[index])  # (a replica that stopped answering may be alive)
+            actor = _start_replica(self.cfg, r.pool, index, self.path, r.version, self.role)
+            _get(actor.treadle_check.remote(), r.names[index], "its restart")
+            r.replicas[index] = actor
+            if self.role == "teacher":  # frozen: nothing to sync
+                return True
+            self.pending.add(index)
+            if r.client.background:  # the actor may be training: at the next sync
+                return False
+            self.rejoin_pending()
+            r.broadcast(r.version, interrupt=True)  # the others keep their requests
+            return True
+
+    def revive(self) -> None:
+        """Restart the replicas that died since their last call (before a weight sync, whose
+        group a dead member would break)."""
+        import ray
+
+        r = self.rollout
+        pings = [a.busy_seconds.remote() for a in r.replicas]
+        for index, ref in enumerate(pings):
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                dead = f"{r.names[index]}{pid_note(e)} died between rollouts ({death_cause(e)})"
+                r.client.run(r.client.restarts.now(index, RolloutError(dead)))
+
+    def rejoin_pending(self) -> set[int]:
+        """Make the weight-sync group again if a replica was restarted since it was made;
+        the replicas restarted (under ``lock``)."""
+        pending, self.pending = self.pending, set()
+        if pending:
+            _join_weight_sync(self.rollout.group, self.rollout.replicas)
+        return pending
 
 
 def _get(ref: Any, name: str, what: str) -> Any:

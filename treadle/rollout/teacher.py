@@ -38,7 +38,8 @@ Placement (``teacher.placement``):
   ``teacher.gpus_per_replica`` GPUs a bundle (:func:`reserve_teacher_pool`; a driver that plans
   its placement keeps :func:`teacher_cpus` out of the actors' share). Named "teacher replica
   i" in errors; killed, with the pool, by :meth:`Teacher.close`. Ray only: the local backend
-  refuses it.
+  refuses it. One that dies or stops answering is started again, as a split rollout replica
+  is (``rollout.max_restarts``, :class:`~treadle.rollout.fleet.Restarter`).
 - ``colocated``: a teacher engine (transformers only: a process runs one vLLM engine, the
   rollout's) and its own server in every actor rank's process
   (:class:`~treadle.rollout.replica.ServesTeacher`, made by ``init_teacher``), called as
@@ -68,7 +69,7 @@ from treadle.errors import ConfigError
 from treadle.models import TOKENIZER_FILES, load_tokenizer, resolve_model_path, shared_vocabulary
 from treadle.protocol import Batch, response_attention
 from treadle.rollout.client import LocalReplica, RayReplica, ReplicaHandle, RolloutClient
-from treadle.rollout.fleet import Agents, Rollout, kill_replicas, start_replicas
+from treadle.rollout.fleet import Agents, Restarter, Rollout, kill_replicas, start_replicas
 from treadle.rollout.server import ScoreRequest, ScoreResponse
 
 logger = logging.getLogger("treadle")
@@ -230,8 +231,10 @@ def start_teacher(
     try:
         names = [f"teacher replica {i}" for i in range(len(replicas))]
         handles = [RayReplica(a, n) for a, n in zip(replicas, names, strict=True)]
-        client = RolloutClient(handles, **opts)
-        return Teacher(_rollout(cfg, group, client, tokenizer, replicas, pool))
+        client = RolloutClient(handles, **opts, max_restarts=r.max_restarts)
+        rollout = _rollout(cfg, group, client, tokenizer, replicas, pool)
+        Restarter.attach(rollout, cfg, path, role="teacher")  # (rollout.max_restarts)
+        return Teacher(rollout)
     except BaseException:
         kill_replicas(replicas, pool)
         raise
