@@ -115,6 +115,9 @@ def soak(task: dict, out: Path, args: argparse.Namespace) -> dict:
             if procs[kind] and minutes >= every * (kills[kind] + 1):
                 os.kill(procs[kind][0].pid, signal.SIGKILL)
                 kills[kind] += 1
+    if driver.poll() is not None:  # it ended by itself: why
+        tail = (out.parent / "soak.log").read_text().splitlines()[-15:]
+        raise SystemExit(f"the run ended early (exit {driver.returncode}):\n" + "\n".join(tail))
     end = rss(processes(driver.pid))
     fds = len(os.listdir(f"/proc/{driver.pid}/fd")) if driver.poll() is None else -1
     driver.send_signal(signal.SIGTERM)

@@ -6,6 +6,7 @@ import math
 import os
 import pickle
 import re
+import signal
 import threading
 import time
 from pathlib import Path
@@ -332,6 +333,17 @@ def test_a_worker_that_dies_scoring_is_started_again_and_the_sample_scored_again
         assert scorer.restarts == 3
     with Scorer(f"{user_file}:dies_once", num_workers=0) as scorer:
         assert scorer.restarts == 0  # no pool, nothing to restart
+
+
+def test_a_worker_killed_between_batches_is_started_again(user_file: str):
+    with Scorer(f"{user_file}:dies_once", num_workers=2) as scorer:
+        assert scorer(["p"] * 2, ["a", "bc"], ["g"] * 2) == [1.0, 2.0]
+        assert scorer.pool is not None
+        for pid in scorer.pool.pids():  # idle: nothing in flight
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)  # (its own child: reaped, so it is surely gone)
+        assert scorer(["p"] * 3, ["a", "bc", "def"], ["g"] * 3) == [1.0, 2.0, 3.0]
+        assert scorer.restarts == 2
 
 
 def test_a_reward_that_kills_its_process_every_time_is_the_error_after_one_retry(

@@ -632,7 +632,12 @@ class RewardPool:
             for w in self._workers:
                 if w.ready and w.job is None and due():
                     i = pending.popleft()
-                    w.conn.send((i, samples[i]))
+                    try:
+                        w.conn.send((i, samples[i]))
+                    except OSError:  # its process ended while idle (killed between batches)
+                        pending.appendleft(i)
+                        self._restart(w)
+                        continue
                     w.job = (i, time.monotonic() + self.timeout_s)
             for conn in wait([w.conn for w in self._workers], self._until_next_deadline()):
                 failed |= self._receive(self._find(conn), outcomes, pending)
@@ -705,6 +710,12 @@ class RewardPool:
                     f"{STARTUP_TIMEOUT_S:g} s"
                 )
         return failed
+
+    def _restart(self, w: _Worker) -> None:
+        """``w``'s process ended outside a job: a new one in its place, counted."""
+        w.stop(kill=False)
+        self._replace(w)
+        self.restarts += 1
 
     def _replace(self, w: _Worker) -> None:
         self._workers[self._workers.index(w)] = self._new_worker()
