@@ -339,11 +339,13 @@ def test_a_worker_killed_between_batches_is_started_again(user_file: str):
     with Scorer(f"{user_file}:dies_once", num_workers=2) as scorer:
         assert scorer(["p"] * 2, ["a", "bc"], ["g"] * 2) == [1.0, 2.0]
         assert scorer.pool is not None
-        for pid in scorer.pool.pids():  # idle: nothing in flight
+        # the ready ones (one may still be loading: one that dies loading is an error)
+        ready = [w.process.pid for w in scorer.pool._workers if w.ready]
+        for pid in ready:  # idle: nothing in flight
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)  # (its own child: reaped, so it is surely gone)
         assert scorer(["p"] * 3, ["a", "bc", "def"], ["g"] * 3) == [1.0, 2.0, 3.0]
-        assert scorer.restarts == 2
+        assert ready and scorer.restarts == len(ready)
 
 
 def test_a_reward_that_kills_its_process_every_time_is_the_error_after_one_retry(

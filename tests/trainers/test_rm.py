@@ -100,6 +100,7 @@ def test_rm_two_ranks_normalise_exactly(tiny_task, ray_session, tmp_path):
             f"model.path={tiny_task['model']}",
             f"data.train_files=[{tiny_task['pairs_train']}]",
             "data.val_files=[]",
+            "trainer.eval_every=0",  # (nothing to evaluate)
             "data.batch_size=8",
             "rollout.max_new_tokens=24",
             "actor.world_size=2",
