@@ -93,3 +93,42 @@ def ray_session():
         ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def env(tiny_task, tmp_path_factory):  # type: ignore[no-untyped-def]
+    """For `treadle check` cases (tests/test_check.py, tests/test_bad_input.py): a good run
+    config (tiny model, 40 prompts, 16 pairs) and a scratch directory, one per module."""
+    from pathlib import Path
+
+    import yaml
+
+    root = tmp_path_factory.mktemp("check")
+
+    def head(src: Path, name: str, n: int) -> str:
+        lines = Path(src).read_text().splitlines()[:n]
+        (root / name).write_text("\n".join(lines) + "\n")
+        return str(root / name)
+
+    files = {
+        "model": str(tiny_task["model"]),
+        "train": head(tiny_task["train"], "train.jsonl", 40),
+        "test": head(tiny_task["test"], "test.jsonl", 8),
+        "pairs": head(tiny_task["pairs_train"], "pairs.jsonl", 16),
+    }
+    config = {
+        "model": {"path": files["model"]},
+        "data": {
+            "train_files": [files["train"]],
+            "val_files": [files["test"]],
+            "max_prompt_length": 64,
+            "batch_size": 8,
+        },
+        "rollout": {"n": 4, "max_new_tokens": 32},
+        "reward": {"function": "arithmetic", "num_workers": 0},
+        "actor": {"ppo_mini_batch_size": 32, "micro_batch_size": 8},
+        "trainer": {"backend": "local", "output_dir": str(root / "run"), "progress": False},
+    }
+    path = root / "good.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    return {**files, "config": str(path), "root": root, "raw": config}

@@ -11,72 +11,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
-from treadle.cli import main
+# how a case runs and is judged: tests/test_check.py's (the good config: conftest's `env`)
+from test_check import assert_bad, check, write
 
 GOOD_ROW = '{"prompt": "What is 1+2?", "answer": "3"}\n'
-
-
-@pytest.fixture(scope="module")
-def env(tiny_task, tmp_path_factory) -> dict[str, Any]:
-    """A good run config (tiny model, 40 prompts, 16 pairs) and a scratch directory."""
-    root = tmp_path_factory.mktemp("bad_input27")
-
-    def head(src: Path, name: str, n: int) -> str:
-        lines = Path(src).read_text().splitlines()[:n]
-        (root / name).write_text("\n".join(lines) + "\n")
-        return str(root / name)
-
-    files = {
-        "model": str(tiny_task["model"]),
-        "train": head(tiny_task["train"], "train.jsonl", 40),
-        "test": head(tiny_task["test"], "test.jsonl", 8),
-        "pairs": head(tiny_task["pairs_train"], "pairs.jsonl", 16),
-    }
-    config = {
-        "model": {"path": files["model"]},
-        "data": {
-            "train_files": [files["train"]],
-            "val_files": [files["test"]],
-            "max_prompt_length": 64,
-            "batch_size": 8,
-        },
-        "rollout": {"n": 4, "max_new_tokens": 32},
-        "reward": {"function": "arithmetic", "num_workers": 0},
-        "actor": {"ppo_mini_batch_size": 32, "micro_batch_size": 8},
-        "trainer": {"backend": "local", "output_dir": str(root / "run"), "progress": False},
-    }
-    path = root / "good.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return {**files, "config": str(path), "root": root}
-
-
-def check(env, capsys, *overrides: str, kind: str = "train", config: str | None = None):  # type: ignore[no-untyped-def]
-    code = main(["check", config or env["config"], *overrides, "--kind", kind])
-    out, err = capsys.readouterr()
-    return code, out, err
-
-
-def assert_bad(result: tuple[int, str, str], pattern: str) -> None:
-    code, out, err = result
-    assert code == 2, (out, err)
-    assert "Traceback" not in out + err
-    errors = [line for line in err.splitlines() if line.startswith("treadle: error: ")]
-    assert errors, err
-    assert re.search(pattern, "\n".join(errors)), err
-
-
-def write(env, name: str, content: str | bytes) -> str:  # type: ignore[no-untyped-def]
-    path = Path(env["root"]) / name
-    path.write_bytes(content if isinstance(content, bytes) else content.encode())
-    return str(path)
 
 
 def model_copy(env, name: str, config: dict[str, Any] | None = None) -> str:  # type: ignore[no-untyped-def]

@@ -16,43 +16,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import yaml
 
 from treadle.cli import main
-
-
-@pytest.fixture(scope="module")
-def env(tiny_task, tmp_path_factory) -> dict[str, Any]:
-    """A good run config (tiny model, 40 prompts, 16 pairs) and a scratch directory."""
-    root = tmp_path_factory.mktemp("bad_input")
-
-    def head(src: Path, name: str, n: int) -> str:
-        lines = Path(src).read_text().splitlines()[:n]
-        (root / name).write_text("\n".join(lines) + "\n")
-        return str(root / name)
-
-    files = {
-        "model": str(tiny_task["model"]),
-        "train": head(tiny_task["train"], "train.jsonl", 40),
-        "test": head(tiny_task["test"], "test.jsonl", 8),
-        "pairs": head(tiny_task["pairs_train"], "pairs.jsonl", 16),
-    }
-    config = {
-        "model": {"path": files["model"]},
-        "data": {
-            "train_files": [files["train"]],
-            "val_files": [files["test"]],
-            "max_prompt_length": 64,
-            "batch_size": 8,
-        },
-        "rollout": {"n": 4, "max_new_tokens": 32},
-        "reward": {"function": "arithmetic", "num_workers": 0},
-        "actor": {"ppo_mini_batch_size": 32, "micro_batch_size": 8},
-        "trainer": {"backend": "local", "output_dir": str(root / "run"), "progress": False},
-    }
-    path = root / "good.yaml"
-    path.write_text(yaml.safe_dump(config, sort_keys=False))
-    return {**files, "config": str(path), "root": root, "raw": config}
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
@@ -72,8 +37,8 @@ def assert_bad(result: tuple[int, str, str], pattern: str, lines: int | None = N
         assert len(errors) == lines, err
 
 
-def check(env, capsys, *overrides: str, kind: str = "train"):  # type: ignore[no-untyped-def]
-    return run(capsys, "check", env["config"], *overrides, "--kind", kind)
+def check(env, capsys, *overrides: str, kind: str = "train", config: str | None = None):  # type: ignore[no-untyped-def]
+    return run(capsys, "check", config or env["config"], *overrides, "--kind", kind)
 
 
 def write(env, name: str, content: str | bytes) -> str:  # type: ignore[no-untyped-def]
