@@ -132,3 +132,25 @@ def env(tiny_task, tmp_path_factory):  # type: ignore[no-untyped-def]
     path = root / "good.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return {**files, "config": str(path), "root": root, "raw": config}
+
+
+@pytest.fixture(scope="session")
+def teacher_model(tiny_task, tmp_path_factory):
+    """A distillation teacher for the tiny task: another model (3 layers, its own seed) with
+    the tiny task's tokenizer."""
+    from treadle.models import load_tokenizer
+    from treadle.tasks.arithmetic import build_tiny_model
+
+    out = tmp_path_factory.mktemp("teacher")
+    build_tiny_model(
+        load_tokenizer(tiny_task["model"]),
+        out,
+        hidden_size=64,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        intermediate_size=96,
+        max_positions=128,
+        seed=7,
+    )
+    return out

@@ -36,26 +36,6 @@ from treadle.trainers.roles import build_actors
 TOP_K = 4
 
 
-@pytest.fixture(scope="module")
-def teacher_model(tiny_task, tmp_path_factory):
-    from treadle.tasks.arithmetic import build_tiny_model
-
-    out = tmp_path_factory.mktemp("teacher")
-    tok = load_tokenizer(tiny_task["model"])
-    build_tiny_model(
-        tok,
-        out,
-        hidden_size=64,
-        num_layers=3,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=96,
-        max_positions=128,
-        seed=7,
-    )
-    return out
-
-
 def _config(task, teacher, out, *extra: str):
     return load_config(
         None,

@@ -22,20 +22,6 @@ from treadle.trainers.distill import DistillTrainer, distill
 from treadle.workers.actor import ActorRolloutRefWorker
 
 
-@pytest.fixture(scope="module")
-def teacher(tiny_task, tmp_path_factory):
-    """Another model with the tiny task's vocabulary: its weights, perturbed."""
-    out = tmp_path_factory.mktemp("teacher")
-    model = load_causal_lm(tiny_task["model"], torch.float32)
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(0.3 * p.std().nan_to_num(0.02) * torch.randn(p.shape, generator=gen))
-    model.save_pretrained(out)
-    load_tokenizer(tiny_task["model"]).save_pretrained(out)
-    return out
-
-
 def distill_overrides(task, teacher, out, loss: str, *extra: str) -> list[str]:
     return [
         f"model.path={task['model']}",
@@ -115,10 +101,10 @@ def test_unknown_distill_loss_is_named() -> None:
         load_config(None, ["distill.loss=jsd"])
 
 
-def test_check_names_the_teacher_and_its_vocabulary(tiny_task, teacher, tmp_path, capsys):
-    args = distill_overrides(tiny_task, teacher, tmp_path / "run", "reverse_kl")
+def test_check_names_the_teacher_and_its_vocabulary(tiny_task, teacher_model, tmp_path, capsys):
+    args = distill_overrides(tiny_task, teacher_model, tmp_path / "run", "reverse_kl")
     assert main(["check", "--kind", "distill", "examples/distill/on_policy.yaml", *args]) == 0
-    assert f"teacher: {teacher}" in capsys.readouterr().out
+    assert f"teacher: {teacher_model}" in capsys.readouterr().out
     other = tmp_path / "other"
     model = load_causal_lm(tiny_task["model"], torch.float32)
     model.resize_token_embeddings(model.config.vocab_size + 8)
@@ -183,12 +169,14 @@ def gathered(full: torch.Tensor, batch) -> torch.Tensor:
     return full.gather(-1, batch["responses"][..., None])[..., 0] * batch["response_mask"]
 
 
-def test_on_policy_distillation_advantage_is_the_reverse_kl(tiny_task, teacher, tmp_path, seen):
+def test_on_policy_distillation_advantage_is_the_reverse_kl(
+    tiny_task, teacher_model, tmp_path, seen
+):
     out = tmp_path / "run"
-    args = distill_overrides(tiny_task, teacher, out, "reverse_kl", "distill.coef=0.5")
+    args = distill_overrides(tiny_task, teacher_model, out, "reverse_kl", "distill.coef=0.5")
     metrics = distill(load_config(None, args))
     scored, update = seen["scored"][0], seen["updates"][0]
-    teacher_lp = gathered(forward_log_probs(teacher, scored), scored)
+    teacher_lp = gathered(forward_log_probs(teacher_model, scored), scored)
     torch.testing.assert_close(scored["teacher_log_probs"], teacher_lp, atol=2e-5, rtol=0)
     mask = scored["response_mask"].float()
     # one optimizer step a batch: the student's log-probs are the rollout's
@@ -201,11 +189,11 @@ def test_on_policy_distillation_advantage_is_the_reverse_kl(tiny_task, teacher, 
     assert [r["step"] for r in rows] == [1, 2]
 
 
-def test_gkd_mixes_student_samples_and_dataset_answers(tiny_task, teacher, tmp_path, seen):
+def test_gkd_mixes_student_samples_and_dataset_answers(tiny_task, teacher_model, tmp_path, seen):
     out = tmp_path / "run"
     args = distill_overrides(
         tiny_task,
-        teacher,
+        teacher_model,
         out,
         "gkd",
         "distill.lmbda=0.5",
@@ -228,7 +216,7 @@ def test_gkd_mixes_student_samples_and_dataset_answers(tiny_task, teacher, tmp_p
         text = tok.decode(first["responses"][i, :n].tolist(), skip_special_tokens=True)
         assert text == rows[first["prompt_text"][i]]["solution"]
     # the teacher's top-k of each position, and the first step's loss against the start model
-    teacher_full = forward_log_probs(teacher, first)
+    teacher_full = forward_log_probs(teacher_model, first)
     top = teacher_full.topk(7, -1)
     mask = first["response_mask"].bool()
     torch.testing.assert_close(first["teacher_topk_ids"][mask], top.indices[mask])
@@ -243,10 +231,10 @@ def test_gkd_mixes_student_samples_and_dataset_answers(tiny_task, teacher, tmp_p
     assert step1["distill/jsd"] == pytest.approx(float(per_token.mean()), rel=1e-4)
 
 
-def test_seq_kd_learns_the_teachers_samples_and_resumes(tiny_task, teacher, tmp_path, seen):
+def test_seq_kd_learns_the_teachers_samples_and_resumes(tiny_task, teacher_model, tmp_path, seen):
     out = tmp_path / "run"
     args = distill_overrides(
-        tiny_task, teacher, out, "seq_kd", "rollout.n=1", "actor.ppo_mini_batch_size=4"
+        tiny_task, teacher_model, out, "seq_kd", "rollout.n=1", "actor.ppo_mini_batch_size=4"
     )
     distill(load_config(None, args))
     first = seen["sequences"][0]
@@ -254,7 +242,7 @@ def test_seq_kd_learns_the_teachers_samples_and_resumes(tiny_task, teacher, tmp_
     # the samples are the teacher's: their log-probs are the teacher's own
     torch.testing.assert_close(
         first["rollout_log_probs"],
-        gathered(forward_log_probs(teacher, first), first),
+        gathered(forward_log_probs(teacher_model, first), first),
         atol=2e-5,
         rtol=0,
     )
@@ -268,13 +256,15 @@ def test_seq_kd_learns_the_teachers_samples_and_resumes(tiny_task, teacher, tmp_
     assert (out / "final_model" / "config.json").is_file()
 
 
-def test_distill_on_ray_split_and_colocated_teachers(tiny_task, teacher, ray_session, tmp_path):
+def test_distill_on_ray_split_and_colocated_teachers(
+    tiny_task, teacher_model, ray_session, tmp_path
+):
     """Under Ray with vLLM rollout: on-policy distillation from a split teacher replica (its
     own pool), then GKD from teachers colocated in the actor's two ranks."""
     ray_args = ["trainer.backend=ray", "rollout.engine=vllm", "trainer.save_every=0"]
     ray_args += ["trainer.total_steps=1", "trainer.eval_every=1"]
     split = tmp_path / "split"
-    args = distill_overrides(tiny_task, teacher, split, "reverse_kl", *ray_args)
+    args = distill_overrides(tiny_task, teacher_model, split, "reverse_kl", *ray_args)
     distill(load_config(None, [*args, "teacher.placement=split", "teacher.cpus_per_replica=0.5"]))
     (row,) = read_metrics(split)
     assert abs(row["distill/reverse_kl"]) < 5 and row["timing/teacher"] > 0
@@ -282,7 +272,7 @@ def test_distill_on_ray_split_and_colocated_teachers(tiny_task, teacher, ray_ses
     colocated = tmp_path / "colocated"
     args = distill_overrides(
         tiny_task,
-        teacher,
+        teacher_model,
         colocated,
         "gkd",
         *ray_args,
@@ -303,10 +293,12 @@ def test_the_estimators_rules_hold_only_when_it_runs() -> None:
     assert "rollout.n=1 makes groups of one" in text
 
 
-def test_check_wants_the_dataset_responses_gkd_trains_on(tiny_task, teacher, tmp_path, capsys):
+def test_check_wants_the_dataset_responses_gkd_trains_on(
+    tiny_task, teacher_model, tmp_path, capsys
+):
     rows = tmp_path / "no_solutions.jsonl"
     rows.write_text('{"prompt": "What is 1+2?", "answer": "3"}\n' * 4)
-    args = distill_overrides(tiny_task, teacher, tmp_path / "run", "gkd", "distill.lmbda=0.5")
+    args = distill_overrides(tiny_task, teacher_model, tmp_path / "run", "gkd", "distill.lmbda=0.5")
     bad = [*args, f"data.train_files=[{rows}]", "rollout.n=1", "actor.ppo_mini_batch_size=4"]
     assert main(["check", "--kind", "distill", "examples/distill/gkd.yaml", *bad]) == 2
     err = capsys.readouterr().err
