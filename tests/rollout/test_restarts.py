@@ -178,6 +178,7 @@ def _trainer(task, reward, out, *extra: str):  # type: ignore[no-untyped-def]
         "rollout.ignore_eos=true",  # long rollouts: the kill lands while they run
         "rollout.placement=split",
         "rollout.replicas=2",
+        "rollout.max_restarts=5",
         "actor.ppo_mini_batch_size=16",
         "actor.micro_batch_size=8",
         "trainer.num_cpus=2",
@@ -235,7 +236,7 @@ def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samp
         assert len(warnings) == 2, warnings
         assert all(w.startswith("rollout replica 1 (pid ") for w in warnings), warnings
         assert all("died during a rollout" in w and "SIGKILL" in w for w in warnings)
-        assert client.down == set() and client.restarts.left == 1
+        assert client.down == set() and client.restarts.left == 3
         # the restarted replica holds the current weights and version
         assert set(t.source.sample(5, {})["weight_version"].tolist()) == {4}
         # one dead between rollouts is restarted before the weight sync it would break
@@ -247,6 +248,29 @@ def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samp
         last = caplog.records[-1].getMessage()
         assert re.match(r"rollout replica 0 \(pid \d+\) died between rollouts", last), last
         assert set(t.source.sample(6, {})["weight_version"].tolist()) == {5}
+        # one killed during a weight sync (its receive called, the broadcast not begun): the
+        # sync is made again with new replicas for every one that did not load it all (the
+        # live one waits in the broken group for good), and the run goes on
+        pid = ray.get(t.rollout.replicas[1].describe.remote())["pid"]
+        send = t.rollout.group.sync_weights
+
+        def killed_first(version: int) -> int:
+            os.kill(pid, signal.SIGKILL)
+            _wait_gone(pid)
+            t.rollout.group.sync_weights = send
+            return send(version)
+
+        t.rollout.group.sync_weights = killed_first
+        t.rollout.sync_weights(6)
+        assert t.rollout.take_counters() == {"rollout/replica_restarts": 2.0}
+        last = caplog.records[-1].getMessage()
+        assert re.match(
+            r"rollout replica 1 \(pid \d+\) died during a weight sync \(.*SIGKILL.*\); "
+            r"restarting rollout replica 0, rollout replica 1$",
+            last,
+        ), last
+        assert client.down == set() and client.restarts.left == 0
+        assert set(t.source.sample(7, {})["weight_version"].tolist()) == {6}
     finally:
         t.close()
 

@@ -35,6 +35,14 @@ which makes the group again first. A teacher replica has no weights to sync: it 
 from ``teacher.model_path`` and is up at once. Each restart counts in
 ``rollout/replica_restarts``. An agent loop never sees the failure: its call is answered by
 another replica. A colocated replica (an actor rank) is not restarted.
+
+A replica that dies *during* a weight sync breaks the group under every member: the actor's
+rank 0 fails (and walks the rest of the update, so that its other ranks finish their gathers),
+while the live replicas may wait in their receive for good (gloo tells a member nothing of
+another's death; measured, FINDINGS). So every replica that has not loaded the whole update a
+few seconds after the failure is restarted with the dead one (:meth:`Restarter.replace_broken`,
+each a restart), the group is made again and the update sent once more; a second death in
+the same sync stops the run.
 """
 
 from __future__ import annotations
@@ -296,20 +304,25 @@ class Rollout:
         self.restarter.revive()
         with self.restarter.lock:
             pending = self.restarter.rejoin_pending()
-            out = self.broadcast(version, interrupt)
+            try:
+                out = self.broadcast(version, interrupt)
+            except SyncBroken as e:  # once: a second death in the same sync stops the run
+                pending |= self.restarter.replace_broken(e.broken, e)
+                self.restarter.rejoin_pending()
+                out = self.broadcast(version, interrupt)
             self.client.mark_up(pending)
             return out
 
     def broadcast(self, version: int, interrupt: bool = False) -> dict[str, float]:
-        """:meth:`sync_weights` over the weight-sync group as it is."""
+        """:meth:`sync_weights` over the weight-sync group as it is; a replica's death
+        during it is a :class:`SyncBroken`."""
         receiving = [r.receive_weights.remote(version, interrupt) for r in self.replicas]
         try:
             sent = self.group.sync_weights(version)
         except Exception:  # a replica that died mid-broadcast breaks the sender's group
-            _name_dead_replica(self.names, receiving)
-            raise
-        for name, ref in zip(self.names, receiving, strict=True):
-            _get(ref, name, "a weight sync")
+            _settle(self.names, receiving, wait_s=5.0)  # (those that loaded it all are done)
+            raise  # no replica died: the actor's own error
+        _settle(self.names, receiving)
         self.version = version
         return {"rollout/weight_sync_bytes": float(sent)}
 
@@ -488,19 +501,25 @@ class Restarter:
             budget.max_restarts - budget.left,
             budget.max_restarts,
         )
+        failed = self.rollout.replicas[index]
         loop = asyncio.get_running_loop()
-        up = await loop.run_in_executor(None, self._restart, index)
+        up = await loop.run_in_executor(None, self._restart, index, failed)
+        if up is None:  # a weight sync restarted it meanwhile (and counted it)
+            return
         name = self.rollout.names[index]
         client.replace(index, RayReplica(self.rollout.replicas[index], name), up)
         self.rollout.count("rollout/replica_restarts")
 
-    def _restart(self, index: int) -> bool:
-        """Kill and start replica ``index`` again; whether it is up (has the weights)."""
+    def _restart(self, index: int, failed: Any) -> bool | None:
+        """Kill and start replica ``index`` (the actor ``failed``) again; whether it is up
+        (has the weights), None if a weight sync restarted it already."""
         import ray
 
         r = self.rollout
         assert r.pool is not None
         with self.lock:
+            if r.replicas[index] is not failed:
+                return None
             ray.kill(r.replicas[index])  # (a replica that stopped answering may be alive)
             actor = _start_replica(self.cfg, r.pool, index, self.path, r.version, self.role)
             _get(actor.treadle_check.remote(), r.names[index], "its restart")
@@ -513,6 +532,50 @@ class Restarter:
             self.rejoin_pending()
             r.broadcast(r.version, interrupt=True)  # the others keep their requests
             return True
+
+    def replace_broken(self, broken: list[int], error: SyncBroken) -> set[int]:
+        """Kill and start again the replicas ``broken`` by a weight sync (``error``), under
+        ``lock``; they wait, down, for the group to be made again (``pending``). Each is a
+        restart, counted and charged to ``rollout.max_restarts``, unless the client's own
+        restart of it is under way (that one then finds it done, :meth:`_restart`)."""
+        import ray
+
+        r = self.rollout
+        assert r.pool is not None
+        log.warning("%s; restarting %s", error, ", ".join(r.names[i] for i in broken))
+        r.client.run(self._take_down(broken, error))
+        for index in broken:
+            ray.kill(r.replicas[index])
+        started = [
+            _start_replica(self.cfg, r.pool, i, self.path, r.version, self.role) for i in broken
+        ]
+        for index, actor in zip(broken, started, strict=True):
+            _get(actor.treadle_check.remote(), r.names[index], "its restart")
+            r.replicas[index] = actor
+            r.count("rollout/replica_restarts")
+        r.client.run(self._rehandle(broken))
+        self.pending.update(broken)
+        return set(broken)
+
+    async def _take_down(self, broken: list[int], error: SyncBroken) -> None:
+        """On the client's loop: charge the restarts of ``broken``, route nothing to them,
+        and give each a new handle (a call that fails on the old one is then not a restart,
+        see :meth:`~treadle.rollout.client.Restarts.failed`)."""
+        budget = self.rollout.client.restarts
+        charged = [i for i in broken if i not in budget.tasks]
+        if len(charged) > budget.left:
+            raise RolloutError(
+                f"{error}; rollout.max_restarts={budget.max_restarts} restarts used already"
+            )
+        budget.left -= len(charged)
+        await self._rehandle(broken)
+
+    async def _rehandle(self, indices: list[int]) -> None:
+        """On the client's loop: new handles of the actors at ``indices``, down."""
+        r = self.rollout
+        for index in indices:
+            r.client.down.add(index)
+            r.client.replace(index, RayReplica(r.replicas[index], r.names[index]), up=False)
 
     def revive(self) -> None:
         """Restart the replicas that died since their last call (before a weight sync, whose
@@ -548,21 +611,39 @@ def _get(ref: Any, name: str, what: str) -> Any:
         raise RolloutError(f"{dead} ({death_cause(e)})") from None
 
 
-def _name_dead_replica(names: list[str], receiving: list[Any], wait_s: float = 10.0) -> None:
-    """Raise the RolloutError of the first replica whose ``receive_weights`` died; the others'
-    calls are left to fail as their group breaks."""
+class SyncBroken(RolloutError):
+    """A weight sync during which a replica died; ``broken``: the replicas (indices) that did
+    not answer that they loaded the whole update (the others of the broken group may wait
+    in it for good: a gloo group does not tell a member that another one died)."""
+
+    def __init__(self, message: str, broken: list[int] | None = None) -> None:
+        super().__init__(message)  # (one argument: the driver re-raises it with the step)
+        self.broken = broken or []
+
+
+def _settle(names: list[str], receiving: list[Any], wait_s: float | None = None) -> None:
+    """Wait (at most ``wait_s``) for the replicas' ``receive_weights`` calls; raise
+    :class:`SyncBroken` if one of them died, else the first error one of them raised."""
     import ray
 
     done, _ = ray.wait(receiving, num_returns=len(receiving), timeout=wait_s)
-    for name, ref in zip(names, receiving, strict=True):
-        if ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError as e:
-                dead = f"{name}{pid_note(e)} died during a weight sync"
-                raise RolloutError(f"{dead} ({death_cause(e)})") from None
-            except Exception:
-                pass
+    broken, death, error = [], "", None
+    for index, (name, ref) in enumerate(zip(names, receiving, strict=True)):
+        if ref not in done:
+            broken.append(index)
+            continue
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            broken.append(index)
+            death = death or f"{name}{pid_note(e)} died during a weight sync ({death_cause(e)})"
+        except Exception as e:
+            broken.append(index)
+            error = error or e
+    if death:
+        raise SyncBroken(death, broken)
+    if error is not None:
+        raise error
 
 
 def _join_weight_sync(group: WorkerGroup, replicas: list[Any]) -> None:

@@ -71,14 +71,23 @@ class WeightSyncGroup:
         return tensor.cpu()
 
     def send(self, payloads: Iterable[bytes]) -> int:
-        """Rank 0: broadcast every payload, then the end mark; returns the bytes sent."""
+        """Rank 0: broadcast every payload, then the end mark; returns the bytes sent.
+
+        When the group breaks (a replica died), the rest of ``payloads`` is still walked before
+        the error is raised: the actor's other ranks gather every tensor with this one."""
         total = 0
-        for payload in payloads:
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            self._broadcast(torch.tensor([len(payload)], dtype=torch.int64))
-            self._broadcast(data)
-            total += len(payload)
-        self._broadcast(torch.tensor([_END], dtype=torch.int64))
+        stream = iter(payloads)
+        try:
+            for payload in stream:
+                data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+                self._broadcast(torch.tensor([len(payload)], dtype=torch.int64))
+                self._broadcast(data)
+                total += len(payload)
+            self._broadcast(torch.tensor([_END], dtype=torch.int64))
+        except RuntimeError:
+            for _ in stream:
+                pass
+            raise
         return total
 
     def receive(self) -> Iterator[bytes]:
