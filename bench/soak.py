@@ -37,6 +37,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from _env import ROOT, ensure_project_python
 
 BATCH, N = 8, 4
+MAX_VALUE = 39  # operands 0..39: the tiny model learns them in a short warm start
+WARM_STEPS = 300
 CONFIG = "examples/arithmetic/grpo.yaml"  # every setting it has is overridden below
 
 
@@ -88,12 +90,33 @@ def processes(driver: int) -> dict[str, list]:
     return found
 
 
-def rss(procs: dict[str, list]) -> dict[int, float]:
+def label(p, driver: int) -> str:  # type: ignore[no-untyped-def]
+    """What a process is, in a word: the driver, a Ray actor (``ray::Class``), a reward
+    worker, or the program (Ray's own daemons: ``gcs_server``, ``raylet``, ...)."""
+    if p.pid == driver:
+        return "driver"
+    line = p.cmdline()
+    if line and line[0].startswith("ray::"):
+        return line[0].split()[0]
+    if "_serve_fd" in " ".join(line):
+        return "reward worker"
+    names = [Path(a).name for a in line[:3] if not a.startswith("-")]
+    return " ".join(n for n in names if n not in ("python", "python3")) or p.name()
+
+
+def ours(name: str) -> bool:
+    """Whether a process (by its ``label``) is the run's own, not one of Ray's daemons."""
+    daemons = ("ray::IDLE", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::JobSupervisor")
+    return name in ("driver", "reward worker") or (name.startswith("ray::") and name not in daemons)
+
+
+def rss(procs: dict[str, list], driver: int) -> dict[int, tuple[str, float]]:
+    """Each process's label and resident memory (MiB), by pid."""
     out = {}
     for group in procs.values():
         for p in group:
             try:
-                out[p.pid] = p.memory_info().rss / 2**20
+                out[p.pid] = (label(p, driver), p.memory_info().rss / 2**20)
             except Exception:
                 continue
     return out
@@ -105,35 +128,49 @@ def soak(task: dict, out: Path, args: argparse.Namespace) -> dict:
     log = (out.parent / "soak.log").open("w")
     driver = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=ROOT)
     start, kills = time.monotonic(), {"replica": 0, "reward": 0}
-    warm: dict[int, float] = {}
+    warm: dict[int, tuple[str, float]] = {}
+    timeline: list[list] = []  # [minutes, {process: MiB}]
     while time.monotonic() - start < args.minutes * 60 and driver.poll() is None:
         time.sleep(2)  # (a benchmark: the run's own events are what it reports)
         minutes = (time.monotonic() - start) / 60
         procs = processes(driver.pid)
         if not warm and minutes >= args.minutes / 4:  # warmed up: a quarter of the run in
-            warm = rss(procs)
+            warm = rss(procs, driver.pid)
+        if minutes >= len(timeline) * args.minutes / 10:  # ten looks at the run's memory
+            now = rss(procs, driver.pid)
+            timeline.append(
+                [round(minutes, 2), {f"{n} {p}": round(m) for p, (n, m) in now.items() if ours(n)}]
+            )
         for kind, every in (("replica", args.replica_every), ("reward", args.reward_every)):
-            if procs[kind] and minutes >= every * (kills[kind] + 1):
+            due = every * (kills[kind] + 1)  # (none in the last half minute: its restart
+            if procs[kind] and minutes >= due and due <= args.minutes - 0.5:  # is counted)
                 os.kill(procs[kind][0].pid, signal.SIGKILL)
                 kills[kind] += 1
     if driver.poll() is not None:  # it ended by itself: why
         tail = (out.parent / "soak.log").read_text().splitlines()[-15:]
         raise SystemExit(f"the run ended early (exit {driver.returncode}):\n" + "\n".join(tail))
-    end = rss(processes(driver.pid))
+    end = rss(processes(driver.pid), driver.pid)
     fds = len(os.listdir(f"/proc/{driver.pid}/fd")) if driver.poll() is None else -1
     driver.send_signal(signal.SIGTERM)
     code = driver.wait(timeout=300)
-    return {"kills": kills, "warm": warm, "end": end, "fds": fds, "code": code}
+    return {
+        "kills": kills,
+        "warm": warm,
+        "end": end,
+        "timeline": timeline,
+        "fds": fds,
+        "code": code,
+    }
 
 
-def warm_start(task: dict, out: Path) -> Path:
-    """300 SFT steps on the worked answers (as `make demo` starts GRPO from): the model both
+def warm_start(task: dict, out: Path, steps: int) -> Path:
+    """``steps`` SFT steps on the worked answers (as `make demo` starts GRPO from): the model both
     runs start from, so that their held-out accuracy says something."""
     sft = [
         f"model.path={task['model']}",
         f"data.train_files=[{task['train']}]",
         f"data.val_files=[{task['test']}]",
-        "trainer.total_steps=300",
+        f"trainer.total_steps={steps}",
         "trainer.backend=local",
         "rollout.engine=hf",
         "trainer.progress=false",
@@ -153,51 +190,92 @@ def last_accuracy(rows: list[dict]) -> float:
     return 100 * accs[-1] if accs else float("nan")
 
 
+def measure(args: argparse.Namespace) -> dict:
+    """The soak and, unless ``args.no_compare``, the undisturbed run: what they did."""
+    from treadle.tasks.arithmetic import prepare
+
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        task = prepare(work / "tiny", n_train=2000, n_test=200, max_value=MAX_VALUE)
+        if args.warm_steps:
+            task = {**task, "model": warm_start(task, work / "sft", args.warm_steps)}
+        run = soak(task, work / "soak", args)
+        rows = steps_of(work / "soak")
+        steps = max(r["step"] for r in rows)
+        calm_rows: list[dict] = []
+        if not args.no_compare:
+            calm = work / "calm"
+            subprocess.run(
+                [sys.executable, "-m", "treadle", "train", CONFIG, *overrides(task, calm, steps)],
+                check=True, capture_output=True, cwd=ROOT,
+            )  # fmt: skip
+            calm_rows = steps_of(calm)
+        log = (work / "soak.log").read_text()
+    grown = {  # the processes alive at both ends (killed ones' successors are not compared)
+        f"{name} {pid}": 100 * (run["end"][pid][1] - mib) / mib
+        for pid, (name, mib) in run["warm"].items()
+        if pid in run["end"]
+    }
+    worst = max((k for k in grown if ours(k.rsplit(" ", 1)[0])), key=grown.get, default="")
+    worst_ray = max((k for k in grown if not ours(k.rsplit(" ", 1)[0])), key=grown.get, default="")
+    return {
+        "minutes": args.minutes,
+        "exit_code": run["code"],
+        "steps": steps,
+        "kills": run["kills"],
+        "replica_restarts": sum(r.get("rollout/replica_restarts", 0) for r in rows),
+        "reward_restarts": max((r.get("reward/worker_restarts", 0) for r in rows), default=0),
+        "lost": sum(BATCH * N - int(r["rollout/samples"]) for r in rows),
+        "dropped": max((r.get("async/dropped_total", 0) for r in rows), default=0),
+        "rss_growth_pct": grown.get(worst, 0.0),  # the run's own processes, the worst
+        "rss_growth_worst": worst,
+        "rss_growth_ray_pct": grown.get(worst_ray, 0.0),  # Ray's daemons, the worst
+        "rss_growth_ray_worst": worst_ray,
+        "rss_mib": {"warm": run["warm"], "end": run["end"], "timeline": run["timeline"]},
+        "fds": run["fds"],
+        "accuracy": last_accuracy(rows),
+        "accuracy_undisturbed": last_accuracy(calm_rows),
+        "restart_lines": len(re.findall(r"restart", log)),
+    }
+
+
 def main() -> None:
     ensure_project_python()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=30)
     p.add_argument("--replica-every", type=float, default=5)
     p.add_argument("--reward-every", type=float, default=7)
+    p.add_argument("--warm-steps", type=int, default=WARM_STEPS, help="SFT steps first (0: none)")
+    p.add_argument("--no-compare", action="store_true", help="no undisturbed run")
+    p.add_argument("--json", type=Path, help="also write the results here")
     args = p.parse_args()
-    from treadle.tasks.arithmetic import prepare
-
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        task = prepare(work / "tiny", n_train=2000, n_test=200)
-        task = {**task, "model": warm_start(task, work / "sft")}
-        run = soak(task, work / "soak", args)
-        rows = steps_of(work / "soak")
-        steps = max(r["step"] for r in rows)
-        calm = work / "calm"
-        subprocess.run(
-            [sys.executable, "-m", "treadle", "train", CONFIG, *overrides(task, calm, steps)],
-            check=True, capture_output=True, cwd=ROOT,
-        )  # fmt: skip
-        calm_rows = steps_of(calm)
-        log = (work / "soak.log").read_text()
-    lost = sum(BATCH * N - int(r["rollout/samples"]) for r in rows)
-    grown = [
-        100 * (run["end"][pid] - mib) / mib for pid, mib in run["warm"].items() if pid in run["end"]
-    ]
-    restarts = sum(r.get("rollout/replica_restarts", 0) for r in rows)
-    workers = max((r.get("reward/worker_restarts", 0) for r in rows), default=0)
-    dropped = max((r.get("async/dropped_total", 0) for r in rows), default=0)
-    accuracy = f"{last_accuracy(rows):.1f}% / {last_accuracy(calm_rows):.1f}%"
+    m = measure(args)
+    if args.json:
+        args.json.write_text(json.dumps(m, indent=1))
     table = [
-        ("minutes, exit code", f"{args.minutes:g}, {run['code']}"),
-        ("steps done", str(steps)),
+        ("minutes, exit code", f"{m['minutes']:g}, {m['exit_code']}"),
+        ("steps done", str(m["steps"])),
+        ("replicas / reward workers killed", f"{m['kills']['replica']} / {m['kills']['reward']}"),
         (
-            "replicas / reward workers killed",
-            f"{run['kills']['replica']} / {run['kills']['reward']}",
+            "replica / reward-worker restarts counted",
+            f"{m['replica_restarts']:g} / {m['reward_restarts']:g}",
         ),
-        ("replica / reward-worker restarts counted", f"{restarts:g} / {workers:g}"),
-        ("samples lost (short batches)", str(lost)),
-        ("async/dropped (all)", f"{dropped:g}"),
-        ("RSS growth, warm-up to end, worst process", f"{max(grown, default=0):+.1f}%"),
-        ("driver open fds at the end", str(run["fds"])),
-        ("held-out accuracy, soak / undisturbed", accuracy),
-        ("lines of the log about restarts", str(len(re.findall(r"restart", log)))),
+        ("samples lost (short batches)", str(m["lost"])),
+        ("async/dropped (all)", f"{m['dropped']:g}"),
+        (
+            "RSS growth, warm-up to end, worst of the run's processes",
+            f"{m['rss_growth_pct']:+.1f}% ({m['rss_growth_worst']})",
+        ),
+        (
+            "RSS growth, warm-up to end, worst of Ray's daemons",
+            f"{m['rss_growth_ray_pct']:+.1f}% ({m['rss_growth_ray_worst']})",
+        ),
+        ("driver open fds at the end", str(m["fds"])),
+        (
+            "held-out accuracy, soak / undisturbed",
+            f"{m['accuracy']:.1f}% / {m['accuracy_undisturbed']:.1f}%",
+        ),
+        ("lines of the log about restarts", str(m["restart_lines"])),
     ]
     print("\n| measure | value |\n| --- | --- |")
     for name, value in table:

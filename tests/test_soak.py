@@ -1,0 +1,38 @@
+"""The soak of bench/soak.py, three minutes of it: async GRPO on the tiny model with two split
+vLLM replicas and two reward workers, a replica killed every minute and a reward worker every
+1.2 minutes (by their processes, SIGKILL), then stopped with SIGTERM. Every kill is restarted
+and counted, no step is short of its samples, nothing is dropped (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_three_minutes_with_replicas_and_reward_workers_killed_lose_nothing(tmp_path):
+    out = tmp_path / "soak.json"
+    cmd = [
+        sys.executable,
+        str(ROOT / "bench" / "soak.py"),
+        *("--minutes", "3", "--replica-every", "1", "--reward-every", "1.2"),
+        *("--warm-steps", "0", "--no-compare", "--json", str(out)),
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
+    m = json.loads(out.read_text())
+    assert m["kills"] == {"replica": 2, "reward": 2}, m
+    # a replica killed during a weight sync restarts the other one too (fleet.py)
+    assert m["kills"]["replica"] <= m["replica_restarts"] <= 2 * m["kills"]["replica"], m
+    assert m["reward_restarts"] == m["kills"]["reward"], m
+    assert m["lost"] == 0 and m["dropped"] == 0, m
+    assert m["steps"] >= 10, m
+    assert m["exit_code"] == 143, m  # stopped by SIGTERM (resumable)
+    assert m["fds"] > 0, m
+    assert m["rss_growth_worst"] and m["rss_growth_pct"] <= 10.0, m  # the run's processes
