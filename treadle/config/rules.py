@@ -107,6 +107,7 @@ def config_problems(cfg: Sections) -> Iterator[str]:
             samples,
             cfg.trainer.backend,
         )
+    yield from _check_parallel(cfg)
     yield from _check_rollout(cfg.rollout, cfg.actor, cfg.trainer)
     yield from _check_agents(cfg.rollout, cfg.data)
     yield from _check_mode(cfg)
@@ -271,6 +272,48 @@ def _check_rollout(
         yield (
             f"rollout.num_cpus={rollout.num_cpus} leaves nothing of trainer.num_cpus={cpus} "
             "for the actor: give the rollout pool fewer CPUs or the run more"
+        )
+
+
+def _check_parallel(cfg: Sections) -> Iterator[str]:
+    """Tensor and sequence parallel layouts of the actor and the critic: the world size
+    divisible by a group, one kind at a time, packed rows for sequence parallel, no LoRA.
+    (The model's heads and widths are checked when the engine is built:
+    :func:`treadle.engines.parallel.check_model`.)"""
+    a = cfg.actor
+    critic_ws = cfg.critic.world_size or a.world_size
+    for section, ws, tp, sp in (
+        ("actor", a.world_size, a.tensor_parallel_size, a.sequence_parallel_size),
+        (
+            "critic",
+            critic_ws,
+            cfg.critic.tensor_parallel_size,
+            cfg.critic.sequence_parallel_size,
+        ),
+    ):
+        if tp == sp == 1:
+            continue
+        if tp > 1 and sp > 1:
+            yield (
+                f"{section}.tensor_parallel_size={tp} and {section}.sequence_parallel_size={sp}: "
+                "treadle splits a layer's weights or its sequence, not both; set one to 1"
+            )
+        world_key = f"{section}.world_size" if section == "actor" else "critic.world_size"
+        if ws % (tp * sp):
+            key = "tensor_parallel_size" if tp > 1 else "sequence_parallel_size"
+            yield (
+                f"{world_key}={ws} must be divisible by {section}.{key}={tp * sp} "
+                "(the data-parallel ranks are world_size / its value)"
+            )
+        if sp > 1 and not a.remove_padding:
+            yield (
+                f"{section}.sequence_parallel_size={sp} splits packed rows: set "
+                "actor.remove_padding=true"
+            )
+    if a.lora.rank and a.tensor_parallel_size * a.sequence_parallel_size > 1:
+        yield (
+            "actor.lora.rank > 0 with actor.tensor_parallel_size or "
+            "actor.sequence_parallel_size > 1 is not supported: set them to 1, or lora.rank=0"
         )
 
 

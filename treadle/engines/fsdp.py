@@ -30,6 +30,8 @@ Choices:
   engine with its adapters disabled (:meth:`TrainEngine.without_adapters`)
   (:mod:`treadle.engines.lora`).
 - The optimizer state is written as safetensors and JSON (:mod:`treadle.engines.state`).
+- Tensor and sequence parallelism (:mod:`treadle.engines.parallel`) are applied before FSDP2;
+  :meth:`TrainEngine.full_state`, checkpoints and weight sync see full tensors as without them.
 """
 
 from __future__ import annotations
@@ -96,7 +98,7 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
             groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
     norms = []
     for members in groups.values():
-        norm = torch.nn.utils.get_total_norm([p.grad for p in members])
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members if p.grad is not None])
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
     for members in groups.values():
@@ -150,6 +152,8 @@ class TrainEngine:
     model passes its own, called as ``head(lm, row_tokens=row_tokens)``, which must hold the
     LM as ``.lm``. ``row_tokens`` set: forwards run packed, without padding
     (:func:`response_hidden`). ``compute_dtype``: mixed precision (:func:`shard_model`).
+    ``meshes``: tensor-parallel layers or Ulysses attention
+    (:mod:`treadle.engines.parallel`), ``section`` the config section that asked for them.
     """
 
     def __init__(
@@ -168,7 +172,7 @@ class TrainEngine:
         compute_dtype: torch.dtype | None = None,
         head: Callable[..., nn.Module] | None = None,
         meshes: Meshes | None = None,
-        key: str = "actor",
+        section: str = "actor",
     ) -> None:
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -179,11 +183,11 @@ class TrainEngine:
             else LogProbHead(lm, chunk_size, row_tokens, compute_dtype)
         )
         # Tensor-parallel layers or Ulysses attention first, then FSDP2 over data-parallel ranks.
-        parallelize(lm, meshes, key)
+        parallelize(lm, meshes, section)
         if meshes is not None and meshes.sp_group is not None:
             if row_tokens is None:
                 raise ConfigError(
-                    f"{key}.sequence_parallel_size > 1 splits packed rows: set "
+                    f"{section}.sequence_parallel_size > 1 splits packed rows: set "
                     "actor.remove_padding=true"
                 )
             root.sequence_group = meshes.sp_group

@@ -106,7 +106,7 @@ def check_model(config: Any, tp: int, sp: int, prefix: str) -> None:
 class Meshes:
     """This process's device meshes and groups for a :class:`Layout` (every rank builds them
     together, once per worker): ``dp_mesh`` for FSDP2 (``None``: the whole world), ``tp_mesh``
-    and ``sp_group`` when those are used."""
+    and ``sp_group`` when those are used, ``dp_group`` for sums over the data."""
 
     def __init__(self, layout: Layout, device_type: str) -> None:
         from torch.distributed.device_mesh import init_device_mesh
@@ -115,15 +115,15 @@ class Meshes:
         self.dp_mesh: Any = None
         self.tp_mesh: Any = None
         self.sp_group: Any = None
+        inner = "tp" if layout.tp > 1 else "sp"
+        mesh = init_device_mesh(
+            device_type, (layout.dp, layout.group_size), mesh_dim_names=("dp", inner)
+        )
+        # The ranks at the same place in every group: sums over them count each sample once.
+        self.dp_group: Any = mesh["dp"].get_group()
         if layout.tp > 1:
-            mesh = init_device_mesh(
-                device_type, (layout.dp, layout.tp), mesh_dim_names=("dp", "tp")
-            )
             self.dp_mesh, self.tp_mesh = mesh["dp"], mesh["tp"]
-        elif layout.sp > 1:
-            mesh = init_device_mesh(
-                device_type, (layout.dp, layout.sp), mesh_dim_names=("dp", "sp")
-            )
+        else:
             self.sp_group = mesh["sp"].get_group()
 
 
