@@ -32,6 +32,7 @@ def grpo_config(model, task, out, reward, layout: str):
             "actor.pack_row_tokens=32",
             "algorithm.kl_coef=0.01",  # the reference is split the same way
             f"reward.function={reward}",
+            "reward.num_workers=0",  # scored in the driver: no reward processes to start
             "trainer.total_steps=2",
             "trainer.save_every=1",
             "trainer.keep_last=2",

@@ -248,6 +248,17 @@ def _check_agents(rollout: RolloutConfig, data: DataConfig) -> Iterator[str]:
 def _check_rollout(
     rollout: RolloutConfig, actor: ActorConfig, trainer: TrainerConfig
 ) -> Iterator[str]:
+    tp = rollout.tensor_parallel_size
+    if tp > 1 and rollout.engine != "vllm":
+        yield (
+            f"rollout.tensor_parallel_size={tp} splits a vLLM replica; rollout.engine="
+            f"{rollout.engine} runs whole: set rollout.engine=vllm or the size to 1"
+        )
+    elif tp > 1 and rollout.placement == "colocated":
+        yield (
+            f"rollout.tensor_parallel_size={tp} needs rollout.placement=split (a colocated "
+            "replica lives in one actor rank's process, on its one device); on CPU set it to 1"
+        )
     if rollout.placement == "colocated":
         if rollout.replicas is not None and rollout.replicas != actor.world_size:
             yield (
@@ -315,6 +326,42 @@ def _check_parallel(cfg: Sections) -> Iterator[str]:
             "actor.lora.rank > 0 with actor.tensor_parallel_size or "
             "actor.sequence_parallel_size > 1 is not supported: set them to 1, or lora.rank=0"
         )
+
+
+def parallel_model_problems(
+    section: str, tp: int, sp: int, model_config: dict[str, Any]
+) -> Iterator[str]:
+    """The model's shape (its ``config.json``) allows ``section``'s layout: tensor parallel
+    divides the attention heads, the key/value heads and the MLP width, sequence parallel
+    the heads and key/value heads. Read by ``treadle check`` and by the engine at start-up."""
+    heads = model_config.get("num_attention_heads")
+    shape = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": model_config.get("num_key_value_heads") or heads,
+        "intermediate_size": model_config.get("intermediate_size"),
+    }
+    for size, key, names in (
+        (tp, "tensor_parallel_size", tuple(shape)),
+        (sp, "sequence_parallel_size", ("num_attention_heads", "num_key_value_heads")),
+    ):
+        for name in names if size > 1 else ():
+            value = shape[name]
+            if isinstance(value, int) and value % size:
+                yield (
+                    f"{section}.{key}={size} must divide the model's {name}={value}: "
+                    "choose a divisor of it"
+                )
+
+
+def model_problems(cfg: Sections, model_config: dict[str, Any]) -> Iterator[str]:
+    """:func:`parallel_model_problems` of the actor and the critic (one model shape)."""
+    a, c = cfg.actor, cfg.critic
+    yield from parallel_model_problems(
+        "actor", a.tensor_parallel_size, a.sequence_parallel_size, model_config
+    )
+    yield from parallel_model_problems(
+        "critic", c.tensor_parallel_size, c.sequence_parallel_size, model_config
+    )
 
 
 def _check_side_role(

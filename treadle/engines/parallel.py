@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from treadle.config.rules import parallel_model_problems
 from treadle.errors import ConfigError
 
 TP_COLUMNS = (
@@ -81,26 +82,12 @@ class Layout:
         return rank // self.group_size, rank % self.group_size == 0
 
 
-def check_model(config: Any, tp: int, sp: int, prefix: str) -> None:
-    """The model's shape allows the layout: ``tp`` divides the attention heads, the key/value
-    heads and the MLP width, ``sp`` the heads and key/value heads (a ConfigError naming
-    ``<prefix>.tensor_parallel_size`` or ``<prefix>.sequence_parallel_size`` otherwise)."""
-    shape = {
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": getattr(config, "num_key_value_heads", None)
-        or config.num_attention_heads,
-        "intermediate_size": config.intermediate_size,
-    }
-    for size, key, dims in (
-        (tp, "tensor_parallel_size", shape),
-        (sp, "sequence_parallel_size", {k: v for k, v in shape.items() if "heads" in k}),
-    ):
-        for name, value in dims.items():
-            if size > 1 and value % size:
-                raise ConfigError(
-                    f"{prefix}.{key}={size} must divide the model's {name}={value}: "
-                    f"choose a divisor of it"
-                )
+def check_model(config: Any, tp: int, sp: int, section: str) -> None:
+    """The model's shape allows the layout (a ConfigError naming ``<section>.<key>`` if not:
+    :func:`~treadle.config.rules.parallel_model_problems`)."""
+    problem = next(parallel_model_problems(section, tp, sp, config.to_dict()), None)
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 class Meshes:
@@ -127,12 +114,12 @@ class Meshes:
             self.sp_group = mesh["sp"].get_group()
 
 
-def parallelize(lm: Any, meshes: Meshes | None, prefix: str) -> None:
+def parallelize(lm: Any, meshes: Meshes | None, section: str) -> None:
     """Tensor-parallel decoder layers (before FSDP2) or Ulysses attention, as ``meshes`` say."""
     if meshes is None:
         return
     layout = meshes.layout
-    check_model(lm.config, layout.tp, layout.sp, prefix)
+    check_model(lm.config, layout.tp, layout.sp, section)
     if meshes.tp_mesh is not None:
         from torch.distributed.tensor.parallel import (
             ColwiseParallel,
