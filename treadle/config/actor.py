@@ -33,6 +33,9 @@ class LoraConfig(Section):
 
 
 class ActorConfig(Section):
+    """The trained policy: its ranks and their layout (data, tensor or sequence parallel: see
+    [parallelism.md](parallelism.md)), optimizer, batching and forward passes."""
+
     world_size: int = Field(
         1,
         gt=0,

@@ -129,7 +129,15 @@ def parallelize(lm: Any, meshes: Meshes | None, section: str) -> None:
 
         plan: dict[str, Any] = {name: ColwiseParallel() for name in TP_COLUMNS}
         plan.update({name: RowwiseParallel() for name in TP_ROWS})
-        for layer in lm.get_decoder().layers:
+        layers = lm.get_decoder().layers
+        names = dict(layers[0].named_modules())
+        missing = [name for name in plan if name not in names]
+        if missing:
+            raise ConfigError(
+                f"{section}.tensor_parallel_size={layout.tp}: the model's decoder layers have "
+                f"no {missing} (Llama/Qwen2-style layers are supported): set it to 1"
+            )
+        for layer in layers:
             parallelize_module(layer, meshes.tp_mesh, plan)
     if meshes.sp_group is not None:
         _register_ulysses()
