@@ -1,5 +1,5 @@
 """GRPO end to end with 2 actor ranks in one tensor- or sequence-parallel group: two steps,
-then the run resumed from its step-1 checkpoint redoes step 2 exactly."""
+and (tensor parallel) the run resumed from its step-1 checkpoint redoes step 2 exactly."""
 
 from __future__ import annotations
 
@@ -44,21 +44,32 @@ def grpo_config(model, task, out, reward, layout: str):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "layout", ["actor.tensor_parallel_size=2", "actor.sequence_parallel_size=2"]
+    ("layout", "resume"),
+    [
+        # the optimizer state of 2-D (data x tensor) DTensors is gathered and put back
+        ("actor.tensor_parallel_size=2", True),
+        # sequence parallel shards parameters as plain FSDP2 does: its resume is the usual one
+        ("actor.sequence_parallel_size=2", False),
+    ],
 )
 def test_grpo_two_steps_then_exact_resume(
-    layout, parallel_model, tiny_task, length_reward, ray_session, tmp_path
+    layout, resume, parallel_model, tiny_task, length_reward, ray_session, tmp_path
 ):
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
     train(grpo_config(parallel_model, tiny_task, straight, length_reward, layout))
     metrics = read_metrics(straight)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
+    # The rollout samples from the weights the split actor trained (gathered into each
+    # replica after step 1): its log-probs are the actor's own, to float32 rounding.
+    assert all(m["rollout/logprob_diff_max"] < 1e-4 for m in metrics)
     before = load_file(str(parallel_model / "model.safetensors"))
     after = load_file(str(straight / "final_model" / "model.safetensors"))
     assert after.keys() == before.keys()  # an ordinary unsharded HF folder
     assert all(after[k].shape == before[k].shape for k in before)
     assert all(not torch.equal(after[k], before[k]) for k in before)
+    if not resume:
+        return
     # Interrupted after step 1: the same command resumes from step_1 and redoes step 2.
     shutil.copytree(straight, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_2")
