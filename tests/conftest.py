@@ -154,3 +154,25 @@ def teacher_model(tiny_task, tmp_path_factory):
         seed=7,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def parallel_model(tiny_task, tmp_path_factory):
+    """The tiny task's model shape with 4 heads and 2 key/value heads, so that 2 tensor- or
+    sequence-parallel ranks can split them (the tiny task's model has 1 key/value head)."""
+    from treadle.models import load_tokenizer
+    from treadle.tasks.arithmetic import build_tiny_model
+
+    out = tmp_path_factory.mktemp("parallel_model")
+    build_tiny_model(
+        load_tokenizer(tiny_task["model"]),
+        out,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        max_positions=128,
+        seed=0,
+    )
+    return out

@@ -236,6 +236,8 @@ def test_several_bad_fields_are_all_listed(env, capsys) -> None:  # type: ignore
 
 # --- cross-field rules -------------------------------------------------------------------------
 
+RAY2 = ("trainer.backend=ray", "actor.world_size=2")
+
 CROSS_FIELD = [
     (["reward.overlong_buffer_len=32"], r"reward\.overlong_buffer_len=32 must be smaller"),
     (["actor.ppo_mini_batch_size=24"], r"actor\.ppo_mini_batch_size=24 must divide"),
@@ -297,6 +299,37 @@ CROSS_FIELD = [
         r"never decays: set actor\.lr_schedule=cosine \(or linear\), or drop actor\.min_lr_ratio",
     ),
     (["critic.min_lr_ratio=0.5"], r"critic\.min_lr_ratio=0\.5 .*critic\.lr_schedule=constant"),
+    # tensor and sequence parallel layouts (the tiny model: 2 heads, 1 key/value head)
+    (
+        [*RAY2, "actor.tensor_parallel_size=2", "actor.sequence_parallel_size=2"],
+        r"actor\.tensor_parallel_size=2 and actor\.sequence_parallel_size=2: .*set one to 1",
+    ),
+    (
+        [*RAY2, "actor.tensor_parallel_size=4"],
+        r"actor\.world_size=2 must be divisible by actor\.tensor_parallel_size=4",
+    ),
+    (
+        [*RAY2, "critic.sequence_parallel_size=4"],
+        r"critic\.world_size=2 must be divisible by critic\.sequence_parallel_size=4",
+    ),
+    (
+        [*RAY2, "actor.sequence_parallel_size=2", "actor.remove_padding=false"],
+        r"actor\.sequence_parallel_size=2 splits packed rows: set actor\.remove_padding=true",
+    ),
+    ([*RAY2, "actor.tensor_parallel_size=2", "actor.lora.rank=4"], r"actor\.lora\.rank > 0 with"),
+    (
+        [*RAY2, "actor.tensor_parallel_size=2"],
+        r"actor\.tensor_parallel_size=2 must divide the model's num_key_value_heads=1",
+    ),
+    (
+        [*RAY2, "critic.sequence_parallel_size=2"],
+        r"critic\.sequence_parallel_size=2 must divide the model's num_key_value_heads=1",
+    ),
+    (["rollout.tensor_parallel_size=2"], r"rollout\.tensor_parallel_size=2 splits a vLLM replica"),
+    (
+        ["rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
+        r"rollout\.tensor_parallel_size=2 needs rollout\.placement=split",
+    ),
 ]
 
 

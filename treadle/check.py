@@ -10,7 +10,8 @@ alone prints its summary. It checks:
 - the model folders (``model.path``, the tokenizer, ``reward.model_path``,
   ``critic.model_path``, ``prime.model_path``, ``prime.ref_path``): config.json is there and
   parses, the tokenizer loads, and the prompt plus the response fits the model's context
-  (``max_position_embeddings``). Weights are not loaded;
+  (``max_position_embeddings``), and the actor's and critic's tensor- and sequence-parallel
+  sizes divide its heads and widths. Weights are not loaded;
 - every data file the command reads: each row parses and has its columns, through the same
   readers as the run (``treadle.data``), file by file so that each bad file is reported; with
   ``data.source=reasoning_gym`` its rows are drawn, which checks the dataset names and configs;
@@ -37,7 +38,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from treadle.config import Config
-from treadle.config.rules import KINDS, Kind, check_algorithm
+from treadle.config.rules import KINDS, Kind, check_algorithm, model_problems
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
 from treadle.errors import ConfigError, TreadleError
 from treadle.plugins import probe_import
@@ -280,6 +281,9 @@ def _context_note(cfg: Config, kind: Kind, folder: str) -> str:
         raise ConfigError(f"model.path: '{config_path}' is not valid JSON: {e}") from None
     if not isinstance(model_config, dict):
         raise ConfigError(f"model.path: '{config_path}' does not hold a JSON object")
+    shape_problem = next(model_problems(cfg, model_config), None)
+    if shape_problem is not None:
+        raise ConfigError(shape_problem)
     context = model_config.get("max_position_embeddings")
     if not isinstance(context, int) or isinstance(context, bool):
         return ""

@@ -18,6 +18,8 @@ from treadle.controller import (
     method_spec,
     register,
 )
+from treadle.engines.parallel import Layout
+from treadle.errors import ConfigError
 from treadle.protocol import Batch
 
 
@@ -33,8 +35,36 @@ def test_dp_cuts_batches_and_broadcasts_the_rest():
 
 
 def test_dp_refuses_uneven_batches():
-    with pytest.raises(ValueError, match="5 samples cannot be split evenly over 2 ranks"):
+    with pytest.raises(ValueError, match="5 samples cannot be split evenly over 2 data-parallel"):
         dispatch_args(Dispatch.DP, 2, (numbered(5),), {})
+
+
+def test_ranks_of_a_parallel_group_get_the_same_shard_and_one_answers():
+    """4 ranks in 2 tensor- or sequence-parallel groups: 2 data-parallel shards."""
+    parts = dispatch_args(Dispatch.DP, 4, (numbered(4), "p"), {}, dp_ranks=[0, 0, 1, 1])
+    assert [p[0][0]["x"].tolist() for p in parts] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    collects = [True, False, True, False]
+    results = [Batch.from_dict(tensors={"x": p[0][0]["x"] * 10}) for p in parts]
+    assert collect_results(Collect.CONCAT, results, collects)["x"].tolist() == [0, 10, 20, 30]
+    means = [{"a": 1.0}, {"a": 1.0}, {"a": 3.0}, {"a": 3.0}]
+    assert collect_results(Collect.MEAN, means, collects) == {"a": 2.0}
+    assert collect_results(Collect.LIST, [1, 1, 2, 2], collects) == [1, 2]
+    assert collect_results(Collect.RANK0, [1, 1, 2, 2], collects) == 1
+
+
+def test_a_layout_gives_each_rank_its_shard():
+    layout = Layout(world_size=6, tp=3)
+    assert layout.dp == 2 and layout.group_size == 3
+    assert [layout.data_parallel(r) for r in range(6)] == [
+        (0, True),
+        (0, False),
+        (0, False),
+        (1, True),
+        (1, False),
+        (1, False),
+    ]
+    with pytest.raises(ConfigError, match="world_size=6 must be divisible by"):
+        Layout(world_size=6, sp=4)
 
 
 def test_all_sends_the_same_arguments():

@@ -33,7 +33,29 @@ class LoraConfig(Section):
 
 
 class ActorConfig(Section):
-    world_size: int = Field(1, gt=0, description="Data-parallel ranks (FSDP2 shards).")
+    """The trained policy: its ranks and their layout (data, tensor or sequence parallel: see
+    [parallelism.md](parallelism.md)), optimizer, batching and forward passes."""
+
+    world_size: int = Field(
+        1,
+        gt=0,
+        description="Training ranks: data-parallel (FSDP2 shards) x tensor_parallel_size x "
+        "sequence_parallel_size.",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="Ranks that split each decoder layer's attention and MLP (DTensor, "
+        "column/row-wise), composed with FSDP2 on a data x tensor mesh; must divide "
+        "world_size and the model's heads, key/value heads and intermediate size.",
+    )
+    sequence_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="Ranks that split each packed row's tokens (Ulysses: all-to-all over "
+        "attention heads, verl's ulysses_sequence_parallel_size); needs remove_padding; "
+        "must divide world_size and the model's heads and key/value heads.",
+    )
     lr: float = Field(1e-5, gt=0, description="AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay.")
     betas: tuple[Beta, Beta] = Field((0.9, 0.999), description="AdamW betas, each in [0, 1).")
@@ -59,7 +81,9 @@ class ActorConfig(Section):
     ppo_mini_batch_size: int = Field(
         64, gt=0, description="Samples (prompts x n) per optimizer step, across all ranks."
     )
-    micro_batch_size: int = Field(16, gt=0, description="Samples per forward/backward per rank.")
+    micro_batch_size: int = Field(
+        16, gt=0, description="Samples per forward/backward per data-parallel rank."
+    )
     gradient_checkpointing: bool = Field(
         False, description="Recompute decoder activations in backward (less memory, ~1/3 slower)."
     )
@@ -99,6 +123,12 @@ class ActorConfig(Section):
         description="Form micro-batches by this many valid tokens per rank (a longer sample "
         "goes alone) instead of micro_batch_size samples; null: by micro_batch_size.",
     )
+
+    def dp_size(self) -> int:
+        """Data-parallel ranks: world_size / (tensor_parallel_size x sequence_parallel_size)
+        (rounded down; the config rules refuse a remainder)."""
+        return max(self.world_size // (self.tensor_parallel_size * self.sequence_parallel_size), 1)
+
     lora: LoraConfig = Field(
         default_factory=defaults(LoraConfig),
         description="LoRA adapters (rank > 0): the rollout gets merged weights, the reference "

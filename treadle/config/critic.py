@@ -27,7 +27,20 @@ class CriticConfig(Section):
         description="'colocated': on the actor's bundles, taking turns; 'split': its own pool.",
     )
     world_size: int | None = Field(
-        None, gt=0, description="Critic ranks (FSDP2 shards); null = actor.world_size."
+        None,
+        gt=0,
+        description="Critic ranks (data-parallel x its tensor or sequence parallel size); "
+        "null = actor.world_size.",
+    )
+    tensor_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="Critic ranks that split each decoder layer (as actor.tensor_parallel_size).",
+    )
+    sequence_parallel_size: int = Field(
+        1,
+        gt=0,
+        description="Critic ranks that split each packed row (as actor.sequence_parallel_size).",
     )
     lr: float = Field(1e-5, gt=0, description="Critic AdamW learning rate.")
     weight_decay: float = Field(0.0, ge=0, description="Critic AdamW weight decay.")

@@ -107,6 +107,7 @@ def config_problems(cfg: Sections) -> Iterator[str]:
             samples,
             cfg.trainer.backend,
         )
+    yield from _check_parallel(cfg)
     yield from _check_rollout(cfg.rollout, cfg.actor, cfg.trainer)
     yield from _check_agents(cfg.rollout, cfg.data)
     yield from _check_mode(cfg)
@@ -247,6 +248,17 @@ def _check_agents(rollout: RolloutConfig, data: DataConfig) -> Iterator[str]:
 def _check_rollout(
     rollout: RolloutConfig, actor: ActorConfig, trainer: TrainerConfig
 ) -> Iterator[str]:
+    tp = rollout.tensor_parallel_size
+    if tp > 1 and rollout.engine != "vllm":
+        yield (
+            f"rollout.tensor_parallel_size={tp} splits a vLLM replica; rollout.engine="
+            f"{rollout.engine} runs whole: set rollout.engine=vllm or the size to 1"
+        )
+    elif tp > 1 and rollout.placement == "colocated":
+        yield (
+            f"rollout.tensor_parallel_size={tp} needs rollout.placement=split (a colocated "
+            "replica lives in one actor rank's process, on its one device); on CPU set it to 1"
+        )
     if rollout.placement == "colocated":
         if rollout.replicas is not None and rollout.replicas != actor.world_size:
             yield (
@@ -272,6 +284,84 @@ def _check_rollout(
             f"rollout.num_cpus={rollout.num_cpus} leaves nothing of trainer.num_cpus={cpus} "
             "for the actor: give the rollout pool fewer CPUs or the run more"
         )
+
+
+def _check_parallel(cfg: Sections) -> Iterator[str]:
+    """Tensor and sequence parallel layouts of the actor and the critic: the world size
+    divisible by a group, one kind at a time, packed rows for sequence parallel, no LoRA.
+    (The model's heads and widths are checked when the engine is built:
+    :func:`treadle.engines.parallel.check_model`.)"""
+    a = cfg.actor
+    critic_ws = cfg.critic.world_size or a.world_size
+    for section, ws, tp, sp in (
+        ("actor", a.world_size, a.tensor_parallel_size, a.sequence_parallel_size),
+        (
+            "critic",
+            critic_ws,
+            cfg.critic.tensor_parallel_size,
+            cfg.critic.sequence_parallel_size,
+        ),
+    ):
+        if tp == sp == 1:
+            continue
+        if tp > 1 and sp > 1:
+            yield (
+                f"{section}.tensor_parallel_size={tp} and {section}.sequence_parallel_size={sp}: "
+                "treadle splits a layer's weights or its sequence, not both; set one to 1"
+            )
+        world_key = f"{section}.world_size" if section == "actor" else "critic.world_size"
+        if ws % (tp * sp):
+            key = "tensor_parallel_size" if tp > 1 else "sequence_parallel_size"
+            yield (
+                f"{world_key}={ws} must be divisible by {section}.{key}={tp * sp} "
+                "(the data-parallel ranks are world_size / its value)"
+            )
+        if sp > 1 and not a.remove_padding:
+            yield (
+                f"{section}.sequence_parallel_size={sp} splits packed rows: set "
+                "actor.remove_padding=true"
+            )
+    if a.lora.rank and a.tensor_parallel_size * a.sequence_parallel_size > 1:
+        yield (
+            "actor.lora.rank > 0 with actor.tensor_parallel_size or "
+            "actor.sequence_parallel_size > 1 is not supported: set them to 1, or lora.rank=0"
+        )
+
+
+def parallel_model_problems(
+    section: str, tp: int, sp: int, model_config: dict[str, Any]
+) -> Iterator[str]:
+    """The model's shape (its ``config.json``) allows ``section``'s layout: tensor parallel
+    divides the attention heads, the key/value heads and the MLP width, sequence parallel
+    the heads and key/value heads. Read by ``treadle check`` and by the engine at start-up."""
+    heads = model_config.get("num_attention_heads")
+    shape = {
+        "num_attention_heads": heads,
+        "num_key_value_heads": model_config.get("num_key_value_heads") or heads,
+        "intermediate_size": model_config.get("intermediate_size"),
+    }
+    for size, key, names in (
+        (tp, "tensor_parallel_size", tuple(shape)),
+        (sp, "sequence_parallel_size", ("num_attention_heads", "num_key_value_heads")),
+    ):
+        for name in names if size > 1 else ():
+            value = shape[name]
+            if isinstance(value, int) and value % size:
+                yield (
+                    f"{section}.{key}={size} must divide the model's {name}={value}: "
+                    "choose a divisor of it"
+                )
+
+
+def model_problems(cfg: Sections, model_config: dict[str, Any]) -> Iterator[str]:
+    """:func:`parallel_model_problems` of the actor and the critic (one model shape)."""
+    a, c = cfg.actor, cfg.critic
+    yield from parallel_model_problems(
+        "actor", a.tensor_parallel_size, a.sequence_parallel_size, model_config
+    )
+    yield from parallel_model_problems(
+        "critic", c.tensor_parallel_size, c.sequence_parallel_size, model_config
+    )
 
 
 def _check_side_role(

@@ -52,14 +52,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 class Dispatch(enum.Enum):
     ALL = "all"  # every rank gets the same arguments
-    DP = "dp"  # Batch arguments are cut into world_size contiguous chunks, one per rank
+    # Batch arguments are cut into contiguous chunks, one per data-parallel rank; the ranks of
+    # one tensor- or sequence-parallel group get the same chunk
+    DP = "dp"
 
 
 class Collect(enum.Enum):
     RANK0 = "rank0"  # rank 0's result
-    CONCAT = "concat"  # Batch results concatenated in rank order
-    MEAN = "mean"  # dicts of numbers averaged over ranks
-    LIST = "list"  # every rank's result, in rank order
+    # CONCAT, MEAN and LIST take one result per data-parallel rank (the first rank of each
+    # tensor- or sequence-parallel group answers for it), in rank order
+    CONCAT = "concat"  # Batch results concatenated
+    MEAN = "mean"  # dicts of numbers averaged
+    LIST = "list"  # the results as a list
 
 
 _ATTR = "_treadle_dispatch"
@@ -141,32 +145,46 @@ def method_spec(method: Any) -> MethodSpec | None:
     return getattr(method, _ATTR, None)
 
 
-def dispatch_args(mode: Dispatch, world_size: int, args: tuple, kwargs: dict) -> list[tuple]:
-    """Per-rank (args, kwargs). DP cuts every Batch argument into world_size chunks."""
+def dispatch_args(
+    mode: Dispatch,
+    world_size: int,
+    args: tuple,
+    kwargs: dict,
+    dp_ranks: Sequence[int] | None = None,
+) -> list[tuple]:
+    """Per-rank (args, kwargs). DP cuts every Batch argument into one chunk per data-parallel
+    rank; ``dp_ranks[r]`` is rank r's (default: its own rank, every rank its own chunk)."""
     if mode is Dispatch.ALL:
         return [(args, kwargs)] * world_size
+    dp_ranks = list(range(world_size)) if dp_ranks is None else list(dp_ranks)
+    shards = max(dp_ranks) + 1
 
     def cut(value: Any) -> list[Any]:
         if isinstance(value, Batch):
-            if len(value) % world_size:
+            if len(value) % shards:
                 raise ValueError(
                     f"batch of {len(value)} samples cannot be split evenly over "
-                    f"{world_size} ranks; pad it first (Batch.pad_to_multiple)"
+                    f"{shards} data-parallel ranks; pad it first (Batch.pad_to_multiple)"
                 )
-            return value.chunk(world_size)
-        return [value] * world_size
+            return value.chunk(shards)
+        return [value] * shards
 
     arg_parts = [cut(a) for a in args]
     kw_parts = {k: cut(v) for k, v in kwargs.items()}
     return [
-        (tuple(p[r] for p in arg_parts), {k: v[r] for k, v in kw_parts.items()})
-        for r in range(world_size)
+        (tuple(p[d] for p in arg_parts), {k: v[d] for k, v in kw_parts.items()}) for d in dp_ranks
     ]
 
 
-def collect_results(mode: Collect, results: list[Any]) -> Any:
+def collect_results(
+    mode: Collect, results: list[Any], collects: Sequence[bool] | None = None
+) -> Any:
+    """The call's result from every rank's ``results``; ``collects[r]``: whether rank r answers
+    for its data-parallel rank (default: every rank does)."""
     if mode is Collect.RANK0:
         return results[0]
+    if collects is not None:
+        results = [r for r, keep in zip(results, collects, strict=True) if keep]
     if mode is Collect.CONCAT:
         return Batch.concat(results)
     if mode is Collect.MEAN:
@@ -228,6 +246,10 @@ class Worker:
 
     def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int) -> None:
         self.rank, self.world_size = rank, world_size
+        # Which shard of a DP-dispatched batch this rank reads, and whether its result is
+        # collected: a worker with tensor- or sequence-parallel groups sets them
+        # (:meth:`treadle.engines.parallel.Layout.data_parallel`).
+        self.dp_rank, self.collects = rank, True
         self.device = torch.device(device_type())
         os.environ.update(
             RANK=str(rank),
@@ -248,6 +270,10 @@ class Worker:
                 store=tcp_store(master_addr, master_port, world_size, rank, timeout),
                 timeout=timeout,
             )
+
+    def data_parallel(self) -> tuple[int, bool]:
+        """``(dp_rank, collects)``: read by the :class:`WorkerGroup` once, after start-up."""
+        return self.dp_rank, self.collects
 
     @register(Dispatch.ALL, Collect.RANK0)
     def startup_seconds(self) -> dict[str, float]:
@@ -394,12 +420,18 @@ class WorkerGroup:
             if world_size != 1:
                 raise ValueError("the local backend runs exactly one rank")
             self.workers: list[Any] = [worker_cls(0, 1, "127.0.0.1", free_port(), **kwargs)]
+            self.dp_ranks, self.collects = [0], [True]
             return
         if pool is None:
             raise ValueError("the ray backend needs a ResourcePool")
         if world_size > pool.world_size:
             raise ValueError(f"{world_size} ranks do not fit a pool of {pool.world_size} bundles")
         self.workers = self._spawn(worker_cls, pool, kwargs, env or {}, share)
+        # The data-parallel layout the ranks chose (tensor/sequence-parallel groups share a
+        # shard): asked once, so the driver never handles ranks.
+        layout = self._get([w.data_parallel.remote() for w in self.workers], "while starting")
+        self.dp_ranks = [d for d, _ in layout]
+        self.collects = [c for _, c in layout]
 
     def _spawn(
         self, cls: type[Worker], pool: ResourcePool, kwargs: dict, env: dict[str, str], share: float
@@ -449,7 +481,7 @@ class WorkerGroup:
 
         args = tuple(narrow(a) for a in args)
         kw = {k: narrow(v) for k, v in kw.items()}
-        parts = dispatch_args(spec.dispatch, self.world_size, args, kw)
+        parts = dispatch_args(spec.dispatch, self.world_size, args, kw, self.dp_ranks)
         if self.backend == "local":
             results = [
                 getattr(w, name)(*a, **k) for w, (a, k) in zip(self.workers, parts, strict=True)
@@ -460,7 +492,7 @@ class WorkerGroup:
                 for w, (a, k) in zip(self.workers, parts, strict=True)
             ]
             results = self._get(futures, f"during {name}")
-        out = collect_results(spec.collect, results)
+        out = collect_results(spec.collect, results, self.collects)
         spec.check_returns(method, out)
         return out
 

@@ -30,6 +30,8 @@ Choices:
   engine with its adapters disabled (:meth:`TrainEngine.without_adapters`)
   (:mod:`treadle.engines.lora`).
 - The optimizer state is written as safetensors and JSON (:mod:`treadle.engines.state`).
+- Tensor and sequence parallelism (:mod:`treadle.engines.parallel`) are applied before FSDP2;
+  :meth:`TrainEngine.full_state`, checkpoints and weight sync see full tensors as without them.
 """
 
 from __future__ import annotations
@@ -53,8 +55,10 @@ from torch.distributed.tensor import DTensor
 from treadle.checkpoint import CheckpointError
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
+from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, save_optimizer, save_schedule
+from treadle.errors import ConfigError
 from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -62,21 +66,44 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 M = TypeVar("M")  # a micro-batch, whatever the role's loss function takes
 
 
-def shard_model(lm: Any, root: nn.Module, compute_dtype: torch.dtype | None = None) -> Any:
+def shard_model(
+    lm: Any, root: nn.Module, compute_dtype: torch.dtype | None = None, mesh: Any = None
+) -> Any:
     """Apply FSDP2: one unit per decoder layer of ``lm``, ``root`` (a head wrapping it) as root.
 
     ``compute_dtype`` (e.g. bfloat16): decoder layers compute in it from parameters kept in
     their own dtype (the optimizer's), gradients reduced in float32. The root (embeddings,
     final norm, heads) keeps the parameter dtype; :class:`LogProbHead` casts the LM head for
-    its matrix products only, and value heads read full-precision weights.
+    its matrix products only, and value heads read full-precision weights. ``mesh``: the
+    data-parallel device mesh to shard over (default: every rank).
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
         fully_shard(
-            layer, mp_policy=policy if compute_dtype is not None else MixedPrecisionPolicy()
+            layer,
+            mesh=mesh,
+            mp_policy=policy if compute_dtype is not None else MixedPrecisionPolicy(),
         )
-    fully_shard(root)
+    fully_shard(root, mesh=mesh)
     return root
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
+    """``clip_grad_norm_`` for parameters on different device meshes (tensor-parallel layers
+    on the 2-D mesh, the rest on the data-parallel one), which torch's cannot stack: each
+    mesh's norm is computed and reduced on its own, then combined."""
+    groups: dict[Any, list[nn.Parameter]] = defaultdict(list)
+    for p in params:
+        if p.grad is not None:
+            groups[p.grad.device_mesh if isinstance(p.grad, DTensor) else None].append(p)
+    norms = []
+    for members in groups.values():
+        norm = torch.nn.utils.get_total_norm([p.grad for p in members if p.grad is not None])
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.tensor(0.0)
+    for members in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
+    return total
 
 
 def full_tensors(
@@ -125,6 +152,8 @@ class TrainEngine:
     model passes its own, called as ``head(lm, row_tokens=row_tokens)``, which must hold the
     LM as ``.lm``. ``row_tokens`` set: forwards run packed, without padding
     (:func:`response_hidden`). ``compute_dtype``: mixed precision (:func:`shard_model`).
+    ``meshes``: tensor-parallel layers or Ulysses attention
+    (:mod:`treadle.engines.parallel`), ``section`` the config section that asked for them.
     """
 
     def __init__(
@@ -142,6 +171,8 @@ class TrainEngine:
         row_tokens: int | None = None,
         compute_dtype: torch.dtype | None = None,
         head: Callable[..., nn.Module] | None = None,
+        meshes: Meshes | None = None,
+        section: str = "actor",
     ) -> None:
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -151,7 +182,18 @@ class TrainEngine:
             if head is not None
             else LogProbHead(lm, chunk_size, row_tokens, compute_dtype)
         )
-        self.module: Any = shard_model(lm, root, compute_dtype)
+        # Tensor-parallel layers or Ulysses attention first, then FSDP2 over data-parallel ranks.
+        parallelize(lm, meshes, section)
+        if meshes is not None and meshes.sp_group is not None:
+            if row_tokens is None:
+                raise ConfigError(
+                    f"{section}.sequence_parallel_size > 1 splits packed rows: set "
+                    "actor.remove_padding=true"
+                )
+            root.sequence_group = meshes.sp_group
+        self.tensor_parallel = meshes is not None and meshes.tp_mesh is not None
+        dp_mesh = meshes.dp_mesh if meshes is not None else None
+        self.module: Any = shard_model(lm, root, compute_dtype, dp_mesh)
         self.lora = is_lora(lm)
         self.adapters_off = False  # set on the reference view of a LoRA actor
         self.grad_clip = grad_clip
@@ -241,7 +283,10 @@ class TrainEngine:
     def step(self) -> dict[str, float]:
         """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""
         assert self.optimizer is not None and self.scheduler is not None
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
+        if self.tensor_parallel:
+            norm = clip_grad_norm(self.params, self.grad_clip)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip)
         if isinstance(norm, DTensor):
             norm = norm.full_tensor()
         grad_norm = float(norm)

@@ -31,6 +31,7 @@ from treadle.engines.lm_head import (
     linear_topk_logits,
 )
 from treadle.engines.packing import label_positions, pack, scatter_labels
+from treadle.engines.parallel import sequence_parallel_forward
 
 
 def response_hidden(
@@ -41,6 +42,7 @@ def response_hidden(
     *,
     label_mask: torch.Tensor | None = None,
     row_tokens: int | None = None,
+    sequence_group: Any = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoder hidden states that predict the selected labels among the last ``num_labels``.
 
@@ -53,7 +55,9 @@ def response_hidden(
 
     ``row_tokens`` set: the forward runs on the valid tokens only, packed into rows of at most
     that many tokens (:func:`~treadle.engines.packing.pack`); ``None``: on the padded batch.
-    Both give the same states (within float rounding).
+    Both give the same states (within float rounding). ``sequence_group`` (packed only): the
+    ranks of a sequence-parallel group split each row's width
+    (:func:`~treadle.engines.parallel.sequence_parallel_forward`); every rank gets all states.
     """
     where = label_positions(attention_mask, num_labels, label_mask)
     decoder = lm.get_decoder()
@@ -67,6 +71,11 @@ def response_hidden(
         ).last_hidden_state
         return hidden[:, -num_labels - 1 : -1][where], where
     layout = pack(input_ids, attention_mask, where, row_tokens)
+    if sequence_group is not None:
+        hidden = sequence_parallel_forward(
+            decoder, layout.input_ids, layout.position_ids, sequence_group
+        )
+        return hidden.flatten(0, 1)[layout.gather], where
     # No attention mask and no cache: transformers then builds the block-diagonal causal mask
     # from the position ids (with a cache it silently attends across the whole row).
     hidden = decoder(
@@ -82,6 +91,7 @@ class HeadRoot(nn.Module):
         super().__init__()
         self.lm: Any = lm  # a transformers PreTrainedModel
         self.row_tokens = row_tokens  # set: packed forward, no compute on padding
+        self.sequence_group: Any = None  # set (by the engine): sequence-parallel forward
 
     def hidden(
         self,
@@ -98,6 +108,7 @@ class HeadRoot(nn.Module):
             num_labels,
             label_mask=label_mask,
             row_tokens=self.row_tokens,
+            sequence_group=self.sequence_group,
         )
 
 

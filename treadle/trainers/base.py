@@ -156,7 +156,10 @@ class Trainer:
             where = "in this process (trainer.backend=local)"
         else:
             device = "GPU" if torch.cuda.is_available() else "CPU"
-            where = f"on Ray, {self.cfg.actor.world_size} {device} rank(s)"
+            a = self.cfg.actor
+            where = f"on Ray, {a.world_size} {device} rank(s)"
+            split = (("tensor", a.tensor_parallel_size), ("sequence", a.sequence_parallel_size))
+            where += "".join(f" ({kind} parallel {n})" for kind, n in split if n > 1)
         files = ["config.yaml", "logs/"]
         named = {"jsonl": "metrics.jsonl", "mlflow": "mlflow.db", "swanlab": "swanlog/"}
         if os.environ.get("MLFLOW_TRACKING_URI"):

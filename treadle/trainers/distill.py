@@ -96,7 +96,7 @@ class DistillTrainer(RLTrainer):
     def step(self, step: int) -> dict[str, float]:
         d, m = self.cfg.distill, dict[str, float]()
         batch = self.distill_batch(step, m)
-        batch = balance_ranks(batch, self.cfg.actor.world_size)
+        batch = balance_ranks(batch, self.cfg.actor.dp_size())
         if d.loss != "seq_kd":  # the teacher's log-probs of its own samples are their rollout's
             with timed(m, "teacher"):
                 batch = batch.union(self.teacher.score(batch, d.top_k if d.loss == "gkd" else 0))

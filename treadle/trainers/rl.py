@@ -234,7 +234,7 @@ class RLTrainer(Trainer):
         """The actor's: every step after the critic's warm-up, PPO's mini-batches over its
         epochs of the nominal batch (:func:`~treadle.workers.ppo_steps`)."""
         a = self.cfg.actor
-        per_step = ppo_steps(self.cfg, a.ppo_epochs, a.ppo_mini_batch_size, a.world_size)
+        per_step = ppo_steps(self.cfg, a.ppo_epochs, a.ppo_mini_batch_size, a.dp_size())
         return max(self.total - self.cfg.critic.warmup_steps, 0) * per_step
 
     def driver_state(self) -> dict[str, Any]:
@@ -255,8 +255,9 @@ class RLTrainer(Trainer):
         # 1-2. rollout and reward (several rounds with dynamic sampling), generated in the step
         # or ahead of it, as the source says
         batch = self.source.sample(step, m)
-        # Every rank gets a similar token count (the dispatcher cuts contiguous chunks).
-        batch = balance_ranks(batch, self.cfg.actor.world_size)
+        # Every data-parallel rank gets a similar token count (the dispatcher cuts contiguous
+        # chunks).
+        batch = balance_ranks(batch, self.cfg.actor.dp_size())
         # 3-4. the actor's "old" log-probs and the frozen reference's, when they are needed
         batch = self.log_prob_passes(batch, m)
         batch["token_level_rewards"] = self.kl_shaped_rewards(batch, m)

@@ -109,16 +109,14 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         lora = config.actor.lora
         if lora.rank:  # actor_path is the base model; a checkpoint's adapters come in resume
             lm = apply_lora(lm, lora, config.model.path, config.trainer.seed)
-        options = engine_options(config)
+        options = engine_options(config) | {"meshes": self.meshes, "section": "actor"}
         self.engine = TrainEngine(lm, **options, **actor_optimizer(config, optimizer_steps))
         timer.done("actor_model")
         self.ref: TrainEngine | None = None
         if with_ref and lora.rank:  # the base model: the actor with its adapters disabled
             self.ref = self.engine.without_adapters()
         elif with_ref:
-            self.ref = TrainEngine(
-                self.load_lm(config.model.path), **engine_options(config), trainable=False
-            )
+            self.ref = TrainEngine(self.load_lm(config.model.path), **options, trainable=False)
         timer.done("reference_model")
         # Colocated rollout: this rank's replica, served from this process (rollout_generate).
         self.server = (
@@ -142,7 +140,12 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
 
     def policy(self) -> Policy:
         """The engines an objective trains and reads, with the config as it is now."""
-        return Policy(self.cfg, self.engine, self.ref, self.device, self.world_size)
+        dp_group = self.meshes.dp_group if self.meshes is not None else None
+        return Policy(self.cfg, self.engine, self.ref, self.device, self.layout.dp, dp_group)
+
+    def parallel_sizes(self) -> tuple[int, int]:
+        a = self.cfg.actor
+        return a.tensor_parallel_size, a.sequence_parallel_size
 
     # ------------------------------------------------------------------ rollout
 

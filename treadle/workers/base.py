@@ -3,10 +3,12 @@
 :class:`RoleWorker` is what every worker (the policy, the critic, the reward models, PRIME's
 PRM) does before building its engines, in this order: the thread count (once, before
 anything computes; a Ray actor otherwise gets one thread per core of the node), the device
-and the torch.distributed process group (:class:`~treadle.controller.Worker`), and the run's
-config. Nothing here seeds a random generator: the engines are built from saved weights,
-LoRA's initial adapters are seeded by :func:`~treadle.models.apply_lora` itself, and a resumed
-run restores every rank's RNG state from its checkpoint.
+and the torch.distributed process group (:class:`~treadle.controller.Worker`), the run's
+config, and the role's parallel layout (:meth:`RoleWorker.parallel_sizes`: tensor- and
+sequence-parallel groups, their device meshes, the shard of a batch this rank reads).
+Nothing here seeds a random generator: the engines are built from saved weights, LoRA's
+initial adapters are seeded by :func:`~treadle.models.apply_lora` itself, and a resumed run
+restores every rank's RNG state from its checkpoint.
 
 :class:`TrainingWorker` adds what every role that trains one engine declares the same way:
 ``save_checkpoint`` and ``load_checkpoint`` of ``self.engine`` with ``self.tokenizer``.
@@ -24,6 +26,7 @@ from torch import nn
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
+from treadle.engines.parallel import Layout, Meshes
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.startup import PartTimer
 
@@ -51,12 +54,21 @@ class RoleWorker(Worker):
         self.startup = PartTimer()
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config
+        # Tensor- or sequence-parallel groups of consecutive ranks read the same shard.
+        tp, sp = self.parallel_sizes()
+        self.layout = Layout(world_size, tp, sp)
+        self.dp_rank, self.collects = self.layout.data_parallel(rank)
+        self.meshes = Meshes(self.layout, self.device.type) if tp * sp > 1 else None
         self.startup.done("process_group")
         self._startup_parts = self.startup.parts
         self.setup(**role)
 
     setup: Callable[..., None]
     """Builds the role's engines; a role defines it with its own keyword arguments."""
+
+    def parallel_sizes(self) -> tuple[int, int]:
+        """``(tensor_parallel_size, sequence_parallel_size)`` of this role (default: 1, 1)."""
+        return 1, 1
 
     def load_tokenizer(self, path: str | None = None) -> Any:
         """The run's tokenizer: ``model.tokenizer_path``, else the one at ``path`` (default:

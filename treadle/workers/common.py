@@ -55,8 +55,9 @@ def actor_optimizer(cfg: Config, optimizer_steps: int) -> dict[str, Any]:
 
 def ppo_steps(cfg: Config, epochs: int, mini_batch_size: int, world_size: int) -> int:
     """Optimizer steps of one RL update of the nominal batch (``data.batch_size x rollout.n``
-    rows, cut into ``world_size`` equal chunks) by :func:`ppo_mini_batches`: ``epochs`` passes
-    in mini-batches of ``mini_batch_size // world_size`` rows per rank."""
+    rows, cut into ``world_size`` equal chunks: the data-parallel ranks) by
+    :func:`ppo_mini_batches`: ``epochs`` passes in mini-batches of ``mini_batch_size //
+    world_size`` rows per rank."""
     rows = cfg.data.batch_size * cfg.rollout.n // world_size
     return epochs * math.ceil(rows / max(mini_batch_size // world_size, 1))
 
@@ -64,7 +65,8 @@ def ppo_steps(cfg: Config, epochs: int, mini_batch_size: int, world_size: int) -
 def value_engine(
     cfg: Config, path: str, key: str, device: torch.device, trainable: bool, **opt: Any
 ) -> TrainEngine:
-    """A value model (critic, reward model) as a training engine; ``opt``: optimizer settings."""
+    """A value model (critic, reward model) as a training engine; ``opt``: optimizer settings
+    (and the engine's ``meshes`` and ``section`` of a parallel layout)."""
     model: nn.Module = load_value_model(
         path, DTYPES[cfg.model.dtype], key=key, allow_download=cfg.model.allow_download
     )
@@ -73,10 +75,12 @@ def value_engine(
     )
 
 
-def global_sums(*values: float) -> list[float]:
-    """Each value summed over the ranks of the default process group, in float64."""
+def global_sums(*values: float, group: Any = None) -> list[float]:
+    """Each value summed over the ranks of ``group`` (default: every rank), in float64. A role
+    with tensor- or sequence-parallel groups passes its data-parallel group
+    (:class:`~treadle.engines.parallel.Meshes`), where each sample is counted once."""
     t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
+    dist.all_reduce(t, group=group)
     return t.tolist()
 
 

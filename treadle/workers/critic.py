@@ -45,8 +45,12 @@ class CriticWorker(TrainingWorker):
 
     role = "critic"
 
+    def parallel_sizes(self) -> tuple[int, int]:
+        c = self.cfg.critic
+        return c.tensor_parallel_size, c.sequence_parallel_size
+
     def setup(self, *, critic_path: str) -> None:
-        config, world_size = self.cfg, self.world_size
+        config, world_size = self.cfg, self.layout.dp  # the data-parallel ranks
         a, c = config.actor, config.critic
         self.c = c
         self.epochs = c.ppo_epochs or a.ppo_epochs
@@ -70,7 +74,10 @@ class CriticWorker(TrainingWorker):
                 config.trainer.total_steps * ppo_steps(config, self.epochs, mini, world_size),
             ),
             grad_clip=c.grad_clip,
+            meshes=self.meshes,
+            section="critic",
         )
+        self.dp_group = self.meshes.dp_group if self.meshes is not None else None
 
     def _values(self, mb: Batch) -> torch.Tensor:
         ids, mask = prompt_response(mb, self.device)
@@ -95,8 +102,8 @@ class CriticWorker(TrainingWorker):
         """One optimizer step over a mini-batch, gradients accumulated over micro-batches."""
         local = float(mb["response_mask"].sum())
         # Global counts make the micro-batch losses (averaged over ranks) the mini-batch loss.
-        (tokens,) = global_sums(local)
-        agg = {"num_tokens": max(tokens / self.world_size, 1.0)}
+        (tokens,) = global_sums(local, group=self.dp_group)
+        agg = {"num_tokens": max(tokens / self.layout.dp, 1.0)}
         out = self.engine.train_step(
             mb.split(self.micro), lambda m: self._critic_loss(m, agg), prefix="critic/"
         )
@@ -130,6 +137,7 @@ class CriticWorker(TrainingWorker):
             float((r * r).sum()),
             float((r - v).sum()),
             float(((r - v) ** 2).sum()),
+            group=self.dp_group,
         )
         n = max(n, 1.0)
         var_r, var_d = sr2 / n - (sr / n) ** 2, sd2 / n - (sd / n) ** 2

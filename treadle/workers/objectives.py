@@ -83,7 +83,12 @@ class Policy:
     actor: TrainEngine
     ref: TrainEngine | None
     device: torch.device
-    world_size: int
+    dp_size: int  # data-parallel ranks: the shards of a batch
+    dp_group: Any = None  # where sums over the batch's samples run (None: every rank)
+
+    def global_sums(self, *values: float) -> list[float]:
+        """Each value summed over the data-parallel ranks (each sample counted once)."""
+        return global_sums(*values, group=self.dp_group)
 
     def reference(self, why: str = "") -> TrainEngine:
         if self.ref is None:
@@ -139,8 +144,9 @@ def update(engine: TrainEngine, objective: Objective, batch: Batch) -> dict[str,
     if mismatch:  # every rank measured it (the batch has no old_log_probs on any)
         stats = torch.stack(mismatch)
         sums, top = stats[:, :3].sum(0), stats[:, 3].max().reshape(1)
-        dist.all_reduce(sums)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX)
+        group = objective.policy.dp_group
+        dist.all_reduce(sums, group=group)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         metrics.update(mismatch_metrics(torch.cat([sums, top])))
     return metrics
 
@@ -186,14 +192,12 @@ class PolicyGradient(Objective[dict[str, Any]]):
 
     def steps(self, batch: Batch) -> Iterable[Batch]:
         a = self.cfg.actor
-        return ppo_mini_batches(
-            batch, a.ppo_epochs, a.ppo_mini_batch_size // self.policy.world_size
-        )
+        return ppo_mini_batches(batch, a.ppo_epochs, a.ppo_mini_batch_size // self.policy.dp_size)
 
     def prepare(self, step: Batch) -> tuple[list[Batch], dict[str, Any]]:
         # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
-        world = self.policy.world_size
-        tokens = global_sums(float(step["response_mask"].sum()))[0] / world
+        world = self.policy.dp_size
+        tokens = self.policy.global_sums(float(step["response_mask"].sum()))[0] / world
         agg = {
             "num_tokens": max(tokens, 1.0),
             "num_seqs": float(len(step)),
@@ -304,7 +308,9 @@ class SFT(Objective[float]):
     prefix = "sft/"
 
     def prepare(self, step: Batch) -> tuple[list[Batch], float]:
-        tokens = global_sums(float(step["loss_mask"][:, 1:].sum()))[0] / self.policy.world_size
+        tokens = (
+            self.policy.global_sums(float(step["loss_mask"][:, 1:].sum()))[0] / self.policy.dp_size
+        )
         groups = micro_batches(step, self.cfg.actor, step["attention_mask"].sum(1))
         return [step.select(idx) for idx in groups], tokens
 
@@ -335,12 +341,12 @@ class Distillation(Objective[float]):
 
     def steps(self, batch: Batch) -> Iterable[Batch]:
         a = self.cfg.actor
-        return ppo_mini_batches(
-            batch, a.ppo_epochs, a.ppo_mini_batch_size // self.policy.world_size
-        )
+        return ppo_mini_batches(batch, a.ppo_epochs, a.ppo_mini_batch_size // self.policy.dp_size)
 
     def prepare(self, step: Batch) -> tuple[list[Batch], float]:
-        tokens = global_sums(float(step["response_mask"].sum()))[0] / self.policy.world_size
+        tokens = (
+            self.policy.global_sums(float(step["response_mask"].sum()))[0] / self.policy.dp_size
+        )
         return [step.select(idx) for idx in micro_batches(step, self.cfg.actor)], tokens
 
     def loss(self, mb: Batch, tokens: float) -> MicroLoss:
@@ -384,9 +390,9 @@ class PairPreference(Objective[tuple[float, float]]):
             missing = [k for k in REF_PAIRS if k not in step]
             if missing:
                 raise KeyError(f"train_dpo: dpo.loss_type needs the reference's {missing}")
-        world = self.policy.world_size
+        world = self.policy.dp_size
         pairs, tokens = (
-            x / world for x in global_sums(len(step), float(step["chosen_mask"].sum()))
+            x / world for x in self.policy.global_sums(len(step), float(step["chosen_mask"].sum()))
         )
         return step.split(self.cfg.actor.micro_batch_size), (pairs, max(tokens, 1.0))
 
@@ -453,8 +459,8 @@ class Unpaired(Objective[UnpairedCounts]):
         good = float(step["labels"].sum())
         good_tokens = float(step["completion_mask"][step["labels"].bool()].sum())
         counts = [
-            x / self.policy.world_size
-            for x in global_sums(len(step), good, len(step) - good, good_tokens)
+            x / self.policy.dp_size
+            for x in self.policy.global_sums(len(step), good, len(step) - good, good_tokens)
         ]
         return step.split(self.cfg.actor.micro_batch_size), UnpairedCounts(kl, counts)
 
@@ -467,7 +473,7 @@ class Unpaired(Objective[UnpairedCounts]):
                 - mb["ref_kl_logps"].to(device)
                 for mb in batch.split(self.cfg.actor.micro_batch_size)
             ]
-        total, count = global_sums(float(torch.cat(diffs).sum()), len(batch))
+        total, count = self.policy.global_sums(float(torch.cat(diffs).sum()), len(batch))
         return max(total / max(count, 1.0), 0.0)
 
     def loss(self, mb: Batch, step: UnpairedCounts) -> MicroLoss:

@@ -82,6 +82,12 @@ class RewardTrainerWorker(TrainingWorker):
                 f"actor.lora.rank={config.actor.lora.rank}: treadle rm trains the whole reward "
                 "model (LoRA is for the actor of train, sft and dpo); set actor.lora.rank=0"
             )
+        a = config.actor
+        if a.tensor_parallel_size * a.sequence_parallel_size > 1:
+            raise ConfigError(
+                "treadle rm trains data-parallel only: set actor.tensor_parallel_size=1 and "
+                "actor.sequence_parallel_size=1"
+            )
         self.tokenizer = self.load_tokenizer(model_path)
         opt = actor_optimizer(config, optimizer_steps)
         self.engine = value_engine(config, model_path, "model.path", self.device, True, **opt)
