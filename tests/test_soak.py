@@ -24,7 +24,7 @@ def test_three_minutes_with_replicas_and_reward_workers_killed_lose_nothing(tmp_
         *("--minutes", "3", "--replica-every", "1", "--reward-every", "1.2"),
         *("--warm-steps", "0", "--no-compare", "--json", str(out)),
     ]
-    done = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900)
+    done = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, timeout=900)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
     m = json.loads(out.read_text())
     assert m["kills"] == {"replica": 2, "reward": 2}, m
