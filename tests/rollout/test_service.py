@@ -85,6 +85,21 @@ def test_sessions_stay_on_their_replica_and_new_work_goes_to_the_least_loaded():
         client.close()
 
 
+def test_the_session_map_keeps_the_most_recently_used(monkeypatch):
+    """A server's callers never end their sessions: the router remembers a bounded number,
+    forgetting the least recently used (whose next call is routed afresh)."""
+    import treadle.rollout.client as client_module
+
+    monkeypatch.setattr(client_module, "MAX_SESSIONS", 3)
+    client = RolloutClient([RecordingReplica("a"), RecordingReplica("b")])
+    try:
+        for session in ("s1", "s2", "s3", "s1", "s4"):
+            client.route(_req(client, session=session))
+        assert list(client.sessions) == ["s3", "s1", "s4"]  # s2, least recently used, is gone
+    finally:
+        client.close()
+
+
 def test_requests_in_flight_per_replica_are_bounded():
     replica = RecordingReplica("a", delay=0.05)
     client = RolloutClient([replica], max_inflight=4)

@@ -44,6 +44,7 @@ import asyncio
 import concurrent.futures
 import itertools
 import threading
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, Protocol, TypeVar
 
@@ -52,6 +53,7 @@ from treadle.errors import TreadleError, signalled
 from treadle.rollout.server import Request, Response, RolloutServer, ScoreRequest, ScoreResponse
 
 T = TypeVar("T")
+MAX_SESSIONS = 100_000  # sessions whose replica the router remembers
 
 
 class RolloutError(TreadleError):
@@ -175,7 +177,9 @@ class RolloutClient:
         self.replicas = list(replicas)
         self.max_inflight, self.timeout_s = max_inflight, timeout_s
         self.outstanding = [0] * len(self.replicas)
-        self.sessions: dict[str, int] = {}
+        # session -> replica, the least recently used first; a bounded map (a server's
+        # callers never end their sessions): a forgotten one is routed afresh, once
+        self.sessions: OrderedDict[str, int] = OrderedDict()
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
         # One admission at a time per replica, each taking all its permits: no two partial
@@ -320,8 +324,11 @@ class RolloutClient:
         index = self.sessions.get(session) if session is not None else None
         if index is None or index in self.down:
             index = self._least_loaded(count=False)
-            if session is not None:
-                self.sessions[session] = index
+        if session is not None:
+            self.sessions[session] = index
+            self.sessions.move_to_end(session)
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
         self.outstanding[index] += 1
         return index
 
