@@ -624,6 +624,8 @@ class SyncBroken(RolloutError):
 def _settle(names: list[str], receiving: list[Any], wait_s: float | None = None) -> None:
     """Wait (at most ``wait_s``) for the replicas' ``receive_weights`` calls; raise
     :class:`SyncBroken` if one of them died, else the first error one of them raised."""
+    if not receiving:  # colocated: the sync was an in-memory copy in each rank
+        return
     import ray
 
     done, _ = ray.wait(receiving, num_returns=len(receiving), timeout=wait_s)
