@@ -292,6 +292,10 @@ def test_train_under_ray_job_submit(ray_cluster, tiny_task, tmp_path):
 @pytest.mark.slow
 def test_joining_without_the_token_is_one_clear_line(ray_cluster, tiny_task, tmp_path):
     env = {k: v for k, v in ray_cluster.env.items() if k not in AUTH_VARS}
+    # Ray tries to connect once a second, 20 times by default, before ray.init gives up; every
+    # try here is refused the same way (no token), so 2 tries give the same error (the refusal
+    # is the last try's) without waiting out the other 18 s.
+    env["RAY_gcs_server_port_wait_time_s"] = "2"
     cmd = tiny_run(tiny_task, tmp_path / "run", f"trainer.ray_address={ray_cluster.address}")
     done = run(cmd, env, timeout=120)
     assert done.returncode == 2, done.stderr[-4000:]
