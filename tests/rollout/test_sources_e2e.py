@@ -1,4 +1,6 @@
-"""The asynchronous modes end to end: Ray, a split vLLM replica, the tiny model.
+"""The asynchronous modes end to end: Ray, a split replica, the tiny model. The runs with partial
+rollouts (a request cut at a weight sync and continued) use vLLM; the others the transformers
+engine (HF), which starts faster and serves the source the same way.
 
 Async with ``max_staleness: 0`` draws, samples and trains exactly what sync does (same rewards,
 lengths and losses step by step); one_step_off trains each step on samples one version behind
@@ -26,6 +28,7 @@ pytestmark = pytest.mark.slow
 
 
 def _overrides(task, out, reward, *extra: str) -> list[str]:
+    """A split vLLM replica unless ``extra`` names another engine (it comes last)."""
     return [
         f"reward.function={reward}",
         f"model.path={task['model']}",
@@ -59,7 +62,7 @@ def test_async_with_no_staleness_trains_exactly_what_sync_trains(
     runs = {}
     for mode in ("sync", "async"):
         out = tmp_path / mode
-        extra = [f"trainer.mode={mode}", "async.max_staleness=0"]
+        extra = [f"trainer.mode={mode}", "async.max_staleness=0", "rollout.engine=hf"]
         RLTrainer(load_config(None, _overrides(tiny_task, out, length_reward, *extra))).fit()
         runs[mode] = _metrics(out)
     keys = ("reward/mean", "response/length_mean", "generated_tokens", "rollout/weight_version")
@@ -97,6 +100,7 @@ def test_one_step_off_trains_one_version_behind_and_evaluates_beside_training(
     out = tmp_path / "run"
     extra = [
         "trainer.mode=one_step_off",
+        "rollout.engine=hf",
         f"data.val_files=[{tiny_task['test']}]",
         "data.val_size=8",
         "trainer.eval_every=2",
@@ -144,6 +148,7 @@ def test_a_checkpoint_ranked_by_its_evaluation_waits_for_the_one_beside_training
     out = tmp_path / "run"
     extra = [
         "trainer.mode=one_step_off",
+        "rollout.engine=hf",
         f"data.val_files=[{tiny_task['test']}]",
         "data.val_size=8",
         "trainer.total_steps=2",
