@@ -253,45 +253,47 @@ def test_train_joins_by_ray_address(ray_cluster, tiny_task, tmp_path):
     assert [m["step"] for m in read_metrics(out)] == [1, 2]
 
 
-@pytest.mark.slow
-def test_split_rollout_replica_on_the_second_node(ray_cluster, tiny_task, tmp_path):
-    """rollout.ray_resources pins the replica to the node started with `second_node`; its pool
-    is reserved first, so the actor takes the head's CPU; weights cross over the gloo group."""
-    out = tmp_path / "split"
-    env = ray_cluster.env | {"RAY_ADDRESS": ray_cluster.address}
-    split = [
-        "actor.world_size=1",
-        "rollout.placement=split",
-        "rollout.replicas=1",
-        "rollout.num_cpus=1",
-        "rollout.ray_resources={second_node: 1}",
-    ]
-    done = run(tiny_run(tiny_task, out, *split), env, timeout=300)
-    assert done.returncode == 0, done.stderr[-4000:]
-    metrics = read_metrics(out)
-    assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
-    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics)
+# rollout.ray_resources pins the replica to the node started with `second_node`; its pool is
+# reserved first, so the actor takes the head's CPU; weights cross over the gloo group.
+SECOND_NODE_REPLICA = (
+    "actor.world_size=1",
+    "rollout.placement=split",
+    "rollout.replicas=1",
+    "rollout.num_cpus=1",
+    "rollout.ray_resources={second_node: 1}",
+)
 
 
 @pytest.mark.slow
-def test_train_under_ray_job_submit(ray_cluster, tiny_task, tmp_path):
+def test_train_under_ray_job_submit_with_the_replica_on_the_second_node(
+    ray_cluster, tiny_task, tmp_path
+):
+    """The job's driver joins the cluster it was submitted to (only that one has a node with
+    `second_node`), and the split replica runs there."""
     out = tmp_path / "job"
     job_id = f"treadle-test-{secrets.token_hex(4)}"
     ray_cli = [str(BIN / "ray"), "job"]
     address = f"--address={ray_cluster.dashboard}"
-    entrypoint = tiny_run(tiny_task, out)  # ray quotes each word for the job's shell
+    entrypoint = tiny_run(tiny_task, out, *SECOND_NODE_REPLICA)  # ray quotes each word
     cmd = [*ray_cli, "submit", address, f"--submission-id={job_id}", "--", *entrypoint]
     submit = run(cmd, ray_cluster.env, timeout=300)
     status = run([*ray_cli, "status", address, job_id], ray_cluster.env, timeout=60)
     assert f"Job '{job_id}' succeeded" in status.stdout, (
         submit.stdout[-4000:] + submit.stderr[-2000:]
     )
-    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [1, 2]
+    assert [m["rollout/weight_version"] for m in metrics] == [0, 1]
+    assert all(m["rollout/weight_sync_bytes"] > 0 for m in metrics)
 
 
 @pytest.mark.slow
 def test_joining_without_the_token_is_one_clear_line(ray_cluster, tiny_task, tmp_path):
     env = {k: v for k, v in ray_cluster.env.items() if k not in AUTH_VARS}
+    # Ray tries to connect once a second, 20 times by default, before ray.init gives up; every
+    # try here is refused the same way (no token), so 2 tries give the same error (the refusal
+    # is the last try's) without waiting out the other 18 s.
+    env["RAY_gcs_server_port_wait_time_s"] = "2"
     cmd = tiny_run(tiny_task, tmp_path / "run", f"trainer.ray_address={ray_cluster.address}")
     done = run(cmd, env, timeout=120)
     assert done.returncode == 2, done.stderr[-4000:]

@@ -2,11 +2,12 @@
 
 After an RL step (an update, then a sync as version 1) the replicas' greedy responses must be
 what transformers generates from the actor's weights, and their log-probs what the actor's
-model computes for those tokens (float32, within 1e-4): colocated (the replica in the actor
-rank's process, weights copied in memory) and split (two replicas in a pool of their own,
-weights over a gloo group), both with vLLM under Ray (one vLLM engine per process: not in
-this test process, whose engine belongs to engines/test_vllm.py). The tiny model has tied
-embeddings, the case vLLM gets wrong unless re-tied.
+model computes for those tokens (float32, within 1e-4): colocated (the replica in each of two
+actor ranks' processes, weights copied in memory; three steps, each sampling with the actor's
+log-probs) and split (two replicas in a pool of their own, weights over a gloo group), both
+with vLLM under Ray (one vLLM engine per process: not in this test process, whose engine
+belongs to engines/test_vllm.py). The tiny model has tied embeddings, the case vLLM gets wrong
+unless re-tied.
 Without restarts (rollout.max_restarts=0), a replica killed mid-rollout or before a weight sync
 stops the run with one line naming it; what was written stays.
 """
@@ -55,16 +56,17 @@ def _overrides(task, out, reward, *extra: str) -> list[str]:
     ]
 
 
-def _check_against_actor(t: RLTrainer, task, tmp_path) -> None:
-    """One step, then greedy rollouts at version 1 equal the actor's transformers model."""
-    t.step(1)
+def _check_against_actor(t: RLTrainer, task, tmp_path, steps: int = 1) -> list[dict]:
+    """``steps`` steps, then greedy rollouts at that version equal the actor's transformers
+    model; the steps' metrics."""
+    metrics = [t.step(step) for step in range(1, steps + 1)]
     prompts = t.val_sets["val"].ds
     from treadle.data import prompt_batch
 
     batch = prompt_batch(prompts, list(range(8)), prompts.pad_id)
     greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=12)
     out = t.rollout.generate(batch, greedy)
-    assert out["weight_version"].tolist() == [1] * 8
+    assert out["weight_version"].tolist() == [steps] * 8
     t.group.save_checkpoint(str(tmp_path / "actor"))
     model = load_causal_lm(str(tmp_path / "actor" / "model"), torch.float32).eval()
     start = load_causal_lm(str(task["model"]), torch.float32)
@@ -86,17 +88,34 @@ def _check_against_actor(t: RLTrainer, task, tmp_path) -> None:
         logp = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
         logp = logp.gather(-1, response[:, None])[:, 0]
         torch.testing.assert_close(out["rollout_log_probs"][i][:length], logp, atol=1e-4, rtol=0)
+    return metrics
 
 
-def test_colocated_replica_after_a_sync_matches_the_actor(
+def test_colocated_replicas_after_syncs_match_the_actor(
     tiny_task, length_reward, tmp_path, ray_session
 ):
-    cfg = load_config(None, _overrides(tiny_task, tmp_path / "run", length_reward))
+    """vLLM in each of 2 FSDP ranks: at every step (steps 2 and 3 sample from weights synced
+    after an update) its log-probs match the actor's; after step 3, greedy responses and
+    log-probs are the actor's model's."""
+    cfg = load_config(
+        None,
+        _overrides(
+            tiny_task,
+            tmp_path / "run",
+            length_reward,
+            "actor.world_size=2",
+            "actor.ppo_mini_batch_size=8",
+            "actor.micro_batch_size=4",
+        ),
+    )
     t = RLTrainer(cfg)
     try:
-        _check_against_actor(t, tiny_task, tmp_path)
+        metrics = _check_against_actor(t, tiny_task, tmp_path, steps=3)
     finally:
         t.close()
+    for m in metrics:
+        assert m["rollout/logprob_diff_max"] < 1e-3, m["rollout/logprob_diff_max"]
+        assert m["rollout/is_ratio_mean"] == pytest.approx(1.0, abs=1e-3)
 
 
 def test_split_replicas_after_a_sync_match_the_actor(

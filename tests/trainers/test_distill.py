@@ -259,13 +259,15 @@ def test_seq_kd_learns_the_teachers_samples_and_resumes(tiny_task, teacher_model
 def test_distill_on_ray_split_and_colocated_teachers(
     tiny_task, teacher_model, ray_session, tmp_path
 ):
-    """Under Ray with vLLM rollout: on-policy distillation from a split teacher replica (its
-    own pool), then GKD from teachers colocated in the actor's two ranks."""
-    ray_args = ["trainer.backend=ray", "rollout.engine=vllm", "trainer.save_every=0"]
+    """Under Ray: on-policy distillation from a split teacher replica (its own pool; the
+    student's rollout on transformers), then GKD from teachers colocated in the actor's two
+    ranks, beside the ranks' vLLM rollout engines."""
+    ray_args = ["trainer.backend=ray", "trainer.save_every=0"]
     ray_args += ["trainer.total_steps=1", "trainer.eval_every=1"]
     split = tmp_path / "split"
     args = distill_overrides(tiny_task, teacher_model, split, "reverse_kl", *ray_args)
-    distill(load_config(None, [*args, "teacher.placement=split", "teacher.cpus_per_replica=0.5"]))
+    split_teacher = ["teacher.placement=split", "teacher.cpus_per_replica=0.5"]
+    distill(load_config(None, [*args, "rollout.engine=hf", *split_teacher]))
     (row,) = read_metrics(split)
     assert abs(row["distill/reverse_kl"]) < 5 and row["timing/teacher"] > 0
     assert "eval/val/accuracy" in row
@@ -276,6 +278,7 @@ def test_distill_on_ray_split_and_colocated_teachers(
         colocated,
         "gkd",
         *ray_args,
+        "rollout.engine=vllm",
         "actor.world_size=2",
         "rollout.n=1",
         "actor.ppo_mini_batch_size=4",

@@ -216,12 +216,19 @@ def test_kill_9_at_three_moments_then_rerun_equals_an_uninterrupted_run(
     was never interrupted."""
     straight, faulty = tmp_path / "straight", tmp_path / "faulty"
     local = ("trainer.backend=local", "trainer.total_steps=3")
-    done = _run(_cli(tiny_task, straight, length_reward, *local))
-    assert done.returncode == 0, done.stderr[-3000:]
-    args = _cli(tiny_task, faulty, length_reward, *local)
-    for point in ("startup@0", "step@2", "checkpoint@3"):
-        killed = _run(args, point)
-        assert killed.returncode == -signal.SIGKILL, (point, killed.stderr[-3000:])
+    # the uninterrupted run goes beside the interrupted ones (its own directory; one process
+    # each, mostly single-threaded start-up: the machine's other core does it)
+    uninterrupted = _start(_cli(tiny_task, straight, length_reward, *local))
+    try:
+        args = _cli(tiny_task, faulty, length_reward, *local)
+        for point in ("startup@0", "step@2", "checkpoint@3"):
+            killed = _run(args, point)
+            assert killed.returncode == -signal.SIGKILL, (point, killed.stderr[-3000:])
+        _, stderr = uninterrupted.communicate(timeout=300)
+    finally:
+        if uninterrupted.poll() is None:
+            uninterrupted.kill()
+    assert uninterrupted.returncode == 0, stderr[-3000:]
     # the state the last kill left: step 3's metrics and an unsealed step-3 checkpoint
     assert [m["step"] for m in read_metrics(faulty)] == [1, 2, 3]
     assert sorted(p.name for p in (faulty / "checkpoints").iterdir()) == [

@@ -31,26 +31,36 @@ def _session_processes(sid: int) -> list[str]:
     return [line for line in ps.stdout.splitlines() if line.split()[0] == str(sid)]
 
 
-def _stopped_at(args: list[str], failpoint: str) -> tuple[int, str, str]:
-    """Run ``args`` with ``TREADLE_FAILPOINT=failpoint``; (exit code, stdout, stderr) once
-    it and every process of its session are gone."""
+def _start(args: list[str], failpoint: str) -> subprocess.Popen[str]:
+    """``args`` with ``TREADLE_FAILPOINT=failpoint``, in a session of its own."""
     env = {**os.environ, "TREADLE_FAILPOINT": failpoint}
-    proc = subprocess.Popen(
+    return subprocess.Popen(
         args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
         start_new_session=True,
     )  # fmt: skip
+
+
+def _ended(proc: subprocess.Popen[str], failpoint: str) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of ``proc`` once it and every process of its session are
+    gone."""
     try:
         stdout, stderr = proc.communicate(timeout=300)
     finally:
         if proc.poll() is None:
             proc.kill()
-    for _ in range(30):  # Ray's processes of the run go with it (the reaper: within ~3 s)
+    for _ in range(150):  # Ray's processes of the run go with it (the reaper: within ~3 s)
         if not _session_processes(proc.pid):
             break
-        time.sleep(1)
+        time.sleep(0.2)
     assert _session_processes(proc.pid) == [], failpoint
     assert "Traceback" not in stderr, stderr[-3000:]
     return proc.returncode, stdout, stderr
+
+
+def _stopped_at(args: list[str], failpoint: str) -> tuple[int, str, str]:
+    """Run ``args`` with ``TREADLE_FAILPOINT=failpoint``; (exit code, stdout, stderr) once
+    it and every process of its session are gone."""
+    return _ended(_start(args, failpoint), failpoint)
 
 
 @pytest.mark.slow
@@ -78,14 +88,27 @@ def test_a_signal_stops_the_run_wherever_it_lands(tiny_task, length_reward, tmp_
         "trainer.progress=false",
         f"trainer.output_dir={out}",
     ]
-    # start-up: Ray starting in the background; then up (its C++ handler once aborted the
-    # driver there)
-    code, _, stderr = _stopped_at(args, "launch@0:SIGINT")
+    # Three runs at once, each in a session and directory of its own (the first two stop before
+    # they take theirs): at start-up, Ray starting in the background; then up (its C++ handler
+    # once aborted the driver there); just after a checkpoint is sealed, in the next step (or a
+    # later one: steps are short).
+    points = {
+        "launch@0:SIGINT": tmp_path / "launch",
+        "ray@0:SIGTERM": tmp_path / "ray",
+        "sealed@1:SIGINT+0.2": out,
+    }
+    started = {p: _start([*args, f"trainer.output_dir={d}"], p) for p, d in points.items()}
+    try:
+        ended = {point: _ended(proc, point) for point, proc in started.items()}
+    finally:
+        for proc in started.values():
+            if proc.poll() is None:
+                proc.kill()
+    code, _, stderr = ended["launch@0:SIGINT"]
     assert (code, stderr.strip().splitlines()[-1]) == (130, "treadle: stopped by Ctrl-C")
-    code, _, stderr = _stopped_at(args, "ray@0:SIGTERM")
+    code, _, stderr = ended["ray@0:SIGTERM"]
     assert (code, stderr.strip().splitlines()[-1]) == (143, "treadle: stopped by SIGTERM")
-    # just after a checkpoint is sealed, in the next step (or a later one: steps are short)
-    code, _, stderr = _stopped_at(args, "sealed@1:SIGINT+0.2")
+    code, _, stderr = ended["sealed@1:SIGINT+0.2"]
     assert code == 130 and _stopped_step(stderr, "Ctrl-C", out) >= 2
     # at the last step, during its evaluation (the only one: trainer.eval_every=0), resumed
     code, stdout, stderr = _stopped_at(args, "eval@0:SIGTERM+0.05")
