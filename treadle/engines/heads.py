@@ -41,6 +41,7 @@ def response_hidden(
     *,
     label_mask: torch.Tensor | None = None,
     row_tokens: int | None = None,
+    pixel_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoder hidden states that predict the selected labels among the last ``num_labels``.
 
@@ -54,9 +55,15 @@ def response_hidden(
     ``row_tokens`` set: the forward runs on the valid tokens only, packed into rows of at most
     that many tokens (:func:`~treadle.engines.packing.pack`); ``None``: on the padded batch.
     Both give the same states (within float rounding).
+
+    ``pixel_values`` ``[B, images, 3, H, W]`` (a vision-language model's pictures, zero ones as
+    padding): the forward runs through the model's multimodal backbone (``lm.model``: vision
+    tower, connector, then the decoder with the image tokens' embeddings replaced), packed or
+    not; the image tokens keep ordinary 1-D positions (Idefics3).
     """
     where = label_positions(attention_mask, num_labels, label_mask)
-    decoder = lm.get_decoder()
+    decoder = lm.get_decoder() if pixel_values is None else lm.model
+    images = {} if pixel_values is None else {"pixel_values": pixel_values}
     if row_tokens is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = decoder(
@@ -64,13 +71,16 @@ def response_hidden(
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **images,
         ).last_hidden_state
         return hidden[:, -num_labels - 1 : -1][where], where
     layout = pack(input_ids, attention_mask, where, row_tokens)
+    if pixel_values is not None:
+        images = {"pixel_values": layout.packed_pixels(pixel_values)}
     # No attention mask and no cache: transformers then builds the block-diagonal causal mask
     # from the position ids (with a cache it silently attends across the whole row).
     hidden = decoder(
-        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
+        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **images
     ).last_hidden_state
     return hidden.flatten(0, 1)[layout.gather], where
 
@@ -89,6 +99,7 @@ class HeadRoot(nn.Module):
         attention_mask: torch.Tensor,
         num_labels: int,
         label_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`response_hidden` of this head's model."""
         return response_hidden(
@@ -98,6 +109,7 @@ class HeadRoot(nn.Module):
             num_labels,
             label_mask=label_mask,
             row_tokens=self.row_tokens,
+            pixel_values=pixel_values,
         )
 
 
@@ -123,6 +135,9 @@ class LogProbRequest:
     ``topk_ids`` ``[B, num_labels, K]`` (long; K ids at each label position, e.g. a teacher's
     top-k) adds the logits at those ids, differentiable, beside the log-probs and entropy (and
     ``pair``); not with ``sum_pi_squared`` or ``full_vocab``.
+
+    ``pixel_values`` ``[B, images, 3, H, W]``: the pictures of a vision-language model's rows
+    (the ``pixel_values`` batch field), whose image tokens are in ``input_ids``.
     """
 
     input_ids: torch.Tensor
@@ -134,6 +149,7 @@ class LogProbRequest:
     full_vocab: bool = False
     pair: PairTerm | None = None
     topk_ids: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.topk_ids is None:
@@ -185,7 +201,7 @@ class LogProbHead(HeadRoot):
 
     def forward(self, req: LogProbRequest) -> LogProbOutput:
         hidden, where = self.hidden(
-            req.input_ids, req.attention_mask, req.num_labels, req.label_mask
+            req.input_ids, req.attention_mask, req.num_labels, req.label_mask, req.pixel_values
         )
         labels = req.input_ids[:, -req.num_labels :][where]
         weight = self.lm.get_output_embeddings().weight
