@@ -60,9 +60,14 @@ class EngineWorker(Worker):
         return {name: t.clone() for name, t in self.engine.full_state()}
 
 
-def engine_log_probs(path: str, batch: Batch, row_tokens: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def engine_log_probs(
+    path: str, batch: Batch, row_tokens: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     group = WorkerGroup(
-        EngineWorker, world_size=1, backend="local", kwargs={"model_path": path, "row_tokens": row_tokens}
+        EngineWorker,
+        world_size=1,
+        backend="local",
+        kwargs={"model_path": path, "row_tokens": row_tokens},
     )
     try:
         return group.log_probs(batch), group.log_probs(batch, pictures=False)
@@ -83,7 +88,9 @@ def test_log_probs_with_pictures_equal_the_models_forward_padded_and_packed(shap
             position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
             pixel_values=batch[PIXELS],
         ).logits.float()
-    want = torch.log_softmax(logits[:, -r - 1 : -1], -1).gather(-1, batch["input_ids"][:, -r:, None])[..., 0]
+    want = torch.log_softmax(logits[:, -r - 1 : -1], -1).gather(
+        -1, batch["input_ids"][:, -r:, None]
+    )[..., 0]
     valid = batch["rmask"].bool()
     for row_tokens in (None, 64):  # 64: two sequences of ~30 tokens a packed row
         got, without = engine_log_probs(path, batch, row_tokens)
@@ -112,7 +119,10 @@ def test_weight_sync_carries_the_vision_tower_to_the_rollout_engine(shapes_task,
         group.shutdown()
     names = set(state)
     assert any(n.startswith("model.vision_model.encoder.layers.") for n in names)
-    assert {"model.connector.modality_projection.proj.weight", "model.text_model.embed_tokens.weight"} <= names
+    assert {
+        "model.connector.modality_projection.proj.weight",
+        "model.text_model.embed_tokens.weight",
+    } <= names
     tok = load_tokenizer(path)
     engine = HFRolloutEngine(load_causal_lm(path), [tok.eos_token_id], tok.pad_token_id)
     assert set(engine.params) <= names | {"lm_head.weight"}

@@ -71,5 +71,7 @@ def test_prepare_reuses_a_prepared_directory(shapes_task) -> None:
 
     weights = shapes_task["model"] / "model.safetensors"
     before = weights.stat().st_mtime_ns
-    prepare(shapes_task["train"].parent, seed=0, n_train=48, n_test=16, hidden_size=64, num_layers=2)
+    prepare(
+        shapes_task["train"].parent, seed=0, n_train=48, n_test=16, hidden_size=64, num_layers=2
+    )
     assert weights.stat().st_mtime_ns == before
