@@ -115,19 +115,57 @@ def test_pictures_for_a_text_only_model_are_an_error(shapes_task, tiny_task) -> 
         prompt_dataset(records, load_tokenizer(tiny_task["model"]), TextOptions())
 
 
-def test_treadle_check_names_a_missing_picture_in_one_line(shapes_task, tmp_path, capsys) -> None:
+def check_shapes(tmp_path, capsys, data: Path, model: Path, *overrides: str):  # type: ignore[no-untyped-def]
+    """``treadle check`` of a GRPO config on ``data`` with ``model``."""
     import yaml
-    from test_check import assert_bad, run
+    from test_check import run
 
-    path = bad_rows(shapes_task, tmp_path, "images/gone.png")
     config = {
-        "model": {"path": str(shapes_task["model"])},
-        "data": {"train_files": [str(path)], "max_prompt_length": 64, "batch_size": 2},
+        "model": {"path": str(model)},
+        "data": {"train_files": [str(data)], "max_prompt_length": 64, "batch_size": 2},
         "rollout": {"n": 2, "max_new_tokens": 8},
         "actor": {"ppo_mini_batch_size": 4, "micro_batch_size": 4},
         "reward": {"function": "shapes", "num_workers": 0},
         "trainer": {"backend": "local", "output_dir": str(tmp_path / "run"), "eval_every": 0},
     }
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
-    result = run(capsys, "check", str(tmp_path / "c.yaml"), "--kind", "train")
+    return run(capsys, "check", str(tmp_path / "c.yaml"), *overrides, "--kind", "train")
+
+
+def test_treadle_check_passes_the_shapes_task(shapes_task, tmp_path, capsys) -> None:
+    code, _, err = check_shapes(tmp_path, capsys, shapes_task["train"], shapes_task["model"])
+    assert code == 0, err
+
+
+def test_treadle_check_names_a_missing_picture_in_one_line(shapes_task, tmp_path, capsys) -> None:
+    from test_check import assert_bad
+
+    path = bad_rows(shapes_task, tmp_path, "images/gone.png")
+    result = check_shapes(tmp_path, capsys, path, shapes_task["model"])
     assert_bad(result, r"bad\.jsonl row 3: 'images'\[0\]: image file '.*gone\.png' does not exist", 1)
+
+
+def test_treadle_check_names_an_images_column_for_a_text_only_model(
+    shapes_task, tiny_task, tmp_path, capsys
+) -> None:
+    from test_check import assert_bad
+
+    result = check_shapes(tmp_path, capsys, shapes_task["train"], tiny_task["model"])
+    assert_bad(result, r"train\.jsonl row 1: has images \('images'\) but model\.path is a text-only", 1)
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("rollout.engine=vllm", r"rollout\.engine=vllm: model\.path is a vision-language model"),
+        ("algorithm.adv_estimator=gae", r"adv_estimator=gae: model\.path is a vision-language"),
+        ("actor.lora.rank=4", r"actor\.lora\.rank=4: model\.path is a vision-language model"),
+    ],
+)
+def test_what_a_vision_language_model_does_not_go_with(
+    shapes_task, tmp_path, capsys, override: str, message: str
+) -> None:
+    from test_check import assert_bad
+
+    result = check_shapes(tmp_path, capsys, shapes_task["train"], shapes_task["model"], override)
+    assert_bad(result, message)
