@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_rl_e2e import grpo_config, weights
+from test_rl_e2e import weights
 
+from treadle.config import load_config
 from treadle.engines import inference
 from treadle.tracking import read_metrics
 from treadle.trainers.rl import train
@@ -27,21 +28,32 @@ def test_grpo_two_steps_of_a_vision_language_model(
 
     monkeypatch.setattr(inference.HFRolloutEngine, "generate", counting)
     out = tmp_path / "run"
-    cfg = grpo_config(
-        shapes_task,
-        out,
-        f"reward.function={length_reward}",
-        "rollout.max_new_tokens=8",
-        "trainer.backend=local",
-        "trainer.eval_every=2",
-        "actor.remove_padding=true",
+    cfg = load_config(
+        "examples/shapes/grpo.yaml",  # the example's recipe, at test size
+        [
+            f"model.path={shapes_task['model']}",
+            f"data.train_files=[{shapes_task['train']}]",
+            f"data.val_files=[{shapes_task['test']}]",
+            "data.batch_size=4",
+            "data.val_size=8",
+            "rollout.n=4",
+            "actor.ppo_mini_batch_size=16",
+            "actor.micro_batch_size=8",
+            "actor.lr=1e-3",
+            "actor.remove_padding=true",
+            f"reward.function={length_reward}",
+            "trainer.total_steps=2",
+            "trainer.eval_every=2",
+            "trainer.progress=false",
+            f"trainer.output_dir={out}",
+        ],
     )
     train(cfg)
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
     assert all(m["actor/grad_norm"] > 0 for m in metrics)
     assert pictures and all(n > 0 for n in pictures)
-    assert sum(pictures) >= 2 * 4 * 4  # 2 steps of 4 prompts x 4 samples, then evaluation
+    assert sum(pictures) >= 2 * 4 * 4 + 8  # 2 steps of 4 prompts x 4 samples, 8 evaluated
     before, after = weights(shapes_task["model"]), weights(out / "final_model")
     assert before.keys() == after.keys()
     unchanged = {k for k in before if torch.equal(before[k], after[k])}

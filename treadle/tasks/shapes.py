@@ -112,6 +112,24 @@ def answer_of(response: str, row: Any) -> str | None:
     return extract_answer(response)
 
 
+def _text_config(tok: Any, hidden_size: int, num_layers: int) -> dict[str, Any]:
+    """The decoder's config: a Llama of ``num_layers`` x ``hidden_size`` (head size 32)."""
+    return {
+        "model_type": "llama",
+        "vocab_size": len(tok),
+        "hidden_size": hidden_size,
+        "intermediate_size": 3 * hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": hidden_size // 32,
+        "num_key_value_heads": max(hidden_size // 64, 1),
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": True,
+        "bos_token_id": None,
+        "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id,
+    }
+
+
 def build_tiny_vlm(
     out_dir: str | Path,
     corpus: list[str],
@@ -138,39 +156,20 @@ def build_tiny_vlm(
     out = Path(out_dir)
     tok = build_tokenizer(corpus, out, vocab_size=vocab_size)
     tok.add_special_tokens({"additional_special_tokens": ["<|im_start|>", *IMAGE_TOKENS]})
-    patch, scale = 8, 2
-    image_seq_len = (IMAGE_SIZE // patch) ** 2 // scale**2
+    patch, scale = 8, 2  # 8-pixel patches, 2 x 2 of them an image token: one a grid cell
     processor = Idefics3Processor(
-        image_processor=Idefics3ImageProcessorPil(
+        image_processor=Idefics3ImageProcessorPil(  # PIL: torchvision's build is broken here
             do_image_splitting=False,
             size={"longest_edge": IMAGE_SIZE},
             max_image_size={"longest_edge": IMAGE_SIZE},
         ),
         tokenizer=tok,
-        image_seq_len=image_seq_len,
+        image_seq_len=(IMAGE_SIZE // patch) ** 2 // scale**2,
     )
-    text = {
-        "model_type": "llama",
-        "vocab_size": len(tok),
-        "hidden_size": hidden_size,
-        "intermediate_size": 3 * hidden_size,
-        "num_hidden_layers": num_layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        "tie_word_embeddings": True,
-        "bos_token_id": None,
-        "eos_token_id": tok.eos_token_id,
-        "pad_token_id": tok.pad_token_id,
-    }
-    vision = {
-        "hidden_size": vision_hidden_size,
-        "intermediate_size": 2 * vision_hidden_size,
-        "num_hidden_layers": vision_layers,
-        "num_attention_heads": 2,
-        "image_size": IMAGE_SIZE,
-        "patch_size": patch,
-    }
+    text = _text_config(tok, hidden_size, num_layers)
+    vision = {"hidden_size": vision_hidden_size, "intermediate_size": 2 * vision_hidden_size}
+    vision |= {"num_hidden_layers": vision_layers, "num_attention_heads": 2}
+    vision |= {"image_size": IMAGE_SIZE, "patch_size": patch}
     config = Idefics3Config(
         vision_config=vision,
         text_config=text,

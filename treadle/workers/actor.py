@@ -72,6 +72,7 @@ from treadle.workers.common import (
     ATTENTION,
     PAIRS,
     SEQUENCES,
+    SFT_EXAMPLES,
     UNPAIRED,
     actor_optimizer,
     engine_options,
@@ -301,12 +302,7 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         """PPO epochs over mini-batches, one optimizer step each (:class:`PolicyGradient`)."""
         return self.update(batch, PolicyGradient(self.policy()))
 
-    @register(
-        Dispatch.DP,
-        Collect.MEAN,
-        reads=("input_ids", "attention_mask", "loss_mask"),
-        optional=(PIXELS,),
-    )
+    @register(Dispatch.DP, Collect.MEAN, reads=SFT_EXAMPLES, optional=(PIXELS,))
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (:class:`SFT`)."""
         return self.update(batch, SFT(self.policy()))

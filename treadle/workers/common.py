@@ -90,6 +90,9 @@ ATTENTION = ("response_attention_mask", PIXELS)
 """What :func:`prompt_response` (and :func:`pixels`) also read when the batch has it, for
 ``optional=``."""
 
+SFT_EXAMPLES = ("input_ids", "attention_mask", "loss_mask")
+"""The fields of right-padded SFT examples (:func:`~treadle.data.collate_sft`), for ``reads=``."""
+
 PAIRS = ("prompts", "prompt_mask", "chosen", "chosen_mask", "rejected", "rejected_mask")
 """The fields of preference pairs (:func:`pair_sequences`), for ``reads=``."""
 
