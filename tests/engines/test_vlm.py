@@ -151,3 +151,28 @@ def test_weight_sync_carries_the_vision_tower_to_the_rollout_engine(shapes_task,
             pad_token_id=tok.pad_token_id,
         )
     assert out.token_ids[0] == seq[0, len(prompts[0]) :].tolist()[: len(out.token_ids[0])]
+
+
+def test_an_image_token_in_a_response_is_an_ordinary_token_as_in_generation(shapes_task) -> None:
+    """A policy may sample the image token; generation embedded it as a plain token (pictures
+    go in at prefill only), and so does the update's forward, padded and packed."""
+    path = str(shapes_task["model"])
+    batch = image_batch(shapes_task, n=2)
+    image_id = load_tokenizer(path).convert_tokens_to_ids("<image>")
+    batch["input_ids"][:, -2] = image_id  # both responses hold it (row 1: as its last token)
+    r = batch["rmask"].shape[1]
+    model = load_causal_lm(path)
+    want = torch.zeros(2, r)
+    with torch.no_grad():
+        for i in range(2):  # prefill with the picture, then the response through the cache
+            ids = batch["input_ids"][i][batch["attention_mask"][i].bool()]
+            prompt, response = ids[: -r if i == 0 else -r + 1], ids[-r if i == 0 else -r + 1 :]
+            first = model(input_ids=prompt[None], pixel_values=batch[PIXELS][i : i + 1])
+            rest = model(input_ids=response[None], past_key_values=first.past_key_values)
+            logits = torch.cat([first.logits[:, -1:], rest.logits[:, :-1]], 1)[0].float()
+            logp = torch.log_softmax(logits, -1).gather(-1, response[:, None])[:, 0]
+            want[i, : len(logp)] = logp
+    valid = batch["rmask"].bool()
+    for row_tokens in (None, 64):
+        got, _ = engine_log_probs(path, batch, row_tokens)
+        torch.testing.assert_close(got[valid], want[valid], atol=1e-5, rtol=1e-5)

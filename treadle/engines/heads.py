@@ -31,6 +31,7 @@ from treadle.engines.lm_head import (
     linear_topk_logits,
 )
 from treadle.engines.packing import label_positions, pack, scatter_labels
+from treadle.engines.pictures import picture_embeddings, picture_tokens
 
 
 def response_hidden(
@@ -57,32 +58,42 @@ def response_hidden(
     Both give the same states (within float rounding).
 
     ``pixel_values`` ``[B, images, 3, H, W]`` (a vision-language model's pictures, zero ones as
-    padding): the forward runs through the model's multimodal backbone (``lm.model``: vision
-    tower, connector, then the decoder with the image tokens' embeddings replaced), packed or
-    not; the image tokens keep ordinary 1-D positions (Idefics3).
+    padding): the decoder takes input embeddings in which the rows' picture tokens hold the
+    vision tower's features (:mod:`treadle.engines.pictures`), packed or not; the image tokens
+    keep ordinary 1-D positions (Idefics3).
     """
     where = label_positions(attention_mask, num_labels, label_mask)
-    decoder = lm.get_decoder() if pixel_values is None else lm.model
-    images = {} if pixel_values is None else {"pixel_values": pixel_values}
+    decoder = lm.get_decoder()
     if row_tokens is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = decoder(
-            input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
-            **images,
+            **_inputs(lm, input_ids, pixel_values),
         ).last_hidden_state
         return hidden[:, -num_labels - 1 : -1][where], where
     layout = pack(input_ids, attention_mask, where, row_tokens)
-    if pixel_values is not None:
-        images = {"pixel_values": layout.packed_pixels(pixel_values)}
+    inputs = {"input_ids": layout.input_ids}
+    if pixel_values is not None:  # the picture positions, packed the same way
+        pictures = picture_tokens(lm, input_ids, pixel_values).long()
+        packed = pack(pictures, attention_mask, where, row_tokens).input_ids.bool()
+        pixels = layout.packed_pixels(pixel_values)
+        inputs = {"inputs_embeds": picture_embeddings(lm, layout.input_ids, packed, pixels)}
     # No attention mask and no cache: transformers then builds the block-diagonal causal mask
     # from the position ids (with a cache it silently attends across the whole row).
-    hidden = decoder(
-        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False, **images
-    ).last_hidden_state
+    hidden = decoder(position_ids=layout.position_ids, use_cache=False, **inputs).last_hidden_state
     return hidden.flatten(0, 1)[layout.gather], where
+
+
+def _inputs(
+    lm: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The decoder's input: the token ids, or with pictures the embeddings holding them."""
+    if pixel_values is None:
+        return {"input_ids": input_ids}
+    pictures = picture_tokens(lm, input_ids, pixel_values)
+    return {"inputs_embeds": picture_embeddings(lm, input_ids, pictures, pixel_values)}
 
 
 class HeadRoot(nn.Module):
