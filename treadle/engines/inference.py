@@ -42,6 +42,8 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
+from treadle.data.images import stack_pixels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -185,15 +187,8 @@ class HFRolloutEngine:
             mask[i, width - len(p) :] = 1
         stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
         greedy = params.temperature == 0
-        images = {}
-        if any(x is not None for x in pictures):  # zero pictures pad; Idefics3 drops them
-            most = max(len(x) for x in pictures if x is not None)
-            shape = next(x for x in pictures if x is not None).shape[1:]
-            stacked = torch.zeros(len(pictures), most, *shape)
-            for i, x in enumerate(pictures):
-                if x is not None:
-                    stacked[i, : len(x)] = x
-            images["pixel_values"] = stacked.to(device)
+        stacked = stack_pixels(pictures)  # zero pictures pad a row; Idefics3 drops them
+        images = {} if stacked is None else {"pixel_values": stacked.to(device)}
         gen = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
