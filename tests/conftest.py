@@ -176,3 +176,13 @@ def parallel_model(tiny_task, tmp_path_factory):
         seed=0,
     )
     return out
+
+
+@pytest.fixture(scope="session")
+def shapes_task(tmp_path_factory):
+    """The built-in image task at test size: 48 train and 16 test pictures, a tiny Idefics3
+    (~0.3M parameters) with its processor."""
+    from treadle.tasks.shapes import prepare
+
+    out = tmp_path_factory.mktemp("shapes")
+    return prepare(out, seed=0, n_train=48, n_test=16, hidden_size=64, num_layers=2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ from typing import Any
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    AutoModelForImageTextToText,
     AutoModelForTokenClassification,
     AutoTokenizer,
     PretrainedConfig,
@@ -26,6 +28,7 @@ from transformers import (
 
 from treadle.errors import ConfigError
 
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 _HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
 
@@ -148,10 +151,18 @@ def load_causal_lm(
     (for example `attn_implementation`). Moving to a device is the caller's business.
     """
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
+    auto = AutoModelForImageTextToText if is_vision_language(resolved) else AutoModelForCausalLM
     try:
-        return AutoModelForCausalLM.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
+        return auto.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a causal LM from '{path}': {e}") from e
+
+
+def is_vision_language(path: str | Path) -> bool:
+    """Whether the model folder at ``path`` is a vision-language model (its config.json has a
+    ``vision_config``): loaded as ``AutoModelForImageTextToText``, with an image processor."""
+    file = Path(path) / "config.json"
+    return file.is_file() and "vision_config" in json.loads(file.read_text(encoding="utf-8"))
 
 
 def load_value_model(
@@ -186,12 +197,19 @@ def load_value_model(
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
     """`tokenizer.save_pretrained(out_dir)`, written so older transformers (vLLM's) read it too.
 
+    A vision-language model's processor files (``PROCESSOR_FILES``) in the folder the tokenizer
+    was loaded from are copied beside it, so a saved checkpoint loads its processor too.
+
     transformers 5 names a plain tokenizers-backed tokenizer `TokenizersBackend` and lists extra
     special tokens as `extra_special_tokens`; both names are unknown to transformers 4, which
     reads the same file as `PreTrainedTokenizerFast` with `additional_special_tokens`.
     """
     out = Path(out_dir)
     tokenizer.save_pretrained(out)
+    source = Path(str(getattr(tokenizer, "name_or_path", "")))
+    for name in PROCESSOR_FILES:  # a vision-language model's processor goes with its tokenizer
+        if (source / name).is_file() and source.resolve() != out.resolve():
+            shutil.copyfile(source / name, out / name)
     config_path = out / "tokenizer_config.json"
     if not config_path.is_file():
         return
@@ -217,7 +235,9 @@ def save_hf_folder(
     config). The model is built on the meta device and takes the given tensors without a copy.
     """
     value_model = any(a.endswith("ForTokenClassification") for a in config.architectures or [])
-    auto = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    auto: Any = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    if hasattr(config, "vision_config"):
+        auto = AutoModelForImageTextToText
     with torch.device("meta"):
         model = auto.from_config(config)
     result = model.load_state_dict(dict(state_dict), strict=False, assign=True)

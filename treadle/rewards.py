@@ -85,6 +85,7 @@ BUILTIN_REWARDS: dict[str, str] = {
     "arithmetic": "treadle.tasks.arithmetic:compute_score",
     "chat_arithmetic": "treadle.tasks.chat_arithmetic:compute_score",
     "calculator": "treadle.tasks.calculator:compute_score",
+    "shapes": "treadle.tasks.shapes:compute_score",
     "code": "treadle.tasks.code:compute_score",
     "reasoning_gym": "treadle.data.gym:compute_score",  # batched: reads the rows' columns
 }
@@ -96,6 +97,7 @@ ANSWER_READERS: dict[str, str] = {
     "arithmetic": "treadle.tasks.arithmetic:answer_of",
     "chat_arithmetic": "treadle.tasks.chat_arithmetic:answer_of",
     "calculator": "treadle.tasks.calculator:answer_of",
+    "shapes": "treadle.tasks.shapes:answer_of",
     "reasoning_gym": "treadle.data.gym:answer_of",
 }
 

@@ -209,7 +209,9 @@ class ThreeStepEngine:
         self.running: dict[str, int] = {}
         self.loaded: list[int] = []
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, pixel_values=None
+    ) -> None:
         self.running[request_id] = 0
 
     def step(self) -> list[Finished]:
@@ -260,7 +262,9 @@ class TokenEngine:
         self.running: dict[str, tuple[list[int], int]] = {}  # id -> (tokens, budget)
         self.added: list[tuple[str, list[int], int]] = []
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, pixel_values=None
+    ) -> None:
         self.running[request_id] = ([], params.max_new_tokens)
         self.added.append((request_id, list(prompt), params.max_new_tokens))
 

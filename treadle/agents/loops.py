@@ -31,6 +31,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.agents.tools import Toolbox, parse_tool_calls, result_message
@@ -50,6 +51,8 @@ class Sample:
     prompt_text: str
     ground_truth: str
     row: dict[str, Any]
+    # a vision-language prompt's pictures [images, 3, H, W]; every turn's request carries them
+    pixel_values: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -116,12 +119,16 @@ class AgentClient:
         limits: Limits,
         session_id: str,
         endpoint: Any = None,
+        pixel_values: torch.Tensor | None = None,
     ) -> None:
         """``endpoint``: the run's OpenAI-compatible endpoint
-        (:class:`~treadle.rollout.endpoint.Endpoint`), for loops that run black-box agents."""
+        (:class:`~treadle.rollout.endpoint.Endpoint`), for loops that run black-box agents.
+        ``pixel_values``: the sample's pictures, sent with every request (their image tokens
+        are at the start of the conversation)."""
         self._batcher, self.tokenizer = batcher, tokenizer
         self.params, self.limits, self.session_id = params, limits, session_id
         self.endpoint = endpoint
+        self.pixel_values = pixel_values
 
     def new_session(self) -> str:
         """A session id of its own (one trajectory's recorded calls on the endpoint)."""
@@ -135,7 +142,9 @@ class AgentClient:
         if max_new_tokens is not None and max_new_tokens != params.max_new_tokens:
             params = dataclasses.replace(params, max_new_tokens=max_new_tokens)
         client = self._batcher.client
-        request = Request(client.new_id(), tuple(token_ids), params, self.session_id)
+        request = Request(
+            client.new_id(), tuple(token_ids), params, self.session_id, self.pixel_values
+        )
         return await self._batcher.submit(request)
 
     def encode_messages(
@@ -303,7 +312,9 @@ async def run_agents(
 
     async def one(sample: Sample, session: str) -> list[Trajectory]:
         async with gate:
-            agent = AgentClient(batcher, tokenizer, single, limits, session, endpoint)
+            agent = AgentClient(
+                batcher, tokenizer, single, limits, session, endpoint, sample.pixel_values
+            )
             outcome = await _attempt(loop(agent, sample, tools), failures, client)
         if isinstance(outcome, list):
             return outcome

@@ -162,6 +162,11 @@ class DataConfig(Section):
     messages_key: Key = Field(
         "messages", description="SFT: column of multi-turn chat messages (loss on assistant turns)."
     )
+    images_key: Key = Field(
+        "images",
+        description="Column of a row's pictures (file paths relative to the data file, or "
+        "bytes), for a vision-language model.path; its processor turns them into image tokens.",
+    )
     chosen_key: Key = Field("chosen", description="DPO/RM: column holding the preferred response.")
     rejected_key: Key = Field(
         "rejected", description="DPO/RM: column holding the dispreferred response."

@@ -20,7 +20,9 @@ algorithm registries (the layer below config) and nothing above it.
 from __future__ import annotations
 
 import difflib
+import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 from treadle import algorithms  # the package: importing it registers every built-in name
@@ -432,8 +434,51 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
         )
     elif kind in ("dpo", "kto") and getattr(cfg, kind).eval_task and not cfg.data.val_files:
         problems.append(f"{kind}.eval_task=true needs data.val_files (held-out prompts)")
+    problems += vision_language_problems(cfg, kind)
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _vision_config(path: str) -> bool:
+    """Whether the model folder at ``path`` (or a checkpoint's ``model/``) has a config.json
+    with a ``vision_config``; False for what is no such folder (the model checks report it)."""
+    for file in (Path(path) / "config.json", Path(path) / "model" / "config.json"):
+        try:
+            return "vision_config" in json.loads(file.read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            continue
+    return False
+
+
+def vision_language_problems(cfg: Sections, kind: Kind) -> list[str]:
+    """What a vision-language ``model.path`` (its config.json has a ``vision_config``) does not
+    go with: pictures reach the actor, its reference and the transformers rollout engine;
+    vLLM's requests, value models, LoRA and the pair/example readers take none."""
+    if not _vision_config(cfg.model.path):
+        return []
+    vlm = "model.path is a vision-language model"
+    problems = []
+    if cfg.rollout.engine == "vllm":
+        problems.append(
+            f"rollout.engine=vllm: {vlm}; treadle sends its pictures to the transformers "
+            "engine only: set rollout.engine=hf"
+        )
+    if cfg.actor.lora.rank:
+        problems.append(f"actor.lora.rank={cfg.actor.lora.rank}: {vlm}; train it fully (0)")
+    for key in ("tensor_parallel_size", "sequence_parallel_size"):
+        if getattr(cfg.actor, key) > 1:
+            problems.append(
+                f"actor.{key}={getattr(cfg.actor, key)}: {vlm}; its layers are trained data "
+                "parallel only (FSDP2): set it to 1"
+            )
+    if kind == "train" and uses_critic(cfg):
+        problems.append(
+            f"algorithm.adv_estimator={cfg.algorithm.adv_estimator}: {vlm}; "
+            "its critic would not see the pictures: use grpo, rloo, reinforce_pp ..."
+        )
+    if kind in ("dpo", "kto", "rm", "distill"):
+        problems.append(f"treadle {kind}: {vlm}; images go with train, sft and eval only")
+    return problems
 
 
 def _rl_kind_problems(cfg: Sections, kind: Kind) -> list[str]:

@@ -11,6 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
+from treadle.data.images import ImageProcessor, load_image_processor
+from treadle.errors import ConfigError
+from treadle.models import resolve_model_path
+
 if TYPE_CHECKING:
     from treadle.config import Config
 
@@ -25,6 +29,7 @@ class TextOptions:
     answer_key: str | None = "answer"  # None: prompts have no ground truth (reward models)
     response_key: str = "solution"  # SFT
     messages_key: str = "messages"  # SFT, multi-turn chat
+    images_key: str = "images"  # a row's pictures (vision-language models)
     chosen_key: str = "chosen"  # pairs
     rejected_key: str = "rejected"
     completion_key: str = "completion"  # unpaired examples
@@ -38,6 +43,7 @@ class TextOptions:
     allow_special_tokens: bool = False
     config_key: str = "data.train_files"  # named by every message about a row
     tools: list[dict[str, Any]] | None = None  # JSON schemas shown to the model in prompts
+    processor: ImageProcessor | None = None  # a vision-language model's: rows with images
 
     @property
     def sft_max_length(self) -> int:
@@ -57,4 +63,15 @@ class TextOptions:
             overlong=d.overlong_prompts,
             config_key=config_key,
             tools=tools,
+            processor=_processor(cfg),
         )
+
+
+def _processor(cfg: Config) -> ImageProcessor | None:
+    """The image processor of ``model.path`` when it is a vision-language model (a path that
+    does not resolve is reported by the checks of the model, not here)."""
+    try:
+        path = resolve_model_path(cfg.model.path, allow_download=cfg.model.allow_download)
+    except ConfigError:
+        return None
+    return load_image_processor(path)

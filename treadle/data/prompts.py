@@ -2,18 +2,21 @@
 
 Each row keeps the prompt as written in the file (``prompt_text``, what reward functions see),
 its token ids, the ground truth and a stable id ``<file>:<row>`` that the trainer uses as the
-base of the GRPO group id (``uid``). Prompts are LEFT-padded (``collate_prompts``).
+base of the GRPO group id (``uid``). Prompts are LEFT-padded (``collate_prompts``). A row with
+pictures (``images_key``) is tokenized by the model's processor (:mod:`treadle.data.images`)
+and keeps its pixel values; a batch of such rows has the field ``pixel_values``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any, NotRequired, TypedDict
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from treadle.data.images import PIXELS, image_prompt, stack_pixels
 from treadle.data.options import TextOptions
 from treadle.protocol import Batch
 from treadle.data.readers import Record, answer_text, read_records, require
@@ -35,6 +38,7 @@ class PromptRow(TypedDict):
     prompt_ids: list[int]  # the rendered prompt, tokenized
     ground_truth: str
     row: dict[str, Any]  # every column of the file's row (agent loops read extra ones)
+    pixel_values: NotRequired[torch.Tensor]  # [images, 3, H, W]: a row with pictures
 
 
 PromptDataset = Rows[PromptRow]  # RL prompts
@@ -66,18 +70,22 @@ def prompt_dataset(
     parsed = [_parse(record, tokenizer, o) for record in records]
     ids = _prompt_ids(tokenizer, [p[1] for p in parsed], [p[2] for p in parsed], o)
     rows: list[PromptRow] = []
-    for record, (shown, _, _, truth), prompt_ids in zip(records, parsed, ids, strict=True):
+    for record, (shown, text, _, truth), prompt_ids in zip(records, parsed, ids, strict=True):
+        pictures = image_prompt(record, o.images_key, text, o.processor)
+        if pictures is not None:
+            prompt_ids = pictures[0]
         where = f"{record.where}: prompt is"
         if keep(where, len(prompt_ids), o.max_prompt_length, o.overlong, "max_prompt_length"):
-            rows.append(
-                PromptRow(
-                    uid=record.uid,
-                    prompt_text=shown,
-                    prompt_ids=prompt_ids,
-                    ground_truth=truth,
-                    row=record.row,
-                )
+            row = PromptRow(
+                uid=record.uid,
+                prompt_text=shown,
+                prompt_ids=prompt_ids,
+                ground_truth=truth,
+                row=record.row,
             )
+            if pictures is not None:
+                row["pixel_values"] = pictures[1]
+            rows.append(row)
     limit = f"max_prompt_length={o.max_prompt_length}"
     over, empty = f"rows longer than {limit} tokens", f"every prompt is longer than {limit}"
     return kept(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, over, empty)
@@ -138,8 +146,12 @@ def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any
     """The prompt side of a batch: rows ``indices`` of ``ds``, left-padded."""
     rows = [ds[i] for i in indices]
     ids, mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
+    tensors = {"prompts": ids, "prompt_mask": mask}
+    pixels = stack_pixels([r.get("pixel_values") for r in rows])
+    if pixels is not None:
+        tensors[PIXELS] = pixels
     return Batch.from_dict(
-        tensors={"prompts": ids, "prompt_mask": mask},
+        tensors=tensors,
         objects={
             "uid": [r["uid"] for r in rows],
             "prompt_text": [r["prompt_text"] for r in rows],

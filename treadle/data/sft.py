@@ -11,11 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import NotRequired, TypedDict
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from treadle.data.images import image_prompt
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, as_text, read_records, require
 from treadle.data.rows import Rows, keep, kept
@@ -39,6 +40,7 @@ class SFTRow(TypedDict):
     uid: str
     input_ids: list[int]
     loss_mask: list[int]  # 1 where the token is a training target
+    pixel_values: NotRequired[torch.Tensor]  # [images, 3, H, W]: a row with pictures
 
 
 SFTDataset = Rows[SFTRow]  # SFT examples with their loss masks
@@ -65,9 +67,12 @@ def sft_dataset(
     check_template(tokenizer, o.apply_chat_template)
     rows: list[SFTRow] = []
     for record in records:
-        ids, mask = _sft_example(record, tokenizer, o)
+        ids, mask, pixels = _sft_example(record, tokenizer, o)
         if keep(f"{record.where}: example is", len(ids), max_length, o.overlong, "max_length"):
-            rows.append(SFTRow(uid=record.uid, input_ids=ids, loss_mask=mask))
+            row = SFTRow(uid=record.uid, input_ids=ids, loss_mask=mask)
+            if pixels is not None:
+                row["pixel_values"] = pixels
+            rows.append(row)
     limit = f"max_length={max_length}"
     over, empty = f"rows longer than {limit} tokens", f"every example is longer than {limit}"
     return kept(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, over, empty)
@@ -75,18 +80,25 @@ def sft_dataset(
 
 def _sft_example(
     record: Record, tokenizer: PreTrainedTokenizerBase, options: TextOptions
-) -> tuple[list[int], list[int]]:
-    """``(ids, loss_mask)`` of a prompt/response row or a chat (``messages_key``) row."""
+) -> tuple[list[int], list[int], torch.Tensor | None]:
+    """``(ids, loss_mask, pixel values or None)`` of a prompt/response row (its prompt through
+    the image processor when it has pictures) or a chat (``messages_key``) row."""
     key = options.messages_key
     if record.row.get(options.prompt_key) is None and record.row.get(key) is not None:
         if not options.apply_chat_template:
             raise DataError(f"{record.where}: '{key}' needs data.apply_chat_template=true")
-        return _sft_messages(record, tokenizer, options)
+        if record.row.get(options.images_key):
+            raise DataError(f"{record.where}: images go with prompt/response rows, not '{key}'")
+        return *_sft_messages(record, tokenizer, options), None
     _, text, contents = prompt_text(record, options.prompt_key, tokenizer, options)
     response = as_text(require(record, options.response_key, "response"))
-    prompt = prompt_ids(tokenizer, text, contents, options)
+    pictures = image_prompt(record, options.images_key, text, options.processor)
+    if pictures is not None:
+        prompt, pixels = pictures
+    else:
+        prompt, pixels = prompt_ids(tokenizer, text, contents, options), None
     response_part = response_ids(tokenizer, response, options)
-    return prompt + response_part, [0] * len(prompt) + [1] * len(response_part)
+    return prompt + response_part, [0] * len(prompt) + [1] * len(response_part), pixels
 
 
 def _sft_messages(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -231,9 +232,13 @@ class TrainEngine:
         num_labels: int,
         temperature: float = 1.0,
         label_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(log-probs, entropy)`` ``[B, num_labels]``: :meth:`forward` of the plain request."""
+        """``(log-probs, entropy)`` ``[B, num_labels]``: :meth:`forward` of the plain request
+        (``pixel_values``: a vision-language model's pictures of the rows)."""
         req = LogProbRequest(input_ids, attention_mask, num_labels, temperature, label_mask)
+        if pixel_values is not None:
+            req = dataclasses.replace(req, pixel_values=pixel_values)
         out = self.forward(req)
         return out.log_probs, out.entropy
 

@@ -32,6 +32,7 @@ from treadle.engines.lm_head import (
 )
 from treadle.engines.packing import label_positions, pack, scatter_labels
 from treadle.engines.parallel import sequence_parallel_forward
+from treadle.engines.pictures import picture_embeddings, picture_tokens
 
 
 def response_hidden(
@@ -43,6 +44,7 @@ def response_hidden(
     label_mask: torch.Tensor | None = None,
     row_tokens: int | None = None,
     sequence_group: Any = None,
+    pixel_values: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoder hidden states that predict the selected labels among the last ``num_labels``.
 
@@ -58,30 +60,50 @@ def response_hidden(
     Both give the same states (within float rounding). ``sequence_group`` (packed only): the
     ranks of a sequence-parallel group split each row's width
     (:func:`~treadle.engines.parallel.sequence_parallel_forward`); every rank gets all states.
+
+    ``pixel_values`` ``[B, images, 3, H, W]`` (a vision-language model's pictures, zero ones as
+    padding): the decoder takes input embeddings in which the rows' picture tokens hold the
+    vision tower's features (:mod:`treadle.engines.pictures`), packed or not; the image tokens
+    keep ordinary 1-D positions (Idefics3). Not with ``sequence_group`` (the rules refuse it).
     """
     where = label_positions(attention_mask, num_labels, label_mask)
     decoder = lm.get_decoder()
     if row_tokens is None:
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
         hidden = decoder(
-            input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             use_cache=False,
+            **_inputs(lm, input_ids, pixel_values),
         ).last_hidden_state
         return hidden[:, -num_labels - 1 : -1][where], where
     layout = pack(input_ids, attention_mask, where, row_tokens)
     if sequence_group is not None:
+        assert pixel_values is None, "sequence parallel does not take pictures (config rules)"
         hidden = sequence_parallel_forward(
             decoder, layout.input_ids, layout.position_ids, sequence_group
         )
         return hidden.flatten(0, 1)[layout.gather], where
+    inputs = {"input_ids": layout.input_ids}
+    if pixel_values is not None:  # the picture positions, packed the same way
+        pictures = picture_tokens(lm, input_ids, pixel_values).long()
+        packed = pack(pictures, attention_mask, where, row_tokens).input_ids.bool()
+        pixels = layout.packed_pixels(pixel_values)
+        inputs = {"inputs_embeds": picture_embeddings(lm, layout.input_ids, packed, pixels)}
     # No attention mask and no cache: transformers then builds the block-diagonal causal mask
     # from the position ids (with a cache it silently attends across the whole row).
-    hidden = decoder(
-        input_ids=layout.input_ids, position_ids=layout.position_ids, use_cache=False
-    ).last_hidden_state
+    hidden = decoder(position_ids=layout.position_ids, use_cache=False, **inputs).last_hidden_state
     return hidden.flatten(0, 1)[layout.gather], where
+
+
+def _inputs(
+    lm: Any, input_ids: torch.Tensor, pixel_values: torch.Tensor | None
+) -> dict[str, torch.Tensor]:
+    """The decoder's input: the token ids, or with pictures the embeddings holding them."""
+    if pixel_values is None:
+        return {"input_ids": input_ids}
+    pictures = picture_tokens(lm, input_ids, pixel_values)
+    return {"inputs_embeds": picture_embeddings(lm, input_ids, pictures, pixel_values)}
 
 
 class HeadRoot(nn.Module):
@@ -99,6 +121,7 @@ class HeadRoot(nn.Module):
         attention_mask: torch.Tensor,
         num_labels: int,
         label_mask: torch.Tensor | None = None,
+        pixel_values: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """:func:`response_hidden` of this head's model."""
         return response_hidden(
@@ -109,6 +132,7 @@ class HeadRoot(nn.Module):
             label_mask=label_mask,
             row_tokens=self.row_tokens,
             sequence_group=self.sequence_group,
+            pixel_values=pixel_values,
         )
 
 
@@ -134,6 +158,9 @@ class LogProbRequest:
     ``topk_ids`` ``[B, num_labels, K]`` (long; K ids at each label position, e.g. a teacher's
     top-k) adds the logits at those ids, differentiable, beside the log-probs and entropy (and
     ``pair``); not with ``sum_pi_squared`` or ``full_vocab``.
+
+    ``pixel_values`` ``[B, images, 3, H, W]``: the pictures of a vision-language model's rows
+    (the ``pixel_values`` batch field), whose image tokens are in ``input_ids``.
     """
 
     input_ids: torch.Tensor
@@ -145,6 +172,7 @@ class LogProbRequest:
     full_vocab: bool = False
     pair: PairTerm | None = None
     topk_ids: torch.Tensor | None = None
+    pixel_values: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.topk_ids is None:
@@ -196,7 +224,7 @@ class LogProbHead(HeadRoot):
 
     def forward(self, req: LogProbRequest) -> LogProbOutput:
         hidden, where = self.hidden(
-            req.input_ids, req.attention_mask, req.num_labels, req.label_mask
+            req.input_ids, req.attention_mask, req.num_labels, req.label_mask, req.pixel_values
         )
         labels = req.input_ids[:, -req.num_labels :][where]
         weight = self.lm.get_output_embeddings().weight

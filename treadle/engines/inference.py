@@ -42,6 +42,8 @@ import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
+from treadle.data.images import stack_pixels
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -106,7 +108,16 @@ class RolloutEngine(Protocol):
         likely ids of each of those positions (see the module docstring)."""
         ...
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None: ...
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        pixel_values: torch.Tensor | None = None,
+    ) -> None:
+        """Queue one sample of ``prompt``; ``pixel_values`` ``[images, 3, H, W]``: the pictures
+        of a vision-language model's prompt (its image tokens already in ``prompt``)."""
+        ...
 
     def step(self) -> list[Finished]: ...
 
@@ -140,19 +151,32 @@ class HFRolloutEngine:
         self.pad = pad_token_id
         self.micro_batch_size = micro_batch_size
         self.params = dict(self.model.named_parameters())
-        self._pending: list[tuple[str, list[int], SamplingParams]] = []
+        self._pending: list[tuple[str, list[int], SamplingParams, torch.Tensor | None]] = []
 
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], params: SamplingParams) -> RolloutOutput:
+    def generate(
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        pixel_values: list[torch.Tensor | None] | None = None,
+    ) -> RolloutOutput:
+        """``params.n`` samples of each prompt; ``pixel_values``: each prompt's pictures
+        ``[images, 3, H, W]`` (None: a text prompt) for a vision-language model."""
         expanded = [p for p in prompts for _ in range(params.n)]
+        pictures = [x for x in pixel_values or [None] * len(prompts) for _ in range(params.n)]
         out = RolloutOutput()
         torch.manual_seed(params.seed)
         for start in range(0, len(expanded), self.micro_batch_size):
-            self._generate_chunk(expanded[start : start + self.micro_batch_size], params, out)
+            end = start + self.micro_batch_size
+            self._generate_chunk(expanded[start:end], params, out, pictures[start:end])
         return out
 
     def _generate_chunk(
-        self, prompts: list[list[int]], params: SamplingParams, out: RolloutOutput
+        self,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        out: RolloutOutput,
+        pictures: list[torch.Tensor | None],
     ) -> None:
         device = next(self.model.parameters()).device
         width = max(len(p) for p in prompts)
@@ -163,6 +187,8 @@ class HFRolloutEngine:
             mask[i, width - len(p) :] = 1
         stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
         greedy = params.temperature == 0
+        stacked = stack_pixels(pictures)  # zero pictures pad a row; Idefics3 drops them
+        images = {} if stacked is None else {"pixel_values": stacked.to(device)}
         gen = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
@@ -175,6 +201,7 @@ class HFRolloutEngine:
             pad_token_id=self.pad,
             return_dict_in_generate=True,
             output_logits=True,
+            **images,
         )
         seqs = gen.sequences[:, width:].cpu()
         logits = torch.stack(gen.logits, dim=1).float().cpu()  # [B, new, V]
@@ -237,24 +264,32 @@ class HFRolloutEngine:
         """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs)."""
         return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        pixel_values: torch.Tensor | None = None,
+    ) -> None:
         if params.n != 1:
             raise ValueError(f"a request samples one response, got n={params.n}")
-        self._pending.append((request_id, list(prompt), params))
+        self._pending.append((request_id, list(prompt), params, pixel_values))
 
     def step(self) -> list[Finished]:
         """Generate every request added since the last step; equal parameters together."""
         pending, self._pending = self._pending, []
-        groups: dict[SamplingParams, tuple[int, list[tuple[str, list[int]]]]] = {}
-        for rid, prompt, params in pending:
+        Pending = tuple[str, list[int], torch.Tensor | None]
+        groups: dict[SamplingParams, tuple[int, list[Pending]]] = {}
+        for rid, prompt, params, picture in pending:
             key = dataclasses.replace(params, seed=0)
-            groups.setdefault(key, (params.seed, []))[1].append((rid, prompt))
+            groups.setdefault(key, (params.seed, []))[1].append((rid, prompt, picture))
         done = []
         for key, (seed, requests) in groups.items():
-            out = self.generate([p for _, p in requests], dataclasses.replace(key, seed=seed))
+            prompts, pictures = [p for _, p, _ in requests], [x for _, _, x in requests]
+            out = self.generate(prompts, dataclasses.replace(key, seed=seed), pictures)
             done += [
                 Finished(rid, t, lp, r)
-                for (rid, _), t, lp, r in zip(
+                for (rid, _, _), t, lp, r in zip(
                     requests, out.token_ids, out.log_probs, out.stop_reasons, strict=True
                 )
             ]

@@ -115,13 +115,22 @@ class PackedLayout:
     sequence (and for the filler after the last sequence of a row). ``where`` is the
     ``[batch, num_labels]`` mask of selected labels; ``gather`` holds, for each selected label
     in row-major order of ``where``, the flat index into ``rows * width`` of the hidden state
-    that predicts it.
+    that predicts it. ``order``: the samples in the order their tokens appear in the packed
+    rows, row-major (a vision-language model fills its image tokens with the pictures in that
+    order: :meth:`packed_pixels`).
     """
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
     where: torch.Tensor
     gather: torch.Tensor
+    order: torch.Tensor
+
+    def packed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        """A batch's pictures ``[B, images, 3, H, W]`` as the packed rows' one sample
+        ``[1, B * images, 3, H, W]``, in the order of their image tokens (all-zero padding
+        pictures stay; the model drops them)."""
+        return pixel_values[self.order.to(pixel_values.device)].flatten(0, 1)[None]
 
 
 def label_positions(
@@ -191,6 +200,7 @@ def pack(
         position_ids=flat_pos.view(len(groups), width),
         where=where,
         gather=gather,
+        order=seq_start.cpu().argsort(stable=True),
     )
 
 

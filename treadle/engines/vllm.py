@@ -204,10 +204,20 @@ class VLLMRolloutEngine:
                 "not cover every parameter; call update_weights again with the full state"
             )
 
-    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        """Queue one request (one sample); `step` runs it with everything else in flight."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: list[int],
+        params: SamplingParams,
+        pixel_values: torch.Tensor | None = None,
+    ) -> None:
+        """Queue one request (one sample); `step` runs it with everything else in flight.
+        Pictures (``pixel_values``) are not served here: vision-language rollouts run on the
+        transformers engine (``rollout.engine=hf``; ``treadle check`` says so)."""
         from vllm.inputs import TokensPrompt
 
+        if pixel_values is not None:
+            raise ValueError("the vllm engine takes no pictures here: use rollout.engine=hf")
         if params.n != 1:
             raise ValueError(f"a request samples one response, got n={params.n}")
         self._check_weights()

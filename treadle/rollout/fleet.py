@@ -83,6 +83,7 @@ from treadle.controller import (
     ray_get,
 )
 from treadle.data import collate_prompts
+from treadle.data.images import PIXELS
 from treadle.engines.inference import SamplingParams
 from treadle.errors import ConfigError
 from treadle.models import load_tokenizer
@@ -201,14 +202,16 @@ class Rollout:
         and broken sessions count in :meth:`take_counters` (not an evaluation's)."""
         copies = params.n if params.temperature == 0 else 1  # greedy samples are all equal
         a = self.agents
+        pictures = prompts[PIXELS] if PIXELS in prompts else [None] * len(prompts)
         samples = [
-            Sample(uid, list(ids), text, truth, row)
-            for uid, ids, text, truth, row in zip(
+            Sample(uid, list(ids), text, truth, row, pixel_values)
+            for uid, ids, text, truth, row, pixel_values in zip(
                 prompts["uid"],
                 _left_trim(prompts["prompts"], prompts["prompt_mask"]),
                 prompts["prompt_text"],
                 prompts["ground_truth"],
                 prompts.objects.get("row", [{}] * len(prompts)),
+                pictures,
                 strict=True,
             )
         ]

@@ -73,6 +73,8 @@ class Request:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     session_id: str | None = None
+    # a vision-language model's pictures [images, 3, H, W], their image tokens in prompt_ids
+    pixel_values: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -251,7 +253,7 @@ class RolloutServer:
             self._answer(Finished(rid, [], [], "length"))
             return
         params = dataclasses.replace(r.params, max_new_tokens=left)
-        self.engine.add_request(rid, [*r.prompt_ids, *p.token_ids], params)
+        self.engine.add_request(rid, [*r.prompt_ids, *p.token_ids], params, r.pixel_values)
 
     # ------------------------------------------------------------------ the pump
 
@@ -295,7 +297,7 @@ class RolloutServer:
         for r in group.requests:
             self._groups[r.request_id] = group
             self._requests[r.request_id] = r
-            self.engine.add_request(r.request_id, list(r.prompt_ids), r.params)
+            self.engine.add_request(r.request_id, list(r.prompt_ids), r.params, r.pixel_values)
 
     def _answer(self, f: Finished) -> None:
         group = self._groups.pop(f.request_id)

@@ -2,7 +2,8 @@
 
 `arithmetic` (integer addition and subtraction with worked answers) is the task treadle's demo
 and end-to-end tests train on; `treadle prepare` writes it to a directory. Its verifier is the
-built-in reward `arithmetic` (see `treadle.rewards`).
+built-in reward `arithmetic` (see `treadle.rewards`). `shapes` (count the shapes in a
+picture) is the image task, with a tiny Idefics3 vision-language model and its processor.
 """
 
 # `treadle prepare --task NAME`: NAME -> "module:function(out_dir, *, seed) -> {name: path}"
@@ -11,4 +12,5 @@ PREPARERS: dict[str, str] = {
     "chat_arithmetic": "treadle.tasks.chat_arithmetic:prepare_chat",
     "calculator": "treadle.tasks.calculator:prepare",
     "code": "treadle.tasks.code:prepare",
+    "shapes": "treadle.tasks.shapes:prepare",
 }

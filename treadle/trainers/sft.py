@@ -15,6 +15,7 @@ import time
 
 from treadle.config import Config
 from treadle.data import ResumableSampler, collate_sft, config_sft
+from treadle.data.images import PIXELS, stack_pixels
 from treadle.data.templating import pad_or_eos_id
 from treadle.protocol import Batch
 from treadle.tracking import timed
@@ -48,9 +49,11 @@ class SFTTrainer(Trainer):
         start = time.perf_counter()
         rows = [self.ds[i] for i in self.sampler.next_indices()]
         ids, mask, loss_mask = collate_sft(rows, self.pad)
-        batch = Batch.from_dict(
-            tensors={"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
-        )
+        tensors = {"input_ids": ids, "attention_mask": mask, "loss_mask": loss_mask}
+        pixels = stack_pixels([r.get("pixel_values") for r in rows])
+        if pixels is not None:
+            tensors[PIXELS] = pixels
+        batch = Batch.from_dict(tensors=tensors)
         with timed(metrics, "update_actor"):
             metrics.update(self.group.train_sft(batch))
         metrics["timing/step"] = time.perf_counter() - start

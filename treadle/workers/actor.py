@@ -58,6 +58,7 @@ import torch
 from treadle.algorithms import UNPAIRED_LOSSES
 from treadle.checkpoint import read_state
 from treadle.controller import Collect, Dispatch, free_port, register
+from treadle.data.images import PIXELS
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.heads import LogProbRequest
 from treadle.engines.weights import weight_buckets
@@ -71,12 +72,14 @@ from treadle.workers.common import (
     ATTENTION,
     PAIRS,
     SEQUENCES,
+    SFT_EXAMPLES,
     UNPAIRED,
     actor_optimizer,
     engine_options,
     micro_batches,
     pair_logps,
     per_pair,
+    pixels,
     prompt_response,
     unpaired_logps,
 )
@@ -209,7 +212,11 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
                 ids, mask = prompt_response(mb, self.device)
                 t = self.cfg.rollout.temperature
                 width = mb["responses"].shape[1]
-                out = engine.forward(LogProbRequest(ids, mask, width, t, None, sum_pi_squared))
+                images = pixels(mb, self.device)
+                request = LogProbRequest(
+                    ids, mask, width, t, None, sum_pi_squared, pixel_values=images
+                )
+                out = engine.forward(request)
                 columns = [out.log_probs, out.entropy]
                 if out.sum_pi_squared is not None:
                     columns.append(out.sum_pi_squared)
@@ -298,7 +305,7 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         """PPO epochs over mini-batches, one optimizer step each (:class:`PolicyGradient`)."""
         return self.update(batch, PolicyGradient(self.policy()))
 
-    @register(Dispatch.DP, Collect.MEAN, reads=("input_ids", "attention_mask", "loss_mask"))
+    @register(Dispatch.DP, Collect.MEAN, reads=SFT_EXAMPLES, optional=(PIXELS,))
     def train_sft(self, batch: Batch) -> dict[str, float]:
         """One optimizer step of next-token loss on response tokens (:class:`SFT`)."""
         return self.update(batch, SFT(self.policy()))

@@ -19,6 +19,7 @@ from torch import nn
 
 from treadle.algorithms import masked_sum
 from treadle.config import ActorConfig, Config
+from treadle.data.images import PIXELS
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.packing import first_fit_decreasing, token_micro_batches
 from treadle.engines.schedule import LrSchedule
@@ -89,8 +90,12 @@ def global_sums(*values: float, group: Any = None) -> list[float]:
 SEQUENCES = ("prompts", "prompt_mask", "responses", "response_mask")
 """The fields of prompt + response sequences (:func:`prompt_response`), for ``reads=``."""
 
-ATTENTION = ("response_attention_mask",)
-"""What :func:`prompt_response` also reads when the batch has it, for ``optional=``."""
+ATTENTION = ("response_attention_mask", PIXELS)
+"""What :func:`prompt_response` (and :func:`pixels`) also read when the batch has it, for
+``optional=``."""
+
+SFT_EXAMPLES = ("input_ids", "attention_mask", "loss_mask")
+"""The fields of right-padded SFT examples (:func:`~treadle.data.collate_sft`), for ``reads=``."""
 
 PAIRS = ("prompts", "prompt_mask", "chosen", "chosen_mask", "rejected", "rejected_mask")
 """The fields of preference pairs (:func:`pair_sequences`), for ``reads=``."""
@@ -101,6 +106,11 @@ def prompt_response(mb: Batch, device: torch.device) -> tuple[torch.Tensor, torc
     ids = torch.cat([mb["prompts"], mb["responses"]], 1).to(device)
     mask = torch.cat([mb["prompt_mask"], response_attention(mb)], 1).to(device)
     return ids, mask
+
+
+def pixels(mb: Batch, device: torch.device) -> torch.Tensor | None:
+    """A vision-language batch's pictures ``[B, images, 3, H, W]`` on ``device`` (None: text)."""
+    return mb[PIXELS].to(device) if PIXELS in mb else None
 
 
 def pair_sequences(

@@ -65,6 +65,7 @@ from treadle.workers.common import (
     global_sums,
     micro_batches,
     pair_logps,
+    pixels,
     ppo_mini_batches,
     prompt_response,
     unpaired_logps,
@@ -215,20 +216,21 @@ class PolicyGradient(Objective[dict[str, Any]]):
         return metrics
 
     def _forward(
-        self, ids: torch.Tensor, mask: torch.Tensor, r: int
+        self, ids: torch.Tensor, mask: torch.Tensor, r: int, images: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """The actor's log-probs and entropy, and with the ``full`` KL estimator the exact
         per-token KL to the reference (its whole distribution computed here, no gradient)."""
         alg, t = self.cfg.algorithm, self.cfg.rollout.temperature
         actor = self.policy.actor
         if not (alg.kl_coef > 0 and KL_ESTIMATORS.info(alg.kl_estimator).get("full_vocab")):
-            return *actor.log_probs(ids, mask, r, t), None
+            return *actor.log_probs(ids, mask, r, t, pixel_values=images), None
         ref = self.policy.reference()
         with ref.evaluating():
-            ref_full = ref.forward(LogProbRequest(ids, mask, r, t, full_vocab=True))
+            request = LogProbRequest(ids, mask, r, t, full_vocab=True, pixel_values=images)
+            ref_full = ref.forward(request)
         assert ref_full.full_log_softmax is not None
         pair = PairTerm(ref_full.full_log_softmax, KL_ESTIMATORS.get(alg.kl_estimator))
-        out = actor.forward(LogProbRequest(ids, mask, r, t, pair=pair))
+        out = actor.forward(LogProbRequest(ids, mask, r, t, pair=pair, pixel_values=images))
         return out.log_probs, out.entropy, out.pair_term
 
     def _old_policy(
@@ -252,8 +254,9 @@ class PolicyGradient(Objective[dict[str, Any]]):
 
     def loss(self, mb: Batch, agg: dict[str, Any]) -> MicroLoss:
         alg = self.cfg.algorithm
-        ids, mask = prompt_response(mb, self.policy.device)
-        logp, ent, full_kl = self._forward(ids, mask, mb["responses"].shape[1])
+        device = self.policy.device
+        ids, mask = prompt_response(mb, device)
+        logp, ent, full_kl = self._forward(ids, mask, mb["responses"].shape[1], pixels(mb, device))
         rmask = mb["response_mask"].to(logp.dtype)
         old, mismatch = self._old_policy(mb, logp)
         loss_fn = POLICY_LOSSES.get(alg.policy_loss)
@@ -320,7 +323,10 @@ class SFT(Objective[float]):
         mask = mb["attention_mask"].to(device)
         lmask = mb["loss_mask"][:, 1:].to(device)
         # Log-probs of loss positions only: no LM-head compute on the prompts.
-        logp, _ = self.policy.actor.log_probs(ids, mask, ids.shape[1] - 1, label_mask=lmask)
+        images = pixels(mb, device)
+        logp, _ = self.policy.actor.log_probs(
+            ids, mask, ids.shape[1] - 1, label_mask=lmask, pixel_values=images
+        )
         loss = agg_loss(-logp, lmask.to(logp.dtype), "token-mean", num_tokens=max(tokens, 1.0))
         return MicroLoss(loss, {"sft/loss": float(loss.detach())})
 
