@@ -33,7 +33,9 @@ def test_prompts_carry_image_tokens_and_pixel_values(shapes_task) -> None:
         assert row["pixel_values"].shape == (1, 3, 64, 64)
         text = tok.decode(row["prompt_ids"])
         assert text.startswith("<|im_start|>user\n<fake_token_around_image><global-img><image>")
-        assert text.endswith("How many shapes are in the picture?<|im_end|>\n<|im_start|>assistant\n")
+        assert text.endswith(
+            "How many shapes are in the picture?<|im_end|>\n<|im_start|>assistant\n"
+        )
     batch = prompt_batch(ds, [0, 1, 2], ds.pad_id)
     assert batch[PIXELS].shape == (3, 1, 3, 64, 64)
     torch.testing.assert_close(batch[PIXELS][1], ds[1]["pixel_values"])
@@ -75,7 +77,9 @@ def test_images_as_bytes_in_parquet_read_like_files(shapes_task, tmp_path) -> No
     pq.write_table(table, tmp_path / "test.parquet")
     tok = load_tokenizer(folder)
     from_files = prompt_dataset(read_records([shapes_task["test"]], "k")[:2], tok, options(folder))
-    from_bytes = prompt_dataset(read_records([tmp_path / "test.parquet"], "k"), tok, options(folder))
+    from_bytes = prompt_dataset(
+        read_records([tmp_path / "test.parquet"], "k"), tok, options(folder)
+    )
     for a, b in zip(from_files.rows, from_bytes.rows, strict=True):
         assert a["prompt_ids"] == b["prompt_ids"]
         torch.testing.assert_close(a["pixel_values"], b["pixel_values"])
@@ -94,7 +98,10 @@ def bad_rows(shapes_task, tmp_path, picture: str) -> Path:  # type: ignore[no-un
 @pytest.mark.parametrize(
     ("picture", "message"),
     [
-        ("images/nope.png", r"bad\.jsonl row 3: 'images'\[0\]: image file '.*nope\.png' does not exist"),
+        (
+            "images/nope.png",
+            r"bad\.jsonl row 3: 'images'\[0\]: image file '.*nope\.png' does not exist",
+        ),
         ("corrupt.png", r"bad\.jsonl row 3: 'images'\[0\]: cannot read the image '.*corrupt\.png'"),
     ],
 )
@@ -105,13 +112,18 @@ def test_a_missing_or_corrupt_picture_names_file_and_row(
     path = bad_rows(shapes_task, tmp_path, picture)
     folder = shapes_task["model"]
     with pytest.raises(DataError, match=message):
-        prompt_dataset(read_records([path], "data.train_files"), load_tokenizer(folder), options(folder))
+        prompt_dataset(
+            read_records([path], "data.train_files"), load_tokenizer(folder), options(folder)
+        )
 
 
 def test_pictures_for_a_text_only_model_are_an_error(shapes_task, tiny_task) -> None:
     assert load_image_processor(str(tiny_task["model"])) is None
     records = read_records([shapes_task["test"]], "data.train_files")[:2]
-    with pytest.raises(DataError, match=r"test\.jsonl row 1: has images \('images'\) but model\.path is a text-only"):
+    with pytest.raises(
+        DataError,
+        match=r"test\.jsonl row 1: has images \('images'\) but model\.path is a text-only",
+    ):
         prompt_dataset(records, load_tokenizer(tiny_task["model"]), TextOptions())
 
 
@@ -142,7 +154,9 @@ def test_treadle_check_names_a_missing_picture_in_one_line(shapes_task, tmp_path
 
     path = bad_rows(shapes_task, tmp_path, "images/gone.png")
     result = check_shapes(tmp_path, capsys, path, shapes_task["model"])
-    assert_bad(result, r"bad\.jsonl row 3: 'images'\[0\]: image file '.*gone\.png' does not exist", 1)
+    assert_bad(
+        result, r"bad\.jsonl row 3: 'images'\[0\]: image file '.*gone\.png' does not exist", 1
+    )
 
 
 def test_treadle_check_names_an_images_column_for_a_text_only_model(
@@ -151,7 +165,9 @@ def test_treadle_check_names_an_images_column_for_a_text_only_model(
     from test_check import assert_bad
 
     result = check_shapes(tmp_path, capsys, shapes_task["train"], tiny_task["model"])
-    assert_bad(result, r"train\.jsonl row 1: has images \('images'\) but model\.path is a text-only", 1)
+    assert_bad(
+        result, r"train\.jsonl row 1: has images \('images'\) but model\.path is a text-only", 1
+    )
 
 
 @pytest.mark.parametrize(
@@ -161,7 +177,7 @@ def test_treadle_check_names_an_images_column_for_a_text_only_model(
         ("algorithm.adv_estimator=gae", r"adv_estimator=gae: model\.path is a vision-language"),
         ("actor.lora.rank=4", r"actor\.lora\.rank=4: model\.path is a vision-language model"),
         (
-            "actor.sequence_parallel_size=2",
+            "trainer.backend=ray actor.world_size=2 actor.sequence_parallel_size=2",
             r"actor\.sequence_parallel_size=2: model\.path is a vision-language model; its "
             r"layers are trained data parallel only",
         ),
@@ -172,5 +188,7 @@ def test_what_a_vision_language_model_does_not_go_with(
 ) -> None:
     from test_check import assert_bad
 
-    result = check_shapes(tmp_path, capsys, shapes_task["train"], shapes_task["model"], override)
+    result = check_shapes(
+        tmp_path, capsys, shapes_task["train"], shapes_task["model"], *override.split()
+    )
     assert_bad(result, message)
