@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
         "treadle.trackers",
         "treadle.tracking",
         "treadle.reaper",
+        "treadle.memory",
         "treadle.hub",
         "treadle.sandbox",
     ),

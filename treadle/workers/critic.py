@@ -21,6 +21,7 @@ import torch
 from treadle.algorithms import Aggregation, value_loss
 from treadle.controller import Collect, Dispatch, register
 from treadle.engines.schedule import LrSchedule
+from treadle.memory import trim_heap
 from treadle.protocol import Batch
 from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
@@ -96,7 +97,9 @@ class CriticWorker(TrainingWorker):
     def update_critic(self, batch: Batch) -> dict[str, float]:
         """PPO value-function update; metrics averaged over optimizer steps, then over ranks."""
         minis = ppo_mini_batches(batch, self.epochs, self.mini)
-        return mean_over_steps(self._critic_step, minis) | self._data_metrics(batch)
+        metrics = mean_over_steps(self._critic_step, minis) | self._data_metrics(batch)
+        trim_heap()  # (treadle.memory)
+        return metrics
 
     def _critic_step(self, mb: Batch) -> dict[str, float]:
         """One optimizer step over a mini-batch, gradients accumulated over micro-batches."""
