@@ -256,16 +256,17 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
 
 
 def _known_model_type(model_type: str) -> bool:
-    """Whether this transformers knows ``model_type`` (remembered: asking imports torch)."""
+    """Whether this transformers knows ``model_type``; one of its own is remembered (asking
+    imports torch), one registered in this process is not."""
     key = ["model_type", model_type, *cache.versions("transformers")]
     if cache.lookup("model_type", key):
         return True
     from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    known = model_type in CONFIG_MAPPING
-    if known:
+    if model_type in CONFIG_MAPPING_NAMES:
         cache.store("model_type", key, True, [])
-    return known
+    return model_type in CONFIG_MAPPING
 
 
 LIBRARIES = ("transformers", "tokenizers", "datasets", "jinja2", "pyarrow", "reasoning-gym")
@@ -277,24 +278,27 @@ PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
 class Tokenizer:
     """The tokenizer of ``model.tokenizer_path`` or ``model.path``, loaded on first need.
 
-    ``prints`` are the fingerprints of the files of its folder and of the model's (weights
-    aside), the key of every answer that reads it; None (a hub id, a model with an image
-    processor) keeps nothing.
+    ``prints`` are the fingerprints of the files of its folder and of the model's (``model``,
+    weights aside) with the libraries' versions, the key of every answer that reads it; None
+    (a hub id, a model folder that does not resolve, an image processor) keeps nothing.
     """
 
     def __init__(self, path: str, key: str, allow_download: bool, model: str) -> None:
         from treadle.model_folders import resolve_model_path
 
         self.path, self.key, self.allow_download = path, key, allow_download
+        self._tokenizer: Any = None
         folder = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
         self.prints: list[Any] | None = None
-        folders = sorted({folder, model})
+        try:
+            folders = sorted({folder, resolve_model_path(model, allow_download=allow_download)})
+        except ConfigError:  # (the model's own check says why)
+            return
         if all(Path(f).is_dir() for f in folders) and not any(
             (Path(f) / name).exists() for f in folders for name in PROCESSOR_FILES
         ):
             files = [fp for f in folders for fp in cache.folder_fingerprint(f, WEIGHTS)]
             self.prints = [files, *cache.versions(*LIBRARIES)]
-        self._tokenizer: Any = None
 
     def load(self) -> Any:
         """The tokenizer itself (transformers')."""
