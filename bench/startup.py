@@ -89,8 +89,16 @@ def check_seconds(tree: Path, cache: str) -> float:
     overrides = [] if SFT_MODEL.is_dir() else [f"model.path={DATA / 'model_init'}"]
     env = {**os.environ, "PYTHONPATH": str(tree), "TREADLE_CHECK_CACHE": cache}
     start = time.perf_counter()
-    subprocess.run(
-        [sys.executable, "-m", "treadle", "check", "examples/arithmetic/grpo.yaml", *overrides],
+    subprocess.run(  # -P: not the working directory's treadle first, ``tree``'s (PYTHONPATH)
+        [
+            sys.executable,
+            "-P",
+            "-m",
+            "treadle",
+            "check",
+            "examples/arithmetic/grpo.yaml",
+            *overrides,
+        ],
         cwd=ROOT,
         env=env,
         check=True,

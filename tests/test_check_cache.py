@@ -63,6 +63,7 @@ def test_a_changed_data_file_is_read_again(env, capsys, kept, monkeypatch, tmp_p
 def test_young_files_are_not_trusted(env, capsys, monkeypatch, tmp_path):  # type: ignore[no-untyped-def]
     """A file written within SETTLE_S seconds could change again within one clock tick."""
     monkeypatch.setenv(cache.ENV, str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "SETTLE_S", 3600.0)  # (however long the check takes here)
     train = tmp_path / "train.jsonl"
     shutil.copy(env["train"], train)
     assert check(capsys, env, f"data.train_files=[{train}]")[0] == 0

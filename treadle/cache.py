@@ -7,11 +7,12 @@ second check of the same files reads it back in milliseconds, and a changed file
 
 A file's fingerprint is its resolved path, device, inode, size, modification and change times
 (``st_ctime`` moves on every write and on ``touch -d``, which a user cannot set back). Two
-writes within one tick of the file system's clock could leave the same fingerprint, so an
-answer is stored only when every file it read is older than ``SETTLE_S`` seconds: a file
-written just before (or during) the check is read again next time. Every key also holds
-treadle's own source (``code_fingerprint``: an edit of treadle misses) and the versions of the
-libraries that read the files.
+writes within one tick of the file system's clock could leave the same fingerprint, so a
+fingerprint also says whether the file was settled when it was taken (last written at least
+``SETTLE_S`` seconds before), and an answer is stored only when every file it read was: a write
+after that has a later time, and a file written just before the check is read again next time.
+Every key also holds treadle's own source (``code_fingerprint``: an edit of treadle misses) and
+the versions of the libraries that read the files.
 
 The store is ``$TREADLE_CHECK_CACHE`` (default ``~/.cache/treadle/check``; ``off`` turns it
 off): one small JSON file per answer, written to a temporary name and renamed. Only answers
@@ -43,10 +44,12 @@ def root() -> Path | None:
 
 
 def fingerprint(path: str | Path) -> Fingerprint:
-    """``[resolved path, dev, inode, size, mtime_ns, ctime_ns]`` of a file (OSError if none)."""
+    """``[resolved path, dev, inode, size, mtime_ns, ctime_ns, settled]`` of a file (OSError if
+    none); ``settled``: last written ``SETTLE_S`` seconds ago or more."""
     real = os.path.realpath(path)
     st = os.stat(real)
-    return [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+    settled = max(st.st_mtime_ns, st.st_ctime_ns) <= time.time_ns() - int(SETTLE_S * 1e9)
+    return [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, settled]
 
 
 def folder_fingerprint(folder: str | Path, skip: tuple[str, ...] = ()) -> list[Fingerprint]:
@@ -93,13 +96,10 @@ def lookup(kind: str, key: Any) -> Any | None:
 
 
 def store(kind: str, key: Any, value: Any, files: Iterable[Fingerprint]) -> None:
-    """Keep ``value`` for ``key``, unless one of ``files`` (fingerprints) is too young to trust
-    (see ``SETTLE_S``) or the store cannot be written (then nothing is kept)."""
+    """Keep ``value`` for ``key``, unless one of ``files`` (fingerprints, taken before the files
+    were read) was not settled or the store cannot be written (then nothing is kept)."""
     path = _path(kind, key)
-    if path is None:
-        return
-    settled = time.time_ns() - int(SETTLE_S * 1e9)
-    if any(max(fp[4], fp[5]) > settled for fp in files):
+    if path is None or not all(fp[6] for fp in files):
         return
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     try:

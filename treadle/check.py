@@ -22,11 +22,12 @@ alone prints its summary. It checks:
   registers (a name other than the defaults imports vLLM);
 - the output directory: a directory (or creatable), writable, not locked by a live run.
 
-What passed is remembered by file fingerprint (:mod:`treadle.cache`): the tokenizer's size, each
-data file's rows, that a ``model_type`` is known, keyed by the fingerprints of the files read
-(the data file, the tokenizer's and model's folders), the config settings the readers see, the
-library versions and treadle's own source; a second check of unchanged files reads no rows and
-imports neither torch nor transformers. A problem is never remembered: it is found again.
+What passed is remembered by file fingerprint (:mod:`treadle.cache`): the tokenizer's size,
+each data file's rows, that a ``model_type`` is known, that a safetensors header reads, keyed by
+the fingerprints of the files read (the data file, the tokenizer's and model's folders), the
+config settings the readers see, the library versions and treadle's own source; a second check
+of unchanged files reads no rows and imports neither torch nor transformers. A problem is never
+remembered: it is found again.
 
 Independent problems are all reported, one line each, in one ConfigError. Anything the user
 could have written that makes a check fail in an unexpected way (a tokenizer file that is not
@@ -218,8 +219,6 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
     """What transformers would refuse (or get wrong) at load, without loading weights:
     ``model_type`` unknown, a vocabulary smaller than the tokenizer's, weights whose
     safetensors header does not read."""
-    from safetensors import safe_open
-
     from treadle.model_folders import vocab_size
 
     path = Path(folder)
@@ -245,14 +244,21 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
             "the model's own tokenizer or resize its embeddings"
         )
     for file in sorted(path.glob("*.safetensors")):
+        weights = cache.fingerprint(file)
+        kept = ["safetensors header", weights, *cache.versions("safetensors")]
+        if cache.lookup("safetensors", kept):
+            continue
+        from safetensors import safe_open
+
         try:
-            with safe_open(str(file), framework="numpy") as weights:  # (the header only)
-                weights.keys()
+            with safe_open(str(file), framework="numpy") as header:  # (the header only)
+                header.keys()
         except Exception as e:  # a header that is not JSON, a file cut short
             raise ConfigError(
                 f"{key}: '{file}' is not a safetensors file (or is corrupt: {e}): download "
                 "or save the model again"
             ) from None
+        cache.store("safetensors", kept, True, [weights])
 
 
 def _known_model_type(model_type: str) -> bool:
