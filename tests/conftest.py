@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 
@@ -11,6 +12,9 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # datasets pings the hub (a HEAD request, up to 3 s with no network) per load_dataset otherwise
 os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
+# `treadle check`'s kept answers (treadle.cache): this session's own folder, not ~/.cache
+_CHECK_CACHE = tempfile.TemporaryDirectory(prefix="treadle-check-cache-")
+os.environ.setdefault("TREADLE_CHECK_CACHE", _CHECK_CACHE.name)
 
 
 # A test that starts Ray or a real inference engine is `slow` (`make test-fast` leaves it out).

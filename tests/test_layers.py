@@ -22,6 +22,8 @@ LAYERS: list[tuple[str, ...]] = [
         "treadle.plugins",
         "treadle.protocol",
         "treadle.checkpoint",
+        "treadle.cache",
+        "treadle.model_folders",
         "treadle.models",
         "treadle.trackers",
         "treadle.tracking",

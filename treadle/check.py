@@ -22,6 +22,13 @@ alone prints its summary. It checks:
   registers (a name other than the defaults imports vLLM);
 - the output directory: a directory (or creatable), writable, not locked by a live run.
 
+What passed is remembered by file fingerprint (:mod:`treadle.cache`): the tokenizer's size,
+each data file's rows, that a ``model_type`` is known, that a safetensors header reads, keyed by
+the fingerprints of the files read (the data file, the tokenizer's and model's folders), the
+config settings the readers see, the library versions and treadle's own source; a second check
+of unchanged files reads no rows and imports neither torch nor transformers. A problem is never
+remembered: it is found again.
+
 Independent problems are all reported, one line each, in one ConfigError. Anything the user
 could have written that makes a check fail in an unexpected way (a tokenizer file that is not
 JSON, a template that does not render) is caught and named too: bad input never gives a
@@ -32,11 +39,14 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from treadle import cache
 from treadle.config import Config
 from treadle.config.rules import KINDS, Kind, check_algorithm, model_problems
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
@@ -138,9 +148,9 @@ def _machine_problems(cfg: Config, kind: Kind) -> list[str]:
 
 
 def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[str]) -> Any:
-    """The tokenizer (loaded: the data checks need it) or None; checks every model folder
-    named, adding to ``problems``."""
-    from treadle.models import load_tokenizer, resolve_model_path
+    """The tokenizer (a ``Tokenizer``: the data checks need it) or None; checks every model
+    folder named, adding to ``problems``."""
+    from treadle.model_folders import resolve_model_path
 
     m = cfg.model
     path = m.path or _resumed_model(cfg)
@@ -156,9 +166,9 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
     if path or m.tokenizer_path:
         key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
         try:
-            tokenizer = load_tokenizer(
-                m.tokenizer_path or path, key=key, allow_download=m.allow_download
-            )
+            found = Tokenizer(m.tokenizer_path or path, key, m.allow_download, path)
+            found.size()  # (loads it, unless this folder's tokenizer loaded before)
+            tokenizer = found
         except ConfigError as e:
             problems.append(str(e))
         except Exception as e:  # a tokenizer file that is not what transformers expects
@@ -180,8 +190,7 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
 def _check_side_models(cfg: Config, problems: list[str]) -> None:
     """The folders of the reward model, the critic and PRIME's models (RL)."""
     from treadle.config.rules import uses_critic
-    from treadle.models import resolve_model_path
-    from treadle.trainers.roles import check_value_models
+    from treadle.model_folders import resolve_model_path
 
     found = True
     for key, other in (
@@ -197,7 +206,9 @@ def _check_side_models(cfg: Config, problems: list[str]) -> None:
             except ConfigError as e:
                 problems.append(str(e))
                 found = False
-    if found and cfg.model.path:
+    if found and cfg.model.path and (cfg.critic.model_path or cfg.reward.model_path):
+        from treadle.trainers.roles import check_value_models
+
         try:
             check_value_models(cfg, critic=uses_critic(cfg))  # (the trainer's own check)
         except ConfigError as e:
@@ -208,10 +219,7 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
     """What transformers would refuse (or get wrong) at load, without loading weights:
     ``model_type`` unknown, a vocabulary smaller than the tokenizer's, weights whose
     safetensors header does not read."""
-    from safetensors import safe_open
-    from transformers import CONFIG_MAPPING
-
-    from treadle.models import vocab_size
+    from treadle.model_folders import vocab_size
 
     path = Path(folder)
     if not (path / "config.json").is_file():  # a hub id with model.allow_download
@@ -223,27 +231,100 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
     if not isinstance(config, dict):
         return
     model_type = config.get("model_type")
-    if model_type is not None and model_type not in CONFIG_MAPPING:
+    if model_type is not None and not _known_model_type(model_type):
         raise ConfigError(
             f"{key}: '{path / 'config.json'}' has model_type {model_type!r}, which this "
             "transformers does not know: fix model_type, or upgrade transformers"
         )
     vocab = vocab_size(config)
-    if tokenizer is not None and vocab is not None and vocab < len(tokenizer):
+    if tokenizer is not None and vocab is not None and vocab < tokenizer.size():
         raise ConfigError(
             f"{key}: '{path / 'config.json'}' has vocab_size={vocab}, fewer than the "
-            f"tokenizer's {len(tokenizer)} tokens (ids past the embedding would crash): use "
+            f"tokenizer's {tokenizer.size()} tokens (ids past the embedding would crash): use "
             "the model's own tokenizer or resize its embeddings"
         )
     for file in sorted(path.glob("*.safetensors")):
+        weights = cache.fingerprint(file)
+        kept = ["safetensors header", weights, *cache.versions("safetensors")]
+        if cache.lookup("safetensors", kept):
+            continue
+        from safetensors import safe_open
+
         try:
-            with safe_open(str(file), framework="pt") as weights:
-                weights.keys()
+            with safe_open(str(file), framework="numpy") as header:  # (the header only)
+                header.keys()
         except Exception as e:  # a header that is not JSON, a file cut short
             raise ConfigError(
                 f"{key}: '{file}' is not a safetensors file (or is corrupt: {e}): download "
                 "or save the model again"
             ) from None
+        cache.store("safetensors", kept, True, [weights])
+
+
+def _known_model_type(model_type: str) -> bool:
+    """Whether this transformers knows ``model_type``; one of its own is remembered (asking
+    imports torch), one registered in this process is not."""
+    key = ["model_type", model_type, *cache.versions("transformers")]
+    if cache.lookup("model_type", key):
+        return True
+    from transformers import CONFIG_MAPPING
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if model_type in CONFIG_MAPPING_NAMES:
+        cache.store("model_type", key, True, [])
+    return model_type in CONFIG_MAPPING
+
+
+LIBRARIES = ("transformers", "tokenizers", "datasets", "jinja2", "pyarrow", "reasoning-gym")
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")  # no tokenizer's
+# a model with an image processor may read image files its rows name: not in any key
+
+
+class Tokenizer:
+    """The tokenizer of ``model.tokenizer_path`` or ``model.path``, loaded on first need.
+
+    ``prints`` are the fingerprints of the files of its folder and of the model's (``model``,
+    weights aside) with the libraries' versions, the key of every answer that reads it; None
+    (a hub id, a model folder that does not resolve, an image processor) keeps nothing.
+    """
+
+    def __init__(self, path: str, key: str, allow_download: bool, model: str) -> None:
+        from treadle.model_folders import PROCESSOR_FILES, resolve_model_path
+
+        self.path, self.key, self.allow_download = path, key, allow_download
+        self._tokenizer: Any = None
+        folder = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
+        self.prints: list[Any] | None = None
+        try:
+            folders = sorted({folder, resolve_model_path(model, allow_download=allow_download)})
+        except ConfigError:  # (the model's own check says why)
+            return
+        if all(Path(f).is_dir() for f in folders) and not any(
+            (Path(f) / name).exists() for f in folders for name in PROCESSOR_FILES
+        ):
+            files = [fp for f in folders for fp in cache.folder_fingerprint(f, WEIGHTS)]
+            self.prints = [files, *cache.versions(*LIBRARIES)]
+
+    def load(self) -> Any:
+        """The tokenizer itself (transformers')."""
+        if self._tokenizer is None:
+            from treadle.model_folders import load_tokenizer
+
+            self._tokenizer = load_tokenizer(
+                self.path, key=self.key, allow_download=self.allow_download
+            )
+        return self._tokenizer
+
+    def size(self) -> int:
+        """``len(tokenizer)``, remembered for its files."""
+        key = ["tokenizer", self.prints]
+        size = cache.lookup("tokenizer", key) if self.prints is not None else None
+        if isinstance(size, int):
+            return size
+        size = len(self.load())
+        if self.prints is not None:
+            cache.store("tokenizer", key, size, self.prints[0])
+        return size
 
 
 def _check_teacher(cfg: Config, student: str, summary: list[str], problems: list[str]) -> None:
@@ -329,13 +410,12 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
             problems.append(str(e))
     schemas = None
     if kind in (*RL_KINDS, "eval"):
-        from treadle.agents.registry import load_agent_loop
-        from treadle.agents.tools import Toolbox
+        from treadle.agents.registry import BUILTIN_LOOPS, load_agent_loop
 
-        loads: list[tuple[str, Callable[[], Any]]] = [
-            ("rollout.tools", lambda: Toolbox.load(cfg.rollout.tools).schemas)  # shown in prompts
-        ]
-        if kind in RL_KINDS:
+        loads: list[tuple[str, Callable[[], Any]]] = []
+        if cfg.rollout.tools:  # (their schemas are shown in prompts)
+            loads.append(("rollout.tools", lambda: _toolbox(cfg.rollout.tools).schemas))
+        if kind in RL_KINDS and cfg.rollout.agent_loop not in BUILTIN_LOOPS:  # (not treadle's)
             loads.append(
                 (
                     "rollout.agent_loop",
@@ -350,6 +430,12 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
             except TreadleError as e:
                 problems.append(str(e))
     return schemas
+
+
+def _toolbox(specs: list[str]) -> Any:
+    from treadle.agents.tools import Toolbox
+
+    return Toolbox.load(specs)
 
 
 def _check_parsers(cfg: Config, summary: list[str]) -> None:
@@ -379,7 +465,9 @@ def _check_gym(
         return  # check_algorithm says the source does not fit the command
     for split, reader in _gym_splits(cfg, kind):
         key = "data.val_files" if split == "val" else "data.train_files"  # the split's key
-        count = attempt(f"data.reasoning_gym ({split})", reader, cfg, tokenizer, "", key, tools)
+        count = attempt(
+            f"data.reasoning_gym ({split})", _rows, reader, cfg, tokenizer, "", key, tools
+        )
         if count is None:
             break  # both splits come from one spec: its problem is said once
         summary.append(f"data.reasoning_gym ({split}): {count} rows")
@@ -399,7 +487,8 @@ def _check_files(
         if not files and required:
             problems.append(f"{key} is empty: list at least one JSONL or Parquet file")
         counts = [
-            attempt(f"{key}: {file}", reader, cfg, tokenizer, file, key, tools) for file in files
+            attempt(f"{key}: {file}", _rows, reader, cfg, tokenizer, file, key, tools)
+            for file in files
         ]
         summary += [
             f"{key}: {f}: {n} rows" for f, n in zip(files, counts, strict=True) if n is not None
@@ -458,7 +547,6 @@ def _check_val_sets(
 ) -> None:
     """Every ``data.val_sets`` entry: its reward loads, its rows read (each problem names the
     set's key)."""
-    from treadle.data import val_set_prompts
     from treadle.rewards import load_reward_fn
 
     for name, spec in cfg.data.val_sets.items():
@@ -468,9 +556,15 @@ def _check_val_sets(
                 if attempt(f"{key}.reward", load_reward_fn, spec.reward, f"{key}.reward"):
                     summary.append(f"{key}.reward: {spec.reward}")
         if tokenizer is not None:
-            ds = attempt(key, val_set_prompts, cfg, name, tokenizer, tools)
+            ds = attempt(key, _val_set_rows, cfg, name, tokenizer, tools)
             if ds is not None:
                 summary.append(f"{key}: {len(ds)} rows")
+
+
+def _val_set_rows(cfg: Config, name: str, tokenizer: Tokenizer, tools: Any) -> Any:
+    from treadle.data import val_set_prompts
+
+    return val_set_prompts(cfg, name, tokenizer.load(), tools)
 
 
 def _gym_splits(cfg: Config, kind: Kind) -> list[tuple[str, Reader]]:
@@ -480,6 +574,47 @@ def _gym_splits(cfg: Config, kind: Kind) -> list[tuple[str, Reader]]:
     if kind == "eval":
         return held_out or [("val", _no_held_out)]
     return [("train", _sft_rows if kind == "sft" else _prompt_rows), *held_out]
+
+
+def _rows(
+    reader: Reader, cfg: Config, tokenizer: Tokenizer, file: str, key: str, tools: Any
+) -> int:
+    """``reader``'s row count of ``file``, remembered for the file, the tokenizer's files and
+    the settings a reader sees (the ``data`` section, ``rollout.max_new_tokens``, the tools:
+    ``TextOptions.from_config``); what it logged (rows filtered) is said again."""
+    path = Path(file)
+    if tokenizer.prints is None or cfg.data.source != "files" or not path.is_file():
+        return reader(cfg, tokenizer.load(), file, key, tools)
+    data = cache.fingerprint(path)
+    settings = [cfg.data.model_dump(mode="json"), cfg.rollout.max_new_tokens, tools]
+    cache_key = [reader.__name__, key, file, data, settings, tokenizer.prints]
+    hit = cache.lookup("rows", cache_key)
+    if isinstance(hit, dict):
+        for line in hit["logged"]:
+            logging.getLogger("treadle.data").warning("%s", line)
+        return int(hit["rows"])
+    with _logged("treadle.data") as logged:
+        rows = reader(cfg, tokenizer.load(), file, key, tools)
+    files = [data, *tokenizer.prints[0]]
+    cache.store("rows", cache_key, {"rows": rows, "logged": logged}, files)
+    return rows
+
+
+@contextmanager
+def _logged(name: str) -> Iterator[list[str]]:
+    """The messages logged to ``name`` (and below) while inside, still logged as usual."""
+    lines: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    handler = Keep(logging.WARNING)
+    logging.getLogger(name).addHandler(handler)
+    try:
+        yield lines
+    finally:
+        logging.getLogger(name).removeHandler(handler)
 
 
 def _no_held_out(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:

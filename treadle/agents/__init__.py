@@ -6,9 +6,23 @@ Trajectory`` (:mod:`treadle.agents.loops`); tools are plain functions
 (:mod:`treadle.agents.trajectory`).
 """
 
-from treadle.agents.loops import AgentClient, AgentLoopError, Limits, Sample, run_agents
-from treadle.agents.tools import Tool, Toolbox, ToolCall, ToolResult, parse_tool_calls
-from treadle.agents.trajectory import Trajectory
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.agents.loops import AgentClient, AgentLoopError, Limits, Sample, run_agents
+    from treadle.agents.tools import Tool, Toolbox, ToolCall, ToolResult, parse_tool_calls
+    from treadle.agents.trajectory import Trajectory
+
+# imported on first use: the loops import the rollout client and torch, which a check of a
+# config's names (treadle.agents.registry) does not need
+_LAZY = {
+    **dict.fromkeys(["AgentClient", "AgentLoopError", "Limits", "Sample", "run_agents"], "loops"),
+    **dict.fromkeys(["Tool", "Toolbox", "ToolCall", "ToolResult", "parse_tool_calls"], "tools"),
+    "Trajectory": "trajectory",
+}
 
 __all__ = [
     "AgentClient",
@@ -23,3 +37,9 @@ __all__ = [
     "parse_tool_calls",
     "run_agents",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

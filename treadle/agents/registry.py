@@ -11,24 +11,34 @@
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
-from treadle.agents.blackbox import PREFIX, load_openai_agent
-from treadle.agents.env import load_env_loop
-from treadle.agents.loops import AgentLoop, single_turn, tool_loop
 from treadle.errors import ConfigError
 from treadle.plugins import load_callable
 
-BUILTIN_LOOPS: dict[str, AgentLoop] = {"single_turn": single_turn, "tools": tool_loop}
+if TYPE_CHECKING:
+    from treadle.agents.loops import AgentLoop
+
+# name -> its function in treadle.agents.loops (imported when a loop is loaded: it imports the
+# rollout client and torch, which checking a config's names does not need)
+BUILTIN_LOOPS: dict[str, str] = {"single_turn": "single_turn", "tools": "tool_loop"}
 
 
 def load_agent_loop(spec: str, env: str | None = None) -> AgentLoop:
     """``rollout.agent_loop``: a built-in name, a loop by path or a black-box agent; async.
     ``env``: ``rollout.env``, the environment factory of the ``env`` loop."""
     if spec in BUILTIN_LOOPS:
-        return BUILTIN_LOOPS[spec]
+        from treadle.agents import loops
+
+        loop: AgentLoop = getattr(loops, BUILTIN_LOOPS[spec])
+        return loop
     if spec == "env":
+        from treadle.agents.env import load_env_loop
+
         return load_env_loop(env)
     if needs_endpoint(spec):
+        from treadle.agents.blackbox import load_openai_agent
+
         return load_openai_agent(spec)
     if ":" not in spec:
         raise ConfigError(
@@ -47,4 +57,6 @@ def load_agent_loop(spec: str, env: str | None = None) -> AgentLoop:
 
 def needs_endpoint(spec: str) -> bool:
     """Whether the loop talks to the model through the OpenAI-compatible endpoint."""
+    from treadle.agents.blackbox import PREFIX
+
     return spec.startswith(PREFIX)

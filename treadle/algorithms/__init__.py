@@ -16,47 +16,100 @@
   lives beside it
 - ``registry``: the ``Registry`` class and the ``register_*`` decorators
 
-Nothing here knows about Ray, models or config objects. Importing this package registers every
-built-in function, so ``ADV_ESTIMATORS.get("grpo")`` works after ``import treadle.algorithms``.
+Nothing here knows about Ray, models or config objects. ``ADV_ESTIMATORS.get("grpo")`` works
+after ``import treadle.algorithms``: the names below are imported on first use, and a registry
+imports the modules that register its built-in functions when it is first asked for one
+(``registry``), so importing the package, or asking a registry which names it has, does not
+import torch (config validation and ``treadle check`` do only that).
 """
 
-from treadle.algorithms import advantages, distill, kl, losses, preference, prime
-from treadle.algorithms.distill import generalized_jsd, reverse_kl_advantages
-from treadle.algorithms.inputs import (
-    Aggregation,
-    EstimatorInputs,
-    NoSettings,
-    PairInputs,
-    PolicyLossInputs,
-    UnpairedInputs,
-)
-from treadle.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
-from treadle.algorithms.losses import agg_loss, entropy_from_logits, value_loss
-from treadle.algorithms.preference import (
-    bradley_terry_loss,
-    implicit_rewards,
-    kto_kl,
-    length_rewards,
-    pair_stats,
-)
-from treadle.algorithms.registry import (
-    ADV_ESTIMATORS,
-    DISTILL_LOSSES,
-    KL_ESTIMATORS,
-    LOSS_AGG_MODES,
-    POLICY_LOSSES,
-    PREFERENCE_LOSSES,
-    UNPAIRED_LOSSES,
-    Registry,
-    register_adv_estimator,
-    register_distill_loss,
-    register_kl_estimator,
-    register_loss_agg_mode,
-    register_policy_loss,
-    register_preference_loss,
-    register_unpaired_loss,
-)
-from treadle.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.algorithms import advantages, distill, kl, losses, preference, prime
+    from treadle.algorithms.distill import generalized_jsd, reverse_kl_advantages
+    from treadle.algorithms.inputs import (
+        Aggregation,
+        EstimatorInputs,
+        NoSettings,
+        PairInputs,
+        PolicyLossInputs,
+        UnpairedInputs,
+    )
+    from treadle.algorithms.kl import AdaptiveKLController, FixedKLController, kl_penalty
+    from treadle.algorithms.losses import agg_loss, entropy_from_logits, value_loss
+    from treadle.algorithms.preference import (
+        bradley_terry_loss,
+        implicit_rewards,
+        kto_kl,
+        length_rewards,
+        pair_stats,
+    )
+    from treadle.algorithms.registry import (
+        ADV_ESTIMATORS,
+        DISTILL_LOSSES,
+        KL_ESTIMATORS,
+        LOSS_AGG_MODES,
+        POLICY_LOSSES,
+        PREFERENCE_LOSSES,
+        UNPAIRED_LOSSES,
+        Registry,
+        register_adv_estimator,
+        register_distill_loss,
+        register_kl_estimator,
+        register_loss_agg_mode,
+        register_policy_loss,
+        register_preference_loss,
+        register_unpaired_loss,
+    )
+    from treadle.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
+
+# public name -> the module that defines it (imported on first use)
+_LAZY = {
+    **dict.fromkeys(["generalized_jsd", "reverse_kl_advantages"], "distill"),
+    **dict.fromkeys(
+        [
+            "Aggregation",
+            "EstimatorInputs",
+            "NoSettings",
+            "PairInputs",
+            "PolicyLossInputs",
+            "UnpairedInputs",
+        ],
+        "inputs",
+    ),
+    **dict.fromkeys(["AdaptiveKLController", "FixedKLController", "kl_penalty"], "kl"),
+    **dict.fromkeys(["agg_loss", "entropy_from_logits", "value_loss"], "losses"),
+    **dict.fromkeys(
+        ["bradley_terry_loss", "implicit_rewards", "kto_kl", "length_rewards", "pair_stats"],
+        "preference",
+    ),
+    **dict.fromkeys(["masked_mean", "masked_sum", "masked_var", "masked_whiten"], "utils"),
+    **dict.fromkeys(
+        [
+            "ADV_ESTIMATORS",
+            "DISTILL_LOSSES",
+            "KL_ESTIMATORS",
+            "LOSS_AGG_MODES",
+            "POLICY_LOSSES",
+            "PREFERENCE_LOSSES",
+            "UNPAIRED_LOSSES",
+            "Registry",
+            "register_adv_estimator",
+            "register_distill_loss",
+            "register_kl_estimator",
+            "register_loss_agg_mode",
+            "register_policy_loss",
+            "register_preference_loss",
+            "register_unpaired_loss",
+        ],
+        "registry",
+    ),
+}
+_SUBMODULES = ("advantages", "distill", "inputs", "kl", "losses", "preference", "prime", "utils")
 
 __all__ = [
     "ADV_ESTIMATORS",
@@ -104,3 +157,11 @@ __all__ = [
     "reverse_kl_advantages",
     "value_loss",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

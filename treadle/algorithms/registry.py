@@ -29,20 +29,36 @@ names beside treadle's): it resolves everywhere the name does, facts included.
 An unknown name fails with the sorted list of valid names and the closest match, so a typo in a
 config says how to fix itself. The ``Protocol`` classes below are the signatures each kind must
 follow; mypy checks every registered function against them.
+
+The built-in functions register when their modules (``BUILTIN_MODULES``, which import torch)
+are imported, and that happens on first need: asking a registry for a function (``get``,
+``settings``) or registering one imports them all. Its names and facts alone (``names``, ``in``,
+``info``, ``knobs``, ...: what ``treadle check`` and config validation ask) are read from the
+record of the built-ins' registrations that the last such import left
+(:mod:`treadle.cache`, under the fingerprint of treadle's sources), so a check does not
+import torch; once the modules are imported the live registries answer.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import importlib
 from collections.abc import Callable
-from typing import Any, Generic, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
-from torch import Tensor
+from treadle import cache
 
-from treadle.algorithms import inputs as records
+if TYPE_CHECKING:
+    from torch import Tensor
+
+    from treadle.algorithms import inputs as records
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+# the modules whose imports register the built-in functions
+BUILTIN_MODULES = ("advantages", "distill", "kl", "losses", "preference", "prime")
+_loaded = False  # BUILTIN_MODULES imported (or being imported)
 
 
 # the registration facts left at these values are not recorded (``info`` lacks them)
@@ -64,9 +80,10 @@ _UNSET_FACTS: dict[str, Any] = {
 class Registry(Generic[F]):
     """A mapping from names to functions of one kind, filled by a ``register`` decorator."""
 
-    def __init__(self, kind: str, shared: tuple[str, ...] = ()) -> None:
+    def __init__(self, kind: str, shared: tuple[str, ...] = (), *, builtin: bool = False) -> None:
         self.kind = kind
         self.shared = shared  # settings every function of the kind reads (not knobs)
+        self.builtin = builtin  # filled by BUILTIN_MODULES: facts from their record until loaded
         self._fns: dict[str, F] = {}
         self._info: dict[str, dict[str, Any]] = {}
         self._settings: dict[str, type[Any]] = {}
@@ -94,6 +111,7 @@ class Registry(Generic[F]):
         The keywords are facts the driver may ask with :meth:`info` (``needs=("values",)``),
         described in the module; those left at their defaults are not recorded.
         """
+        load_builtins()  # a built-in name registered again is refused, as it always was
         if settings is not None:
             if knobs:
                 raise ValueError(f"{self.kind} {name!r}: its settings' fields are its knobs")
@@ -115,17 +133,20 @@ class Registry(Generic[F]):
         info = {k: v for k, v in facts.items() if v != _UNSET_FACTS[k]}
 
         def decorator(fn: F) -> F:
+            from treadle.algorithms.inputs import NoSettings
+
             if name in self._fns or name in self._aliases:
                 raise ValueError(f"{self.kind} {name!r} is already registered")
             self._fns[name] = fn
             self._info[name] = dict(info)
-            self._settings[name] = records.NoSettings if settings is None else settings
+            self._settings[name] = NoSettings if settings is None else settings
             return fn
 
         return decorator
 
     def alias(self, alias: str, name: str) -> None:
         """Make ``alias`` another name of the function registered as ``name``."""
+        load_builtins()
         if alias in self._fns or alias in self._aliases:
             raise ValueError(f"{self.kind} {alias!r} is already registered")
         self.get(name)
@@ -133,16 +154,18 @@ class Registry(Generic[F]):
 
     def canonical(self, name: str) -> str:
         """The name a function was registered under (``name`` itself unless an alias)."""
-        self.get(name)
-        return self._aliases.get(name, name)
+        info, aliases = self._facts()
+        if name not in info and name not in aliases:
+            self.get(name)  # the error naming the valid names
+        return aliases.get(name, name)
 
     def aliases(self) -> dict[str, str]:
         """``{alias: registered name}``."""
-        return dict(self._aliases)
+        return dict(self._facts()[1])
 
     def info(self, name: str) -> dict[str, Any]:
         """The facts registered with ``name`` (empty if none); unknown names fail as in get."""
-        return dict(self._info[self.canonical(name)])
+        return dict(self._facts()[0][self.canonical(name)])
 
     def needs(self, name: str) -> tuple[str, ...]:
         """Inputs beyond the defaults that ``name`` reads (its ``needs`` registration fact)."""
@@ -158,6 +181,7 @@ class Registry(Generic[F]):
         """``name``'s settings class (a frozen dataclass; ``NoSettings`` if it registered none):
         ``POLICY_LOSSES.settings("ppo")(clip_ratio_c=3.0)``; a name it does not take is a
         ``TypeError``."""
+        load_builtins()
         return self._settings[self.canonical(name)]
 
     def settings_from(self, name: str, source: object) -> Any:
@@ -168,10 +192,12 @@ class Registry(Generic[F]):
 
     def all_knobs(self) -> set[str]:
         """Every setting some registered function reads."""
-        return {k for info in self._info.values() for k in info.get("knobs", ())}
+        return {k for info in self._facts()[0].values() for k in info.get("knobs", ())}
 
     def get(self, name: str) -> F:
         """The function registered under ``name``; ``ValueError`` listing valid names if none."""
+        if self.builtin:
+            load_builtins()
         if name in self._fns:
             return self._fns[name]
         if name in self._aliases:
@@ -184,10 +210,65 @@ class Registry(Generic[F]):
 
     def names(self) -> list[str]:
         """Registered names and aliases, sorted."""
-        return sorted([*self._fns, *self._aliases])
+        info, aliases = self._facts()
+        return sorted([*info, *aliases])
 
     def __contains__(self, name: object) -> bool:
-        return name in self._fns or name in self._aliases
+        info, aliases = self._facts()
+        return name in info or name in aliases
+
+    def _facts(self) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
+        """``(facts by registered name, aliases)``: the live ones, or (built-ins not imported
+        yet) the record of their registrations."""
+        if _loaded or not self.builtin:
+            return self._info, self._aliases
+        record = _builtin_record()[self.kind]
+        return record["info"], record["aliases"]
+
+    def _record(self) -> dict[str, Any]:
+        """The registrations as JSON (:func:`_builtin_record`)."""
+        return {"info": self._info, "aliases": self._aliases}
+
+
+def load_builtins() -> None:
+    """Import the modules that register the built-in functions (once)."""
+    global _loaded
+    if not _loaded:
+        _loaded = True  # (their registrations call this again)
+        for module in BUILTIN_MODULES:
+            importlib.import_module(f"treadle.algorithms.{module}")
+
+
+_RECORD: dict[str, dict[str, Any]] = {}
+
+
+def _builtin_record() -> dict[str, dict[str, Any]]:
+    """``{kind: {"info": ..., "aliases": ...}}`` of every built-in registry as the built-in
+    modules register them: kept by :mod:`treadle.cache` (under treadle's source fingerprint),
+    made by importing them when it is not there."""
+    if not _RECORD:
+        key = ["algorithm registries"]
+        record = cache.lookup("registries", key)
+        if record is None:
+            load_builtins()
+            record = {r.kind: r._record() for r in REGISTRIES}
+            cache.store("registries", key, record, [])
+        _RECORD.update(_with_tuples(record))
+    return _RECORD
+
+
+def _with_tuples(record: dict[str, Any]) -> dict[str, Any]:
+    """The facts read back from JSON with their tuples (JSON lists) as tuples again."""
+    return {
+        kind: {
+            "info": {
+                name: {k: tuple(v) if isinstance(v, list) else v for k, v in facts.items()}
+                for name, facts in r["info"].items()
+            },
+            "aliases": r["aliases"],
+        }
+        for kind, r in record.items()
+    }
 
 
 class AdvantageEstimator(Protocol):
@@ -239,15 +320,28 @@ class UnpairedLoss(Protocol):
 # A distillation loss's signature is its own (one per kind of teacher signal: advantages from
 # the teacher's log-probs, a divergence over its top-k, the NLL of its samples): see
 # treadle.algorithms.distill; the driver calls each with what its registration ``needs``.
-DistillLoss = Callable[..., Tensor]
+DistillLoss = Callable[..., "Tensor"]
 
-ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator")
-POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss")
-KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator")
-LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode")
-PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry("preference loss", shared=("beta",))
-UNPAIRED_LOSSES: Registry[UnpairedLoss] = Registry("unpaired preference loss", shared=("beta",))
-DISTILL_LOSSES: Registry[DistillLoss] = Registry("distillation loss")
+ADV_ESTIMATORS: Registry[AdvantageEstimator] = Registry("advantage estimator", builtin=True)
+POLICY_LOSSES: Registry[PolicyLoss] = Registry("policy loss", builtin=True)
+KL_ESTIMATORS: Registry[KLEstimator] = Registry("KL estimator", builtin=True)
+LOSS_AGG_MODES: Registry[LossAggMode] = Registry("loss aggregation mode", builtin=True)
+PREFERENCE_LOSSES: Registry[PreferenceLoss] = Registry(
+    "preference loss", shared=("beta",), builtin=True
+)
+UNPAIRED_LOSSES: Registry[UnpairedLoss] = Registry(
+    "unpaired preference loss", shared=("beta",), builtin=True
+)
+DISTILL_LOSSES: Registry[DistillLoss] = Registry("distillation loss", builtin=True)
+REGISTRIES: tuple[Registry[Any], ...] = (
+    ADV_ESTIMATORS,
+    POLICY_LOSSES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    PREFERENCE_LOSSES,
+    UNPAIRED_LOSSES,
+    DISTILL_LOSSES,
+)
 
 register_adv_estimator = ADV_ESTIMATORS.register
 register_policy_loss = POLICY_LOSSES.register

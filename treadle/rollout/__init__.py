@@ -13,8 +13,21 @@
   synchronous or generated ahead (one_step_off, async), and DAPO's group filter.
 """
 
-from treadle.rollout.client import LocalReplica, RayReplica, RolloutClient, RolloutError
-from treadle.rollout.server import Request, Response, RolloutServer
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from treadle.rollout.client import LocalReplica, RayReplica, RolloutClient, RolloutError
+    from treadle.rollout.server import Request, Response, RolloutServer
+
+# imported on first use: the client imports the controller and torch, which a check of the
+# endpoint's parser names (treadle.rollout.parsers) does not need
+_LAZY = {
+    **dict.fromkeys(["LocalReplica", "RayReplica", "RolloutClient", "RolloutError"], "client"),
+    **dict.fromkeys(["Request", "Response", "RolloutServer"], "server"),
+}
 
 __all__ = [
     "LocalReplica",
@@ -25,3 +38,9 @@ __all__ = [
     "RolloutError",
     "RolloutServer",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

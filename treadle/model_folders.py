@@ -1,0 +1,117 @@
+"""Model folders without loading them: where a model or tokenizer is, its config.json, its
+vocabulary, its tokenizer. Nothing here imports torch (the tokenizer's load imports
+transformers on first call), so ``treadle check`` and config-time code can use it;
+:mod:`treadle.models` loads and saves the models themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from treadle.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters (treadle.models.save_adapter)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def resolve_model_path(
+    path: str | Path,
+    *,
+    key: str = "model.path",
+    need: str = "model",
+    allow_download: bool = False,
+) -> str:
+    """Check that `path` is a model folder holding what `need` ("model" or "tokenizer") requires.
+
+    A treadle checkpoint directory (`checkpoints/step_N`) stands for its `model/` folder.
+    A path that does not exist locally is an error; with `allow_download` (`model.allow_download`)
+    one that looks like a hub id (`org/name`) is passed through, for transformers to fetch.
+    Raises ConfigError naming `key` and the folder otherwise.
+    """
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        if _HUB_ID_RE.match(str(path)):
+            if allow_download:
+                return str(path)
+            raise ConfigError(
+                f"{key}: '{path}' is not a local folder; treadle does not download models "
+                "unless model.allow_download=true (then it is fetched from the Hugging Face hub)"
+            )
+        raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder)")
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
+    if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
+        folder = folder / "model"  # a treadle checkpoint directory: its model folder
+    _not_adapters_only(folder, key)
+    if need == "tokenizer":
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(
+                f"{key}: '{folder}' is not a model folder: no tokenizer "
+                f"(none of {', '.join(TOKENIZER_FILES)})"
+            )
+    elif not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}: '{folder}' is not a model folder: no config.json")
+    elif not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ConfigError(f"{key}: '{folder}' is not a model folder: no *.safetensors weights")
+    return str(folder)
+
+
+def model_config(path: str, key: str, allow_download: bool) -> dict[str, Any]:
+    """The folder's config.json; empty for a hub id (checked when transformers fetches it)."""
+    file = Path(resolve_model_path(path, key=key, allow_download=allow_download)) / "config.json"
+    config: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    return config
+
+
+def vocab_size(config: dict[str, Any]) -> int | None:
+    """The vocabulary size a model's config.json gives (a multimodal one's text model's)."""
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size) if size is not None else None
+
+
+def shared_vocabulary(
+    actor: str | None, paths: list[tuple[str, str]], allow_download: bool
+) -> dict[str, dict[str, Any]]:
+    """The config.json of each model ``(key, path)`` that scores the actor's token ids,
+    checked to have the vocabulary size of the actor at ``actor`` (unknown sizes pass)."""
+    actor_vocab = vocab_size(model_config(actor, "model.path", allow_download)) if actor else None
+    configs = {}
+    for key, path in paths:
+        configs[key] = config = model_config(path, key, allow_download)
+        vocab = vocab_size(config)
+        if vocab and actor_vocab and vocab != actor_vocab:
+            raise ConfigError(
+                f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
+                f"(model.path) {actor_vocab}; it scores the actor's token ids, so it must use "
+                "the actor's tokenizer"
+            )
+    return configs
+
+
+def _not_adapters_only(folder: Path, key: str) -> None:
+    if not (folder / "config.json").is_file() and (folder / ADAPTER_DIR).is_dir():
+        raise ConfigError(
+            f"{key}: '{folder}' is a LoRA checkpoint (adapters only, no model/): use the run's "
+            "final_model (merged), or load its adapter/ onto the base model with peft"
+        )
+
+
+def load_tokenizer(
+    path: str | Path, *, key: str = "model.path", allow_download: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model folder (or, with `allow_download`, hub id) at `path`."""
+    resolved = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(resolved)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a tokenizer from '{path}': {e}") from e
