@@ -14,9 +14,10 @@ SIGTERM (as Ctrl-C), and an undisturbed run of the same number of steps is made 
 It prints: the steps done, the replica and reward-worker restarts the run counted
 (`rollout/replica_restarts`, `reward/worker_restarts`), the samples lost (steps whose batch was
 short of `data.batch_size x rollout.n`, summed; must be 0), `async/dropped`, the worst growth
-of a process's resident memory from a quarter of the run in to the end (at most 10%; the
-killed ones' replacements are not compared), the open file descriptors of the driver, and the
-greedy held-out accuracy (200 problems) of both runs' last evaluations. Both runs start from a
+of a process's peak resident memory, from the second quarter of the run to its last (at most
+10%; the run's own processes and Ray's daemons apart; the killed ones are not compared), the
+open file descriptors of the driver, and the greedy held-out accuracy (200 problems) of both
+runs' last evaluations. Both runs start from a
 300-step SFT warm start of the tiny model (made first, about two minutes).
 """
 
@@ -39,6 +40,7 @@ from _env import ROOT, ensure_project_python
 BATCH, N = 8, 4
 MAX_VALUE = 39  # operands 0..39: the tiny model learns them in a short warm start
 WARM_STEPS = 300
+LOOKS = 20  # at the run's memory, evenly spread
 CONFIG = "examples/arithmetic/grpo.yaml"  # every setting it has is overridden below
 
 
@@ -122,25 +124,35 @@ def rss(procs: dict[str, list], driver: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def growth(timeline: list[list], minutes: float) -> dict[str, float]:
+    """Per process alive in both windows, its peak resident memory in the last quarter of the
+    run against its peak from a quarter to half-way in, in percent (peaks: a training process
+    swings by its update's working memory within a step)."""
+    early: dict[str, float] = {}
+    late: dict[str, float] = {}
+    for at, mib in timeline:
+        window = (
+            early if minutes / 4 <= at <= minutes / 2 else late if at >= 3 * minutes / 4 else {}
+        )
+        for name, value in mib.items():
+            window[name] = max(window.get(name, 0.0), value)
+    return {k: 100 * (late[k] - early[k]) / early[k] for k in early if k in late}
+
+
 def soak(task: dict, out: Path, args: argparse.Namespace) -> dict:
     """The disturbed run; what it did."""
     cmd = [sys.executable, "-m", "treadle", "train", CONFIG, *overrides(task, out, 100_000)]
     log = (out.parent / "soak.log").open("w")
     driver = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=ROOT)
     start, kills = time.monotonic(), {"replica": 0, "reward": 0}
-    warm: dict[int, tuple[str, float]] = {}
-    timeline: list[list] = []  # [minutes, {process: MiB}]
+    timeline: list[list] = []  # [minutes, {"name pid": MiB}], every process of the run
     while time.monotonic() - start < args.minutes * 60 and driver.poll() is None:
         time.sleep(2)  # (a benchmark: the run's own events are what it reports)
         minutes = (time.monotonic() - start) / 60
         procs = processes(driver.pid)
-        if not warm and minutes >= args.minutes / 4:  # warmed up: a quarter of the run in
-            warm = rss(procs, driver.pid)
-        if minutes >= len(timeline) * args.minutes / 10:  # ten looks at the run's memory
+        if minutes >= len(timeline) * args.minutes / LOOKS:  # looks at the run's memory
             now = rss(procs, driver.pid)
-            timeline.append(
-                [round(minutes, 2), {f"{n} {p}": round(m) for p, (n, m) in now.items() if ours(n)}]
-            )
+            timeline.append([round(minutes, 2), {f"{n} {p}": m for p, (n, m) in now.items()}])
         for kind, every in (("replica", args.replica_every), ("reward", args.reward_every)):
             due = every * (kills[kind] + 1)  # (none in the last half minute: its restart
             if procs[kind] and minutes >= due and due <= args.minutes - 0.5:  # is counted)
@@ -149,18 +161,10 @@ def soak(task: dict, out: Path, args: argparse.Namespace) -> dict:
     if driver.poll() is not None:  # it ended by itself: why
         tail = (out.parent / "soak.log").read_text().splitlines()[-15:]
         raise SystemExit(f"the run ended early (exit {driver.returncode}):\n" + "\n".join(tail))
-    end = rss(processes(driver.pid), driver.pid)
     fds = len(os.listdir(f"/proc/{driver.pid}/fd")) if driver.poll() is None else -1
     driver.send_signal(signal.SIGTERM)
     code = driver.wait(timeout=300)
-    return {
-        "kills": kills,
-        "warm": warm,
-        "end": end,
-        "timeline": timeline,
-        "fds": fds,
-        "code": code,
-    }
+    return {"kills": kills, "timeline": timeline, "fds": fds, "code": code}
 
 
 def warm_start(task: dict, out: Path, steps: int) -> Path:
@@ -213,11 +217,7 @@ def measure(args: argparse.Namespace) -> dict:
             )  # fmt: skip
             calm_rows = steps_of(calm)
         log = (work / "soak.log").read_text()
-    grown = {  # the processes alive at both ends (killed ones' successors are not compared)
-        f"{name} {pid}": 100 * (run["end"][pid][1] - mib) / mib
-        for pid, (name, mib) in run["warm"].items()
-        if pid in run["end"]
-    }
+    grown = growth(run["timeline"], args.minutes)
     worst = max((k for k in grown if ours(k.rsplit(" ", 1)[0])), key=grown.get, default="")
     worst_ray = max((k for k in grown if not ours(k.rsplit(" ", 1)[0])), key=grown.get, default="")
     return {
@@ -233,7 +233,7 @@ def measure(args: argparse.Namespace) -> dict:
         "rss_growth_worst": worst,
         "rss_growth_ray_pct": grown.get(worst_ray, 0.0),  # Ray's daemons, the worst
         "rss_growth_ray_worst": worst_ray,
-        "rss_mib": {"warm": run["warm"], "end": run["end"], "timeline": run["timeline"]},
+        "rss_mib": run["timeline"],
         "fds": run["fds"],
         "accuracy": last_accuracy(rows),
         "accuracy_undisturbed": last_accuracy(calm_rows),
@@ -268,11 +268,11 @@ def main() -> None:
         ("samples lost (short batches)", str(m["lost"])),
         ("async/dropped (all)", f"{m['dropped']:g}"),
         (
-            "RSS growth, warm-up to end, worst of the run's processes",
+            "peak RSS growth, 2nd to 4th quarter, worst of the run's processes",
             f"{m['rss_growth_pct']:+.1f}% ({m['rss_growth_worst']})",
         ),
         (
-            "RSS growth, warm-up to end, worst of Ray's daemons",
+            "peak RSS growth, 2nd to 4th quarter, worst of Ray's daemons",
             f"{m['rss_growth_ray_pct']:+.1f}% ({m['rss_growth_ray_worst']})",
         ),
         ("driver open fds at the end", str(m["fds"])),

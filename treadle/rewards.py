@@ -662,8 +662,9 @@ class RewardPool:
             message = w.conn.recv()
         except (EOFError, OSError):
             how = w.stop(kill=False)
-            if w.job is None:  # idle: a new one takes its place
+            if w.job is None:  # idle: a new one takes its place (a restart too)
                 self._replace(w)
+                self.restarts += w.ready
                 if not w.ready:
                     raise RewardError(
                         f"reward function '{self.spec}': its worker process ended ({how}) while "
