@@ -99,7 +99,7 @@ def label(p, driver: int) -> str:  # type: ignore[no-untyped-def]
         return "driver"
     line = p.cmdline()
     if line and line[0].startswith("ray::"):
-        return line[0].split()[0]
+        return line[0].split()[0].split(".")[0]  # (Ray puts the running method after a dot)
     if "_serve_fd" in " ".join(line):
         return "reward worker"
     names = [Path(a).name for a in line[:3] if not a.startswith("-")]
