@@ -161,6 +161,15 @@ class Restarts:
             del self.tasks[index]
 
 
+def _remember(sessions: OrderedDict[str, int], session: str, index: int) -> None:
+    """``session`` is on replica ``index``, the most recently used; the least recently used
+    is forgotten beyond ``MAX_SESSIONS``."""
+    sessions[session] = index
+    sessions.move_to_end(session)
+    if len(sessions) > MAX_SESSIONS:
+        sessions.popitem(last=False)
+
+
 class RolloutClient:
     """Routes requests over ``replicas``; see the module docstring."""
 
@@ -177,8 +186,7 @@ class RolloutClient:
         self.replicas = list(replicas)
         self.max_inflight, self.timeout_s = max_inflight, timeout_s
         self.outstanding = [0] * len(self.replicas)
-        # session -> replica, the least recently used first; a bounded map (a server's
-        # callers never end their sessions): a forgotten one is routed afresh, once
+        # session -> replica, bounded (a server's callers never end theirs): see _remember
         self.sessions: OrderedDict[str, int] = OrderedDict()
         self._ids = itertools.count()
         self._loop = asyncio.new_event_loop()
@@ -325,10 +333,7 @@ class RolloutClient:
         if index is None or index in self.down:
             index = self._least_loaded(count=False)
         if session is not None:
-            self.sessions[session] = index
-            self.sessions.move_to_end(session)
-            if len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
+            _remember(self.sessions, session, index)
         self.outstanding[index] += 1
         return index
 

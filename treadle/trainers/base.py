@@ -76,6 +76,15 @@ class HeldRecords:
             self.tracker.log_table(step, "samples", samples)
 
 
+def _on_ray(cfg: Config) -> str:
+    """Where the headline says a Ray run trains: its actor ranks, device and parallel layout."""
+    a = cfg.actor
+    device = "GPU" if torch.cuda.is_available() else "CPU"
+    split = (("tensor", a.tensor_parallel_size), ("sequence", a.sequence_parallel_size))
+    layout = "".join(f" ({kind} parallel {n})" for kind, n in split if n > 1)
+    return f"on Ray, {a.world_size} {device} rank(s){layout}"
+
+
 class Trainer:
     """The loop every driver shares: resume, steps, metrics, checkpoints, clean-up.
 
@@ -155,11 +164,7 @@ class Trainer:
         if t.backend == "local":
             where = "in this process (trainer.backend=local)"
         else:
-            device = "GPU" if torch.cuda.is_available() else "CPU"
-            a = self.cfg.actor
-            where = f"on Ray, {a.world_size} {device} rank(s)"
-            split = (("tensor", a.tensor_parallel_size), ("sequence", a.sequence_parallel_size))
-            where += "".join(f" ({kind} parallel {n})" for kind, n in split if n > 1)
+            where = _on_ray(self.cfg)
         files = ["config.yaml", "logs/"]
         named = {"jsonl": "metrics.jsonl", "mlflow": "mlflow.db", "swanlab": "swanlog/"}
         if os.environ.get("MLFLOW_TRACKING_URI"):

@@ -100,6 +100,7 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
     """Actor + rollout engine + reference (+ a colocated teacher), in one process per rank."""
 
     role = "actor"
+    parallel_section = "actor"
 
     def setup(
         self, *, actor_path: str, with_ref: bool, version: int = 0, optimizer_steps: int = 0
@@ -145,10 +146,6 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         """The engines an objective trains and reads, with the config as it is now."""
         dp_group = self.meshes.dp_group if self.meshes is not None else None
         return Policy(self.cfg, self.engine, self.ref, self.device, self.layout.dp, dp_group)
-
-    def parallel_sizes(self) -> tuple[int, int]:
-        a = self.cfg.actor
-        return a.tensor_parallel_size, a.sequence_parallel_size
 
     # ------------------------------------------------------------------ rollout
 

@@ -66,9 +66,15 @@ class RoleWorker(Worker):
     setup: Callable[..., None]
     """Builds the role's engines; a role defines it with its own keyword arguments."""
 
+    parallel_section: str | None = None
+    """The config section (``actor``, ``critic``) whose parallel sizes lay the role out."""
+
     def parallel_sizes(self) -> tuple[int, int]:
         """``(tensor_parallel_size, sequence_parallel_size)`` of this role (default: 1, 1)."""
-        return 1, 1
+        if self.parallel_section is None:
+            return 1, 1
+        section = getattr(self.cfg, self.parallel_section)
+        return section.tensor_parallel_size, section.sequence_parallel_size
 
     def load_tokenizer(self, path: str | None = None) -> Any:
         """The run's tokenizer: ``model.tokenizer_path``, else the one at ``path`` (default:

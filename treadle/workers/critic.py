@@ -45,10 +45,7 @@ class CriticWorker(TrainingWorker):
     """
 
     role = "critic"
-
-    def parallel_sizes(self) -> tuple[int, int]:
-        c = self.cfg.critic
-        return c.tensor_parallel_size, c.sequence_parallel_size
+    parallel_section = "critic"
 
     def setup(self, *, critic_path: str) -> None:
         config, world_size = self.cfg, self.layout.dp  # the data-parallel ranks
