@@ -67,6 +67,11 @@ Choices:
   sampling processors", `gpu_model_runner._get_prompt_logprobs_dict`), and never reads the
   prefix cache for such a request (`skip_reading_prefix_cache`); the top-k needs an engine
   started with `max_logprobs >= top_k` (vLLM's default is 20).
+- **Pictures** (a vision-language model's ``pixel_values``) go to vLLM with the prompt's ids
+  exactly as treadle's processor made them, as processed input
+  (:mod:`treadle.engines.vllm_pictures`); vLLM's vision tower computes their features. A
+  weight update covers the vision tower and connector like any layer and clears vLLM's
+  encoder cache (vision features computed with the old weights) with its prefix cache.
 - **Sleep mode** (free the weights and KV cache while training runs) is used on CUDA (level 1;
   a weight update while asleep wakes the engine for the copy and puts it back to sleep).
   vLLM does not support it on CPU: `sleep`/`wake` are no-ops there.
@@ -101,6 +106,7 @@ from treadle.engines.inference import (
     Scored,
     check_score_args,
 )
+from treadle.engines.vllm_pictures import PictureLayout, picture_prompt
 from treadle.engines.weights import weight_buckets
 from treadle.errors import ConfigError
 from treadle.models import resolve_model_path
@@ -132,6 +138,7 @@ class _LiveEngine:
     start_seconds: float
     asleep: bool = False
     weights_ok: bool = True  # False after a weight update that failed part-way
+    pictures: PictureLayout | None = None  # a vision-language model's, on its first picture
     warned: set[str] = field(default_factory=set)
     # request id -> its tokens and log-probs so far (step() returns deltas)
     so_far: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
@@ -212,12 +219,10 @@ class VLLMRolloutEngine:
         pixel_values: torch.Tensor | None = None,
     ) -> None:
         """Queue one request (one sample); `step` runs it with everything else in flight.
-        Pictures (``pixel_values``) are not served here: vision-language rollouts run on the
-        transformers engine (``rollout.engine=hf``; ``treadle check`` says so)."""
+        ``pixel_values`` ``[images, 3, H, W]``: a vision-language prompt's pictures, their image
+        tokens already in ``prompt`` (given to vLLM as they are: :mod:`.vllm_pictures`)."""
         from vllm.inputs import TokensPrompt
 
-        if pixel_values is not None:
-            raise ValueError("the vllm engine takes no pictures here: use rollout.engine=hf")
         if params.n != 1:
             raise ValueError(f"a request samples one response, got n={params.n}")
         self._check_weights()
@@ -226,10 +231,18 @@ class VLLMRolloutEngine:
 
         request_params = self._request_params(params)
         request_params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
-        self.llm.llm_engine.add_request(
-            request_id, TokensPrompt(prompt_token_ids=list(prompt)), request_params
-        )
+        if pixel_values is None:
+            engine_prompt = TokensPrompt(prompt_token_ids=list(prompt))
+        else:
+            engine_prompt = picture_prompt(list(prompt), pixel_values, self._picture_layout())
+        self.llm.llm_engine.add_request(request_id, engine_prompt, request_params)
         self._live.so_far[request_id] = ([], [])
+
+    def _picture_layout(self) -> PictureLayout:
+        live = self._live
+        if live.pictures is None:
+            live.pictures = PictureLayout.of(live.llm.llm_engine.model_config.hf_config)
+        return live.pictures
 
     def step(self) -> list[Finished]:
         """One engine step over every request in flight; the requests it finished (and those
@@ -345,7 +358,7 @@ class VLLMRolloutEngine:
             # Closing the reload puts back the layers the stream never reached; after an
             # error, half-loaded layers stay wrong, so weights_ok stays False.
             missing = live.llm.collective_rpc("treadle_finish_weight_update")[0]
-        live.llm.reset_prefix_cache()  # cached KV blocks were computed with the old weights
+        _forget_old_outputs(live)
         if missing:
             raise ValueError(
                 f"update_weights: the stream left {len(missing)} vLLM parameters unset "
@@ -494,8 +507,16 @@ def _engine_for(settings: _Settings) -> _LiveEngine:
 def _reload(live: _LiveEngine) -> None:
     live.weights_ok = False
     live.llm.collective_rpc("treadle_reload_from_disk")
-    live.llm.reset_prefix_cache()
+    _forget_old_outputs(live)
     live.weights_ok = True
+
+
+def _forget_old_outputs(live: _LiveEngine) -> None:
+    """Drop what vLLM computed with the old weights: cached KV blocks and the vision tower's
+    outputs (the scheduler's record of them too, or it would skip the encoder for a picture it
+    thinks cached)."""
+    live.llm.reset_prefix_cache()
+    live.llm.llm_engine.reset_encoder_cache()
 
 
 def _describe(s: _Settings) -> str:
