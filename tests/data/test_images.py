@@ -144,8 +144,12 @@ def check_shapes(tmp_path, capsys, data: Path, model: Path, *overrides: str):  #
     return run(capsys, "check", str(tmp_path / "c.yaml"), *overrides, "--kind", "train")
 
 
-def test_treadle_check_passes_the_shapes_task(shapes_task, tmp_path, capsys) -> None:
-    code, _, err = check_shapes(tmp_path, capsys, shapes_task["train"], shapes_task["model"])
+@pytest.mark.parametrize("engine", ["hf", "vllm"])  # either rollout engine takes pictures
+def test_treadle_check_passes_the_shapes_task(shapes_task, tmp_path, capsys, engine) -> None:
+    model = shapes_task["model"]
+    code, _, err = check_shapes(
+        tmp_path, capsys, shapes_task["train"], model, f"rollout.engine={engine}"
+    )
     assert code == 0, err
 
 
@@ -173,7 +177,6 @@ def test_treadle_check_names_an_images_column_for_a_text_only_model(
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("rollout.engine=vllm", r"rollout\.engine=vllm: model\.path is a vision-language model"),
         ("algorithm.adv_estimator=gae", r"adv_estimator=gae: model\.path is a vision-language"),
         ("actor.lora.rank=4", r"actor\.lora\.rank=4: model\.path is a vision-language model"),
         (

@@ -452,17 +452,12 @@ def _vision_config(path: str) -> bool:
 
 def vision_language_problems(cfg: Sections, kind: Kind) -> list[str]:
     """What a vision-language ``model.path`` (its config.json has a ``vision_config``) does not
-    go with: pictures reach the actor, its reference and the transformers rollout engine;
-    vLLM's requests, value models, LoRA and the pair/example readers take none."""
+    go with: pictures reach the actor, its reference and either rollout engine (transformers,
+    vLLM); value models, LoRA and the pair/example readers take none."""
     if not _vision_config(cfg.model.path):
         return []
     vlm = "model.path is a vision-language model"
     problems = []
-    if cfg.rollout.engine == "vllm":
-        problems.append(
-            f"rollout.engine=vllm: {vlm}; treadle sends its pictures to the transformers "
-            "engine only: set rollout.engine=hf"
-        )
     if cfg.actor.lora.rank:
         problems.append(f"actor.lora.rank={cfg.actor.lora.rank}: {vlm}; train it fully (0)")
     for key in ("tensor_parallel_size", "sequence_parallel_size"):
