@@ -156,6 +156,37 @@ def test_greedy_with_pictures_matches_transformers(ray_session, replica, picture
     assert moved.abs().max() > 1e-3
 
 
+@torch.no_grad()
+def training_greedy(model, ids: list[int], pixels: torch.Tensor, steps: int):  # type: ignore[no-untyped-def]
+    """Greedy tokens and their log-probs by the training forward's embedding of the pictures
+    (only the prompt's first image tokens are pictures), one full forward a token."""
+    from treadle.engines.pictures import picture_embeddings, picture_tokens
+
+    seq, pix, out = torch.tensor([ids]), pixels[None], RolloutOutput()
+    tokens, logps = [], []
+    for _ in range(steps):
+        embeds = picture_embeddings(model, seq, picture_tokens(model, seq, pix), pix)
+        logp = torch.log_softmax(model(inputs_embeds=embeds).logits[0, -1].float(), -1)
+        tokens.append(int(logp.argmax()))
+        logps.append(float(logp.max()))
+        seq = torch.cat([seq, torch.tensor([[tokens[-1]]])], 1)
+    out.token_ids, out.log_probs, out.stop_reasons = [tokens], [logps], ["length"]
+    return out
+
+
+def test_an_image_token_after_the_pictures_is_an_ordinary_token(
+    ray_session, replica, pictures, shapes_task
+) -> None:
+    """A resumed or multi-turn prompt can hold an image token the policy sampled: vLLM embeds
+    it as a plain token, as the training forward does."""
+    image = pictures["tokenizer"].convert_tokens_to_ids("<image>")
+    ids = [*pictures["ids"][0], 7, image, 9]
+    got = serve(ray_session, replica, [ids], [pictures["pixels"][0]])
+    model = load_causal_lm(shapes_task["model"])
+    want = training_greedy(model, ids, pictures["pixels"][0], GREEDY.max_new_tokens)
+    assert_same_greedy(got, want)
+
+
 def test_weight_update_reaches_the_vision_tower(ray_session, replica, pictures, shapes_task):
     """New vision tower and connector weights (the decoder's unchanged): vLLM's rollouts are
     then those of the new model, none computed from the old pictures' features."""
