@@ -203,3 +203,22 @@ def test_weight_update_reaches_the_vision_tower(ray_session, replica, pictures, 
     assert_same_greedy(after, transformers(model, pictures["tokenizer"], ids, pixels))
     first = [abs(x[0] - y[0]) for x, y in zip(after.log_probs, before.log_probs, strict=True)]
     assert max(first) > 1e-2  # the new features are used, not cached old ones
+
+
+def test_pictures_and_their_image_tokens_must_agree() -> None:
+    from types import SimpleNamespace
+
+    from treadle.engines.vllm_pictures import PictureLayout, _placeholders
+
+    vision = SimpleNamespace(image_size=64, patch_size=8)
+    config = SimpleNamespace(vision_config=vision, image_token_id=5, scale_factor=2)
+    layout = PictureLayout.of(config)
+    assert layout == PictureLayout(image_token_id=5, image_seq_len=16)
+    ids = [1, *[5] * 16, 2, *[5] * 16, 5, 3]  # two pictures, then an image token of a response
+    assert _placeholders(ids, 2, layout) == [(1, 16), (18, 16)]
+    with pytest.raises(ValueError, match=r"3 pictures need 48 image tokens .* the prompt has 33"):
+        _placeholders(ids, 3, layout)
+    with pytest.raises(ValueError, match="the image tokens of picture 0 are not one run of 16"):
+        _placeholders([5, 1, *[5] * 15], 1, layout)
+    with pytest.raises(ValueError, match=r"Idefics3-family .* use rollout\.engine=hf"):
+        PictureLayout.of(SimpleNamespace(vision_config=vision, architectures=["Qwen2VL"]))

@@ -72,7 +72,7 @@ def picture_prompt(ids: list[int], pixel_values: torch.Tensor, layout: PictureLa
         PlaceholderRange,
     )
 
-    pictures = pixel_values[(pixel_values.flatten(1) != 0).any(1)].contiguous()
+    pictures = pixel_values[(pixel_values.flatten(1) != 0).any(1)].cpu().contiguous()
     if not len(pictures):
         return TokensPrompt(prompt_token_ids=list(ids))
     places = _placeholders(ids, len(pictures), layout)
@@ -116,5 +116,5 @@ def _digest(picture: torch.Tensor) -> str:
     """A hash of one picture's pixels (with its shape and dtype)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(f"{tuple(picture.shape)}{picture.dtype}".encode())
-    h.update(picture.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    h.update(picture.view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
