@@ -4,6 +4,8 @@ the batch fields a worker method declares."""
 from __future__ import annotations
 
 import pickle
+import socket
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from treadle.controller import (
     WorkerGroup,
     collect_results,
     dispatch_args,
+    free_port,
     method_spec,
     register,
 )
@@ -239,3 +242,14 @@ def test_out_of_memory_in_a_rank_names_it_and_an_unknown_actor_is_rank_unknown()
         == "Worker rank ? died while starting (out of memory: CUDA out of memory. Tried to "
         "allocate 2.00 GiB)"
     )
+
+
+def test_a_rendezvous_port_is_free_and_outside_the_ephemeral_range():
+    # Outgoing connections take their ports from the ephemeral range: one of them could take
+    # a port handed out from there before rank 0 binds it (EADDRINUSE, seen under load).
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {free_port() for _ in range(20)}
+    assert all(20000 <= p < low for p in ports), ports
+    assert len(ports) > 1  # drawn at random, not one port every process would pick alike
+    with socket.socket() as s:
+        s.bind(("", ports.pop()))  # free

@@ -33,6 +33,7 @@ import datetime
 import enum
 import functools
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable, Sequence
@@ -197,9 +198,30 @@ def collect_results(
 
 
 def free_port() -> int:
+    """A port free now for a group's rendezvous, taken at random below the kernel's ephemeral
+    range (and above Ray's worker ports, 10002-19999): the port is bound again only when the
+    group's rank 0 starts, and one from the ephemeral range may be handed meanwhile to any
+    process's outgoing connection (measured: EADDRINUSE on a loaded machine)."""
+    low = _ephemeral_start()
+    pick = random.SystemRandom()  # not the run's seeded RNG: every process would pick alike
+    for _ in range(64):
+        port = pick.randrange(20000, low) if low > 20001 else 0
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return int(s.getsockname()[1])
     with socket.socket() as s:
         s.bind(("", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def device_type() -> str:
