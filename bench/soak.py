@@ -74,7 +74,9 @@ def overrides(task: dict, out: Path, steps: int) -> list[str]:
 
 
 def processes(driver: int) -> dict[str, list]:
-    """The run's replicas and reward workers (psutil processes), by what they are."""
+    """The run's replicas and reward workers (psutil processes), by what they are: the
+    driver's descendants (Ray's workers are children of the raylet it started), so another
+    run's on the same machine are never counted or killed."""
     import psutil
 
     found: dict[str, list] = {"replica": [], "reward": [], "other": []}
@@ -85,10 +87,6 @@ def processes(driver: int) -> dict[str, list]:
             continue
         kind = "replica" if "RolloutReplica" in line else "reward" if "_serve_fd" in line else ""
         found[kind or "other"].append(p)
-    for p in psutil.process_iter(["cmdline"]):  # Ray's workers are the raylet's children
-        line = " ".join(p.info["cmdline"] or [])
-        if "ray::RolloutReplica" in line and p not in found["replica"]:
-            found["replica"].append(p)
     return found
 
 

@@ -146,3 +146,13 @@ def test_masked_whiten():
     assert torch.equal(w[~M.bool()], torch.zeros(4))
     kept = masked_whiten(X, M, shift_mean=False)
     assert_close(kept[M.bool()], expected + 2.5)
+
+
+def test_the_package_exports_exactly_its_lazy_names():
+    """``treadle.algorithms`` lists its names for the tools (``__all__``, a literal) and for
+    its lazy imports (``_LAZY``): the two lists agree, and every name resolves."""
+    import treadle.algorithms as package
+
+    assert sorted(package.__all__) == sorted([*package._LAZY, *package._SUBMODULES])
+    for name in package.__all__:
+        assert getattr(package, name) is not None, name

@@ -14,6 +14,7 @@ stops the run with one line naming it; what was written stays.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -149,6 +150,20 @@ def test_split_replicas_after_a_sync_match_the_actor(
         t.close()
 
 
+def _replica_pids(driver: int) -> list[int]:
+    """The rollout replicas' processes of the run whose driver is ``driver`` (Ray's workers
+    are children of the raylet the driver started), not another run's on the machine."""
+    import psutil
+
+    found = []
+    for p in psutil.Process(driver).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "ray::RolloutReplica" in " ".join(p.cmdline()):
+                found.append(p.pid)
+    assert found, "no rollout replica among the run's processes"
+    return found
+
+
 def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_reward, tmp_path):
     """The CLI, split placement, long rollouts; one replica's process is killed with SIGKILL
     during step 2's rollout: exit 2, one `treadle: error:` line naming the replica, and the
@@ -188,10 +203,7 @@ def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_
             assert time.monotonic() < deadline, "step 1 did not finish"
             time.sleep(0.2)
         time.sleep(1.0)  # into step 2's rollout (it takes several seconds)
-        pids = subprocess.run(
-            ["pgrep", "-f", "ray::RolloutReplica"], capture_output=True, text=True, check=True
-        ).stdout.split()
-        os.kill(int(pids[0]), signal.SIGKILL)
+        os.kill(_replica_pids(proc.pid)[0], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
     finally:
         if proc.poll() is None:

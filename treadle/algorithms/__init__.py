@@ -29,7 +29,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from treadle.algorithms import advantages, distill, kl, losses, preference, prime
+    from treadle.algorithms import advantages, distill, inputs, kl, losses, preference, prime, utils
     from treadle.algorithms.distill import generalized_jsd, reverse_kl_advantages
     from treadle.algorithms.inputs import (
         Aggregation,
@@ -135,6 +135,7 @@ __all__ = [
     "entropy_from_logits",
     "generalized_jsd",
     "implicit_rewards",
+    "inputs",
     "kl",
     "kl_penalty",
     "kto_kl",
@@ -155,6 +156,7 @@ __all__ = [
     "register_preference_loss",
     "register_unpaired_loss",
     "reverse_kl_advantages",
+    "utils",
     "value_loss",
 ]
 
