@@ -15,8 +15,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from datasets import load_dataset
-
 from treadle.errors import DataError
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -63,6 +61,8 @@ def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
         )
     if path.stat().st_size == 0:
         return []
+    from datasets import load_dataset  # here: a worker imports this module, not datasets
+
     datasets_log = logging.getLogger("datasets")
     level = datasets_log.level
     datasets_log.setLevel(logging.CRITICAL)  # it logs a parse error before raising it
