@@ -383,6 +383,18 @@ def _probe_address() -> tuple[str, int]:
     return ray.util.get_node_ip_address(), free_port()
 
 
+def _rendezvous(pool: ResourcePool, rank0: dict[str, Any]) -> tuple[str, int]:
+    """The address and port of a group's store: on rank 0's node. When that is the driver's
+    node (one machine, a colocated head) the driver picks them; else a task on that node does
+    (it costs a worker process of its own, and its imports, before the group can start)."""
+    import ray
+
+    node = ray.util.placement_group_table(pool.pg).get("bundles_to_node_id", {}).get(0)
+    if node is not None and node == ray.get_runtime_context().get_node_id():
+        return _probe_address()
+    return ray.get(ray.remote(_probe_address).options(**rank0).remote())
+
+
 @dataclass
 class ResourcePool:
     """A Ray placement group with one bundle per rank; roles sharing it are colocated.
@@ -473,9 +485,7 @@ class WorkerGroup:
                 "runtime_env": {"env_vars": env},
             }
 
-        # Rank 0's node decides the rendezvous address, as on a multi-node cluster.
-        probe = ray.remote(_probe_address).options(**options(0))
-        addr, port = ray.get(probe.remote())
+        addr, port = _rendezvous(pool, options(0))
         workers = [
             remote_cls.options(**options(r)).remote(r, self.world_size, addr, port, **kwargs)
             for r in range(self.world_size)
