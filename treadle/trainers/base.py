@@ -2,9 +2,10 @@
 
 Kept out of the drivers so that each trainer's file reads as its dataflow. Start-up, in order:
 the run directory (:mod:`treadle.trainers.run_dir`), the resume point, the placement
-(:class:`~treadle.controller.Placement`, decided once), a split rollout pool, the actors'
-group (restored from the checkpoint), the rollout, the side roles
-(:mod:`treadle.trainers.roles`).
+(:class:`~treadle.controller.Placement`, decided once), a split rollout pool and its replicas
+(not waited for: their processes import and start their engines while the actors' group
+starts), the actors' group (restored from the checkpoint), the rollout (the split replicas
+waited for), the side roles (:mod:`treadle.trainers.roles`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from treadle.errors import Stopped, WorkerDied, raise_if_signalled, stop_cause
 from treadle.faults import failpoint
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
-from treadle.rollout.fleet import Rollout, reserve_rollout_pool, start_rollout
+from treadle.rollout.fleet import Rollout, spawn_rollout, start_rollout
 from treadle.rollout.replica import ServesRollout
 from treadle.trackers import ConsoleLogger, check_loggers
 from treadle.tracking import Tracker, quiet_start, route_logs
@@ -94,6 +95,7 @@ class Trainer:
 
     headline = "reward/mean"
     algorithm = "training"  # what the start-up line says it runs
+    serves_rollout = True  # whether its workers serve a rollout (not the RM trainer's)
 
     def __init__(self, cfg: Config) -> None:
         startup.begin()
@@ -183,7 +185,8 @@ class Trainer:
     def _start_workers(
         self, actor_path: str, latest: Path | None, with_ref: bool, placement: Placement
     ) -> None:
-        pool = reserve_rollout_pool(self.cfg)  # split: before the actor's pool (see there)
+        # split: the rollout's pool and replicas first, starting beside the actors (see there)
+        spawned = spawn_rollout(self.cfg, actor_path, self.start) if self.serves_rollout else None
         try:
             self.actors = self.build_workers(actor_path, with_ref, placement)
             self.group = self.actors.group
@@ -193,11 +196,10 @@ class Trainer:
                 if latest is not None:
                     self.group.load_checkpoint(str(latest))
                     startup.mark("resume")
-                if issubclass(self.group.worker_cls, ServesRollout):  # not the RM trainer's
-                    given, pool = pool, None  # the rollout's from here, removed by it
-                    self.rollout = start_rollout(
-                        self.cfg, self.group, actor_path, self.start, given
-                    )
+                if self.serves_rollout and issubclass(self.group.worker_cls, ServesRollout):
+                    given, spawned = spawned, None  # the rollout's from here, closed by it
+                    start = self.cfg, self.group, actor_path, self.start
+                    self.rollout = start_rollout(*start, given)
                     if latest is not None and ckpt.holds_adapters(latest):
                         self.rollout.sync_weights(self.start)  # started from the base
                     startup.mark("rollout")
@@ -205,8 +207,8 @@ class Trainer:
                 self.actors.close()
                 raise
         finally:
-            if pool is not None:
-                pool.remove()
+            if spawned is not None:
+                spawned.close()
 
     def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
         """The trained worker group, from the weights at ``start_path`` (default: the actor)."""

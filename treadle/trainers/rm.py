@@ -29,6 +29,7 @@ class RMTrainer(PairTrainer[PairDataset]):
 
     headline = "rm/loss"
     algorithm = "reward-model training (Bradley-Terry)"
+    serves_rollout = False  # its workers score pairs
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg, load_pairs, with_ref=False)
