@@ -355,3 +355,31 @@ def test_special_token_text_in_chat_turns_stays_text(tok, tmp_path: Path):  # ty
     assert ex["input_ids"].count(eos) == 2  # closing the user turn, and the assistant's EOS
     old = load_sft_dataset([path], tok, TextOptions(max_length=128, allow_special_tokens=True))[0]
     assert old["input_ids"].count(eos) == 4
+
+
+PLAIN = [{"prompt": "1+1", "answer": "2", "n": 3, "w": 0.5, "ok": True, "note": None}] * 2
+UNIFIED = {  # rows `datasets` unifies: read through it, to the rows it gives
+    "a key missing from a row": [{"prompt": "a", "answer": "1"}, {"prompt": "b"}],
+    "keys in another order": [{"prompt": "a", "answer": "1"}, {"answer": "2", "prompt": "b"}],
+    "ints and floats in a column": [{"prompt": "a", "w": 1}, {"prompt": "b", "w": 0.5}],
+    "a nested value": [{"prompt": "a", "meta": {"k": 1}}, {"prompt": "b", "meta": {"j": 2}}],
+    "a list": [{"messages": [{"role": "user", "content": "hi"}]}],
+}
+
+
+@pytest.mark.parametrize("name", ["plain", *UNIFIED])
+def test_jsonl_rows_are_those_datasets_reads(tmp_path: Path, name: str):
+    """Flat rows of one type per column are read with json alone (no `datasets` import), the
+    rest through `datasets`: either way the rows are the ones `datasets` gives."""
+    from datasets import load_dataset
+
+    from treadle.data.readers import _plain_jsonl, read_records
+
+    rows = PLAIN if name == "plain" else UNIFIED[name]
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n")
+    assert (_plain_jsonl(path) is not None) == (name == "plain")
+    want = list(load_dataset("json", data_files=str(path), split="train"))
+    got = [r.row for r in read_records([path], "data.train_files")]
+    assert got == want
+    assert [list(r) for r in got] == [list(r) for r in want]  # the columns' order too

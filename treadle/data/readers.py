@@ -2,6 +2,10 @@
 by ``datasets.Dataset.save_to_disk``, through ``datasets``. Every row becomes a ``Record`` with
 its message prefix (``data.train_files: train.jsonl row 7``) and a stable id ``<file>:<row>``.
 
+A ``.jsonl`` file of flat rows with the same columns, each of one type (the usual prompt and
+answer files), is read with ``json`` alone, to the same rows: importing ``datasets`` and
+going through its cache cost the driver ~1 s of its start-up (:func:`_plain_jsonl`).
+
 A file that does not parse (not UTF-8, bad JSON, a row that is not an object) fails naming the
 file and the 1-based row (blank lines are not rows).
 """
@@ -14,8 +18,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-from datasets import load_dataset
 
 from treadle.errors import DataError
 
@@ -63,6 +65,11 @@ def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
         )
     if path.stat().st_size == 0:
         return []
+    if path.suffix.lower() == ".jsonl" and (plain := _plain_jsonl(path)) is not None:
+        return plain
+    # imported here: ~0.6 s (pandas, fsspec) that a process reading no such file skips
+    from datasets import load_dataset
+
     datasets_log = logging.getLogger("datasets")
     level = datasets_log.level
     datasets_log.setLevel(logging.CRITICAL)  # it logs a parse error before raising it
@@ -75,6 +82,57 @@ def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
     finally:
         datasets_log.setLevel(level)
     return rows
+
+
+_SCALARS = (str, int, float, bool)
+
+
+def _reject_constant(name: str) -> None:
+    raise ValueError(name)  # NaN, Infinity: Python's json takes them, Arrow's does not
+
+
+def _plain_jsonl(path: Path) -> list[dict[str, Any]] | None:
+    """The rows of a JSON Lines file that ``datasets`` would give back as they are written:
+    every row an object with the same keys in the same order, each column of one type (str,
+    int, float or bool; null anywhere). None for any other file (a nested value, a missing key,
+    ints and floats in one column, a line that does not parse): ``datasets`` reads it, unifying
+    the columns (or failing, named by :func:`_find_bad_row`)."""
+    rows: list[dict[str, Any]] = []
+    kinds: dict[str, type | None] = {}
+    try:
+        with path.open(encoding="utf-8") as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                row = json.loads(line, parse_constant=_reject_constant)
+                if not isinstance(row, dict):
+                    return None
+                if not rows:
+                    kinds = dict.fromkeys(row)
+                if not _same_columns(row, kinds):
+                    return None
+                rows.append(row)
+    except (UnicodeDecodeError, ValueError):  # (json.JSONDecodeError is a ValueError)
+        return None
+    return rows
+
+
+def _same_columns(row: dict[str, Any], kinds: dict[str, type | None]) -> bool:
+    """Whether ``row`` has the columns of ``kinds`` in its order, each value null or of the
+    column's one scalar type (the first seen sets it)."""
+    if list(row) != list(kinds):
+        return False
+    for key, value in row.items():
+        if value is None:
+            continue
+        kind = type(value)
+        if kind not in _SCALARS or (kind is int and abs(value) >= 1 << 63):
+            return False
+        if kinds[key] is None:
+            kinds[key] = kind
+        elif kinds[key] is not kind:
+            return False
+    return True
 
 
 def _read_saved(path: Path, config_key: str) -> list[dict[str, Any]]:
