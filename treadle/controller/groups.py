@@ -426,27 +426,49 @@ class WorkerGroup:
         kwargs: dict[str, Any] | None = None,
         env: dict[str, str] | None = None,
         share: float = 1.0,
+        wait: bool = True,
     ) -> None:
         """``share``: the fraction of each of the pool's bundles this group takes (colocated
-        groups split the bundles between them)."""
+        groups split the bundles between them). ``wait=False`` (Ray): the ranks' processes
+        start, and :meth:`ready` waits for them (the driver meanwhile does other work)."""
         self.worker_cls, self.world_size, self.backend = worker_cls, world_size, backend
+        self.dp_ranks: list[int] = [0]
+        self.collects: list[bool] = [True]
         kwargs = kwargs or {}
         if backend == "local":
             if world_size != 1:
                 raise ValueError("the local backend runs exactly one rank")
             self.workers: list[Any] = [worker_cls(0, 1, "127.0.0.1", free_port(), **kwargs)]
-            self.dp_ranks, self.collects = [0], [True]
+            self._starting: list[Any] | None = None
             return
         if pool is None:
             raise ValueError("the ray backend needs a ResourcePool")
         if world_size > pool.world_size:
             raise ValueError(f"{world_size} ranks do not fit a pool of {pool.world_size} bundles")
         self.workers = self._spawn(worker_cls, pool, kwargs, env or {}, share)
-        # The data-parallel layout the ranks chose (tensor/sequence-parallel groups share a
-        # shard): asked once, so the driver never handles ranks.
-        layout = self._get([w.data_parallel.remote() for w in self.workers], "while starting")
+        self._starting = [w.treadle_check.remote() for w in self.workers]
+        if wait:
+            self.ready()
+
+    def ready(self) -> WorkerGroup:
+        """Wait (once) for the ranks to be built; if one fails, every rank is killed."""
+        if self._starting is None:
+            return self
+        import ray
+
+        try:
+            self._get(self._starting, "while starting")
+            # The data-parallel layout the ranks chose (tensor/sequence-parallel groups share
+            # a shard): asked once, so the driver never handles ranks.
+            layout = self._get([w.data_parallel.remote() for w in self.workers], "while starting")
+        except BaseException:
+            for w in self.workers:
+                ray.kill(w)
+            raise
+        self._starting = None
         self.dp_ranks = [d for d, _ in layout]
         self.collects = [c for _, c in layout]
+        return self
 
     def _spawn(
         self, cls: type[Worker], pool: ResourcePool, kwargs: dict, env: dict[str, str], share: float
@@ -467,18 +489,10 @@ class WorkerGroup:
             }
 
         addr, port = _rendezvous(pool, options(0))
-        workers = [
+        return [
             remote_cls.options(**options(r)).remote(r, self.world_size, addr, port, **kwargs)
             for r in range(self.world_size)
         ]
-        try:
-            self.workers = workers
-            self._get([w.treadle_check.remote() for w in workers], "while starting")
-        except BaseException:
-            for w in workers:
-                ray.kill(w)
-            raise
-        return workers
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
         spec = method_spec(getattr(self.worker_cls, name, None))

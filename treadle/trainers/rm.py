@@ -34,9 +34,11 @@ class RMTrainer(PairTrainer[PairDataset]):
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg, load_pairs, with_ref=False)
 
-    def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
+    def build_workers(
+        self, start_path: str, with_ref: bool, placement: Placement, wait: bool = True
+    ) -> Actors:
         kwargs = {"model_path": start_path, "optimizer_steps": self.optimizer_steps()}
-        return start_group(self.cfg, placement, RewardTrainerWorker, kwargs)
+        return start_group(self.cfg, placement, RewardTrainerWorker, kwargs, wait)
 
     def update(self, indices: list[int], m: dict[str, float]) -> None:
         with timed(m, "update_rm"):
