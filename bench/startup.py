@@ -11,14 +11,20 @@ start to the first step) and `startup/<part>` from metrics.jsonl:
 
 - imports: the interpreter and the command's imports (torch, transformers, ...);
 - check: the config loaded and `treadle check`'s checks (data rows, model folders, reward);
-- data: the trainer's imports and its datasets read and tokenized;
+- trainer: the trainer's imports and its run directory;
 - ray: what the driver waited for Ray (started in the background after the check, a local
   cluster or joining one: ray/background is its own seconds);
-- workers: the actor's worker group ready, of which (rank 0's own clock)
-  process_group, actor_model, reference_model and rollout_engine (vLLM's start, colocated);
-  the rest of `workers` is Ray placing the actors and their processes' imports;
+- data: its datasets read and tokenized, while the workers start (RL on Ray: the driver
+  starts them first, `treadle.trainers.launch`);
+- workers: what the driver then waited for the actor's worker group, of which (rank 0's own
+  clock, from its process's start of the worker) process_group, actor_model, reference_model
+  and rollout_engine (vLLM's start, colocated); the rest is Ray placing the actors and their
+  processes' imports;
 - rollout: the client over the replicas (split: what the driver still waited for the
   replicas, which start beside the actors' group); other: what no part claims.
+
+(A driver that starts its workers after its data, the local backend's, has no `trainer`
+part: its `data` holds those imports, and its `ray` and `workers` come after it.)
 
 `--layouts split` runs the tiny model of `treadle prepare` with examples/arithmetic/
 grpo_split.yaml instead (the same short step; two replicas in a pool of their own, half the
@@ -212,7 +218,8 @@ def print_table(results: dict[str, dict[str, float]]) -> None:
     the ratio of the first to the second."""
     details = [k[8:] for r in results.values() for k in r if "/" in k[8:]]
     order = []
-    for part in ("imports", "check", "data", "ray", "workers", "resume", "rollout", "other"):
+    parts = ("imports", "check", "trainer", "data", "ray", "workers", "resume", "rollout", "other")
+    for part in parts:
         own = {d for d in details if d.startswith(part + "/")}
         order += [part, *sorted(own, key=details.index)]
     names = list(results)

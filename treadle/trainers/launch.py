@@ -123,6 +123,7 @@ class Launch:
         load their models and start their engines meanwhile, and :meth:`start_workers` waits
         for them. A driver that calls it calls :meth:`abandon_workers` if it fails before."""
         if self.cfg.trainer.backend == "ray":
+            startup.mark("trainer")  # the trainer's imports, its run directory
             self._launched = self._launch(with_ref, layout, wait=False)
 
     def abandon_workers(self) -> None:
