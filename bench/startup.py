@@ -1,6 +1,7 @@
 """Where the time from `treadle train` to the first step goes, SmolLM2-135M-Instruct.
 
     OMP_NUM_THREADS=1 python bench/startup.py [--engines vllm hf] [--repeat 1]
+        [--layouts colocated split] [--before TREE] [--check-repeat 3]
 
 Each run is `treadle train examples/arithmetic/grpo.yaml` from SmolLM2-135M-Instruct
 (`treadle model fetch`, done first if missing; the data of `treadle prepare` likewise), one
@@ -10,16 +11,29 @@ start to the first step) and `startup/<part>` from metrics.jsonl:
 
 - imports: the interpreter and the command's imports (torch, transformers, ...);
 - check: the config loaded and `treadle check`'s checks (data rows, model folders, reward);
-- data: the trainer's imports and its datasets read and tokenized;
+- trainer: the trainer's imports and its run directory;
 - ray: what the driver waited for Ray (started in the background after the check, a local
   cluster or joining one: ray/background is its own seconds);
-- workers: the actor's worker group ready, of which (rank 0's own clock)
-  process_group, actor_model, reference_model and rollout_engine (vLLM's start, colocated);
-  the rest of `workers` is Ray placing the actors and their processes' imports;
-- rollout: the client over the replicas; other: what no part claims.
+- data: its datasets read and tokenized, while the workers start (RL on Ray: the driver
+  starts them first, `treadle.trainers.launch`);
+- workers: what the driver then waited for the actor's worker group, of which (rank 0's own
+  clock, from its process's start of the worker) process_group, actor_model, reference_model
+  and rollout_engine (vLLM's start, colocated); the rest is Ray placing the actors and their
+  processes' imports;
+- rollout: the client over the replicas (split: what the driver still waited for the
+  replicas, which start beside the actors' group); other: what no part claims.
+
+(A driver that starts its workers after its data, the local backend's, has no `trainer`
+part: its `data` holds those imports, and its `ray` and `workers` come after it.)
+
+`--layouts split` runs the tiny model of `treadle prepare` with examples/arithmetic/
+grpo_split.yaml instead (the same short step; two replicas in a pool of their own, half the
+CPUs).
 
 The table has a column per engine and, with two engines, the ratio of the first to the second
-(measured in the same run of this script, one after the other).
+(measured in the same run of this script, one after the other). With `--before TREE` it has a
+column before (``TREE``'s code) and after (this checkout's) per engine, the runs interleaved
+(each repeat runs both), medians of `--repeat`.
 
 First, `treadle check examples/arithmetic/grpo.yaml` alone (the demo's config and data; its
 SFT model when `make demo` made it, else `treadle prepare`'s), wall seconds, median of
@@ -62,12 +76,17 @@ def treadle(*args: str, **kw) -> subprocess.CompletedProcess[str]:
     )
 
 
-def startup(engine: str) -> dict[str, float]:
+def startup(engine: str, layout: str = "colocated", tree: Path = ROOT) -> dict[str, float]:
+    """The first step's ``timing/startup`` and ``startup/<part>`` of one run, ``tree``'s code."""
+    config, model = "examples/arithmetic/grpo.yaml", MODEL
+    if layout == "split":  # the tiny model, two replicas in a pool of their own
+        config, model = "examples/arithmetic/grpo_split.yaml", DATA / "model_init"
     with tempfile.TemporaryDirectory() as out:
-        treadle(
+        run_tree(
+            tree,
             "train",
-            "examples/arithmetic/grpo.yaml",
-            f"model.path={MODEL}",
+            config,
+            f"model.path={model}",
             f"data.train_files=[{DATA / 'train.jsonl'}]",
             "data.val_files=[]",
             "data.batch_size=4",
@@ -84,25 +103,31 @@ def startup(engine: str) -> dict[str, float]:
     return {k: v for k, v in first.items() if k == "timing/startup" or k.startswith("startup/")}
 
 
+def run_tree(tree: Path, *args: str, env: dict[str, str] | None = None) -> None:
+    """``treadle ARGS`` with the code of ``tree`` (its checkout, not the installed one)."""
+    env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
+    done = subprocess.run(  # -P: not the working directory's treadle first, ``tree``'s
+        [sys.executable, "-P", "-m", "treadle", *args],
+        cwd=ROOT,
+        env=env,
+        text=True,
+        capture_output=True,
+        check=False,
+    )
+    if done.returncode:
+        sys.exit(f"treadle {args[0]} ({tree}) exited {done.returncode}:\n{done.stderr[-3000:]}")
+
+
 def check_seconds(tree: Path, cache: str) -> float:
     """Wall seconds of `treadle check` on the demo's GRPO config, the code of ``tree``."""
     overrides = [] if SFT_MODEL.is_dir() else [f"model.path={DATA / 'model_init'}"]
-    env = {**os.environ, "PYTHONPATH": str(tree), "TREADLE_CHECK_CACHE": cache}
     start = time.perf_counter()
-    subprocess.run(  # -P: not the working directory's treadle first, ``tree``'s (PYTHONPATH)
-        [
-            sys.executable,
-            "-P",
-            "-m",
-            "treadle",
-            "check",
-            "examples/arithmetic/grpo.yaml",
-            *overrides,
-        ],
-        cwd=ROOT,
-        env=env,
-        check=True,
-        capture_output=True,
+    run_tree(
+        tree,
+        "check",
+        "examples/arithmetic/grpo.yaml",
+        *overrides,
+        env={"TREADLE_CHECK_CACHE": cache},
     )
     return time.perf_counter() - start
 
@@ -136,44 +161,81 @@ def main() -> None:
     ensure_project_python()
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--engines", nargs="+", default=["vllm", "hf"], choices=["vllm", "hf"])
-    p.add_argument("--repeat", type=int, default=1, help="runs per engine (the median is shown)")
-    p.add_argument("--check-repeat", type=int, default=3, help="runs of each check row")
+    p.add_argument(
+        "--layouts",
+        nargs="+",
+        default=["colocated"],
+        choices=["colocated", "split"],
+        help="colocated: SmolLM2, the replica in the actor's process; split: the tiny model, "
+        "two replicas in a pool of their own",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="runs of each column (the median)")
+    p.add_argument("--check-repeat", type=int, default=3, help="runs of each check row (0: none)")
     p.add_argument("--before", type=Path, default=None, help="a checkout of the code before")
     p.add_argument("--check-only", action="store_true", help="the check's rows only")
     args = p.parse_args()
     if not (DATA / "train.jsonl").is_file():
         treadle("prepare")
-    check_table(args.check_repeat, args.before)
+    if args.check_repeat:
+        check_table(args.check_repeat, args.before)
     if args.check_only:
         return
     if not MODEL.is_dir():
         print(treadle("model", "fetch", "smollm2-135m-instruct").stdout.strip())
-    results: dict[str, dict[str, float]] = {}
-    for engine in args.engines:
-        runs = [startup(engine) for _ in range(args.repeat)]
-        keys = sorted({k for r in runs for k in r})
-        results[engine] = {k: sorted(r.get(k, 0.0) for r in runs)[len(runs) // 2] for k in keys}
-        print(f"{engine}: {results[engine]['timing/startup']:.1f} s", file=sys.stderr, flush=True)
+    trees = {"before": args.before, "after": ROOT} if args.before else {"": ROOT}
+    runs: dict[tuple[str, str, str], list[dict[str, float]]] = {}
+    for _ in range(args.repeat):  # interleaved: each repeat runs every tree once
+        for layout in args.layouts:
+            for engine in args.engines:
+                for which, tree in trees.items():
+                    one = startup(engine, layout, tree)
+                    runs.setdefault((layout, engine, which), []).append(one)
+                    label = " ".join(x for x in (layout, engine, which) if x)
+                    parts = ", ".join(
+                        f"{k.replace('timing/startup', 'total').removeprefix('startup/')} {v:.1f}"
+                        for k, v in sorted(one.items())
+                    )
+                    print(f"{label}: {parts}", file=sys.stderr, flush=True)
+    for layout in args.layouts:
+        columns = {
+            " ".join(x for x in (engine, which) if x): runs[(layout, engine, which)]
+            for engine in args.engines
+            for which in trees
+        }
+        print(f"{layout}, median of {args.repeat}:")
+        print_table({name: medians(rs) for name, rs in columns.items()})
+    print(f"cpus: {os.cpu_count()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}")
+
+
+def medians(runs: list[dict[str, float]]) -> dict[str, float]:
+    """Each key's median over ``runs`` (0 where a run lacks it)."""
+    keys = sorted({k for r in runs for k in r})
+    return {k: statistics.median(r.get(k, 0.0) for r in runs) for k in keys}
+
+
+def print_table(results: dict[str, dict[str, float]]) -> None:
+    """A row per part (its details indented under it), a column per run; with two columns,
+    the ratio of the first to the second."""
     details = [k[8:] for r in results.values() for k in r if "/" in k[8:]]
     order = []
-    for part in ("imports", "check", "data", "ray", "workers", "resume", "rollout", "other"):
+    parts = ("imports", "check", "trainer", "data", "ray", "workers", "resume", "rollout", "other")
+    for part in parts:
         own = {d for d in details if d.startswith(part + "/")}
         order += [part, *sorted(own, key=details.index)]
-    engines = list(results)
-    head = f"{'part':<28}" + "".join(f"{e + ' s':>10}" for e in engines)
-    head += f"{engines[0] + '/' + engines[1]:>12}" if len(engines) == 2 else ""
+    names = list(results)
+    head = f"{'part':<28}" + "".join(f"{n + ' s':>14}" for n in names)
+    head += f"{names[0] + '/' + names[1]:>16}" if len(names) == 2 else ""
     print(head)
     rows = [(f"startup/{name}", name) for name in order] + [("timing/startup", "total")]
     for key, label in rows:
-        values = [results[e].get(key) for e in engines]
+        values = [results[n].get(key) for n in names]
         if all(v is None for v in values):
             continue
         indent = "  " if label.count("/") else ""
-        line = f"{indent + label:<28}" + "".join(f"{(v or 0.0):>10.1f}" for v in values)
+        line = f"{indent + label:<28}" + "".join(f"{(v or 0.0):>14.1f}" for v in values)
         if len(values) == 2 and values[1]:
-            line += f"{(values[0] or 0.0) / values[1]:>12.2f}"
-        print(line)
-    print(f"cpus: {os.cpu_count()}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '-')}")
+            line += f"{(values[0] or 0.0) / values[1]:>16.2f}"
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ retries for ~20 s and raises a bare ``ConnectionError``. Both failures become on
 ConfigErrors that say which variable to set and where the token lives. Ray itself sets
 ``RAY_ADDRESS`` (and passes the head's auth mode on) for a ``ray job submit`` driver.
 
-Starting. ``ray.init(num_cpus=trainer.num_cpus or os.cpu_count())``, workers at nice 0, the
-dashboard only with ``trainer.ray_dashboard`` (on 127.0.0.1), Ray's token authentication as
-Ray sets it (treadle never turns it off). The node's address is 127.0.0.1 (see
-:func:`_on_loopback`), and then every server of the cluster listens on loopback only
+Starting. ``ray.init(num_cpus=trainer.num_cpus or os.cpu_count())``, workers at nice 0, no
+idle workers started ahead (Ray's one per CPU: a run's processes each have an environment of
+their own, so none would be used), the dashboard only with ``trainer.ray_dashboard`` (on
+127.0.0.1), Ray's token authentication as Ray sets it (treadle never turns it off). The node's
+address is 127.0.0.1 (see :func:`_on_loopback`), and then every server of the cluster listens
+on loopback only
 (measured on Ray 2.60 with ``/proc/net/tcp``: GCS, raylet, dashboard and runtime-env agents,
 worker and driver gRPC, the log and metrics exporters); so do the run's process groups
 (:func:`treadle.controller.tcp_store`). Without it, Ray binds the GCS, raylets and workers to
@@ -168,6 +170,9 @@ def _start(cfg: Config) -> None:
                 dashboard_host="127.0.0.1",
                 log_to_driver=cfg.trainer.verbose,  # else the workers write to <output_dir>/logs
                 configure_logging=False,
+                # no idle worker per CPU: every process of a run has an environment of its own
+                # (ray_env), which such a worker lacks; starting them slowed Ray's start
+                _system_config={"prestart_worker_first_driver": False},
             )
 
 

@@ -75,6 +75,8 @@ def test_no_address_starts_a_local_cluster(fake_ray, monkeypatch, env):
         monkeypatch.setenv("RAY_ADDRESS", env)
     cluster.ensure_ray(config("trainer.num_cpus=3"))
     assert "address" not in fake_ray[0] and fake_ray[0]["num_cpus"] == 3
+    # no idle workers ahead: none has a run process's environment (measured: a slower start)
+    assert fake_ray[0]["_system_config"] == {"prestart_worker_first_driver": False}
 
 
 def test_local_backend_ignores_the_address(fake_ray, monkeypatch):

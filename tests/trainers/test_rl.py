@@ -212,3 +212,33 @@ def test_recompute_old_log_probs_false_is_refused_when_needed(tiny_task):
                 "actor.recompute_old_log_probs=false",
             ],
         )
+
+
+def test_on_ray_the_workers_begin_before_the_data_and_close_if_it_fails(
+    tiny_task, parity_reward, tmp_path, monkeypatch
+):
+    """The RL driver starts its workers (on Ray) before it reads its data; data that fails
+    then closes them (and gives the logs back) before the error reaches the caller."""
+    from treadle.errors import DataError
+    from treadle.trainers import launch
+
+    order: list[str] = []
+
+    class Begun:
+        def close(self) -> None:
+            order.append("closed")
+
+    def begun(self, with_ref, layout, wait):
+        order.append(f"launched wait={wait}")
+        self._restore_logs = lambda: order.append("logs back")
+        return Begun()
+
+    def bad_data(self):
+        order.append("data")
+        raise DataError("data.train_files: train.jsonl row 3: no 'prompt'")
+
+    monkeypatch.setattr(launch.Launch, "_launch", begun)
+    monkeypatch.setattr(RLTrainer, "load_data", bad_data)
+    with pytest.raises(DataError, match="row 3"):
+        trainer(tiny_task, tmp_path, parity_reward, "trainer.backend=ray")
+    assert order == ["launched wait=False", "data", "closed", "logs back"]

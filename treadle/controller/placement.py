@@ -131,6 +131,16 @@ class Actors:
         self.others.append((group, pool if split else None))
         return group
 
+    def ready(self) -> Actors:
+        """The actors' group started (``start_group(wait=False)``), waited for; on failure its
+        ranks are killed and the pool given back."""
+        try:
+            self.group.ready()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
     def close(self) -> None:
         for group, pool in reversed(self.others):
             group.shutdown()
@@ -142,11 +152,16 @@ class Actors:
 
 
 def start_group(
-    cfg: Config, placement: Placement, worker_cls: type[Worker], kwargs: dict[str, Any]
+    cfg: Config,
+    placement: Placement,
+    worker_cls: type[Worker],
+    kwargs: dict[str, Any],
+    wait: bool = True,
 ) -> Actors:
     """``placement.world_size`` ranks of ``worker_cls`` (one in-process rank for the local
     backend), each built with ``config`` and ``threads`` besides ``kwargs``, on a pool of
-    their own; the groups added later share it as ``placement`` says."""
+    their own; the groups added later share it as ``placement`` says. ``wait=False``: the
+    Ray ranks are starting, :meth:`Actors.ready` waits for them."""
     kwargs = {"config": cfg, **kwargs}
     if placement.backend == "local":
         kwargs["threads"] = placement.threads()
@@ -156,7 +171,7 @@ def start_group(
     pool = placement.pool(placement.world_size)
     try:
         group = _ray_group(
-            worker_cls, kwargs, placement.world_size, pool, placement, placement.share
+            worker_cls, kwargs, placement.world_size, pool, placement, placement.share, wait
         )
     except BaseException:
         pool.remove()  # give the CPUs back: a failed start must not starve what comes next
@@ -171,6 +186,7 @@ def _ray_group(
     pool: ResourcePool,
     placement: Placement,
     share: float,
+    wait: bool = True,
 ) -> WorkerGroup:
     threads = placement.threads()
     return WorkerGroup(
@@ -181,4 +197,5 @@ def _ray_group(
         kwargs={**kwargs, "threads": threads},
         env=ray_env(threads),
         share=share,
+        wait=wait,
     )

@@ -381,11 +381,42 @@ def reserve_rollout_pool(cfg: Config) -> ResourcePool | None:
     return ResourcePool(count, cpus / count, gpus, dict(r.ray_resources))
 
 
+@dataclass
+class Spawned:
+    """A split rollout's pool and its replicas, started and not waited for, until
+    :func:`start_rollout` takes them (``close``: killed, the pool given back, if it never does)."""
+
+    pool: ResourcePool
+    replicas: list[Any]
+
+    def close(self) -> None:
+        kill_replicas(self.replicas, self.pool)
+
+
+def spawn_rollout(cfg: Config, path: str, version: int) -> Spawned | None:
+    """Split: the rollout pool (:func:`reserve_rollout_pool`) and its replicas of the weights at
+    ``path``, starting (imports, engines) while the driver starts the actors' group; None when
+    colocated."""
+    pool = reserve_rollout_pool(cfg)
+    if pool is None:
+        return None
+    try:
+        return Spawned(pool, spawn_replicas(cfg, pool, path, version))
+    except BaseException:
+        pool.remove()
+        raise
+
+
 def start_rollout(
-    cfg: Config, group: WorkerGroup, actor_path: str, version: int, pool: ResourcePool | None = None
+    cfg: Config,
+    group: WorkerGroup,
+    actor_path: str,
+    version: int,
+    spawned: Spawned | None = None,
 ) -> Rollout:
-    """Replicas as ``rollout.placement`` says, a client over them. Split: replicas started from
-    ``actor_path`` in ``pool`` (:func:`reserve_rollout_pool`; reserved here if not given).
+    """Replicas as ``rollout.placement`` says, a client over them. Split: the replicas of
+    ``spawned`` (:func:`spawn_rollout`) or, not given, replicas started here from ``actor_path``
+    in a pool reserved here; waited for here, and killed with their pool if this fails.
 
     ``version``: the version of the weights at ``actor_path`` (the step they come from)."""
     tok = load_tokenizer(
@@ -413,10 +444,11 @@ def start_rollout(
             ]
         client = RolloutClient(handles, **opts)
         return Rollout(group, client, decode, pad_id, agents, endpoint=_endpoint(cfg, client, tok))
-    if pool is None:
-        pool = reserve_rollout_pool(cfg)
-        assert pool is not None
-    replicas = start_replicas(cfg, pool, actor_path, version)
+    if spawned is None:
+        spawned = spawn_rollout(cfg, actor_path, version)
+        assert spawned is not None
+    pool = spawned.pool
+    replicas = start_replicas(cfg, pool, actor_path, version, spawned=spawned.replicas)
     try:
         _join_weight_sync(group, replicas)
         names = [f"rollout replica {i}" for i in range(len(replicas))]
@@ -445,12 +477,26 @@ def _endpoint(cfg: Config, client: RolloutClient, tokenizer: Any) -> Endpoint | 
     return Endpoint.from_config(cfg, client, tokenizer)
 
 
-def start_replicas(
+def spawn_replicas(
     cfg: Config, pool: ResourcePool, path: str, version: int, role: Role = "rollout"
 ) -> list[Any]:
     """One :class:`RolloutReplica` actor of ``role`` serving the weights at ``path`` on each
-    bundle of ``pool`` (the pool is removed on failure)."""
-    replicas = [_start_replica(cfg, pool, i, path, version, role) for i in range(pool.world_size)]
+    bundle of ``pool``, not waited for: their processes start (imports, engine) while the
+    driver goes on; :func:`start_replicas` waits for them."""
+    return [_start_replica(cfg, pool, i, path, version, role) for i in range(pool.world_size)]
+
+
+def start_replicas(
+    cfg: Config,
+    pool: ResourcePool,
+    path: str,
+    version: int,
+    role: Role = "rollout",
+    spawned: list[Any] | None = None,
+) -> list[Any]:
+    """:func:`spawn_replicas` (or ``spawned``, its replicas), ready; on failure the replicas
+    are killed and the pool removed."""
+    replicas = spawned or spawn_replicas(cfg, pool, path, version, role)
     try:
         ray_get([a.treadle_check.remote() for a in replicas])
     except BaseException:

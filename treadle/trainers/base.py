@@ -1,10 +1,8 @@
 """The loop every driver shares: start-up, resume, steps, metrics, checkpoints, clean-up.
 
-Kept out of the drivers so that each trainer's file reads as its dataflow. Start-up, in order:
-the run directory (:mod:`treadle.trainers.run_dir`), the resume point, the placement
-(:class:`~treadle.controller.Placement`, decided once), a split rollout pool, the actors'
-group (restored from the checkpoint), the rollout, the side roles
-(:mod:`treadle.trainers.roles`).
+Kept out of the drivers so that each trainer's file reads as its dataflow. Start-up: the run
+directory (:mod:`treadle.trainers.run_dir`), then the workers, the rollout and the side roles
+(:mod:`treadle.trainers.launch`).
 """
 
 from __future__ import annotations
@@ -12,29 +10,24 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from treadle import checkpoint as ckpt
 from treadle import startup
 from treadle.config import Config
-from treadle.controller import Actors, Placement, WorkerGroup
-from treadle.data import ResumableSampler
+from treadle.controller import WorkerGroup
 from treadle.errors import Stopped, WorkerDied, raise_if_signalled, stop_cause
 from treadle.faults import failpoint
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
-from treadle.rollout.fleet import Rollout, reserve_rollout_pool, start_rollout
-from treadle.rollout.replica import ServesRollout
+from treadle.rollout.fleet import Rollout
 from treadle.trackers import ConsoleLogger, check_loggers
-from treadle.tracking import Tracker, quiet_start, route_logs
+from treadle.tracking import Tracker
 from treadle.trainers.evaluation import ValSet, close_sets, make_scorer
-from treadle.trainers.roles import Layout, build_actors, start_roles
-from treadle.trainers.run_dir import prepare_run_dir, resume_hint, resume_point, save_checkpoint
+from treadle.trainers.launch import Launch
+from treadle.trainers.run_dir import prepare_run_dir, resume_hint, save_checkpoint
 
 Record = tuple[int, dict[str, float], list[dict[str, Any]]]  # step, metrics, samples
 
@@ -76,24 +69,17 @@ class HeldRecords:
             self.tracker.log_table(step, "samples", samples)
 
 
-def _on_ray(cfg: Config) -> str:
-    """Where the headline says a Ray run trains: its actor ranks, device and parallel layout."""
-    a = cfg.actor
-    device = "GPU" if torch.cuda.is_available() else "CPU"
-    split = (("tensor", a.tensor_parallel_size), ("sequence", a.sequence_parallel_size))
-    layout = "".join(f" ({kind} parallel {n})" for kind, n in split if n > 1)
-    return f"on Ray, {a.world_size} {device} rank(s){layout}"
-
-
-class Trainer:
+class Trainer(Launch):
     """The loop every driver shares: resume, steps, metrics, checkpoints, clean-up.
 
-    A subclass loads its data, calls :meth:`start_workers`, and defines :meth:`run_step`
-    (one step's metrics) and ``total`` (the last step).
+    A subclass loads its data, calls :meth:`start_workers` (on Ray, maybe
+    :meth:`begin_workers` before its data), and defines :meth:`run_step` (one step's metrics)
+    and ``total`` (the last step).
     """
 
     headline = "reward/mean"
     algorithm = "training"  # what the start-up line says it runs
+    serves_rollout = True  # whether its workers serve a rollout (not the RM trainer's)
 
     def __init__(self, cfg: Config) -> None:
         startup.begin()
@@ -114,103 +100,6 @@ class Trainer:
         self.val_sets: dict[str, ValSet] = {}  # the validation sets, when the driver has some
         self.final_note = ""  # what final_model is, when it is not the last step's
         self._restore_logs = lambda: None
-
-    def start_workers(
-        self, sampler: ResumableSampler, with_ref: bool, layout: Layout | None = None
-    ) -> None:
-        """Build the actor group, from the newest complete checkpoint if there is one, the
-        rollout, and the side roles of ``layout`` (none by default) into :attr:`side`."""
-        self.sampler = sampler
-        startup.mark("data")
-        latest, actor_path = resume_point(self.cfg)
-        if latest is not None:
-            state = ckpt.read_state(latest)
-            self.start, self.resumed_from = int(state["step"]), latest
-            self.load_driver_state(state)
-        self.say_what_runs()
-        self._restore_logs = route_logs(self.out, self.cfg.trainer.verbose)
-        try:
-            with quiet_start():
-                # a split rollout pool's CPUs are set aside only by the RL driver's layout
-                placement = (
-                    layout.placement(self.cfg) if layout is not None else Placement.plan(self.cfg)
-                )
-                self._start_workers(actor_path, latest, with_ref, placement)
-        except BaseException:
-            self._restore_logs()
-            raise
-        if layout is not None:
-            self._start_roles(layout)
-        failpoint("startup")
-
-    def _start_roles(self, layout: Layout) -> None:
-        """The side roles; those in checkpoints also go to :attr:`roles`."""
-        try:
-            self.side = start_roles(self.cfg, self.actors, layout, self.resumed_from)
-        except BaseException:
-            self.close()  # the rollout (split replicas) and the actors
-            raise
-        for p in layout.roles:
-            if p.role.saved:
-                self.roles[p.role.name] = self.side[p.role.name]
-
-    def say_what_runs(self) -> None:
-        """The start-up lines: what runs, where, and where it writes."""
-        t = self.cfg.trainer
-        if "console" not in t.loggers:
-            return
-        self.console = ConsoleLogger(self.total, self.start, self.headline, bar=None)
-        self.console.bar = self.console.bar and t.progress
-        if t.backend == "local":
-            where = "in this process (trainer.backend=local)"
-        else:
-            where = _on_ray(self.cfg)
-        files = ["config.yaml", "logs/"]
-        named = {"jsonl": "metrics.jsonl", "mlflow": "mlflow.db", "swanlab": "swanlog/"}
-        if os.environ.get("MLFLOW_TRACKING_URI"):
-            named["mlflow"] = f"mlflow at {os.environ['MLFLOW_TRACKING_URI']}"
-        files += [named.get(n, f"{n}/") for n in t.loggers if n != "console"]
-        lines = [
-            f"treadle: {self.algorithm} of {self.cfg.model.path}, {self.total} "
-            f"step{'s' if self.total != 1 else ''}, {where}",
-            f"  writes to {self.out}: {', '.join(files)}",
-        ]
-        if self.resumed_from is not None:
-            lines.append(f"  resumed from {self.resumed_from} (step {self.start})")
-        for line in lines:
-            self.console.print(line)
-
-    def _start_workers(
-        self, actor_path: str, latest: Path | None, with_ref: bool, placement: Placement
-    ) -> None:
-        pool = reserve_rollout_pool(self.cfg)  # split: before the actor's pool (see there)
-        try:
-            self.actors = self.build_workers(actor_path, with_ref, placement)
-            self.group = self.actors.group
-            startup.mark("workers")  # colocated vLLM engines start in the workers
-            startup.detail("workers", self.group.startup_seconds())
-            try:
-                if latest is not None:
-                    self.group.load_checkpoint(str(latest))
-                    startup.mark("resume")
-                if issubclass(self.group.worker_cls, ServesRollout):  # not the RM trainer's
-                    given, pool = pool, None  # the rollout's from here, removed by it
-                    self.rollout = start_rollout(
-                        self.cfg, self.group, actor_path, self.start, given
-                    )
-                    if latest is not None and ckpt.holds_adapters(latest):
-                        self.rollout.sync_weights(self.start)  # started from the base
-                    startup.mark("rollout")
-            except BaseException:
-                self.actors.close()
-                raise
-        finally:
-            if pool is not None:
-                pool.remove()
-
-    def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
-        """The trained worker group, from the weights at ``start_path`` (default: the actor)."""
-        return build_actors(self.cfg, start_path, with_ref, placement, self.optimizer_steps())
 
     def optimizer_steps(self) -> int:
         """The run's optimizer steps, where a decaying lr schedule ends: one a step (SFT, DPO,

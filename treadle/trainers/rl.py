@@ -193,7 +193,27 @@ class RLTrainer(Trainer):
         layout = plan_roles(cfg)  # critic? reward model? where? (fails before anything starts)
         super().__init__(cfg)
         self.resumed_state: dict[str, Any] = {}  # the checkpoint's driver state, when resumed
-        alg = cfg.algorithm
+        use_ref = cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
+        self.begin_workers(use_ref, layout)  # on Ray: they start while the data loads
+        try:
+            sampler = self.load_data()
+        except BaseException:
+            self.abandon_workers()
+            raise
+        self.start_workers(sampler, use_ref, layout)  # (and the side roles, into self.side)
+        self.critic, self.rm = self.side.get("critic"), self.side.get("reward_model")
+        prm = self.side.get("prm")  # PRIME's implicit PRM (treadle.trainers.prime)
+        self.prm = ImplicitPRM(cfg, prm) if prm is not None else None
+        self.source: RolloutSource = make_source(
+            cfg, self.rollout, self.train_ds, self.sampler, self.score, self.start
+        )
+        if self.resumed_state:
+            self.source.load_state(self.resumed_state)
+
+    def load_data(self) -> ResumableSampler:
+        """The prompts, the validation sets, the scorer and the step's settings; returns the
+        sampler over the prompts."""
+        cfg, alg = self.cfg, self.cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_sets = load_val_sets(cfg)  # (closed by close())
         self.scorer = make_scorer(cfg)  # now: the async producer scores from its thread
@@ -204,23 +224,13 @@ class RLTrainer(Trainer):
             if alg.kl_target is not None
             else FixedKLController(alg.kl_reward_coef)
         )
-        use_ref = alg.kl_coef > 0 or alg.kl_reward_coef > 0
         # the exact KL computes the reference's distribution in the update: no pass for it
         exact_kl = KL_ESTIMATORS.info(alg.kl_estimator).get("full_vocab", False)
         self.ref_pass = alg.kl_reward_coef > 0 or (alg.kl_coef > 0 and not exact_kl)
         self.old_log_prob_pass = old_log_prob_pass(cfg, self.needs)
-        sampler = ResumableSampler(
+        return ResumableSampler(
             len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
         )
-        self.start_workers(sampler, use_ref, layout)  # and the side roles, into self.side
-        self.critic, self.rm = self.side.get("critic"), self.side.get("reward_model")
-        prm = self.side.get("prm")  # PRIME's implicit PRM (treadle.trainers.prime)
-        self.prm = ImplicitPRM(cfg, prm) if prm is not None else None
-        self.source: RolloutSource = make_source(
-            cfg, self.rollout, self.train_ds, self.sampler, self.score, self.start
-        )
-        if self.resumed_state:
-            self.source.load_state(self.resumed_state)
 
     @property
     def algorithm(self) -> str:  # type: ignore[override]

@@ -29,13 +29,16 @@ class RMTrainer(PairTrainer[PairDataset]):
 
     headline = "rm/loss"
     algorithm = "reward-model training (Bradley-Terry)"
+    serves_rollout = False  # its workers score pairs
 
     def __init__(self, cfg: Config) -> None:
         super().__init__(cfg, load_pairs, with_ref=False)
 
-    def build_workers(self, start_path: str, with_ref: bool, placement: Placement) -> Actors:
+    def build_workers(
+        self, start_path: str, with_ref: bool, placement: Placement, wait: bool = True
+    ) -> Actors:
         kwargs = {"model_path": start_path, "optimizer_steps": self.optimizer_steps()}
-        return start_group(self.cfg, placement, RewardTrainerWorker, kwargs)
+        return start_group(self.cfg, placement, RewardTrainerWorker, kwargs, wait)
 
     def update(self, indices: list[int], m: dict[str, float]) -> None:
         with timed(m, "update_rm"):

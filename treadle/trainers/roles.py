@@ -58,12 +58,15 @@ def build_actors(
     with_ref: bool,
     placement: Placement | None = None,
     optimizer_steps: int = 0,
+    wait: bool = True,
 ) -> Actors:
     """The actor+rollout+reference group, starting from the weights at ``actor_path``, placed
     as ``placement`` says (default: alone on all the run's CPUs); ``optimizer_steps``: the
-    run's, where a decaying ``actor.lr_schedule`` ends (0: a group that does not train)."""
+    run's, where a decaying ``actor.lr_schedule`` ends (0: a group that does not train);
+    ``wait=False``: not waited for (:meth:`~treadle.controller.Actors.ready`)."""
     kwargs = {"actor_path": actor_path, "with_ref": with_ref, "optimizer_steps": optimizer_steps}
-    return start_group(cfg, placement or Placement.plan(cfg), ActorRolloutRefWorker, kwargs)
+    placement = placement or Placement.plan(cfg)
+    return start_group(cfg, placement, ActorRolloutRefWorker, kwargs, wait)
 
 
 class RoleSection(Protocol):
