@@ -24,7 +24,7 @@ from treadle.cli import main
 from treadle.config import Config, load_config
 from treadle.data import collate_unpaired
 from treadle.tracking import read_metrics
-from treadle.trainers import base
+from treadle.trainers import launch
 from treadle.trainers.pairs import load_pairs, load_unpaired, pair_batch, unpaired_batch
 from treadle.trainers.roles import build_actors
 from treadle.workers.objectives import Unpaired, UnpairedCounts
@@ -197,13 +197,13 @@ def test_unpaired_rows_and_the_kl_rotation(shared) -> None:  # type: ignore[no-u
 
 def record_with_ref(monkeypatch) -> list[bool]:  # type: ignore[no-untyped-def]
     built: list[bool] = []
-    real = base.build_actors
+    real = launch.build_actors
 
     def spy(cfg: Any, path: str, with_ref: bool, *args: Any) -> Any:
         built.append(with_ref)
         return real(cfg, path, with_ref, *args)
 
-    monkeypatch.setattr(base, "build_actors", spy)
+    monkeypatch.setattr(launch, "build_actors", spy)
     return built
 
 
