@@ -8,7 +8,9 @@ tiny arithmetic task of `treadle prepare` (made in a temporary folder), two spli
 replicas, `reward.num_workers=2`, a checkpoint every 10 steps. While it runs, a rollout replica
 is killed with SIGKILL every `--replica-every` minutes and a reward worker every
 `--reward-every` minutes (the processes are found by their command lines: Ray's
-`ray::RolloutReplica`, treadle's reward worker); after `--minutes` the run is stopped with
+`ray::RolloutReplica`, treadle's reward worker, among the driver's descendants), the minutes
+counted from the run's first step (its start-up is slower on a loaded machine); after
+`--minutes` of steps the run is stopped with
 SIGTERM (as Ctrl-C), and an undisturbed run of the same number of steps is made for comparison.
 
 It prints: the steps done, the replica and reward-worker restarts the run counted
@@ -137,11 +139,21 @@ def growth(timeline: list[list], minutes: float) -> dict[str, float]:
     return {k: 100 * (late[k] - early[k]) / early[k] for k in early if k in late}
 
 
+def first_step(driver: subprocess.Popen, out: Path, limit: float = 600) -> None:
+    """Wait until the run has logged its first step (or ended: the caller reports it)."""
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + limit
+    while driver.poll() is None and time.monotonic() < deadline:
+        if metrics.is_file() and metrics.read_text().strip():
+            return
+        time.sleep(0.5)
+
+
 def soak(task: dict, out: Path, args: argparse.Namespace) -> dict:
     """The disturbed run; what it did."""
     cmd = [sys.executable, "-m", "treadle", "train", CONFIG, *overrides(task, out, 100_000)]
     log = (out.parent / "soak.log").open("w")
     driver = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=ROOT)
+    first_step(driver, out)  # the clock starts with the steps: start-up is slower under load
     start, kills = time.monotonic(), {"replica": 0, "reward": 0}
     timeline: list[list] = []  # [minutes, {"name pid": MiB}], every process of the run
     while time.monotonic() - start < args.minutes * 60 and driver.poll() is None:
@@ -157,7 +169,7 @@ def soak(task: dict, out: Path, args: argparse.Namespace) -> dict:
                 os.kill(procs[kind][0].pid, signal.SIGKILL)
                 kills[kind] += 1
     if driver.poll() is not None:  # it ended by itself: why
-        tail = (out.parent / "soak.log").read_text().splitlines()[-15:]
+        tail = (out.parent / "soak.log").read_text().splitlines()[-60:]
         raise SystemExit(f"the run ended early (exit {driver.returncode}):\n" + "\n".join(tail))
     fds = len(os.listdir(f"/proc/{driver.pid}/fd")) if driver.poll() is None else -1
     driver.send_signal(signal.SIGTERM)

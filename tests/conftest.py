@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +30,45 @@ def pytest_collection_modifyitems(items):
     for item in items:
         if STARTS_RAY_OR_ENGINE & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+
+
+# A `background` test's module has `start(folder) -> Popen`: its process starts once the
+# session's tests are chosen and runs beside them; the test runs last and gets (process,
+# folder) from the `background` fixture. For work bounded by time (the soak's three minutes),
+# which would otherwise leave the second core idle under the mostly one-core tests.
+_BACKGROUND: dict[str, tuple[subprocess.Popen[str], Path]] = {}
+
+
+class _Background:
+    @pytest.hookimpl(trylast=True)  # after `-m`/`-k` chose the tests
+    def pytest_collection_modifyitems(self, items):
+        items.sort(key=lambda item: item.get_closest_marker("background") is not None)
+
+    def pytest_collection_finish(self, session):
+        if session.config.option.collectonly:
+            return
+        for item in session.items:
+            if item.get_closest_marker("background") is not None:
+                folder = Path(tempfile.mkdtemp(prefix="treadle-background-"))
+                _BACKGROUND[item.nodeid] = (item.module.start(folder), folder)
+
+    def pytest_sessionfinish(self, session):
+        for proc, _ in _BACKGROUND.values():
+            if proc.poll() is None:  # its test did not run to the end (stopped, -x)
+                proc.terminate()
+                try:
+                    proc.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+def pytest_configure(config):
+    config.pluginmanager.register(_Background(), "treadle-background")
+
+
+@pytest.fixture
+def background(request):
+    return _BACKGROUND[request.node.nodeid]
 
 
 @pytest.fixture(autouse=True)
