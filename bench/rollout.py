@@ -130,7 +130,7 @@ def measure_service(
             single_turn, client, samples, params.n, params, tokenizer=None,
             tools=Toolbox([]), limits=Limits(), max_concurrent=len(samples) * params.n,
         )  # fmt: skip
-        return [t for t in client.run(coro)]
+        return [t for _, t in client.run(coro).rows()]
 
     def fan_out() -> list[Any]:
         return client.generate(requests(prompts, single, params.n))
@@ -262,7 +262,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for r in results:
         if len({r[e]["tokens"] for e in ("vllm", "service", "agents", "hf")}) > 1:
             print(f"warning: {r['model']}: the engines generated different token counts")
-    last = next(r for r in reversed(results) if r["model"] == "smollm2-135m")
+    last = next((r for r in reversed(results) if r["model"] == "smollm2-135m"), results[-1])
     for r, where in [*((r, f"{r['model']} {r['dtype']}") for r in results), (last, last["model"])]:
         for label, a, b in RATIOS:
             print(f"ratio {label} {where}: {r[a]['tokens_per_s'] / r[b]['tokens_per_s']:.2f}")
@@ -300,6 +300,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="treadle-bench-") as tmp:
         args.workdir = args.workdir or tmp
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
         report(run_children(args), args)
 
 
