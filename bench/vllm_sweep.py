@@ -48,6 +48,10 @@ CONFIGS: dict[str, tuple[dict[str, str], dict[str, Any]]] = {
     "splitkv0": ({"VLLM_CPU_ATTN_SPLIT_KV": "0"}, {}),
     "passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
     "threads1": ({"OMP_NUM_THREADS": "1"}, {}),
+    # threads that sleep at a barrier: CPU seconds then count work, not spinning, on a busy
+    # machine (the wall time does not)
+    "hf-passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, {}),
+    "base-passive": ({"OMP_WAIT_POLICY": "PASSIVE"}, {"block_size": 128}),
     "bind": ({"OMP_PROC_BIND": "close", "OMP_PLACES": "cores"}, {}),
     "jemalloc": ({"LD_PRELOAD": str(JEMALLOC)}, {}),
     "iomp": ({"LD_PRELOAD": str(LIB / "libiomp5.so"), "KMP_BLOCKTIME": "5"}, {}),
@@ -80,7 +84,7 @@ def child(args: argparse.Namespace) -> None:
     one = replace(params, max_new_tokens=1)
     result: dict[str, Any] = {"load": os.getloadavg()[0], "runs": [], "prefill_s": []}
     start = time.perf_counter()
-    if args.config == "hf":
+    if args.config.startswith("hf"):
         from treadle.models import load_causal_lm
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
