@@ -10,6 +10,9 @@ workload: the same chat-formatted arithmetic prompts, `--n` samples each at temp
 every response forced to exactly `--new-tokens` tokens (`SamplingParams.ignore_eos`), so both
 generate the same number of tokens; the count is checked. Each engine has
 a short warm-up call first; tokens/s is generated tokens over the wall time of one `generate`.
+vLLM's prefix cache is cleared before each timed call (in-process and in the replica), as a
+weight update clears it before every rollout: the `n` samples of a prompt share its cached
+blocks within a call, never across calls. `--models tiny,smollm2-135m` picks the models.
 The transformers engine gets every sequence in one batch. Weight sync is
 `update_weights(state_dict().items())` with the model's own weights, median of three.
 Each `--dtypes` entry runs both engines with weights (and compute) in that dtype, so the ratio
@@ -66,6 +69,8 @@ def measure_engine(engine: Any, prompts: list[list[int]], params: Any) -> dict[s
     from dataclasses import replace
 
     engine.generate(prompts[:2], replace(params, n=1, max_new_tokens=4))  # warm-up
+    if hasattr(engine, "llm"):  # vLLM: no prefix cached, as after a weight update
+        engine.llm.reset_prefix_cache()
     seconds, out = timed(lambda: engine.generate(prompts, params))
     tokens = sum(len(t) for t in out.token_ids)
     return {"gen_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
@@ -125,13 +130,21 @@ def measure_service(
             single_turn, client, samples, params.n, params, tokenizer=None,
             tools=Toolbox([]), limits=Limits(), max_concurrent=len(samples) * params.n,
         )  # fmt: skip
-        return [t for t in client.run(coro)]
+        return [t for _, t in client.run(coro).rows()]
+
+    def fan_out() -> list[Any]:
+        return client.generate(requests(prompts, single, params.n))
+
+    def cold(fn: Callable[[], Any]) -> tuple[float, Any]:
+        """``fn`` timed with no prefix cached in the replica, as after a weight update."""
+        ray.get(replica.__ray_call__.remote(reset_prefix_cache))
+        return timed(fn)
 
     client.generate(requests(prompts[:2], replace(single, max_new_tokens=4), 1))  # warm-up
     # fan-out, single-turn agent loops, fan-out again: the better of the two fan-outs counts
-    fan_s, out = timed(lambda: client.generate(requests(prompts, single, params.n)))
-    loop_s, trajectories = timed(agents)
-    fan_s = min(fan_s, timed(lambda: client.generate(requests(prompts, single, params.n)))[0])
+    fan_s, out = cold(fan_out)
+    loop_s, trajectories = cold(agents)
+    fan_s = min(fan_s, cold(fan_out)[0])
     tokens = sum(len(r.token_ids) for r in out)
     loop_tokens = sum(len(t.token_ids) for t in trajectories)
     client.close()
@@ -139,6 +152,11 @@ def measure_service(
     service = {"start_s": start_s, "gen_s": fan_s, "tokens": tokens, "tokens_per_s": tokens / fan_s}
     loop = {"gen_s": loop_s, "tokens": loop_tokens, "tokens_per_s": loop_tokens / loop_s}
     return {"service": service, "agents": loop}
+
+
+def reset_prefix_cache(replica: Any) -> None:
+    """Run in a replica actor (``__ray_call__``): drop its engine's cached prefixes."""
+    replica.server.engine.llm.reset_prefix_cache()
 
 
 def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
@@ -192,7 +210,7 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
 def run_children(args: argparse.Namespace) -> list[dict[str, Any]]:
     results = []
     for dtype in args.dtypes.split(","):
-        for name in MODELS:
+        for name in args.models.split(","):
             out_file = Path(args.workdir) / f"{name}-{dtype}.json"
             log_file = Path(args.workdir) / f"{name}-{dtype}.log"
             command = [
@@ -244,7 +262,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     for r in results:
         if len({r[e]["tokens"] for e in ("vllm", "service", "agents", "hf")}) > 1:
             print(f"warning: {r['model']}: the engines generated different token counts")
-    last = next(r for r in reversed(results) if r["model"] == "smollm2-135m")
+    last = next((r for r in reversed(results) if r["model"] == "smollm2-135m"), results[-1])
     for r, where in [*((r, f"{r['model']} {r['dtype']}") for r in results), (last, last["model"])]:
         for label, a, b in RATIOS:
             print(f"ratio {label} {where}: {r[a]['tokens_per_s'] / r[b]['tokens_per_s']:.2f}")
@@ -272,6 +290,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "2")))
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--dtypes", default="float32,bfloat16", help="comma-separated")
+    parser.add_argument("--models", default=",".join(MODELS), help="comma-separated")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--child", choices=MODELS, help=argparse.SUPPRESS)
     parser.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -281,6 +300,7 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory(prefix="treadle-bench-") as tmp:
         args.workdir = args.workdir or tmp
+        Path(args.workdir).mkdir(parents=True, exist_ok=True)
         report(run_children(args), args)
 
 
