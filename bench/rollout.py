@@ -10,9 +10,10 @@ workload: the same chat-formatted arithmetic prompts, `--n` samples each at temp
 every response forced to exactly `--new-tokens` tokens (`SamplingParams.ignore_eos`), so both
 generate the same number of tokens; the count is checked. Each engine has
 a short warm-up call first; tokens/s is generated tokens over the wall time of one `generate`.
-vLLM's prefix cache is cleared before each timed call (in-process and in the replica), as a
-weight update clears it before every rollout: the `n` samples of a prompt share its cached
-blocks within a call, never across calls. `--models tiny,smollm2-135m` picks the models.
+vLLM's prefix cache is empty at the start of each timed call (the in-process `generate` clears
+it; the replica's is cleared first), as a weight update clears it before every rollout: the
+`n` samples of a prompt share its cached blocks within a call, never across calls.
+`--models tiny,smollm2-135m` picks the models.
 The transformers engine gets every sequence in one batch. Weight sync is
 `update_weights(state_dict().items())` with the model's own weights, median of three.
 Each `--dtypes` entry runs both engines with weights (and compute) in that dtype, so the ratio
@@ -69,8 +70,6 @@ def measure_engine(engine: Any, prompts: list[list[int]], params: Any) -> dict[s
     from dataclasses import replace
 
     engine.generate(prompts[:2], replace(params, n=1, max_new_tokens=4))  # warm-up
-    if hasattr(engine, "llm"):  # vLLM: no prefix cached, as after a weight update
-        engine.llm.reset_prefix_cache()
     seconds, out = timed(lambda: engine.generate(prompts, params))
     tokens = sum(len(t) for t in out.token_ids)
     return {"gen_s": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}

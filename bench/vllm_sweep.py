@@ -6,13 +6,14 @@
 Each configuration is a set of environment variables (set before the measuring process starts,
 so `LD_PRELOAD` and OpenMP settings take effect) and keyword arguments for `vllm.LLM` (through
 `VLLMRolloutEngine`). vLLM allows one engine per process, so each (configuration, round) runs
-in a child process: it starts the engine, warms it up, then ``--repeats`` times clears the
-prefix cache (as a weight update does before every rollout) and times one `generate` of the
-whole workload (SmolLM2-135M-Instruct, chat-formatted arithmetic prompts, ``--n`` samples at
-temperature 1, every response forced to ``--new-tokens`` tokens) and one with a single new
-token (the prefill, nearly alone). ``hf`` is the transformers engine on the same workload, one
-batch. The machine is shared: the configurations run interleaved, round after round (A, B, C,
-A, B, C, ...), and the table gives medians and the 1-minute load average seen at each start.
+in a child process: it starts the engine, warms it up, then ``--repeats`` times times one
+`generate` of the whole workload (SmolLM2-135M-Instruct, chat-formatted arithmetic prompts,
+``--n`` samples at temperature 1, every response forced to ``--new-tokens`` tokens) and one
+with a single new token (the prefill, nearly alone); `generate` starts from an empty prefix
+cache, as every rollout after a weight update does. ``hf`` is the transformers engine on the
+same workload, one batch. The machine is shared: the configurations run interleaved, round
+after round (A, B, C, A, B, C, ...), and the table gives medians and the 1-minute load
+average seen at each start.
 """
 
 from __future__ import annotations
@@ -92,7 +93,6 @@ def child(args: argparse.Namespace) -> None:
         engine: Any = HFRolloutEngine(
             model, [tokenizer.eos_token_id], pad, micro_batch_size=len(prompts) * args.n
         )
-        reset = None
     else:
         from treadle.engines.vllm import VLLMRolloutEngine
 
@@ -103,18 +103,13 @@ def child(args: argparse.Namespace) -> None:
             kv_cache_gib=args.kv_cache_gib,
             **CONFIGS[args.config][1],
         )
-        reset = engine.llm.reset_prefix_cache
     result["start_s"] = time.perf_counter() - start
     result["prompt_tokens_mean"] = sum(map(len, prompts)) / len(prompts)
     engine.generate(prompts[:2], replace(params, n=1, max_new_tokens=4))  # warm-up
     for _ in range(args.repeats):
-        if reset:
-            reset()
         t0 = time.perf_counter()
         engine.generate(prompts, one)
         result["prefill_s"].append(time.perf_counter() - t0)
-        if reset:
-            reset()
         t0, c0 = time.perf_counter(), cpu_seconds()
         out = engine.generate(prompts, params)
         seconds, cpu = time.perf_counter() - t0, cpu_seconds() - c0

@@ -394,7 +394,7 @@ def _rendezvous(pool: ResourcePool, options: dict[str, Any]) -> tuple[str, int]:
     node = placement_group_table(pool.pg)["bundles_to_node_id"].get(0)
     here = ray.get_runtime_context().get_node_id()
     if node == here and not ray.util.client.ray.is_connected():
-        return ray.util.get_node_ip_address(), free_port()
+        return _probe_address()
     return ray.get(ray.remote(_probe_address).options(**options).remote())
 
 
