@@ -146,3 +146,23 @@ def test_transformers_engine_scores_on_cuda(model_dir):
         torch.testing.assert_close(
             torch.tensor(got.topk_log_probs), top.values.float(), atol=1e-4, rtol=0
         )
+
+
+def test_sdpa_on_cuda_is_transformers_own_in_bfloat16():
+    """The CPU's float32 attention backward (treadle.engines.attention) leaves CUDA alone."""
+    from types import SimpleNamespace
+
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from treadle.engines.attention import sdpa_attention
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(2, h, 16, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()
+        for h in (4, 2, 2)
+    )
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=2)
+    out, _ = sdpa_attention(module, q, k, v, None)
+    ref, _ = sdpa_attention_forward(module, q, k, v, None)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, ref)

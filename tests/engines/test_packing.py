@@ -83,11 +83,39 @@ def test_pack_lays_valid_tokens_in_rows_with_restarting_positions():
     layout = pack(ids, mask, where, row_tokens=5, pad_id=-1)
     # First fit, longest first: [seq 1], [seq 0, seq 2] in rows of width 5.
     assert layout.input_ids.tolist() == [[21, 22, 23, 24, -1], [11, 12, 13, 31, 32]]
-    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 0], [0, 1, 2, 0, 1]]
+    # The filler after a row's last sequence goes on counting its positions.
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
     # Label (row b, column 3) is predicted by the state of column 2 of row b.
     assert layout.gather.tolist() == [6, 2, 8]
     values = scatter_labels(torch.tensor([1.0, 2.0, 3.0]), where)
     assert values.tolist() == [[1.0, 0.0], [2.0, 0.0], [3.0, 0.0]]
+
+
+def test_the_model_width_weighs_attention_against_padding():
+    # Lengths 6, 2, 2, 2, 2, 2, rows of at most 12. By positions alone (no hidden size) the
+    # end capacities give 3 rows x 6 = 18 ([6], [2, 2, 2], [2, 2]) against 2 x 12 = 24.
+    # With hidden size h a position costs 3h + width: capacity 9 ([6, 2], [2, 2, 2, 2]: 2 rows
+    # of 8) costs 308 x 16 = 4928 for h = 100, under 306 x 18 = 5508 and 312 x 24 = 7488.
+    ids = torch.tensor([[1] * 6] + [[0, 0, 0, 0, 5, 5]] * 5)
+    mask = (ids != 0).long()
+    where = label_positions(mask, 1)
+    assert pack(ids, mask, where, row_tokens=12).input_ids.shape == (3, 6)
+    assert pack(ids, mask, where, row_tokens=12, hidden_size=100).input_ids.shape == (2, 8)
+
+
+def test_rows_of_one_sequence_need_no_attention_mask():
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    # Lengths 4, 3 and 2 one a row (width 4): transformers sees one run of positions a row,
+    # so it attends causally without building a mask; rows holding two sequences need one.
+    ids = torch.tensor([[0, 11, 12, 13, 14], [21, 22, 23, 0, 0], [0, 0, 31, 32, 0]])
+    mask = (ids != 0).long()
+    single = pack(ids, mask, label_positions(mask, 1), row_tokens=1)
+    assert single.position_ids.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2, 3]]
+    assert find_packed_sequence_indices(single.position_ids) is None
+    two = pack(ids, mask, label_positions(mask, 1), row_tokens=5)
+    assert two.position_ids.tolist() == [[0, 1, 2, 3, 4], [0, 1, 2, 0, 1]]
+    assert find_packed_sequence_indices(two.position_ids) is not None
 
 
 def test_pack_takes_the_capacity_with_fewer_row_positions():

@@ -105,10 +105,11 @@ class ActorConfig(Section):
     pack_row_tokens: int = Field(
         256,
         gt=0,
-        description="remove_padding: tokens per packed row (a longer sequence gets its own "
-        "row). Attention is computed over whole rows (block-diagonal mask), so its cost per "
-        "token grows with this; one long row loses to padding on CPU. Rows as long as the "
-        "longest sequence are used instead when they need fewer row positions.",
+        description="remove_padding: at most this many tokens per packed row (a longer "
+        "sequence gets its own row). Attention is computed over whole rows (block-diagonal "
+        "mask), so its cost per token grows with the width; one long row loses to padding on "
+        "CPU. Narrower rows, down to the longest sequence, are used when cheaper: each row "
+        "position weighted by 3 x hidden size + the width.",
     )
     mixed_precision: Literal["none", "bf16"] = Field(
         "none",

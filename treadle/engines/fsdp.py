@@ -20,6 +20,8 @@ Choices:
   sequences per row with attention kept within each (:mod:`treadle.engines.packing`).
 - Mixed precision (``compute_dtype``): decoder layers and the LM head's matrix products
   compute in bfloat16 from float32 parameters; norms, softmax and the optimizer stay float32.
+  On CPU, attention that needs gradients computes in float32 (:mod:`treadle.engines.attention`:
+  torch's bfloat16 kernel is the slower one there).
 - Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
 - Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
   so the whole model never sits twice in memory beyond one parameter.
@@ -54,6 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from treadle.checkpoint import CheckpointError
+from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
 from treadle.engines.parallel import Meshes, parallelize
@@ -175,6 +178,7 @@ class TrainEngine:
         meshes: Meshes | None = None,
         section: str = "actor",
     ) -> None:
+        use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.

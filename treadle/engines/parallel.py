@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from treadle.config.rules import parallel_model_problems
+from treadle.engines.attention import sdpa_attention
 from treadle.errors import ConfigError
 
 TP_COLUMNS = (
@@ -195,12 +196,11 @@ def ulysses_attention(
     attention_mask: torch.Tensor | None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention over the whole row, reached by two all-to-alls."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    """transformers' sdpa attention (:func:`~treadle.engines.attention.sdpa_attention`) over
+    the whole row, reached by two all-to-alls."""
     group = module.sequence_group
     q, k, v = (heads_to_sequence(t, group) for t in (query, key, value))
-    out, _ = sdpa_attention_forward(module, q, k, v, attention_mask, **kwargs)
+    out, _ = sdpa_attention(module, q, k, v, attention_mask, **kwargs)
     return sequence_to_heads(out, group), None
 
 
