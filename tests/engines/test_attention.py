@@ -19,7 +19,7 @@ from treadle.models import load_causal_lm
 HEADS, KV_HEADS, LENGTH, DIM = 6, 2, 9, 8
 
 
-def attention_inputs(dtype, grad, mask=None):
+def attention_inputs(dtype, grad):
     g = torch.Generator().manual_seed(0)
     shapes = [(2, HEADS, LENGTH, DIM), (2, KV_HEADS, LENGTH, DIM), (2, KV_HEADS, LENGTH, DIM)]
     tensors = [torch.randn(s, generator=g).to(dtype).requires_grad_(grad) for s in shapes]

@@ -212,8 +212,8 @@ class TrainEngine:
         self.module.train()  # from_pretrained gives eval mode; checkpointing needs training mode
         # Only what trains (with LoRA: the adapters) gets optimizer state.
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        # fused: one kernel over all the parameters (CPU and CUDA); a SmolLM2 step on CPU
-        # 0.44 s -> ~0.13 s against the default foreach implementation
+        # fused: one kernel over all the parameters (CPU and CUDA); SmolLM2's step against
+        # the default (foreach): 0.40 -> 0.10 s on 2 CPU threads, 17 -> 1.5 ms on an H100
         self.optimizer = torch.optim.AdamW(
             self.params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True
         )

@@ -77,8 +77,8 @@ def response_hidden(
             **_inputs(lm, input_ids, pixel_values),
         ).last_hidden_state
         return hidden[:, -num_labels - 1 : -1][where], where
-    hidden_size = getattr(decoder.config, "hidden_size", None)
-    layout = pack(input_ids, attention_mask, where, row_tokens, hidden_size=hidden_size)
+    h = getattr(decoder.config, "hidden_size", None)  # weighs a row's width (see pack)
+    layout = pack(input_ids, attention_mask, where, row_tokens, hidden_size=h)
     if sequence_group is not None:
         assert pixel_values is None, "sequence parallel does not take pictures (config rules)"
         hidden = sequence_parallel_forward(
@@ -88,8 +88,7 @@ def response_hidden(
     inputs = {"input_ids": layout.input_ids}
     if pixel_values is not None:  # the picture positions, packed the same way
         pictures = picture_tokens(lm, input_ids, pixel_values).long()
-        packed = pack(pictures, attention_mask, where, row_tokens, hidden_size=hidden_size)
-        packed = packed.input_ids.bool()
+        packed = pack(pictures, attention_mask, where, row_tokens, hidden_size=h).input_ids.bool()
         pixels = layout.packed_pixels(pixel_values)
         inputs = {"inputs_embeds": picture_embeddings(lm, layout.input_ids, packed, pixels)}
     # No attention mask and no cache: transformers then builds the block-diagonal causal mask

@@ -174,19 +174,7 @@ def pack(
     valid = attention_mask.bool()
     lengths = valid.sum(1)
     device = input_ids.device
-    longest = int(lengths.max())
-    widest = max(row_tokens, longest)
-    capacities = {longest, widest}
-    if hidden_size is not None:  # up to six capacities in between
-        step = max(longest // 2, (widest - longest) // 6, 1)
-        capacities.update(range(longest + step, widest, step))
-    layouts = []
-    for capacity in sorted(capacities):
-        rows = first_fit_decreasing(lengths.tolist(), capacity)
-        wide = max(int(lengths[g].sum()) for g in rows)
-        weight = 1 if hidden_size is None else 3 * hidden_size + wide
-        layouts.append((len(rows) * wide * weight, wide, rows))
-    _, width, groups = min(layouts, key=lambda t: t[:2])
+    width, groups = _cheapest_rows(lengths.tolist(), row_tokens, hidden_size)
     # Where each sequence starts in the flat [rows * width] layout.
     seq_start = torch.zeros(len(lengths), dtype=torch.long)
     for r, g in enumerate(groups):
@@ -215,6 +203,26 @@ def pack(
         gather=gather,
         order=seq_start.cpu().argsort(stable=True),
     )
+
+
+def _cheapest_rows(
+    lengths: list[int], row_tokens: int, hidden_size: int | None
+) -> tuple[int, list[list[int]]]:
+    """``(width, rows)`` of the cheapest first-fit-decreasing layout (see :func:`pack`)."""
+    longest = max(lengths)
+    widest = max(row_tokens, longest)
+    capacities = {longest, widest}
+    if hidden_size is not None:  # up to six capacities in between
+        step = max(longest // 2, (widest - longest) // 6, 1)
+        capacities.update(range(longest + step, widest, step))
+    layouts = []
+    for capacity in sorted(capacities):
+        rows = first_fit_decreasing(lengths, capacity)
+        wide = max(sum(lengths[i] for i in g) for g in rows)
+        weight = 1 if hidden_size is None else 3 * hidden_size + wide
+        layouts.append((len(rows) * wide * weight, wide, rows))
+    _, width, groups = min(layouts, key=lambda t: t[:2])
+    return width, groups
 
 
 def scatter_labels(values: torch.Tensor, where: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
