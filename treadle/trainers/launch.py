@@ -160,7 +160,7 @@ class Launch:
         replicas and the actors' group, started (``wait``: the actors ready)."""
         latest, actor_path = resume_point(self.cfg)
         state = ckpt.read_state(latest) if latest is not None else None
-        if latest is not None and state is not None:
+        if state is not None:
             self.start, self.resumed_from = int(state["step"]), latest
         self.say_what_runs()
         self._restore_logs = route_logs(self.out, self.cfg.trainer.verbose)
