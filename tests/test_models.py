@@ -37,6 +37,22 @@ def test_load_tokenizer_and_model(model_dir: Path):
     assert load_causal_lm(str(model_dir), torch.float32).dtype == torch.float32
 
 
+def test_a_tokenizer_is_loaded_once_while_its_files_stay(tmp_path: Path, model_dir: Path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for f in model_dir.iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    first = load_tokenizer(folder)
+    assert load_tokenizer(str(folder)) is first  # the driver asks four times at start
+    assert load_tokenizer(model_dir) is not first  # another folder: its own
+    config = folder / "tokenizer_config.json"
+    settings = json.loads(config.read_text())
+    config.write_text(json.dumps({**settings, "model_max_length": 77}))
+    again = load_tokenizer(folder)  # a file changed: loaded anew, with the change
+    assert again is not first and again.model_max_length == 77
+    assert load_tokenizer(folder) is again
+
+
 def test_missing_folder_names_the_key_and_path(tmp_path: Path):
     missing = tmp_path / "nope"
     with pytest.raises(ConfigError, match=rf"^model\.path: '{missing}' does not exist"):

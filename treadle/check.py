@@ -276,8 +276,6 @@ def _known_model_type(model_type: str) -> bool:
 
 
 LIBRARIES = ("transformers", "tokenizers", "datasets", "jinja2", "pyarrow", "reasoning-gym")
-WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")  # no tokenizer's
-# a model with an image processor may read image files its rows name: not in any key
 
 
 class Tokenizer:
@@ -289,7 +287,7 @@ class Tokenizer:
     """
 
     def __init__(self, path: str, key: str, allow_download: bool, model: str) -> None:
-        from treadle.model_folders import PROCESSOR_FILES, resolve_model_path
+        from treadle.model_folders import PROCESSOR_FILES, WEIGHTS, resolve_model_path
 
         self.path, self.key, self.allow_download = path, key, allow_download
         self._tokenizer: Any = None

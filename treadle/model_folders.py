@@ -104,14 +104,36 @@ def _not_adapters_only(folder: Path, key: str) -> None:
         )
 
 
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")  # file suffixes
+_LOADED: dict[tuple[Any, ...], PreTrainedTokenizerBase] = {}  # load_tokenizer's, by its files
+
+
 def load_tokenizer(
     path: str | Path, *, key: str = "model.path", allow_download: bool = False
 ) -> PreTrainedTokenizerBase:
-    """The tokenizer of the model folder (or, with `allow_download`, hub id) at `path`."""
+    """The tokenizer of the model folder (or, with `allow_download`, hub id) at `path`.
+
+    A process loads a folder's tokenizer once while the folder's files stay as they were (its
+    files other than weights, by name, size and modification time): a run's driver asks for it
+    at the check, for the prompts, the held-out prompts and the rollout (SmolLM2's takes ~0.3 s
+    each). The object is shared: callers read it and never change its settings."""
     resolved = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
+    folder = Path(resolved)
+    memo: tuple[Any, ...] | None = None  # None: a hub id, not remembered
+    if folder.is_dir():
+        stats = [(f.name, f.stat()) for f in sorted(folder.iterdir()) if f.is_file()]
+        files = [(n, st.st_size, st.st_mtime_ns) for n, st in stats if not n.endswith(WEIGHTS)]
+        memo = (str(folder.resolve()), *files)
+        if memo in _LOADED:
+            return _LOADED[memo]
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(resolved)
+        tokenizer = AutoTokenizer.from_pretrained(resolved)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a tokenizer from '{path}': {e}") from e
+    if memo is not None:
+        if len(_LOADED) >= 4:  # a process uses one or two: keep the newest few
+            del _LOADED[next(iter(_LOADED))]
+        _LOADED[memo] = tokenizer
+    return tokenizer
