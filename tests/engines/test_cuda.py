@@ -131,6 +131,28 @@ def test_gkd_top_k_loss_and_gradient_on_cuda(model_dir, compute_dtype):
         group.shutdown()
 
 
+class Reducer(Worker):
+    @register(Dispatch.ALL, Collect.RANK0)
+    def sum_both(self) -> list[list[float]]:
+        import torch.distributed as dist
+
+        counts = torch.tensor([3.0, 4.0], dtype=torch.float64)  # as global_sums makes them
+        values = torch.tensor([5.0], device=self.device)
+        dist.all_reduce(counts)
+        dist.all_reduce(values)
+        return [counts.tolist(), values.cpu().tolist(), [float(values.is_cuda)]]
+
+
+def test_a_groups_collectives_take_cpu_and_cuda_tensors():
+    """Token counts and metrics are reduced as CPU tensors: an NCCL-only group refused them
+    ("No backend type associated with device type cpu"), so no update ran on a GPU."""
+    group = WorkerGroup(Reducer, world_size=1, backend="local")
+    try:
+        assert group.sum_both() == [[3.0, 4.0], [5.0], [1.0]]
+    finally:
+        group.shutdown()
+
+
 def test_transformers_engine_scores_on_cuda(model_dir):
     ids, _, _, _ = sequences()
     seqs, starts = [row.tolist() for row in ids], [5, 5, 7, 9]

@@ -249,7 +249,7 @@ class GradActor(ActorRolloutRefWorker):
 
         def step() -> dict[str, float]:
             for n, p in self.actor.module.named_parameters():
-                grads[n.removeprefix("lm.")] = p.grad.full_tensor().clone()
+                grads[n.removeprefix("lm.")] = p.grad.full_tensor().to("cpu", copy=True)
             self.actor.optimizer.zero_grad(set_to_none=True)
             return {"grad_norm": 0.0, "lr": 0.0}
 

@@ -260,7 +260,8 @@ def tcp_store(
 class Worker:
     """Base of every SPMD worker: joins the group's torch.distributed process group.
 
-    gloo on CPU, NCCL on CUDA. In local mode the group has one rank in this process.
+    gloo on CPU; on CUDA, NCCL for CUDA tensors and gloo for CPU ones (counts, metrics). In
+    local mode the group has one rank in this process.
     ``role`` names the group in messages ("actor rank 1 died ...").
     """
 
@@ -285,8 +286,9 @@ class Worker:
         self.owns_process_group = not dist.is_initialized()
         if self.owns_process_group:
             timeout = datetime.timedelta(minutes=30)  # torch's default for a process group
+            # On GPUs, CPU tensors (token counts, metrics) take gloo, CUDA tensors NCCL.
             dist.init_process_group(
-                backend="nccl" if self.device.type == "cuda" else "gloo",
+                backend="cpu:gloo,cuda:nccl" if self.device.type == "cuda" else "gloo",
                 rank=rank,
                 world_size=world_size,
                 store=tcp_store(master_addr, master_port, world_size, rank, timeout),
