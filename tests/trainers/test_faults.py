@@ -255,9 +255,11 @@ def test_kill_9_at_three_moments_then_rerun_equals_an_uninterrupted_run(
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
 
 
-def _start(args: list[str]) -> subprocess.Popen[str]:
+def _start(args: list[str], failpoint: str | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "RAY_COLOR_PREFIX": "0"}
     env.pop("TREADLE_FAILPOINT", None)
+    if failpoint:
+        env["TREADLE_FAILPOINT"] = failpoint
     return subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
@@ -343,3 +345,46 @@ def test_a_dead_worker_and_a_killed_driver_leave_one_line_and_no_process(
     print(f"after the driver's SIGKILL, its processes were gone in {took:.1f} s")
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
+
+
+def test_a_full_disk_on_rank_0_of_two_stops_the_ray_run_and_the_rerun_resumes(
+    tiny_task, length_reward, tmp_path
+):
+    """Ray, two actor ranks: rank 0's model write of step 2's checkpoint fails as a full disk
+    does, while rank 1 goes on into the checkpoint's collectives (the optimizer's gather). The
+    run stops at once with one line naming the file and the cause, leaves no process and no
+    partial checkpoint, prunes nothing; the same command resumes from step 1 and finishes."""
+    out = tmp_path / "run"
+    args = _cli(
+        tiny_task,
+        out,
+        length_reward,
+        "actor.world_size=2",
+        "trainer.total_steps=2",
+        "trainer.keep_last=1",
+        "trainer.num_cpus=2",
+    )
+    started = time.monotonic()
+    proc = _start(args, failpoint="write@2:ENOSPC")
+    try:
+        _, stderr = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    took = time.monotonic() - started
+    step_1 = out / "checkpoints" / "step_1"
+    written = out / "checkpoints" / "step_2.tmp" / "model" / "model.safetensors"
+    assert proc.returncode == 2, stderr[-3000:]
+    assert stderr.strip().splitlines() == [
+        f"treadle: error: checkpoint step 2: cannot write {written}: No space left on device "
+        f"(ENOSPC); the last checkpoint is {step_1}: the same command resumes from it"
+    ], stderr[-3000:]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_1"]
+    _gone_within(proc.pid, 30)
+    print(f"the run stopped {took:.1f} s after it started")
+
+    done = _run(args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert f"resumed from {step_1} (step 1)" in done.stdout.replace("\n", "")
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step_2"]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]

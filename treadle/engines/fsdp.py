@@ -63,6 +63,7 @@ from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, save_optimizer, save_schedule
 from treadle.errors import ConfigError
+from treadle.faults import failpoint
 from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -336,6 +337,9 @@ class TrainEngine:
         else:
             state = {name: t.cpu().clone() for name, t in self.full_state() if rank == 0}
             if rank == 0:
+                step = out.name.removesuffix(".tmp").removeprefix("step_")  # step_<N>.tmp
+                weights = out / "model" / "model.safetensors"
+                failpoint("write", int(step) if step.isdigit() else 0, weights)
                 save_hf_folder(state, self.module.lm.config, tokenizer, out / "model")
         assert self.optimizer is not None and self.scheduler is not None
         if with_optimizer:
