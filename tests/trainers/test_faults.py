@@ -1,6 +1,7 @@
 """The fault-injection suite: kill -9 at start-up, after a step, during a checkpoint write, then
 the same command again, ends with the weights and metrics of an uninterrupted run; a worker
-that dies stops a Ray run with one line naming the role, the rank, the cause and how to resume;
+that dies stops a Ray run with one line naming the role, the rank, the cause and how to resume,
+and so does a full disk on one of two ranks while it writes a checkpoint;
 nothing of a run is left 30 s after it ends, however it ends (the driver killed with SIGKILL
 included); every socket a run listens on is on loopback.
 
