@@ -8,6 +8,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from tiny_models import TINY_SHAPE, tiny_model
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -111,11 +112,7 @@ def _tiny(out, n_train: int, n_test: int, max_positions: int):  # type: ignore[n
         n_train=n_train,
         n_test=n_test,
         max_value=20,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
+        **TINY_SHAPE,
         max_positions=max_positions,
     )
 
@@ -183,44 +180,22 @@ def env(tiny_task, tmp_path_factory):  # type: ignore[no-untyped-def]
 def teacher_model(tiny_task, tmp_path_factory):
     """A distillation teacher for the tiny task: another model (3 layers, its own seed) with
     the tiny task's tokenizer."""
-    from treadle.models import load_tokenizer
-    from treadle.tasks.arithmetic import build_tiny_model
-
-    out = tmp_path_factory.mktemp("teacher")
-    build_tiny_model(
-        load_tokenizer(tiny_task["model"]),
-        out,
-        hidden_size=64,
+    return tiny_model(
+        tmp_path_factory.mktemp("teacher"),
+        tiny_task["model"],
         num_layers=3,
-        num_heads=2,
-        num_kv_heads=1,
         intermediate_size=96,
-        max_positions=128,
         seed=7,
     )
-    return out
 
 
 @pytest.fixture(scope="session")
 def parallel_model(tiny_task, tmp_path_factory):
     """The tiny task's model shape with 4 heads and 2 key/value heads, so that 2 tensor- or
     sequence-parallel ranks can split them (the tiny task's model has 1 key/value head)."""
-    from treadle.models import load_tokenizer
-    from treadle.tasks.arithmetic import build_tiny_model
-
-    out = tmp_path_factory.mktemp("parallel_model")
-    build_tiny_model(
-        load_tokenizer(tiny_task["model"]),
-        out,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        intermediate_size=128,
-        max_positions=128,
-        seed=0,
+    return tiny_model(
+        tmp_path_factory.mktemp("parallel_model"), tiny_task["model"], num_heads=4, num_kv_heads=2
     )
-    return out
 
 
 @pytest.fixture(scope="session")

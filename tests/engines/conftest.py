@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from treadle.models import load_tokenizer
+from tiny_models import tiny_model
 
 MAX_MODEL_LEN = 256  # vLLM on CPU caches prompt prefixes in blocks of 128 tokens
 BUCKET_MB = 0.02  # ~20 KB: the tiny model goes in ~15 buckets, q/k/v of a layer split apart
@@ -16,22 +15,9 @@ BUCKET_MB = 0.02  # ~20 KB: the tiny model goes in ~15 buckets, q/k/v of a layer
 @pytest.fixture(scope="session")
 def vllm_model(tiny_task, tmp_path_factory):
     """An HF folder: the tiny task's tokenizer and a ~0.1M-parameter Qwen2 with head size 32."""
-    from treadle.tasks.arithmetic import build_tiny_model
-
-    tokenizer = load_tokenizer(tiny_task["model"])
-    out = tmp_path_factory.mktemp("vllm_model")
-    build_tiny_model(
-        tokenizer,
-        out,
-        hidden_size=64,
-        num_layers=2,
-        num_heads=2,
-        num_kv_heads=1,
-        intermediate_size=128,
-        max_positions=MAX_MODEL_LEN,
-        seed=0,
+    return tiny_model(
+        tmp_path_factory.mktemp("vllm_model"), tiny_task["model"], max_positions=MAX_MODEL_LEN
     )
-    return out
 
 
 @pytest.fixture(scope="session")

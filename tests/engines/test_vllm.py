@@ -14,6 +14,7 @@ import sys
 
 import pytest
 import torch
+from tiny_models import tiny_model
 
 from treadle.engines.inference import HFRolloutEngine, RolloutOutput, SamplingParams
 from treadle.errors import ConfigError
@@ -286,17 +287,16 @@ def test_not_a_model_folder(tmp_path):
 @pytest.mark.slow  # imports vLLM (~15 s), as the engine does before it refuses the model
 def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
     from treadle.engines.vllm import _check_cpu_head_size
-    from treadle.tasks.arithmetic import build_tiny_model
 
     narrow = tmp_path / "head16"  # 64 / 4 heads: below vLLM's CPU minimum of 32
-    build_tiny_model(
-        load_tokenizer(tiny_task["model"]),
+    tiny_model(
         narrow,
-        hidden_size=64,
+        tiny_task["model"],
         num_layers=1,
         num_heads=4,
         num_kv_heads=2,
         intermediate_size=64,
+        max_positions=256,
     )
     with pytest.raises(ConfigError, match=r"head size 16 .* rollout.engine=hf works"):
         _check_cpu_head_size(str(narrow))

@@ -1,0 +1,29 @@
+"""The tests' tiny models: the built-in task's model family (`build_tiny_model`) at test size,
+one helper for every test that builds one (a module, not a conftest fixture, so that fixtures
+and tests both import it as they import tiny_runs)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# The tiny task's model shape (tests/conftest.py's `tiny_task`): head size 32 (64 / 2 heads),
+# the smallest vLLM's CPU attention runs.
+TINY_SHAPE: dict[str, int] = {
+    "hidden_size": 64,
+    "num_layers": 2,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "intermediate_size": 128,
+}
+
+
+def tiny_model(out: str | Path, tokenizer_from: str | Path, **changes: Any) -> Path:
+    """A tiny model of `TINY_SHAPE` (128 positions, seed 0) with the tokenizer of the model
+    folder ``tokenizer_from``, saved to ``out``; ``changes`` replace any of
+    `build_tiny_model`'s keywords."""
+    from treadle.models import load_tokenizer
+    from treadle.tasks.arithmetic import build_tiny_model
+
+    kwargs: dict[str, Any] = {**TINY_SHAPE, "max_positions": 128, "seed": 0, **changes}
+    return build_tiny_model(load_tokenizer(tokenizer_from), out, **kwargs)
