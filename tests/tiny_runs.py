@@ -10,16 +10,19 @@ from treadle.cli import main
 from treadle.tracking import read_metrics
 
 
-def overrides(task: dict[str, Path], out: Path, *extra: str) -> list[str]:
-    """A run of 2 prompts x 2 samples of ``task`` into ``out``; ``extra`` comes last (a key
-    given again there wins)."""
+def overrides(
+    task: dict[str, Path], out: Path, *extra: str, prompts: int = 2, samples: int = 2
+) -> list[str]:
+    """A run of ``prompts`` x ``samples`` (2 x 2 unless given) of ``task`` into ``out``, the
+    whole batch one mini- and one micro-batch; ``extra`` comes last (a key given again there
+    wins)."""
     return [
         f"model.path={task['model']}",
         f"data.train_files=[{task['train']}]",
-        "data.batch_size=2",
-        "rollout.n=2",
-        "actor.ppo_mini_batch_size=4",
-        "actor.micro_batch_size=4",
+        f"data.batch_size={prompts}",
+        f"rollout.n={samples}",
+        f"actor.ppo_mini_batch_size={prompts * samples}",
+        f"actor.micro_batch_size={prompts * samples}",
         "algorithm.kl_coef=0",
         "reward.function=arithmetic",
         "trainer.progress=false",

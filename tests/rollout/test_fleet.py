@@ -25,6 +25,7 @@ import time
 
 import pytest
 import ray
+import tiny_runs
 import torch
 
 from treadle.config import load_config
@@ -37,24 +38,20 @@ pytestmark = pytest.mark.slow
 
 
 def _overrides(task, out, reward, *extra: str) -> list[str]:
-    return [
+    return tiny_runs.overrides(
+        task,
+        out,
         f"reward.function={reward}",
-        f"model.path={task['model']}",
-        f"data.train_files=[{task['train']}]",
         f"data.val_files=[{task['test']}]",
-        "data.batch_size=4",
         "data.max_prompt_length=64",
-        "rollout.n=4",
         "rollout.max_new_tokens=16",
         "rollout.engine=vllm",
         "actor.lr=5e-3",
-        "actor.ppo_mini_batch_size=16",
         "actor.micro_batch_size=8",
-        "algorithm.kl_coef=0",
-        "trainer.progress=false",
-        f"trainer.output_dir={out}",
         *extra,
-    ]
+        prompts=4,
+        samples=4,
+    )
 
 
 def _check_against_actor(t: RLTrainer, task, tmp_path, steps: int = 1) -> list[dict]:

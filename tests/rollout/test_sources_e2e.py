@@ -20,6 +20,7 @@ import threading
 import time
 
 import pytest
+import tiny_runs
 
 from treadle.config import load_config
 from treadle.trainers.rl import RLTrainer
@@ -29,27 +30,23 @@ pytestmark = pytest.mark.slow
 
 def _overrides(task, out, reward, *extra: str) -> list[str]:
     """A split vLLM replica unless ``extra`` names another engine (it comes last)."""
-    return [
+    return tiny_runs.overrides(
+        task,
+        out,
         f"reward.function={reward}",
-        f"model.path={task['model']}",
-        f"data.train_files=[{task['train']}]",
         "data.val_files=[]",
-        "data.batch_size=4",
         "data.max_prompt_length=64",
-        "rollout.n=4",
         "rollout.max_new_tokens=16",
         "rollout.engine=vllm",
         "rollout.placement=split",
         "actor.lr=5e-3",
-        "actor.ppo_mini_batch_size=16",
         "actor.micro_batch_size=8",
-        "algorithm.kl_coef=0",
         "trainer.num_cpus=2",
-        "trainer.progress=false",
         "trainer.total_steps=3",
-        f"trainer.output_dir={out}",
         *extra,
-    ]
+        prompts=4,
+        samples=4,
+    )
 
 
 def _metrics(out) -> list[dict]:

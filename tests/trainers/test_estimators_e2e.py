@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_runs
 import torch
 from algorithm_calls import estimate
 from transformers import AutoModelForCausalLM
@@ -41,29 +42,24 @@ def run(tiny_task, parts_reward, tmp_path_factory):
     the update got, the actor's weights before and after)."""
     cfg = load_config(
         None,
-        [
-            f"model.path={tiny_task['model']}",
-            f"data.train_files=[{tiny_task['train']}]",
-            "data.batch_size=3",
+        tiny_runs.overrides(
+            tiny_task,
+            tmp_path_factory.mktemp("run"),
             "data.max_prompt_length=64",
-            f"rollout.n={N}",
             "rollout.max_new_tokens=10",
             "rollout.temperature=0.9",
             "rollout.engine=hf",
             "rollout.dtype=bfloat16",  # the sampler differs: rollout correction has work to do
-            "actor.ppo_mini_batch_size=12",
-            "actor.micro_batch_size=12",
             "actor.lr=1e-3",
-            "algorithm.kl_coef=0",
             "algorithm.adv_estimator=optimal_token_baseline",
             "algorithm.rollout_correction=tis",
             f"algorithm.gdpo_reward_keys=[{','.join(KEYS)}]",
             f"algorithm.gdpo_reward_weights=[{','.join(map(str, WEIGHTS))}]",
             f"reward.function={parts_reward}",
             "trainer.backend=local",
-            "trainer.progress=false",
-            f"trainer.output_dir={tmp_path_factory.mktemp('run')}",
-        ],
+            prompts=3,
+            samples=N,
+        ),
     )
     t = RLTrainer(cfg)
     worker = t.group.workers[0]  # local backend: the worker object itself

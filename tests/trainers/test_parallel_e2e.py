@@ -6,6 +6,7 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import tiny_runs
 import torch
 from safetensors.torch import load_file
 
@@ -17,17 +18,15 @@ from treadle.trainers.rl import train
 def grpo_config(model, task, out, reward, layout: str):
     return load_config(
         None,
-        [
+        tiny_runs.overrides(
+            task,
+            out,
             f"model.path={model}",
-            f"data.train_files=[{task['train']}]",
-            "data.batch_size=2",
             "data.max_prompt_length=64",
-            "rollout.n=4",
             "rollout.max_new_tokens=12",
             "actor.world_size=2",
             layout,
             "actor.lr=1e-3",
-            "actor.ppo_mini_batch_size=8",
             "actor.micro_batch_size=4",
             "actor.pack_row_tokens=32",
             "algorithm.kl_coef=0.01",  # the reference is split the same way
@@ -36,9 +35,8 @@ def grpo_config(model, task, out, reward, layout: str):
             "trainer.total_steps=2",
             "trainer.save_every=1",
             "trainer.keep_last=2",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
-        ],
+            samples=4,
+        ),
     )
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_runs
 import torch
 from algorithm_calls import estimate
 from safetensors.torch import load_file
@@ -47,28 +48,23 @@ def parity_reward(tmp_path_factory):
 def prime_config(task, out, reward, *overrides: str):
     return load_config(
         None,
-        [
-            f"model.path={task['model']}",
-            f"data.train_files=[{task['train']}]",
-            "data.batch_size=4",
+        tiny_runs.overrides(
+            task,
+            out,
             "data.max_prompt_length=64",
-            "rollout.n=4",
             "rollout.max_new_tokens=12",
             "rollout.engine=hf",
             "actor.lr=1e-3",
-            "actor.ppo_mini_batch_size=16",
-            "actor.micro_batch_size=16",
-            "algorithm.kl_coef=0",
             "algorithm.adv_estimator=prime",
             "prime.lr=1e-3",
             "prime.beta=0.5",
             "prime.micro_batch_size=6",  # 16 rows: micro-batches of 6, 6, 4
             f"reward.function={reward}",
             "trainer.backend=local",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
             *overrides,
-        ],
+            prompts=4,
+            samples=4,
+        ),
     )
 
 

@@ -5,6 +5,7 @@ tests/trainers/test_rl_e2e.py.)"""
 from __future__ import annotations
 
 import pytest
+import tiny_runs
 import torch
 
 from treadle.config import load_config
@@ -30,23 +31,18 @@ def parity_reward(tmp_path_factory):
 def trainer(task, out, reward, *overrides: str) -> RLTrainer:
     cfg = load_config(
         None,
-        [
-            f"model.path={task['model']}",
-            f"data.train_files=[{task['train']}]",
-            "data.batch_size=4",
+        tiny_runs.overrides(
+            task,
+            out,
             "data.max_prompt_length=64",
-            f"rollout.n={N}",
             "rollout.max_new_tokens=12",
             "rollout.engine=hf",
-            "actor.ppo_mini_batch_size=16",
-            "actor.micro_batch_size=16",
-            "algorithm.kl_coef=0",
             f"reward.function={reward}",
             "trainer.backend=local",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
             *overrides,
-        ],
+            prompts=4,
+            samples=N,
+        ),
     )
     return RLTrainer(cfg)
 

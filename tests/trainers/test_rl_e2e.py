@@ -7,6 +7,7 @@ import itertools
 import json
 
 import pytest
+import tiny_runs
 import torch
 from safetensors.torch import load_file
 
@@ -33,14 +34,12 @@ REQUIRED = {
 def grpo_config(task, out, *overrides: str):
     return load_config(
         None,
-        [
-            f"model.path={task['model']}",
-            f"data.train_files=[{task['train']}]",
+        tiny_runs.overrides(
+            task,
+            out,
             f"data.val_files=[{task['test']}]",
-            "data.batch_size=4",
             "data.max_prompt_length=64",
             "data.val_size=8",
-            "rollout.n=4",
             "rollout.max_new_tokens=16",
             "actor.lr=1e-3",
             "actor.ppo_mini_batch_size=8",
@@ -48,10 +47,10 @@ def grpo_config(task, out, *overrides: str):
             "algorithm.kl_coef=0.01",
             "trainer.total_steps=2",
             "trainer.save_every=1",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
             *overrides,
-        ],
+            prompts=4,
+            samples=4,
+        ),
     )
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 
 import pytest
+import tiny_runs
 import torch
 
 from treadle.algorithms import ADV_ESTIMATORS
@@ -39,24 +40,20 @@ N = 4
 def config(task, out, reward, *overrides: str):
     return load_config(
         None,
-        [
-            f"model.path={task['model']}",
-            f"data.train_files=[{task['train']}]",
-            "data.batch_size=4",
+        tiny_runs.overrides(
+            task,
+            out,
             "data.max_prompt_length=64",
-            f"rollout.n={N}",
             "rollout.max_new_tokens=12",
             "rollout.engine=hf",
-            "actor.ppo_mini_batch_size=16",
-            "actor.micro_batch_size=16",
             "actor.lr=1e-3",
             "algorithm.kl_coef=0.01",
             f"reward.function={reward}",
             "trainer.backend=local",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
             *overrides,
-        ],
+            prompts=4,
+            samples=N,
+        ),
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import tiny_runs
 import torch
 import torch.distributed as dist
 from peft import PeftModel
@@ -173,26 +174,22 @@ def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapt
     from treadle.trainers.rl import train
 
     def run(out, steps: int) -> None:
-        overrides = [
-            f"model.path={tiny_task['model']}",
-            f"data.train_files=[{tiny_task['train']}]",
-            "data.batch_size=2",
+        overrides = tiny_runs.overrides(
+            tiny_task,
+            out,
             "data.max_prompt_length=64",
-            "rollout.n=4",
             "rollout.max_new_tokens=8",
             f"reward.function={length_reward}",
             "algorithm.kl_coef=0.01",
             "actor.lr=1e-2",
-            "actor.ppo_mini_batch_size=8",
             "actor.micro_batch_size=4",
             "actor.lora.rank=4",
             "actor.lora.alpha=8",
             "trainer.backend=local",
             f"trainer.total_steps={steps}",
             "trainer.save_every=1",
-            "trainer.progress=false",
-            f"trainer.output_dir={out}",
-        ]
+            samples=4,
+        )
         train(load_config(None, overrides))
 
     def weights(folder) -> dict[str, torch.Tensor]:
