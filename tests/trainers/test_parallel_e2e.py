@@ -21,7 +21,7 @@ def grpo_config(model, task, out, reward, layout: str):
         tiny_runs.overrides(
             task,
             out,
-            f"model.path={model}",
+            f"model.path={model}",  # in place of the task's model
             "data.max_prompt_length=64",
             "rollout.max_new_tokens=12",
             "actor.world_size=2",
