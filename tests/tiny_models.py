@@ -26,4 +26,5 @@ def tiny_model(out: str | Path, tokenizer_from: str | Path, **changes: Any) -> P
     from treadle.tasks.arithmetic import build_tiny_model
 
     kwargs: dict[str, Any] = {**TINY_SHAPE, "max_positions": 128, "seed": 0, **changes}
-    return build_tiny_model(load_tokenizer(tokenizer_from), out, **kwargs)
+    tokenizer = load_tokenizer(tokenizer_from)  # a fast tokenizer, typed as their base class
+    return build_tiny_model(tokenizer, out, **kwargs)  # type: ignore[arg-type]
