@@ -10,6 +10,11 @@ from pathlib import Path
 import pytest
 from tiny_models import TINY_SHAPE, tiny_model
 
+from treadle.omp import openmp_env
+
+# OpenMP's waiting as a run's processes have it (libgomp reads it when torch first loads it,
+# after this): the soak runs beside the other tests, and the machine may be shared.
+os.environ.update(openmp_env())
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

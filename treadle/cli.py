@@ -44,6 +44,7 @@ from treadle.errors import (
     stop_cause,
 )
 from treadle.faults import failpoint
+from treadle.omp import openmp_env
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -459,6 +460,7 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def _main(argv: Sequence[str] | None) -> int:
+    os.environ.update(openmp_env())  # before torch is imported (treadle.omp)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")

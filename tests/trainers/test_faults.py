@@ -259,6 +259,7 @@ def test_kill_9_at_three_moments_then_rerun_equals_an_uninterrupted_run(
 def _start(args: list[str], failpoint: str | None = None) -> subprocess.Popen[str]:
     env = {**os.environ, "RAY_COLOR_PREFIX": "0"}
     env.pop("TREADLE_FAILPOINT", None)
+    env.pop("GOMP_SPINCOUNT", None)  # (conftest sets it): the run's processes get it from treadle
     if failpoint:
         env["TREADLE_FAILPOINT"] = failpoint
     return subprocess.Popen(
@@ -310,6 +311,8 @@ def test_a_dead_worker_and_a_killed_driver_leave_one_line_and_no_process(
         assert b"RAY_AUTH_MODE=token" in Path(f"/proc/{gcs[0]}/environ").read_bytes().split(b"\0")
         workers = [pid for pid, cmd in session.items() if cmd.startswith("ray::ActorRollout")]
         assert len(workers) == 2, session
+        environ = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
+        assert b"GOMP_SPINCOUNT=10000" in environ  # treadle.omp, through the worker's env
         os.kill(workers[1], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
     finally:

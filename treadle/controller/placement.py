@@ -36,6 +36,7 @@ import torch
 from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config
 from treadle.controller.groups import ResourcePool, Worker, WorkerGroup
+from treadle.omp import openmp_env
 from treadle.tracking import worker_env
 
 
@@ -91,6 +92,7 @@ def rank_threads(cfg: Config, cpus_per_rank: float) -> int:
 def ray_env(threads: int) -> dict[str, str]:
     """The environment of a Ray worker process with ``threads`` threads."""
     env = {
+        **openmp_env(),
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
