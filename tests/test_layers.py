@@ -29,6 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
         "treadle.tracking",
         "treadle.reaper",
         "treadle.memory",
+        "treadle.omp",
         "treadle.hub",
         "treadle.sandbox",
     ),
