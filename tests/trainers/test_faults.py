@@ -56,10 +56,14 @@ def _cli(task, out, reward, *extra: str) -> list[str]:
     ]
 
 
-def _run(args: list[str], failpoint: str | None = None) -> subprocess.CompletedProcess[str]:
+def _env(failpoint: str | None) -> dict[str, str]:
+    """This process's environment with ``failpoint`` as the run's only TREADLE_FAILPOINT."""
     env = {k: v for k, v in os.environ.items() if k != "TREADLE_FAILPOINT"}
-    if failpoint:
-        env["TREADLE_FAILPOINT"] = failpoint
+    return {**env, "TREADLE_FAILPOINT": failpoint} if failpoint else env
+
+
+def _run(args: list[str], failpoint: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = _env(failpoint)
     return subprocess.run(args, check=False, capture_output=True, text=True, env=env, timeout=300)
 
 
@@ -257,11 +261,8 @@ def test_kill_9_at_three_moments_then_rerun_equals_an_uninterrupted_run(
 
 
 def _start(args: list[str], failpoint: str | None = None) -> subprocess.Popen[str]:
-    env = {**os.environ, "RAY_COLOR_PREFIX": "0"}
-    env.pop("TREADLE_FAILPOINT", None)
+    env = {**_env(failpoint), "RAY_COLOR_PREFIX": "0"}
     env.pop("GOMP_SPINCOUNT", None)  # (conftest sets it): the run's processes get it from treadle
-    if failpoint:
-        env["TREADLE_FAILPOINT"] = failpoint
     return subprocess.Popen(
         args,
         stdout=subprocess.PIPE,
