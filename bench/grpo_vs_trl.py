@@ -36,7 +36,9 @@ with FSDP2 on one rank and an in-process vLLM engine (`rollout.engine=vllm`,
 (`actor.max_tokens_per_micro_batch`; measured on SmolLM2: 2 of ~2,300 tokens beat 4 of ~1,200
 by 14% and one of ~4,700 by 10%) without gradient checkpointing, no separate old-log-prob
 pass either (on-policy: the update's first forward stands for the old policy), and a weight
-sync into vLLM after the update. treadle's vLLM KV cache is sized to the workload
+sync into vLLM after the update. treadle computes every row too (`actor.skip_zero_advantage=false`:
+by default it leaves out the rows of zero advantage, which the two sides' different rewards
+would make unequal work). treadle's vLLM KV cache is sized to the workload
 (`--kv-cache-gib`, default: room for the 32 sequences of 128 + 64 tokens, x1.5), since vLLM on
 CPU allocates and fills all of it at start, where transformers' cache grows with the batch.
 Both use `--threads` torch threads. TRL's reward is a plain last-integer check, treadle's the
@@ -378,6 +380,7 @@ def treadle_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
         f"actor.ppo_mini_batch_size={rows * args.n}",
         f"actor.micro_batch_size={rows * args.n}",
         f"actor.max_tokens_per_micro_batch={args.micro_tokens}",
+        "actor.skip_zero_advantage=false",  # equal work: TRL computes every row
         "trainer.backend=ray",
         f"trainer.num_cpus={args.threads}",
         f"trainer.threads_per_rank={args.threads}",

@@ -257,13 +257,14 @@ class GradActor(ActorRolloutRefWorker):
         return grads
 
     @register(Dispatch.DP, Collect.LIST)
-    def update_grads(self, batch: Batch, mode: str) -> tuple[float, dict, int]:
+    def update_grads(self, batch: Batch, mode: str) -> tuple[dict[str, float], dict, int]:
+        """The step's metrics, its gradients, and the micro-batches of the whole batch."""
         self.cfg.algorithm.loss_agg_mode = mode
         grads = self._capture()
         lengths = batch["prompt_mask"].sum(1) + batch["response_mask"].sum(1)
         count = len(micro_batches(batch, self.cfg.actor, lengths))
         metrics, _ = optimizer_step(self.engine, PolicyGradient(self.policy()), batch)
-        return metrics["actor/pg_loss"], grads, count
+        return metrics, grads, count
 
     @register(Dispatch.DP, Collect.RANK0)
     def sft_grads(self, batch: Batch) -> tuple[float, dict]:
@@ -314,9 +315,10 @@ def test_update_gives_the_plain_padded_loss_and_gradients(tiny_task, overrides):
     group = local_actor(path, *overrides)
     try:
         for mode in ("token-mean", "seq-mean-token-mean"):
-            [(loss, grads, micros)] = group.update_grads(batch, mode)
+            [(metrics, grads, micros)] = group.update_grads(batch, mode)
             want_loss, want_grads = plain_ppo_update(path, batch, mode)
-            assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+            assert metrics["actor/pg_loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+            assert metrics["actor/rows_skipped"] == 0.0
             assert_same_grads(grads, want_grads)
             assert micros == (2 if "actor.remove_padding=false" in overrides else 3)
         # old log-probs: micro-batches in budget order come back in the batch's order
@@ -334,6 +336,43 @@ def test_update_gives_the_plain_padded_loss_and_gradients(tiny_task, overrides):
     assert sorted(squares.keys()) == ["entropy", "old_log_probs", "sum_pi_squared"]
     torch.testing.assert_close(squares["old_log_probs"], out["old_log_probs"])
     assert (squares["sum_pi_squared"][rmask] > 0).all() and (squares["sum_pi_squared"] <= 1).all()
+
+
+def test_rows_without_advantage_are_left_out_with_the_same_loss_and_gradients(tiny_task):
+    """Three of six rows with all-zero advantages (equal-reward groups): the update computes
+    the other three, and its loss and gradients are the whole batch's."""
+    path = str(tiny_task["model"])
+    batch = uneven_batch(vocab=100)
+    batch["advantages"][[1, 2, 4]] = 0.0
+    batch["advantages"][3, 1:] = 0.0  # one advantage left in a row: the row counts
+    group = local_actor(path, "actor.pack_row_tokens=24", "actor.max_tokens_per_micro_batch=30")
+    try:
+        for mode in ("token-mean", "seq-mean-token-mean"):
+            [(metrics, grads, _)] = group.update_grads(batch, mode)
+            want_loss, want_grads = plain_ppo_update(path, batch, mode)
+            assert metrics["actor/rows_skipped"] == 0.5
+            assert metrics["actor/pg_loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+            assert_same_grads(grads, want_grads)
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize(
+    "overrides, skips",
+    [
+        ((), True),
+        (("algorithm.policy_loss=gspo", "algorithm.loss_agg_mode=seq-mean-token-mean"), True),
+        (("actor.skip_zero_advantage=false",), False),
+        (("algorithm.kl_coef=0.01",), False),  # the KL loss has a gradient on every row
+        (("algorithm.entropy_coef=0.01",), False),
+        (("algorithm.policy_loss=dro", "algorithm.dro_beta=0.1"), False),
+        (("algorithm.policy_loss=kl_cov",), False),  # batch covariance
+    ],
+)
+def test_rows_are_left_out_only_where_they_add_nothing(tiny_task, overrides, skips):
+    from treadle.workers.objectives import skips_zero_advantage
+
+    assert skips_zero_advantage(actor_config(str(tiny_task["model"]), *overrides)) is skips
 
 
 def test_sft_update_gives_the_plain_loss_and_gradients(tiny_task):
@@ -385,14 +424,24 @@ def test_two_ranks_with_token_budgets_match_the_plain_update(tiny_task, ray_sess
     pool = ResourcePool(world_size=2, cpus_per_rank=1.0)
     kwargs = {"config": cfg, "actor_path": path, "with_ref": False}
     group = WorkerGroup(GradActor, world_size=2, backend="ray", pool=pool, kwargs=kwargs)
+    # one row with an advantage: a rank has none, and still runs its passes (no hang)
+    one_live = batch.select(torch.arange(len(batch)))
+    one_live["advantages"][1:] = 0.0
     try:
-        for mode in ("token-mean", "seq-mean-token-mean"):
-            results = group.update_grads(batch, mode)
-            want_loss, want_grads = plain_ppo_update(path, batch, mode)
-            (loss0, grads0, n0), (loss1, _, n1) = results
-            assert (loss0 + loss1) / 2 == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+        for rows, mode in [
+            (batch, "token-mean"),
+            (batch, "seq-mean-token-mean"),
+            (one_live, "token-mean"),
+        ]:
+            results = group.update_grads(rows, mode)
+            want_loss, want_grads = plain_ppo_update(path, rows, mode)
+            (m0, grads0, n0), (m1, _, n1) = results
+            loss = (m0["actor/pg_loss"] + m1["actor/pg_loss"]) / 2
+            assert loss == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
             assert_same_grads(grads0, want_grads)
             assert n0 == n1
+            # every rank computes the most live rows any has: 1 of 4 each
+            assert m0["actor/rows_skipped"] == (0.75 if rows is one_live else 0.0)
     finally:
         group.shutdown()
         pool.remove()

@@ -28,6 +28,11 @@ it to ``agg_loss``, which turns it into a scalar in one of the registered modes.
   ``norm_constant``, so that the micro-batch losses add up to the mini-batch loss.
 - Metrics are Python floats: ``pg_clipfrac`` (fraction of valid tokens whose ratio was clipped)
   and ``ppo_kl`` (masked mean of ``old - new`` log-prob) at least.
+- A loss registered ``advantage_scaled=True`` is, row by row, the row's advantages times
+  something finite that reads no other row: a row of zero advantages has zero loss and zero
+  gradient, and the actor leaves it out of the update (``actor.skip_zero_advantage``). The
+  covariance losses (``clip_cov``, ``kl_cov``: batch statistics) and ``dro`` (a regulariser
+  apart from the advantage) are not.
 """
 
 from __future__ import annotations
@@ -194,7 +199,7 @@ def _dual_clip(pg_losses: Tensor, advantages: Tensor, clip_ratio_c: float) -> tu
     return torch.where(active, bound, pg_losses), active
 
 
-@register_policy_loss("ppo", settings=PPOSettings)
+@register_policy_loss("ppo", settings=PPOSettings, advantage_scaled=True)
 def ppo(inputs: PolicyLossInputs, settings: PPOSettings) -> Result:
     """PPO-clip (Schulman et al., arXiv 1707.06347): ``L = max(-A·r, -A·clip(r, 1-ε_low,
     1+ε_high))``, with dual clip ``min(L, -A·c)`` for ``A < 0``.
@@ -232,6 +237,7 @@ class GSPOSettings(Clip):
     "gspo",
     agg_modes=("seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"),
     settings=GSPOSettings,
+    advantage_scaled=True,
 )
 def gspo(inputs: PolicyLossInputs, settings: GSPOSettings) -> Result:
     """GSPO (Zheng et al., arXiv 2507.18071): ``L = max(-A·s_i, -A·clip(s_i, 1-ε_low,
@@ -261,7 +267,7 @@ class CISPOSettings(Clip):
     clip_ratio_low: float = 1.0
 
 
-@register_policy_loss("cispo", settings=CISPOSettings)
+@register_policy_loss("cispo", settings=CISPOSettings, advantage_scaled=True)
 def cispo(inputs: PolicyLossInputs, settings: CISPOSettings) -> Result:
     """CISPO (MiniMax-M1, arXiv 2506.13585): ``L = -sg(clip(r, 1-ε_low, 1+ε_high)) · A · log π``.
 
@@ -277,7 +283,7 @@ def cispo(inputs: PolicyLossInputs, settings: CISPOSettings) -> Result:
     return _result(loss, inputs, -log_ratio, pg_clipfrac=weight != ratio)
 
 
-@register_policy_loss("gpg", settings=NoSettings)
+@register_policy_loss("gpg", settings=NoSettings, advantage_scaled=True)
 def gpg(inputs: PolicyLossInputs, settings: NoSettings) -> Result:
     """GPG (arXiv 2504.02546): plain policy gradient ``L = -A · log π``, no ratio, no clip."""
     log_probs, old_log_probs, advantages = inputs.valid_only()
@@ -389,7 +395,7 @@ class SAPOSettings:
     sapo_tau_neg: float = 1.05
 
 
-@register_policy_loss("sapo", settings=SAPOSettings)
+@register_policy_loss("sapo", settings=SAPOSettings, advantage_scaled=True)
 def sapo(inputs: PolicyLossInputs, settings: SAPOSettings) -> Result:
     """SAPO (Gao et al., Qwen, arXiv 2511.20347): ``L = -f_τ(r)·A``, ``f_τ(r) = σ(τ(r-1))·4/τ``.
 
@@ -412,7 +418,9 @@ def sapo(inputs: PolicyLossInputs, settings: SAPOSettings) -> Result:
 
 
 # one ratio and one advantage per sequence: the loss is a mean over sequences
-@register_policy_loss("geo_mean", agg_modes=("seq-mean-token-mean",), settings=Clip)
+@register_policy_loss(
+    "geo_mean", agg_modes=("seq-mean-token-mean",), settings=Clip, advantage_scaled=True
+)
 def geo_mean(inputs: PolicyLossInputs, settings: Clip) -> Result:
     """GMPO (Zhao et al., arXiv 2507.20673): ``L_i = -Â_i · exp(mean_t clip_A(log r_t))``.
 
@@ -482,7 +490,7 @@ def _away_from_old(advantages: Tensor, prob: Tensor, old_prob: Tensor) -> Tensor
     return torch.where(advantages > 0, prob > old_prob, prob < old_prob)
 
 
-@register_policy_loss("dppo_tv", settings=DPPOSettings)
+@register_policy_loss("dppo_tv", settings=DPPOSettings, advantage_scaled=True)
 def dppo_tv(inputs: PolicyLossInputs, settings: DPPOSettings) -> Result:
     """DPPO-Binary-TV (Qi et al., arXiv 2602.04879): ``L = -A·sg(min(r, c))·log π·1[trusted]``.
 
@@ -505,7 +513,7 @@ def dppo_tv(inputs: PolicyLossInputs, settings: DPPOSettings) -> Result:
     return _dppo(inputs, keep, settings.dppo_is_cap, valid)
 
 
-@register_policy_loss("dppo_kl", settings=DPPOSettings)
+@register_policy_loss("dppo_kl", settings=DPPOSettings, advantage_scaled=True)
 def dppo_kl(inputs: PolicyLossInputs, settings: DPPOSettings) -> Result:
     """DPPO-Binary-KL (Qi et al., arXiv 2602.04879): ``L = -A·sg(min(r, c))·log π·1[trusted]``.
 
@@ -581,7 +589,9 @@ class BypassSettings(PPOSettings):
 
 
 # the actor passes the rollout engine's log-probs as the old policy (its "old" fact)
-@register_policy_loss("bypass_mode", old="rollout_log_probs", settings=BypassSettings)
+@register_policy_loss(
+    "bypass_mode", old="rollout_log_probs", settings=BypassSettings, advantage_scaled=True
+)
 def bypass_mode(inputs: PolicyLossInputs, settings: BypassSettings) -> Result:
     """Rollout-correction bypass (Liu, Li et al., https://richardli.xyz/rl-collapse; verl):
     PPO-clip (or REINFORCE) with ``r = π_θ / π_rollout``: the rollout policy is the old policy.

@@ -12,7 +12,10 @@ e.g. ``@register_adv_estimator("gae", needs=("values",))``: the driver starts a 
 the estimator says it reads values, not because its name is ``gae``. ``groups=True`` marks an
 estimator whose baseline is its group (``rollout.n`` samples of one prompt);
 ``agg_modes=(...)`` lists the loss aggregations a policy loss can be used with (any, if
-absent). ``settings=`` is the function's settings class, a frozen dataclass: its fields are the
+absent); ``advantage_scaled=True`` says that each row's policy loss is its advantages times
+something finite that depends on no other row, so a row whose advantages are all zero has
+exactly zero gradient and the actor's update may leave it out (``actor.skip_zero_advantage``).
+``settings=`` is the function's settings class, a frozen dataclass: its fields are the
 knobs the function reads (``knobs(name)``, the config settings of the same names, which the
 caller passes it, no others; a registry's ``shared`` fields, DPO's ``beta``, every function
 reads and are not counted). An aggregation mode lists its knobs as ``knobs=(...)``.
@@ -74,6 +77,7 @@ _UNSET_FACTS: dict[str, Any] = {
     "positive": (),
     "batchwise": False,
     "kl": False,
+    "advantage_scaled": False,
 }
 
 
@@ -105,6 +109,7 @@ class Registry(Generic[F]):
         positive: tuple[str, ...] = (),
         batchwise: bool = False,
         kl: bool = False,
+        advantage_scaled: bool = False,
     ) -> Callable[[F], F]:
         """Decorator: register the function under ``name``; a name can be registered once.
 
@@ -129,6 +134,7 @@ class Registry(Generic[F]):
             "positive": positive,
             "batchwise": batchwise,
             "kl": kl,
+            "advantage_scaled": advantage_scaled,
         }
         info = {k: v for k, v in facts.items() if v != _UNSET_FACTS[k]}
 

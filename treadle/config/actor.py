@@ -94,6 +94,17 @@ class ActorConfig(Section):
         "KL in the reward); otherwise the update's first forward gives them, detached: the "
         "same ratio (1) and gradient, one forward pass fewer.",
     )
+    skip_zero_advantage: bool = Field(
+        True,
+        description="Leave out of the actor's update the rows whose advantages are all zero "
+        "(a GRPO group whose rewards are all equal): where the policy loss is a multiple of "
+        "the advantage (ppo, gspo, cispo, gpg, sapo, geo_mean, dppo, bypass_mode) and there is "
+        "no KL loss (algorithm.kl_coef=0) nor entropy bonus, such a row adds exactly nothing "
+        "to the loss or its gradient; the loss keeps its denominators (the whole mini-batch's "
+        "tokens and rows), so the update is the same, with fewer forward and backward passes. "
+        "actor/entropy and the rollout mismatch are then measured on the rows the update "
+        "computes; actor/rows_skipped is the fraction left out.",
+    )
     logprob_chunk_size: int = Field(
         512, gt=0, description="Label tokens per chunk when computing log-probs from hidden states."
     )

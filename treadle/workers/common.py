@@ -4,7 +4,8 @@ A role module (:mod:`~treadle.workers.actor`, :mod:`~treadle.workers.critic`,
 :mod:`~treadle.workers.reward_model`) builds its engines with :func:`engine_options` (and
 :func:`value_engine` for value models), lays a batch out as token sequences with
 :func:`prompt_response` or :func:`pair_sequences`, cuts it with :func:`micro_batches` (or
-:func:`ppo_mini_batches`) and makes its losses global over ranks with :func:`global_sums`.
+:func:`ppo_mini_batches`; :func:`rows_with_gradient` leaves out the rows without a gradient)
+and makes its losses global over ranks with :func:`global_sums`.
 """
 
 from __future__ import annotations
@@ -204,6 +205,18 @@ def micro_batches(
     dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere
     groups = token_micro_batches(lens, actor.max_tokens_per_micro_batch, int(need))
     return [torch.tensor(g, dtype=torch.long) for g in groups]
+
+
+def rows_with_gradient(batch: Batch) -> torch.Tensor:
+    """Indices (in order) of the rows of ``batch`` with a non-zero advantage on a response
+    token, topped up with zero-advantage rows to the most any rank has, and at least one:
+    every rank must run as many forward and backward passes (FSDP's collectives), and a
+    zero-advantage row adds nothing to an advantage-scaled loss (``actor.skip_zero_advantage``)."""
+    live = ((batch["advantages"] != 0) & batch["response_mask"].bool()).any(1)
+    most = torch.tensor([int(live.sum())])
+    dist.all_reduce(most, op=dist.ReduceOp.MAX)
+    filler = (~live).nonzero().flatten()[: max(int(most), 1) - int(live.sum())]
+    return torch.cat([live.nonzero().flatten(), filler]).sort().values
 
 
 def ppo_mini_batches(batch: Batch, epochs: int, size: int) -> Iterator[Batch]:

@@ -69,6 +69,7 @@ from treadle.workers.common import (
     pixels,
     ppo_mini_batches,
     prompt_response,
+    rows_with_gradient,
     unpaired_logps,
 )
 
@@ -189,29 +190,49 @@ class PolicyGradient(Objective[dict[str, Any]]):
     Without ``old_log_probs`` in the batch (the driver skipped that pass: on-policy, one
     optimizer step) each micro-batch's own forward is the old policy, and the rollout
     mismatch is measured here.
+
+    Rows whose advantages are all zero are left out of the forward and backward passes where
+    they add exactly nothing (:func:`skips_zero_advantage`); the loss keeps the whole
+    step's counts, so its value and gradient are those of the whole step.
     """
 
     prefix = "actor/"
+
+    def __init__(self, policy: Policy) -> None:
+        super().__init__(policy)
+        self.skip_zero_advantage = skips_zero_advantage(self.cfg)
 
     def steps(self, batch: Batch) -> Iterable[Batch]:
         a = self.cfg.actor
         return ppo_mini_batches(batch, a.ppo_epochs, a.ppo_mini_batch_size // self.policy.dp_size)
 
     def prepare(self, step: Batch) -> tuple[list[Batch], dict[str, Any]]:
-        # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss.
+        # Global counts make the micro-batch losses (summed over ranks) the mini-batch loss:
+        # the whole step's, also when the rows without a gradient are left out.
         world = self.policy.dp_size
-        tokens = self.policy.global_sums(float(step["response_mask"].sum()))[0] / world
+        rows = step.select(rows_with_gradient(step)) if self.skip_zero_advantage else step
+        tokens, computed, computed_rows = self.policy.global_sums(
+            float(step["response_mask"].sum()), float(rows["response_mask"].sum()), len(rows)
+        )
         agg = {
-            "num_tokens": max(tokens, 1.0),
+            "num_tokens": max(tokens / world, 1.0),
             "num_seqs": float(len(step)),
             "dp_size": world,
             "norm_constant": self.cfg.algorithm.loss_scale_factor,
         }
-        return [step.select(idx) for idx in micro_batches(step, self.cfg.actor)], agg
+        # the metrics' own: the rows computed (the same as agg when none is left out)
+        measured = {**agg, "num_tokens": max(computed / world, 1.0), "num_seqs": float(len(rows))}
+        counts = {
+            "agg": agg,
+            "measured": measured,
+            "skipped": 1.0 - computed_rows / (len(step) * world),
+        }
+        return [rows.select(idx) for idx in micro_batches(rows, self.cfg.actor)], counts
 
     def step_metrics(
         self, metrics: dict[str, float], micros: int, counts: dict[str, Any]
     ) -> dict[str, float]:
+        metrics["actor/rows_skipped"] = counts["skipped"]
         metrics["actor/clip_frac"] /= micros
         if "actor/rollout_corr_over_cap_frac" in metrics:
             metrics["actor/rollout_corr_over_cap_frac"] /= micros
@@ -254,8 +275,9 @@ class PolicyGradient(Objective[dict[str, Any]]):
         old = logp.detach()
         return old, mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
 
-    def loss(self, mb: Batch, agg: dict[str, Any]) -> MicroLoss:
+    def loss(self, mb: Batch, counts: dict[str, Any]) -> MicroLoss:
         alg = self.cfg.algorithm
+        agg = counts["agg"]
         device = self.policy.device
         ids, mask = prompt_response(mb, device)
         logp, ent, full_kl = self._forward(ids, mask, mb["responses"].shape[1], pixels(mb, device))
@@ -297,11 +319,26 @@ class PolicyGradient(Objective[dict[str, Any]]):
             kl = agg_loss(per_token, rmask, alg.loss_agg_mode, **agg)
             loss = loss + alg.kl_coef * kl
             metrics["actor/kl"] = float(kl.detach())
-        entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **agg)
-        if alg.entropy_coef:
+        if alg.entropy_coef:  # then no row is left out: measured == agg
+            entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **agg)
             loss = loss - alg.entropy_coef * entropy
+        else:
+            entropy = agg_loss(ent.detach(), rmask, alg.loss_agg_mode, **counts["measured"])
         metrics["actor/entropy"] = float(entropy.detach())
         return MicroLoss(loss, metrics, mismatch)
+
+
+def skips_zero_advantage(cfg: Config) -> bool:
+    """Whether the actor's update leaves out the rows whose advantages are all zero
+    (``actor.skip_zero_advantage``): only where they add exactly nothing, an advantage-scaled
+    policy loss (its registration fact) with no KL loss and no entropy bonus."""
+    alg = cfg.algorithm
+    return (
+        cfg.actor.skip_zero_advantage
+        and bool(POLICY_LOSSES.info(alg.policy_loss).get("advantage_scaled"))
+        and alg.kl_coef == 0
+        and not alg.entropy_coef
+    )
 
 
 # ----------------------------------------------------------------------------- SFT
