@@ -27,6 +27,7 @@ from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.parallel import Layout, Meshes
+from treadle.memory import keep_heap
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.startup import PartTimer
 
@@ -51,6 +52,7 @@ class RoleWorker(Worker):
         **role: Any,
     ) -> None:
         torch.set_num_threads(threads)
+        keep_heap()  # an update's activations reuse the last one's pages (treadle.memory)
         self.startup = PartTimer()
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config

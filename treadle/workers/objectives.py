@@ -60,7 +60,7 @@ from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
 from treadle.engines.fsdp import TrainEngine
 from treadle.engines.heads import LogProbRequest, PairTerm
-from treadle.memory import trim_heap
+from treadle.memory import release_heap
 from treadle.protocol import Batch
 from treadle.workers.common import (
     global_sums,
@@ -151,7 +151,7 @@ def update(engine: TrainEngine, objective: Objective, batch: Batch) -> dict[str,
         dist.all_reduce(sums, group=group)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         metrics.update(mismatch_metrics(torch.cat([sums, top])))
-    trim_heap()  # what the update freed goes back to the system (treadle.memory)
+    release_heap()  # what the update freed goes back to the system, when much (treadle.memory)
     return metrics
 
 
