@@ -61,9 +61,10 @@ def _libc() -> Any:
         libc = ctypes.CDLL("libc.so.6")
     except OSError:  # not glibc (musl): nothing to trim
         return None
-    if not all(hasattr(libc, f) for f in ("malloc_trim", "mallopt", "mallinfo2")):
-        return None  # glibc before 2.33
-    libc.mallinfo2.restype = _MallInfo2
+    if not hasattr(libc, "malloc_trim"):
+        return None
+    if hasattr(libc, "mallinfo2"):  # glibc 2.33 and later
+        libc.mallinfo2.restype = _MallInfo2
     return libc
 
 
@@ -80,7 +81,7 @@ def keep_heap() -> bool:
 def free_heap_bytes() -> int | None:
     """Bytes free in the heap's arenas (glibc's ``mallinfo2().fordblks``); None: unknown."""
     libc = _libc()
-    return None if libc is None else int(libc.mallinfo2().fordblks)
+    return int(libc.mallinfo2().fordblks) if hasattr(libc, "mallinfo2") else None
 
 
 def trim_heap() -> bool:
@@ -93,6 +94,7 @@ def trim_heap() -> bool:
 
 
 def release_heap(keep: int = KEEP) -> bool:
-    """:func:`trim_heap` once more than ``keep`` bytes are free in the arenas; whether it ran."""
+    """:func:`trim_heap` once more than ``keep`` bytes are free in the arenas (always where
+    that cannot be read); whether it ran."""
     free = free_heap_bytes()
-    return free is not None and free > keep and trim_heap()
+    return (free is None or free > keep) and trim_heap()
