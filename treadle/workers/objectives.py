@@ -319,11 +319,10 @@ class PolicyGradient(Objective[dict[str, Any]]):
             kl = agg_loss(per_token, rmask, alg.loss_agg_mode, **agg)
             loss = loss + alg.kl_coef * kl
             metrics["actor/kl"] = float(kl.detach())
-        if alg.entropy_coef:  # then no row is left out: measured == agg
-            entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **agg)
+        # over the rows computed: agg's counts, unless rows were left out (then no bonus)
+        entropy = agg_loss(ent, rmask, alg.loss_agg_mode, **counts["measured"])
+        if alg.entropy_coef:
             loss = loss - alg.entropy_coef * entropy
-        else:
-            entropy = agg_loss(ent.detach(), rmask, alg.loss_agg_mode, **counts["measured"])
         metrics["actor/entropy"] = float(entropy.detach())
         return MicroLoss(loss, metrics, mismatch)
 
