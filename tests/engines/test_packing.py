@@ -355,6 +355,13 @@ def test_rows_without_advantage_are_left_out_with_the_same_loss_and_gradients(ti
             assert_same_grads(grads, want_grads)
     finally:
         group.shutdown()
+    # actor/entropy, in the last update's mode (seq-mean-token-mean), is over the rows computed
+    ids, mask = joined(batch)
+    with torch.no_grad():
+        _, ent = plain_log_probs(load_causal_lm(path), ids, mask, 8)
+    live = batch["response_mask"][[0, 3, 5]].float()
+    want_entropy = ((ent[[0, 3, 5]] * live).sum(1) / live.sum(1)).mean()
+    assert metrics["actor/entropy"] == pytest.approx(float(want_entropy), rel=1e-5)
 
 
 @pytest.mark.parametrize(
