@@ -29,6 +29,8 @@ import logging
 import os
 import signal
 import sys
+import threading
+import traceback
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,11 +44,65 @@ from treadle.errors import (
     note_signal,
     raise_if_signalled,
     stop_cause,
+    stop_line,
 )
 from treadle.faults import failpoint
 from treadle.omp import openmp_env
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# After a stop signal, the command's clean-up (workers shut down, files closed) gets this long.
+STOP_GRACE_S = 60.0
+
+
+class _Overrun:
+    """The command line's own process ends within :data:`STOP_GRACE_S` of a stop signal, or
+    at once on a second one, whatever its clean-up waits for (a wait that never ended once
+    kept a stopped run alive): it says where it stood and exits with the stop's code, and the
+    reaper (:mod:`treadle.reaper`) takes Ray's processes with it. Nothing already written is
+    lost: checkpoints are sealed or not there, the metrics of each step logged as it ended.
+
+    A thread started with the command waits for the signals; the handler only sets an event
+    (it may run while the main thread holds any lock, ``threading``'s own included)."""
+
+    def __init__(self) -> None:
+        self.first, self.second = threading.Event(), threading.Event()
+        self.code: int | None = None  # the command's exit code, once its outcome is settled
+        self.thread: threading.Thread | None = None
+        self.main = 0  # the main thread's id (where the clean-up runs)
+
+    def arm(self) -> None:
+        """Watch from now on (this process's own command line only: not main(argv) in tests)."""
+        if self.thread is None:
+            self.main = threading.get_ident()
+            self.thread = threading.Thread(target=self._watch, name="treadle stop", daemon=True)
+            self.thread.start()
+
+    def signalled(self) -> bool:
+        """Note a stop signal; whether it ends the command here and now (a second one, armed):
+        then nothing must unwind meanwhile (the line said would not be the last)."""
+        if not self.first.is_set():
+            self.first.set()
+            return False
+        self.second.set()
+        return self.thread is not None
+
+    def _watch(self) -> None:
+        self.first.wait()
+        second = self.second.wait(STOP_GRACE_S)
+        how, code = stop_cause()
+        if self.code is None:  # the line a stop ends with is not out yet
+            lines = []
+            if not second:
+                frame = sys._current_frames().get(self.main)
+                stack = traceback.format_stack(frame)[-6:] if frame is not None else []
+                lines.append(f"treadle: the clean-up did not end in {STOP_GRACE_S:g} s; it was at")
+                lines += [line.rstrip() for line in stack]
+            lines.append(f"treadle: {stop_line(how)}")
+            os.write(2, ("\n".join(lines) + "\n").encode())  # not sys.stderr: it may be locked
+        os._exit(code if self.code is None else self.code)
+
+
+_overrun = _Overrun()
 
 
 def _config(args: argparse.Namespace):
@@ -434,9 +490,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run one command; its exit code. ``argv`` None: this process's own command line, which
     then ends with this command (see :func:`_stop_signals`)."""
     clear_signals()  # a command run in-process before this one (tests) noted its own
+    if argv is None:
+        _overrun.arm()
     before = _stop_signals(_on_signal)  # first: Ctrl-C or SIGTERM from here on stops the command
     try:
-        return _main(argv)
+        _overrun.code = _main(argv)
+        return _overrun.code
     finally:
         # The outcome is settled: a signal now (Ray's exit handler, Python's teardown, which
         # would put the default action, death without a word, back) changes nothing.
@@ -479,7 +538,7 @@ def _main(argv: Sequence[str] | None) -> int:
         return e.exit_code
     except KeyboardInterrupt as e:  # before a run's loop started, or outside one
         how, code = stop_cause(e)
-        print(f"treadle: stopped by {how}", file=sys.stderr)
+        print(f"treadle: {stop_line(how)}", file=sys.stderr)
         return code
     except TreadleError as e:
         for line in str(e).splitlines() or [type(e).__name__]:  # one line per problem
@@ -502,6 +561,8 @@ def _on_signal(signum: int, frame: object) -> None:
     """Ctrl-C and SIGTERM: noted (it cannot be lost, see treadle.errors) and raised, so the
     command unwinds from wherever it is; SIGTERM as Terminated, a KeyboardInterrupt."""
     note_signal(signum)
+    if _overrun.signalled():  # a second one: the process exits at once (its stop thread)
+        return
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 

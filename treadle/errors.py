@@ -6,7 +6,9 @@ sample) and, when it can, how to fix it. Bugs inside treadle stay ordinary Pytho
 
 from __future__ import annotations
 
+import contextlib
 import signal
+from collections.abc import Callable, Iterator
 
 
 class TreadleError(Exception):
@@ -64,6 +66,27 @@ def stop_cause(error: BaseException | None = None) -> tuple[str, int]:
     """("Ctrl-C", 130) or ("SIGTERM", 143): the first stop signal noted, else ``error``'s kind."""
     term = _received[0] == signal.SIGTERM if _received else isinstance(error, Terminated)
     return ("SIGTERM", 143) if term else ("Ctrl-C", 130)
+
+
+# Where a run stands, for the line that says it stopped ("during step 3; the last checkpoint is
+# ...: the same command resumes from it"): set by the loop that runs (Trainer.fit).
+_whereabouts: list[Callable[[], str]] = []
+
+
+@contextlib.contextmanager
+def whereabouts(where: Callable[[], str]) -> Iterator[None]:
+    """While in this block, :func:`stop_line` adds ``where()`` to what it says."""
+    _whereabouts.append(where)
+    try:
+        yield
+    finally:
+        _whereabouts.remove(where)
+
+
+def stop_line(how: str) -> str:
+    """ "stopped by <how>", and where the run stands when a loop is running."""
+    where = _whereabouts[-1]() if _whereabouts else ""
+    return f"stopped by {how} {where}" if where else f"stopped by {how}"
 
 
 def raise_if_signalled() -> None:

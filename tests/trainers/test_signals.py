@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -178,3 +179,62 @@ def test_the_note_tells_sigterm_from_ctrl_c_and_cannot_be_lost():
         errors.clear_signals()
     assert errors.stop_cause(KeyboardInterrupt()) == ("Ctrl-C", 130)
     errors.raise_if_signalled()  # nothing noted: nothing raised
+
+
+# A command whose clean-up after a stop never ends: ``treadle.cli`` run as the process's own
+# command line (``main()``), its command swapped for one that stands "during step 2", stops
+# itself with SIGINT and then waits forever in its clean-up (as a wait that never ended once
+# did), after a line on stdout that says so.
+_STUCK = """
+import os, signal, sys, threading
+import treadle.cli as cli
+from treadle.errors import whereabouts
+cli.STOP_GRACE_S = float(sys.argv[1])
+
+def command(argv):
+    with whereabouts(lambda: "during step 2; the last checkpoint is step_1"):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            threading.Event().wait(60)  # the signal lands here
+        finally:
+            print("cleaning up", flush=True)
+            threading.Event().wait()  # and the clean-up never ends
+    return 0
+
+cli._main = command
+sys.exit(cli.main())
+"""
+
+
+def _stuck(grace: float, tmp_path: Path) -> subprocess.Popen[str]:
+    (tmp_path / "stuck.py").write_text(_STUCK)
+    return subprocess.Popen(
+        [sys.executable, str(tmp_path / "stuck.py"), str(grace)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+
+
+def test_a_clean_up_that_never_ends_still_ends_the_command_after_the_grace(tmp_path):
+    proc = _stuck(1.0, tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert (proc.returncode, stdout) == (130, "cleaning up\n")
+    lines = stderr.strip().splitlines()
+    assert lines[0] == "treadle: the clean-up did not end in 1 s; it was at"
+    assert "in command" in stderr and "threading.Event().wait()  # and the clean-up" in stderr
+    assert lines[-1] == "treadle: stopped by Ctrl-C during step 2; the last checkpoint is step_1"
+    assert "Traceback" not in stderr
+
+
+def test_a_second_ctrl_c_ends_the_command_at_once(tmp_path):
+    proc = _stuck(600.0, tmp_path)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "cleaning up\n"
+        os.kill(proc.pid, signal.SIGINT)
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    last = "treadle: stopped by Ctrl-C during step 2; the last checkpoint is step_1"
+    assert (proc.returncode, stderr) == (130, last + "\n")

@@ -18,7 +18,14 @@ from treadle import checkpoint as ckpt
 from treadle import startup
 from treadle.config import Config
 from treadle.controller import WorkerGroup
-from treadle.errors import Stopped, WorkerDied, raise_if_signalled, stop_cause
+from treadle.errors import (
+    Stopped,
+    WorkerDied,
+    raise_if_signalled,
+    stop_cause,
+    stop_line,
+    whereabouts,
+)
 from treadle.faults import failpoint
 from treadle.rewards import Scorer
 from treadle.rollout.client import RolloutError
@@ -123,40 +130,48 @@ class Trainer(Launch):
     def fit(self) -> dict[str, float]:
         """Run until ``total``; returns the last step's metrics. Ctrl-C (or SIGTERM, from the
         command line) stops it with :class:`Stopped`, after the workers are shut down."""
-        t, metrics = self.cfg.trainer, {}
-        step = self.start
-        try:
-            with self.open_tracker() as tracker, self.held_records(tracker) as held:
-                started = startup.startup_metrics()
-                for step in range(self.start + 1, self.total + 1):
-                    failpoint("begin", step)
-                    metrics = {**self.run_step(step), **started}
-                    raise_if_signalled()  # one whose exception was lost in the step
-                    started = {}
-                    last = step == self.total
-                    saving = last or bool(t.save_every and step % t.save_every == 0)
-                    # a checkpoint ranked by its step's evaluation waits for one running beside
-                    wait = last or (saving and t.keep_best is not None)
-                    held.add((step, metrics, self.samples), wait)
-                    self.samples = []
-                    failpoint("step", step)
-                    if not all(math.isfinite(v) for v in metrics.values()):
-                        raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
-                    if saving:
-                        self.save(step, metrics, last)
-                        failpoint("sealed", step)
-        except KeyboardInterrupt as e:
-            how, code = stop_cause(e)
-            hint = resume_hint(self.cfg)
-            raise Stopped(f"stopped by {how} during step {step}; {hint}", code) from None
-        except (WorkerDied, RolloutError) as e:  # a process of the run is gone
-            raise type(e)(f"step {step}: {e}; {resume_hint(self.cfg)}") from None
-        finally:
-            self.close()
+        self.at_step = self.start  # the step under way
+        # what the line a stop ends with says, also where a clean-up after it overruns (cli)
+        with whereabouts(lambda: f"during step {self.at_step}; {resume_hint(self.cfg)}"):
+            try:
+                with self.open_tracker() as tracker, self.held_records(tracker) as held:
+                    metrics = self.run_steps(held)
+            except KeyboardInterrupt as e:
+                how, code = stop_cause(e)
+                raise Stopped(stop_line(how), code) from None
+            except (WorkerDied, RolloutError) as e:  # a process of the run is gone
+                raise type(e)(f"step {self.at_step}: {e}; {resume_hint(self.cfg)}") from None
+            finally:
+                self.close()
         if self.console is not None:
             self.console.print(f"final model: {self.out / 'final_model'}{self.final_note}")
-            if "jsonl" in t.loggers:
+            if "jsonl" in self.cfg.trainer.loggers:
                 self.console.print(f"report: treadle report {self.out}")
+        return metrics
+
+    def run_steps(self, held: HeldRecords) -> dict[str, float]:
+        """The steps after ``start``, each logged and checkpointed as the config says; the last
+        one's metrics."""
+        t, metrics = self.cfg.trainer, {}
+        started = startup.startup_metrics()
+        for step in range(self.start + 1, self.total + 1):
+            self.at_step = step
+            failpoint("begin", step)
+            metrics = {**self.run_step(step), **started}
+            raise_if_signalled()  # one whose exception was lost in the step
+            started = {}
+            last = step == self.total
+            saving = last or bool(t.save_every and step % t.save_every == 0)
+            # a checkpoint ranked by its step's evaluation waits for one running beside
+            wait = last or (saving and t.keep_best is not None)
+            held.add((step, metrics, self.samples), wait)
+            self.samples = []
+            failpoint("step", step)
+            if not all(math.isfinite(v) for v in metrics.values()):
+                raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
+            if saving:
+                self.save(step, metrics, last)
+                failpoint("sealed", step)
         return metrics
 
     def save(self, step: int, metrics: dict[str, float], last: bool) -> None:
