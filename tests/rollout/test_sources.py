@@ -427,3 +427,32 @@ def test_groups_dynamic_sampling_takes_on_top_are_admitted_within_the_bound():
     assert all(m["async/dropped"] == 0 and m["async/staleness_max"] <= 1 for _, m in steps)
     assert any(m["rollout/kept_group_frac"] < 1 for _, m in steps)
     assert max(rollout.started) > 6  # it drew more than a step-batch a step
+
+
+def test_rollout_idle_leaves_out_a_replica_that_died_or_started_afresh():
+    """The soak test kills replicas: one dead when the step's metrics are taken (its busy time
+    None) or restarted since (its count from 0 again) is left out of that step's idle fraction,
+    and the step goes on."""
+
+    class Replicas(FakeRollout):
+        busy: tuple[float | None, ...] = ()
+
+        def busy_seconds(self) -> list[float | None]:  # type: ignore[override]
+            return list(self.busy)
+
+    rollout = Replicas()
+    producer = _producer(rollout)
+    try:
+        producer._busy = [1.0, 2.0]
+
+        def idle(busy: list[float | None]) -> float | None:
+            rollout.busy = tuple(busy)
+            producer._clock = time.perf_counter() - 10.0  # ten seconds since the last call
+            return producer.metrics(step_seconds=1.0).get("async/rollout_idle_frac")
+
+        assert idle([None, 7.0]) == pytest.approx(0.5, abs=0.01)  # replica 0 died: 5 s of 10
+        assert idle([0.5, 7.0]) == pytest.approx(1.0, abs=0.01)  # it is back, from 0: left out
+        assert idle([2.5, 9.0]) == pytest.approx(0.8, abs=0.01)  # both again: 2 s busy each
+        assert idle([None, None]) is None and producer._busy == [None, None]
+    finally:
+        rollout.client.close()

@@ -329,11 +329,18 @@ class Rollout:
         self.version = version
         return {"rollout/weight_sync_bytes": float(sent)}
 
-    def busy_seconds(self) -> list[float]:
-        """Per split replica, the seconds its engine has had requests in flight."""
+    def busy_seconds(self) -> list[float | None]:
+        """Per split replica, the seconds its engine has had requests in flight (None: the
+        replica died, its restart is the rollout's to make)."""
         import ray
 
-        return [float(x) for x in ray.get([r.busy_seconds.remote() for r in self.replicas])]
+        out: list[float | None] = []
+        for future in [r.busy_seconds.remote() for r in self.replicas]:
+            try:
+                out.append(float(ray.get(future)))
+            except ray.exceptions.RayActorError:
+                out.append(None)
+        return out
 
     def close(self) -> None:
         if self.endpoint is not None:

@@ -401,7 +401,7 @@ class AsyncSource:
         self.waited = 0.0  # seconds the last sample waited for the buffer
         self._producer: Any = None
         self.evals: list[_Eval] = []  # sent, not yet collected
-        self._busy: list[float] | None = None
+        self._busy: list[float | None] | None = None
         self._clock = time.perf_counter()
 
     # ------------------------------------------------------------------ producer (client loop)
@@ -606,8 +606,14 @@ class AsyncSource:
         if self._busy is not None:
             now, busy = time.perf_counter(), self.rollout.busy_seconds()
             wall = max(now - self._clock, 1e-9)
-            idle = [1 - (b - b0) / wall for b, b0 in zip(busy, self._busy, strict=True)]
-            out["async/rollout_idle_frac"] = min(max(sum(idle) / len(idle), 0.0), 1.0)
+            # a replica that died, or started afresh (its count from 0), since: left out
+            idle = [
+                1 - (b - b0) / wall
+                for b, b0 in zip(busy, self._busy, strict=True)
+                if b is not None and b0 is not None and b >= b0
+            ]
+            if idle:
+                out["async/rollout_idle_frac"] = min(max(sum(idle) / len(idle), 0.0), 1.0)
             self._busy, self._clock = busy, now
         return out
 
