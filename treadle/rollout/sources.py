@@ -605,17 +605,25 @@ class AsyncSource:
         out = {"async/trainer_idle_frac": self.waited / max(step_seconds, 1e-9)}
         if self._busy is not None:
             now, busy = time.perf_counter(), self.rollout.busy_seconds()
-            wall = max(now - self._clock, 1e-9)
-            # a replica that died, or started afresh (its count from 0), since: left out
-            idle = [
-                1 - (b - b0) / wall
-                for b, b0 in zip(busy, self._busy, strict=True)
-                if b is not None and b0 is not None and b >= b0
-            ]
-            if idle:
-                out["async/rollout_idle_frac"] = min(max(sum(idle) / len(idle), 0.0), 1.0)
+            idle = _idle_fraction(self._busy, busy, max(now - self._clock, 1e-9))
+            if idle is not None:
+                out["async/rollout_idle_frac"] = idle
             self._busy, self._clock = busy, now
         return out
+
+
+def _idle_fraction(
+    before: list[float | None], after: list[float | None], wall: float
+) -> float | None:
+    """The replicas' mean idle fraction over ``wall`` seconds from their busy seconds
+    ``before`` and ``after``; a replica that died, or started afresh (its count from 0), in
+    between is left out (None: none is left)."""
+    idle = [
+        1 - (b - b0) / wall
+        for b0, b in zip(before, after, strict=True)
+        if b is not None and b0 is not None and b >= b0
+    ]
+    return min(max(sum(idle) / len(idle), 0.0), 1.0) if idle else None
 
 
 def _answered(evals: list[_Eval]) -> float | None:
