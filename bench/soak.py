@@ -17,7 +17,8 @@ It prints: the steps done, the replica and reward-worker restarts the run counte
 (`rollout/replica_restarts`, `reward/worker_restarts`), the samples lost (steps whose batch was
 short of `data.batch_size x rollout.n`, summed; must be 0), `async/dropped`, the worst growth
 of a process's peak resident memory, from the second quarter of the run to its last (at most
-10%; the run's own processes and Ray's daemons apart; the killed ones are not compared), the
+10%; the run's own processes and Ray's daemons apart; the killed ones are not compared, nor
+a process in its first 90 s, its start-up), the
 open file descriptors of the driver, and the greedy held-out accuracy (200 problems) of both
 runs' last evaluations. Both runs start from a
 300-step SFT warm start of the tiny model (made first, about two minutes).
@@ -43,6 +44,7 @@ BATCH, N = 8, 4
 MAX_VALUE = 39  # operands 0..39: the tiny model learns them in a short warm start
 WARM_STEPS = 300
 LOOKS = 20  # at the run's memory, evenly spread
+SETTLED_S = 90  # a process's memory is looked at from this age on (its start-up is over)
 CONFIG = "examples/arithmetic/grpo.yaml"  # every setting it has is overridden below
 
 
@@ -113,12 +115,15 @@ def ours(name: str) -> bool:
 
 
 def rss(procs: dict[str, list], driver: int) -> dict[int, tuple[str, float]]:
-    """Each process's label and resident memory (MiB), by pid."""
+    """Each process's label and resident memory (MiB), by pid: those past their start-up
+    (:data:`SETTLED_S` old), so that a replica restarted shortly before the early window is
+    not compared from its half-loaded self (it once made a +164% "growth")."""
     out = {}
     for group in procs.values():
         for p in group:
             try:
-                out[p.pid] = (label(p, driver), p.memory_info().rss / 2**20)
+                if time.time() - p.create_time() >= SETTLED_S:
+                    out[p.pid] = (label(p, driver), p.memory_info().rss / 2**20)
             except Exception:
                 continue
     return out

@@ -108,4 +108,4 @@ def test_serve_stops_cleanly_with_requests_in_flight(tiny_task, tmp_path):
             proc.wait()
     assert returncode == 130, err[-3000:]
     assert "Traceback" not in err and "never retrieved" not in err, err[-3000:]
-    assert err.strip().splitlines()[-1] == "treadle: stopped by Ctrl-C"
+    assert err.strip().splitlines()[-1] == "treadle: stopped by Ctrl-C", err[-3000:]

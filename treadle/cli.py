@@ -31,6 +31,7 @@ import signal
 import sys
 import threading
 import traceback
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -563,6 +564,9 @@ def _on_signal(signum: int, frame: object) -> None:
     note_signal(signum)
     if _overrun.signalled():  # a second one: the process exits at once (its stop thread)
         return
+    # A coroutine made but not yet awaited where this lands is never awaited: Python would
+    # warn of it as the stop's traceback lets go of it, after the stop line.
+    warnings.filterwarnings("ignore", "coroutine .* was never awaited", RuntimeWarning)
     raise Terminated() if signum == signal.SIGTERM else KeyboardInterrupt()
 
 

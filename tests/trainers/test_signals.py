@@ -238,3 +238,32 @@ def test_a_second_ctrl_c_ends_the_command_at_once(tmp_path):
         proc.kill()
     last = "treadle: stopped by Ctrl-C during step 2; the last checkpoint is step_1"
     assert (proc.returncode, stderr) == (130, last + "\n")
+
+
+_UNAWAITED = """
+import argparse, asyncio, os, signal, sys, threading
+import treadle.cli as cli
+
+async def answer():
+    return 1
+
+def command(args):
+    pending = answer()  # a coroutine made, and the stop lands before it is awaited
+    os.kill(os.getpid(), signal.SIGINT)
+    threading.Event().wait(60)
+    asyncio.run(pending)
+
+cli.parse = lambda argv: argparse.Namespace(fn=command)
+sys.exit(cli.main())
+"""
+
+
+def test_a_coroutine_the_stop_left_unawaited_says_nothing_after_the_stop_line(tmp_path):
+    """Python warns of a coroutine never awaited when the stop's traceback lets go of it, after
+    the stop line (a request in flight in `treadle serve` once did): not once stopped."""
+    (tmp_path / "unawaited.py").write_text(_UNAWAITED)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "unawaited.py")],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (130, "treadle: stopped by Ctrl-C\n")
