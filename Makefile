@@ -17,7 +17,7 @@ VLLM    := vllm
 BROKEN  :=
 endif
 
-.PHONY: install demo test test-fast lint typecheck browser clean
+.PHONY: install demo test test-fast lint typecheck browser facts clean
 
 install: $(STAMP)
 
@@ -55,6 +55,14 @@ test: lint typecheck browser
 # The edit-run loop: everything but the `slow` tests (those that start Ray or a real engine).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+# What `treadle check` reads instead of importing torch, written again after a change to the
+# algorithms' registrations or to transformers (tests hold both files to the live code):
+# treadle/algorithms/builtin_facts.json, the built-in algorithms' names and facts;
+# treadle/hf_facts.json, the tokenizer class AutoTokenizer picks for a folder, model types.
+facts: $(STAMP)
+	$(PY) -c "from treadle.algorithms.registry import write_builtin_facts; write_builtin_facts()"
+	$(PY) -c "from treadle.hf_facts import write_facts; write_facts()"
 
 clean:
 	rm -rf runs data/arithmetic

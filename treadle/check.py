@@ -262,16 +262,14 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
 
 
 def _known_model_type(model_type: str) -> bool:
-    """Whether this transformers knows ``model_type``; one of its own is remembered (asking
-    imports torch), one registered in this process is not."""
-    key = ["model_type", model_type, *cache.versions("transformers")]
-    if cache.lookup("model_type", key):
+    """Whether this transformers knows ``model_type``: one of its own from :mod:`treadle.hf_facts`
+    (asking it imports torch), else (one registered in this process) asked."""
+    from treadle.hf_facts import known_model_type
+
+    if known_model_type(model_type):
         return True
     from transformers import CONFIG_MAPPING
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 
-    if model_type in CONFIG_MAPPING_NAMES:
-        cache.store("model_type", key, True, [])
     return model_type in CONFIG_MAPPING
 
 

@@ -71,6 +71,13 @@ def model_config(path: str, key: str, allow_download: bool) -> dict[str, Any]:
     return config
 
 
+def is_vision_language(path: str | Path) -> bool:
+    """Whether the model folder at ``path`` is a vision-language model (its config.json has a
+    ``vision_config``): loaded as ``AutoModelForImageTextToText``, with an image processor."""
+    file = Path(path) / "config.json"
+    return file.is_file() and "vision_config" in json.loads(file.read_text(encoding="utf-8"))
+
+
 def vocab_size(config: dict[str, Any]) -> int | None:
     """The vocabulary size a model's config.json gives (a multimodal one's text model's)."""
     size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
@@ -126,10 +133,15 @@ def load_tokenizer(
         memo = (str(folder.resolve()), *files)
         if memo in _LOADED:
             return _LOADED[memo]
-    from transformers import AutoTokenizer
+    from treadle.hf_facts import tokenizer_class
 
+    found = tokenizer_class(resolved) if memo is not None else None  # (without AutoTokenizer's
+    if found is None:  # import, which imports torch)
+        from transformers import AutoTokenizer
+
+        found = AutoTokenizer
     try:
-        tokenizer = AutoTokenizer.from_pretrained(resolved)
+        tokenizer = found.from_pretrained(resolved)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a tokenizer from '{path}': {e}") from e
     if memo is not None:

@@ -29,6 +29,7 @@ from treadle.model_folders import (  # the folder helpers (no torch), for caller
     ADAPTER_DIR,
     PROCESSOR_FILES,
     TOKENIZER_FILES,  # noqa: F401
+    is_vision_language,
     load_tokenizer,  # noqa: F401
     model_config,  # noqa: F401
     resolve_model_path,
@@ -67,13 +68,6 @@ def load_causal_lm(
         return auto.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a causal LM from '{path}': {e}") from e
-
-
-def is_vision_language(path: str | Path) -> bool:
-    """Whether the model folder at ``path`` is a vision-language model (its config.json has a
-    ``vision_config``): loaded as ``AutoModelForImageTextToText``, with an image processor."""
-    file = Path(path) / "config.json"
-    return file.is_file() and "vision_config" in json.loads(file.read_text(encoding="utf-8"))
 
 
 def load_value_model(

@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -113,6 +118,44 @@ def test_alias_resolves_to_the_registered_function_and_its_facts():
 X = torch.tensor([[1.0, 2.0, 3.0, float("inf")], [4.0, float("nan"), 0.0, 0.0]])
 M = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0]], dtype=torch.float32)
 VALID = torch.tensor([1.0, 2.0, 3.0, 4.0])
+
+
+def test_the_facts_file_is_what_the_builtin_modules_register():
+    """(In a process of its own: tests here register functions of their own.)"""
+    from treadle.algorithms.registry import FACTS_FILE
+
+    live = "import json, treadle.algorithms.registry as r; print(json.dumps(r.live_record()))"
+    proc = subprocess.run([sys.executable, "-c", live], check=True, capture_output=True, text=True)
+    kept = json.loads(FACTS_FILE.read_text(encoding="utf-8"))
+    assert kept == json.loads(proc.stdout), "run `make facts` to write it again"
+
+
+_CHECK_ALGORITHM = """
+import sys
+from treadle.config import load_config
+from treadle.config.rules import check_algorithm
+from treadle.errors import ConfigError
+check_algorithm(load_config("examples/arithmetic/ppo.yaml", []), "train")
+try:
+    bad = load_config("examples/arithmetic/grpo.yaml", ["algorithm.kl_estimator=k4"])
+    check_algorithm(bad, "train")
+except ConfigError as e:
+    print(e)
+print(sorted(m for m in ("torch", "transformers") if m in sys.modules))
+"""
+
+
+def test_the_algorithm_checks_import_no_torch(tmp_path):
+    """`treadle check`'s algorithm rules read the facts file, not the modules (which import
+    torch, seconds), whatever the cache of kept answers holds (here: nothing)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK_ALGORITHM],
+        check=True, capture_output=True, text=True,
+        env={**os.environ, "TREADLE_CHECK_CACHE": str(tmp_path)},
+    )  # fmt: skip
+    error, imported = proc.stdout.strip().splitlines()
+    assert error.startswith("algorithm.kl_estimator: unknown name 'k4'; valid: abs, abs+, full,")
+    assert imported == "[]"
 
 
 def test_masked_sum_and_mean_ignore_garbage_under_the_mask():

@@ -36,10 +36,10 @@ follow; mypy checks every registered function against them.
 The built-in functions register when their modules (``BUILTIN_MODULES``, which import torch)
 are imported, and that happens on first need: asking a registry for a function (``get``,
 ``settings``) or registering one imports them all. Its names and facts alone (``names``, ``in``,
-``info``, ``knobs``, ...: what ``treadle check`` and config validation ask) are read from the
-record of the built-ins' registrations that the last such import left
-(:mod:`treadle.cache`, under the fingerprint of treadle's sources), so a check does not
-import torch; once the modules are imported the live registries answer.
+``info``, ``knobs``, ...: what ``treadle check`` and config validation ask) are read from
+``builtin_facts.json`` beside this module, the record of the built-ins' registrations (``make
+facts`` writes it again; a test holds it to the live registries), so a check does not import
+torch; once the modules are imported the live registries answer.
 """
 
 from __future__ import annotations
@@ -47,10 +47,10 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import importlib
+import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
-
-from treadle import cache
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -245,22 +245,28 @@ def load_builtins() -> None:
             importlib.import_module(f"treadle.algorithms.{module}")
 
 
+FACTS_FILE = Path(__file__).with_name("builtin_facts.json")
 _RECORD: dict[str, dict[str, Any]] = {}
 
 
 def _builtin_record() -> dict[str, dict[str, Any]]:
     """``{kind: {"info": ..., "aliases": ...}}`` of every built-in registry as the built-in
-    modules register them: kept by :mod:`treadle.cache` (under treadle's source fingerprint),
-    made by importing them when it is not there."""
+    modules register them, read from :data:`FACTS_FILE`."""
     if not _RECORD:
-        key = ["algorithm registries"]
-        record = cache.lookup("registries", key)
-        if record is None:
-            load_builtins()
-            record = {r.kind: r._record() for r in REGISTRIES}
-            cache.store("registries", key, record, [])
-        _RECORD.update(_with_tuples(record))
+        _RECORD.update(_with_tuples(json.loads(FACTS_FILE.read_text(encoding="utf-8"))))
     return _RECORD
+
+
+def live_record() -> dict[str, dict[str, Any]]:
+    """The built-in registries' record as their modules register them (imports them)."""
+    load_builtins()
+    return {r.kind: r._record() for r in REGISTRIES}
+
+
+def write_builtin_facts() -> None:
+    """Write :data:`FACTS_FILE` from the live registries (``make facts``)."""
+    text = json.dumps(live_record(), indent=1, sort_keys=True)
+    FACTS_FILE.write_text(text + "\n", encoding="utf-8")
 
 
 def _with_tuples(record: dict[str, Any]) -> dict[str, Any]:

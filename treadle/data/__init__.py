@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any
 
 from transformers import PreTrainedTokenizerBase
 
-from treadle.data.options import Overlong, TextOptions
-from treadle.data.pairs import PairDataset, PairRow, collate_pairs, load_pair_dataset
 from treadle.data.gym import KEY as GYM_KEY
 from treadle.data.gym import Split, gym_records, instruction
+from treadle.data.options import Overlong, TextOptions
+from treadle.data.pairs import PairDataset, PairRow, collate_pairs, load_pair_dataset
 from treadle.data.prompts import (
     PromptDataset,
     PromptRow,

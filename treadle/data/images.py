@@ -22,12 +22,13 @@ import io
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from treadle.data.readers import Record
 from treadle.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 PIXELS = "pixel_values"  # the batch field of a batch's pictures
 
@@ -42,6 +43,8 @@ class ImageProcessor:
     def encode(self, text: str, images: list[Any]) -> tuple[list[int], torch.Tensor]:
         """``(token ids, pixel values [images, 3, H, W])`` of a rendered prompt and its pictures;
         ``text`` gets one placeholder per picture unless it holds them already."""
+        import torch
+
         if text.count(self.placeholder) != len(images):
             if self.placeholder in text:
                 raise ValueError(
@@ -66,12 +69,12 @@ def _before_user_text(text: str, placeholders: str) -> str:
 def load_image_processor(path: str) -> ImageProcessor | None:
     """The processor of the model folder at ``path``; None for a text-only model (its
     config.json has no ``vision_config``)."""
-    from transformers import AutoProcessor
-
-    from treadle.models import is_vision_language
+    from treadle.model_folders import is_vision_language
 
     if not is_vision_language(path):
         return None
+    from transformers import AutoProcessor  # (its import imports torch)
+
     processor = AutoProcessor.from_pretrained(path)
     placeholder = getattr(processor, "image_token", None)
     if placeholder is None:
@@ -138,12 +141,16 @@ def image_prompt(
 def stack_pixels(rows: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
     """Per-row pixel values ``[n_i, 3, H, W]`` (None: no picture) as ``[B, max n_i, 3, H, W]``,
     zero pictures as padding; None when no row has one."""
+    import torch
+
     given = [r for r in rows if r is not None and len(r)]
     if not given:
         return None
     shape = given[0].shape[1:]
     if any(r.shape[1:] != shape for r in given):
-        raise DataError(f"images of one batch have different sizes: {[list(r.shape) for r in given]}")
+        raise DataError(
+            f"images of one batch have different sizes: {[list(r.shape) for r in given]}"
+        )
     most = max(len(r) for r in given)
     out = torch.zeros(len(rows), most, *shape)
     for i, r in enumerate(rows):

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from treadle.data.images import ImageProcessor, load_image_processor
 from treadle.errors import ConfigError
-from treadle.models import resolve_model_path
+from treadle.model_folders import resolve_model_path
 
 if TYPE_CHECKING:
     from treadle.config import Config

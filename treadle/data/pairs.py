@@ -8,14 +8,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.prompts import collate_prompts
-from treadle.data.readers import Record, answer_text, as_text, check_messages, read_records, require
+from treadle.data.readers import Record, answer_text, check_messages, read_records, require
 from treadle.data.rows import Rows, keep, kept, right_padded
 from treadle.data.templating import (
     check_template,
@@ -25,6 +24,9 @@ from treadle.data.templating import (
     response_ids,
 )
 from treadle.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class PairRow(TypedDict):
@@ -87,7 +89,9 @@ def _pair_row(record: Record, tokenizer: PreTrainedTokenizerBase, options: TextO
         prompt_ids=prompt_ids(tokenizer, text, contents, options),
         chosen_ids=response_ids(tokenizer, chosen, options),
         rejected_ids=response_ids(tokenizer, rejected, options),
-        ground_truth="" if answer is None else answer_text(record, options.answer_key or "", answer),
+        ground_truth=""
+        if answer is None
+        else answer_text(record, options.answer_key or "", answer),
     )
 
 

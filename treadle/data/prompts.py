@@ -11,14 +11,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NotRequired, TypedDict
+from typing import TYPE_CHECKING, Any, NotRequired, TypedDict
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.data.images import PIXELS, image_prompt, stack_pixels
 from treadle.data.options import TextOptions
-from treadle.protocol import Batch
 from treadle.data.readers import Record, answer_text, read_records, require
 from treadle.data.rows import Rows, keep, kept
 from treadle.data.templating import (
@@ -30,6 +28,11 @@ from treadle.data.templating import (
     spells_special,
     tokenize,
 )
+
+if TYPE_CHECKING:
+    import torch
+
+    from treadle.protocol import Batch
 
 
 class PromptRow(TypedDict):
@@ -70,10 +73,9 @@ def prompt_dataset(
     parsed = [_parse(record, tokenizer, o) for record in records]
     ids = _prompt_ids(tokenizer, [p[1] for p in parsed], [p[2] for p in parsed], o)
     rows: list[PromptRow] = []
-    for record, (shown, text, _, truth), prompt_ids in zip(records, parsed, ids, strict=True):
+    for record, (shown, text, _, truth), text_ids in zip(records, parsed, ids, strict=True):
         pictures = image_prompt(record, o.images_key, text, o.processor)
-        if pictures is not None:
-            prompt_ids = pictures[0]
+        prompt_ids = text_ids if pictures is None else pictures[0]
         where = f"{record.where}: prompt is"
         if keep(where, len(prompt_ids), o.max_prompt_length, o.overlong, "max_prompt_length"):
             row = PromptRow(
@@ -130,6 +132,8 @@ def collate_prompts(
     token_id_lists: Sequence[Sequence[int]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """LEFT-pad prompts into `(input_ids [B, P], attention_mask [B, P])`, both int64."""
+    import torch
+
     if not token_id_lists:
         raise ValueError("collate_prompts: empty batch")
     width = max(len(ids) for ids in token_id_lists)
@@ -144,6 +148,8 @@ def collate_prompts(
 
 def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any) -> Batch:
     """The prompt side of a batch: rows ``indices`` of ``ds``, left-padded."""
+    from treadle.protocol import Batch
+
     rows = [ds[i] for i in indices]
     ids, mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
     tensors = {"prompts": ids, "prompt_mask": mask}
@@ -164,6 +170,8 @@ def prompt_batch(ds: PromptDataset, indices: list[int], pad_id: int, **meta: Any
 
 def left_pad(batch: Batch, width: int) -> Batch:
     """``prompts``/``prompt_mask`` left-padded to ``width`` columns (to concat rounds)."""
+    import torch
+
     extra = width - batch["prompts"].shape[1]
     if extra == 0:
         return batch
@@ -175,6 +183,8 @@ def left_pad(batch: Batch, width: int) -> Batch:
 
 def pad_prompts(batches: list[Batch]) -> Batch:
     """``batches`` concatenated, prompts left-padded to the widest."""
+    from treadle.protocol import Batch
+
     if len(batches) == 1:
         return batches[0]
     width = max(b["prompts"].shape[1] for b in batches)

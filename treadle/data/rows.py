@@ -5,12 +5,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Generic, TypeVar
-
-import torch
+from typing import TYPE_CHECKING, Generic, TypeVar
 
 from treadle.data.options import Overlong
 from treadle.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("treadle.data")
 
@@ -62,6 +63,8 @@ def right_padded(
     seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, mask)`` ``[len(seqs), width]`` (default: the longest), each row RIGHT-padded."""
+    import torch
+
     width = max(len(seq) for seq in seqs) if width is None else width
     ids = torch.full((len(seqs), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(seqs), width), dtype=torch.long)

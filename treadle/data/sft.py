@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NotRequired, TypedDict
+from typing import TYPE_CHECKING, NotRequired, TypedDict
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.data.images import image_prompt
@@ -34,6 +33,9 @@ from treadle.data.templating import (
     special_strings,
 )
 from treadle.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class SFTRow(TypedDict):
@@ -162,6 +164,8 @@ def collate_sft(
     rows: Sequence[SFTRow], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """RIGHT-pad SFT rows into `(input_ids, attention_mask, loss_mask)`, each `[B, L]` int64."""
+    import torch
+
     if not rows:
         raise ValueError("collate_sft: empty batch")
     width = max(len(r["input_ids"]) for r in rows)

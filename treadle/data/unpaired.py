@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TypedDict
+from typing import TYPE_CHECKING, TypedDict
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.pairs import response_text
 from treadle.data.prompts import collate_prompts
-from treadle.data.readers import Record, answer_text, as_text, read_records
+from treadle.data.readers import Record, answer_text, read_records
 from treadle.data.rows import Rows, keep, kept, right_padded
 from treadle.data.templating import (
     check_template,
@@ -24,6 +23,9 @@ from treadle.data.templating import (
     response_ids,
 )
 from treadle.errors import DataError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class UnpairedRow(TypedDict):
@@ -168,6 +170,8 @@ def collate_unpaired(rows: Sequence[UnpairedRow], pad_id: int) -> dict[str, torc
     the two examples a pair file gives one prompt, adjacent in an unshuffled batch, are not
     paired with each other.
     """
+    import torch
+
     if not rows:
         raise ValueError("collate_unpaired: empty batch")
     prompts, prompt_mask = collate_prompts([r["prompt_ids"] for r in rows], pad_id)
