@@ -1,9 +1,9 @@
 """Results worked out from files, kept on disk under the files' fingerprints.
 
-``treadle check`` reads every data row through the tokenizer, and which names the algorithm
-registries hold takes importing torch; both answers depend only on files. This module keeps
-such an answer (JSON) under a key that holds the fingerprint of every file it came from, so a
-second check of the same files reads it back in milliseconds, and a changed file misses.
+``treadle check`` reads every data row through the tokenizer, an answer that depends only on
+files. This module keeps such an answer (JSON) under a key that holds the fingerprint of every
+file it came from, so a second check of the same files reads it back in milliseconds, and a
+changed file misses.
 
 A file's fingerprint is its resolved path, device, inode, size, modification and change times
 (``st_ctime`` moves on every write and on ``touch -d``, which a user cannot set back). Two

@@ -23,11 +23,13 @@ alone prints its summary. It checks:
 - the output directory: a directory (or creatable), writable, not locked by a live run.
 
 What passed is remembered by file fingerprint (:mod:`treadle.cache`): the tokenizer's size,
-each data file's rows, that a ``model_type`` is known, that a safetensors header reads, keyed by
-the fingerprints of the files read (the data file, the tokenizer's and model's folders), the
-config settings the readers see, the library versions and treadle's own source; a second check
-of unchanged files reads no rows and imports neither torch nor transformers. A problem is never
-remembered: it is found again.
+each data file's rows, that a safetensors header reads, keyed by the fingerprints of the files
+read (the data file, the tokenizer's and model's folders), the config settings the readers see,
+the library versions and treadle's own source; a second check of unchanged files reads no rows
+and imports no transformers. A problem is never remembered: it is found again. No check
+imports torch: what transformers knows (a tokenizer's class, the model types) and the
+algorithms' facts come from files written beside the code (:mod:`treadle.hf_facts`,
+:mod:`treadle.algorithms.registry`).
 
 Independent problems are all reported, one line each, in one ConfigError. Anything the user
 could have written that makes a check fail in an unexpected way (a tokenizer file that is not
