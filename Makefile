@@ -50,7 +50,7 @@ browser:
 		{ apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }
 
 test: lint typecheck browser
-	$(PY) -m pytest -q -p no:cacheprovider
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # The edit-run loop: everything but the `slow` tests (those that start Ray or a real engine).
 test-fast: $(STAMP)
