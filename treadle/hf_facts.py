@@ -1,8 +1,8 @@
 """What treadle needs to know of transformers before a run, without importing the parts of it
 that import torch (~3.5 s of a first ``treadle check`` on a 2-core machine): the class a model
 folder's tokenizer loads with (``AutoTokenizer``'s import pulls in torch through the auto model
-classes; the class itself imports in ~0.5 s), and the model types it knows (its config classes
-import torch).
+classes; the class itself, transformers' own import included, in ~2 s), and the model types
+it knows (its config classes import torch).
 
 ``hf_facts.json`` beside this module (``make facts`` writes it) holds, for the transformers
 version it was written with, the class ``AutoTokenizer`` picks for each of a set of
