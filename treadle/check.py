@@ -327,7 +327,7 @@ class Tokenizer:
 
 def _check_teacher(cfg: Config, student: str, summary: list[str], problems: list[str]) -> None:
     """The teacher's folder is there and its vocabulary is the student's (``model.path``)."""
-    from treadle.models import resolve_model_path, shared_vocabulary
+    from treadle.model_folders import resolve_model_path, shared_vocabulary
 
     t, download = cfg.teacher, cfg.model.allow_download
     try:
