@@ -191,7 +191,7 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
 
 def _check_side_models(cfg: Config, problems: list[str]) -> None:
     """The folders of the reward model, the critic and PRIME's models (RL)."""
-    from treadle.config.rules import uses_critic
+    from treadle.config.rules import check_value_models, uses_critic
     from treadle.model_folders import resolve_model_path
 
     found = True
@@ -209,8 +209,6 @@ def _check_side_models(cfg: Config, problems: list[str]) -> None:
                 problems.append(str(e))
                 found = False
     if found and cfg.model.path and (cfg.critic.model_path or cfg.reward.model_path):
-        from treadle.trainers.roles import check_value_models
-
         try:
             check_value_models(cfg, critic=uses_critic(cfg))  # (the trainer's own check)
         except ConfigError as e:

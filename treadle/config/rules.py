@@ -11,10 +11,13 @@ Three readers, one set of rules:
 - role selection (``uses_critic``, ``uses_prm``): whether the run has a critic or PRIME's
   PRM, refusing a config that contradicts the estimator (``role_problems``, which
   ``check_algorithm`` runs for ``train``, holds the same rules, so ``treadle check`` says it
-  first).
+  first);
+- the value models' folders (``check_value_models``: the critic's and reward model's share the
+  actor's vocabulary, the reward model is one), read from their config.json files alone, for
+  ``treadle check`` and the trainers' role plan.
 
 Every rule returns (or raises) a message that names the keys to change. The rules know the
-algorithm registries (the layer below config) and nothing above it.
+algorithm registries and the model folders (the layers below config) and nothing above it.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from treadle.config.run import Sections
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
 from treadle.config.trainer import TrainerConfig
 from treadle.errors import ConfigError
+from treadle.model_folders import shared_vocabulary
 from treadle.plugins import load_plugins
 
 Kind = Literal["train", "distill", "sft", "dpo", "kto", "rm", "eval", "serve"]
@@ -797,4 +801,25 @@ def _rl_problems(cfg: Sections) -> Iterator[str]:
             f"algorithm.adv_estimator={alg.adv_estimator} needs greedy baselines generated with "
             f"the learner's weights, which trainer.mode={cfg.trainer.mode} does not have; use "
             "trainer.mode=sync"
+        )
+
+
+def check_value_models(cfg: Sections, critic: bool) -> None:
+    """The critic's (``critic``: the run has one) and reward model's folders exist and share
+    the actor's vocabulary; the reward model is one (a *ForTokenClassification folder)."""
+    paths = []
+    if critic and cfg.critic.model_path:
+        paths.append(("critic.model_path", cfg.critic.model_path))
+    if cfg.reward.model_path:
+        paths.append(("reward.model_path", cfg.reward.model_path))
+    if not paths:
+        return
+    configs = shared_vocabulary(cfg.model.path, paths, cfg.model.allow_download)
+    config = configs.get("reward.model_path")
+    arch = (config or {}).get("architectures") or []
+    if config and not any(a.endswith("ForTokenClassification") for a in arch):
+        raise ConfigError(
+            f"reward.model_path: '{cfg.reward.model_path}' is not a reward model (architectures: "
+            f"{', '.join(arch) or 'none'}); train one with `treadle rm` (a "
+            "*ForTokenClassification folder with one label)"
         )

@@ -41,10 +41,9 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from treadle.config import Config
-from treadle.config.rules import uses_critic
+from treadle.config.rules import check_value_models, uses_critic
 from treadle.controller import Actors, Placement, Worker, WorkerGroup, start_group
 from treadle.errors import ConfigError
-from treadle.models import shared_vocabulary
 from treadle.rollout.fleet import rollout_cpus
 from treadle.rollout.teacher import teacher_cpus
 from treadle.trainers.prime import uses_prm
@@ -168,27 +167,6 @@ class Layout:
         split_ranks = sum(p.world_size for p in self.roles if p.split)
         reserved = rollout_cpus(cfg) + teacher_cpus(cfg)
         return Placement.plan(cfg, self.colocated, split_ranks, reserved)
-
-
-def check_value_models(cfg: Config, critic: bool) -> None:
-    """The critic's (``critic``: the run has one) and reward model's folders exist and share
-    the actor's vocabulary; the reward model is one (a *ForTokenClassification folder)."""
-    paths = []
-    if critic and cfg.critic.model_path:
-        paths.append(("critic.model_path", cfg.critic.model_path))
-    if cfg.reward.model_path:
-        paths.append(("reward.model_path", cfg.reward.model_path))
-    if not paths:
-        return
-    configs = shared_vocabulary(cfg.model.path, paths, cfg.model.allow_download)
-    config = configs.get("reward.model_path")
-    arch = (config or {}).get("architectures") or []
-    if config and not any(a.endswith("ForTokenClassification") for a in arch):
-        raise ConfigError(
-            f"reward.model_path: '{cfg.reward.model_path}' is not a reward model (architectures: "
-            f"{', '.join(arch) or 'none'}); train one with `treadle rm` (a "
-            "*ForTokenClassification folder with one label)"
-        )
 
 
 def plan_roles(cfg: Config) -> Layout:
