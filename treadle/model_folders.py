@@ -135,8 +135,9 @@ def load_tokenizer(
             return _LOADED[memo]
     from treadle.hf_facts import tokenizer_class
 
-    found = tokenizer_class(resolved) if memo is not None else None  # (without AutoTokenizer's
-    if found is None:  # import, which imports torch)
+    # the class AutoTokenizer would pick, without importing it (which imports torch)
+    found = tokenizer_class(resolved)
+    if found is None:  # (a hub id, a folder the facts do not know)
         from transformers import AutoTokenizer
 
         found = AutoTokenizer
