@@ -253,3 +253,78 @@ def test_a_rendezvous_port_is_free_and_outside_the_ephemeral_range():
     assert len(ports) > 1  # drawn at random, not one port every process would pick alike
     with socket.socket() as s:
         s.bind(("", ports.pop()))  # free
+
+
+# What a gloo rank's collective raised here when its peer's process was SIGKILLed / exited.
+GLOO_RESET = (
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error "
+    "[127.0.0.1]:21711: Connection reset by peer. This is typically caused by a remote worker "
+    "hanging or bugs in the application."
+)
+GLOO_CLOSED = (
+    "RuntimeError: [../third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by "
+    "peer [127.0.0.1]:48533. This is typically caused by a remote worker crashing."
+)
+
+
+class _Futures:
+    """Stand-ins for `ray.get`/`ray.wait` over two ranks' futures ("f0", "f1"): each future's
+    outcome is ``errors[name]`` (an exception) or a value; calls to `ray.wait` are counted."""
+
+    def __init__(self, monkeypatch, first: Exception, errors: dict[str, Exception]) -> None:
+        import ray
+
+        from treadle.controller import groups
+
+        self.waits = 0
+
+        def ray_get(futures):
+            raise first
+
+        def get(future):
+            if future in errors:
+                raise errors[future]
+            return future
+
+        def wait(futures, num_returns, timeout):
+            self.waits += 1
+            return list(futures), []
+
+        monkeypatch.setattr(groups, "ray_get", ray_get)
+        monkeypatch.setattr(ray, "get", get)
+        monkeypatch.setattr(ray, "wait", wait)
+
+
+def _two_ranks() -> WorkerGroup:
+    from treadle.workers import ActorRolloutRefWorker
+
+    group = object.__new__(WorkerGroup)
+    group.worker_cls = ActorRolloutRefWorker
+    group.workers = [_Handle("aa" * 16), _Handle("bb" * 16)]
+    return group
+
+
+def test_a_ranks_own_error_is_raised_without_waiting_for_its_peers(monkeypatch):
+    """Rank 0's full disk while rank 1 waits in a collective for it: the error is raised at
+    once; waiting for rank 1 (which would never answer) took 30 s a run before."""
+    from ray.exceptions import RayTaskError
+
+    own = RayTaskError("save_checkpoint", "OSError: [Errno 28] No space left", OSError(28, "x"))
+    futures = _Futures(monkeypatch, own, {"f0": own})
+    with pytest.raises(RayTaskError) as raised:
+        _two_ranks()._get(["f0", "f1"], "during save_checkpoint")
+    assert raised.value is own and futures.waits == 0
+
+
+@pytest.mark.parametrize("peer_error", [GLOO_RESET, GLOO_CLOSED])
+def test_a_peer_lost_seen_first_names_the_rank_that_died(monkeypatch, peer_error):
+    from ray.exceptions import RayActorError, RayTaskError
+
+    from treadle.errors import WorkerDied
+
+    lost = RayTaskError("update_actor", f"Traceback ...\n{peer_error}", RuntimeError(peer_error))
+    dead = RayActorError("bb" * 16, RAY_SIGKILL.format(id="bb" * 16))
+    futures = _Futures(monkeypatch, lost, {"f0": lost, "f1": dead})
+    with pytest.raises(WorkerDied, match=r"^actor rank 1 \(pid 4242\) died during update_actor"):
+        _two_ranks()._get(["f0", "f1"], "during update_actor")
+    assert futures.waits == 1

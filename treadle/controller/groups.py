@@ -356,6 +356,22 @@ def ray_get(futures: list[Any]) -> list[Any]:
         raise
 
 
+# What a rank's collective raises when a peer's process is gone (gloo's TCP pair, NCCL).
+PEER_LOST = (
+    "Connection reset by peer",
+    "Connection closed by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+    "ncclRemoteError",
+)
+
+
+def peer_lost(error: BaseException) -> bool:
+    """Whether a rank's error says one of its peers is gone (the peer's death is the cause)."""
+    said = f"{error} {getattr(error, 'cause', '')}"  # a Ray task error: the rank's traceback
+    return any(text in said for text in PEER_LOST)
+
+
 def pid_note(error: BaseException) -> str:
     """`` (pid N)`` of the process a Ray actor error names, or nothing."""
     lines = [line.strip() for line in str(error).splitlines()]
@@ -555,19 +571,35 @@ class WorkerGroup:
         try:
             return ray_get(futures)
         except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as first:
-            # A rank that died fails its peers' collectives too ("connection reset by peer"),
-            # which may be the error seen first: name the dead one.
-            ready, _ = ray.wait(futures, num_returns=len(futures), timeout=30)
-            for future in ready:
-                try:
-                    ray.get(future)
-                except ray.exceptions.RayActorError as e:
-                    raise WorkerDied(self.died(e, when)) from None
-                except ray.exceptions.RayTaskError as e:
-                    if isinstance(e.cause, MemoryError | torch.OutOfMemoryError):
-                        actor_id = getattr(e, "_actor_id", None)
-                        raise WorkerDied(self.died(e.cause, when, actor_id)) from None
+            died = self._died_of(first, when)
+            if died is not None:
+                raise died from None
+            if peer_lost(first):
+                # A rank that died fails its peers' collectives too ("connection reset by
+                # peer"), which may be the error seen first: name the dead one.
+                ready, _ = ray.wait(futures, num_returns=len(futures), timeout=30)
+                for future in ready:
+                    try:
+                        ray.get(future)
+                    except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as e:
+                        died = self._died_of(e, when)
+                        if died is not None:
+                            raise died from None
+            # Otherwise the rank's own error (a full disk, a bug) is the cause. Its peers may
+            # wait in a collective for it until they are killed: waiting for them adds nothing.
             raise first
+
+    def _died_of(self, error: BaseException, when: str) -> WorkerDied | None:
+        """A :class:`WorkerDied` for a Ray error that says a rank's process died or ran out
+        of memory; None for any other."""
+        import ray
+
+        if isinstance(error, ray.exceptions.RayActorError):
+            return WorkerDied(self.died(error, when))
+        cause = getattr(error, "cause", None)
+        if isinstance(cause, MemoryError | torch.OutOfMemoryError):
+            return WorkerDied(self.died(cause, when, getattr(error, "_actor_id", None)))
+        return None
 
     def died(self, error: BaseException, when: str, actor_id: str | None = None) -> str:
         """ "<role> rank <r> (pid <p>) died <when> (<cause>)"."""
