@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import subprocess
+import sys
 import time
 
 import pytest
@@ -56,3 +58,29 @@ def test_a_worker_reports_its_own_parts():
     assert list(timer.parts) == ["actor_model", "rollout_engine"]
     assert timer.parts["actor_model"] == pytest.approx(0.05, abs=0.03)
     assert timer.parts["rollout_engine"] < 0.01
+
+
+# What a worker needs and a driver does not: FSDP2 and its distributed checkpoint (~1.1 s of
+# imports), transformers' Auto model classes (~2.1 s), vLLM (~12 s).
+WORKER_ONLY = (
+    "treadle.engines.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers.models.auto.modeling_auto",
+    "vllm",
+)
+
+
+DRIVERS = ("rl", "sft", "dpo", "kto", "rm", "distill", "prime")
+
+
+def test_the_drivers_imports_leave_out_what_only_their_workers_need():
+    """A driver imports the worker classes to start them as Ray actors, not what they build."""
+    code = (
+        f"import sys, treadle.cli\n"
+        f"for name in {DRIVERS!r}: __import__(f'treadle.trainers.{{name}}')\n"
+        f"print([m for m in {WORKER_ONLY!r} if m in sys.modules])"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120
+    )
+    assert proc.stdout.strip() == "[]", proc.stdout + proc.stderr[-3000:]

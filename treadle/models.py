@@ -12,17 +12,12 @@ import json
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from transformers import (
-    AutoModelForCausalLM,
-    AutoModelForImageTextToText,
-    AutoModelForTokenClassification,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
-)
+
+if TYPE_CHECKING:  # transformers' model classes: imported where a model is loaded or saved
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 from treadle.errors import ConfigError
 from treadle.model_folders import (  # the folder helpers (no torch), for callers of both
@@ -63,6 +58,8 @@ def load_causal_lm(
     (for example `attn_implementation`). Moving to a device is the caller's business.
     """
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
     auto = AutoModelForImageTextToText if is_vision_language(resolved) else AutoModelForCausalLM
     try:
         return auto.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
@@ -84,6 +81,8 @@ def load_value_model(
     critic). From a causal LM folder the head is new and starts at zero, so a fresh critic
     predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded.
     """
+    from transformers import AutoModelForTokenClassification
+
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
@@ -139,6 +138,12 @@ def save_hf_folder(
     holds exactly what transformers writes itself (tied embeddings stored once, the generation
     config). The model is built on the meta device and takes the given tensors without a copy.
     """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
+
     value_model = any(a.endswith("ForTokenClassification") for a in config.architectures or [])
     auto: Any = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
     if hasattr(config, "vision_config"):

@@ -66,8 +66,6 @@ from treadle.errors import ConfigError
 from treadle.faults import failpoint
 from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
 M = TypeVar("M")  # a micro-batch, whatever the role's loss function takes
 
 

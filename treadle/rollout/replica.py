@@ -41,7 +41,6 @@ import torch
 
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
-from treadle.engines.fsdp import DTYPES
 from treadle.engines.inference import HFRolloutEngine, RolloutEngine
 from treadle.errors import ConfigError
 from treadle.models import load_causal_lm, load_tokenizer
@@ -101,9 +100,7 @@ def make_engine(
     tok = load_tokenizer(cfg.model.tokenizer_path or path, allow_download=cfg.model.allow_download)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    model: Any = load_causal_lm(
-        path, DTYPES[dtype], key=key, allow_download=cfg.model.allow_download
-    )
+    model: Any = load_causal_lm(path, dtype, key=key, allow_download=cfg.model.allow_download)
     return HFRolloutEngine(
         model.to(device), eos_token_ids=eos, pad_token_id=pad, micro_batch_size=micro
     )

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -59,7 +60,6 @@ from treadle.algorithms import UNPAIRED_LOSSES
 from treadle.checkpoint import read_state
 from treadle.controller import Collect, Dispatch, free_port, register
 from treadle.data.images import PIXELS
-from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.heads import LogProbRequest
 from treadle.engines.weights import weight_buckets
 from treadle.models import apply_lora
@@ -81,6 +81,7 @@ from treadle.workers.common import (
     per_pair,
     pixels,
     prompt_response,
+    train_engine,
     unpaired_logps,
 )
 from treadle.workers.objectives import (
@@ -94,6 +95,9 @@ from treadle.workers.objectives import (
     Unpaired,
     update,
 )
+
+if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP
+    from treadle.engines.fsdp import TrainEngine
 
 
 class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
@@ -114,13 +118,13 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         if lora.rank:  # actor_path is the base model; a checkpoint's adapters come in resume
             lm = apply_lora(lm, lora, config.model.path, config.trainer.seed)
         options = engine_options(config) | {"meshes": self.meshes, "section": "actor"}
-        self.engine = TrainEngine(lm, **options, **actor_optimizer(config, optimizer_steps))
+        self.engine = train_engine(lm, **options, **actor_optimizer(config, optimizer_steps))
         timer.done("actor_model")
         self.ref: TrainEngine | None = None
         if with_ref and lora.rank:  # the base model: the actor with its adapters disabled
             self.ref = self.engine.without_adapters()
         elif with_ref:
-            self.ref = TrainEngine(self.load_lm(config.model.path), **options, trainable=False)
+            self.ref = train_engine(self.load_lm(config.model.path), **options, trainable=False)
         timer.done("reference_model")
         # Colocated rollout: this rank's replica, served from this process (rollout_generate).
         self.server = (
@@ -156,7 +160,7 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         Every rank walks the full tensors (gathering one is a collective). Colocated: each
         rank loads them into its own replica. Split: rank 0 broadcasts them in buckets."""
         r = self.cfg.rollout
-        dtype = DTYPES[r.dtype or self.cfg.model.dtype]
+        dtype = getattr(torch, r.dtype or self.cfg.model.dtype)
         tied = bool(getattr(self.engine.module.lm.config, "tie_word_embeddings", False))
         skip = frozenset({"lm_head.weight"} if tied else ())
         bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))

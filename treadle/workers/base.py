@@ -18,18 +18,20 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
-from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.parallel import Layout, Meshes
 from treadle.memory import keep_heap
 from treadle.models import load_causal_lm, load_tokenizer
 from treadle.startup import PartTimer
+
+if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP
+    from treadle.engines.fsdp import TrainEngine
 
 
 class RoleWorker(Worker):
@@ -88,9 +90,7 @@ class RoleWorker(Worker):
         """The causal LM at ``path`` (``key``: the config key that named it, for an error) in
         ``model.dtype``, on this worker's device."""
         m = self.cfg.model
-        model: nn.Module = load_causal_lm(
-            path, DTYPES[m.dtype], key=key, allow_download=m.allow_download
-        )
+        model: nn.Module = load_causal_lm(path, m.dtype, key=key, allow_download=m.allow_download)
         return model.to(self.device)
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -21,12 +21,14 @@ from torch import nn
 from treadle.algorithms import masked_sum
 from treadle.config import ActorConfig, Config
 from treadle.data.images import PIXELS
-from treadle.engines.fsdp import DTYPES, TrainEngine
 from treadle.engines.packing import first_fit_decreasing, token_micro_batches
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.value import ValueHead
 from treadle.models import load_value_model
 from treadle.protocol import Batch, response_attention
+
+if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP
+    from treadle.engines.fsdp import TrainEngine
 
 
 def engine_options(cfg: Config) -> dict[str, Any]:
@@ -64,15 +66,23 @@ def ppo_steps(cfg: Config, epochs: int, mini_batch_size: int, world_size: int) -
     return epochs * math.ceil(rows / max(mini_batch_size // world_size, 1))
 
 
+def train_engine(model: nn.Module, **options: Any) -> TrainEngine:
+    """``TrainEngine(model, **options)``, FSDP2 imported only here: the driver imports the
+    worker classes (to start them as Ray actors) and would pay ~1 s for FSDP's imports."""
+    from treadle.engines.fsdp import TrainEngine
+
+    return TrainEngine(model, **options)
+
+
 def value_engine(
     cfg: Config, path: str, key: str, device: torch.device, trainable: bool, **opt: Any
 ) -> TrainEngine:
     """A value model (critic, reward model) as a training engine; ``opt``: optimizer settings
     (and the engine's ``meshes`` and ``section`` of a parallel layout)."""
     model: nn.Module = load_value_model(
-        path, DTYPES[cfg.model.dtype], key=key, allow_download=cfg.model.allow_download
+        path, cfg.model.dtype, key=key, allow_download=cfg.model.allow_download
     )
-    return TrainEngine(
+    return train_engine(
         model.to(device), **engine_options(cfg), trainable=trainable, head=ValueHead, **opt
     )
 

@@ -37,7 +37,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,6 @@ from treadle.algorithms.distill import generalized_jsd
 from treadle.algorithms.inputs import Aggregation, PairInputs, PolicyLossInputs, UnpairedInputs
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
-from treadle.engines.fsdp import TrainEngine
 from treadle.engines.heads import LogProbRequest, PairTerm
 from treadle.memory import release_heap
 from treadle.protocol import Batch
@@ -72,6 +71,9 @@ from treadle.workers.common import (
     rows_with_gradient,
     unpaired_logps,
 )
+
+if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP
+    from treadle.engines.fsdp import TrainEngine
 
 S = TypeVar("S")  # what a step's loss is scaled by: the step's global counts
 

@@ -34,7 +34,6 @@ import torch
 
 from treadle.algorithms.prime import prime_ce_loss, prime_dpo_loss
 from treadle.controller import Collect, Dispatch, register
-from treadle.engines.fsdp import TrainEngine
 from treadle.protocol import Batch
 from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
@@ -43,6 +42,7 @@ from treadle.workers.common import (
     engine_options,
     global_sums,
     prompt_response,
+    train_engine,
 )
 
 
@@ -59,7 +59,7 @@ class ImplicitPRMWorker(TrainingWorker):
         self.micro = p.micro_batch_size or a.micro_batch_size
         self.tokenizer = self.load_tokenizer()
         options = engine_options(config)
-        self.engine = TrainEngine(
+        self.engine = train_engine(
             self.load_lm(prm_path, "prime.model_path"),
             **options,
             lr=p.lr,
@@ -78,7 +78,7 @@ class ImplicitPRMWorker(TrainingWorker):
             )
             if path
         )
-        self.ref = TrainEngine(self.load_lm(ref, ref_key), **options, trainable=False)
+        self.ref = train_engine(self.load_lm(ref, ref_key), **options, trainable=False)
 
     def _log_ratio(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``log π_prm - log π_ref`` of each response token (gradient through the PRM), and
