@@ -16,9 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-if TYPE_CHECKING:  # transformers' model classes: imported where a model is loaded or saved
-    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
-
 from treadle.errors import ConfigError
 from treadle.model_folders import (  # the folder helpers (no torch), for callers of both
     ADAPTER_DIR,
@@ -31,6 +28,9 @@ from treadle.model_folders import (  # the folder helpers (no torch), for caller
     shared_vocabulary,  # noqa: F401
     vocab_size,  # noqa: F401
 )
+
+if TYPE_CHECKING:  # transformers' model classes: imported where a model is loaded or saved
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
 
 
 def _model_folder(
@@ -57,9 +57,9 @@ def load_causal_lm(
     `dtype` is a torch dtype or its name (`"bfloat16"`); extra kwargs go to `from_pretrained`
     (for example `attn_implementation`). Moving to a device is the caller's business.
     """
-    resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     auto = AutoModelForImageTextToText if is_vision_language(resolved) else AutoModelForCausalLM
     try:
         return auto.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
