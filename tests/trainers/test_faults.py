@@ -352,6 +352,7 @@ def test_a_dead_worker_and_a_killed_driver_leave_one_line_and_no_process(
     assert [m["step"] for m in metrics] == list(range(1, len(metrics) + 1))
 
 
+@pytest.mark.slow
 def test_a_full_disk_on_rank_0_of_two_stops_the_ray_run_and_the_rerun_resumes(
     tiny_task, length_reward, tmp_path
 ):
