@@ -201,6 +201,15 @@ RAY_OOM = (
 )
 
 
+def _two_ranks() -> WorkerGroup:
+    from treadle.workers import ActorRolloutRefWorker
+
+    group = object.__new__(WorkerGroup)
+    group.worker_cls = ActorRolloutRefWorker
+    group.workers = [_Handle("aa" * 16), _Handle("bb" * 16)]
+    return group
+
+
 @pytest.mark.parametrize(
     ("text", "rank", "expected"),
     [
@@ -221,13 +230,9 @@ RAY_OOM = (
 def test_a_dead_rank_is_named_by_role_rank_pid_and_cause(text, rank, expected):
     from ray.exceptions import RayActorError
 
-    from treadle.workers import ActorRolloutRefWorker
-
-    ids = ["aa" * 16, "bb" * 16]
-    group = object.__new__(WorkerGroup)
-    group.worker_cls, group.workers = ActorRolloutRefWorker, [_Handle(i) for i in ids]
-    error = RayActorError(ids[rank], text.format(id=ids[rank]))
-    assert group.died(error, "during update_actor") == expected
+    actor_id = ["aa", "bb"][rank] * 16
+    error = RayActorError(actor_id, text.format(id=actor_id))
+    assert _two_ranks().died(error, "during update_actor") == expected
 
 
 def test_out_of_memory_in_a_rank_names_it_and_an_unknown_actor_is_rank_unknown():
@@ -293,15 +298,6 @@ class _Futures:
         monkeypatch.setattr(groups, "ray_get", ray_get)
         monkeypatch.setattr(ray, "get", get)
         monkeypatch.setattr(ray, "wait", wait)
-
-
-def _two_ranks() -> WorkerGroup:
-    from treadle.workers import ActorRolloutRefWorker
-
-    group = object.__new__(WorkerGroup)
-    group.worker_cls = ActorRolloutRefWorker
-    group.workers = [_Handle("aa" * 16), _Handle("bb" * 16)]
-    return group
 
 
 def test_a_ranks_own_error_is_raised_without_waiting_for_its_peers(monkeypatch):
