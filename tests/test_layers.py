@@ -23,6 +23,7 @@ LAYERS: list[tuple[str, ...]] = [
         "treadle.protocol",
         "treadle.checkpoint",
         "treadle.cache",
+        "treadle.importcache",
         "treadle.hf_facts",
         "treadle.model_folders",
         "treadle.models",

@@ -16,7 +16,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from treadle import importcache
+
 __version__ = "0.1.0"
+
+importcache.install()
 
 if TYPE_CHECKING:
     from treadle.api import RunResult, distill, dpo, kto, rm, sft, train

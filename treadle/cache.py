@@ -64,7 +64,7 @@ def code_fingerprint() -> str:
     """A digest of treadle's own source files (every ``.py`` of the package)."""
     package = Path(__file__).resolve().parent
     prints = [fingerprint(p) for p in sorted(package.rglob("*.py"))]
-    return _digest(prints)
+    return digest(prints)
 
 
 @functools.cache
@@ -115,7 +115,7 @@ def _plain(key: Any) -> Any:
     return json.loads(json.dumps(key, sort_keys=True))
 
 
-def _digest(value: Any) -> str:
+def digest(value: Any) -> str:
     return hashlib.sha256(json.dumps(value, sort_keys=True).encode()).hexdigest()
 
 
@@ -123,4 +123,4 @@ def _path(kind: str, key: Any) -> Path | None:
     folder = root()
     if folder is None:
         return None
-    return folder / kind / f"{_digest([code_fingerprint(), key])}.json"
+    return folder / kind / f"{digest([code_fingerprint(), key])}.json"
