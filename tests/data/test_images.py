@@ -61,20 +61,26 @@ def test_pixels_of_rows_with_and_without_pictures_stack_with_zero_padding() -> N
     assert stack_pixels([None, None]) is None
 
 
-def test_images_as_bytes_in_parquet_read_like_files(shapes_task, tmp_path) -> None:
+@pytest.mark.parametrize("writer", ["pyarrow", "datasets"])
+def test_images_as_bytes_in_parquet_read_like_files(shapes_task, tmp_path, writer) -> None:
+    """Parquet written by pyarrow (a struct column) or by `datasets` (an `Image` column, which
+    its formatter would decode into PIL pictures: the rows keep the stored bytes instead)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+    from datasets import Dataset, Features, Image, List, Value
 
     folder, root = shapes_task["model"], shapes_task["test"].parent
     rows = [json.loads(x) for x in shapes_task["test"].read_text().splitlines()[:2]]
-    table = pa.table(
-        {
-            "prompt": [r["prompt"] for r in rows],
-            "answer": [r["answer"] for r in rows],
-            "images": [[{"bytes": (root / r["images"][0]).read_bytes()}] for r in rows],
-        }
-    )
-    pq.write_table(table, tmp_path / "test.parquet")
+    columns = {
+        "prompt": [r["prompt"] for r in rows],
+        "answer": [r["answer"] for r in rows],
+        "images": [[{"bytes": (root / r["images"][0]).read_bytes()}] for r in rows],
+    }
+    if writer == "pyarrow":
+        pq.write_table(pa.table(columns), tmp_path / "test.parquet")
+    else:
+        types = {"prompt": Value("string"), "answer": Value("string"), "images": List(Image())}
+        Dataset.from_dict(columns, features=Features(types)).to_parquet(tmp_path / "test.parquet")
     tok = load_tokenizer(folder)
     from_files = prompt_dataset(read_records([shapes_task["test"]], "k")[:2], tok, options(folder))
     from_bytes = prompt_dataset(

@@ -68,7 +68,7 @@ def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
     level = datasets_log.level
     datasets_log.setLevel(logging.CRITICAL)  # it logs a parse error before raising it
     try:
-        rows = list(load_dataset(builder, data_files=str(path), split="train"))
+        rows = _rows(load_dataset(builder, data_files=str(path), split="train"))
     except Exception as e:  # datasets wraps parse errors in several exception types
         bad_row = _find_bad_row(path) if builder == "json" else None
         cause = bad_row or (str(e).splitlines() or [type(e).__name__])[0]
@@ -99,7 +99,15 @@ def _read_saved(path: Path, config_key: str) -> list[dict[str, Any]]:
     except Exception as e:  # a damaged folder: arrow and json errors of several kinds
         raise DataError(f"{config_key}: cannot read '{path}': {e}") from None
     assert isinstance(ds, Dataset)
-    return [dict(row) for row in ds]
+    return _rows(ds)
+
+
+def _rows(ds: Any) -> list[dict[str, Any]]:
+    """A dataset's rows as dicts, by Arrow's own conversion: 5,000 rows in ~0.01 s, against
+    ~0.4 s row by row through `datasets`' formatter. Values come as stored, never decoded: a
+    `datasets` Image column gives ``{"bytes", "path"}`` (which `images.read_images` opens;
+    the formatter made it a PIL picture, which it refused)."""
+    return list(ds.to_list())
 
 
 def _find_bad_row(path: Path) -> str | None:
