@@ -38,7 +38,9 @@ column before (``TREE``'s code) and after (this checkout's) per engine, the runs
 First, `treadle check examples/arithmetic/grpo.yaml` alone (the demo's config and data; its
 SFT model when `make demo` made it, else `treadle prepare`'s), wall seconds, median of
 --check-repeat runs: with an empty cache of kept answers (`TREADLE_CHECK_CACHE`, a fresh
-folder each run) and with the answers kept by a run before it. The ratio is the speed-up over
+folder each run), with the answers kept by a run before it, and with only the answers of
+transformers' imports kept (`imports kept`: `treadle/importcache.py`; what a new config's first
+check costs where any treadle command ran before). The ratio is the speed-up over
 `--before TREE` (a checkout of the code before, run in the same way, interleaved with the
 others), or over the figure issue 29 recorded (12-15 s: the low end, 12 s). `--check-only`
 stops there.
@@ -49,6 +51,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -118,6 +121,9 @@ def run_tree(tree: Path, *args: str, env: dict[str, str] | None = None) -> None:
         sys.exit(f"treadle {args[0]} ({tree}) exited {done.returncode}:\n{done.stderr[-3000:]}")
 
 
+IMPORTS = "imports kept"
+
+
 def check_seconds(tree: Path, cache: str) -> float:
     """Wall seconds of `treadle check` on the demo's GRPO config, the code of ``tree``."""
     overrides = [] if SFT_MODEL.is_dir() else [f"model.path={DATA / 'model_init'}"]
@@ -133,20 +139,26 @@ def check_seconds(tree: Path, cache: str) -> float:
 
 
 def check_table(repeat: int, before: Path | None) -> None:
-    """The check's rows: before (``before``'s code), an empty cache, the answers kept."""
-    runs: dict[str, list[float]] = {"before": [], "empty cache": [], "kept": []}
+    """The check's rows: before (``before``'s code), an empty cache, the answers kept, and the
+    import answers kept without the check's own (treadle.importcache: a new config's check on
+    a machine where treadle ran before)."""
+    runs: dict[str, list[float]] = {"before": [], "empty cache": [], "kept": [], IMPORTS: []}
     for _ in range(repeat):
         with tempfile.TemporaryDirectory() as cache:
             if before is not None:
                 runs["before"].append(check_seconds(before, "off"))
             runs["empty cache"].append(check_seconds(ROOT, cache))
             runs["kept"].append(check_seconds(ROOT, cache))
+            for kind in Path(cache).iterdir():
+                if kind.name != "imports":
+                    shutil.rmtree(kind)
+            runs[IMPORTS].append(check_seconds(ROOT, cache))
     base = statistics.median(runs["before"]) if before is not None else CHECK_RECORDED_S
     against = f"vs {before}" if before is not None else f"vs {base:g} s recorded"
     print(f"{'treadle check':<28}{'s':>10}{'speed-up':>10}  ({against})")
     if before is not None:
         print(f"{'  before':<28}{base:>10.2f}")
-    for name in ("empty cache", "kept"):
+    for name in ("empty cache", "kept", IMPORTS):
         median = statistics.median(runs[name])
         print(f"{'  ' + name:<28}{median:>10.2f}{base / median:>10.2f}")
     print(
