@@ -52,7 +52,10 @@ def _cached_distributions(compute: Callable[[], Mapping[str, list[str]]]) -> Any
     @functools.wraps(compute)
     def packages_distributions() -> dict[str, list[str]]:
         entries = dict.fromkeys(os.path.abspath(p or ".") for p in sys.path)
-        folders = [cache.fingerprint(p) for p in entries if os.path.exists(p)]
+        try:
+            folders = [cache.fingerprint(p) for p in entries if os.path.exists(p)]
+        except OSError:  # one cannot be read: work it out, as Python would
+            return dict(compute())
         found = _remembered(["packages_distributions", list(entries)], folders, compute)
         return {name: list(dists) for name, dists in found.items()}
 
