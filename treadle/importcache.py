@@ -15,15 +15,13 @@ transformers, and each of them works out the same two answers from the same file
 ``sys.path`` (a distribution installed or removed changes its folder) for the first, the
 fingerprint of every model file for the second. What is read back is what would have been
 worked out; a changed file or a turned-off store (``TREADLE_CHECK_CACHE=off``) works it out.
-Installing costs no import: the work happens only where transformers is imported.
+Installing imports nothing: the work happens only where transformers is imported.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib.abc
 import importlib.machinery
-import importlib.metadata
 import os
 import sys
 import time
@@ -37,15 +35,22 @@ _PATCHED = "_treadle_importcache"
 
 
 def install() -> None:
-    """Both caches, once per process; a no-op if already installed."""
-    if getattr(importlib.metadata.packages_distributions, _PATCHED, False):
+    """Both caches, from the import of ``transformers.utils.import_utils`` on; once per
+    process, and nothing if transformers came first (its answers are worked out by then)."""
+    if "transformers.utils.import_utils" in sys.modules:
         return
-    importlib.metadata.packages_distributions = _cached_distributions(
-        importlib.metadata.packages_distributions
-    )
-    if "transformers.utils.import_utils" in sys.modules:  # imported before treadle: too late
-        return
-    sys.meta_path.insert(0, _AfterImport("transformers.utils.import_utils", _patch_import_utils))
+    if not any(isinstance(finder, _Around) for finder in sys.meta_path):
+        sys.meta_path.insert(
+            0, _Around("transformers.utils.import_utils", _patch_distributions, _patch_import_utils)
+        )
+
+
+def _patch_distributions() -> None:
+    import importlib.metadata
+
+    if not getattr(importlib.metadata.packages_distributions, _PATCHED, False):
+        compute = importlib.metadata.packages_distributions
+        importlib.metadata.packages_distributions = _cached_distributions(compute)
 
 
 def _cached_distributions(compute: Callable[[], Mapping[str, list[str]]]) -> Any:
@@ -75,19 +80,23 @@ def _remembered(name: list[Any], files: list[cache.Fingerprint], compute: Callab
     return answer
 
 
-class _AfterImport(importlib.abc.MetaPathFinder):
-    """Finds one module as Python would and runs ``then(module)`` right after it executes, before
-    whoever imported it binds any of its names; then steps out of ``sys.meta_path``."""
+class _Around:
+    """A finder (``sys.meta_path``) of one module: runs ``before()``, finds the module as Python
+    would, and runs ``after(module)`` right after the module executes, before whoever imported
+    it binds any of its names; then steps out of ``sys.meta_path``."""
 
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name, self.then = name, then
+    def __init__(
+        self, name: str, before: Callable[[], None], after: Callable[[ModuleType], None]
+    ) -> None:
+        self.name, self.before, self.after = name, before, after
 
-    def find_spec(  # type: ignore[override]
+    def find_spec(
         self, fullname: str, path: Sequence[str] | None = None, target: ModuleType | None = None
     ) -> importlib.machinery.ModuleSpec | None:
         if fullname != self.name:
             return None
         sys.meta_path.remove(self)
+        self.before()
         spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
         loader = spec.loader if spec is not None else None
         if loader is None or not hasattr(loader, "exec_module"):
@@ -96,7 +105,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
 
         def exec_module(module: ModuleType) -> None:
             execute(module)
-            self.then(module)
+            self.after(module)
 
         loader.exec_module = exec_module  # type: ignore[method-assign]  # this module's own loader
         return spec
