@@ -94,6 +94,22 @@ def processes(driver: int) -> dict[str, list]:
     return found
 
 
+def oldest(procs: list):  # type: ignore[no-untyped-def]
+    """The process of ``procs`` started first: for reward workers, one of training's (started
+    at the first step; the evaluation's start at the first evaluation), whose death the next
+    step sees. Not the lowest pid: pids wrap around on a machine that starts many processes
+    (the test suite: a soak once killed the evaluation's workers, whose restarts come later)."""
+    import psutil
+
+    def started(p) -> float:  # type: ignore[no-untyped-def]
+        try:
+            return float(p.create_time())
+        except psutil.Error:  # gone since it was listed: last
+            return float("inf")
+
+    return min(procs, key=started)
+
+
 def label(p, driver: int) -> str:  # type: ignore[no-untyped-def]
     """What a process is, in a word: the driver, a Ray actor (``ray::Class``), a reward
     worker, or the program (Ray's own daemons: ``gcs_server``, ``raylet``, ...)."""
@@ -171,7 +187,7 @@ def soak(task: dict, out: Path, args: argparse.Namespace) -> dict:
         for kind, every in (("replica", args.replica_every), ("reward", args.reward_every)):
             due = every * (kills[kind] + 1)  # (none in the last half minute: its restart
             if procs[kind] and minutes >= due and due <= args.minutes - 0.5:  # is counted)
-                os.kill(procs[kind][0].pid, signal.SIGKILL)
+                os.kill(oldest(procs[kind]).pid, signal.SIGKILL)
                 kills[kind] += 1
     if driver.poll() is not None:  # it ended by itself: why
         tail = (out.parent / "soak.log").read_text().splitlines()[-60:]

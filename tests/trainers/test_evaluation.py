@@ -234,6 +234,45 @@ def test_a_run_reports_every_set_with_sampled_metrics(tiny_task, tmp_path, capsy
     assert f"held-out accuracy (hard): {100 * last['eval/hard/accuracy']:.1f}%" in printed
 
 
+DIES_ONCE = """import os, pathlib, signal
+from treadle.tasks.arithmetic import compute_score
+
+def score(prompt, response, ground_truth):
+    marker = pathlib.Path(__file__).with_name("died")
+    if not marker.exists():  # its first call of the run: the worker process dies
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return compute_score(prompt, response, ground_truth)
+"""
+
+
+def test_an_evaluation_reward_worker_that_dies_is_restarted_and_counted(tiny_task, tmp_path):
+    """A set's reward process killed while scoring is started again like training's, and
+    counted in ``reward/worker_restarts`` (read at each step before that step's evaluation)."""
+    reward = tmp_path / "dies_once.py"
+    reward.write_text(DIES_ONCE)
+    hard = f"{{files: [{tiny_task['test']}], size: 4, reward: '{reward}:score'}}"
+    out = tmp_path / "run"
+    code, metrics = train(
+        out,
+        overrides(
+            tiny_task,
+            out,
+            "trainer.backend=local",
+            "trainer.total_steps=2",
+            "trainer.eval_every=1",
+            "data.max_prompt_length=64",
+            "rollout.max_new_tokens=8",
+            "reward.num_workers=1",
+            f"data.val_sets={{hard: {hard}}}",
+            "eval.max_new_tokens=8",
+        ),
+    )
+    assert code == 0
+    assert [m["reward/worker_restarts"] for m in metrics] == [0.0, 1.0]
+    assert all("eval/hard/accuracy" in m for m in metrics)
+
+
 def test_a_reasoning_gym_set_reports_each_dataset(tiny_task):
     """A set drawn from reasoning-gym: val_size rows from val_seed, each row's source is the
     dataset that made it, maj@k votes on the <answer> its reward reads."""

@@ -412,8 +412,10 @@ class RLTrainer(Trainer):
             metrics.pop("generated_tokens") / metrics["timing/step"]
         )
         metrics.update(self.source.metrics(metrics["timing/step"]))
-        if self.scorer.pool is not None:  # reward processes that died scoring, started again
-            metrics["reward/worker_restarts"] = float(self.scorer.restarts)
+        # reward processes that died and were started again: training's and the evaluation's
+        scorers = [self.scorer, *(v.scorer for v in self.val_sets.values())]
+        if any(s.pool is not None for s in scorers):
+            metrics["reward/worker_restarts"] = float(sum(s.restarts for s in scorers))
         if self.val_sets and self.eval_due(step):
             # now (sync), or sent beside training, its metrics joining this step's later
             with timed(metrics, "eval"):
