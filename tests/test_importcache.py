@@ -82,8 +82,12 @@ def test_the_import_structure_is_read_back_until_a_model_file_changes(store, tmp
     assert len(calls) == 3
 
 
-def test_an_unwritable_or_turned_off_store_works_everything_out(tmp_path, monkeypatch):
-    monkeypatch.setenv(cache.ENV, "off")
+@pytest.mark.parametrize("where", ["off", "a file"])
+def test_a_turned_off_or_unwritable_store_works_everything_out(tmp_path, monkeypatch, where):
+    if where == "a file":  # the store's folder cannot be made
+        (tmp_path / "file").write_text("")
+        where = str(tmp_path / "file" / "store")
+    monkeypatch.setenv(cache.ENV, where)
     calls: list = []
     cached = importcache._cached_distributions(lambda: calls.append(1) or {"a": ["b"]})
     assert cached() == cached() == {"a": ["b"]} and len(calls) == 2

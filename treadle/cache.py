@@ -21,6 +21,7 @@ that passed are stored: a problem is always found again, with its own message.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -107,7 +108,8 @@ def store(kind: str, key: Any, value: Any, files: Iterable[Fingerprint]) -> None
         tmp.write_text(json.dumps({"key": _plain(key), "value": value}), encoding="utf-8")
         os.replace(tmp, path)
     except OSError:
-        tmp.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):  # (its folder may be what could not be made)
+            tmp.unlink(missing_ok=True)
 
 
 def _plain(key: Any) -> Any:

@@ -78,6 +78,15 @@ def make_scorer(cfg: Config, spec: str | None = None, key: str = "reward.functio
     return Scorer(spec or r.function, r.num_workers, r.timeout_s, key)
 
 
+def worker_restarts(scorer: Scorer, sets: Mapping[str, ValSet]) -> dict[str, float]:
+    """``reward/worker_restarts``: the reward processes that died and were started again, in
+    training's pool and the sets' (none when no scorer has a pool)."""
+    scorers = [scorer, *(s.scorer for s in sets.values())]
+    if all(s.pool is None for s in scorers):
+        return {}
+    return {"reward/worker_restarts": float(sum(s.restarts for s in scorers))}
+
+
 def first_rows(ds: PromptDataset, size: int | None) -> list[int]:
     """The rows of ``ds`` evaluated: the first ``size`` (all when None)."""
     return list(range(len(ds) if size is None else min(size, len(ds))))

@@ -84,6 +84,7 @@ from treadle.trainers.evaluation import (
     make_scorer,
     rule_scores,
     score_sets,
+    worker_restarts,
 )
 from treadle.trainers.prime import ImplicitPRM
 from treadle.trainers.prompts import load_prompts
@@ -412,10 +413,7 @@ class RLTrainer(Trainer):
             metrics.pop("generated_tokens") / metrics["timing/step"]
         )
         metrics.update(self.source.metrics(metrics["timing/step"]))
-        # reward processes that died and were started again: training's and the evaluation's
-        scorers = [self.scorer, *(v.scorer for v in self.val_sets.values())]
-        if any(s.pool is not None for s in scorers):
-            metrics["reward/worker_restarts"] = float(sum(s.restarts for s in scorers))
+        metrics.update(worker_restarts(self.scorer, self.val_sets))
         if self.val_sets and self.eval_due(step):
             # now (sync), or sent beside training, its metrics joining this step's later
             with timed(metrics, "eval"):
