@@ -9,6 +9,19 @@ from typing import Any
 from treadle.cli import main
 from treadle.tracking import read_metrics
 
+# A reward function file that kills its worker process the first time it is called in a run (a
+# marker file beside it says it did), and scores like the built-in afterwards.
+DIES_ONCE = """import os, pathlib, signal
+from treadle.tasks.arithmetic import compute_score
+
+def score(prompt, response, ground_truth):
+    marker = pathlib.Path(__file__).with_name("died")
+    if not marker.exists():
+        marker.touch()
+        os.kill(os.getpid(), signal.SIGKILL)
+    return compute_score(prompt, response, ground_truth)
+"""
+
 
 def overrides(
     task: dict[str, Path], out: Path, *extra: str, prompts: int = 2, samples: int = 2

@@ -129,20 +129,6 @@ def test_a_failed_export_leaves_the_previous_final_model(
     assert not (tmp_path / "final_model.tmp").exists()
 
 
-# Kills its worker process the first time it is called in a run directory (a marker file
-# beside it says it did), scores like the built-in afterwards.
-REWARD = """import os, pathlib, signal
-from treadle.tasks.arithmetic import compute_score
-
-def score(prompt, response, ground_truth):
-    marker = pathlib.Path(__file__).with_name("died")
-    if not marker.exists():
-        marker.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return compute_score(prompt, response, ground_truth)
-"""
-
-
 def test_a_full_disk_at_step_2_stops_the_run_and_the_rerun_resumes_from_step_1(
     tiny_task: dict[str, Path],
     tmp_path: Path,
@@ -152,7 +138,7 @@ def test_a_full_disk_at_step_2_stops_the_run_and_the_rerun_resumes_from_step_1(
     from treadle.engines import fsdp
 
     reward = tmp_path / "dies_once.py"
-    reward.write_text(REWARD)
+    reward.write_text(tiny_runs.DIES_ONCE)
     out = tmp_path / "run"
     keys = tiny_runs.overrides(
         tiny_task,

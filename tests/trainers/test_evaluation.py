@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference import verl_module
-from tiny_runs import overrides, train
+from tiny_runs import DIES_ONCE, overrides, train
 
 from treadle.config import load_config
 from treadle.protocol import Batch
@@ -232,18 +232,6 @@ def test_a_run_reports_every_set_with_sampled_metrics(tiny_task, tmp_path, capsy
     printed = capsys.readouterr().out
     assert f"held-out accuracy: {100 * last['eval/val/accuracy']:.1f}%" in printed
     assert f"held-out accuracy (hard): {100 * last['eval/hard/accuracy']:.1f}%" in printed
-
-
-DIES_ONCE = """import os, pathlib, signal
-from treadle.tasks.arithmetic import compute_score
-
-def score(prompt, response, ground_truth):
-    marker = pathlib.Path(__file__).with_name("died")
-    if not marker.exists():  # its first call of the run: the worker process dies
-        marker.touch()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return compute_score(prompt, response, ground_truth)
-"""
 
 
 def test_an_evaluation_reward_worker_that_dies_is_restarted_and_counted(tiny_task, tmp_path):
