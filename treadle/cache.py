@@ -48,9 +48,14 @@ def fingerprint(path: str | Path) -> Fingerprint:
     """``[resolved path, dev, inode, size, mtime_ns, ctime_ns, settled]`` of a file (OSError if
     none); ``settled``: last written ``SETTLE_S`` seconds ago or more."""
     real = os.path.realpath(path)
-    st = os.stat(real)
+    return stat_fingerprint(real, os.stat(real))
+
+
+def stat_fingerprint(path: str, st: os.stat_result) -> Fingerprint:
+    """:func:`fingerprint` of ``path`` (already resolved) from its ``st``, taken by the caller
+    (a ``scandir`` entry's, without a ``stat`` call of its own)."""
     settled = max(st.st_mtime_ns, st.st_ctime_ns) <= time.time_ns() - int(SETTLE_S * 1e9)
-    return [real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, settled]
+    return [path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns, settled]
 
 
 def folder_fingerprint(folder: str | Path, skip: tuple[str, ...] = ()) -> list[Fingerprint]:

@@ -24,14 +24,11 @@ import functools
 import importlib.machinery
 import os
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
 from treadle import cache
-
-_PATCHED = "_treadle_importcache"
 
 
 def install() -> None:
@@ -45,12 +42,11 @@ def install() -> None:
         )
 
 
-def _patch_distributions() -> None:
+def _patch_distributions() -> None:  # once: the finder leaves sys.meta_path before it runs this
     import importlib.metadata
 
-    if not getattr(importlib.metadata.packages_distributions, _PATCHED, False):
-        compute = importlib.metadata.packages_distributions
-        importlib.metadata.packages_distributions = _cached_distributions(compute)
+    compute = importlib.metadata.packages_distributions
+    importlib.metadata.packages_distributions = _cached_distributions(compute)
 
 
 def _cached_distributions(compute: Callable[[], Mapping[str, list[str]]]) -> Any:
@@ -64,7 +60,6 @@ def _cached_distributions(compute: Callable[[], Mapping[str, list[str]]]) -> Any
         found = _remembered(["packages_distributions", list(entries)], folders, compute)
         return {name: list(dists) for name, dists in found.items()}
 
-    setattr(packages_distributions, _PATCHED, True)
     return packages_distributions
 
 
@@ -140,9 +135,8 @@ def _patch_import_utils(module: ModuleType) -> None:
 
 @functools.cache
 def _model_files(folder: str) -> list[cache.Fingerprint]:
-    """The fingerprints (:func:`treadle.cache.fingerprint`'s, from one ``scandir``) of the
-    ``.py`` files under ``folder``: what the structure is read from."""
-    settled = time.time_ns() - int(cache.SETTLE_S * 1e9)
+    """The fingerprints of the ``.py`` files under ``folder`` (what the structure is read from),
+    from one ``scandir`` per folder."""
     out, stack = [], [folder]
     while stack:
         with os.scandir(stack.pop()) as entries:
@@ -151,8 +145,5 @@ def _model_files(folder: str) -> list[cache.Fingerprint]:
                     if entry.name != "__pycache__":
                         stack.append(entry.path)
                 elif entry.name.endswith(".py"):
-                    st = entry.stat()
-                    times = [st.st_mtime_ns, st.st_ctime_ns]
-                    ids = [entry.path, st.st_dev, st.st_ino, st.st_size]
-                    out.append([*ids, *times, max(times) <= settled])
+                    out.append(cache.stat_fingerprint(entry.path, entry.stat()))
     return sorted(out)

@@ -107,7 +107,7 @@ def _rows(ds: Any) -> list[dict[str, Any]]:
     ~0.4 s row by row through `datasets`' formatter. Values come as stored, never decoded: a
     `datasets` Image column gives ``{"bytes", "path"}`` (which `images.read_images` opens;
     the formatter made it a PIL picture, which it refused)."""
-    return list(ds.to_list())
+    return ds.to_list()
 
 
 def _find_bad_row(path: Path) -> str | None:
