@@ -240,6 +240,62 @@ def test_a_second_ctrl_c_ends_the_command_at_once(tmp_path):
     assert (proc.returncode, stderr) == (130, last + "\n")
 
 
+# The same command, whose stop signals land on another thread than the main one (the kernel
+# gives a process's signal to any thread; a signal that comes just before the main thread goes
+# to sleep is as good as one that landed elsewhere): each is sent once the main thread sleeps
+# in a wait with no timeout, where Python runs the handler only if the signal wakes it.
+_ELSEWHERE = """
+import signal, sys, threading
+import treadle.cli as cli
+from treadle.errors import whereabouts
+cli.STOP_GRACE_S = 600.0
+main = threading.main_thread()
+sys.setswitchinterval(1000.0)  # the main thread lets go of the interpreter only to sleep
+
+def elsewhere(signum):
+    def send():
+        while True:  # until the main thread sleeps in command's wait
+            frame = sys._current_frames()[main.ident]
+            if frame.f_code is threading.Condition.wait.__code__:
+                if frame.f_back.f_back.f_code.co_name == "command":
+                    break
+            threading.Event().wait(0.01)
+        signal.pthread_kill(threading.get_ident(), signum)  # it lands on this thread
+    threading.Thread(target=send).start()
+
+def command(argv):
+    with whereabouts(lambda: "during step 2; the last checkpoint is step_1"):
+        try:
+            elsewhere(signal.SIGINT)
+            threading.Event().wait()  # only the handler ends this wait
+        finally:
+            print("cleaning up", flush=True)
+            elsewhere(signal.SIGINT)
+            threading.Event().wait()  # and the clean-up never ends
+    return 0
+
+cli._main = command
+sys.exit(cli.main())
+"""
+
+
+def test_ctrl_c_twice_on_another_thread_than_the_main_one_is_not_lost(tmp_path):
+    """CI once lost a second Ctrl-C (the test above hung): the stop thread counts the signals
+    from Python's wakeup fd, wakes the main thread when its handler did not run, and ends the
+    process on the second."""
+    (tmp_path / "elsewhere.py").write_text(_ELSEWHERE)
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "elsewhere.py")],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    last = "treadle: stopped by Ctrl-C during step 2; the last checkpoint is step_1"
+    assert (proc.returncode, stdout, stderr) == (130, "cleaning up\n", last + "\n")
+
+
 _UNAWAITED = """
 import argparse, asyncio, os, signal, sys, threading
 import treadle.cli as cli
