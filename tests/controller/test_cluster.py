@@ -4,6 +4,7 @@ cluster (a head and a second raylet on this machine, loopback addresses, token a
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import shutil
@@ -116,6 +117,60 @@ def test_unreachable_address_fails_fast(monkeypatch):
     with pytest.raises(ConfigError, match=rf"nothing answers at 127.0.0.1:{port} \(RAY_ADDRESS\)"):
         cluster.ensure_ray(config())
     assert time.monotonic() - start < 6
+
+
+# --- a local cluster's daemons -----------------------------------------------------------------
+
+# A driver that starts its own cluster (cluster.ensure_ray), has a Ray task print a line, then
+# prints which of the head's daemons are its processes, and waits for a line on stdin to end.
+_LOCAL = """
+import json, sys
+import psutil, ray
+from treadle import cluster
+from treadle.config import load_config
+
+verbose = sys.argv[1]
+cfg = load_config(None, ["model.path=unused", "trainer.num_cpus=1", f"trainer.verbose={verbose}"])
+cluster.ensure_ray(cfg)
+ray.get(ray.remote(num_cpus=0)(lambda: print("hello from a worker", flush=True)).remote())
+daemons = {"gcs_server": "gcs_server", "monitor": "autoscaler/_private/monitor.py",
+           "log_monitor": "_private/log_monitor.py"}
+running = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+print(json.dumps({k: any(v in c for c in running) for k, v in daemons.items()}), flush=True)
+sys.stdin.readline()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("verbose", [False, True])
+def test_a_local_cluster_starts_no_autoscaler_and_a_log_monitor_only_when_verbose(
+    tmp_path, verbose
+):
+    """The autoscaler's monitor of a cluster that never scales, and the log monitor that
+    sends workers' output to a driver that does not ask for it, are not started (two daemons,
+    ~1.7 CPU-s of every start); a verbose run still gets its workers' output."""
+    (tmp_path / "local.py").write_text(_LOCAL)
+    env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
+    proc = subprocess.Popen(
+        [sys.executable, str(tmp_path / "local.py"), str(verbose).lower()],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=env, start_new_session=True,
+    )  # fmt: skip
+    try:
+        lines: list[str] = []
+        wanted = ["{", *(["hello from a worker"] if verbose else [])]
+        assert proc.stdout is not None
+        while wanted:  # the process ends (readline: "") if it fails; the test's timeout else
+            line = proc.stdout.readline()
+            assert line, "".join(lines)[-3000:]
+            lines.append(line)
+            wanted = [w for w in wanted if not (line.startswith(w) or w in line)]
+        daemons = json.loads(next(line for line in lines if line.startswith("{")))
+        assert daemons == {"gcs_server": True, "monitor": False, "log_monitor": verbose}
+    finally:
+        with contextlib.suppress(BrokenPipeError):
+            proc.communicate("\n", timeout=120)
+        proc.kill()
 
 
 # --- a real two-node cluster ------------------------------------------------------------------
