@@ -34,6 +34,25 @@ def test_yaml_and_overrides_are_typed(tmp_path):
     assert cfg.trainer.save_every == 0  # untouched default
 
 
+def test_a_hash_in_an_override_is_kept_not_read_as_a_comment():
+    """YAML reads ` #` as a comment: the value was cut there (a system prompt 'You are #1'
+    became 'You are', an output directory '.../out #2' another directory)."""
+    cfg = load_config(
+        None,
+        [
+            "model.path=m",
+            "data.system_prompt=You are #1. Answer with a number.",
+            "trainer.output_dir=runs/out #2",
+            "data.train_files=[a.jsonl, b #c.jsonl]",
+            "trainer.total_steps=3",
+        ],
+    )
+    assert cfg.data.system_prompt == "You are #1. Answer with a number."
+    assert cfg.trainer.output_dir == "runs/out #2"
+    assert cfg.data.train_files == ["a.jsonl", "b #c.jsonl"]
+    assert cfg.trainer.total_steps == 3
+
+
 def test_misspelt_override_names_key_and_suggestion():
     with pytest.raises(
         ConfigError,

@@ -111,7 +111,7 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
     if not sep or not key.strip() or not all(p.strip() for p in parts):
         raise ConfigError(f"override {item!r} is not of the form section.key=value")
     try:  # YAML parsing gives numbers, booleans, null and lists their types ("[a.jsonl]").
-        parsed = yaml.safe_load(value) if value.strip() else ""
+        parsed = _parse_value(value)
     except yaml.YAMLError as e:
         problem = getattr(e, "problem", None) or str(e).splitlines()[0]
         raise ConfigError(
@@ -124,6 +124,31 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
         node = child
     node[parts[-1]] = parsed
+
+
+# Stands for '#' while an override's value is parsed (a character no one types).
+_HASH = "\ue000"
+
+
+def _parse_value(value: str) -> Any:
+    """An override's value as YAML reads it, but a '#' is kept: YAML would read ` #` as the
+    start of a comment and drop the rest ('data.system_prompt=You are #1' gave 'You are'),
+    and on a command line a '#' that reaches treadle was quoted for the shell on purpose."""
+    if not value.strip():
+        return ""
+    if "#" not in value or _HASH in value:
+        return yaml.safe_load(value)
+    return _put_back(yaml.safe_load(value.replace("#", _HASH)))
+
+
+def _put_back(parsed: Any) -> Any:
+    if isinstance(parsed, str):
+        return parsed.replace(_HASH, "#")
+    if isinstance(parsed, list):
+        return [_put_back(v) for v in parsed]
+    if isinstance(parsed, dict):
+        return {_put_back(k): _put_back(v) for k, v in parsed.items()}
+    return parsed
 
 
 # keys of earlier versions: the error names the new key
