@@ -274,6 +274,17 @@ CROSS_FIELD = [
     (["algorithm.kl_reward_estimator=k5"], r"algorithm\.kl_reward_estimator: unknown"),
     (["data.max_prompt_length=100"], r"data\.max_prompt_length=100 \+ rollout\.max_new_tokens=32"),
     (["rollout.max_new_tokens=100"], r"max_position_embeddings=128"),
+    (["eval.max_new_tokens=500"], r"data\.max_prompt_length=\d+ \+ eval\.max_new_tokens=500 = "),
+    (
+        ["actor.warmup_steps=1000", "trainer.total_steps=2"],
+        r"actor\.warmup_steps=1000 is longer than the run's \d+ optimizer steps at most "
+        r"\(trainer\.total_steps=2\): its lr would never reach actor\.lr=.*: lower",
+    ),
+    (["algorithm.clip_ratio_low=1.5"], r"algorithm\.clip_ratio_low: input should be less than 1"),
+    (
+        ["algorithm.policy_loss=clip_cov", "algorithm.clip_cov_lb=10", "algorithm.clip_cov_ub=1"],
+        r"algorithm\.clip_cov_lb=10 must be below algorithm\.clip_cov_ub=1",
+    ),
     (["trainer.final_model=best"], r"trainer\.final_model=best .*set trainer\.keep_best"),
     (
         ["trainer.keep_best=eval/val/accuracy", "trainer.save_every=4", "trainer.eval_every=3"],

@@ -96,7 +96,7 @@ def check(cfg: Config, kind: Kind) -> list[str]:
     if evaluates(cfg, kind):
         _check_val_sets(cfg, tokenizer, tools, attempt, summary)
     if kind not in ("eval", "serve"):
-        attempt("trainer.output_dir", _check_output_dir, cfg, summary)
+        attempt("trainer.output_dir", _check_output_dir, cfg, kind, summary)
     if problems:
         raise ConfigError("\n".join(problems))
     return summary
@@ -371,6 +371,8 @@ def _context_note(cfg: Config, kind: Kind, folder: str) -> str:
         if kind != "train" or r.agent_loop == "single_turn"
         else "the agent loop's response length (rollout.max_response_length)"
     )
+    if kind in RL_KINDS and r.agent_loop == "single_turn" and response > r.max_new_tokens:
+        response_key = "eval.max_new_tokens"  # the longer of the two, the one to lower
     if d.max_prompt_length + response > context:
         raise ConfigError(
             f"data.max_prompt_length={d.max_prompt_length} + {response_key}={response} = "
@@ -644,7 +646,7 @@ def _unpaired_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any)
 # --- output directory ------------------------------------------------------------------------
 
 
-def _check_output_dir(cfg: Config, summary: list[str]) -> None:
+def _check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
     key = "trainer.output_dir"
     out = Path(cfg.trainer.output_dir).expanduser()
     if out.is_symlink() and not out.exists():
@@ -656,6 +658,8 @@ def _check_output_dir(cfg: Config, summary: list[str]) -> None:
         raise ConfigError(f"{key}: '{out}' is a file, not a directory")
     if out.is_dir():
         _check_existing_dir(out, key)
+        if cfg.trainer.resume:
+            _check_resumed_command(out, kind)
         summary.append(f"{key}: {out} (exists)")
         return
     parent = out.parent
@@ -668,6 +672,21 @@ def _check_output_dir(cfg: Config, summary: list[str]) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: cannot create '{out}': '{parent}' is not writable")
     summary.append(f"{key}: {out} (new)")
+
+
+def _check_resumed_command(out: Path, kind: Kind) -> None:
+    """A run resumes from its directory's newest checkpoint: one another command wrote (an SFT
+    run's, resumed by `treadle train`) would be taken as this run's steps."""
+    from treadle import checkpoint as ckpt
+
+    found = ckpt.written_by(out)
+    if found is not None and found[0] != kind:
+        command, newest = found
+        raise ConfigError(
+            f"trainer.output_dir: '{out}' holds a `treadle {command}` run (checkpoints up to "
+            f"{newest.name}), which `treadle {kind}` would resume as its own: set "
+            "trainer.output_dir to another directory"
+        )
 
 
 def _check_existing_dir(out: Path, key: str) -> None:

@@ -258,6 +258,20 @@ def read_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def written_by(output_dir: str | Path) -> tuple[str, Path] | None:
+    """The command whose checkpoints ``output_dir`` holds (state.json's ``command``: "sft",
+    "train", ...) and its newest checkpoint that says so; None if none does (no checkpoint,
+    or checkpoints of an earlier version). Not verified: only a name is read."""
+    for _, path in reversed(checkpoints(output_dir)):
+        try:
+            command = read_state(path).get("command")
+        except (OSError, ValueError, AttributeError):  # a damaged state.json says nothing
+            continue
+        if isinstance(command, str):
+            return command, path
+    return None
+
+
 def save(
     output_dir: str | Path,
     step: int,

@@ -92,3 +92,25 @@ def test_multi_turn_sft_loss_is_on_assistant_turns_only(tiny_task, tmp_path):
     assert metrics[0]["sft/loss"] == pytest.approx(assistant, rel=1e-5)
     assert everything != pytest.approx(assistant, rel=1e-3)  # the check tells the two apart
     assert metrics[1]["sft/loss"] < metrics[0]["sft/loss"]
+
+
+def test_an_sft_run_directory_is_not_resumed_by_treadle_train(tiny_task, tmp_path, capsys):
+    """`treadle train` in a directory of SFT checkpoints resumed the SFT run's step 2 as its
+    own (one GRPO step ran, metrics.jsonl mixed both): every checkpoint now says which command
+    wrote it, and the check refuses another command's."""
+    out = tmp_path / "run"
+    common = [f"model.path={tiny_task['model']}", f"data.train_files=[{tiny_task['train']}]"]
+    common += ["data.val_files=[]", "trainer.backend=local", f"trainer.output_dir={out}"]
+    sft = ["data.batch_size=2", "actor.micro_batch_size=2", "actor.ppo_mini_batch_size=2"]
+    sft += ["rollout.n=1", "actor.warmup_steps=1", "trainer.total_steps=2"]
+    sft += ["trainer.progress=false"]
+    assert main(["sft", "examples/arithmetic/sft.yaml", *common, *sft]) == 0
+    assert json.loads((out / "checkpoints/step_2/state.json").read_text())["command"] == "sft"
+    capsys.readouterr()
+    assert main(["train", "examples/arithmetic/grpo.yaml", *common]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"treadle: error: trainer.output_dir: '{out}' holds a `treadle sft` run (checkpoints up "
+        "to step_2), which `treadle train` would resume as its own: set trainer.output_dir to "
+        "another directory"
+    ]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]  # nothing written by the refusal

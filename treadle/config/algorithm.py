@@ -75,7 +75,9 @@ class ClipSettings(Section):
     """PPO's clipped ratio: read by ppo, gspo, cispo, clip_cov, geo_mean and bypass_mode
     (their ``knobs``)."""
 
-    clip_ratio_low: float = Field(0.2, ge=0, description="PPO clip: lower bound 1 - low.")
+    clip_ratio_low: float = Field(
+        0.2, ge=0, lt=1, description="PPO clip: lower bound 1 - low (below 1: a ratio is > 0)."
+    )
     clip_ratio_high: float = Field(0.2, ge=0, description="PPO clip: upper bound 1 + high.")
     clip_ratio_c: float | None = Field(
         3.0,
@@ -105,6 +107,15 @@ class ClipCovSettings(Section):
     clip_cov_ub: float = Field(
         5.0, description="clip_cov: candidates have a covariance below this (paper, verl: 5)."
     )
+
+    @model_validator(mode="after")
+    def _a_band(self) -> ClipCovSettings:
+        if self.clip_cov_lb >= self.clip_cov_ub:  # no token a candidate: plain PPO, silently
+            raise ValueError(
+                f"algorithm.clip_cov_lb={self.clip_cov_lb:g} must be below "
+                f"algorithm.clip_cov_ub={self.clip_cov_ub:g} (no covariance lies between them)"
+            )
+        return self
 
 
 class KLCovSettings(Section):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -150,7 +151,22 @@ def _check_unread(cfg: Sections) -> Iterator[str]:
 
 
 def _check_schedules(cfg: Sections) -> Iterator[str]:
-    """A floor (``min_lr_ratio``) for an lr that never decays is a setting nothing reads."""
+    """A floor (``min_lr_ratio``) for an lr that never decays is a setting nothing reads; a
+    warm-up longer than the run keeps the lr near 0 throughout (it ran at 1e-8 where
+    actor.lr was 1e-5, without a word)."""
+    a, t = cfg.actor, cfg.trainer
+    if t.epochs is None:  # else the steps depend on the data
+        # at most: RL's count (sft, dpo, kto and rm take one optimizer step a step)
+        per_step = a.ppo_epochs * math.ceil(
+            cfg.data.batch_size * cfg.rollout.n / a.ppo_mini_batch_size
+        )
+        most = t.total_steps * per_step
+        if a.warmup_steps > most:
+            yield (
+                f"actor.warmup_steps={a.warmup_steps} is longer than the run's {most} "
+                f"optimizer steps at most (trainer.total_steps={t.total_steps}): its lr would "
+                f"never reach actor.lr={a.lr:g}: lower actor.warmup_steps"
+            )
     for section in ("actor", "critic"):
         opt = getattr(cfg, section)
         if opt.min_lr_ratio and opt.lr_schedule == "constant":

@@ -17,6 +17,7 @@ from typing import Any
 from treadle import checkpoint as ckpt
 from treadle import startup
 from treadle.config import Config
+from treadle.config.rules import Kind
 from treadle.controller import WorkerGroup
 from treadle.errors import (
     Stopped,
@@ -86,6 +87,7 @@ class Trainer(Launch):
 
     headline = "reward/mean"
     algorithm = "training"  # what the start-up line says it runs
+    kind: Kind  # the command it runs, in every checkpoint's state.json (treadle check reads it)
     serves_rollout = True  # whether its workers serve a rollout (not the RM trainer's)
 
     def __init__(self, cfg: Config) -> None:
@@ -176,7 +178,7 @@ class Trainer(Launch):
 
     def save(self, step: int, metrics: dict[str, float], last: bool) -> None:
         """Checkpoint ``step`` (:func:`~treadle.trainers.run_dir.save_checkpoint`)."""
-        state = self.driver_state()
+        state = {**self.driver_state(), "command": self.kind}
         try:
             note = save_checkpoint(self.cfg, step, self.group, self.roles, state, metrics, last)
         except ckpt.CheckpointWriteError as e:  # disk full, no permission: say where to go on from

@@ -44,6 +44,7 @@ def check_dpo(cfg: Config) -> None:
 class DPOTrainer(PairTrainer[PairDataset]):
     """Owns the pairs and the actor group (with its reference); ``fit`` runs the loop."""
 
+    kind = "dpo"
     headline = "dpo/loss"
 
     @property

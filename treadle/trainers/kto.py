@@ -36,6 +36,7 @@ from treadle.trainers.pairs import PairTrainer, held_out_unpaired, load_unpaired
 class KTOTrainer(PairTrainer[UnpairedDataset]):
     """Owns the examples and the actor group (with its reference); ``fit`` runs the loop."""
 
+    kind = "kto"
     headline = "kto/loss"
 
     @property

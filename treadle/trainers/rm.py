@@ -27,6 +27,7 @@ from treadle.workers import RewardTrainerWorker
 class RMTrainer(PairTrainer[PairDataset]):
     """Owns the pairs and the reward-model group; ``fit`` runs the loop."""
 
+    kind = "rm"
     headline = "rm/loss"
     algorithm = "reward-model training (Bradley-Terry)"
     serves_rollout = False  # its workers score pairs

@@ -27,6 +27,7 @@ from treadle.trainers.prompts import listed, tokenizer
 class SFTTrainer(Trainer):
     """Owns the SFT data and the actor group; ``fit`` runs the loop."""
 
+    kind = "sft"
     headline = "sft/loss"
     algorithm = "SFT"
 
