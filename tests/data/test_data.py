@@ -284,6 +284,14 @@ def test_sampler_rejects_state_of_another_dataset():
         (b'{"prompt": "a", "answer": "1"}\n[1, 2]\n', r"row 2: not a JSON object \(a list\)"),
         (b'{"prompt": "a", "answer": "1"}\n"text"\n', r"row 2: not a JSON object \(a string\)"),
         (b'[{"prompt": "a", "answer": "1"}, 7]', r"row 2: not a JSON object \(a number\)"),
+        (
+            b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2", "answer": "3"}\n',
+            r"row 2: key 'answer' is given twice: keep one$",
+        ),
+        (
+            b'{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": 1180591620717411303424}\n',
+            r"row 2: field 'answer' holds an integer beyond 64 bits: quote it as a string$",
+        ),
     ],
 )
 def test_unparsable_row_names_file_and_row(tok, tmp_path: Path, content: bytes, message: str):  # type: ignore[no-untyped-def]
@@ -293,6 +301,28 @@ def test_unparsable_row_names_file_and_row(tok, tmp_path: Path, content: bytes, 
         DataError, match=rf"data\.train_files: cannot read '.*bad\.jsonl?': {message}"
     ):
         load(tok, [str(path)])
+
+
+@pytest.mark.parametrize(
+    ("answers", "truths"),
+    [
+        # a column of strings and numbers: datasets stored it as JSON text and decoded "007"
+        (["007", "007", 7, "1.50", "abc"], ["007", "007", "7", "1.50", "abc"]),
+        (["007", ["7", "07"]], ["007", '["7", "07"]']),
+        # ints in a column with a float: Arrow made every one a float ("79.0")
+        ([79, 99, 7.5], ["79", "99", "7.5"]),
+        ([[1, 2], [1, 2.5]], ["[1, 2]", "[1, 2.5]"]),
+        ([2**63 + 1, 5], [str(2**63 + 1), "5"]),  # not an int64: Arrow made it a float
+        (["2020-01-01", "2020-01-01 10:00"], ["2020-01-01", "2020-01-01 10:00"]),  # timestamps
+    ],
+)
+def test_ground_truths_are_what_the_file_writes(tok, tmp_path: Path, answers, truths):  # type: ignore[no-untyped-def]
+    rows = [{"prompt": "What is 1+2?", "answer": answer} for answer in answers]
+    ds = load(tok, [write_jsonl(tmp_path / "train.jsonl", rows)])
+    assert [ds[i]["ground_truth"] for i in range(len(rows))] == truths
+    array = tmp_path / "train.json"  # a .json file holding one array of rows
+    array.write_text(json.dumps(rows, indent=1))
+    assert [row["ground_truth"] for row in load(tok, [str(array)])] == truths
 
 
 def _eos_prompt_ids(tok, tmp_path: Path, **kwargs: Any) -> list[int]:  # type: ignore[no-untyped-def]

@@ -2,14 +2,23 @@
 by ``datasets.Dataset.save_to_disk``, through ``datasets``. Every row becomes a ``Record`` with
 its message prefix (``data.train_files: train.jsonl row 7``) and a stable id ``<file>:<row>``.
 
-A file that does not parse (not UTF-8, bad JSON, a row that is not an object) fails naming the
-file and the 1-based row (blank lines are not rows).
+A file that does not parse (not UTF-8, bad JSON, a row that is not an object, a key given
+twice, an integer beyond 64 bits) fails naming the file and the 1-based row (blank lines are not
+rows).
+
+A row holds the values the file holds. `datasets` infers one Arrow type per JSON column, which
+can change them: ints in a column with a float become floats (``79`` -> ``79.0``), an integer
+beyond int64 a float, an ISO date string a timestamp, and a column that mixes strings with
+numbers or lists is stored as JSON text and decoded again, so the string ``"007"`` comes back as
+the number ``7``. Such columns (any type but string, int64, bool, null and lists or structs of
+them) are taken from the file itself, parsed with `json`; the others keep `datasets`' values.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +27,7 @@ from typing import Any
 from treadle.errors import DataError
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+_SPACE = re.compile(r"[ \t\n\r]*")  # what JSON counts as whitespace
 
 
 @dataclass
@@ -68,14 +78,62 @@ def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
     level = datasets_log.level
     datasets_log.setLevel(logging.CRITICAL)  # it logs a parse error before raising it
     try:
-        rows = _rows(load_dataset(builder, data_files=str(path), split="train"))
+        ds = load_dataset(builder, data_files=str(path), split="train")
+        rows = _rows(ds)
+        changed = [f.name for f in ds.data.schema if not _kept_as_written(f.type)]
+        if builder == "json" and changed:
+            _take_from_file(rows, path, changed)
     except Exception as e:  # datasets wraps parse errors in several exception types
         bad_row = _find_bad_row(path) if builder == "json" else None
-        cause = bad_row or (str(e).splitlines() or [type(e).__name__])[0]
+        cause = bad_row or _first_line(e)
         raise DataError(f"{config_key}: cannot read '{path}': {cause}") from None
     finally:
         datasets_log.setLevel(level)
     return rows
+
+
+def _first_line(error: BaseException) -> str:
+    """The error's first line; past `datasets`' 'An error occurred while generating the
+    dataset', which says nothing, to the error it wraps."""
+    while str(error).startswith("An error occurred while generating") and error.__cause__:
+        error = error.__cause__
+    return (str(error).splitlines() or [type(error).__name__])[0]
+
+
+def _kept_as_written(arrow_type: Any) -> bool:
+    """Whether `datasets` gives a JSON column's values exactly as the file wrote them."""
+    import pyarrow as pa
+
+    types = pa.types
+    if types.is_list(arrow_type) or types.is_large_list(arrow_type):
+        return _kept_as_written(arrow_type.value_type)
+    if types.is_struct(arrow_type):
+        return all(_kept_as_written(field.type) for field in arrow_type)
+    kept = (types.is_string, types.is_int64, types.is_boolean, types.is_null)
+    return any(is_type(arrow_type) for is_type in kept)
+
+
+def _take_from_file(rows: list[dict[str, Any]], path: Path, columns: list[str]) -> None:
+    """Replace the values of `columns` by the file's own (see the module docstring)."""
+    text = path.read_bytes().decode("utf-8-sig")
+    if text.lstrip().startswith("["):
+        parsed = json.loads(text)
+    else:  # one JSON value after another: rows one a line, or spread over several
+        decoder, parsed, end = json.JSONDecoder(), [], _after_space(text, 0)
+        while end < len(text):
+            value, end = decoder.raw_decode(text, end)
+            parsed.append(value)
+            end = _after_space(text, end)
+    if len(parsed) != len(rows) or not all(isinstance(row, dict) for row in parsed):
+        return  # a shape `datasets` reads its own way (an array of strings): keep its values
+    for row, in_file in zip(rows, parsed, strict=True):
+        for column in columns:
+            row[column] = in_file.get(column)
+
+
+def _after_space(text: str, start: int) -> int:
+    space = _SPACE.match(text, start)
+    return space.end() if space else start
 
 
 def _read_saved(path: Path, config_key: str) -> list[dict[str, Any]]:
@@ -124,9 +182,11 @@ def _find_bad_row(path: Path) -> str | None:
         value, error = _json(line)
         if isinstance(error, UnicodeDecodeError):
             return f"row {row}: not UTF-8 (byte {error.start} of the row)"
+        if isinstance(error, _KeyTwice):
+            return f"row {row}: key '{error.key}' is given twice: keep one"
         if error is not None:
             return f"row {row}: not valid JSON (column {error.colno}: {error.msg})"
-        if problem := _not_an_object(row, value):
+        if problem := _not_an_object(row, value) or _big_int(row, value):
             return problem
     return None
 
@@ -135,19 +195,58 @@ def _bad_array_row(data: bytes) -> str | None:
     rows, error = _json(data)
     if isinstance(error, UnicodeDecodeError):
         return f"not UTF-8 (byte {error.start} of the file)"
+    if isinstance(error, _KeyTwice):  # the parser does not say in which row
+        return f"a row gives key '{error.key}' twice: keep one"
     if error is not None:
         return f"not valid JSON at line {error.lineno}, column {error.colno}: {error.msg}"
     values = rows if isinstance(rows, list) else []
-    problems = (_not_an_object(row, value) for row, value in enumerate(values, start=1))
+    problems = (
+        _not_an_object(row, value) or _big_int(row, value)
+        for row, value in enumerate(values, start=1)
+    )
     return next((p for p in problems if p), None)
 
 
-def _json(data: bytes) -> tuple[Any, UnicodeDecodeError | json.JSONDecodeError | None]:
+class _KeyTwice(ValueError):
+    """A JSON object that gives a key twice: Arrow refuses it ('specified twice'), `json` would
+    keep the last value."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _KeyTwice(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def _json(data: bytes) -> tuple[Any, UnicodeDecodeError | json.JSONDecodeError | _KeyTwice | None]:
     """``(value, None)``, or ``(None, why)`` when the bytes are not UTF-8 JSON."""
     try:
-        return json.loads(data.decode("utf-8")), None
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        return json.loads(data.decode("utf-8"), object_pairs_hook=_object), None
+    except (UnicodeDecodeError, json.JSONDecodeError, _KeyTwice) as e:
         return None, e
+
+
+def _big_int(row: int, value: dict[str, Any]) -> str | None:
+    """A field holding an integer Arrow cannot store (beyond 64 bits, at any depth)."""
+    field = next((key for key, v in value.items() if _has_big_int(v)), None)
+    if field is None:
+        return None
+    return f"row {row}: field '{field}' holds an integer beyond 64 bits: quote it as a string"
+
+
+def _has_big_int(value: Any) -> bool:
+    if isinstance(value, dict):
+        return any(_has_big_int(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_big_int(v) for v in value)
+    return isinstance(value, int) and not -(2**63) <= value < 2**64
 
 
 def _not_an_object(row: int, value: Any) -> str | None:
