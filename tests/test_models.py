@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from treadle.errors import ConfigError
 from treadle.models import (
     count_parameters,
     load_causal_lm,
     load_tokenizer,
+    load_value_model,
     resolve_model_path,
     save_hf_folder,
 )
@@ -77,6 +81,88 @@ def test_folder_without_config_or_tokenizer_or_weights(tmp_path: Path, model_dir
         load_causal_lm(tmp_path / "config.json")
     with pytest.raises(ConfigError, match="not a torch dtype"):
         load_causal_lm(model_dir, "float33")
+
+
+def damaged_copy(model_dir: Path, out: Path, drop: tuple[str, ...] = (), **config: object) -> Path:
+    """A copy of the model folder with the tensors ``drop`` removed from model.safetensors and
+    the ``config`` entries changed in config.json."""
+    shutil.copytree(model_dir, out)
+    weights = load_file(str(out / "model.safetensors"))
+    save_file({k: v for k, v in weights.items() if k not in drop}, str(out / "model.safetensors"))
+    settings = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**settings, **config}))
+    return out
+
+
+def refused(folder: Path, key: str, *facts: str) -> str:
+    """The pattern of the ConfigError for a folder whose weights do not match config.json."""
+    found = ".*".join(map(re.escape, facts))
+    return (
+        rf"^{re.escape(key)}: the weights in '{re.escape(str(folder))}' do not match its "
+        rf"config\.json: .*{found}.*: fix config\.json or save the model again$"
+    )
+
+
+def test_a_tensor_missing_from_the_weights_is_refused(tmp_path: Path, model_dir: Path):
+    """Not started at random and trained as if it were the model."""
+    gone = "model.layers.1.mlp.down_proj.weight"
+    folder = damaged_copy(model_dir, tmp_path / "m", drop=(gone,))
+    with pytest.raises(ConfigError, match=refused(folder, "model.path", f"{gone} is missing")):
+        load_causal_lm(folder)
+    with pytest.raises(ConfigError, match=refused(folder, "critic.model.path", gone)):
+        load_value_model(folder, key="critic.model.path")  # only the new score head may lack
+
+
+def test_weights_of_more_layers_than_config_json_says_are_refused(tmp_path: Path, model_dir: Path):
+    """Not silently cut to the first num_hidden_layers layers."""
+    folder = damaged_copy(
+        model_dir, tmp_path / "m", num_hidden_layers=1, layer_types=["full_attention"]
+    )
+    want = refused(
+        folder,
+        "reference.path",
+        "model.layers.1.input_layernorm.weight",
+        "not used by config.json's architecture",
+        "the weights have 2 layers, config.json says num_hidden_layers=1",
+    )
+    with pytest.raises(ConfigError, match=want):
+        load_causal_lm(folder, key="reference.path")
+    with pytest.raises(ConfigError, match=want.replace("reference", "critic")):
+        load_value_model(folder, key="critic.path")
+
+
+def test_weights_of_another_shape_than_config_json_implies_are_refused(
+    tmp_path: Path, model_dir: Path
+):
+    """Named with both shapes, not transformers' RuntimeError pointing at a report."""
+    folder = damaged_copy(model_dir, tmp_path / "m", intermediate_size=96)
+    want = "model.layers.0.mlp.down_proj.weight is 32x64 in the file but 32x96 by config.json"
+    with pytest.raises(ConfigError, match=refused(folder, "model.path", want)):
+        load_causal_lm(folder)
+    with pytest.raises(ConfigError, match=refused(folder, "model.path", want)):
+        load_value_model(folder)
+
+
+def test_undamaged_tied_and_untied_folders_still_load(tmp_path: Path, model_dir: Path):
+    """What transformers leaves out as benign stays allowed: the tied lm_head.weight that is
+    not in the file, and for a critic the causal LM's lm_head beside the new score head."""
+    weights = load_file(str(model_dir / "model.safetensors"))
+    assert "lm_head.weight" not in weights
+    tied = load_causal_lm(model_dir)
+    assert tied.lm_head.weight.data_ptr() == tied.model.embed_tokens.weight.data_ptr()
+    untied = tmp_path / "untied"
+    shutil.copytree(model_dir, untied)
+    head = weights["model.embed_tokens.weight"] + 1.0
+    save_file({**weights, "lm_head.weight": head}, str(untied / "model.safetensors"))
+    settings = json.loads((model_dir / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps({**settings, "tie_word_embeddings": False}))
+    assert torch.equal(load_causal_lm(untied).lm_head.weight, head)
+    for folder in (model_dir, untied):
+        critic = load_value_model(folder)
+        assert not critic.score.weight.any()  # the new head starts at zero
+        assert torch.equal(critic.model.norm.weight, tied.model.norm.weight)
+    with pytest.raises(TypeError, match="sets output_loading_info itself"):
+        load_causal_lm(model_dir, output_loading_info=True)
 
 
 def test_save_hf_folder_round_trips_tied_weights(tmp_path: Path, model_dir: Path):

@@ -9,6 +9,7 @@ than a stack trace from deep inside transformers. Weights are written as safeten
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
@@ -55,16 +56,30 @@ def load_causal_lm(
     """The causal LM of the model folder (or hub id) at `path`, on CPU in `dtype`.
 
     `dtype` is a torch dtype or its name (`"bfloat16"`); extra kwargs go to `from_pretrained`
-    (for example `attn_implementation`). Moving to a device is the caller's business.
+    (for example `attn_implementation`), except the two loading-info ones this function sets
+    itself. Moving to a device is the caller's business. Weights that do not match config.json
+    are a `ConfigError` (`_check_weights_match`).
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
+    taken = sorted({"output_loading_info", "ignore_mismatched_sizes"} & kwargs.keys())
+    if taken:
+        raise TypeError(f"load_causal_lm sets {', '.join(taken)} itself; do not pass it")
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     auto = AutoModelForImageTextToText if is_vision_language(resolved) else AutoModelForCausalLM
     try:
-        return auto.from_pretrained(resolved, dtype=torch_dtype, **kwargs)
+        loaded: Any = auto.from_pretrained(  # (model, loading info)
+            resolved,
+            dtype=torch_dtype,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **kwargs,
+        )
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a causal LM from '{path}': {e}") from e
+    model, info = loaded
+    _check_weights_match(info, model, resolved, key)
+    return model
 
 
 def load_value_model(
@@ -79,23 +94,101 @@ def load_value_model(
     A value model is the ``*ForTokenClassification`` model of the folder's architecture with
     one label: its decoder plus a linear ``score`` head, one number per position (as verl's
     critic). From a causal LM folder the head is new and starts at zero, so a fresh critic
-    predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded.
+    predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded. Decoder
+    weights that do not match config.json are a `ConfigError`, as in `load_causal_lm`.
     """
     from transformers import AutoModelForTokenClassification
 
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     try:
         model, info = AutoModelForTokenClassification.from_pretrained(
-            resolved, dtype=torch_dtype, num_labels=1, output_loading_info=True
+            resolved,
+            dtype=torch_dtype,
+            num_labels=1,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
         )
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a value model from '{path}': {e}") from e
+    # From a causal LM folder the new score head is missing and the LM's own head (lm_head)
+    # is left over: both are expected; anything else of the decoder is a damaged folder.
+    prefix = f"{model.base_model_prefix}."
+    _check_weights_match(
+        {
+            **info,
+            "missing_keys": {k for k in info["missing_keys"] if not k.startswith("score.")},
+            "unexpected_keys": {k for k in info["unexpected_keys"] if k.startswith(prefix)},
+        },
+        model,
+        resolved,
+        key,
+    )
     model.config.architectures = [type(model).__name__]  # saved folders load as value models
     if any(k.startswith("score.") for k in info["missing_keys"]):
         with torch.no_grad():
             for p in model.score.parameters():
                 p.zero_()
     return model
+
+
+def _check_weights_match(
+    info: Mapping[str, Any], model: PreTrainedModel, folder: str, key: str
+) -> None:
+    """Refuse a folder whose weights do not fit the model its config.json describes.
+
+    transformers would start a missing tensor at random and drop a tensor the architecture
+    has no place for, both with no more than a log table, and the run would train the damaged
+    model; a shape mismatch (loaded with ``ignore_mismatched_sizes=True`` so that it lands in
+    ``info`` rather than as a bare RuntimeError) is the same mistake. ``info`` is the loading
+    info of ``from_pretrained``, in which transformers has already left out what is benign (a
+    tied ``lm_head.weight``, old rotary buffers, the model's own ignore patterns).
+    """
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    mismatched = sorted(info["mismatched_keys"], key=lambda m: m[0])
+    problems: list[str] = []
+    if missing:
+        problems.append(f"{_first(missing)} {'is' if len(missing) == 1 else 'are'} missing")
+    if unexpected:
+        problems.append(
+            f"{_first(unexpected)} {'is' if len(unexpected) == 1 else 'are'} not used by "
+            f"config.json's architecture ({type(model).__name__}{_layer_hint(unexpected, model)})"
+        )
+    if mismatched:
+        shapes = [
+            f"{k} is {_dims(got)} in the file but {_dims(want)} by config.json"
+            for k, got, want in mismatched
+        ]
+        problems.append(_first(shapes))
+    problems += [" ".join(str(m).split()) for m in info.get("error_msgs") or []]
+    if problems:
+        raise ConfigError(
+            f"{key}: the weights in '{folder}' do not match its config.json: "
+            f"{'; '.join(problems)}: fix config.json or save the model again"
+        )
+
+
+def _first(items: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``items``, and how many more there are."""
+    more = f" (and {len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    """``128x384``: a shape without the commas that separate tensors in a message."""
+    return "x".join(map(str, shape))
+
+
+def _layer_hint(unexpected: list[str], model: PreTrainedModel) -> str:
+    """``; the weights have 4 layers, config.json says num_hidden_layers=2`` where the unused
+    tensors are of layers past config.json's count (the usual cause), else ``""``."""
+    declared = getattr(model.config, "num_hidden_layers", None)  # a text model's own count
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    extra = [int(m.group(1)) for k in unexpected if (m := layer.search(k))]
+    if not isinstance(declared, int) or not extra or min(extra) < declared:
+        return ""
+    return (
+        f"; the weights have {max(extra) + 1} layers, config.json says num_hidden_layers={declared}"
+    )
 
 
 def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
