@@ -6,6 +6,7 @@ import pytest
 import yaml
 
 from treadle.config import load_config
+from treadle.config.rules import check_algorithm
 from treadle.errors import ConfigError
 
 
@@ -82,8 +83,11 @@ def test_cross_field_rules_say_what_to_change():
         r"actor\.world_size=2",
     ):
         load_config(None, ["data.batch_size=3", "actor.world_size=2"])
+    # PPO's mini-batches are an RL command's rule (treadle.check, the RL trainers), not sft's
+    cfg = load_config(None, ["data.batch_size=16", "rollout.n=4", "actor.ppo_mini_batch_size=48"])
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=48 must divide"):
-        load_config(None, ["data.batch_size=16", "rollout.n=4", "actor.ppo_mini_batch_size=48"])
+        check_algorithm(cfg, "train")
+    check_algorithm(cfg, "sft")
     with pytest.raises(ConfigError, match=r"trainer\.backend=local .* actor\.world_size=1"):
         load_config(None, ["trainer.backend=local", "actor.world_size=2"])
 

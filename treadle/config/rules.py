@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import difflib
 import json
-import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Literal
@@ -91,13 +90,6 @@ def config_problems(cfg: Sections) -> Iterator[str]:
             f"reward.overlong_buffer_len={cfg.reward.overlong_buffer_len} must be smaller "
             f"than rollout.max_new_tokens={cfg.rollout.max_new_tokens}"
         )
-    mini = cfg.actor.ppo_mini_batch_size
-    if samples % mini:
-        yield (
-            f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n = {samples}"
-        )
-    if mini % ws:
-        yield (f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}")
     for section, what, mini_key in (
         ("critic", "critic", "ppo_mini_batch_size"),
         ("prime", "PRM", "mini_batch_size"),
@@ -151,22 +143,7 @@ def _check_unread(cfg: Sections) -> Iterator[str]:
 
 
 def _check_schedules(cfg: Sections) -> Iterator[str]:
-    """A floor (``min_lr_ratio``) for an lr that never decays is a setting nothing reads; a
-    warm-up longer than the run keeps the lr near 0 throughout (it ran at 1e-8 where
-    actor.lr was 1e-5, without a word)."""
-    a, t = cfg.actor, cfg.trainer
-    if t.epochs is None:  # else the steps depend on the data
-        # at most: RL's count (sft, dpo, kto and rm take one optimizer step a step)
-        per_step = a.ppo_epochs * math.ceil(
-            cfg.data.batch_size * cfg.rollout.n / a.ppo_mini_batch_size
-        )
-        most = t.total_steps * per_step
-        if a.warmup_steps > most:
-            yield (
-                f"actor.warmup_steps={a.warmup_steps} is longer than the run's {most} "
-                f"optimizer steps at most (trainer.total_steps={t.total_steps}): its lr would "
-                f"never reach actor.lr={a.lr:g}: lower actor.warmup_steps"
-            )
+    """A floor (``min_lr_ratio``) for an lr that never decays is a setting nothing reads."""
     for section in ("actor", "critic"):
         opt = getattr(cfg, section)
         if opt.min_lr_ratio and opt.lr_schedule == "constant":
@@ -496,10 +473,23 @@ def vision_language_problems(cfg: Sections, kind: Kind) -> list[str]:
     return problems
 
 
+def _mini_batches(cfg: Sections) -> Iterator[str]:
+    """PPO's mini-batches cut an RL batch (sft, dpo, kto and rm take one optimizer step a
+    batch and read neither rollout.n nor this: the rule once refused their batch sizes)."""
+    samples = cfg.data.batch_size * cfg.rollout.n
+    mini, ws = cfg.actor.ppo_mini_batch_size, cfg.actor.world_size
+    if samples % mini:
+        yield (
+            f"actor.ppo_mini_batch_size={mini} must divide data.batch_size x rollout.n = {samples}"
+        )
+    if mini % ws:
+        yield f"actor.ppo_mini_batch_size={mini} must be divisible by actor.world_size={ws}"
+
+
 def _rl_kind_problems(cfg: Sections, kind: Kind) -> list[str]:
     """The rules of ``train`` and ``distill``: the policy loss's (distill: reverse_kl's), the
     roles', and a teacher only where it is read."""
-    problems = []
+    problems = list(_mini_batches(cfg))
     if kind == "train" or cfg.distill.loss == "reverse_kl":
         estimator = kind == "train" or cfg.distill.task_reward
         problems += [*_estimator_rules(cfg, estimator), *_loss_rules(cfg)]
