@@ -95,6 +95,23 @@ def test_sft_lr_of_every_step(tiny_task, tmp_path, lrs, name) -> None:
     assert [m["sft/lr"] for m in read_metrics(tmp_path / "sft")] == pytest.approx(want, rel=1e-12)
 
 
+def test_a_warm_up_longer_than_the_run_is_said(tiny_task, tmp_path, lrs, caplog) -> None:
+    """actor.warmup_steps=1000 over 2 steps kept the lr near 0 without a word; a short try of
+    a config made for a long run is fine, so it is a warning, with the lr it reaches."""
+    sft(
+        tiny_task,
+        tmp_path / "sft",
+        "actor.warmup_steps=1000",
+        "actor.lr_schedule=cosine",
+        "trainer.total_steps=2",
+    )
+    assert lrs == pytest.approx([LR / 1000, 2 * LR / 1000], rel=1e-12)
+    assert (
+        "actor.warmup_steps=1000 is longer than the run's 2 optimizer steps: the lr stays "
+        f"below actor.lr={LR:g} (it reaches {2 * LR / 1000:g})"
+    ) in caplog.messages
+
+
 def test_sft_resumed_continues_the_schedule(tiny_task, tmp_path, lrs) -> None:
     """Stopped after step 3 (a shorter run), resumed to step 6: the lr of steps 4-6 is the
     uninterrupted run's, the schedule of the run's 6 steps (not of the first run's 3)."""

@@ -17,6 +17,7 @@ drivers that do not call it) :meth:`Launch.start_workers` starts them itself, af
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,8 @@ from treadle.trackers import ConsoleLogger
 from treadle.tracking import quiet_start, route_logs
 from treadle.trainers.roles import Layout, build_actors, start_roles
 from treadle.trainers.run_dir import resume_point
+
+log = logging.getLogger("treadle")
 
 
 def _on_ray(cfg: Config) -> str:
@@ -235,4 +238,11 @@ class Launch:
         """The trained worker group, from the weights at ``start_path`` (default: the actor)
         (``wait=False``: still starting, see :meth:`~treadle.controller.Actors.ready`)."""
         steps = self.optimizer_steps()
+        a = self.cfg.actor
+        if a.warmup_steps > steps:  # a short try of a config made for a long run, or a slip
+            log.warning(
+                "actor.warmup_steps=%d is longer than the run's %d optimizer steps: the lr "
+                "stays below actor.lr=%g (it reaches %g)",
+                a.warmup_steps, steps, a.lr, a.lr * steps / a.warmup_steps,
+            )  # fmt: skip
         return build_actors(self.cfg, start_path, with_ref, placement, steps, wait)
