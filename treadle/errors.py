@@ -26,6 +26,8 @@ class DataError(TreadleError):
 class RewardError(TreadleError):
     """A reward function raised or returned something that is not a finite number."""
 
+    sample: int | None = None  # which of the scored samples failed, where one did
+
 
 class WorkerDied(TreadleError):
     """A worker process of the run died (killed, out of memory, crashed): the run cannot go on."""

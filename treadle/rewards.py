@@ -275,10 +275,12 @@ def _shorten(text: Any, limit: int = 80) -> str:
 
 
 def _fail(name: str, index: int, prompt: Any, response: Any, problem: str) -> RewardError:
-    return RewardError(
+    error = RewardError(
         f"reward function '{name}' failed on sample {index}: {problem} "
         f"(prompt {_shorten(prompt)}, response {_shorten(response)})"
     )
+    error.sample = index
+    return error
 
 
 FLOAT32_MAX = 3.4028234663852886e38

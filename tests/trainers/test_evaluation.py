@@ -337,3 +337,28 @@ def test_a_step_is_logged_once_its_evaluation_is_in_and_steps_stay_in_order():
     assert tracker.lines[-1][1] == 4
     held.flush_all()
     assert tracker.lines[-1] == ("log", 5, {"reward/mean": 0.5}) and held.held == []
+
+
+def test_a_reward_that_fails_names_the_data_row_of_its_sample(tmp_path):
+    """'failed on sample 1' is a place in the batch: the message also names the sample's data
+    row (its uid, `<file>:<row>`), where the bad ground truth or prompt is."""
+    from treadle.errors import RewardError
+    from treadle.rewards import Scorer
+    from treadle.trainers.evaluation import rule_scores
+
+    (tmp_path / "picky.py").write_text(
+        "def score(prompt, response, ground_truth):\n    return float(int(ground_truth))\n"
+    )
+    batch = Batch.from_dict(
+        objects={
+            "prompt_text": ["1+1?", "2+2?", "3+3?"],
+            "response_text": ["2", "4", "6"],
+            "ground_truth": ["2", "four", "6"],
+            "uid": ["train.jsonl:7", "train.jsonl:9", "train.jsonl:12"],
+        }
+    )
+    with Scorer(f"{tmp_path / 'picky.py'}:score") as scorer, pytest.raises(RewardError) as error:
+        rule_scores(scorer, batch)
+    message = str(error.value)
+    assert "failed on sample 1: raised ValueError" in message
+    assert message.endswith("; its data row: train.jsonl:9")

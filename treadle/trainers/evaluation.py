@@ -40,7 +40,7 @@ from treadle.config.data import VAL
 from treadle.controller import Actors
 from treadle.data import PromptDataset, prompt_batch, val_set_prompts
 from treadle.engines.inference import SamplingParams
-from treadle.errors import ConfigError
+from treadle.errors import ConfigError, RewardError
 from treadle.faults import failpoint
 from treadle.protocol import Batch
 from treadle.rewards import Scorer, answer_reader
@@ -216,9 +216,14 @@ def rule_scores(scorer: Scorer, batch: Batch) -> list[float]:
         return given
     part = batch if len(todo) == len(batch) else batch.select(todo)
     rows = list(part["row"]) if "row" in part else None
-    scores = scorer(
-        list(part["prompt_text"]), list(part["response_text"]), list(part["ground_truth"]), rows
-    )
+    try:
+        scores = scorer(
+            list(part["prompt_text"]), list(part["response_text"]), list(part["ground_truth"]), rows
+        )
+    except RewardError as e:  # "sample 2" is a place in the batch: name the data row too
+        if e.sample is None or "uid" not in part:
+            raise
+        raise RewardError(f"{e}; its data row: {part['uid'][e.sample]}") from e
     if len(todo) == len(batch):
         return scores
     for i, score in zip(todo, scores, strict=True):
