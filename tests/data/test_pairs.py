@@ -110,6 +110,13 @@ def test_overlong_pairs_are_filtered_or_rejected(tok, tmp_path: Path):  # type: 
     assert len(ds) == 1 and ds.n_filtered == 1
     with pytest.raises(DataError, match=r"row 2: rejected is \d+ tokens, longer than rollout"):
         load(tok, path, max_response_length=20, overlong="error")
+    # none left: the keys that set the limits (a DPO user has no reason to look in rollout)
+    with pytest.raises(
+        DataError,
+        match=r"^data\.train_files: every pair is over the length limits: raise "
+        r"data\.max_prompt_length \(prompts\) or rollout\.max_new_tokens \(chosen and rejected",
+    ):
+        load(tok, path, max_response_length=2)
 
 
 def test_task_pairs_prefer_the_correct_worked_answer(tiny_task):  # type: ignore[no-untyped-def]
@@ -197,6 +204,8 @@ def test_an_overlong_completion_drops_that_example_only(tok, tmp_path: Path):  #
     assert [r["label"] for r in ds.rows] == [True] and ds.n_filtered == 1
     with pytest.raises(DataError, match=r"completion is \d+ tokens, longer than rollout"):
         load_unpaired(tok, write_jsonl(tmp_path / "p.jsonl", rows), overlong="error")
+    with pytest.raises(DataError, match=r"every example is over the length limits: raise data"):
+        load_unpaired(tok, write_jsonl(tmp_path / "p.jsonl", rows), max_response_length=1)
 
 
 def test_kto_mismatched_completions_never_come_from_the_same_prompt():

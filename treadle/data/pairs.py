@@ -132,9 +132,10 @@ def load_pair_dataset(
         len(records),
         pad_or_eos_id(tokenizer),
         o.config_key,
-        f"pairs with a prompt over {o.max_prompt_length} or a response over "
-        f"{o.max_response_length} tokens",
-        "every pair is over the length limits",
+        f"pairs with a prompt over data.max_prompt_length={o.max_prompt_length} or a response "
+        f"over rollout.max_new_tokens={o.max_response_length} tokens",
+        "every pair is over the length limits: raise data.max_prompt_length (prompts) or "
+        "rollout.max_new_tokens (chosen and rejected responses)",
     )
 
 

@@ -31,7 +31,6 @@ _SPACE = re.compile(r"[ \t\n\r]*")  # what JSON counts as whitespace
 
 
 @dataclass
-@dataclass
 class Record:
     where: str  # "data.train_files: train.jsonl row 7", for messages
     uid: str

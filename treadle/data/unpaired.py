@@ -153,9 +153,10 @@ def load_unpaired_dataset(
         n_examples,
         pad_or_eos_id(tokenizer),
         o.config_key,
-        f"examples with a prompt over {o.max_prompt_length} or a completion over "
-        f"{o.max_response_length} tokens",
-        "every example is over the length limits",
+        f"examples with a prompt over data.max_prompt_length={o.max_prompt_length} or a "
+        f"completion over rollout.max_new_tokens={o.max_response_length} tokens",
+        "every example is over the length limits: raise data.max_prompt_length (prompts) or "
+        "rollout.max_new_tokens (completions)",
     )
 
 
