@@ -429,6 +429,9 @@ OVERRIDES = [
     ("trainer.total_steps.x=1", r"trainer\.total_steps: input should be a valid integer"),
     ("trainer=5", r"'trainer' is a section"),
     ("rollout.n=1: 2", r"rollout\.n: input should be a valid integer"),
+    # YAML read 'f.py:' as {'f.py': None}: "input should be a valid string (got {...})"
+    ("reward.function=rewards.py:", r"reward\.function: 'rewards\.py:' is not 'module:function'"),
+    ("reward.model_path=", r"^treadle: error: reward\.model_path is empty: give a model folder"),
     ("data.batch_size=@8", r"override 'data\.batch_size=@8': the value is not valid YAML"),
 ]
 

@@ -22,6 +22,19 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
+def _hub_id(path: str | Path, key: str, allow_download: bool) -> str:
+    """``path``, which is no local folder, as a hub id to download; ConfigError if it is none
+    or downloads are off."""
+    if not _HUB_ID_RE.match(str(path)):
+        raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder)")
+    if not allow_download:
+        raise ConfigError(
+            f"{key}: '{path}' is not a local folder; treadle does not download models "
+            "unless model.allow_download=true (then it is fetched from the Hugging Face hub)"
+        )
+    return str(path)
+
+
 def resolve_model_path(
     path: str | Path,
     *,
@@ -36,16 +49,11 @@ def resolve_model_path(
     one that looks like a hub id (`org/name`) is passed through, for transformers to fetch.
     Raises ConfigError naming `key` and the folder otherwise.
     """
+    if not str(path).strip():  # `reward.model_path=` on a command line: not this directory
+        raise ConfigError(f"{key} is empty: give a model folder, or leave {key} out")
     folder = Path(path).expanduser()
     if not folder.exists():
-        if _HUB_ID_RE.match(str(path)):
-            if allow_download:
-                return str(path)
-            raise ConfigError(
-                f"{key}: '{path}' is not a local folder; treadle does not download models "
-                "unless model.allow_download=true (then it is fetched from the Hugging Face hub)"
-            )
-        raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder)")
+        return _hub_id(path, key, allow_download)
     if not folder.is_dir():
         raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
     if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():

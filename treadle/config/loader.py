@@ -133,12 +133,17 @@ _HASH = "\ue000"
 def _parse_value(value: str) -> Any:
     """An override's value as YAML reads it, but a '#' is kept: YAML would read ` #` as the
     start of a comment and drop the rest ('data.system_prompt=You are #1' gave 'You are'),
-    and on a command line a '#' that reaches treadle was quoted for the shell on purpose."""
+    and on a command line a '#' that reaches treadle was quoted for the shell on purpose;
+    and a mapping is one written ``{a: 1}``."""
     if not value.strip():
         return ""
-    if "#" not in value or _HASH in value:
-        return yaml.safe_load(value)
-    return _put_back(yaml.safe_load(value.replace("#", _HASH)))
+    hashes = "#" in value and _HASH not in value
+    parsed = yaml.safe_load(value.replace("#", _HASH) if hashes else value)
+    if isinstance(parsed, dict) and not value.lstrip().startswith("{"):
+        # YAML's block form: 'f.py:' (a reward function's name left out) read as {'f.py':
+        # None}; a command line writes a mapping as {a: 1}, so this is the string it says
+        return value.strip()
+    return _put_back(parsed) if hashes else parsed
 
 
 def _put_back(parsed: Any) -> Any:
