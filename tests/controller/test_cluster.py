@@ -184,10 +184,10 @@ class Cluster:
 
 
 def _start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen:
-    """``ray start --block`` in a session of its own: its process group is the node's. Ray
-    gives its raylet a fixed 30 s to register with the GCS (ray/_private/node.py), which a
-    loaded machine can miss (it did in a full run, as the background soak started): that
-    failure is tried once more."""
+    """``ray start --block`` in a session of its own: its process group is the node's. A node
+    that did not start is tried once more: the module runs as the background soak starts its
+    replicas, and two full runs of the suite saw a node miss Ray's fixed 30 s for its raylet
+    to register (ray/_private/node.py) or the head's GCS not answer a second node for 90 s."""
     for last in (False, True):
         proc = subprocess.Popen(
             [str(BIN / "ray"), "start", "--block", "--disable-usage-stats", *args],
@@ -200,7 +200,7 @@ def _start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.P
         while "Ray runtime started" not in log.read_text():
             if proc.poll() is not None or time.monotonic() > deadline:
                 _stop_node(proc)
-                if last or "timed out during startup" not in log.read_text():
+                if last:
                     raise RuntimeError(f"ray start failed:\n{log.read_text()[-3000:]}")
                 break
             time.sleep(0.5)
