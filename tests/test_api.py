@@ -204,6 +204,7 @@ def test_sft_then_dpo_with_datasets_and_a_python_eval_reward(tiny_task, tmp_path
 
     base = fast(tiny_task, tmp_path / "sft")
     base["rollout"]["max_new_tokens"] = 32  # a worked answer's length
+    del base["rollout"]["n"]  # RL's samples per prompt: sft and dpo refuse it
     sft = treadle.sft(base, train_dataset=Dataset.from_list(rows(tiny_task, 8)))
     assert sft.metrics["sft/loss"] > 0 and (sft.final_model / "config.json").is_file()
     with open(tiny_task["pairs_train"]) as f:

@@ -93,6 +93,7 @@ UNREAD_CASES = [
         r"algorithm\.mask_truncated=true .* rollout\.ignore_eos=true",
     ),
     (["dpo.loss_type=nosuch"], "train", r"the config sets the 'dpo' section, which is for"),
+    (["kto.beta=0.5"], "train", r"the config sets the 'kto' section, which is for `treadle kto`"),
 ]
 
 
@@ -101,6 +102,75 @@ def test_settings_the_setup_does_not_read(env, capsys, overrides, kind, pattern)
     if kind == "dpo":
         overrides = [*overrides, f"data.train_files=[{env['pairs']}]", "data.val_files=[]"]
     assert_bad(check(env, capsys, *overrides, kind=kind), pattern)
+
+
+# sft, dpo, kto and rm read no RL setting, and another command's section is not theirs: each
+# group of such settings is one line naming the keys, their values and the commands that read
+# them (`treadle sft` with algorithm.kl_coef=0.5, rollout.n=8 ... said `ok: ready`)
+OTHER_COMMAND_CASES = [
+    (
+        ["algorithm.kl_coef=0.5", "algorithm.adv_estimator=rloo"],
+        "sft",
+        r"^algorithm\.adv_estimator=rloo, algorithm\.kl_coef=0\.5 are read by treadle "
+        r"train/distill, not by treadle sft: remove them$",
+    ),
+    (
+        ["rollout.n=8"],
+        "sft",
+        r"^rollout\.n=8 is read by treadle train/distill \(an evaluation samples as eval\.\* "
+        r"says\), not by treadle sft: remove it$",
+    ),
+    (
+        ["rollout.temperature=0.3", "rollout.top_p=0.9"],
+        "dpo",
+        r"^rollout\.temperature=0\.3, rollout\.top_p=0\.9 are read by treadle train/distill",
+    ),
+    (
+        ["data.val_files=[]", "reward.function=chat_arithmetic"],
+        "sft",
+        r"^reward\.function=chat_arithmetic is read by treadle train/distill/eval, and by sft "
+        r"with a validation set .*, not by this treadle sft, which has no validation set: "
+        r"remove it, or set data\.val_files$",
+    ),
+    (
+        ["eval.n=4", "eval.temperature=1"],
+        "dpo",
+        r"^eval\.n=4, eval\.temperature=1\.0 are read by .*, not by treadle dpo without "
+        r"dpo\.eval_task=true: remove them, or set that$",
+    ),
+    (["eval.n=2", "eval.temperature=1"], "rm", r"not by treadle rm \(it scores held-out pairs"),
+    (["critic.lr=0.001"], "kto", r"^critic\.lr=0\.001 is read by treadle train \(an estimator"),
+    (["kto.beta=0.2"], "dpo", r"^kto\.beta=0\.2 is read by treadle kto, not by treadle dpo"),
+    (["dpo.beta=0.2"], "rm", r"^dpo\.beta=0\.2 is read by treadle dpo, not by treadle rm"),
+    (["reward.overlong_buffer_len=4"], "sft", r"^reward\.overlong_buffer_len=4 is read by"),
+    (["async.max_staleness=2"], "sft", r"^async\.max_staleness=2 is read by treadle train/"),
+    (["distill.coef=0.5"], "sft", r"^distill\.coef=0\.5 is read by treadle distill, not by"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "kind", "pattern"), OTHER_COMMAND_CASES)
+def test_settings_of_another_command(env, capsys, overrides, kind, pattern) -> None:  # type: ignore[no-untyped-def]
+    if kind in ("dpo", "kto", "rm"):
+        overrides = [f"data.train_files=[{env['pairs']}]", "data.val_files=[]", *overrides]
+    code, out, err = check(env, capsys, *overrides, kind=kind)
+    assert_bad((code, out, err), pattern.replace("^", "^treadle: error: "), lines=1)
+
+
+def test_what_each_command_reads_is_not_refused(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The evaluations of sft (a validation set), dpo and kto (eval_task) read reward.function
+    and the eval section; every command reads rollout.max_new_tokens (its length limit) and
+    the rollout engine's settings; dpo its section, kto its."""
+    pairs = [f"data.train_files=[{env['pairs']}]", f"data.val_files=[{env['pairs']}]"]
+    evaluation = ["reward.function=chat_arithmetic", "eval.n=2", "eval.temperature=1"]
+    common = ["rollout.max_new_tokens=48", "rollout.micro_batch_size=4"]
+    for kind, overrides in (
+        ("sft", [*evaluation, *common]),
+        ("dpo", [*pairs, *evaluation, *common, "dpo.eval_task=true", "dpo.beta=0.2"]),
+        ("kto", [*pairs, *common, "kto.beta=0.2"]),
+        ("rm", [*pairs, *common]),
+    ):
+        code, _, err = check(env, capsys, *overrides, kind=kind)
+        assert code == 0, (kind, err)
 
 
 # --- model folders ------------------------------------------------------------------------------

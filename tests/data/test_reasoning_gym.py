@@ -217,7 +217,8 @@ def check(capsys, path: str, *overrides: str, kind: str = "train") -> tuple[int,
 
 @pytest.mark.parametrize("kind", ["train", "sft", "eval"])
 def test_check_passes_and_counts_the_rows(gym_yaml, capsys, kind):
-    code, out, err = check(capsys, gym_yaml, kind=kind)
+    rl_only = ["rollout.n=4"] if kind == "sft" else []  # (the default: sft refuses RL's n=2)
+    code, out, err = check(capsys, gym_yaml, *rl_only, kind=kind)
     assert code == 0, err
     if kind != "eval":
         assert "data.reasoning_gym (train): 16 rows" in out

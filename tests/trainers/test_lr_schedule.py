@@ -73,7 +73,6 @@ def sft(task, out, *extra: str) -> None:
                 f"actor.lr={LR}",
                 "actor.warmup_steps=2",
                 "actor.min_lr_ratio=0.1",
-                "rollout.n=1",
                 "rollout.engine=hf",
                 "trainer.backend=local",
                 "trainer.total_steps=6",

@@ -76,7 +76,6 @@ def test_multi_turn_sft_loss_is_on_assistant_turns_only(tiny_task, tmp_path):
             "data.batch_size=12",  # the whole file: step 1's loss is the loss over all chats
             "actor.micro_batch_size=5",
             "actor.ppo_mini_batch_size=12",
-            "rollout.n=1",
             "rollout.engine=hf",
             "trainer.backend=local",
             "trainer.total_steps=2",
@@ -102,7 +101,7 @@ def test_an_sft_run_directory_is_not_resumed_by_treadle_train(tiny_task, tmp_pat
     common = [f"model.path={tiny_task['model']}", f"data.train_files=[{tiny_task['train']}]"]
     common += ["data.val_files=[]", "trainer.backend=local", f"trainer.output_dir={out}"]
     sft = ["data.batch_size=2", "actor.micro_batch_size=2", "actor.ppo_mini_batch_size=2"]
-    sft += ["rollout.n=1", "rollout.engine=hf", "actor.warmup_steps=1", "trainer.total_steps=2"]
+    sft += ["rollout.engine=hf", "actor.warmup_steps=1", "trainer.total_steps=2"]
     sft += ["trainer.progress=false"]
     assert main(["sft", "examples/arithmetic/sft.yaml", *common, *sft]) == 0
     assert json.loads((out / "checkpoints/step_2/state.json").read_text())["command"] == "sft"

@@ -7,7 +7,9 @@ Three readers, one set of rules:
 - ``treadle check`` and the trainers' start (``check_algorithm``): registered names (after
   ``algorithm.plugins`` are imported) and the rules that need the registries' facts: a group
   baseline needs ``rollout.n >= 2``, a loss may allow only some ``loss_agg_mode`` values, a knob
-  no chosen function reads is an error; for ``train`` also the roles' rules below;
+  no chosen function reads is an error; for ``train`` also the roles' rules below; for sft,
+  dpo, kto and rm, every setting they never read (RL's, another command's section) set away
+  from its default (``unread_settings``);
 - role selection (``uses_critic``, ``uses_prm``): whether the run has a critic or PRIME's
   PRM, refusing a config that contradicts the estimator (``role_problems``, which
   ``check_algorithm`` runs for ``train``, holds the same rules, so ``treadle check`` says it
@@ -32,7 +34,7 @@ from treadle import algorithms  # the package: importing it registers every buil
 from treadle.config.actor import ActorConfig
 from treadle.config.data import DataConfig
 from treadle.config.distill import DistillConfig
-from treadle.config.dpo import DPO_KNOBS, DPOConfig
+from treadle.config.dpo import DPO_KNOBS
 from treadle.config.prime import PrimeConfig
 from treadle.config.rollout import RolloutConfig
 from treadle.config.run import Sections
@@ -417,6 +419,17 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
             )
     if kind in ("train", "distill"):
         problems += _rl_kind_problems(cfg, kind)
+    if kind in NOT_RL:
+        problems += _other_kind_problems(cfg, kind)
+    problems += vision_language_problems(cfg, kind)
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def _other_kind_problems(cfg: Sections, kind: Kind) -> list[str]:
+    """The rules of sft, dpo, kto and rm: the preference loss's knobs, the data they read, and
+    no setting they never read (:func:`unread_settings`)."""
+    problems = []
     if kind == "dpo" and cfg.dpo.loss_type in algorithms.PREFERENCE_LOSSES:
         problems += _preference_knobs(cfg, algorithms.PREFERENCE_LOSSES.info(cfg.dpo.loss_type))
     if kind == "kto" and cfg.data.batch_size < 2:
@@ -431,9 +444,7 @@ def check_algorithm(cfg: Sections, kind: Kind) -> None:
         )
     elif kind in ("dpo", "kto") and getattr(cfg, kind).eval_task and not cfg.data.val_files:
         problems.append(f"{kind}.eval_task=true needs data.val_files (held-out prompts)")
-    problems += vision_language_problems(cfg, kind)
-    if problems:
-        raise ConfigError("\n".join(problems))
+    return problems + list(unread_settings(cfg, kind))
 
 
 def _vision_config(path: str) -> bool:
@@ -471,6 +482,99 @@ def vision_language_problems(cfg: Sections, kind: Kind) -> list[str]:
     if kind in ("dpo", "kto", "rm", "distill"):
         problems.append(f"treadle {kind}: {vlm}; images go with train, sft and eval only")
     return problems
+
+
+# --- settings the command never reads (check_algorithm for sft, dpo, kto, rm) ----------------
+
+NOT_RL: tuple[Kind, ...] = ("sft", "dpo", "kto", "rm")  # one optimizer step a batch, no RL
+RL = "treadle train/distill"
+EVALUATIONS = (
+    "treadle train/distill/eval, and by sft with a validation set and dpo/kto with eval_task"
+)
+
+
+def evaluates_sets(cfg: Sections, kind: Kind) -> bool:
+    """Whether ``kind`` (sft, dpo, kto or rm) generates on the validation sets and scores
+    them: sft when it has one, dpo and kto with ``<kind>.eval_task``, rm never (it scores
+    held-out pairs)."""
+    if kind in ("dpo", "kto"):
+        return bool(getattr(cfg, kind).eval_task)
+    return kind == "sft" and bool(cfg.data.set_names)
+
+
+def _readers(cfg: Sections, kind: Kind) -> list[tuple[str, tuple[str, ...] | None, str, bool]]:
+    """(section, its keys (None: all of them), the commands that read them, whether ``kind``
+    reads them with this config), for the settings some of sft, dpo, kto and rm never read.
+    Every other setting is read by all of them (the data, model, actor and trainer sections,
+    the rollout engine's settings: sft, dpo and kto generate for evaluations; the tokens a
+    response may have, rollout.max_new_tokens, limit the length of every command's data; how
+    a reward is called, reward.num_workers and timeout_s, is left to a config shared by
+    several commands)."""
+    evaluates = evaluates_sets(cfg, kind)
+    # An agent talking to the endpoint samples as rollout's sampling says, in evaluations too
+    endpoint = evaluates and cfg.rollout.agent_loop != "single_turn"
+    return [
+        ("algorithm", None, RL, False),
+        ("critic", None, "treadle train (an estimator with a critic)", False),
+        ("prime", None, "treadle train (algorithm.adv_estimator=prime)", False),
+        ("teacher", None, "treadle distill", False),
+        ("distill", None, "treadle distill", False),
+        ("async", None, RL, False),
+        ("dpo", None, "treadle dpo", kind == "dpo"),
+        ("kto", None, "treadle kto", kind == "kto"),
+        ("rollout", ("n", "ignore_eos"), f"{RL} (an evaluation samples as eval.* says)", False),
+        ("rollout", ("temperature", "top_p", "top_k"), f"{RL} (an evaluation: eval.*)", endpoint),
+        ("reward", ("model_path", "micro_batch_size", "overlong_buffer_len"), RL, False),
+        ("reward", ("overlong_penalty",), RL, False),
+        ("reward", ("function",), EVALUATIONS, evaluates),
+        ("eval", None, EVALUATIONS, evaluates),
+    ]
+
+
+def unread_settings(cfg: Sections, kind: Kind) -> Iterator[str]:
+    """Settings changed from their defaults that ``kind`` (sft, dpo, kto or rm) never reads
+    (:func:`_readers`): they would be silently ignored. One line for each group of them."""
+    for section, keys, readers, read in _readers(cfg, kind):
+        if read:
+            continue
+        settings = getattr(cfg, "async_" if section == "async" else section)
+        default = type(settings).model_validate({})
+        names = [k for k in keys or type(settings).model_fields if k != "plugins"]
+        changed = [
+            f"{section}.{k}={_shown(getattr(settings, k))}"
+            for k in names
+            if getattr(settings, k) != getattr(default, k)
+        ]
+        if not changed:
+            continue
+        it = "it" if len(changed) == 1 else "them"
+        verb = "is" if len(changed) == 1 else "are"
+        why = _no_evaluation(kind, it) if readers == EVALUATIONS else f"not by treadle {kind}"
+        end = "" if readers == EVALUATIONS else f": remove {it}"
+        yield f"{', '.join(changed)} {verb} read by {readers}, {why}{end}"
+
+
+def _no_evaluation(kind: Kind, it: str) -> str:
+    """Why ``kind`` does not evaluate with this config, and what to do."""
+    if kind == "rm":
+        return f"not by treadle rm (it scores held-out pairs, generating nothing): remove {it}"
+    if kind == "sft":
+        return (
+            f"not by this treadle sft, which has no validation set: remove {it}, or set "
+            "data.val_files"
+        )
+    return f"not by treadle {kind} without {kind}.eval_task=true: remove {it}, or set that"
+
+
+def _shown(value: Any) -> str:
+    """A setting's value as the YAML gives it (null, true) or as Python writes it."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if hasattr(value, "model_dump"):
+        return str(value.model_dump(mode="json"))
+    return str(value)
 
 
 def _mini_batches(cfg: Sections) -> Iterator[str]:
@@ -797,11 +901,13 @@ def _distill_problems(cfg: Sections) -> Iterator[str]:
 
 def _rl_problems(cfg: Sections) -> Iterator[str]:
     alg = cfg.algorithm
-    if cfg.dpo != DPOConfig.model_validate({}):
-        yield (
-            "the config sets the 'dpo' section, which is for `treadle dpo` (preference pairs); "
-            "`treadle train` runs RL: remove the section or run `treadle dpo`"
-        )
+    for section, rows in (("dpo", "preference pairs"), ("kto", "unpaired examples")):
+        settings = getattr(cfg, section)
+        if settings != type(settings).model_validate({}):
+            yield (
+                f"the config sets the '{section}' section, which is for `treadle {section}` "
+                f"({rows}); `treadle train` runs RL: remove the section or run `treadle {section}`"
+            )
     if cfg.trainer.mode != "sync" and "baseline_rewards" in _needs(alg.adv_estimator):
         yield (
             f"algorithm.adv_estimator={alg.adv_estimator} needs greedy baselines generated with "
