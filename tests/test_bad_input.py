@@ -215,6 +215,41 @@ def test_answer_that_is_an_object(env, capsys) -> None:  # type: ignore[no-untyp
     assert_bad(result, r"objanswer\.jsonl.* row 9: .*answer")
 
 
+def test_ground_truths_the_built_in_reward_refuses(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """The built-in rewards say which ground truths they take (arithmetic: an integer): each row
+    is asked up front; a bad one stopped the run at whichever step drew it, naming no row."""
+    path = write(env, "abc.jsonl", GOOD_ROW * 8 + '{"prompt": "x", "answer": "abc"}\n')
+    result = check(env, capsys, f"data.train_files=[{path}]")
+    pattern = (
+        r"^treadle: error: data\.train_files: abc\.jsonl row 9: answer 'abc' is not an integer, "
+        r"which reward\.function=arithmetic needs \(data\.answer_key=answer: is it the right "
+        r"column\?\)$"
+    )
+    assert_bad(result, pattern, lines=1)
+    # the worked solution's column: every row (a long answer shortened), the key to look at
+    result = check(env, capsys, "data.answer_key=solution", "data.val_files=[]")
+    pattern = (
+        r"^treadle: error: data\.train_files: train\.jsonl row 1: answer '.{37}\.\.\.' is not "
+        r"an integer, which reward\.function=arithmetic needs \(39 more rows too; "
+        r"data\.answer_key=solution: is it the right column\?\)$"
+    )
+    assert_bad(result, pattern, lines=1)
+    # a validation set with a reward of its own is held to that reward's rule
+    sets = f"data.val_sets={{other: {{files: [{path}], reward: chat_arithmetic}}}}"
+    result = check(env, capsys, sets)
+    assert_bad(result, r"data\.val_sets\.other: abc\.jsonl row 9: answer 'abc' .* "
+               r"data\.val_sets\.other\.reward=chat_arithmetic needs", lines=1)  # fmt: skip
+    # an agent loop of the user's may give the reward itself (a game's: "answer": "played")
+    loop = ["rollout.agent_loop=openai:treadle.agents.arena:play", "rollout.max_response_length=64"]
+    code, _, err = check(env, capsys, f"data.train_files=[{path}]", *loop)
+    assert code == 0, err
+    # sft trains on its rows' responses: only its evaluation's answers are scored
+    row = '{"prompt": "x", "answer": "abc", "solution": "Answer: 3"}\n'
+    sft = write(env, "abc_sft.jsonl", row * 8)
+    code, _, err = check(env, capsys, f"data.train_files=[{sft}]", kind="sft")
+    assert code == 0, err
+
+
 def test_pairs_without_the_rejected_column(env, capsys) -> None:  # type: ignore[no-untyped-def]
     rows = [json.loads(line) for line in Path(env["pairs"]).read_text().splitlines()]
     text = "".join(json.dumps({k: v for k, v in r.items() if k != "rejected"}) + "\n" for r in rows)

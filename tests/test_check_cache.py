@@ -83,3 +83,17 @@ def test_a_file_written_with_its_old_mtime_put_back_has_another_fingerprint(tmp_
     after = cache.fingerprint(file)
     assert after[3:5] == before[3:5]  # size and mtime
     assert after != before
+
+
+def test_rows_kept_for_one_reward_are_checked_again_for_another(env, capsys, kept, tmp_path):  # type: ignore[no-untyped-def]
+    """The prompts' ground truths are held to reward.function's rule (arithmetic: integers):
+    rows that passed with a reward without a rule are not taken as passing for arithmetic."""
+    train = tmp_path / "words.jsonl"
+    train.write_text('{"prompt": "Say a word.", "answer": "abc"}\n' * 8)
+    reward = tmp_path / "any.py"
+    reward.write_text("def score(prompt, response, ground_truth):\n    return 0.0\n")
+    rows = [f"data.train_files=[{train}]", "data.val_files=[]"]
+    code, _, err = check(capsys, env, *rows, f"reward.function={reward}:score")
+    assert code == 0, err
+    code, _, err = check(capsys, env, *rows)
+    assert code == 2 and "words.jsonl row 1: answer 'abc' is not an integer" in err, err

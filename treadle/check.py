@@ -13,7 +13,9 @@ alone prints its summary. It checks:
   (``max_position_embeddings``), and the actor's and critic's tensor- and sequence-parallel
   sizes divide its heads and widths. Weights are not loaded;
 - every data file the command reads: each row parses and has its columns, through the same
-  readers as the run (``treadle.data``), file by file so that each bad file is reported; with
+  readers as the run (``treadle.data``), file by file so that each bad file is reported, and
+  every prompt's ground truth is one its built-in reward takes (arithmetic: an integer; the
+  reward's own rule, ``treadle.rewards.ground_truth_rule``); with
   ``data.source=reasoning_gym`` its rows are drawn, which checks the dataset names and configs;
 - user code (the reward function, agent loop, tools): it imports within
   ``IMPORT_TIMEOUT_S`` seconds (an import that blocks is interrupted with SIGALRM, in the main
@@ -560,9 +562,14 @@ def _check_val_sets(
 
 
 def _val_set_rows(cfg: Config, name: str, tokenizer: Tokenizer, tools: Any) -> Any:
+    """The set's prompts, every ground truth one its reward takes."""
     from treadle.data import val_set_prompts
 
-    return val_set_prompts(cfg, name, tokenizer.load(), tools)
+    ds = val_set_prompts(cfg, name, tokenizer.load(), tools)
+    key, own = f"data.val_sets.{name}", cfg.data.val_sets[name].reward
+    reward = (own, f"{key}.reward") if own else (cfg.reward.function, "reward.function")
+    _check_ground_truths(cfg, ds, key, reward, cfg.data.val_sets[name].source == "files")
+    return ds
 
 
 def _gym_splits(cfg: Config, kind: Kind) -> list[tuple[str, Reader]]:
@@ -584,7 +591,9 @@ def _rows(
     if tokenizer.prints is None or cfg.data.source != "files" or not path.is_file():
         return reader(cfg, tokenizer.load(), file, key, tools)
     data = cache.fingerprint(path)
+    # (the reward whose rule the prompts' ground truths are held to)
     settings = [cfg.data.model_dump(mode="json"), cfg.rollout.max_new_tokens, tools]
+    settings.append(_scoring_reward(cfg, cfg.reward.function))
     cache_key = [reader.__name__, key, file, data, settings, tokenizer.prints]
     hit = cache.lookup("rows", cache_key)
     if isinstance(hit, dict):
@@ -620,9 +629,54 @@ def _no_held_out(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -
 
 
 def _prompt_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
+    """The prompts of ``file``, every ground truth one ``reward.function`` takes (every
+    command that reads prompts scores them with it)."""
     from treadle.data import config_prompts
 
-    return len(config_prompts(cfg, [file], key, tokenizer, tools))
+    ds = config_prompts(cfg, [file], key, tokenizer, tools)
+    files = cfg.data.source == "files"
+    _check_ground_truths(cfg, ds, key, (cfg.reward.function, "reward.function"), files)
+    return len(ds)
+
+
+def _scoring_reward(cfg: Config, spec: str) -> str | None:
+    """``spec`` when it scores every sample: an agent loop of the user's may give the
+    trajectory's reward itself (a game's, an environment's), so the reward function may never
+    see the ground truth; treadle's own loops (single_turn, tools) never do."""
+    from treadle.agents.registry import BUILTIN_LOOPS
+
+    return spec if cfg.rollout.agent_loop in BUILTIN_LOOPS else None
+
+
+def _check_ground_truths(
+    cfg: Config, ds: Any, key: str, reward: tuple[str, str], files: bool
+) -> None:
+    """Every row's ground truth is one the built-in reward ``reward`` (its spec and config key)
+    takes, by its own rule (``treadle.rewards.ground_truth_rule``): a bad one would stop the
+    run at whichever step draws it. The first bad row is named (``files``: rows of files,
+    whose column data.answer_key names)."""
+    from treadle.rewards import ground_truth_rule
+
+    spec, spec_key = reward
+    scored = _scoring_reward(cfg, spec)
+    rule = ground_truth_rule(scored) if scored is not None else None
+    if rule is None:
+        return
+    bad = [(row, problem) for row in ds.rows if (problem := rule(row["ground_truth"]))]
+    if not bad:
+        return
+    (row, problem), others = bad[0], len(bad) - 1
+    label, _, number = row["uid"].rpartition(":")
+    where = f"{label} row {number}" if files else f"row {row['uid']}"
+    truth = row["ground_truth"]
+    shown = repr(truth if len(truth) <= 40 else truth[:37] + "...")
+    notes = [f"{others} more row{'s' if others > 1 else ''} too"] if others else []
+    if files:
+        notes.append(f"data.answer_key={cfg.data.answer_key}: is it the right column?")
+    said = f" ({'; '.join(notes)})" if notes else ""
+    raise ConfigError(
+        f"{key}: {where}: answer {shown} {problem}, which {spec_key}={spec} needs{said}"
+    )
 
 
 def _sft_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:

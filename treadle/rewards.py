@@ -102,6 +102,27 @@ ANSWER_READERS: dict[str, str] = {
 }
 
 
+# name -> "module:function" of a built-in's ground-truth rule, fn(ground_truth) -> str | None:
+# what the reward would refuse in a row's ground truth ("is not an integer"; None: nothing),
+# which `treadle check` asks of every row before a run starts
+GROUND_TRUTH_RULES: dict[str, str] = {
+    "arithmetic": "treadle.tasks.arithmetic:ground_truth_problem",
+    "chat_arithmetic": "treadle.tasks.arithmetic:ground_truth_problem",
+    "calculator": "treadle.tasks.arithmetic:ground_truth_problem",
+    "shapes": "treadle.tasks.arithmetic:ground_truth_problem",
+}
+
+
+def ground_truth_rule(spec: str) -> Callable[[str], str | None] | None:
+    """The built-in reward ``spec``'s ground-truth rule (see ``GROUND_TRUTH_RULES``); None for
+    a reward without one (a user function's rule is its own)."""
+    if spec not in GROUND_TRUTH_RULES:
+        return None
+    module_name, _, name = GROUND_TRUTH_RULES[spec].partition(":")
+    rule: Callable[[str], str | None] = getattr(importlib.import_module(module_name), name)
+    return rule
+
+
 def answer_reader(spec: str) -> Callable[[str, Mapping[str, Any]], str]:
     """The answer maj@k votes on for the reward ``spec``: what a built-in reward reads in the
     response ("" when it finds none), else the whole response, stripped (a user function's

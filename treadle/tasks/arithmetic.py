@@ -271,14 +271,32 @@ def extract_answer(text: str) -> str | None:
     return "-" + digits if number.startswith("-") and digits != "0" else digits
 
 
-def compute_score(prompt: str, response: str, ground_truth: str) -> float:
-    """1.0 if the response's extracted integer equals `ground_truth`, else 0.0.
+def expected_integer(ground_truth: str) -> str:
+    """The integer ``ground_truth`` holds, as the rewards compare it (``' 007'`` -> ``'7'``).
 
     A ground truth that is not an integer raises ValueError: it is a data bug, not a wrong answer.
     """
+    return str(int(str(ground_truth).strip()))
+
+
+def ground_truth_problem(ground_truth: str) -> str | None:
+    """What the integer rewards (this one's, chat_arithmetic's, calculator's) refuse in
+    ``ground_truth`` (None: nothing): ``treadle check`` asks it of every row up front, so a bad
+    row is not found at whichever step draws it."""
+    try:
+        expected_integer(ground_truth)
+    except ValueError:
+        return "is not an integer"
+    return None
+
+
+def compute_score(prompt: str, response: str, ground_truth: str) -> float:
+    """1.0 if the response's extracted integer equals `ground_truth`, else 0.0.
+
+    A ground truth that is not an integer raises ValueError (:func:`expected_integer`).
+    """
     del prompt  # the answer alone decides
-    expected = str(int(str(ground_truth).strip()))
-    return 1.0 if extract_answer(response) == expected else 0.0
+    return 1.0 if extract_answer(response) == expected_integer(ground_truth) else 0.0
 
 
 def answer_of(response: str, row: Mapping[str, Any]) -> str | None:

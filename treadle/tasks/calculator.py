@@ -62,6 +62,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from treadle.tasks.arithmetic import expected_integer
 from treadle.tasks.chat_arithmetic import extract_final_number, write_phrased
 
 logger = logging.getLogger(__name__)
@@ -289,10 +290,11 @@ def compute_score(prompt: str, response: str, ground_truth: str) -> float:
     last `Answer: <number>`, else the last number, with markdown, `$`, `\\boxed{}`, thousands
     separators (`281,764`) and zero fractions removed. A response that ends with a call, or
     with the tool's output, scores 0: the model must state the answer. A ground truth that is
-    not an integer raises ValueError (a data bug, not a wrong answer).
+    not an integer raises ValueError (a data bug, not a wrong answer:
+    ``arithmetic.expected_integer``).
     """
     del prompt  # the answer alone decides
-    expected = str(int(str(ground_truth).strip()))
+    expected = expected_integer(ground_truth)
     return 1.0 if extract_final_number(final_text(response)) == expected else 0.0
 
 

@@ -53,7 +53,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from treadle.tasks.arithmetic import OPS, generate_problems, write_held_out
+from treadle.tasks.arithmetic import OPS, expected_integer, generate_problems, write_held_out
 
 logger = logging.getLogger(__name__)
 
@@ -234,11 +234,10 @@ def extract_final_number(text: str) -> str | None:
 def compute_score(prompt: str, response: str, ground_truth: str) -> float:
     """1.0 if the response's final number equals `ground_truth`, else 0.0.
 
-    A ground truth that is not an integer raises ValueError: it is a data bug, not a wrong answer.
+    A ground truth that is not an integer raises ValueError (``arithmetic.expected_integer``).
     """
     del prompt  # the answer alone decides
-    expected = str(int(str(ground_truth).strip()))
-    return 1.0 if extract_final_number(response) == expected else 0.0
+    return 1.0 if extract_final_number(response) == expected_integer(ground_truth) else 0.0
 
 
 def answer_of(response: str, row: Mapping[str, Any]) -> str | None:
