@@ -215,6 +215,27 @@ def test_answer_that_is_an_object(env, capsys) -> None:  # type: ignore[no-untyp
     assert_bad(result, r"objanswer\.jsonl.* row 9: .*answer")
 
 
+MESSAGE_CASES = [
+    ([{"role": "robot", "content": "What is 1+2?"}], r"message 1 has role 'robot' \(roles: system"),
+    ([{"role": "system", "content": "Be brief."}], r"has no user message \(its roles: system\)"),
+    (
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": " "}],
+        r"message 2 has empty content",
+    ),
+]
+
+
+@pytest.mark.parametrize(("messages", "pattern"), MESSAGE_CASES)
+def test_chat_prompt_that_is_no_conversation(env, capsys, messages, pattern) -> None:  # type: ignore[no-untyped-def]
+    """A chat template renders any role (`<|im_start|>robot`), a prompt without a user turn
+    and an empty turn: such prompts passed check and trained."""
+    row = json.dumps({"prompt": messages, "answer": "3"}) + "\n"
+    path = write(env, "chat.jsonl", GOOD_ROW * 8 + row)
+    result = check(env, capsys, f"data.train_files=[{path}]")
+    assert_bad(result, r"^treadle: error: data\.train_files: .*chat\.jsonl row 9: field 'prompt' "
+               + pattern, lines=1)  # fmt: skip
+
+
 def test_ground_truths_the_built_in_reward_refuses(env, capsys) -> None:  # type: ignore[no-untyped-def]
     """The built-in rewards say which ground truths they take (arithmetic: an integer): each row
     is asked up front; a bad one stopped the run at whichever step drew it, naming no row."""

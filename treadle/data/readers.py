@@ -283,7 +283,12 @@ def answer_text(record: Record, key: str, value: Any) -> str:
     return as_text(value)
 
 
+ROLES = ("system", "user", "assistant", "tool")  # what chat templates render as turns
+
+
 def check_messages(record: Record, key: str, value: Any) -> list[dict[str, str]]:
+    """``value`` as chat messages: each a known role with some content (a template renders
+    any role it is given, ``<|im_start|>robot``, and an empty turn as a turn)."""
     ok = isinstance(value, list) and all(
         isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
         for m in value
@@ -293,4 +298,12 @@ def check_messages(record: Record, key: str, value: Any) -> list[dict[str, str]]
             f"{record.where}: field '{key}' must be a string or a list of "
             "{'role': str, 'content': str} messages"
         )
+    for i, m in enumerate(value, start=1):
+        if m["role"] not in ROLES:
+            raise DataError(
+                f"{record.where}: field '{key}' message {i} has role {m['role']!r} (roles: "
+                f"{', '.join(ROLES)})"
+            )
+        if not m["content"].strip():
+            raise DataError(f"{record.where}: field '{key}' message {i} has empty content")
     return [{"role": m["role"], "content": m["content"]} for m in value]

@@ -134,7 +134,10 @@ def prompt_text(
         return value, value, [value]
     messages = prompt_messages(record, key, value, options.system_prompt)
     users = [m["content"] for m in messages if m["role"] == "user"]
-    shown = value if isinstance(value, str) else (users[-1] if users else messages[-1]["content"])
+    if not users:  # nothing asked: the model would answer the system message
+        roles = ", ".join(m["role"] for m in messages)
+        raise DataError(f"{record.where}: field '{key}' has no user message (its roles: {roles})")
+    shown = value if isinstance(value, str) else users[-1]
     text = render(tokenizer, messages, generation=True, tools=tools)
     return shown, text, [m["content"] for m in messages]
 
