@@ -206,6 +206,37 @@ def test_vocabulary_smaller_than_the_tokenizer(env, capsys) -> None:  # type: ig
     assert_bad(result, r"model\.path: .*vocab_size=8, fewer than the tokenizer's \d+ tokens")
 
 
+LORA_CASES = [
+    (
+        ["actor.lora.target_modules=[q_proj, nosuch_proj]"],
+        r"^treadle: error: actor\.lora\.target_modules: 'nosuch_proj' is not a linear layer of "
+        r"the model \(its linear layers: down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, "
+        r"up_proj, v_proj; or 'all-linear'\)$",
+    ),
+    (
+        ["actor.lora.target_modules="],
+        r"^treadle: error: actor\.lora\.target_modules: '' is neither 'all-linear' nor a list of "
+        r"module names",
+    ),
+    (["actor.lora.target_modules=[]"], r"an empty list gives no layer an adapter"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "pattern"), LORA_CASES)
+def test_lora_targets_the_model_does_not_have(env, capsys, overrides, pattern) -> None:  # type: ignore[no-untyped-def]
+    """The layers' names come from the safetensors header (no weights loaded): a name none has
+    was said only once the run had started."""
+    result = check(env, capsys, "actor.lora.rank=4", *overrides)
+    assert_bad(result, pattern, lines=1)
+
+
+def test_lora_targets_the_model_has(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    # lm_head: tied to the embeddings, it is not in the weights, yet a linear layer
+    targets = "actor.lora.target_modules=[q_proj, v_proj, lm_head]"
+    code, _, err = check(env, capsys, "actor.lora.rank=4", targets)
+    assert code == 0, err
+
+
 # --- data rows ----------------------------------------------------------------------------------
 
 

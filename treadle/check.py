@@ -184,6 +184,7 @@ def _check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[st
     if folder is not None:
         try:
             _check_folder(str(folder), "model.path", tokenizer)
+            _check_lora_targets(cfg, kind, str(folder))
         except ConfigError as e:
             problems.append(str(e))
     if kind in RL_KINDS:
@@ -246,21 +247,60 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
             "the model's own tokenizer or resize its embeddings"
         )
     for file in sorted(path.glob("*.safetensors")):
-        weights = cache.fingerprint(file)
-        kept = ["safetensors header", weights, *cache.versions("safetensors")]
-        if cache.lookup("safetensors", kept):
-            continue
-        from safetensors import safe_open
+        _matrices(file, key)
 
-        try:
-            with safe_open(str(file), framework="numpy") as header:  # (the header only)
-                header.keys()
-        except Exception as e:  # a header that is not JSON, a file cut short
-            raise ConfigError(
-                f"{key}: '{file}' is not a safetensors file (or is corrupt: {e}): download "
-                "or save the model again"
-            ) from None
-        cache.store("safetensors", kept, True, [weights])
+
+def _matrices(file: Path, key: str) -> list[str]:
+    """The modules of the safetensors file ``file`` (of the folder ``key`` names) with a
+    two-dimensional ``weight`` (linear layers, embeddings), read from its header (the tensors
+    are not read), remembered for the file; ConfigError for a header that does not read."""
+    weights = cache.fingerprint(file)
+    kept = ["safetensors matrices", weights, *cache.versions("safetensors")]
+    found = cache.lookup("safetensors", kept)
+    if isinstance(found, list):
+        return [str(name) for name in found]
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(file), framework="numpy") as header:  # (the header only)
+            names = sorted(
+                name.removesuffix(".weight")
+                for name in header.keys()  # noqa: SIM118 (a safe_open, not a dict)
+                if name.endswith(".weight") and len(header.get_slice(name).get_shape()) == 2
+            )
+    except Exception as e:  # a header that is not JSON, a file cut short
+        raise ConfigError(
+            f"{key}: '{file}' is not a safetensors file (or is corrupt: {e}): download "
+            "or save the model again"
+        ) from None
+    cache.store("safetensors", kept, names, [weights])
+    return names
+
+
+EMBEDDINGS = ("embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings")
+
+
+def _check_lora_targets(cfg: Config, kind: Kind, folder: str) -> None:
+    """``actor.lora.target_modules`` (a list) names layers of ``model.path``'s weights, by the
+    last part of their names as peft matches them, read from the safetensors headers: a name
+    no weight matrix has (a typo) is refused before anything starts, as
+    ``treadle.models.apply_lora`` refuses it when the run builds the adapters (which also
+    tells an embedding from a linear layer)."""
+    targets = cfg.actor.lora.target_modules
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if kind in ("eval", "serve") or not cfg.actor.lora.rank or isinstance(targets, str):
+        return
+    if not files:
+        return
+    last = {name.rsplit(".", 1)[-1] for file in files for name in _matrices(file, "model.path")}
+    known = last | {"lm_head"}  # (a head tied to the embeddings is not in the weights)
+    unknown = [t for t in targets if t not in known]
+    if unknown:
+        linear = ", ".join(sorted(known - set(EMBEDDINGS)))
+        raise ConfigError(
+            f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not a linear "
+            f"layer of the model (its linear layers: {linear}; or 'all-linear')"
+        )
 
 
 def _known_model_type(model_type: str) -> bool:

@@ -161,8 +161,9 @@ def test_an_unknown_target_module_names_the_key_and_the_model_layers(tiny_task):
         apply_lora(model, lora, tiny_task["model"])
     assert str(e.value).startswith("actor.lora.target_modules: 'qkv' is not a linear layer")
     assert "q_proj, up_proj, v_proj" in str(e.value)
+    # a string but 'all-linear' is the schema's to refuse (treadle check says it first)
     with pytest.raises(ConfigError, match=r"actor\.lora\.target_modules: .linear. is neither"):
-        apply_lora(model, LoraConfig(rank=4, target_modules="linear"), tiny_task["model"])
+        load_config(None, ["actor.lora.rank=4", "actor.lora.target_modules=linear"])
 
 
 def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapter(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from treadle.config.base import Beta, Key, Section, defaults
 
@@ -30,6 +30,16 @@ class LoraConfig(Section):
         "decoder, not the LM head, as peft names it) or a list of module names "
         "(q_proj, v_proj...), checked against the model at start-up.",
     )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, str) and value != "all-linear":
+            raise ValueError(f"{value!r} is neither 'all-linear' nor a list of module names")
+        if isinstance(value, list) and not value:
+            raise ValueError("an empty list gives no layer an adapter: list module names, or "
+                             "'all-linear'")  # fmt: skip
+        return value
 
 
 class ActorConfig(Section):
