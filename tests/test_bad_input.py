@@ -200,6 +200,18 @@ def test_unknown_model_type(env, capsys) -> None:  # type: ignore[no-untyped-def
     assert_bad(result, r"model\.path: .*config\.json' has model_type 'nosuchmodel', which")
 
 
+def test_layer_types_that_do_not_count_the_layers(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """transformers refuses it with a huggingface_hub traceback when the run loads the model."""
+    layers = json.loads((Path(env["model"]) / "config.json").read_text())["num_hidden_layers"]
+    folder = model_copy(env, "layercount", {"num_hidden_layers": layers + 1})
+    result = check(env, capsys, f"model.path={folder}")
+    pattern = (
+        rf"^treadle: error: model\.path: '.*layercount/config\.json' has num_hidden_layers="
+        rf"{layers + 1} but layer_types lists {layers} layers: make them agree"
+    )
+    assert_bad(result, pattern, lines=1)
+
+
 def test_vocabulary_smaller_than_the_tokenizer(env, capsys) -> None:  # type: ignore[no-untyped-def]
     folder = model_copy(env, "smallvocab", {"vocab_size": 8})
     result = check(env, capsys, f"model.path={folder}")

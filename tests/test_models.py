@@ -131,6 +131,20 @@ def test_weights_of_more_layers_than_config_json_says_are_refused(tmp_path: Path
         load_value_model(folder, key="critic.path")
 
 
+def test_layer_types_of_another_length_than_num_hidden_layers(tmp_path: Path, model_dir: Path):
+    """transformers' refusal was a huggingface_hub StrictDataclassClassValidationError
+    traceback; it is one line naming the file and both keys, for either loader."""
+    folder = damaged_copy(model_dir, tmp_path / "m", num_hidden_layers=1)
+    want = (
+        rf"^model\.path: '{re.escape(str(folder))}/config\.json' has num_hidden_layers=1 but "
+        r"layer_types lists 2 layers: make them agree \(one type per layer\)$"
+    )
+    with pytest.raises(ConfigError, match=want):
+        load_causal_lm(folder)
+    with pytest.raises(ConfigError, match=want.replace("model", "critic", 1)):
+        load_value_model(folder, key="critic.path")
+
+
 def test_weights_of_another_shape_than_config_json_implies_are_refused(
     tmp_path: Path, model_dir: Path
 ):

@@ -222,7 +222,7 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
     """What transformers would refuse (or get wrong) at load, without loading weights:
     ``model_type`` unknown, a vocabulary smaller than the tokenizer's, weights whose
     safetensors header does not read."""
-    from treadle.model_folders import vocab_size
+    from treadle.model_folders import check_config_file, vocab_size
 
     path = Path(folder)
     if not (path / "config.json").is_file():  # a hub id with model.allow_download
@@ -239,6 +239,7 @@ def _check_folder(folder: str, key: str, tokenizer: Any) -> None:
             f"{key}: '{path / 'config.json'}' has model_type {model_type!r}, which this "
             "transformers does not know: fix model_type, or upgrade transformers"
         )
+    check_config_file(path, key)
     vocab = vocab_size(config)
     if tokenizer is not None and vocab is not None and vocab < tokenizer.size():
         raise ConfigError(

@@ -92,6 +92,35 @@ def vocab_size(config: dict[str, Any]) -> int | None:
     return int(size) if size is not None else None
 
 
+def layer_count_problem(config: dict[str, Any]) -> str | None:
+    """What transformers refuses with a traceback (a ``StrictDataclassClassValidationError``):
+    ``num_hidden_layers`` that is not the length of ``layer_types`` (in a multimodal config,
+    of its ``text_config``); None when they agree or one is not given."""
+    for prefix, part in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(part, dict):
+            continue
+        types, layers = part.get("layer_types"), part.get("num_hidden_layers")
+        if isinstance(types, list) and isinstance(layers, int) and len(types) != layers:
+            return (
+                f"has {prefix}num_hidden_layers={layers} but {prefix}layer_types lists "
+                f"{len(types)} layers: make them agree (one type per layer)"
+            )
+    return None
+
+
+def check_config_file(folder: str | Path, key: str) -> None:
+    """ConfigError naming ``key`` and the file when the folder's config.json has keys that
+    contradict each other (:func:`layer_count_problem`); nothing for a folder without one."""
+    file = Path(folder) / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none (a hub id), or not JSON: said where it is read
+        return
+    problem = layer_count_problem(config) if isinstance(config, dict) else None
+    if problem is not None:
+        raise ConfigError(f"{key}: '{file}' {problem}")
+
+
 def shared_vocabulary(
     actor: str | None, paths: list[tuple[str, str]], allow_download: bool
 ) -> dict[str, dict[str, Any]]:

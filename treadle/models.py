@@ -22,6 +22,7 @@ from treadle.model_folders import (  # the folder helpers (no torch), for caller
     ADAPTER_DIR,
     PROCESSOR_FILES,
     TOKENIZER_FILES,  # noqa: F401
+    check_config_file,
     is_vision_language,
     load_tokenizer,  # noqa: F401
     model_config,  # noqa: F401
@@ -39,6 +40,7 @@ def _model_folder(
 ) -> tuple[str, torch.dtype]:
     """The model folder (or hub id) ``path`` resolves to, and ``dtype`` as a torch dtype."""
     resolved = resolve_model_path(path, key=key, need="model", allow_download=allow_download)
+    check_config_file(resolved, key)  # (transformers' own refusal is a traceback)
     torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
     if not isinstance(torch_dtype, torch.dtype):
         raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
