@@ -314,6 +314,27 @@ def test_ground_truths_the_built_in_reward_refuses(env, capsys) -> None:  # type
     assert code == 0, err
 
 
+def test_parquet_float_answers_are_named_not_rewritten(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A Parquet float64 answer column (pandas' for integers with a missing value) holds 79.0:
+    the ground truth is the file's own number, '79.0', which arithmetic refuses, saying why."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = Path(env["root"]) / "floats.parquet"
+    table = pa.table(
+        {"prompt": ["What is 70+9?"] * 8, "answer": pa.array([79.0] * 8, pa.float64())}
+    )
+    pq.write_table(table, path)
+    result = check(env, capsys, f"data.train_files=[{path}]")
+    pattern = (
+        r"^treadle: error: data\.train_files: floats\.parquet row 1: answer '79\.0' is not an "
+        r"integer, which reward\.function=arithmetic needs \(7 more rows too; a float column, as "
+        r"pandas writes integers with a missing value to Parquet: store the answers as integers "
+        r"or text; data\.answer_key=answer: is it the right column\?\)$"
+    )
+    assert_bad(result, pattern, lines=1)
+
+
 def test_pairs_without_the_rejected_column(env, capsys) -> None:  # type: ignore[no-untyped-def]
     rows = [json.loads(line) for line in Path(env["pairs"]).read_text().splitlines()]
     text = "".join(json.dumps({k: v for k, v in r.items() if k != "rejected"}) + "\n" for r in rows)

@@ -45,6 +45,7 @@ import fcntl
 import json
 import logging
 import os
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -712,6 +713,11 @@ def _check_ground_truths(
     truth = row["ground_truth"]
     shown = repr(truth if len(truth) <= 40 else truth[:37] + "...")
     notes = [f"{others} more row{'s' if others > 1 else ''} too"] if others else []
+    if re.fullmatch(r"-?\d+\.0", truth):  # (the file's own number: it is not rewritten)
+        notes.append(
+            "a float column, as pandas writes integers with a missing value to Parquet: "
+            "store the answers as integers or text"
+        )
     if files:
         notes.append(f"data.answer_key={cfg.data.answer_key}: is it the right column?")
     said = f" ({'; '.join(notes)})" if notes else ""
