@@ -759,9 +759,8 @@ def _check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
         raise ConfigError(f"{key}: '{out}' is a file, not a directory")
     if out.is_dir():
         _check_existing_dir(out, key)
-        if cfg.trainer.resume:
-            _check_resumed_command(out, kind)
-        summary.append(f"{key}: {out} (exists)")
+        resumes = _check_resumed_run(cfg, out, kind) if cfg.trainer.resume else ""
+        summary.append(f"{key}: {out} (exists{resumes})")
         return
     parent = out.parent
     while not parent.exists() and parent != parent.parent:
@@ -775,19 +774,43 @@ def _check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
     summary.append(f"{key}: {out} (new)")
 
 
-def _check_resumed_command(out: Path, kind: Kind) -> None:
+def _check_resumed_run(cfg: Config, out: Path, kind: Kind) -> str:
     """A run resumes from its directory's newest checkpoint: one another command wrote (an SFT
-    run's, resumed by `treadle train`) would be taken as this run's steps."""
+    run's, resumed by `treadle train`), or of another model or data, would be taken as this
+    run's. What the summary says of it: the checkpoint and the settings changed since."""
     from treadle import checkpoint as ckpt
+    from treadle.config.recorded import FIXED, changes
 
-    found = ckpt.written_by(out)
-    if found is not None and found[0] != kind:
-        command, newest = found
+    found = ckpt.newest_state(out)
+    if found is None:
+        return ""
+    state, newest = found
+    if state["command"] != kind:
         raise ConfigError(
-            f"trainer.output_dir: '{out}' holds a `treadle {command}` run (checkpoints up to "
-            f"{newest.name}), which `treadle {kind}` would resume as its own: set "
+            f"trainer.output_dir: '{out}' holds a `treadle {state['command']}` run (checkpoints "
+            f"up to {newest.name}), which `treadle {kind}` would resume as its own: set "
             "trainer.output_dir to another directory"
         )
+    recorded = state.get("settings")
+    if not isinstance(recorded, dict):  # written before checkpoints recorded their settings
+        return f"; resumes from {newest.name}"
+    fixed, other = changes(recorded, cfg)
+    if fixed:
+        raise ConfigError(
+            "\n".join(
+                f"{c.key}: the run in '{out}' ({newest.name}) was trained with "
+                f"{c.key}={c.shown_before}, this config has {c.shown_after}: {FIXED[c.key]}; "
+                f"set {c.key} back, or set trainer.output_dir to another directory"
+                for c in fixed
+            )
+        )
+    if not other:
+        return f"; resumes from {newest.name}"
+    shown = ", ".join(map(str, other[:8])) + (
+        f" and {len(other) - 8} more" if len(other) > 8 else ""
+    )
+    plural = "s" if len(other) > 1 else ""
+    return f"; resumes from {newest.name} with {len(other)} setting{plural} changed: {shown}"
 
 
 def _check_existing_dir(out: Path, key: str) -> None:

@@ -258,17 +258,17 @@ def read_state(path: Path) -> dict[str, Any]:
     return state
 
 
-def written_by(output_dir: str | Path) -> tuple[str, Path] | None:
-    """The command whose checkpoints ``output_dir`` holds (state.json's ``command``: "sft",
-    "train", ...) and its newest checkpoint that says so; None if none does (no checkpoint,
-    or checkpoints of an earlier version). Not verified: only a name is read."""
+def newest_state(output_dir: str | Path) -> tuple[dict[str, Any], Path] | None:
+    """The state.json of ``output_dir``'s newest checkpoint that names its command ("sft",
+    "train", ...), with the checkpoint; None if none does (no checkpoint, or checkpoints of an
+    earlier version). Not verified: only state.json is read."""
     for _, path in reversed(checkpoints(output_dir)):
         try:
-            command = read_state(path).get("command")
-        except (OSError, ValueError, AttributeError):  # a damaged state.json says nothing
+            state = read_state(path)
+        except (OSError, ValueError):  # a damaged state.json says nothing
             continue
-        if isinstance(command, str):
-            return command, path
+        if isinstance(state, dict) and isinstance(state.get("command"), str):
+            return state, path
     return None
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -113,3 +115,52 @@ def test_an_sft_run_directory_is_not_resumed_by_treadle_train(tiny_task, tmp_pat
         "another directory"
     ]
     assert [m["step"] for m in read_metrics(out)] == [1, 2]  # nothing written by the refusal
+
+
+def test_a_resumed_run_refuses_another_model_and_names_the_settings_it_changed(
+    tiny_task, tmp_path, capsys, monkeypatch
+):
+    """A run resumed with another model.path trained the checkpoint's weights against the new
+    model (the reference, LoRA's base) without a word: every checkpoint records its run's
+    settings, the check refuses a change of what it was trained from and names the others; a
+    model folder moved elsewhere, or a path written relative to another directory, is the same."""
+    moved = tmp_path / "models"
+    shutil.copytree(tiny_task["model"], moved / "before")
+    out = tmp_path / "run"
+    common = [f"data.train_files=[{tiny_task['train']}]", "data.val_files=[]"]
+    common += ["trainer.backend=local", f"trainer.output_dir={out}", "trainer.progress=false"]
+    common += ["data.batch_size=2", "actor.micro_batch_size=2", "actor.ppo_mini_batch_size=2"]
+    common += ["rollout.engine=hf", "actor.warmup_steps=1"]
+    config = str(Path("examples/arithmetic/sft.yaml").resolve())
+    sft = ["sft", config, *common]
+    assert main([*sft, f"model.path={moved / 'before'}", "trainer.total_steps=2"]) == 0
+    settings = json.loads((out / "checkpoints/step_2/state.json").read_text())["settings"]
+    assert settings["model.path"]["path"] == str((moved / "before").resolve())
+    assert settings["trainer.total_steps"] == 2
+    capsys.readouterr()
+
+    assert main([*sft, f"model.path={tiny_task['model']}", "trainer.total_steps=3"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"treadle: error: model.path: the run in '{out}' (step_2) was trained with model.path="
+        f"{(moved / 'before').resolve()}, this config has {tiny_task['model'].resolve()}: the "
+        "actor resumes from the checkpoint's weights, while the reference model (and LoRA's "
+        "base) would be the new one; set model.path back, or set trainer.output_dir to another "
+        "directory"
+    ]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]  # nothing written by the refusal
+
+    (moved / "before").rename(moved / "after")  # the same folder, moved
+    monkeypatch.chdir(tiny_task["train"].parent)  # the same data file, relative to here
+    common[0] = f"data.train_files=[{tiny_task['train'].name}]"
+    resume = [*common, f"model.path={moved / 'after'}", "trainer.total_steps=3", "actor.lr=0.001"]
+    assert main(["check", config, *resume, "--kind", "sft"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert f"trainer.output_dir: {out} (exists; resumes from step_2 with 2 settings " in (
+        "\n".join(lines)
+    )
+    changed = next(line for line in lines if line.startswith("trainer.output_dir"))
+    assert changed.endswith("changed: actor.lr 0.002 -> 0.001, trainer.total_steps 2 -> 3)")
+    assert main(["sft", config, *resume]) == 0
+    printed = capsys.readouterr().out
+    assert "settings changed since: actor.lr 0.002 -> 0.001, trainer.total_steps 2 -> 3" in printed
+    assert [m["step"] for m in read_metrics(out)] == [1, 2, 3]

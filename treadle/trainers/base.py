@@ -17,6 +17,7 @@ from typing import Any
 from treadle import checkpoint as ckpt
 from treadle import startup
 from treadle.config import Config
+from treadle.config.recorded import record
 from treadle.config.rules import Kind
 from treadle.controller import WorkerGroup
 from treadle.errors import (
@@ -178,7 +179,7 @@ class Trainer(Launch):
 
     def save(self, step: int, metrics: dict[str, float], last: bool) -> None:
         """Checkpoint ``step`` (:func:`~treadle.trainers.run_dir.save_checkpoint`)."""
-        state = {**self.driver_state(), "command": self.kind}
+        state = {**self.driver_state(), "command": self.kind, "settings": record(self.cfg)}
         try:
             note = save_checkpoint(self.cfg, step, self.group, self.roles, state, metrics, last)
         except ckpt.CheckpointWriteError as e:  # disk full, no permission: say where to go on from

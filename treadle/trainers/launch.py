@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,6 +29,7 @@ import torch
 from treadle import checkpoint as ckpt
 from treadle import startup
 from treadle.config import Config
+from treadle.config.recorded import Change, changes
 from treadle.controller import Actors, Placement, WorkerGroup
 from treadle.data import ResumableSampler
 from treadle.faults import failpoint
@@ -52,10 +53,15 @@ def _on_ray(cfg: Config) -> str:
 
 
 def start_lines(
-    cfg: Config, out: Path, algorithm: str, steps: tuple[int, int], resumed_from: Path | None
+    cfg: Config,
+    out: Path,
+    algorithm: str,
+    steps: tuple[int, int],
+    resumed_from: Path | None,
+    changed: Sequence[Change] = (),
 ) -> list[str]:
     """What runs (``steps``: its first and last), where, where it writes (and where it resumed
-    from)."""
+    from, with the settings ``changed`` since that checkpoint was written)."""
     t = cfg.trainer
     where = "in this process (trainer.backend=local)" if t.backend == "local" else _on_ray(cfg)
     files = ["config.yaml", "logs/"]
@@ -71,6 +77,8 @@ def start_lines(
     ]
     if resumed_from is not None:
         lines.append(f"  resumed from {resumed_from} (step {start})")
+    if changed:
+        lines.append(f"  settings changed since: {', '.join(map(str, changed))}")
     return lines
 
 
@@ -99,6 +107,7 @@ class Launch:
     total: int
     start: int
     resumed_from: Path | None
+    changed: list[Change]  # the settings changed since the checkpoint resumed from
     headline: str
     algorithm: str
     serves_rollout: bool
@@ -165,6 +174,8 @@ class Launch:
         state = ckpt.read_state(latest) if latest is not None else None
         if state is not None:
             self.start, self.resumed_from = int(state["step"]), latest
+            recorded = state.get("settings")  # (checkpoints of earlier versions have none)
+            self.changed = changes(recorded, self.cfg)[1] if isinstance(recorded, dict) else []
         self.say_what_runs()
         self._restore_logs = route_logs(self.out, self.cfg.trainer.verbose)
         spawned = None
@@ -204,7 +215,9 @@ class Launch:
         self.console = ConsoleLogger(self.total, self.start, self.headline, bar=None)
         self.console.bar = self.console.bar and t.progress
         steps = self.start, self.total
-        for line in start_lines(self.cfg, self.out, self.algorithm, steps, self.resumed_from):
+        changed = self.changed if self.resumed_from is not None else []
+        lines = start_lines(self.cfg, self.out, self.algorithm, steps, self.resumed_from, changed)
+        for line in lines:
             self.console.print(line)
 
     def _start_workers(self, launched: Launched) -> None:
