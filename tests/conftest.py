@@ -41,20 +41,23 @@ def pytest_collection_modifyitems(items):
 # A `background` test's module has `start(folder) -> Popen`: its process starts once the
 # session's tests are chosen and runs beside them; the test runs last and gets (process,
 # folder) from the `background` fixture. For work bounded by time (the soak's three minutes),
-# which would otherwise leave the second core idle under the mostly one-core tests.
+# which would otherwise leave the second core idle under the mostly one-core tests. A `late`
+# test runs after the others (before the background ones), when the background processes have
+# ended: one that starts Ray nodes with fixed deadlines of Ray's own (tests/controller/
+# test_cluster.py's two-node cluster: 22 s alone, 85-184 s as the soak started beside it).
 _BACKGROUND: dict[str, tuple[subprocess.Popen[str], Path]] = {}
 
 
 class _Background:
     @pytest.hookimpl(trylast=True)  # after `-m`/`-k` chose the tests
     def pytest_collection_modifyitems(self, items):
-        items.sort(key=lambda item: item.get_closest_marker("background") is not None)
+        items.sort(key=lambda item: (_marked(item, "background"), _marked(item, "late")))
 
     def pytest_collection_finish(self, session):
         if session.config.option.collectonly:
             return
         for item in session.items:
-            if item.get_closest_marker("background") is not None:
+            if _marked(item, "background"):
                 folder = Path(tempfile.mkdtemp(prefix="treadle-background-"))
                 _BACKGROUND[item.nodeid] = (item.module.start(folder), folder)
 
@@ -66,6 +69,10 @@ class _Background:
                     proc.wait(timeout=60)
                 except subprocess.TimeoutExpired:
                     proc.kill()
+
+
+def _marked(item: pytest.Item, name: str) -> bool:
+    return item.get_closest_marker(name) is not None
 
 
 def pytest_configure(config):
