@@ -72,9 +72,10 @@ def changes(recorded: dict[str, Any], cfg: Config) -> tuple[list[Change], list[C
     now = record(cfg)
     fixed: list[Change] = []
     other: list[Change] = []
+    lora = bool(recorded.get("actor.lora.rank")) or bool(cfg.actor.lora.rank)
     for key in sorted(recorded.keys() | now.keys()):
-        if key in _NOT_COMPARED:
-            continue
+        if key in _NOT_COMPARED or (not lora and key.startswith("actor.lora.")):
+            continue  # (no adapters before or now: LoRA's other settings are read by nothing)
         before, after = recorded.get(key, _UNSET), now.get(key, _UNSET)
         if not _same(before, after):
             (fixed if key in FIXED else other).append(Change(key, before, after))
