@@ -267,6 +267,11 @@ CROSS_FIELD = [
     (["critic.ppo_mini_batch_size=24"], r"critic\.ppo_mini_batch_size=24 must divide"),
     (["rollout.n=1", "actor.ppo_mini_batch_size=8"], r"adv_estimator=grpo .*rollout\.n=1"),
     (["rollout.n=1", "actor.ppo_mini_batch_size=8", "algorithm.adv_estimator=rloo"], r"rloo"),
+    (
+        ["rollout.top_k=1"],
+        r"rollout\.top_k=1 is greedy: the rollout\.n=\d+ samples of a prompt are all the same, "
+        r"so algorithm\.adv_estimator=grpo's group baseline makes every advantage 0",
+    ),
     (["algorithm.policy_loss=gspo"], r"loss_agg_mode=token-mean cannot be used with .*gspo"),
     (
         ["algorithm.policy_loss=vanilla", "algorithm.sapo_tau_pos=2"],

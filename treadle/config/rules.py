@@ -703,6 +703,13 @@ def _estimator_rules(cfg: Sections, runs: bool = True) -> Iterator[str]:
             f"of samples of one prompt, and rollout.n=1 makes groups of one: set rollout.n "
             "to 2 or more, or use an estimator without groups (reinforce_plus_plus, gae)"
         )
+    if groups and cfg.rollout.n >= 2 and cfg.rollout.top_k == 1:
+        yield (
+            f"rollout.top_k=1 is greedy: the rollout.n={cfg.rollout.n} samples of a prompt "
+            f"are all the same, so algorithm.adv_estimator={alg.adv_estimator}'s group "
+            "baseline makes every advantage 0 and nothing is learned: raise rollout.top_k or "
+            "set it to -1 (off)"
+        )
     needs = estimators.needs(alg.adv_estimator) if known else ()
     if "reward_components" in needs and not alg.gdpo_reward_keys:
         yield (
