@@ -404,6 +404,41 @@ def test_bad_reward_function(env, capsys, monkeypatch, name, pattern) -> None:  
     assert_bad(check(env, capsys, f"reward.function={path}:score"), pattern)
 
 
+# --- agent loops ----------------------------------------------------------------------------------
+
+AGENTS = [
+    (
+        "rollout.agent_loop={}:loop",
+        "async def loop(client, sample):\n    return None\n",
+        r"rollout\.agent_loop: '.*two\.py:loop' has the signature \(client, sample\), but it is "
+        r"called as await loop\(client, sample, tools\)",
+    ),
+    (
+        "rollout.agent_loop=openai:{}:agent",
+        "async def agent(client):\n    return 1.0\n",
+        r"rollout\.agent_loop: '.*one\.py:agent' has the signature \(client\), but it is called "
+        r"as await agent\(client, row\)",
+    ),
+    (
+        "rollout.env={}:make_env",
+        "def make_env():\n    return None\n",
+        r"rollout\.env: '.*none\.py:make_env' has the signature \(\), but it is called as "
+        r"make_env\(row\)",
+    ),
+]
+
+
+@pytest.mark.parametrize(("override", "source", "pattern"), AGENTS, ids=["loop", "openai", "env"])
+def test_agent_loop_with_the_wrong_signature(env, capsys, override, source, pattern) -> None:  # type: ignore[no-untyped-def]
+    """A loop (agent, environment factory) of one's own that cannot take the arguments it is
+    called with passed the check and stopped the run at step 1 with a rank's TypeError."""
+    name = {"loop": "two.py", "agent": "one.py", "make_env": "none.py"}[override.split(":")[-1]]
+    spec = override.format(write(env, name, source))
+    loop = ["rollout.agent_loop=env"] if spec.startswith("rollout.env") else []
+    result = check(env, capsys, spec, *loop, "rollout.max_response_length=32")
+    assert_bad(result, pattern)
+
+
 # --- the config file ----------------------------------------------------------------------------
 
 

@@ -37,6 +37,25 @@ def load_callable(spec: str, key: str) -> Callable[..., Any]:
     return obj  # type: ignore[no-any-return]
 
 
+def require_call(
+    fn: Callable[..., Any], spec: str, key: str, params: tuple[str, ...], how: str
+) -> None:
+    """A ConfigError when ``fn`` cannot be called with ``params`` positionally, as treadle
+    calls it (``how``: the call as the docs show it); a function without a signature passes."""
+    import inspect
+
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # a builtin without a signature: found out when called
+        return
+    try:
+        sig.bind(*params)
+    except TypeError:
+        raise ConfigError(
+            f"{key}: {spec!r} has the signature {sig}, but it is called as {how}"
+        ) from None
+
+
 # The child of :func:`probe_import`: exit 0 when the module imports, 3 when treadle's own
 # import of it raises a ConfigError (the parent's import then says the same).
 _PROBE = """

@@ -31,7 +31,7 @@ from typing import Any
 
 from treadle.agents.sessions import merge_calls
 from treadle.errors import ConfigError
-from treadle.plugins import load_callable
+from treadle.plugins import load_callable, require_call
 
 PREFIX = "openai:"
 
@@ -114,4 +114,5 @@ def load_openai_agent(spec: str) -> OpenAIAgent:
             f"rollout.agent_loop: {target!r} must be an async function "
             "(async def agent(client: openai.AsyncOpenAI, row: dict) -> float | dict | None)"
         )
+    require_call(fn, target, "rollout.agent_loop", ("client", "row"), "await agent(client, row)")
     return OpenAIAgent(fn, target)

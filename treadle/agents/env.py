@@ -46,7 +46,7 @@ from treadle.agents.loops import AgentClient, AgentLoop, Sample
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
 from treadle.errors import ConfigError
-from treadle.plugins import load_callable
+from treadle.plugins import load_callable, require_call
 
 EnvFactory = Callable[[dict[str, Any]], Any]
 
@@ -58,7 +58,9 @@ def load_env_loop(spec: str | None) -> AgentLoop:
             "rollout.agent_loop=env needs rollout.env: the environment factory as "
             "'module:make_env' or 'path/to/file.py:make_env' (called with the data row)"
         )
-    return env_loop(load_callable(spec, "rollout.env"), spec)
+    make_env = load_callable(spec, "rollout.env")
+    require_call(make_env, spec, "rollout.env", ("row",), "make_env(row)")
+    return env_loop(make_env, spec)
 
 
 def env_loop(make_env: EnvFactory, name: str = "env") -> AgentLoop:

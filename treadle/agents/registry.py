@@ -14,7 +14,7 @@ import asyncio
 from typing import TYPE_CHECKING
 
 from treadle.errors import ConfigError
-from treadle.plugins import load_callable
+from treadle.plugins import load_callable, require_call
 
 if TYPE_CHECKING:
     from treadle.agents.loops import AgentLoop
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 # name -> its function in treadle.agents.loops (imported when a loop is loaded: it imports the
 # rollout client and torch, which checking a config's names does not need)
 BUILTIN_LOOPS: dict[str, str] = {"single_turn": "single_turn", "tools": "tool_loop"}
+CALL = "await loop(client, sample, tools)"  # how a loop of one's own is called
 
 
 def load_agent_loop(spec: str, env: str | None = None) -> AgentLoop:
@@ -52,6 +53,7 @@ def load_agent_loop(spec: str, env: str | None = None) -> AgentLoop:
             f"rollout.agent_loop: {spec!r} must be an async function "
             "(async def loop(client, sample, tools) -> Trajectory)"
         )
+    require_call(fn, spec, "rollout.agent_loop", ("client", "sample", "tools"), CALL)
     return fn  # type: ignore[return-value]
 
 
