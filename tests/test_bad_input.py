@@ -404,6 +404,38 @@ def test_bad_reward_function(env, capsys, monkeypatch, name, pattern) -> None:  
     assert_bad(check(env, capsys, f"reward.function={path}:score"), pattern)
 
 
+def test_reasoning_gym_reward_on_rows_of_files(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """reward.function=reasoning_gym scores reasoning-gym's rows: on rows of files it passed
+    the check and stopped step 1 with "compute_score() missing 2 required positional
+    arguments: 'question' and 'metadata'"."""
+    result = check(env, capsys, "reward.function=reasoning_gym", "data.val_files=[]")
+    pattern = (
+        r"^treadle: error: data\.train_files: train\.jsonl row 1 has no columns 'question' and "
+        r"'metadata', which reward\.function=reasoning_gym is called with \(a batched reward "
+        r"gets the rows' columns\): set data\.source=reasoning_gym \(its rows have them\) or "
+        r"use another reward$"
+    )
+    assert_bad(result, pattern, lines=1)
+
+
+def test_batched_reward_needs_a_column_the_rows_lack(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A batched reward (TRL's fn(completions, **columns)) is called with the rows' columns:
+    one it needs that the rows lack is named, also after its file changed since a check that
+    passed (the rows' kept answer is keyed by the columns it needs)."""
+    source = "def score(completions, answer, **kw):\n    return [0.0] * len(completions)\n"
+    path = write(env, "batched.py", source)
+    good = check(env, capsys, f"reward.function={path}:score")
+    assert good[0] == 0, good
+    write(env, "batched.py", source.replace("answer,", "answer, level,"))
+    result = check(env, capsys, f"reward.function={path}:score")
+    pattern = (
+        r"data\.train_files: train\.jsonl row 1 has no column 'level', which reward\.function="
+        r".*batched\.py:score is called with .*: add the column to the data, or give the "
+        r"parameter a default"
+    )
+    assert_bad(result, pattern)
+
+
 # --- agent loops ----------------------------------------------------------------------------------
 
 AGENTS = [

@@ -439,14 +439,12 @@ def _check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list
         or (kind == "kto" and cfg.kto.eval_task)
     )
     if uses_reward:
-        from treadle.rewards import load_reward_fn
-
         spec = cfg.reward.function
         try:
             if not spec.startswith("python:"):  # (a function given in this process)
                 probe_import(spec, "reward.function", IMPORT_TIMEOUT_S)  # a hang, an os._exit
             with time_limit(IMPORT_TIMEOUT_S, "reward.function"):
-                load_reward_fn(spec)
+                _load_reward(spec, "reward.function")
             summary.append(f"reward.function: {spec}")
         except TreadleError as e:
             problems.append(str(e))
@@ -589,13 +587,12 @@ def _check_val_sets(
 ) -> None:
     """Every ``data.val_sets`` entry: its reward loads, its rows read (each problem names the
     set's key)."""
-    from treadle.rewards import load_reward_fn
 
     for name, spec in cfg.data.val_sets.items():
         key = f"data.val_sets.{name}"
         if spec.reward is not None:
             with time_limit(IMPORT_TIMEOUT_S, f"{key}.reward"):
-                if attempt(f"{key}.reward", load_reward_fn, spec.reward, f"{key}.reward"):
+                if attempt(f"{key}.reward", _load_reward, spec.reward, f"{key}.reward"):
                     summary.append(f"{key}.reward: {spec.reward}")
         if tokenizer is not None:
             ds = attempt(key, _val_set_rows, cfg, name, tokenizer, tools)
@@ -635,7 +632,8 @@ def _rows(
     data = cache.fingerprint(path)
     # (the reward whose rule the prompts' ground truths are held to)
     settings = [cfg.data.model_dump(mode="json"), cfg.rollout.max_new_tokens, tools]
-    settings.append(_scoring_reward(cfg, cfg.reward.function))
+    scored = _scoring_reward(cfg, cfg.reward.function)
+    settings += [scored, _reward_columns(scored, "reward.function")]  # (columns: its signature)
     cache_key = [reader.__name__, key, file, data, settings, tokenizer.prints]
     hit = cache.lookup("rows", cache_key)
     if isinstance(hit, dict):
@@ -701,6 +699,8 @@ def _check_ground_truths(
 
     spec, spec_key = reward
     scored = _scoring_reward(cfg, spec)
+    if scored is not None:
+        _check_reward_columns(cfg, ds, key, scored, spec_key)
     rule = ground_truth_rule(scored) if scored is not None else None
     if rule is None:
         return
@@ -724,6 +724,59 @@ def _check_ground_truths(
     raise ConfigError(
         f"{key}: {where}: answer {shown} {problem}, which {spec_key}={spec} needs{said}"
     )
+
+
+_LOADED_REWARDS: dict[str, Any] = {}  # spec -> its RewardFn, once it loaded in this process
+
+
+def _load_reward(spec: str, key: str) -> Any:
+    """``load_reward_fn``, the function kept for :func:`_reward_columns` (which must not import
+    a module whose import failed or hung: it is loaded here under a time limit)."""
+    from treadle.rewards import load_reward_fn
+
+    _LOADED_REWARDS.pop(spec, None)  # (a check's failed load keeps no earlier one)
+    fn = _LOADED_REWARDS[spec] = load_reward_fn(spec, key)
+    return fn
+
+
+def _reward_columns(spec: str | None, spec_key: str) -> list[str] | None:
+    """The row columns the batched reward ``spec`` (``fn(completions, **columns)``,
+    reasoning_gym's) is called with and needs (its parameters without a default); None for a
+    per-sample reward or one that did not load (said where it is loaded)."""
+    import inspect
+
+    fn = _LOADED_REWARDS.get(spec) if spec is not None else None
+    if fn is None or not fn.batched:
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        name
+        for name, p in inspect.signature(fn._fn).parameters.items()
+        if p.kind in kinds and p.default is inspect.Parameter.empty
+        and name not in ("prompts", "completions")
+    ]  # fmt: skip
+
+
+def _check_reward_columns(cfg: Config, ds: Any, key: str, spec: str, spec_key: str) -> None:
+    """A batched reward gets the rows' columns: one it needs that a row lacks stopped the run
+    at step 1 with the function's TypeError. The first such row is named."""
+    for row in ds.rows:
+        missing = [name for name in _reward_columns(spec, spec_key) or [] if name not in row["row"]]
+        if not missing:
+            continue
+        label, _, number = row["uid"].rpartition(":")
+        where = f"{label} row {number}" if cfg.data.source == "files" else f"row {row['uid']}"
+        names = " and ".join(repr(name) for name in missing)
+        plural = "s" if len(missing) > 1 else ""
+        hint = (
+            "set data.source=reasoning_gym (its rows have them) or use another reward"
+            if spec == "reasoning_gym"
+            else f"add the column{plural} to the data, or give the parameter{plural} a default"
+        )
+        raise ConfigError(
+            f"{key}: {where} has no column{plural} {names}, which {spec_key}={spec} is called "
+            f"with (a batched reward gets the rows' columns): {hint}"
+        )
 
 
 def _sft_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
