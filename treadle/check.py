@@ -98,6 +98,7 @@ def check(cfg: Config, kind: Kind) -> list[str]:
         check_data(cfg, kind, tokenizer, tools, attempt, summary, problems)
     if evaluates(cfg, kind):
         _check_val_sets(cfg, tokenizer, tools, attempt, summary)
+    attempt("rollout.endpoint", _check_endpoint, cfg, kind)
     if kind not in ("eval", "serve"):
         attempt("trainer.output_dir", _check_output_dir, cfg, kind, summary)
     if problems:
@@ -795,6 +796,22 @@ def _unpaired_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any)
     from treadle.data import config_unpaired
 
     return len(config_unpaired(cfg, [file], key, tokenizer))
+
+
+# --- the endpoint ----------------------------------------------------------------------------
+
+
+def _check_endpoint(cfg: Config, kind: Kind) -> None:
+    """`treadle serve`'s endpoint, or a black-box agent's, listens on its fixed port: one taken
+    (or an address not this machine's) stopped the command once the model had loaded."""
+    from treadle.agents.registry import needs_endpoint
+    from treadle.config.endpoint import listen_problem
+
+    if kind == "serve" or needs_endpoint(cfg.rollout.agent_loop):
+        e = cfg.rollout.endpoint
+        problem = listen_problem(e.host, e.port)
+        if problem is not None:
+            raise ConfigError(problem)
 
 
 # --- output directory ------------------------------------------------------------------------

@@ -8,9 +8,11 @@ double replica answers with the tokens of a scripted text.
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import itertools
 import json
+import socket
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -577,3 +579,33 @@ def test_the_same_question_asked_twice_is_sampled_anew_unless_seeded(client, tok
     first, second, seeded, again = serve(client, tok, scenario)
     assert first != second  # 8 tokens of a random model: equal only by the same noise
     assert seeded == again
+
+
+def test_a_taken_port_is_one_line_at_check_and_at_start(client, tok, tiny_task):
+    """`treadle serve` on a port in use stopped with a 30-line OSError traceback once the model
+    had loaded: the check binds the port as the endpoint will, and the endpoint's own start
+    (the port taken since) says the same line."""
+    from treadle.check import check
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        said = (
+            f"rollout.endpoint.port={port}: 127.0.0.1:{port} is in use by another process: "
+            "choose another port, or 0 for a free one"
+        )
+        base = [f"model.path={tiny_task['model']}", "data.max_prompt_length=64"]
+        cfg = load_config(None, [*base, f"rollout.endpoint.port={port}"])
+        with pytest.raises(ConfigError) as e:
+            check(cfg, "serve")
+        assert str(e.value) == said
+        with pytest.raises(ConfigError) as e:
+            serve(client, tok, lambda endpoint: asyncio.sleep(0), port=port)
+        assert str(e.value) == said
+    away = load_config(
+        None, [*base, "rollout.endpoint.host=192.0.2.1", "rollout.endpoint.port=8000"]
+    )
+    with pytest.raises(ConfigError, match=r"^rollout\.endpoint\.host=192\.0\.2\.1: not an address"):
+        check(away, "serve")
+    check(load_config(None, base), "serve")  # port 0: a free one, never checked

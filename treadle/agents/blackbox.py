@@ -33,8 +33,6 @@ from treadle.agents.sessions import merge_calls
 from treadle.errors import ConfigError
 from treadle.plugins import load_callable, require_call
 
-PREFIX = "openai:"
-
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 
 
@@ -107,7 +105,7 @@ def _shown(value: Any) -> str:
 
 def load_openai_agent(spec: str) -> OpenAIAgent:
     """``openai:<module:fn | path/to/file.py:fn>``; the function must be async."""
-    target = spec[len(PREFIX) :]
+    target = spec.removeprefix("openai:")
     fn = load_callable(target, "rollout.agent_loop")
     if not asyncio.iscoroutinefunction(fn):
         raise ConfigError(

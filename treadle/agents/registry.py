@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 # rollout client and torch, which checking a config's names does not need)
 BUILTIN_LOOPS: dict[str, str] = {"single_turn": "single_turn", "tools": "tool_loop"}
 CALL = "await loop(client, sample, tools)"  # how a loop of one's own is called
+OPENAI = "openai:"  # a black-box agent's spec begins with it (treadle.agents.blackbox)
 
 
 def load_agent_loop(spec: str, env: str | None = None) -> AgentLoop:
@@ -59,6 +60,4 @@ def load_agent_loop(spec: str, env: str | None = None) -> AgentLoop:
 
 def needs_endpoint(spec: str) -> bool:
     """Whether the loop talks to the model through the OpenAI-compatible endpoint."""
-    from treadle.agents.blackbox import PREFIX
-
-    return spec.startswith(PREFIX)
+    return spec.startswith(OPENAI)

@@ -6,6 +6,9 @@ during training, and ``treadle serve`` serves a model with it (:mod:`treadle.rol
 
 from __future__ import annotations
 
+import errno
+import socket
+
 from pydantic import Field
 
 from treadle.config.base import Key, Section
@@ -32,3 +35,43 @@ class EndpointConfig(Section):
         description="The model's name in /v1/models and in responses; null: the last part of "
         "model.path. Requests may name any model: they all reach the one served.",
     )
+
+
+def listen_problem(host: str, port: int) -> str | None:
+    """Why the endpoint could not listen on ``host:port`` (a port taken, an address not this
+    machine's), found by binding it as the endpoint will (``SO_REUSEADDR``, as aiohttp), or
+    None; port 0 (a free one) always can."""
+    if not port:
+        return None
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"rollout.endpoint.host={host}: it does not resolve ({e}): give an address"
+    for family, kind, proto, _, address in addresses:
+        try:
+            with socket.socket(family, kind, proto) as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(address)
+        except OSError as e:
+            return listen_error(host, port, e)
+    return None
+
+
+def listen_error(host: str, port: int, error: OSError) -> str:
+    """The one line for an endpoint that could not listen on ``host:port``."""
+    if error.errno == errno.EADDRINUSE:
+        return (
+            f"rollout.endpoint.port={port}: {host}:{port} is in use by another process: "
+            "choose another port, or 0 for a free one"
+        )
+    if error.errno == errno.EADDRNOTAVAIL:
+        return (
+            f"rollout.endpoint.host={host}: not an address of this machine: give one of its "
+            "addresses (127.0.0.1: this machine only; 0.0.0.0: every interface)"
+        )
+    if error.errno == errno.EACCES:
+        return (
+            f"rollout.endpoint.port={port}: this user may not listen on it (ports below 1024 "
+            "need privileges): choose a port from 1024 up, or 0 for a free one"
+        )
+    return f"rollout.endpoint: cannot listen on {host}:{port} ({error.strerror or error})"

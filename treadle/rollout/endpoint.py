@@ -66,8 +66,9 @@ from urllib.parse import quote
 
 from aiohttp import web
 
+from treadle.config.endpoint import listen_error
 from treadle.engines.inference import SamplingParams
-from treadle.errors import signalled
+from treadle.errors import ConfigError, signalled
 from treadle.rollout import completions as cmp
 from treadle.rollout import openai_api as api
 from treadle.rollout.client import RolloutClient
@@ -225,7 +226,11 @@ class Endpoint:
         runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
-        await site.start()
+        try:
+            await site.start()
+        except OSError as e:  # (the check tried it: taken since, or a run without the check)
+            await runner.cleanup()
+            raise ConfigError(listen_error(self.host, self.port, e)) from None
         self.port = int(runner.addresses[0][1])
         self._runner = runner
 
