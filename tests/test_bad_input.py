@@ -370,6 +370,33 @@ def test_output_dir_that_is_a_dangling_symlink(env, capsys) -> None:  # type: ig
     assert_bad(result, r"trainer\.output_dir: '.*dangling' is a symlink to '.*gone/run', which")
 
 
+def test_data_file_that_is_a_broken_symlink(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A link that leads back to itself was reported as a file that does not exist."""
+    root = Path(env["root"])
+    for name, target in (("loop_a.jsonl", "loop_b.jsonl"), ("loop_b.jsonl", "loop_a.jsonl")):
+        if not (root / name).is_symlink():
+            (root / name).symlink_to(target)
+    result = check(env, capsys, f"data.train_files=[{root / 'loop_a.jsonl'}]")
+    assert_bad(
+        result, r"loop_a\.jsonl' is a symlink to 'loop_b\.jsonl', which leads round in a loop"
+    )
+
+
+def test_output_dir_that_is_a_model_folder_or_holds_one(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A run writes its checkpoints, logs and final_model/ into its output_dir: one that was
+    the model folder turned it into a run directory (and the next run resumed from it)."""
+    model = Path(env["model"]).resolve()
+    cases = {
+        str(model): rf"trainer\.output_dir is model\.path's folder '{model}': the run writes",
+        str(model / "run"): rf"'{model}/run' is inside model\.path's folder '{model}'",
+        str(model.parent): rf"'{model.parent}' holds model\.path's folder '{model}'",
+    }
+    for out, pattern in cases.items():
+        assert_bad(check(env, capsys, f"trainer.output_dir={out}"), pattern, lines=1)
+    assert not (model / "run").exists() and not (model / "checkpoints").exists()
+    assert check(env, capsys, f"trainer.output_dir={model.parent / 'beside'}")[0] == 0
+
+
 # --- reward functions ---------------------------------------------------------------------------
 
 REWARDS = {

@@ -827,6 +827,7 @@ def _check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
         )
     if out.exists() and not out.is_dir():
         raise ConfigError(f"{key}: '{out}' is a file, not a directory")
+    _check_apart_from_models(cfg, out)
     if out.is_dir():
         _check_existing_dir(out, key)
         resumes = _check_resumed_run(cfg, out, kind) if cfg.trainer.resume else ""
@@ -842,6 +843,38 @@ def _check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: cannot create '{out}': '{parent}' is not writable")
     summary.append(f"{key}: {out} (new)")
+
+
+def _check_apart_from_models(cfg: Config, out: Path) -> None:
+    """The run directory is no model folder's, nor holds or is held by one: a run writes its
+    checkpoints, logs and final_model/ there (into the model folder, or over the model it
+    starts from; and the next run resumes from them)."""
+    folders = {
+        "model.path": cfg.model.path,
+        "model.tokenizer_path": cfg.model.tokenizer_path,
+        "critic.model_path": cfg.critic.model_path,
+        "reward.model_path": cfg.reward.model_path,
+        "prime.model_path": cfg.prime.model_path,
+        "teacher.model_path": cfg.teacher.model_path,
+    }
+    run = out.resolve()
+    for key, path in folders.items():
+        folder = Path(path).expanduser().resolve() if path else None
+        if folder is None or not folder.is_dir():
+            continue
+        if run == folder:
+            where = f"is {key}'s folder '{folder}'"
+        elif folder in run.parents:
+            where = f"'{run}' is inside {key}'s folder '{folder}'"
+        elif run in folder.parents:
+            where = f"'{run}' holds {key}'s folder '{folder}'"
+        else:
+            continue
+        raise ConfigError(
+            f"trainer.output_dir {where}: the run writes its checkpoints, logs and final_model/ "
+            "there, into the model folder or over the model it starts from: set "
+            "trainer.output_dir to a directory of its own"
+        )
 
 
 def _check_resumed_run(cfg: Config, out: Path, kind: Kind) -> str:
