@@ -401,6 +401,7 @@ YAML_CASES = [
     ("data: {batch_size: 8\n", r"bad\.yaml: line \d+, column \d+"),
     ("key: 'unclosed\n", r"bad\.yaml: line \d+, column \d+"),
     ("trainer:\n  seed: *anchor\n", r"bad\.yaml: line 2, column \d+"),
+    ("trainer:\n\tseed: 1\n", r"bad\.yaml: line 2, column 1: .* \(YAML indents with spaces"),
     ("", r"model\.path is empty"),
 ]
 

@@ -92,6 +92,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
         mark = e.problem_mark or e.context_mark
         where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         what = " ".join(str(x) for x in (e.context, e.problem) if x)
+        if "'\\t'" in what:  # PyYAML's "found character '\t' that cannot start any token"
+            what += " (YAML indents with spaces, never tabs: replace the tab with spaces)"
         raise ConfigError(f"{path}:{where}: YAML syntax error: {what}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: YAML error: {e}") from None

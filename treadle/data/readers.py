@@ -16,8 +16,10 @@ them) are taken from the file itself, parsed with `json`; the others keep `datas
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -57,10 +59,25 @@ def read_records(files: Sequence[str | Path], config_key: str) -> list[Record]:
     return records
 
 
+def _loops(path: Path) -> bool:
+    try:
+        path.resolve(strict=True)
+    except RuntimeError:  # Python 3.11's "Symlink loop from ..."
+        return True
+    except OSError as e:  # (3.13: ELOOP)
+        return e.errno == errno.ELOOP
+    return False
+
+
 def _read_file(path: Path, config_key: str) -> list[dict[str, Any]]:
     if path.is_dir():
         return _read_saved(path, config_key)
     if not path.is_file():
+        if path.is_symlink():  # (a link whose target is gone, or that leads back to itself)
+            raise DataError(
+                f"{config_key}: '{path}' is a symlink to '{os.readlink(path)}', which "
+                f"{'leads round in a loop' if _loops(path) else 'does not exist'}: fix the link"
+            )
         raise DataError(f"{config_key}: file '{path}' does not exist")
     builder = _FORMATS.get(path.suffix.lower())
     if builder is None:
