@@ -311,6 +311,12 @@ def test_outcome_reward_lands_on_the_last_model_token_of_a_gapped_mask():
         (["rollout.tools=[m:f]"], "rollout.tools are called by an agent loop"),
         (["rollout.agent_loop=tools"], "rollout.agent_loop=tools needs rollout.tools"),
         (
+            ["rollout.max_turns=3", "rollout.max_response_length=64"],
+            r"^rollout\.max_turns=3, rollout\.max_response_length=64 are read by agent loops of "
+            r"several turns \(rollout\.agent_loop=tools, env or one of your own\), not by "
+            r"single_turn: set rollout\.agent_loop, or remove them$",
+        ),
+        (
             ["rollout.agent_loop=tools", "rollout.tools=[m:f]", "data.apply_chat_template=false"],
             "set data.apply_chat_template=true",
         ),

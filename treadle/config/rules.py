@@ -213,12 +213,26 @@ def _check_mode(cfg: Sections) -> Iterator[str]:
         )
 
 
+MULTI_TURN = ("max_turns", "max_tool_response_tokens", "tool_timeout_s", "max_response_length")
+
+
 def _check_agents(rollout: RolloutConfig, data: DataConfig) -> Iterator[str]:
     if rollout.agent_loop == "single_turn" and rollout.tools:
         yield (
             "rollout.tools are called by an agent loop: set rollout.agent_loop=tools (or a "
             "loop of your own), or remove rollout.tools"
         )
+    if rollout.agent_loop == "single_turn":  # one response, rollout.max_new_tokens long
+        default = RolloutConfig.model_validate({})
+        changed = [k for k in MULTI_TURN if getattr(rollout, k) != getattr(default, k)]
+        if changed:
+            shown = ", ".join(f"rollout.{k}={getattr(rollout, k)}" for k in changed)
+            yield (
+                f"{shown} {'is' if len(changed) == 1 else 'are'} read by agent loops of several "
+                "turns (rollout.agent_loop=tools, env or one of your own), not by single_turn: "
+                "set rollout.agent_loop, or remove "
+                f"{'it' if len(changed) == 1 else 'them'}"
+            )
     if rollout.agent_loop == "tools" and not rollout.tools:
         yield (
             "rollout.agent_loop=tools needs rollout.tools: list the tools as "
