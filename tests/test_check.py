@@ -83,6 +83,12 @@ def test_named_validation_sets_are_checked(env, capsys) -> None:  # type: ignore
     assert code == 0, err
     assert re.search(r"^data\.val_sets\.hard: 8 rows$", out, re.M)
     assert "data.val_sets.hard.reward: chat_arithmetic" in out
+    assert "all 8 are evaluated" not in out  # (size 4 of 8)
+    # a size beyond the rows: all are evaluated, which the summary says (it was silent)
+    code, out, err = check(env, capsys, hard.replace("size: 4", "size: 100"), "data.val_size=50")
+    assert code == 0, err
+    assert "data.val_sets.hard.size=100: the set has 8 rows, so all 8 are evaluated" in out
+    assert "data.val_size=50: the set has 8 rows, so all 8 are evaluated" in out
     # the sets alone are enough for treadle eval
     code, out, err = check(env, capsys, hard, "data.val_files=[]", kind="eval")
     assert code == 0, err

@@ -535,6 +535,8 @@ def _check_files(
             f"{key}: {f}: {n} rows" for f, n in zip(files, counts, strict=True) if n is not None
         ]
         total = sum(n or 0 for n in counts)
+        if key == "data.val_files" and None not in counts:
+            summary += _fewer_rows("data.val_size", cfg.data.val_size, total)
         if key == "data.train_files" and None not in counts and 0 < total < cfg.data.batch_size:
             problems.append(
                 f"{key}: {total} rows, fewer than one batch of data.batch_size="
@@ -599,6 +601,14 @@ def _check_val_sets(
             ds = attempt(key, _val_set_rows, cfg, name, tokenizer, tools)
             if ds is not None:
                 summary.append(f"{key}: {len(ds)} rows")
+                summary += _fewer_rows(f"{key}.size", spec.size, len(ds))
+
+
+def _fewer_rows(key: str, size: int | None, rows: int) -> list[str]:
+    """A note when ``key`` asks for more held-out rows than there are (all are evaluated)."""
+    if size is None or size <= rows:
+        return []
+    return [f"{key}={size}: the set has {rows} rows, so all {rows} are evaluated"]
 
 
 def _val_set_rows(cfg: Config, name: str, tokenizer: Tokenizer, tools: Any) -> Any:
