@@ -644,7 +644,7 @@ def _rows(
     # (the reward whose rule the prompts' ground truths are held to)
     settings = [cfg.data.model_dump(mode="json"), cfg.rollout.max_new_tokens, tools]
     scored = _scoring_reward(cfg, cfg.reward.function)
-    settings += [scored, _reward_columns(scored, "reward.function")]  # (columns: its signature)
+    settings += [scored, _reward_columns(scored)]  # (the columns: its signature)
     cache_key = [reader.__name__, key, file, data, settings, tokenizer.prints]
     hit = cache.lookup("rows", cache_key)
     if isinstance(hit, dict):
@@ -750,7 +750,7 @@ def _load_reward(spec: str, key: str) -> Any:
     return fn
 
 
-def _reward_columns(spec: str | None, spec_key: str) -> list[str] | None:
+def _reward_columns(spec: str | None) -> list[str] | None:
     """The row columns the batched reward ``spec`` (``fn(completions, **columns)``,
     reasoning_gym's) is called with and needs (its parameters without a default); None for a
     per-sample reward or one that did not load (said where it is loaded)."""
@@ -771,8 +771,9 @@ def _reward_columns(spec: str | None, spec_key: str) -> list[str] | None:
 def _check_reward_columns(cfg: Config, ds: Any, key: str, spec: str, spec_key: str) -> None:
     """A batched reward gets the rows' columns: one it needs that a row lacks stopped the run
     at step 1 with the function's TypeError. The first such row is named."""
+    needed = _reward_columns(spec) or []
     for row in ds.rows:
-        missing = [name for name in _reward_columns(spec, spec_key) or [] if name not in row["row"]]
+        missing = [name for name in needed if name not in row["row"]]
         if not missing:
             continue
         label, _, number = row["uid"].rpartition(":")
