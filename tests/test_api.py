@@ -295,7 +295,8 @@ def test_distill_with_a_dataset_and_a_python_reward(tiny_task, tmp_path):
         return 1.0
 
     config = fast(tiny_task, tmp_path / "run") | {
-        "teacher": {"model_path": str(tiny_task["model"])}
+        "teacher": {"model_path": str(tiny_task["model"])},
+        "distill": {"task_reward": True},  # (the student as its own teacher teaches nothing)
     }
     data = Dataset.from_list(rows(tiny_task, 8))
     result = treadle.distill(config, reward=reward, train_dataset=data)

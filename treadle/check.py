@@ -379,9 +379,27 @@ def _check_teacher(cfg: Config, student: str, summary: list[str], problems: list
             t.model_path, key="teacher.model_path", allow_download=download
         )
         shared_vocabulary(student, [("teacher.model_path", teacher)], download)
+        _check_teacher_is_another(cfg, teacher, student)
         summary.append(f"teacher: {teacher} ({t.engine}, {t.placement})")
     except ConfigError as e:
         problems.append(str(e))
+
+
+def _check_teacher_is_another(cfg: Config, teacher: str, student: str) -> None:
+    """A teacher that is the student's own start teaches nothing where the loss is the gap to
+    it alone (reverse_kl without the task reward, gkd): every advantage, every divergence 0;
+    seq_kd still trains on the teacher's samples (self-distillation)."""
+    d = cfg.distill
+    if d.loss == "seq_kd" or (d.loss == "reverse_kl" and d.task_reward):
+        return
+    if Path(teacher).resolve() != Path(student).resolve():
+        return
+    fix = ", or set distill.task_reward=true" if d.loss == "reverse_kl" else ""
+    raise ConfigError(
+        f"teacher.model_path is model.path ('{student}'): with distill.loss={d.loss} the "
+        f"student learns the gap to its own start, which is 0: nothing is learned; give "
+        f"another teacher{fix}"
+    )
 
 
 def _resumed_model(cfg: Config) -> str:

@@ -217,3 +217,33 @@ def test_the_server_scores_between_the_steps_of_generation_in_flight(teacher_mod
     assert [r.topk_ids for r in scored] == [d.topk_ids for d in direct]
     alone = server.engine.generate([list(s) for s in seqs], greedy)
     assert [r.token_ids for r in generated] == alone.token_ids
+
+
+@pytest.mark.parametrize(
+    ("extra", "refused"),
+    [
+        ((), True),  # reverse_kl alone: every advantage 0
+        (("distill.loss=gkd",), True),
+        (("distill.task_reward=true",), False),  # the task reward still trains
+        (("distill.loss=seq_kd",), False),  # its own samples: self-distillation
+    ],
+)
+def test_the_student_as_its_own_teacher_is_refused_where_it_teaches_nothing(
+    tiny_task, tmp_path, extra, refused
+):
+    """`treadle distill` with teacher.model_path = model.path passed the check and trained
+    nothing: the per-token gap to the teacher (the student's own start) is 0."""
+    from treadle.check import check
+
+    cfg = _config(tiny_task, tiny_task["model"], tmp_path / "run", *extra)
+    if not refused:
+        check(cfg, "distill")
+        return
+    with pytest.raises(ConfigError) as e:
+        check(cfg, "distill")
+    loss = cfg.distill.loss
+    assert str(e.value) == (
+        f"teacher.model_path is model.path ('{tiny_task['model']}'): with distill.loss={loss} "
+        "the student learns the gap to its own start, which is 0: nothing is learned; give "
+        f"another teacher{', or set distill.task_reward=true' if loss == 'reverse_kl' else ''}"
+    )
