@@ -107,7 +107,6 @@ class Launch:
     total: int
     start: int
     resumed_from: Path | None
-    changed: list[Change]  # the settings changed since the checkpoint resumed from
     headline: str
     algorithm: str
     serves_rollout: bool
@@ -172,11 +171,12 @@ class Launch:
         replicas and the actors' group, started (``wait``: the actors ready)."""
         latest, actor_path = resume_point(self.cfg)
         state = ckpt.read_state(latest) if latest is not None else None
+        changed: list[Change] = []  # the settings changed since the checkpoint resumed from
         if state is not None:
             self.start, self.resumed_from = int(state["step"]), latest
             recorded = state.get("settings")  # (checkpoints of earlier versions have none)
-            self.changed = changes(recorded, self.cfg)[1] if isinstance(recorded, dict) else []
-        self.say_what_runs()
+            changed = changes(recorded, self.cfg)[1] if isinstance(recorded, dict) else []
+        self.say_what_runs(changed)
         self._restore_logs = route_logs(self.out, self.cfg.trainer.verbose)
         spawned = None
         try:
@@ -207,15 +207,15 @@ class Launch:
             if p.role.saved:
                 self.roles[p.role.name] = self.side[p.role.name]
 
-    def say_what_runs(self) -> None:
-        """The start-up lines: what runs, where, and where it writes."""
+    def say_what_runs(self, changed: Sequence[Change]) -> None:
+        """The start-up lines: what runs, where, where it writes (and the settings ``changed``
+        since the checkpoint it resumes from)."""
         t = self.cfg.trainer
         if "console" not in t.loggers:
             return
         self.console = ConsoleLogger(self.total, self.start, self.headline, bar=None)
         self.console.bar = self.console.bar and t.progress
         steps = self.start, self.total
-        changed = self.changed if self.resumed_from is not None else []
         lines = start_lines(self.cfg, self.out, self.algorithm, steps, self.resumed_from, changed)
         for line in lines:
             self.console.print(line)
