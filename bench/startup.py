@@ -107,11 +107,14 @@ def startup(engine: str, layout: str = "colocated", tree: Path = ROOT) -> dict[s
 
 
 def run_tree(tree: Path, *args: str, env: dict[str, str] | None = None) -> None:
-    """``treadle ARGS`` with the code of ``tree`` (its checkout, not the installed one)."""
+    """``treadle ARGS`` with the code of ``tree`` (its checkout, not the installed one), run
+    in ``tree``: Ray puts its driver's working directory first on its workers' ``sys.path``,
+    so from another directory the workers would import that directory's treadle (measured:
+    a worker-side change showed in both columns). The arguments' paths are absolute."""
     env = {**os.environ, **(env or {}), "PYTHONPATH": str(tree)}
-    done = subprocess.run(  # -P: not the working directory's treadle first, ``tree``'s
+    done = subprocess.run(  # -P: the driver imports ``tree``'s treadle, by PYTHONPATH
         [sys.executable, "-P", "-m", "treadle", *args],
-        cwd=ROOT,
+        cwd=tree,
         env=env,
         text=True,
         capture_output=True,
@@ -126,13 +129,15 @@ IMPORTS = "imports kept"
 
 def check_seconds(tree: Path, cache: str) -> float:
     """Wall seconds of `treadle check` on the demo's GRPO config, the code of ``tree``."""
-    overrides = [] if SFT_MODEL.is_dir() else [f"model.path={DATA / 'model_init'}"]
+    model = SFT_MODEL if SFT_MODEL.is_dir() else DATA / "model_init"
     start = time.perf_counter()
-    run_tree(
+    run_tree(  # the config's own paths, relative to this checkout, made absolute
         tree,
         "check",
         "examples/arithmetic/grpo.yaml",
-        *overrides,
+        f"model.path={model}",
+        f"data.train_files=[{DATA / 'train.jsonl'}]",
+        f"data.val_files=[{DATA / 'test.jsonl'}]",
         env={"TREADLE_CHECK_CACHE": cache},
     )
     return time.perf_counter() - start
