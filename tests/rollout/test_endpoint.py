@@ -609,3 +609,50 @@ def test_a_taken_port_is_one_line_at_check_and_at_start(client, tok, tiny_task):
     with pytest.raises(ConfigError, match=r"^rollout\.endpoint\.host=192\.0\.2\.1: not an address"):
         check(away, "serve")
     check(load_config(None, base), "serve")  # port 0: a free one, never checked
+
+
+class SilentReplica:
+    """Takes each request and never answers (a request whose task a stop signal ended)."""
+
+    def __init__(self) -> None:
+        self.name, self.asked = "silent", asyncio.Event()
+
+    async def generate(self, requests: list[Request]) -> list[Response]:
+        self.asked.set()
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("grace", [0.2, 1.0])
+def test_stop_cuts_a_request_that_never_ends_after_its_grace(tok, grace):
+    """`stop_grace_s` (`treadle serve`: 1 s) bounds how long a stop waits for a request in
+    flight, then for it to end once cut (a fixed 5 s took 10 s here: 5 before the cut, 5 after)."""
+    replica = SilentReplica()
+    client = RolloutClient([replica])
+
+    async def main() -> tuple[float, BaseException | None]:
+        endpoint = Endpoint(client, tok, model="tiny", max_new_tokens=8, stop_grace_s=grace)
+        await endpoint.start()
+        ask = asyncio.ensure_future(
+            oai(endpoint, timeout=120).chat.completions.create(model="tiny", messages=MESSAGES)
+        )
+        await asyncio.wait_for(replica.asked.wait(), timeout=60)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        await endpoint.stop()
+        took = loop.time() - start
+        done, _ = await asyncio.wait([ask], timeout=60)  # the client sees the connection cut
+        return took, ask.exception() if done else None
+
+    try:
+        took, error = client.run(main())
+    finally:
+        client.close()
+    assert grace <= took < grace + 3.0, took  # waited its grace, not the 5 s default
+    assert isinstance(error, openai.APIConnectionError), error
+
+
+def test_a_stop_grace_of_zero_is_refused(client, tok):
+    # aiohttp reads a shutdown timeout of 0 as no limit: a stop would wait for every client
+    with pytest.raises(ValueError, match=r"stop_grace_s must be positive, got 0"):
+        Endpoint(client, tok, model="tiny", stop_grace_s=0)

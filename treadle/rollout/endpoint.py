@@ -168,13 +168,19 @@ class Endpoint:
         port: int = 0,
         api_key: str | None = None,
         record: bool = True,
+        stop_grace_s: float = 5.0,
     ) -> None:
         """``sampling``: every call's sampling (training), None: the request's (serving);
         ``max_new_tokens``: a request's default budget then; ``max_model_len``: prompt plus
         completion at most (a longer prompt is a 400; the budget shrinks to fit); ``record``:
         keep sessions' calls for :meth:`take_calls` (``treadle serve``, where nobody takes
-        them, does not: its memory stays flat however many sessions come)."""
+        them, does not: its memory stays flat however many sessions come); ``stop_grace_s``:
+        how long :meth:`stop` waits for the requests in flight, then for them to end once cut
+        (aiohttp's shutdown timeout: it must be positive, 0 is no limit there)."""
+        if stop_grace_s <= 0:
+            raise ValueError(f"stop_grace_s must be positive, got {stop_grace_s}")
         self.client, self.tokenizer, self.model = client, tokenizer, model
+        self.stop_grace_s = stop_grace_s
         self.recorder = Recorder(sampling, record)
         self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len
         self.parsers = ChatParsers(tokenizer, tool_parser, reasoning_parser)
@@ -184,7 +190,13 @@ class Endpoint:
 
     @classmethod
     def from_config(
-        cls, cfg: Any, client: RolloutClient, tokenizer: Any, *, force_sampling: bool = True
+        cls,
+        cfg: Any,
+        client: RolloutClient,
+        tokenizer: Any,
+        *,
+        force_sampling: bool = True,
+        stop_grace_s: float = 5.0,
     ) -> Endpoint:
         """The endpoint ``rollout.endpoint`` describes; ``force_sampling``: every call samples
         as the run's rollout does (training), else as the request asks (``treadle serve``)."""
@@ -209,6 +221,7 @@ class Endpoint:
             port=e.port,
             api_key=e.api_key,
             record=force_sampling,
+            stop_grace_s=stop_grace_s,
         )
 
     # ------------------------------------------------------------------ lifetime and sessions
@@ -223,7 +236,9 @@ class Endpoint:
             app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
             app.router.add_post(f"{prefix}/v1/completions", self._completions)
         # stop() waits this long for requests in flight, then cuts them
-        runner = web.AppRunner(app, handle_signals=False, access_log=None, shutdown_timeout=5.0)
+        runner = web.AppRunner(
+            app, handle_signals=False, access_log=None, shutdown_timeout=self.stop_grace_s
+        )
         await runner.setup()
         site = web.TCPSite(runner, self.host, self.port)
         try:
