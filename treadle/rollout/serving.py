@@ -41,8 +41,9 @@ def serve(cfg: Config, on_ready: Callable[[Endpoint], None]) -> None:
         max_inflight=r.max_inflight_per_replica,
         timeout_s=r.request_timeout_s,
     )
-    # A stop signal can end a request's task mid-answer: its handler would wait out the whole
-    # grace (5 s, measured) before the command could exit; a second is enough for the others.
+    # A stop signal can end a request's task mid-answer: its handler would hold the command for
+    # the grace twice (before it is cut and after: 10 s with training's 5); a second is enough
+    # for the others.
     endpoint = Endpoint.from_config(cfg, client, tokenizer, force_sampling=False, stop_grace_s=1.0)
     try:
         client.run(_serve(endpoint, on_ready))
