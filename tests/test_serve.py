@@ -13,6 +13,8 @@ import threading
 import openai
 import pytest
 
+from treadle.cli import STOP_GRACE_S
+
 URL_LINE = re.compile(r"^serving (\S+) at (http://\S+/v1) \(api key: (\S+)\)")
 MESSAGES = [{"role": "user", "content": "1 + 1"}]
 
@@ -48,7 +50,11 @@ def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
 
 def _stopped(proc: subprocess.Popen, signum: int) -> tuple[int, str]:
     proc.send_signal(signum)
-    _, err = proc.communicate(timeout=60)
+    # Longer than the command's own limit on its clean-up: a stop that hangs ends there and
+    # says where it stood (treadle.cli._Overrun), which this assertion shows. (On 2026-11-27
+    # a stop outlived this test's former 60 s under load, with nothing to say where.)
+    _, err = proc.communicate(timeout=STOP_GRACE_S + 60)
+    assert "the clean-up did not end" not in err, err[-3000:]
     return proc.returncode, err
 
 
