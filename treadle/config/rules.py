@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import difflib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -223,14 +223,12 @@ def _check_agents(rollout: RolloutConfig, data: DataConfig) -> Iterator[str]:
             "loop of your own), or remove rollout.tools"
         )
     if rollout.agent_loop == "single_turn":  # one response, rollout.max_new_tokens long
-        default = RolloutConfig.model_validate({})
-        changed = [k for k in MULTI_TURN if getattr(rollout, k) != getattr(default, k)]
+        changed = _changed_settings("rollout", rollout, MULTI_TURN)
         if changed:
-            shown = ", ".join(f"rollout.{k}={getattr(rollout, k)}" for k in changed)
             yield (
-                f"{shown} {'is' if len(changed) == 1 else 'are'} read by agent loops of several "
-                "turns (rollout.agent_loop=tools, env or one of your own), not by single_turn: "
-                "set rollout.agent_loop, or remove "
+                f"{', '.join(changed)} {'is' if len(changed) == 1 else 'are'} read by agent "
+                "loops of several turns (rollout.agent_loop=tools, env or one of your own), not "
+                "by single_turn: set rollout.agent_loop, or remove "
                 f"{'it' if len(changed) == 1 else 'them'}"
             )
     if rollout.agent_loop == "tools" and not rollout.tools:
@@ -552,13 +550,8 @@ def unread_settings(cfg: Sections, kind: Kind) -> Iterator[str]:
         if read:
             continue
         settings = getattr(cfg, "async_" if section == "async" else section)
-        default = type(settings).model_validate({})
         names = [k for k in keys or type(settings).model_fields if k != "plugins"]
-        changed = [
-            f"{section}.{k}={_shown(getattr(settings, k))}"
-            for k in names
-            if getattr(settings, k) != getattr(default, k)
-        ]
+        changed = _changed_settings(section, settings, names)
         if not changed:
             continue
         it = "it" if len(changed) == 1 else "them"
@@ -578,6 +571,16 @@ def _no_evaluation(kind: Kind, it: str) -> str:
             "data.val_files"
         )
     return f"not by treadle {kind} without {kind}.eval_task=true: remove {it}, or set that"
+
+
+def _changed_settings(section: str, settings: Any, keys: Sequence[str]) -> list[str]:
+    """``section.key=value`` of each of ``keys`` that ``settings`` sets away from its default."""
+    default = type(settings).model_validate({})
+    return [
+        f"{section}.{k}={_shown(getattr(settings, k))}"
+        for k in keys
+        if getattr(settings, k) != getattr(default, k)
+    ]
 
 
 def _shown(value: Any) -> str:
