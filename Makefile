@@ -59,10 +59,10 @@ test-fast: $(STAMP)
 # What `treadle check` reads instead of importing torch, written again after a change to the
 # algorithms' registrations or to transformers (tests hold both files to the live code):
 # treadle/algorithms/builtin_facts.json, the built-in algorithms' names and facts;
-# treadle/hf_facts.json, the tokenizer class AutoTokenizer picks for a folder, model types.
+# treadle/models/hf_facts.json, the tokenizer class AutoTokenizer picks for a folder, model types.
 facts: $(STAMP)
 	$(PY) -c "from treadle.algorithms.registry import write_builtin_facts; write_builtin_facts()"
-	$(PY) -c "from treadle.hf_facts import write_facts; write_facts()"
+	$(PY) -c "from treadle.models.hf_facts import write_facts; write_facts()"
 
 clean:
 	rm -rf runs data/arithmetic

@@ -36,6 +36,6 @@ def model_folder(name: str, workdir: Path) -> Path:
         from treadle.tasks.arithmetic import prepare
 
         return Path(prepare(workdir / "tiny")["model"])
-    from treadle.hub import fetch_model
+    from treadle.models.hub import fetch_model
 
     return Path(fetch_model("smollm2-135m-instruct"))

@@ -56,7 +56,7 @@ RUNS = {
 
 
 def treadle(*args: str) -> None:
-    subprocess.run([sys.executable, "-m", "treadle.cli", *args], check=True)
+    subprocess.run([sys.executable, "-m", "treadle", *args], check=True)
 
 
 def warm_start() -> None:

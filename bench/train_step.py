@@ -182,7 +182,7 @@ def main() -> None:
         path = model_folder(args.model, Path(tmp))
         vocab = AutoConfig.from_pretrained(path).vocab_size
         batch = make_batch(vocab, args)
-        from treadle.models import count_parameters, load_causal_lm
+        from treadle.models.loading import count_parameters, load_causal_lm
 
         params = count_parameters(load_causal_lm(path))
         results = [("plain", plain_seconds(path, batch, args))]

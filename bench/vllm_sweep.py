@@ -74,7 +74,7 @@ def child(args: argparse.Namespace) -> None:
     from rollout import chat_prompts
 
     from treadle.engines.inference import HFRolloutEngine, SamplingParams
-    from treadle.models import load_tokenizer
+    from treadle.models.loading import load_tokenizer
 
     path = model_folder("smollm2-135m", Path(args.workdir))
     tokenizer = load_tokenizer(path)
@@ -86,7 +86,7 @@ def child(args: argparse.Namespace) -> None:
     result: dict[str, Any] = {"load": os.getloadavg()[0], "runs": [], "prefill_s": []}
     start = time.perf_counter()
     if args.config.startswith("hf"):
-        from treadle.models import load_causal_lm
+        from treadle.models.loading import load_causal_lm
 
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         model = load_causal_lm(path, args.dtype)

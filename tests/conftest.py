@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tiny_models import TINY_SHAPE, tiny_model
 
-from treadle.omp import openmp_env
+from treadle.runtime.omp import openmp_env
 
 # OpenMP's waiting as a run's processes have it (libgomp reads it when torch first loads it,
 # after this): the soak runs beside the other tests, and the machine may be shared.
@@ -20,7 +20,7 @@ os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 # datasets pings the hub (a HEAD request, up to 3 s with no network) per load_dataset otherwise
 os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
-# `treadle check`'s kept answers (treadle.cache): this session's own folder, not ~/.cache
+# `treadle check`'s kept answers (treadle.runtime.cache): this session's own folder, not ~/.cache
 _CHECK_CACHE = tempfile.TemporaryDirectory(prefix="treadle-check-cache-")
 os.environ.setdefault("TREADLE_CHECK_CACHE", _CHECK_CACHE.name)
 

@@ -17,9 +17,9 @@ import treadle
 from treadle.api import resolve_config
 from treadle.config import load_config
 from treadle.data import TextOptions, load_prompt_dataset
-from treadle.errors import ConfigError, DataError, RewardError
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
 from treadle.rewards import Scorer, register_reward, score_batched
+from treadle.runtime.errors import ConfigError, DataError, RewardError
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -237,7 +237,7 @@ def test_python_api_example_runs(tiny_task, tmp_path, monkeypatch, capsys):
 
 
 def test_a_bad_plugin_is_one_line_naming_algorithm_plugins(tmp_path):
-    from treadle.check import check_algorithm
+    from treadle.check.run import check_algorithm
 
     broken = tmp_path / "broken.py"
     broken.write_text("1 / 0\n")
@@ -276,7 +276,7 @@ def test_the_plugin_example_trains_from_the_command_line(tiny_task, tmp_path):
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
-        [sys.executable, "-m", "treadle.cli", "train", *args],
+        [sys.executable, "-m", "treadle", "train", *args],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]

@@ -1,5 +1,5 @@
-"""`treadle check` keeps what passed by file fingerprint (treadle.cache): a second check of the
-same files loads no tokenizer and reads no rows, and a changed file is read again."""
+"""`treadle check` keeps what passed by file fingerprint (treadle.runtime.cache): a second check
+of the same files loads no tokenizer and reads no rows, and a changed file is read again."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from treadle import cache, model_folders
 from treadle.cli import main
+from treadle.models import folders as model_folders
+from treadle.runtime import cache
 
 
 @pytest.fixture

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from treadle.cli import main
-from treadle.tracking import read_metrics
+from treadle.tracking.tracker import read_metrics
 
 
 def test_misspelt_key_exits_nonzero_with_one_line(tmp_path):

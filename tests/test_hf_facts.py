@@ -1,4 +1,4 @@
-"""What `treadle check` knows of transformers without importing torch (treadle.hf_facts): the
+"""What `treadle check` knows of transformers without importing torch (treadle.models.hf_facts): the
 facts file is what this transformers says, a folder loads with the tokenizer class
 AutoTokenizer picks, and a first check (nothing kept) imports no torch."""
 
@@ -13,8 +13,9 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from treadle import hf_facts, model_folders
-from treadle.hf_facts import FACTS_FILE, live_facts, pair_folder, tokenizer_class
+from treadle.models import folders as model_folders
+from treadle.models import hf_facts
+from treadle.models.hf_facts import FACTS_FILE, live_facts, pair_folder, tokenizer_class
 
 MESSAGES = [{"role": "user", "content": "12 + 30"}]
 

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from treadle import hub
-from treadle.errors import ConfigError
+from treadle.models import hub
+from treadle.runtime.errors import ConfigError
 
 NAME = "smollm2-135m-instruct"
 
@@ -188,8 +188,8 @@ def test_fetch_smollm2_gives_a_working_model_folder(
     monkeypatch.setattr(gguf, "GGUFReader", CountedReader)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from treadle.hf_facts import tokenizer_class
-    from treadle.models import count_parameters
+    from treadle.models.hf_facts import tokenizer_class
+    from treadle.models.loading import count_parameters
 
     cache = tmp_path_factory.mktemp("hub")
     folder = hub.fetch_model(NAME, cache_dir=cache)
@@ -204,7 +204,7 @@ def test_fetch_smollm2_gives_a_working_model_folder(
     model = AutoModelForCausalLM.from_pretrained(folder)  # plain: no gguf_file
     tok = AutoTokenizer.from_pretrained(folder)
     assert type(model).__name__ == "LlamaForCausalLM" and model.dtype == torch.float32
-    assert tokenizer_class(folder) is type(tok)  # treadle.hf_facts picks what AutoTokenizer does
+    assert tokenizer_class(folder) is type(tok)  # hf_facts picks what AutoTokenizer does
     assert count_parameters(model) == 134_515_008
     assert model.lm_head.weight is model.model.embed_tokens.weight
     assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|im_end|>"

@@ -1,4 +1,4 @@
-"""treadle.importcache: the answers transformers works out at import are read back from the
+"""treadle.runtime.importcache: the answers transformers works out at import are read back from the
 store when their files are unchanged, worked out again when one changed, and equal either way."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from treadle import cache, importcache
+from treadle.runtime import cache, importcache
 
 
 @pytest.fixture

@@ -15,45 +15,19 @@ ROOT = Path(__file__).resolve().parent.parent / "treadle"
 
 # lowest first; a module belongs to the first entry that is it or one of its packages
 LAYERS: list[tuple[str, ...]] = [
-    (
-        "treadle.errors",
-        "treadle.faults",
-        "treadle.startup",
-        "treadle.plugins",
-        "treadle.protocol",
-        "treadle.checkpoint",
-        "treadle.cache",
-        "treadle.importcache",
-        "treadle.hf_facts",
-        "treadle.model_folders",
-        "treadle.models",
-        "treadle.trackers",
-        "treadle.tracking",
-        "treadle.reaper",
-        "treadle.memory",
-        "treadle.omp",
-        "treadle.hub",
-        "treadle.sandbox",
-    ),
+    ("treadle.runtime",),  # the process's plumbing: errors, plugins, threads, caches
+    ("treadle.protocol", "treadle.sandbox", "treadle.models", "treadle.tracking"),
     ("treadle.algorithms",),  # pure: below config, which picks losses and settings by name
     ("treadle.config",),
     ("treadle.data", "treadle.rewards"),
     ("treadle.engines",),
-    ("treadle.controller", "treadle.cluster"),
-    ("treadle.rollout", "treadle.agents"),
+    ("treadle.controller",),
+    ("treadle.serving",),  # the service: server, client, replicas, weight sync, endpoint
+    ("treadle.agents",),  # loops over the service's client
+    ("treadle.rollout",),  # the driver's rollout: agent loops over placed replicas
     ("treadle.workers",),
     ("treadle.trainers",),
-    (
-        "treadle.check",
-        "treadle.api",
-        "treadle.cli",
-        "treadle.demo",
-        "treadle.docs",
-        "treadle.report",
-        "treadle.tasks",
-        "treadle.__main__",
-        "treadle",
-    ),
+    ("treadle.check", "treadle.api", "treadle.cli", "treadle.tasks", "treadle.__main__", "treadle"),
 ]
 
 

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from treadle.memory import trim_heap
+from treadle.runtime.memory import trim_heap
 
 
 def _rss_mib() -> float:
@@ -31,7 +31,7 @@ def test_trim_heap_gives_freed_memory_back():
 
 HEAP = """
 import json, sys, torch
-from treadle.memory import _libc, free_heap_bytes, keep_heap, release_heap
+from treadle.runtime.memory import _libc, free_heap_bytes, keep_heap, release_heap
 
 kept = sys.argv[1] == "keep" and keep_heap()
 mapped = _libc().mallinfo2().hblks  # blocks of their own (mmap)

@@ -12,8 +12,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from treadle.errors import ConfigError
-from treadle.models import (
+from treadle.models.loading import (
     count_parameters,
     load_causal_lm,
     load_tokenizer,
@@ -21,6 +20,7 @@ from treadle.models import (
     resolve_model_path,
     save_hf_folder,
 )
+from treadle.runtime.errors import ConfigError
 from treadle.tasks import arithmetic as ar
 
 
@@ -223,7 +223,7 @@ def test_count_parameters_counts_tied_weights_once(model_dir: Path):
 
 
 def test_checkpoint_directory_stands_for_its_model_folder(tmp_path):
-    from treadle.models import resolve_model_path
+    from treadle.models.loading import resolve_model_path
 
     model = tmp_path / "checkpoints" / "step_3" / "model"
     model.mkdir(parents=True)

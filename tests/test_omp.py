@@ -1,5 +1,5 @@
-"""OpenMP's waiting in treadle's processes (treadle.omp): the driver from the command line and
-every Ray worker spin 10,000 rounds unless GOMP_SPINCOUNT says otherwise."""
+"""OpenMP's waiting in treadle's processes (treadle.runtime.omp): the driver from the command
+line and every Ray worker spin 10,000 rounds unless GOMP_SPINCOUNT says otherwise."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from treadle.cli import main
 from treadle.controller.placement import ray_env
-from treadle.omp import openmp_env
+from treadle.runtime.omp import openmp_env
 
 
 def test_ten_thousand_rounds_unless_the_process_says_otherwise(monkeypatch: pytest.MonkeyPatch):

@@ -1,4 +1,4 @@
-"""Tests of `treadle.protocol.Batch`: every operation on small integer batches, the schema
+"""Tests of `treadle.protocol.batch.Batch`: every operation on small integer batches, the schema
 check, and transport by pickle (protocol 5) and through a real Ray actor."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-import treadle.protocol
+import treadle.protocol.fields
 from treadle.protocol import STANDARD_SHAPES, Batch
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -363,7 +363,7 @@ def test_check_names_mismatched_dimension() -> None:
 
 
 def test_standard_shapes_are_documented() -> None:
-    doc = treadle.protocol.__doc__ or ""
+    doc = treadle.protocol.fields.__doc__ or ""
     for key, names in STANDARD_SHAPES.items():
         assert re.search(rf"^    {key} +\[B", doc, re.MULTILINE), key
         assert names[0] == "batch"

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from treadle.cli import main
-from treadle.report import checkpoint_series, figures, numeric_series, read_jsonl
+from treadle.tracking.report import checkpoint_series, figures, numeric_series, read_jsonl
 
 CHROMIUM = "/usr/bin/chromium"
 SCRIPT = "<script>window.pwned = 1</script>"  # model text is untrusted: it must stay text

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import pytest
 
-from treadle.errors import ConfigError, RewardError
 from treadle.rewards import (
     Scorer,
     component_matrix,
@@ -21,6 +20,7 @@ from treadle.rewards import (
     sandboxed_reward,
     score_batch,
 )
+from treadle.runtime.errors import ConfigError, RewardError
 
 USER_FILE = """
 def length(prompt, response, ground_truth):

@@ -30,7 +30,14 @@ def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
     config = tmp_path / "serve.yaml"
     config.write_text(f"model:\n  path: {tiny_task['model']}\ndata:\n  max_prompt_length: 64\n")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "treadle.cli", "serve", str(config), "rollout.max_new_tokens=4"],
+        [
+            sys.executable,
+            "-m",
+            "treadle",
+            "serve",
+            str(config),
+            "rollout.max_new_tokens=4",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -51,8 +58,8 @@ def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
 def _stopped(proc: subprocess.Popen, signum: int) -> tuple[int, str]:
     proc.send_signal(signum)
     # Longer than the command's own limit on its clean-up: a stop that hangs ends there and
-    # says where it stood (treadle.cli._Overrun), which this assertion shows. (On 2026-11-27
-    # a stop outlived this test's former 60 s under load, with nothing to say where.)
+    # says where it stood (treadle.cli.signals._Overrun), which this assertion shows. (On
+    # 2026-11-27 a stop outlived this test's former 60 s under load, with nothing to say where.)
     _, err = proc.communicate(timeout=STOP_GRACE_S + 60)
     assert "the clean-up did not end" not in err, err[-3000:]
     return proc.returncode, err

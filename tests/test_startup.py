@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from treadle import startup as startup_module
+from treadle.runtime import startup as startup_module
 
 
 @pytest.fixture

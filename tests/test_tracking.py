@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from treadle.cli import main
-from treadle.errors import ConfigError
-from treadle.trackers import check_loggers, flatten
-from treadle.tracking import Tracker, read_metrics
+from treadle.runtime.errors import ConfigError
+from treadle.tracking.sinks import check_loggers, flatten
+from treadle.tracking.tracker import Tracker, read_metrics
 
 CONFIG = {"trainer": {"total_steps": 4, "loggers": ["jsonl"]}, "model": {"path": "m"}}
 TRACKERS = ["jsonl", "tensorboard", "wandb", "mlflow"]

@@ -22,7 +22,7 @@ def tiny_model(out: str | Path, tokenizer_from: str | Path, **changes: Any) -> P
     """A tiny model of `TINY_SHAPE` (128 positions, seed 0) with the tokenizer of the model
     folder ``tokenizer_from``, saved to ``out``; ``changes`` replace any of
     `build_tiny_model`'s keywords."""
-    from treadle.models import load_tokenizer
+    from treadle.models.loading import load_tokenizer
     from treadle.tasks.arithmetic import build_tiny_model
 
     kwargs: dict[str, Any] = {**TINY_SHAPE, "max_positions": 128, "seed": 0, **changes}

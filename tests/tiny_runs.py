@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.cli import main
-from treadle.tracking import read_metrics
+from treadle.tracking.tracker import read_metrics
 
 # A reward function file that kills its worker process the first time it is called in a run (a
 # marker file beside it says it did), and scores like the built-in afterwards.

@@ -16,11 +16,12 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from treadle import importcache
+from treadle.runtime import importcache, moved
 
 __version__ = "0.1.0"
 
 importcache.install()
+moved.install()  # the import paths of modules that moved (treadle.errors, ...) keep working
 
 if TYPE_CHECKING:
     from treadle.api import RunResult, distill, dpo, kto, rm, sft, train

@@ -16,11 +16,12 @@ Each runs what the command of the same name runs, from Python::
 The choices it makes:
 
 - The config goes through the command line's path (``load_config``: unknown keys, bad values
-  and broken rules, every one listed; then ``treadle.check``), so a mistake reads the same
+  and broken rules, every one listed; then ``treadle.check.run``), so a mistake reads the same
   whichever way the run was started; the errors are raised (a
-  :class:`~treadle.errors.TreadleError`), not printed.
-- A reward function is registered in this process (:func:`treadle.rewards.register_reward`)
-  and named in the config ``python:<module>.<name>``. Its form is read from its signature:
+  :class:`~treadle.runtime.errors.TreadleError`), not printed.
+- A reward function is registered in this process
+  (:func:`treadle.rewards.functions.register_reward`) and named in the config
+  ``python:<module>.<name>``. Its form is read from its signature:
   ``fn(prompt, response, ground_truth) -> float`` per sample, or TRL's batched
   ``fn(completions, **columns) -> list[float]``. Rewards are scored on the driver, so this
   holds with ``trainer.backend=ray`` too; a per-sample function is sent to the
@@ -45,7 +46,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from treadle.config import Config, load_config
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from datasets import Dataset
@@ -181,7 +182,7 @@ def _run(
     eval_dataset: Any,
     overrides: Sequence[str],
 ) -> RunResult:
-    from treadle.check import check
+    from treadle.check.run import check
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     cfg = resolve_config(

@@ -10,7 +10,7 @@ from algorithm_calls import policy_loss
 
 from treadle.algorithms.correction import rollout_correction
 from treadle.config import load_config
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 # pi_old / pi_rollout = 1, 3, 0.5, 2.5 on four valid tokens; a padded fifth holds -inf
 OLD = torch.tensor([[math.log(0.5), math.log(0.9), math.log(0.2), math.log(0.5), -math.inf]])

@@ -25,9 +25,9 @@ from treadle.algorithms import (
     entropy_from_logits,
 )
 from treadle.algorithms import value_loss as value_loss_fn
-from treadle.check import check_algorithm
+from treadle.check.run import check_algorithm
 from treadle.config import AlgorithmConfig, load_config
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 from treadle.workers.objectives import loss_options
 
 MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]], dtype=torch.float32)

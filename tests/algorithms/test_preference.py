@@ -10,9 +10,9 @@ import torch
 from algorithm_calls import pair_loss
 
 from treadle.algorithms import PREFERENCE_LOSSES, bradley_terry_loss, implicit_rewards, pair_stats
-from treadle.check import check_algorithm
+from treadle.check.run import check_algorithm
 from treadle.config import load_config
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 
 def plain_sigmoid_dpo(pc, pr, rc, rr, beta, eps=0.0):  # type: ignore[no-untyped-def]

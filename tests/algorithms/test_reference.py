@@ -16,13 +16,13 @@ from treadle.algorithms import (
     PREFERENCE_LOSSES,
 )
 from treadle.algorithms.reference import KINDS, builtin_names, render, summary
-from treadle.docs import DOCS_DIR
+from treadle.cli.docs import DOCS_DIR
 
 
 def test_docs_algorithms_md_is_current():
     assert (DOCS_DIR / "algorithms.md").read_text() == render(), (
         "docs/algorithms.md is out of date with treadle/algorithms: run "
-        "`python -m treadle.docs` and commit the result"
+        "`python -m treadle.cli.docs` and commit the result"
     )
 
 

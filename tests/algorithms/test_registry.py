@@ -134,7 +134,7 @@ _CHECK_ALGORITHM = """
 import sys
 from treadle.config import load_config
 from treadle.config.rules import check_algorithm
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 check_algorithm(load_config("examples/arithmetic/ppo.yaml", []), "train")
 try:
     bad = load_config("examples/arithmetic/grpo.yaml", ["algorithm.kl_estimator=k4"])

@@ -7,7 +7,7 @@ import yaml
 
 from treadle.config import load_config
 from treadle.config.rules import check_algorithm
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 
 def write(tmp_path, text: str):
@@ -83,7 +83,7 @@ def test_cross_field_rules_say_what_to_change():
         r"actor\.world_size=2",
     ):
         load_config(None, ["data.batch_size=3", "actor.world_size=2"])
-    # PPO's mini-batches are an RL command's rule (treadle.check, the RL trainers), not sft's
+    # PPO's mini-batches are an RL command's rule (treadle.check.run, the RL trainers), not sft's
     cfg = load_config(None, ["data.batch_size=16", "rollout.n=4", "actor.ppo_mini_batch_size=48"])
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=48 must divide"):
         check_algorithm(cfg, "train")

@@ -6,15 +6,15 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
+from treadle.cli.docs import DOC, main, render
 from treadle.config import Config, load_config
-from treadle.docs import DOC, main, render
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_docs_config_md_is_current():
     assert DOC.read_text() == render(), (
-        "docs/config.md is out of date with treadle/config/: run `python -m treadle.docs` "
+        "docs/config.md is out of date with treadle/config/: run `python -m treadle.cli.docs` "
         "and commit the result"
     )
 
@@ -55,7 +55,7 @@ def test_check_fails_on_a_stale_file_naming_the_command(tmp_path, capsys):
     stale.write_text(render().replace("| `batch_size` |", "| `batch` |"))
     assert main(["--check", "--dir", str(tmp_path)]) == 1
     err = capsys.readouterr().err
-    assert err == f"{stale} is out of date: run `python -m treadle.docs`\n"
+    assert err == f"{stale} is out of date: run `python -m treadle.cli.docs`\n"
     assert main(["--dir", str(tmp_path)]) == 0 and main(["--check", "--dir", str(tmp_path)]) == 0
 
 

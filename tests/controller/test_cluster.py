@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from treadle import cluster
 from treadle.config import load_config
-from treadle.errors import ConfigError
-from treadle.tracking import read_metrics
+from treadle.controller import cluster
+from treadle.runtime.errors import ConfigError
+from treadle.tracking.tracker import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -130,7 +130,7 @@ def test_unreachable_address_fails_fast(monkeypatch):
 _LOCAL = """
 import json, sys
 import psutil, ray
-from treadle import cluster
+from treadle.controller import cluster
 from treadle.config import load_config
 
 verbose = sys.argv[1]

@@ -22,8 +22,8 @@ from treadle.controller import (
     register,
 )
 from treadle.engines.parallel import Layout
-from treadle.errors import ConfigError
 from treadle.protocol import Batch
+from treadle.runtime.errors import ConfigError
 
 
 def numbered(n: int) -> Batch:
@@ -316,7 +316,7 @@ def test_a_ranks_own_error_is_raised_without_waiting_for_its_peers(monkeypatch):
 def test_a_peer_lost_seen_first_names_the_rank_that_died(monkeypatch, peer_error):
     from ray.exceptions import RayActorError, RayTaskError
 
-    from treadle.errors import WorkerDied
+    from treadle.runtime.errors import WorkerDied
 
     lost = RayTaskError("update_actor", f"Traceback ...\n{peer_error}", RuntimeError(peer_error))
     dead = RayActorError("bb" * 16, RAY_SIGKILL.format(id="bb" * 16))

@@ -19,8 +19,8 @@ from treadle.data import (
     load_prompt_dataset,
     load_sft_dataset,
 )
-from treadle.errors import DataError
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
+from treadle.runtime.errors import DataError
 from treadle.tasks import arithmetic as ar
 
 

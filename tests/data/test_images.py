@@ -14,8 +14,8 @@ from treadle.data import TextOptions, prompt_batch, sft_dataset
 from treadle.data.images import PIXELS, load_image_processor, stack_pixels
 from treadle.data.prompts import prompt_dataset
 from treadle.data.readers import read_records
-from treadle.errors import DataError
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
+from treadle.runtime.errors import DataError
 
 
 def options(folder: Path, **kw) -> TextOptions:  # type: ignore[no-untyped-def]

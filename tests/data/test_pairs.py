@@ -12,8 +12,8 @@ import torch
 
 from treadle.config import load_config
 from treadle.data import TextOptions, collate_pairs, load_pair_dataset, load_prompt_dataset
-from treadle.errors import DataError
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
+from treadle.runtime.errors import DataError
 from treadle.tasks import arithmetic as ar
 from treadle.trainers.pairs import load_pairs
 

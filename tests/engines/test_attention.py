@@ -14,7 +14,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.attention import sdpa_attention, use_cpu_float32_backward
 from treadle.engines.fsdp import TrainEngine
-from treadle.models import load_causal_lm
+from treadle.models.loading import load_causal_lm
 
 HEADS, KV_HEADS, LENGTH, DIM = 6, 2, 9, 8
 

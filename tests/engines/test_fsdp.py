@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.fsdp import TrainEngine
-from treadle.models import load_causal_lm
+from treadle.models.loading import load_causal_lm
 from treadle.protocol import Batch
 
 

@@ -24,7 +24,7 @@ from treadle.engines.packing import (
     token_micro_batches,
 )
 from treadle.engines.value import ValueHead
-from treadle.models import load_causal_lm, load_value_model
+from treadle.models.loading import load_causal_lm, load_value_model
 from treadle.protocol import Batch
 from treadle.workers import ActorRolloutRefWorker, micro_batches
 from treadle.workers.objectives import PolicyGradient, optimizer_step

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from treadle.engines.inference import HFRolloutEngine, Scored
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from test_packing import joined, uneven_batch
 from treadle.engines.heads import LogProbHead, LogProbRequest
 from treadle.engines.lm_head import LMHead, linear_topk_logits
 from treadle.engines.packing import label_positions
-from treadle.models import load_causal_lm
+from treadle.models.loading import load_causal_lm
 
 K = 4
 

@@ -10,7 +10,7 @@ from test_fsdp import make_batch
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.fsdp import TrainEngine
 from treadle.engines.value import ValueHead, last_token_values
-from treadle.models import load_tokenizer, load_value_model, save_hf_folder
+from treadle.models.loading import load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
 
 

@@ -17,8 +17,8 @@ import torch
 from tiny_models import tiny_model
 
 from treadle.engines.inference import HFRolloutEngine, RolloutOutput, SamplingParams
-from treadle.errors import ConfigError
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer
+from treadle.runtime.errors import ConfigError
 
 # The session engine's settings (vllm_model and vllm_session are in tests/engines/conftest.py,
 # shared with test_vllm_score.py: one vLLM engine per process).
@@ -114,7 +114,7 @@ def test_a_partial_rollout_goes_on_with_the_new_weights(engine, vllm_model, toke
     and those tokens, each tagged with its version."""
     import asyncio
 
-    from treadle.rollout.server import Request, RolloutServer
+    from treadle.serving.server import Request, RolloutServer
 
     server = RolloutServer(engine, "rollout replica 0", version=0)
     new_model = perturbed(load_causal_lm(vllm_model), seed=2)

@@ -16,8 +16,8 @@ from treadle.data.images import load_image_processor, read_images
 from treadle.data.prompts import prompt_dataset
 from treadle.data.readers import read_records
 from treadle.engines.inference import HFRolloutEngine, RolloutOutput, SamplingParams
-from treadle.models import load_causal_lm, load_tokenizer
-from treadle.rollout.server import Request
+from treadle.models.loading import load_causal_lm, load_tokenizer
+from treadle.serving.server import Request
 
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=8)
 
@@ -32,7 +32,7 @@ def replica(ray_session, shapes_task):
     class PictureReplica:
         def __init__(self, path: str) -> None:
             from treadle.engines.vllm import VLLMRolloutEngine
-            from treadle.rollout.server import RolloutServer
+            from treadle.serving.server import RolloutServer
 
             self.engine = VLLMRolloutEngine(path, max_model_len=256, kv_cache_gib=0.25)
             self.server = RolloutServer(self.engine, "picture replica", version=0)

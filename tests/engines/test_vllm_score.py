@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from treadle.engines.inference import HFRolloutEngine, SamplingParams
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer
 
 
 @pytest.fixture

@@ -15,7 +15,7 @@ from treadle.engines.fsdp import TrainEngine
 from treadle.engines.inference import HFRolloutEngine, SamplingParams
 from treadle.engines.packing import pack
 from treadle.engines.weights import weight_buckets
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
 
 

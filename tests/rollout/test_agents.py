@@ -25,9 +25,9 @@ from treadle.agents.tools import Tool, Toolbox, ToolCall, parse_tool_calls, tool
 from treadle.agents.trajectory import Trajectory
 from treadle.data import HERMES_TOOLS_PROMPT, tool_messages
 from treadle.engines.inference import SamplingParams
-from treadle.errors import ConfigError
-from treadle.rollout.client import RolloutClient
-from treadle.rollout.server import Request, Response
+from treadle.runtime.errors import ConfigError
+from treadle.serving.client import RolloutClient
+from treadle.serving.server import Request, Response
 from treadle.trainers.rl import outcome_rewards
 
 

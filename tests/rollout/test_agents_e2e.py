@@ -99,8 +99,8 @@ def test_single_turn_loop_samples_what_the_plain_fan_out_samples(tiny_task, tmp_
     from dataclasses import replace
 
     from treadle.data import prompt_batch
-    from treadle.rollout.server import Request
     from treadle.rollout.sources import sampling_params
+    from treadle.serving.server import Request
 
     cfg = load_config(
         None,

@@ -24,12 +24,12 @@ from transformers import AutoTokenizer
 
 from treadle.config import load_config
 from treadle.engines.inference import HFRolloutEngine, SamplingParams
-from treadle.errors import ConfigError
-from treadle.models import load_causal_lm
-from treadle.rollout import LocalReplica, Request, Response, RolloutClient, RolloutServer
-from treadle.rollout import openai_api as api
-from treadle.rollout.completions import pieces
-from treadle.rollout.endpoint import Endpoint
+from treadle.models.loading import load_causal_lm
+from treadle.runtime.errors import ConfigError
+from treadle.serving import LocalReplica, Request, Response, RolloutClient, RolloutServer
+from treadle.serving import openai_api as api
+from treadle.serving.completions import pieces
+from treadle.serving.endpoint import Endpoint
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
 TOOLS = [
@@ -551,7 +551,7 @@ def test_from_config_forces_the_runs_sampling(client, tok):
 
 
 def test_check_names_the_parser_keys_and_their_choices(tiny_task):
-    from treadle.check import check
+    from treadle.check.run import check
 
     base = [f"model.path={tiny_task['model']}", "data.max_prompt_length=64"]
     bad = load_config(None, [*base, "rollout.tool_parser=hermez", "rollout.reasoning_parser=r9"])
@@ -585,7 +585,7 @@ def test_a_taken_port_is_one_line_at_check_and_at_start(client, tok, tiny_task):
     """`treadle serve` on a port in use stopped with a 30-line OSError traceback once the model
     had loaded: the check binds the port as the endpoint will, and the endpoint's own start
     (the port taken since) says the same line."""
-    from treadle.check import check
+    from treadle.check.run import check
 
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

@@ -19,9 +19,9 @@ from treadle.agents.loops import AgentClient, Limits, Sample, _Batcher
 from treadle.agents.registry import load_agent_loop
 from treadle.agents.tools import Toolbox
 from treadle.engines.inference import SamplingParams
-from treadle.errors import ConfigError
-from treadle.rollout.client import RolloutClient
-from treadle.rollout.server import Request, Response
+from treadle.runtime.errors import ConfigError
+from treadle.serving.client import RolloutClient
+from treadle.serving.server import Request, Response
 
 GAME_DIR = Path(__file__).resolve().parents[2] / "examples" / "text_game"
 GAME = f"{GAME_DIR / 'game.py'}:make_env"
@@ -206,7 +206,7 @@ def test_the_env_loop_is_a_built_in_loop_by_name():
 
 
 def test_check_loads_the_environment_factory(tiny_task, tmp_path):
-    from treadle.check import check
+    from treadle.check.run import check
     from treadle.config import load_config
 
     cfg = load_config(

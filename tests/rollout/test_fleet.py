@@ -30,8 +30,8 @@ import torch
 
 from treadle.config import load_config
 from treadle.engines.inference import SamplingParams
-from treadle.models import load_causal_lm
-from treadle.rollout.client import RolloutError
+from treadle.models.loading import load_causal_lm
+from treadle.serving.client import RolloutError
 from treadle.trainers.rl import RLTrainer
 
 pytestmark = pytest.mark.slow
@@ -186,7 +186,14 @@ def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_
     )
     env = {**os.environ, "RAY_COLOR_PREFIX": "0"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "treadle.cli", "train", "examples/arithmetic/grpo.yaml", *args],
+        [
+            sys.executable,
+            "-m",
+            "treadle",
+            "train",
+            "examples/arithmetic/grpo.yaml",
+            *args,
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from treadle.engines.inference import SamplingParams
-from treadle.rollout import Request, Response, RolloutClient, RolloutError
+from treadle.serving import Request, Response, RolloutClient, RolloutError
 
 SAMPLE = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=5)
 

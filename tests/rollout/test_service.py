@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from treadle.engines.inference import Finished, HFRolloutEngine, SamplingParams
-from treadle.models import load_causal_lm, load_tokenizer
-from treadle.rollout import LocalReplica, Request, Response, RolloutClient, RolloutError
-from treadle.rollout.server import RolloutServer
+from treadle.models.loading import load_causal_lm, load_tokenizer
+from treadle.serving import LocalReplica, Request, Response, RolloutClient, RolloutError
+from treadle.serving.server import RolloutServer
 
 SAMPLE = SamplingParams(n=1, temperature=1.0, max_new_tokens=6, seed=5)
 GREEDY = SamplingParams(n=1, temperature=0.0, max_new_tokens=6)
@@ -88,7 +88,7 @@ def test_sessions_stay_on_their_replica_and_new_work_goes_to_the_least_loaded():
 def test_the_session_map_keeps_the_most_recently_used(monkeypatch):
     """A server's callers never end their sessions: the router remembers a bounded number,
     forgetting the least recently used (whose next call is routed afresh)."""
-    import treadle.rollout.client as client_module
+    import treadle.serving.client as client_module
 
     monkeypatch.setattr(client_module, "MAX_SESSIONS", 3)
     client = RolloutClient([RecordingReplica("a"), RecordingReplica("b")])

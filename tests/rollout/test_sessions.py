@@ -19,8 +19,8 @@ from treadle.agents.sessions import merge_calls
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
 from treadle.engines.inference import SamplingParams
-from treadle.rollout.client import RolloutClient
-from treadle.rollout.server import Request, Response
+from treadle.serving.client import RolloutClient
+from treadle.serving.server import Request, Response
 
 
 @dataclass

@@ -18,10 +18,10 @@ import torch
 from treadle.config import load_config
 from treadle.data import PromptDataset, ResumableSampler
 from treadle.engines.inference import SamplingParams
-from treadle.errors import ConfigError
 from treadle.protocol import Batch
-from treadle.rollout import Request, Response, RolloutClient
 from treadle.rollout.sources import AsyncSource, _Group
+from treadle.runtime.errors import ConfigError
+from treadle.serving import Request, Response, RolloutClient
 
 N = 2  # samples per prompt
 BATCH = 4  # prompts per step

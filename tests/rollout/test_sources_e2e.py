@@ -173,7 +173,7 @@ def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(
     args = [
         sys.executable,
         "-m",
-        "treadle.cli",
+        "treadle",
         "train",
         "examples/arithmetic/grpo.yaml",
         *_overrides(tiny_task, out, length_reward),

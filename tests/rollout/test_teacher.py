@@ -25,12 +25,12 @@ import torch
 from treadle.config import load_config
 from treadle.data import collate_prompts
 from treadle.engines.inference import HFRolloutEngine, SamplingParams
-from treadle.errors import ConfigError
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
 from treadle.rollout.fleet import start_rollout
-from treadle.rollout.server import Request, RolloutServer, ScoreRequest
 from treadle.rollout.teacher import start_teacher
+from treadle.runtime.errors import ConfigError
+from treadle.serving.server import Request, RolloutServer, ScoreRequest
 from treadle.trainers.roles import build_actors
 
 TOP_K = 4
@@ -233,7 +233,7 @@ def test_the_student_as_its_own_teacher_is_refused_where_it_teaches_nothing(
 ):
     """`treadle distill` with teacher.model_path = model.path passed the check and trained
     nothing: the per-token gap to the teacher (the student's own start) is 0."""
-    from treadle.check import check
+    from treadle.check.run import check
 
     cfg = _config(tiny_task, tiny_task["model"], tmp_path / "run", *extra)
     if not refused:

@@ -16,10 +16,10 @@ import torch
 from treadle.config import load_config
 from treadle.data import collate_prompts
 from treadle.engines.inference import HFRolloutEngine, SamplingParams
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.protocol import Batch
-from treadle.rollout.client import RolloutError
 from treadle.rollout.teacher import start_teacher
+from treadle.serving.client import RolloutError
 from treadle.trainers.roles import build_actors
 
 pytestmark = pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
 from treadle.tasks import arithmetic as ar
 
 SMALL_MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}

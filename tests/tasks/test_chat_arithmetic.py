@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from treadle.data import TextOptions, load_prompt_dataset
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
 from treadle.tasks import arithmetic as ar
 from treadle.tasks import chat_arithmetic as ca
 

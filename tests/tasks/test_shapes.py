@@ -53,7 +53,7 @@ def test_prepared_rows_answer_what_their_pictures_show(shapes_task) -> None:
 def test_the_model_folder_loads_with_its_processor(shapes_task) -> None:
     from transformers import AutoProcessor
 
-    from treadle.models import is_vision_language, load_causal_lm, load_tokenizer
+    from treadle.models.loading import is_vision_language, load_causal_lm, load_tokenizer
 
     folder = shapes_task["model"]
     assert is_vision_language(folder)

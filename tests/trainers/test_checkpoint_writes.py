@@ -22,8 +22,8 @@ import tiny_runs
 import torch
 from safetensors.torch import load_file, save_file
 
-from treadle import checkpoint as ckpt
-from treadle.checkpoint import CheckpointWriteError
+from treadle.models import checkpoint as ckpt
+from treadle.models.checkpoint import CheckpointWriteError
 
 NO_SPACE = "No space left on device (ENOSPC)"
 

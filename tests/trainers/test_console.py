@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from treadle.trackers import ConsoleLogger
-from treadle.tracking import read_metrics
+from treadle.tracking.sinks import ConsoleLogger
+from treadle.tracking.tracker import read_metrics
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,7 +41,7 @@ def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, lengt
         [
             sys.executable,
             "-m",
-            "treadle.cli",
+            "treadle",
             "train",
             "examples/arithmetic/grpo.yaml",
             f"model.path={tiny_task['model']}",
@@ -97,7 +97,7 @@ def test_library_messages_go_to_the_run_logs_and_come_back_after(tmp_path, capfd
     import logging
     import warnings
 
-    from treadle.tracking import LOG_DIR_ENV, quiet_start, route_logs, worker_env
+    from treadle.tracking.tracker import LOG_DIR_ENV, quiet_start, route_logs, worker_env
 
     # An earlier test's in-process vLLM (tests/engines/) can leave the "vllm" logger at ERROR;
     # what is routed here is the level a fresh process has.
@@ -130,7 +130,7 @@ def test_library_messages_go_to_the_run_logs_and_come_back_after(tmp_path, capfd
 
 def test_a_ray_worker_writes_its_output_to_the_run_logs(tmp_path):
     code = (
-        "import os, sys; from treadle.tracking import redirect_output; "
+        "import os, sys; from treadle.tracking.tracker import redirect_output; "
         "redirect_output('reward model'); print('from python'); sys.stdout.flush(); "
         "os.write(2, b'from C\\n')"
     )

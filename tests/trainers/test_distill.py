@@ -14,10 +14,10 @@ from treadle.algorithms.distill import generalized_jsd
 from treadle.cli import main
 from treadle.config import load_config
 from treadle.config.rules import check_algorithm
-from treadle.errors import ConfigError
-from treadle.models import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.rollout.teacher import Teacher
-from treadle.tracking import read_metrics
+from treadle.runtime.errors import ConfigError
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.distill import DistillTrainer, distill
 from treadle.workers.actor import ActorRolloutRefWorker
 

@@ -15,8 +15,8 @@ from safetensors.torch import load_file
 
 from treadle.cli import main
 from treadle.config import Config, load_config
-from treadle.models import load_causal_lm
-from treadle.tracking import read_metrics
+from treadle.models.loading import load_causal_lm
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.pairs import load_pairs, pair_batch
 from treadle.trainers.roles import build_actors
 

@@ -342,8 +342,8 @@ def test_a_step_is_logged_once_its_evaluation_is_in_and_steps_stay_in_order():
 def test_a_reward_that_fails_names_the_data_row_of_its_sample(tmp_path):
     """'failed on sample 1' is a place in the batch: the message also names the sample's data
     row (its uid, `<file>:<row>`), where the bad ground truth or prompt is."""
-    from treadle.errors import RewardError
     from treadle.rewards import Scorer
+    from treadle.runtime.errors import RewardError
     from treadle.trainers.evaluation import rule_scores
 
     (tmp_path / "picky.py").write_text(

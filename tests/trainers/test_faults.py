@@ -26,15 +26,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from treadle import reaper
-from treadle.tracking import read_metrics
+from treadle.runtime import reaper
+from treadle.tracking.tracker import read_metrics
 
 
 def _cli(task, out, reward, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "treadle.cli",
+        "treadle",
         "train",
         "examples/arithmetic/grpo.yaml",
         f"reward.function={reward}",
@@ -96,7 +96,7 @@ def _gone_within(sid: int, seconds: float) -> float:
         left = {
             pid: cmd
             for pid, (s, cmd) in _processes().items()
-            if s == sid or f"treadle.reaper {sid} " in cmd
+            if s == sid or f"treadle.runtime.reaper {sid} " in cmd
         }
         took = time.monotonic() - start
         if not left:
@@ -181,7 +181,7 @@ def test_the_reaper_ends_what_a_killed_driver_leaves(tmp_path):
         textwrap.dedent(
             f"""
             import os, signal, subprocess, sys, time
-            from treadle import reaper
+            from treadle.runtime import reaper
             reaper.watch(interval=0.2, grace=1.0)
             own = subprocess.Popen({sleeper!r}, start_new_session=True)
             middle = subprocess.Popen([sys.executable, {str(middle)!r}], stdout=subprocess.PIPE)
@@ -313,7 +313,7 @@ def test_a_dead_worker_and_a_killed_driver_leave_one_line_and_no_process(
         workers = [pid for pid, cmd in session.items() if cmd.startswith("ray::ActorRollout")]
         assert len(workers) == 2, session
         environ = Path(f"/proc/{workers[0]}/environ").read_bytes().split(b"\0")
-        assert b"GOMP_SPINCOUNT=10000" in environ  # treadle.omp, through the worker's env
+        assert b"GOMP_SPINCOUNT=10000" in environ  # treadle.runtime.omp, through the worker's env
         os.kill(workers[1], signal.SIGKILL)
         _, stderr = proc.communicate(timeout=120)
     finally:

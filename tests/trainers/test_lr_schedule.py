@@ -12,7 +12,7 @@ from test_rl_e2e import grpo_config
 from treadle.cli import main
 from treadle.engines.fsdp import TrainEngine
 from treadle.engines.schedule import LrSchedule
-from treadle.tracking import read_metrics
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.rl import train
 
 LR = 1e-3

@@ -8,8 +8,8 @@ import torch
 from safetensors.torch import load_file
 from test_rl_e2e import grpo_config, weights
 
-from treadle.models import load_tokenizer, load_value_model, save_hf_folder
-from treadle.tracking import read_metrics
+from treadle.models.loading import load_tokenizer, load_value_model, save_hf_folder
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.rl import train
 
 CRITIC = {

@@ -23,7 +23,7 @@ from treadle.api import kto as kto_api
 from treadle.cli import main
 from treadle.config import Config, load_config
 from treadle.data import collate_unpaired
-from treadle.tracking import read_metrics
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers import launch
 from treadle.trainers.pairs import load_pairs, load_unpaired, pair_batch, unpaired_batch
 from treadle.trainers.roles import build_actors

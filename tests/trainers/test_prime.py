@@ -15,10 +15,10 @@ from torch.testing import assert_close
 
 from treadle.algorithms.prime import implicit_process_rewards, prime_ce_loss
 from treadle.config import load_config
-from treadle.errors import ConfigError, RewardError
-from treadle.models import load_causal_lm
+from treadle.models.loading import load_causal_lm
 from treadle.protocol import Batch
-from treadle.tracking import read_metrics
+from treadle.runtime.errors import ConfigError, RewardError
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.prime import outcome_labels
 from treadle.trainers.rl import RLTrainer, train
 
@@ -248,7 +248,7 @@ def test_prm_layout_shares_the_actors_bundles_or_splits_the_cpus(tiny_task, pari
 
 
 def test_treadle_check_names_a_missing_prm_folder(tiny_task, parity_reward, tmp_path):
-    from treadle.check import check
+    from treadle.check.run import check
 
     missing = tmp_path / "no_such_model"
     for key in ("prime.model_path", "prime.ref_path"):

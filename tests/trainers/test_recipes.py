@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file
 
 from treadle.config import load_config
-from treadle.tracking import read_metrics
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.rl import train
 
 RECIPES = [f"arithmetic/{r}" for r in ("grpo", "rloo", "reinforce_pp", "dr_grpo", "gspo")]

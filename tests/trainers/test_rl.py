@@ -136,7 +136,7 @@ def test_mask_truncated_drops_cut_responses_from_the_loss(tiny_task, parity_rewa
 
 
 def test_train_refuses_a_dpo_config(tiny_task, tmp_path):
-    from treadle.errors import ConfigError
+    from treadle.runtime.errors import ConfigError
     from treadle.trainers.rl import train
 
     cfg = load_config(
@@ -197,7 +197,7 @@ def test_on_policy_update_without_the_old_log_prob_pass_is_the_same(
 
 
 def test_recompute_old_log_probs_false_is_refused_when_needed(tiny_task):
-    from treadle.errors import ConfigError
+    from treadle.runtime.errors import ConfigError
 
     with pytest.raises(ConfigError, match=r"actor.recompute_old_log_probs=false needs one"):
         load_config(
@@ -215,7 +215,7 @@ def test_on_ray_the_workers_begin_before_the_data_and_close_if_it_fails(
 ):
     """The RL driver starts its workers (on Ray) before it reads its data; data that fails
     then closes them (and gives the logs back) before the error reaches the caller."""
-    from treadle.errors import DataError
+    from treadle.runtime.errors import DataError
     from treadle.trainers import launch
 
     order: list[str] = []

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from treadle.config import load_config
-from treadle.tracking import read_metrics
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.rl import train
 
 REQUIRED = {
@@ -139,7 +139,7 @@ def test_worker_side_config_error_reaches_driver_as_itself(tiny_task, ray_sessio
     ConfigError naming model.path, not "the actor died"."""
     import shutil
 
-    from treadle.errors import ConfigError
+    from treadle.runtime.errors import ConfigError
 
     broken = tmp_path / "no_weights"
     shutil.copytree(tiny_task["model"], broken)

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from treadle.cli import main
 from treadle.config import Config, load_config
 from treadle.data import ResumableSampler
-from treadle.models import load_value_model
-from treadle.tracking import read_metrics
+from treadle.models.loading import load_value_model
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.pairs import load_pairs
 from treadle.trainers.rm import rm
 

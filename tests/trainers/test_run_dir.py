@@ -23,10 +23,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from treadle import checkpoint as ckpt
-from treadle.checkpoint import CheckpointError, export_model
-from treadle.errors import ConfigError
-from treadle.tracking import Tracker, read_metrics
+from treadle.models import checkpoint as ckpt
+from treadle.models.checkpoint import CheckpointError, export_model
+from treadle.runtime.errors import ConfigError
+from treadle.tracking.tracker import Tracker, read_metrics
 from treadle.trainers.run_dir import RunLock
 
 

@@ -14,7 +14,7 @@ import yaml
 
 from treadle.cli import main
 from treadle.config import load_config
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 from treadle.trainers.run_eval import read_eval_lines, with_sets, write_eval_lines
 
 
@@ -98,7 +98,7 @@ def test_checkpoints_through_vllm_replicas_under_ray(tiny_task, ray_session, tmp
 def run_dir(tmp_path: Path) -> Path:
     """A run directory with a config and two sealed checkpoints (no weights needed: the
     command stops before it loads any)."""
-    from treadle import checkpoint as ckpt
+    from treadle.models import checkpoint as ckpt
 
     (tmp_path / "config.yaml").write_text("trainer:\n  backend: local\n")
     for step in (2, 4):

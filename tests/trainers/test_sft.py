@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from treadle.cli import main
-from treadle.models import load_causal_lm, load_tokenizer
-from treadle.tracking import read_metrics
+from treadle.models.loading import load_causal_lm, load_tokenizer
+from treadle.tracking.tracker import read_metrics
 
 
 def conversations(train_file, n: int) -> list[list[dict[str, str]]]:

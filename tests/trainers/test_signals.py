@@ -1,7 +1,7 @@
 """Ctrl-C and SIGTERM stop a run wherever they land, with one line and no worker left behind.
 
 The CLI under Ray (tiny task, hf rollout, 3 steps, a checkpoint every step, an evaluation at
-the end) in a session of its own. A failpoint (:mod:`treadle.faults`) sends the signal at a
+the end) in a session of its own. A failpoint (:mod:`treadle.runtime.faults`) sends the signal at a
 named moment, SIGINT to the run's process group as a terminal's Ctrl-C does, SIGTERM to the
 driver as ``kill PID`` does: at start-up, as Ray starts in the background and once it is up
 (SIGTERM aborted the driver there); 0.2 s after step 1's checkpoint is sealed, in the middle
@@ -70,7 +70,7 @@ def test_a_signal_stops_the_run_wherever_it_lands(tiny_task, length_reward, tmp_
     args = [
         sys.executable,
         "-m",
-        "treadle.cli",
+        "treadle",
         "train",
         "examples/arithmetic/grpo.yaml",
         f"reward.function={length_reward}",
@@ -140,10 +140,10 @@ def test_a_ctrl_c_kept_by_an_asyncio_task_does_not_cut_the_clean_up_short():
     of the run's one line. The signal is noted, so the clean-up goes on."""
     import signal
 
-    from treadle import errors
     from treadle.engines.inference import SamplingParams
-    from treadle.rollout.client import RolloutClient
-    from treadle.rollout.server import Request, Response
+    from treadle.runtime import errors
+    from treadle.serving.client import RolloutClient
+    from treadle.serving.server import Request, Response
 
     class Interrupted:
         name = "replica 0"
@@ -168,7 +168,7 @@ def test_the_note_tells_sigterm_from_ctrl_c_and_cannot_be_lost():
     stops the run, and how it says so, comes from the note the handler made."""
     import signal
 
-    from treadle import errors
+    from treadle.runtime import errors
 
     try:
         errors.note_signal(signal.SIGTERM)
@@ -181,15 +181,16 @@ def test_the_note_tells_sigterm_from_ctrl_c_and_cannot_be_lost():
     errors.raise_if_signalled()  # nothing noted: nothing raised
 
 
-# A command whose clean-up after a stop never ends: ``treadle.cli`` run as the process's own
-# command line (``main()``), its command swapped for one that stands "during step 2", stops
+# A command whose clean-up after a stop never ends: ``treadle.cli.app`` run as the process's
+# own command line (``main()``), its command swapped for one that stands "during step 2", stops
 # itself with SIGINT and then waits forever in its clean-up (as a wait that never ended once
 # did), after a line on stdout that says so.
 _STUCK = """
 import os, signal, sys, threading
-import treadle.cli as cli
-from treadle.errors import whereabouts
-cli.STOP_GRACE_S = float(sys.argv[1])
+import treadle.cli.app as cli
+import treadle.cli.signals as signals
+from treadle.runtime.errors import whereabouts
+signals.STOP_GRACE_S = float(sys.argv[1])
 
 def command(argv):
     with whereabouts(lambda: "during step 2; the last checkpoint is step_1"):
@@ -246,9 +247,10 @@ def test_a_second_ctrl_c_ends_the_command_at_once(tmp_path):
 # in a wait with no timeout, where Python runs the handler only if the signal wakes it.
 _ELSEWHERE = """
 import signal, sys, threading
-import treadle.cli as cli
-from treadle.errors import whereabouts
-cli.STOP_GRACE_S = 600.0
+import treadle.cli.app as cli
+import treadle.cli.signals as signals
+from treadle.runtime.errors import whereabouts
+signals.STOP_GRACE_S = 600.0
 main = threading.main_thread()
 sys.setswitchinterval(1000.0)  # the main thread lets go of the interpreter only to sleep
 
@@ -298,7 +300,7 @@ def test_ctrl_c_twice_on_another_thread_than_the_main_one_is_not_lost(tmp_path):
 
 _UNAWAITED = """
 import argparse, asyncio, os, signal, sys, threading
-import treadle.cli as cli
+import treadle.cli.app as cli
 
 async def answer():
     return 1

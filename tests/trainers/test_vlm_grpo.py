@@ -9,7 +9,7 @@ from test_rl_e2e import weights
 
 from treadle.config import load_config
 from treadle.engines import inference
-from treadle.tracking import read_metrics
+from treadle.tracking.tracker import read_metrics
 from treadle.trainers.rl import train
 
 

@@ -26,11 +26,11 @@ import tiny_runs
 import torch
 
 from treadle.algorithms import ADV_ESTIMATORS
-from treadle.check import check_algorithm
+from treadle.check.run import check_algorithm
 from treadle.config import load_config
-from treadle.errors import ConfigError
-from treadle.models import load_causal_lm
+from treadle.models.loading import load_causal_lm
 from treadle.protocol import Batch
+from treadle.runtime.errors import ConfigError
 from treadle.trainers.rl import RLTrainer, old_log_prob_pass
 from treadle.workers.common import prompt_response
 

@@ -11,9 +11,9 @@ from torch.testing import assert_close
 from treadle.algorithms import ADV_ESTIMATORS, value_loss
 from treadle.config import load_config
 from treadle.controller import WorkerGroup, free_port
-from treadle.errors import ConfigError
-from treadle.models import load_tokenizer, load_value_model, save_hf_folder
+from treadle.models.loading import load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
+from treadle.runtime.errors import ConfigError
 from treadle.workers import CriticWorker, RewardModelWorker
 
 PROMPT, RESPONSE = 5, 6

@@ -18,11 +18,11 @@ import torch.distributed as dist
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from treadle.checkpoint import CheckpointError, holds_adapters
 from treadle.config import LoraConfig, load_config
 from treadle.engines.fsdp import TrainEngine
-from treadle.errors import ConfigError
-from treadle.models import apply_lora, load_causal_lm, load_tokenizer
+from treadle.models.checkpoint import CheckpointError, holds_adapters
+from treadle.models.loading import apply_lora, load_causal_lm, load_tokenizer
+from treadle.runtime.errors import ConfigError
 
 
 @pytest.fixture
@@ -171,7 +171,7 @@ def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapt
 ):
     from transformers import AutoModelForCausalLM
 
-    from treadle.tracking import read_metrics
+    from treadle.tracking.tracker import read_metrics
     from treadle.trainers.rl import train
 
     def run(out, steps: int) -> None:
@@ -224,7 +224,7 @@ def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapt
 
 
 def test_a_lora_checkpoint_as_model_path_says_to_use_final_model(tmp_path):
-    from treadle.models import resolve_model_path
+    from treadle.models.loading import resolve_model_path
 
     (tmp_path / "step_2" / "adapter").mkdir(parents=True)
     want = r"model\.path: .*step_2' is a LoRA checkpoint .*final_model"

@@ -16,7 +16,7 @@ import torch
 from treadle.config import load_config
 from treadle.controller import Collect, Dispatch, ResourcePool, WorkerGroup, register
 from treadle.engines.parallel import ULYSSES
-from treadle.models import load_tokenizer, load_value_model, save_hf_folder
+from treadle.models.loading import load_tokenizer, load_value_model, save_hf_folder
 from treadle.protocol import Batch
 from treadle.workers import ActorRolloutRefWorker, CriticWorker
 from treadle.workers.common import SEQUENCES

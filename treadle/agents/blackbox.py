@@ -5,7 +5,7 @@ sample, ::
 
     async def fn(client: openai.AsyncOpenAI, row: dict) -> float | dict | None
 
-``client`` talks to the run's OpenAI-compatible endpoint (:mod:`treadle.rollout.endpoint`) under
+``client`` talks to the run's OpenAI-compatible endpoint (:mod:`treadle.serving.endpoint`) under
 a session of the trajectory's own; ``row`` is the data row, every column of it. The agent calls
 the model as it likes (chat or completions, tools, several conversations); it imports nothing
 of treadle. What it returns:
@@ -30,8 +30,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from treadle.agents.sessions import merge_calls
-from treadle.errors import ConfigError
-from treadle.plugins import load_callable, require_call
+from treadle.runtime.errors import ConfigError
+from treadle.runtime.plugins import load_callable, require_call
 
 AgentFn = Callable[[Any, dict[str, Any]], Awaitable[Any]]
 

@@ -45,8 +45,8 @@ from typing import Any
 from treadle.agents.loops import AgentClient, AgentLoop, Sample
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
-from treadle.errors import ConfigError
-from treadle.plugins import load_callable, require_call
+from treadle.runtime.errors import ConfigError
+from treadle.runtime.plugins import load_callable, require_call
 
 EnvFactory = Callable[[dict[str, Any]], Any]
 

@@ -9,7 +9,7 @@
 reads their results until it answers, at most ``rollout.max_turns`` turns), or a custom loop by
 path (``module:function`` or ``path/to/file.py:function``). A loop calls the model as often
 as it likes with :meth:`AgentClient.generate` (token ids in, a
-:class:`~treadle.rollout.server.Response` out) and appends what it wants the model to read with
+:class:`~treadle.serving.server.Response` out) and appends what it wants the model to read with
 :meth:`AgentClient.encode_messages` and :meth:`Trajectory.add_tokens`.
 
 :func:`run_agents` runs the loops of a batch concurrently (at most
@@ -37,9 +37,9 @@ from transformers import PreTrainedTokenizerBase
 from treadle.agents.tools import Toolbox, parse_tool_calls, result_message
 from treadle.agents.trajectory import Trajectory
 from treadle.engines.inference import SamplingParams
-from treadle.errors import TreadleError
-from treadle.rollout.client import RolloutClient, RolloutError
-from treadle.rollout.server import Request, Response
+from treadle.runtime.errors import TreadleError
+from treadle.serving.client import RolloutClient, RolloutError
+from treadle.serving.server import Request, Response
 
 
 @dataclass(frozen=True)
@@ -122,7 +122,7 @@ class AgentClient:
         pixel_values: torch.Tensor | None = None,
     ) -> None:
         """``endpoint``: the run's OpenAI-compatible endpoint
-        (:class:`~treadle.rollout.endpoint.Endpoint`), for loops that run black-box agents.
+        (:class:`~treadle.serving.endpoint.Endpoint`), for loops that run black-box agents.
         ``pixel_values``: the sample's pictures, sent with every request (their image tokens
         are at the start of the conversation)."""
         self._batcher, self.tokenizer = batcher, tokenizer

@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 from typing import TYPE_CHECKING
 
-from treadle.errors import ConfigError
-from treadle.plugins import load_callable, require_call
+from treadle.runtime.errors import ConfigError
+from treadle.runtime.plugins import load_callable, require_call
 
 if TYPE_CHECKING:
     from treadle.agents.loops import AgentLoop

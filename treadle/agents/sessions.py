@@ -1,7 +1,7 @@
 """A session's recorded model calls become training samples, token for token.
 
 A black-box agent talks to the model through the OpenAI-compatible endpoint
-(:mod:`treadle.rollout.endpoint`), which records, for every call of a session, the prompt token
+(:mod:`treadle.serving.endpoint`), which records, for every call of a session, the prompt token
 ids it sent to the engine and the completion token ids, log-probs and weight versions the engine
 sampled. :func:`merge_calls` turns those calls into trajectories without re-tokenizing any text:
 
@@ -24,11 +24,11 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from treadle.agents.trajectory import Trajectory
-from treadle.rollout.server import Response
+from treadle.serving.server import Response
 
 
 class RecordedCall(Protocol):
-    """What the endpoint recorded of one call (:class:`treadle.rollout.endpoint.Call`)."""
+    """What the endpoint recorded of one call (:class:`treadle.serving.endpoint.Call`)."""
 
     index: int
     prompt_ids: list[int]

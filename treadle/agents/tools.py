@@ -36,8 +36,8 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from treadle.data.templating import supports_tools
-from treadle.errors import ConfigError
-from treadle.plugins import load_callable
+from treadle.runtime.errors import ConfigError
+from treadle.runtime.plugins import load_callable
 
 _CALL_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.rollout.server import Response
+from treadle.serving.server import Response
 
 STOP_REASONS = ("stop", "length", "max_turns")
 """``stop``: the model gave its final answer; ``length``: a turn, or the trajectory's token

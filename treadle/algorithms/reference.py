@@ -5,7 +5,7 @@ formula, both from the first paragraph of the function's docstring, which every 
 function writes as ``Name (Authors, arXiv NNNN.NNNNN): formula``; the config key that selects
 it; and what it needs beyond a batch of prompts and a reward, from its registration facts
 (``needs``, ``groups``, ``agg_modes``, ``knobs``, ``data``, ``reference``). A name registered
-for a function that has another name too is listed as an alias. ``python -m treadle.docs``
+for a function that has another name too is listed as an alias. ``python -m treadle.cli.docs``
 writes the file.
 """
 
@@ -20,7 +20,7 @@ from typing import Any
 from treadle import algorithms  # the package: importing it registers every built-in function
 from treadle.algorithms.registry import Registry
 
-COMMAND = "python -m treadle.docs"
+COMMAND = "python -m treadle.cli.docs"
 
 HEADER = f"""# Algorithm reference
 

@@ -1,7 +1,7 @@
 """``rollout.endpoint``: the OpenAI-compatible HTTP endpoint over the rollout client.
 
 Agents written against the OpenAI API (``openai.AsyncOpenAI``) reach the run's model through it
-during training, and ``treadle serve`` serves a model with it (:mod:`treadle.rollout.endpoint`).
+during training, and ``treadle serve`` serves a model with it (:mod:`treadle.serving.endpoint`).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from treadle.config.schema import Config
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 # ----------------------------------------------------------------------------- loading
 

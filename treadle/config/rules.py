@@ -40,9 +40,9 @@ from treadle.config.rollout import RolloutConfig
 from treadle.config.run import Sections
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
 from treadle.config.trainer import TrainerConfig
-from treadle.errors import ConfigError
-from treadle.model_folders import shared_vocabulary
-from treadle.plugins import load_plugins
+from treadle.models.folders import shared_vocabulary
+from treadle.runtime.errors import ConfigError
+from treadle.runtime.plugins import load_plugins
 
 Kind = Literal["train", "distill", "sft", "dpo", "kto", "rm", "eval", "serve"]
 KINDS: tuple[Kind, ...] = ("train", "distill", "sft", "dpo", "kto", "rm", "eval", "serve")

@@ -8,7 +8,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 IMPORT_TIMEOUT_S = 60.0  # importing a reward function or an agent loop may take this long
 

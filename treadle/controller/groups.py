@@ -44,9 +44,9 @@ from typing import Any, ClassVar, TypeVar
 import torch
 import torch.distributed as dist
 
-from treadle.errors import TreadleError, WorkerDied
 from treadle.protocol import Batch
-from treadle.tracking import redirect_output
+from treadle.runtime.errors import TreadleError, WorkerDied
+from treadle.tracking.tracker import redirect_output
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -319,7 +319,7 @@ def guarded(cls: type[Worker]) -> type[Worker]:
             self._treadle_init_error: TreadleError | None = None
             try:
                 if "config" in kwargs:  # names the worker resolves may be a plug-in's
-                    from treadle.plugins import load_plugins
+                    from treadle.runtime.plugins import load_plugins
 
                     load_plugins(kwargs["config"].algorithm.plugins)
                 super().__init__(*args, **kwargs)

@@ -33,11 +33,11 @@ from typing import Any
 
 import torch
 
-from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config
+from treadle.controller.cluster import ensure_ray, total_cpus
 from treadle.controller.groups import ResourcePool, Worker, WorkerGroup
-from treadle.omp import openmp_env
-from treadle.tracking import worker_env
+from treadle.runtime.omp import openmp_env
+from treadle.tracking.tracker import worker_env
 
 
 @dataclass(frozen=True)

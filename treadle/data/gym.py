@@ -32,7 +32,7 @@ from dataclasses import fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from treadle.data.readers import Record
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from treadle.config.data import AnswerFormat, ReasoningGymConfig

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from treadle.data.readers import Record
-from treadle.errors import DataError
+from treadle.runtime.errors import DataError
 
 if TYPE_CHECKING:
     import torch
@@ -69,7 +69,7 @@ def _before_user_text(text: str, placeholders: str) -> str:
 def load_image_processor(path: str) -> ImageProcessor | None:
     """The processor of the model folder at ``path``; None for a text-only model (its
     config.json has no ``vision_config``)."""
-    from treadle.model_folders import is_vision_language
+    from treadle.models.folders import is_vision_language
 
     if not is_vision_language(path):
         return None

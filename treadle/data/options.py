@@ -12,8 +12,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Literal
 
 from treadle.data.images import ImageProcessor, load_image_processor
-from treadle.errors import ConfigError
-from treadle.model_folders import resolve_model_path
+from treadle.models.folders import resolve_model_path
+from treadle.runtime.errors import ConfigError
 
 if TYPE_CHECKING:
     from treadle.config import Config

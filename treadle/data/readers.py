@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from treadle.errors import DataError
+from treadle.runtime.errors import DataError
 
 _FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 _SPACE = re.compile(r"[ \t\n\r]*")  # what JSON counts as whitespace

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Generic, TypeVar
 
 from treadle.data.options import Overlong
-from treadle.errors import DataError
+from treadle.runtime.errors import DataError
 
 if TYPE_CHECKING:
     import torch

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from treadle.errors import DataError
+from treadle.runtime.errors import DataError
 
 
 class ResumableSampler:

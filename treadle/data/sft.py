@@ -32,7 +32,7 @@ from treadle.data.templating import (
     response_ids,
     special_strings,
 )
-from treadle.errors import DataError
+from treadle.runtime.errors import DataError
 
 if TYPE_CHECKING:
     import torch

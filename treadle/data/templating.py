@@ -22,7 +22,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, check_messages, require
-from treadle.errors import ConfigError, DataError
+from treadle.runtime.errors import ConfigError, DataError
 
 HERMES_TOOLS_PROMPT = """# Tools
 

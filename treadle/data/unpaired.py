@@ -22,7 +22,7 @@ from treadle.data.templating import (
     prompt_text,
     response_ids,
 )
-from treadle.errors import DataError
+from treadle.runtime.errors import DataError
 
 if TYPE_CHECKING:
     import torch

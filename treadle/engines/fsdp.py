@@ -25,7 +25,7 @@ Choices:
 - Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
 - Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
   so the whole model never sits twice in memory beyond one parameter.
-- LoRA (a peft model as ``lm``, :func:`treadle.models.apply_lora`): the optimizer holds the
+- LoRA (a peft model as ``lm``, :func:`treadle.models.loading.apply_lora`): the optimizer holds the
   trainable parameters only (the adapters); :meth:`TrainEngine.full_state` gives merged
   weights (``W + scaling * B @ A``) under the base model's names, so rollout engines need no
   LoRA support; a checkpoint holds the adapters, not the base; the reference is the same
@@ -55,16 +55,16 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from treadle.checkpoint import CheckpointError
 from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, save_optimizer, save_schedule
-from treadle.errors import ConfigError
-from treadle.faults import failpoint
-from treadle.models import ADAPTER_DIR, save_adapter, save_hf_folder
+from treadle.models.checkpoint import CheckpointError
+from treadle.models.loading import ADAPTER_DIR, save_adapter, save_hf_folder
+from treadle.runtime.errors import ConfigError
+from treadle.runtime.faults import failpoint
 
 M = TypeVar("M")  # a micro-batch, whatever the role's loss function takes
 

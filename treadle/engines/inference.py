@@ -3,7 +3,7 @@
 A rollout engine turns prompt token ids into sampled responses with the log-prob of every
 sampled token, and takes new weights from the training engine after each update. Every
 engine (transformers here, vLLM beside it) implements :class:`RolloutEngine`; the rollout
-server (:mod:`treadle.rollout.server`) knows only this interface. Two ways in:
+server (:mod:`treadle.serving.server`) knows only this interface. Two ways in:
 
 - request by request: ``add_request``, then ``step`` until every request has come back from
   one (:class:`Finished`). vLLM batches whatever is in flight itself (continuous batching);

@@ -1,6 +1,6 @@
 """A LoRA engine's weights: adapters merged into full tensors, and adapters loaded back.
 
-A LoRA actor (a peft model, :func:`treadle.models.apply_lora`) trains its adapters only. The
+A LoRA actor (a peft model, :func:`treadle.models.loading.apply_lora`) trains its adapters only. The
 rollout engines and exported models want plain weights under the base model's names:
 :func:`merged_lora` turns the sharded peft model's full tensors into ``W + scaling * B @ A``,
 one layer at a time. A checkpoint holds the adapters alone (a peft folder); on resume
@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import load_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from treadle.checkpoint import CheckpointError
+from treadle.models.checkpoint import CheckpointError
 
 PEFT_PREFIX = "base_model.model."  # what peft puts before the wrapped model's names
 
@@ -68,7 +68,7 @@ def merged_lora(
 
 
 def load_adapters(module: Any, folder: Path) -> None:
-    """The adapter weights of a peft folder (:func:`~treadle.models.save_adapter`) into the
+    """The adapter weights of a peft folder (:func:`~treadle.models.loading.save_adapter`) into the
     sharded LoRA model ``module`` (an FSDP2 root holding it as ``.lm``); every rank reads the
     file."""
     weights = folder / "adapter_model.safetensors"

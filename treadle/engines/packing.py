@@ -1,7 +1,7 @@
 """Sequences without their padding: packed rows, token-budget micro-batches, balanced ranks.
 
 treadle's batches are padded (prompts left-padded, responses right-padded: see
-:mod:`treadle.protocol`), which suits the driver and the algorithms. A decoder forward on that
+:mod:`treadle.protocol.batch`), which suits the driver and the algorithms. A decoder forward on that
 layout computes on every pad position. Here are the pieces that take the padding out:
 
 - :func:`pack` lays the valid tokens of a padded batch into a few rows, several sequences per

@@ -35,7 +35,7 @@ from torch import nn
 
 from treadle.config.rules import parallel_model_problems
 from treadle.engines.attention import sdpa_attention
-from treadle.errors import ConfigError
+from treadle.runtime.errors import ConfigError
 
 TP_COLUMNS = (
     "self_attn.q_proj",

@@ -116,8 +116,8 @@ from treadle.engines.inference import (
 )
 from treadle.engines.vllm_pictures import PictureLayout, picture_prompt
 from treadle.engines.weights import weight_buckets
-from treadle.errors import ConfigError
-from treadle.models import resolve_model_path
+from treadle.models.loading import resolve_model_path
+from treadle.runtime.errors import ConfigError
 
 logger = logging.getLogger("treadle")
 

@@ -4,7 +4,7 @@ A weight update is a stream of ``(HF name, full tensor)`` pairs; :func:`weight_b
 into buckets of about ``rollout.weight_sync_bucket_mb``, each safetensors bytes, so names,
 shapes and dtypes travel with the data and nothing is unpickled on arrival. The colocated
 path hands them straight to the engine; the split path broadcasts them to the replicas
-(:mod:`treadle.rollout.weight_sync`).
+(:mod:`treadle.serving.weight_sync`).
 """
 
 from __future__ import annotations

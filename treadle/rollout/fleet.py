@@ -2,16 +2,16 @@
 
 :class:`Rollout` is all the driver knows of generation. ``generate`` runs the agent loop
 (``rollout.agent_loop``, :mod:`treadle.agents`) ``rollout.n`` times on each prompt (once when
-greedy) over the :class:`~treadle.rollout.client.RolloutClient` and builds the response side of
+greedy) over the :class:`~treadle.serving.client.RolloutClient` and builds the response side of
 the batch from the trajectories (single_turn: one request per sample, all sent at once, as
 before agent loops); ``sync_weights`` pushes the actor's new weights to every replica under a
 version number.
 
 - ``rollout.placement=colocated``: the replicas are the actor's own ranks (each process holds
-  a server next to its FSDP shard, :class:`~treadle.rollout.replica.ServesRollout`); a sync is
+  a server next to its FSDP shard, :class:`~treadle.serving.replica.ServesRollout`); a sync is
   an in-memory copy on every rank. In the local backend the one replica is the in-process
   server.
-- ``rollout.placement=split``: ``rollout.replicas`` :class:`~treadle.rollout.replica.RolloutReplica`
+- ``rollout.placement=split``: ``rollout.replicas`` :class:`~treadle.serving.replica.RolloutReplica`
   actors in a placement group of their own, ``rollout.num_cpus`` CPUs (default: half the run's)
   divided equally, ``rollout.tensor_parallel_size`` GPUs each on GPU machines; the actor's
   rank 0 broadcasts the weights to them over a process group of their own. On a Ray cluster
@@ -24,7 +24,7 @@ them ``t``; every response carries its version into the batch (``weight_version`
 A split replica that dies or stops answering (``rollout.request_timeout_s``) is restarted, at
 most ``rollout.max_restarts`` times in a run (:class:`Restarter`, called by the client, which
 sends the requests it held again to the replicas that are up, see
-:mod:`treadle.rollout.client`): one warning line naming it and the cause, the old actor
+:mod:`treadle.serving.client`): one warning line naming it and the cause, the old actor
 killed, a new one started on its bundle, then the weight-sync group made again from scratch on
 a new port (a dead member breaks a gloo/NCCL group for good: every replica and the actor's
 rank 0 join the new one) and the current weights and version broadcast over it, before any
@@ -70,7 +70,6 @@ from treadle.agents.loops import (
 from treadle.agents.registry import load_agent_loop, needs_endpoint
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
-from treadle.cluster import ensure_ray, total_cpus
 from treadle.config import Config
 from treadle.controller import (
     ResourcePool,
@@ -82,23 +81,24 @@ from treadle.controller import (
     ray_env,
     ray_get,
 )
+from treadle.controller.cluster import ensure_ray, total_cpus
 from treadle.data import collate_prompts
 from treadle.data.images import PIXELS
 from treadle.engines.inference import SamplingParams
-from treadle.errors import ConfigError
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
 from treadle.protocol import Batch
-from treadle.rollout.client import (
+from treadle.runtime.errors import ConfigError
+from treadle.serving.client import (
     LocalReplica,
     RayReplica,
     ReplicaHandle,
     RolloutClient,
     RolloutError,
 )
-from treadle.rollout.replica import Role, RolloutReplica
+from treadle.serving.replica import Role, RolloutReplica
 
 if TYPE_CHECKING:
-    from treadle.rollout.endpoint import Endpoint
+    from treadle.serving.endpoint import Endpoint
 
 log = logging.getLogger("treadle")
 
@@ -479,7 +479,7 @@ def _endpoint(cfg: Config, client: RolloutClient, tokenizer: Any) -> Endpoint | 
     """The run's OpenAI-compatible endpoint, when its agents talk to the model through it."""
     if not needs_endpoint(cfg.rollout.agent_loop):
         return None
-    from treadle.rollout.endpoint import Endpoint  # (aiohttp and vLLM's parsers: when used)
+    from treadle.serving.endpoint import Endpoint  # (aiohttp and vLLM's parsers: when used)
 
     return Endpoint.from_config(cfg, client, tokenizer)
 
@@ -616,7 +616,7 @@ class Restarter:
     async def _take_down(self, broken: list[int], error: SyncBroken) -> None:
         """On the client's loop: charge the restarts of ``broken``, route nothing to them,
         and give each a new handle (a call that fails on the old one is then not a restart,
-        see :meth:`~treadle.rollout.client.Restarts.failed`)."""
+        see :meth:`~treadle.serving.client.Restarts.failed`)."""
         budget = self.rollout.client.restarts
         charged = [i for i in broken if i not in budget.tasks]
         if len(charged) > budget.left:

@@ -59,7 +59,7 @@ groups sits between it and the trainer, which takes a batch as soon as one is th
 - **Weight sync** after every ``async.sync_every`` updates. Without partial rollouts the client
   stops sending, the requests in flight finish, the weights load, sending resumes; with
   ``async.partial_rollout`` the replicas pause what is in flight, load, and go on (each token
-  keeps its version, :mod:`treadle.rollout.server`).
+  keeps its version, :mod:`treadle.serving.server`).
 - **Evaluation** runs on the replicas beside training, on the weights of a named version:
   when it is due after step ``s``'s update, the replicas get version ``s`` (a sync, if they are
   behind) and the evaluation's requests go out with the producer's, while the trainer goes on
@@ -101,7 +101,7 @@ from treadle.data import PromptDataset, ResumableSampler, pad_prompts, prompt_ba
 from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rollout.fleet import Rollout
-from treadle.tracking import timed
+from treadle.tracking.tracker import timed
 
 Score = Callable[[Batch, dict[str, float] | None], torch.Tensor]
 """The driver's scorer: token-level scores [B, R] of a generated batch; it may log into the

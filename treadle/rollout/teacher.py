@@ -5,9 +5,9 @@ generate.
 a :class:`Teacher`:
 
 - ``Teacher.score(batch, top_k)``: for every sample of an RL batch (left-padded ``prompts``,
-  right-padded ``responses``), one :class:`~treadle.rollout.server.ScoreRequest` of the
+  right-padded ``responses``), one :class:`~treadle.serving.server.ScoreRequest` of the
   sequence prompt + response, scored from the first response token on; the requests fan out
-  over the replicas at once (:meth:`~treadle.rollout.client.RolloutClient.score_many`, least
+  over the replicas at once (:meth:`~treadle.serving.client.RolloutClient.score_many`, least
   outstanding). The response is the tokens up to the last one attended
   (``response_attention_mask`` when the batch has one, else ``response_mask``), so a
   multi-turn sample's tool tokens (mask 0) are scored as context of the tokens after them.
@@ -32,7 +32,7 @@ a :class:`Teacher`:
 
 Placement (``teacher.placement``):
 
-- ``split``: ``teacher.replicas`` (default 1) :class:`~treadle.rollout.replica.RolloutReplica`
+- ``split``: ``teacher.replicas`` (default 1) :class:`~treadle.serving.replica.RolloutReplica`
   actors started with ``role="teacher"`` (engine, dtype and memory from the ``teacher``
   section) in a placement group of their own, ``teacher.cpus_per_replica`` CPUs and
   ``teacher.gpus_per_replica`` GPUs a bundle (:func:`reserve_teacher_pool`; a driver that plans
@@ -42,7 +42,7 @@ Placement (``teacher.placement``):
   is (``rollout.max_restarts``, :class:`~treadle.rollout.fleet.Restarter`).
 - ``colocated``: a teacher engine (transformers only: a process runs one vLLM engine, the
   rollout's) and its own server in every actor rank's process
-  (:class:`~treadle.rollout.replica.ServesTeacher`, made by ``init_teacher``), called as
+  (:class:`~treadle.serving.replica.ServesTeacher`, made by ``init_teacher``), called as
   ``teacher_generate``/``teacher_score`` on the actor's Ray workers, or in this process with
   the local backend (the server's engine then steps in the driver's thread).
 
@@ -62,15 +62,20 @@ import torch
 from treadle.agents.loops import single_turn
 from treadle.agents.registry import needs_endpoint
 from treadle.agents.tools import Toolbox
-from treadle.cluster import ensure_ray
 from treadle.config import Config
 from treadle.controller import ResourcePool, WorkerGroup
-from treadle.errors import ConfigError
-from treadle.models import TOKENIZER_FILES, load_tokenizer, resolve_model_path, shared_vocabulary
+from treadle.controller.cluster import ensure_ray
+from treadle.models.loading import (
+    TOKENIZER_FILES,
+    load_tokenizer,
+    resolve_model_path,
+    shared_vocabulary,
+)
 from treadle.protocol import Batch, response_attention
-from treadle.rollout.client import LocalReplica, RayReplica, ReplicaHandle, RolloutClient
 from treadle.rollout.fleet import Agents, Restarter, Rollout, kill_replicas, start_replicas
-from treadle.rollout.server import ScoreRequest, ScoreResponse
+from treadle.runtime.errors import ConfigError
+from treadle.serving.client import LocalReplica, RayReplica, ReplicaHandle, RolloutClient
+from treadle.serving.server import ScoreRequest, ScoreResponse
 
 logger = logging.getLogger("treadle")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from treadle.errors import TreadleError
+from treadle.runtime.errors import TreadleError
 
 
 class SandboxError(TreadleError):

@@ -2,7 +2,7 @@
 
 `arithmetic` (integer addition and subtraction with worked answers) is the task treadle's demo
 and end-to-end tests train on; `treadle prepare` writes it to a directory. Its verifier is the
-built-in reward `arithmetic` (see `treadle.rewards`). `shapes` (count the shapes in a
+built-in reward `arithmetic` (see `treadle.rewards.functions`). `shapes` (count the shapes in a
 picture) is the image task, with a tiny Idefics3 vision-language model and its processor.
 """
 

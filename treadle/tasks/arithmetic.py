@@ -323,7 +323,7 @@ def build_tokenizer(
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
-    from treadle.models import save_tokenizer
+    from treadle.models.loading import save_tokenizer
 
     tok = Tokenizer(models.BPE())
     tok.normalizer = normalizers.NFC()
@@ -379,7 +379,7 @@ def build_tiny_model(
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from treadle.models import count_parameters, save_tokenizer
+    from treadle.models.loading import count_parameters, save_tokenizer
 
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")

@@ -1,7 +1,7 @@
 """Arithmetic problems phrased for a chat model: the GRPO task for SmolLM2-135M-Instruct.
 
 The built-in `arithmetic` task trains a tiny model from nothing; this one asks a pretrained
-instruction-tuned model (`treadle.hub.fetch_model("smollm2-135m-instruct")`) the same kind of
+instruction-tuned model (`treadle.models.hub.fetch_model("smollm2-135m-instruct")`) the same kind of
 problem in words, so RL starts from some skill and climbs. The default prompt:
 
     Example:

@@ -151,7 +151,7 @@ def build_tiny_vlm(
         Idefics3ImageProcessorPil,
     )
 
-    from treadle.models import count_parameters, save_tokenizer
+    from treadle.models.loading import count_parameters, save_tokenizer
 
     out = Path(out_dir)
     tok = build_tokenizer(corpus, out, vocab_size=vocab_size)

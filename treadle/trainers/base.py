@@ -14,13 +14,15 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from treadle import checkpoint as ckpt
-from treadle import startup
 from treadle.config import Config
 from treadle.config.recorded import record
 from treadle.config.rules import Kind
 from treadle.controller import WorkerGroup
-from treadle.errors import (
+from treadle.models import checkpoint as ckpt
+from treadle.rewards import Scorer
+from treadle.rollout.fleet import Rollout
+from treadle.runtime import startup
+from treadle.runtime.errors import (
     Stopped,
     WorkerDied,
     raise_if_signalled,
@@ -28,12 +30,10 @@ from treadle.errors import (
     stop_line,
     whereabouts,
 )
-from treadle.faults import failpoint
-from treadle.rewards import Scorer
-from treadle.rollout.client import RolloutError
-from treadle.rollout.fleet import Rollout
-from treadle.trackers import ConsoleLogger, check_loggers
-from treadle.tracking import Tracker
+from treadle.runtime.faults import failpoint
+from treadle.serving.client import RolloutError
+from treadle.tracking.sinks import ConsoleLogger, check_loggers
+from treadle.tracking.tracker import Tracker
 from treadle.trainers.evaluation import ValSet, close_sets, make_scorer
 from treadle.trainers.launch import Launch
 from treadle.trainers.run_dir import prepare_run_dir, resume_hint, save_checkpoint

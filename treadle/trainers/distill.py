@@ -41,11 +41,11 @@ from treadle.data.prompts import pad_prompts
 from treadle.data.readers import as_text
 from treadle.data.templating import response_ids
 from treadle.engines.packing import balance_ranks
-from treadle.errors import DataError
 from treadle.protocol import Batch
 from treadle.rollout.sources import SyncSource, sampling_params
 from treadle.rollout.teacher import Teacher, start_teacher
-from treadle.tracking import timed
+from treadle.runtime.errors import DataError
+from treadle.tracking.tracker import timed
 from treadle.trainers.prompts import tokenizer
 from treadle.trainers.rl import RLTrainer, rollout_metrics, sample_rows
 

@@ -30,7 +30,7 @@ from treadle.config import Config
 from treadle.config.rules import check_algorithm
 from treadle.data import PairDataset
 from treadle.rewards import load_reward_fn
-from treadle.tracking import timed
+from treadle.tracking.tracker import timed
 from treadle.trainers.pairs import PairTrainer, held_out_batch, load_pairs, pair_batch, pair_means
 
 

@@ -18,7 +18,7 @@ with the set's reward, and reports per set (:mod:`treadle.algorithms.sampled` do
 
 A sample is one agent run: a session split into segments is scored by its best segment, and a
 failed run counts as a sample scored 0 with no answer. maj@k votes on the answer the set's
-reward reads, for the built-in rewards (:func:`treadle.rewards.answer_reader`: arithmetic,
+reward reads, for the built-in rewards (:func:`treadle.rewards.functions.answer_reader`: arithmetic,
 chat_arithmetic, calculator, reasoning_gym); for any other reward on the whole response,
 stripped (a reward's dict may hold numbers only, so a user function cannot name its answer).
 An answer that cannot be read is "" (those samples vote together, for "no answer").
@@ -40,12 +40,12 @@ from treadle.config.data import VAL
 from treadle.controller import Actors
 from treadle.data import PromptDataset, prompt_batch, val_set_prompts
 from treadle.engines.inference import SamplingParams
-from treadle.errors import ConfigError, RewardError
-from treadle.faults import failpoint
 from treadle.protocol import Batch
 from treadle.rewards import Scorer, answer_reader
 from treadle.rollout.fleet import Rollout, start_rollout
-from treadle.tracking import quiet_start
+from treadle.runtime.errors import ConfigError, RewardError
+from treadle.runtime.faults import failpoint
+from treadle.tracking.tracker import quiet_start
 from treadle.trainers.prompts import load_prompts, tokenizer, tool_schemas
 from treadle.trainers.roles import build_actors
 

@@ -29,7 +29,7 @@ from treadle.config import Config
 from treadle.config.rules import check_algorithm
 from treadle.data import UnpairedDataset
 from treadle.rewards import load_reward_fn
-from treadle.tracking import timed
+from treadle.tracking.tracker import timed
 from treadle.trainers.pairs import PairTrainer, held_out_unpaired, load_unpaired, unpaired_batch
 
 

@@ -26,17 +26,17 @@ from typing import Any
 
 import torch
 
-from treadle import checkpoint as ckpt
-from treadle import startup
 from treadle.config import Config
 from treadle.config.recorded import Change, changes
 from treadle.controller import Actors, Placement, WorkerGroup
 from treadle.data import ResumableSampler
-from treadle.faults import failpoint
+from treadle.models import checkpoint as ckpt
 from treadle.rollout.fleet import Rollout, Spawned, spawn_rollout, start_rollout
-from treadle.rollout.replica import ServesRollout
-from treadle.trackers import ConsoleLogger
-from treadle.tracking import quiet_start, route_logs
+from treadle.runtime import startup
+from treadle.runtime.faults import failpoint
+from treadle.serving.replica import ServesRollout
+from treadle.tracking.sinks import ConsoleLogger
+from treadle.tracking.tracker import quiet_start, route_logs
 from treadle.trainers.roles import Layout, build_actors, start_roles
 from treadle.trainers.run_dir import resume_point
 

@@ -28,7 +28,7 @@ from treadle.data import (
     config_unpaired,
 )
 from treadle.protocol import Batch
-from treadle.tracking import timed
+from treadle.tracking.tracker import timed
 from treadle.trainers.base import Trainer
 from treadle.trainers.evaluation import evaluate_sets, load_val_sets
 from treadle.trainers.prompts import held_out, listed, tokenizer

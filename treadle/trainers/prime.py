@@ -47,10 +47,10 @@ from treadle.algorithms.prime import (
 )
 from treadle.config import Config, rules
 from treadle.controller import WorkerGroup
-from treadle.errors import RewardError
-from treadle.models import shared_vocabulary
+from treadle.models.loading import shared_vocabulary
 from treadle.protocol import Batch
-from treadle.tracking import timed
+from treadle.runtime.errors import RewardError
+from treadle.tracking.tracker import timed
 from treadle.workers.common import ATTENTION, SEQUENCES
 
 

@@ -11,8 +11,8 @@ from typing import Any
 
 from treadle.config import Config
 from treadle.data import PromptDataset, config_prompts
-from treadle.errors import ConfigError
-from treadle.models import load_tokenizer
+from treadle.models.loading import load_tokenizer
+from treadle.runtime.errors import ConfigError
 
 
 def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:

@@ -71,11 +71,11 @@ from treadle.config import Config
 from treadle.config.rules import Kind, check_algorithm
 from treadle.data import ResumableSampler
 from treadle.engines.packing import balance_ranks
-from treadle.faults import failpoint
 from treadle.protocol import Batch, response_attention
 from treadle.rewards import component_matrix, load_reward_fn
 from treadle.rollout.sources import RolloutSource, make_source
-from treadle.tracking import timed
+from treadle.runtime.faults import failpoint
+from treadle.tracking.tracker import timed
 from treadle.trainers.base import Trainer
 from treadle.trainers.evaluation import (
     agenerate_sets,

@@ -19,7 +19,7 @@ from __future__ import annotations
 from treadle.config import Config
 from treadle.controller import Actors, Placement, start_group
 from treadle.data import PairDataset
-from treadle.tracking import timed
+from treadle.tracking.tracker import timed
 from treadle.trainers.pairs import PairTrainer, held_out_batch, load_pairs, pair_batch, pair_means
 from treadle.workers import RewardTrainerWorker
 

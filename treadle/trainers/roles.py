@@ -43,9 +43,9 @@ from typing import Any, Literal, Protocol
 from treadle.config import Config
 from treadle.config.rules import check_value_models, uses_critic
 from treadle.controller import Actors, Placement, Worker, WorkerGroup, start_group
-from treadle.errors import ConfigError
 from treadle.rollout.fleet import rollout_cpus
 from treadle.rollout.teacher import teacher_cpus
+from treadle.runtime.errors import ConfigError
 from treadle.trainers.prime import uses_prm
 from treadle.workers import ActorRolloutRefWorker, CriticWorker, RewardModelWorker
 from treadle.workers.prm import ImplicitPRMWorker

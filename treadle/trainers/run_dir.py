@@ -2,7 +2,7 @@
 where a run resumes from.
 
 ``<output_dir>/.lock`` is held by the one run working on the directory; ``config.yaml`` is
-the config as resolved; the newest complete checkpoint (:mod:`treadle.checkpoint`) is where
+the config as resolved; the newest complete checkpoint (:mod:`treadle.models.checkpoint`) is where
 a run resumes, the actor from its ``model/`` (or, with LoRA, from the base model and the
 checkpoint's adapters).
 """
@@ -17,9 +17,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from treadle import checkpoint as ckpt
 from treadle.config import Config, dump_config
-from treadle.errors import ConfigError
+from treadle.models import checkpoint as ckpt
+from treadle.runtime.errors import ConfigError
 
 log = logging.getLogger("treadle")
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import yaml
 
-from treadle import checkpoint as ckpt
 from treadle.config import Config, load_config
 from treadle.config.data import VAL
-from treadle.errors import ConfigError
-from treadle.tracking import route_logs
+from treadle.models import checkpoint as ckpt
+from treadle.runtime.errors import ConfigError
+from treadle.tracking.tracker import route_logs
 from treadle.trainers.evaluation import (
     close_sets,
     evaluate_sets,

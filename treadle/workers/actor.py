@@ -12,7 +12,7 @@ Every training method is one call of :meth:`ActorRolloutRefWorker.update` with i
 method is one pass of an engine over the batch's sequences (prompt + response, a pair's two,
 an unpaired example's completion and its mismatched one).
 
-Batch fields each method reads and adds (see :mod:`treadle.protocol` for the table):
+Batch fields each method reads and adds (see :mod:`treadle.protocol.fields` for the table):
 
 ==========================  =====================================  ===========================
 method                      reads                                  adds / returns
@@ -39,11 +39,11 @@ train_kto                   UNPAIRED + labels, ref_logps,          metrics kto/*
 ==========================  =====================================  ===========================
 
 The rollout side: ``rollout_generate`` and ``rollout_score``
-(:class:`~treadle.rollout.replica.ServesRollout`, the interface every process holding a replica
+(:class:`~treadle.serving.replica.ServesRollout`, the interface every process holding a replica
 has) serve requests from this rank's colocated replica (``rollout.placement=colocated``), and
 ``sync_weights`` sends the actor's weights to the rollout, in memory (colocated) or over the
 weight-sync group (split). A colocated teacher (``treadle distill``,
-``teacher.placement=colocated``, :class:`~treadle.rollout.replica.ServesTeacher`) is a second
+``teacher.placement=colocated``, :class:`~treadle.serving.replica.ServesTeacher`) is a second
 engine and server in the same process: ``init_teacher`` loads it, ``teacher_generate`` and
 ``teacher_score`` serve it.
 """
@@ -57,16 +57,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.algorithms import UNPAIRED_LOSSES
-from treadle.checkpoint import read_state
 from treadle.controller import Collect, Dispatch, free_port, register
 from treadle.data.images import PIXELS
 from treadle.engines.heads import LogProbRequest
 from treadle.engines.weights import weight_buckets
-from treadle.models import apply_lora
+from treadle.models.checkpoint import read_state
+from treadle.models.loading import apply_lora
 from treadle.protocol import Batch
-from treadle.rollout.replica import ServesRollout, ServesTeacher, make_engine
-from treadle.rollout.server import RolloutServer
-from treadle.rollout.weight_sync import WeightSyncGroup
+from treadle.serving.replica import ServesRollout, ServesTeacher, make_engine
+from treadle.serving.server import RolloutServer
+from treadle.serving.weight_sync import WeightSyncGroup
 from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
     ATTENTION,

@@ -7,7 +7,7 @@ and the torch.distributed process group (:class:`~treadle.controller.Worker`), t
 config, and the role's parallel layout (:meth:`RoleWorker.parallel_sizes`: tensor- and
 sequence-parallel groups, their device meshes, the shard of a batch this rank reads).
 Nothing here seeds a random generator: the engines are built from saved weights, LoRA's
-initial adapters are seeded by :func:`~treadle.models.apply_lora` itself, and a resumed run
+initial adapters are seeded by :func:`~treadle.models.loading.apply_lora` itself, and a resumed run
 restores every rank's RNG state from its checkpoint.
 
 :class:`TrainingWorker` adds what every role that trains one engine declares the same way:
@@ -26,9 +26,9 @@ from torch import nn
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, Worker, register
 from treadle.engines.parallel import Layout, Meshes
-from treadle.memory import keep_heap
-from treadle.models import load_causal_lm, load_tokenizer
-from treadle.startup import PartTimer
+from treadle.models.loading import load_causal_lm, load_tokenizer
+from treadle.runtime.memory import keep_heap
+from treadle.runtime.startup import PartTimer
 
 if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP
     from treadle.engines.fsdp import TrainEngine
@@ -54,7 +54,7 @@ class RoleWorker(Worker):
         **role: Any,
     ) -> None:
         torch.set_num_threads(threads)
-        keep_heap()  # an update's activations reuse the last one's pages (treadle.memory)
+        keep_heap()  # an update's activations reuse the last one's pages (treadle.runtime.memory)
         self.startup = PartTimer()
         super().__init__(rank, world_size, master_addr, master_port)
         self.cfg = config

@@ -24,7 +24,7 @@ from treadle.data.images import PIXELS
 from treadle.engines.packing import first_fit_decreasing, token_micro_batches
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.value import ValueHead
-from treadle.models import load_value_model
+from treadle.models.loading import load_value_model
 from treadle.protocol import Batch, response_attention
 
 if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP

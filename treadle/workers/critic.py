@@ -21,8 +21,8 @@ import torch
 from treadle.algorithms import Aggregation, value_loss
 from treadle.controller import Collect, Dispatch, register
 from treadle.engines.schedule import LrSchedule
-from treadle.memory import release_heap
 from treadle.protocol import Batch
+from treadle.runtime.memory import release_heap
 from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
     ATTENTION,
@@ -95,7 +95,7 @@ class CriticWorker(TrainingWorker):
         """PPO value-function update; metrics averaged over optimizer steps, then over ranks."""
         minis = ppo_mini_batches(batch, self.epochs, self.mini)
         metrics = mean_over_steps(self._critic_step, minis) | self._data_metrics(batch)
-        release_heap()  # (treadle.memory)
+        release_heap()  # (treadle.runtime.memory)
         return metrics
 
     def _critic_step(self, mb: Batch) -> dict[str, float]:

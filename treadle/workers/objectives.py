@@ -59,8 +59,8 @@ from treadle.algorithms.inputs import Aggregation, PairInputs, PolicyLossInputs,
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
 from treadle.config import Config
 from treadle.engines.heads import LogProbRequest, PairTerm
-from treadle.memory import release_heap
 from treadle.protocol import Batch
+from treadle.runtime.memory import release_heap
 from treadle.workers.common import (
     global_sums,
     micro_batches,
@@ -153,7 +153,7 @@ def update(engine: TrainEngine, objective: Objective, batch: Batch) -> dict[str,
         dist.all_reduce(sums, group=group)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
         metrics.update(mismatch_metrics(torch.cat([sums, top])))
-    release_heap()  # what the update freed goes back to the system, when much (treadle.memory)
+    release_heap()  # what the update freed goes back to the system, when much (runtime.memory)
     return metrics
 
 

@@ -31,8 +31,8 @@ import torch
 from treadle.algorithms import bradley_terry_loss, pair_stats
 from treadle.controller import Collect, Dispatch, register
 from treadle.engines.value import last_token_values
-from treadle.errors import ConfigError
 from treadle.protocol import Batch
+from treadle.runtime.errors import ConfigError
 from treadle.workers.base import RoleWorker, TrainingWorker
 from treadle.workers.common import (
     ATTENTION,

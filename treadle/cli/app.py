@@ -1,0 +1,79 @@
+"""The ``treadle`` command's process: its environment and logging, one command parsed and run,
+and its exit code (0; 2 for a problem the user can fix, one ``treadle: error: ...`` line each;
+130 or 143 for a stop)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+from collections.abc import Sequence
+
+from treadle.cli.parser import parse
+from treadle.cli.signals import on_stop_signal, overrun, set_stop_handlers
+from treadle.runtime import startup
+from treadle.runtime.errors import (
+    Stopped,
+    TreadleError,
+    clear_signals,
+    raise_if_signalled,
+    stop_cause,
+    stop_line,
+)
+from treadle.runtime.omp import openmp_env
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit code. ``argv`` None: this process's own command line, which
+    then ends with this command (see :mod:`treadle.cli.signals`)."""
+    clear_signals()  # a command run in-process before this one (tests) noted its own
+    if argv is None:
+        overrun.arm()
+    # first: Ctrl-C or SIGTERM from here on stops the command
+    before = set_stop_handlers(on_stop_signal)
+    try:
+        overrun.code = _main(argv)
+        return overrun.code
+    finally:
+        # The outcome is settled: a signal now (Ray's exit handler, Python's teardown, which
+        # would put the default action, death without a word, back) changes nothing.
+        set_stop_handlers(signal.SIG_IGN if argv is None else before)
+        if argv is None:  # nor does a library's exit handler add its info lines after ours
+            logging.disable(logging.INFO)  # (torch's FakeTensor cache stats, once interrupted)
+        cluster = sys.modules.get("treadle.controller.cluster")
+        if cluster is not None:  # Ray may still be starting in the background
+            cluster.settle()
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    os.environ.update(openmp_env())  # before torch is imported (treadle.runtime.omp)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    try:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        for name in ("httpx", "httpx2"):  # an agent's openai client: a line a call
+            logging.getLogger(name).setLevel(logging.WARNING)
+        args = parse(argv)
+        startup.from_process_start()
+        args.fn(args)
+        raise_if_signalled()  # one whose exception was lost on the way still stops it
+    except Stopped as e:
+        print(f"treadle: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt as e:  # before a run's loop started, or outside one
+        how, code = stop_cause(e)
+        print(f"treadle: {stop_line(how)}", file=sys.stderr)
+        return code
+    except TreadleError as e:
+        for line in str(e).splitlines() or [type(e).__name__]:  # one line per problem
+            print(f"treadle: error: {line}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

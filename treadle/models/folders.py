@@ -1,0 +1,189 @@
+"""Model folders without loading them: where a model or tokenizer is, its config.json, its
+vocabulary, its tokenizer. Nothing here imports torch (the tokenizer's load imports
+transformers on first call), so ``treadle check`` and config-time code can use it;
+:mod:`treadle.models.loading` loads and saves the models themselves.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from treadle.runtime.errors import ConfigError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+ADAPTER_DIR = "adapter"  # a LoRA checkpoint's adapters (treadle.models.loading.save_adapter)
+PROCESSOR_FILES = ("processor_config.json", "preprocessor_config.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+_HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
+
+
+def _hub_id(path: str | Path, key: str, allow_download: bool) -> str:
+    """``path``, which is no local folder, as a hub id to download; ConfigError if it is none
+    or downloads are off."""
+    if not _HUB_ID_RE.match(str(path)):
+        raise ConfigError(f"{key}: '{path}' does not exist (expected a model folder)")
+    if not allow_download:
+        raise ConfigError(
+            f"{key}: '{path}' is not a local folder; treadle does not download models "
+            "unless model.allow_download=true (then it is fetched from the Hugging Face hub)"
+        )
+    return str(path)
+
+
+def resolve_model_path(
+    path: str | Path,
+    *,
+    key: str = "model.path",
+    need: str = "model",
+    allow_download: bool = False,
+) -> str:
+    """Check that `path` is a model folder holding what `need` ("model" or "tokenizer") requires.
+
+    A treadle checkpoint directory (`checkpoints/step_N`) stands for its `model/` folder.
+    A path that does not exist locally is an error; with `allow_download` (`model.allow_download`)
+    one that looks like a hub id (`org/name`) is passed through, for transformers to fetch.
+    Raises ConfigError naming `key` and the folder otherwise.
+    """
+    if not str(path).strip():  # `reward.model_path=` on a command line: not this directory
+        raise ConfigError(f"{key} is empty: give a model folder, or leave {key} out")
+    folder = Path(path).expanduser()
+    if not folder.exists():
+        return _hub_id(path, key, allow_download)
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: '{folder}' is a file, not a model folder")
+    if not (folder / "config.json").is_file() and (folder / "model" / "config.json").is_file():
+        folder = folder / "model"  # a treadle checkpoint directory: its model folder
+    _not_adapters_only(folder, key)
+    if need == "tokenizer":
+        if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+            raise ConfigError(
+                f"{key}: '{folder}' is not a model folder: no tokenizer "
+                f"(none of {', '.join(TOKENIZER_FILES)})"
+            )
+    elif not (folder / "config.json").is_file():
+        raise ConfigError(f"{key}: '{folder}' is not a model folder: no config.json")
+    elif not any(folder.glob("*.safetensors")) and not any(folder.glob("*.bin")):
+        raise ConfigError(f"{key}: '{folder}' is not a model folder: no *.safetensors weights")
+    return str(folder)
+
+
+def model_config(path: str, key: str, allow_download: bool) -> dict[str, Any]:
+    """The folder's config.json; empty for a hub id (checked when transformers fetches it)."""
+    file = Path(resolve_model_path(path, key=key, allow_download=allow_download)) / "config.json"
+    config: dict[str, Any] = json.loads(file.read_text()) if file.is_file() else {}
+    return config
+
+
+def is_vision_language(path: str | Path) -> bool:
+    """Whether the model folder at ``path`` is a vision-language model (its config.json has a
+    ``vision_config``): loaded as ``AutoModelForImageTextToText``, with an image processor."""
+    file = Path(path) / "config.json"
+    return file.is_file() and "vision_config" in json.loads(file.read_text(encoding="utf-8"))
+
+
+def vocab_size(config: dict[str, Any]) -> int | None:
+    """The vocabulary size a model's config.json gives (a multimodal one's text model's)."""
+    size = config.get("vocab_size") or config.get("text_config", {}).get("vocab_size")
+    return int(size) if size is not None else None
+
+
+def layer_count_problem(config: dict[str, Any]) -> str | None:
+    """What transformers refuses with a traceback (a ``StrictDataclassClassValidationError``):
+    ``num_hidden_layers`` that is not the length of ``layer_types`` (in a multimodal config,
+    of its ``text_config``); None when they agree or one is not given."""
+    for prefix, part in (("", config), ("text_config.", config.get("text_config"))):
+        if not isinstance(part, dict):
+            continue
+        types, layers = part.get("layer_types"), part.get("num_hidden_layers")
+        if isinstance(types, list) and isinstance(layers, int) and len(types) != layers:
+            return (
+                f"has {prefix}num_hidden_layers={layers} but {prefix}layer_types lists "
+                f"{len(types)} layers: make them agree (one type per layer)"
+            )
+    return None
+
+
+def check_config_file(folder: str | Path, key: str) -> None:
+    """ConfigError naming ``key`` and the file when the folder's config.json has keys that
+    contradict each other (:func:`layer_count_problem`); nothing for a folder without one."""
+    file = Path(folder) / "config.json"
+    try:
+        config = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # none (a hub id), or not JSON: said where it is read
+        return
+    problem = layer_count_problem(config) if isinstance(config, dict) else None
+    if problem is not None:
+        raise ConfigError(f"{key}: '{file}' {problem}")
+
+
+def shared_vocabulary(
+    actor: str | None, paths: list[tuple[str, str]], allow_download: bool
+) -> dict[str, dict[str, Any]]:
+    """The config.json of each model ``(key, path)`` that scores the actor's token ids,
+    checked to have the vocabulary size of the actor at ``actor`` (unknown sizes pass)."""
+    actor_vocab = vocab_size(model_config(actor, "model.path", allow_download)) if actor else None
+    configs = {}
+    for key, path in paths:
+        configs[key] = config = model_config(path, key, allow_download)
+        vocab = vocab_size(config)
+        if vocab and actor_vocab and vocab != actor_vocab:
+            raise ConfigError(
+                f"{key}: '{path}' has a vocabulary of {vocab} tokens, the actor "
+                f"(model.path) {actor_vocab}; it scores the actor's token ids, so it must use "
+                "the actor's tokenizer"
+            )
+    return configs
+
+
+def _not_adapters_only(folder: Path, key: str) -> None:
+    if not (folder / "config.json").is_file() and (folder / ADAPTER_DIR).is_dir():
+        raise ConfigError(
+            f"{key}: '{folder}' is a LoRA checkpoint (adapters only, no model/): use the run's "
+            "final_model (merged), or load its adapter/ onto the base model with peft"
+        )
+
+
+WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")  # file suffixes
+_LOADED: dict[tuple[Any, ...], PreTrainedTokenizerBase] = {}  # load_tokenizer's, by its files
+
+
+def load_tokenizer(
+    path: str | Path, *, key: str = "model.path", allow_download: bool = False
+) -> PreTrainedTokenizerBase:
+    """The tokenizer of the model folder (or, with `allow_download`, hub id) at `path`.
+
+    A process loads a folder's tokenizer once while the folder's files stay as they were (its
+    files other than weights, by name, size and modification time): a run's driver asks for it
+    at the check, for the prompts, the held-out prompts and the rollout (SmolLM2's takes ~0.3 s
+    each). The object is shared: callers read it and never change its settings."""
+    resolved = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
+    folder = Path(resolved)
+    memo: tuple[Any, ...] | None = None  # None: a hub id, not remembered
+    if folder.is_dir():
+        stats = [(f.name, f.stat()) for f in sorted(folder.iterdir()) if f.is_file()]
+        files = [(n, st.st_size, st.st_mtime_ns) for n, st in stats if not n.endswith(WEIGHTS)]
+        memo = (str(folder.resolve()), *files)
+        if memo in _LOADED:
+            return _LOADED[memo]
+    from treadle.models.hf_facts import tokenizer_class
+
+    # the class AutoTokenizer would pick, without importing it (which imports torch)
+    found = tokenizer_class(resolved)
+    if found is None:  # (a hub id, a folder the facts do not know)
+        from transformers import AutoTokenizer
+
+        found = AutoTokenizer
+    try:
+        tokenizer = found.from_pretrained(resolved)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a tokenizer from '{path}': {e}") from e
+    if memo is not None:
+        if len(_LOADED) >= 4:  # a process uses one or two: keep the newest few
+            del _LOADED[next(iter(_LOADED))]
+        _LOADED[memo] = tokenizer
+    return tokenizer

@@ -1,0 +1,371 @@
+"""Loading and saving Hugging Face model folders, with errors that name the config key.
+
+A model in treadle is an ordinary HF folder (config.json, safetensors weights, tokenizer files,
+chat template), local or a hub id. The workers load it through these helpers so a wrong path
+fails at start-up with `model.path: '<folder>' is not a model folder: no config.json` rather
+than a stack trace from deep inside transformers. Weights are written as safetensors only.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from treadle.models.folders import (  # the folder helpers (no torch), for callers of both
+    ADAPTER_DIR,
+    PROCESSOR_FILES,
+    TOKENIZER_FILES,  # noqa: F401
+    check_config_file,
+    is_vision_language,
+    load_tokenizer,  # noqa: F401
+    model_config,  # noqa: F401
+    resolve_model_path,
+    shared_vocabulary,  # noqa: F401
+    vocab_size,  # noqa: F401
+)
+from treadle.runtime.errors import ConfigError
+
+if TYPE_CHECKING:  # transformers' model classes: imported where a model is loaded or saved
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerBase
+
+
+def _model_folder(
+    path: str | Path, dtype: torch.dtype | str, key: str, allow_download: bool
+) -> tuple[str, torch.dtype]:
+    """The model folder (or hub id) ``path`` resolves to, and ``dtype`` as a torch dtype."""
+    resolved = resolve_model_path(path, key=key, need="model", allow_download=allow_download)
+    check_config_file(resolved, key)  # (transformers' own refusal is a traceback)
+    torch_dtype = getattr(torch, dtype, None) if isinstance(dtype, str) else dtype
+    if not isinstance(torch_dtype, torch.dtype):
+        raise ConfigError(f"{key}: '{dtype}' is not a torch dtype")
+    return resolved, torch_dtype
+
+
+def load_causal_lm(
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    key: str = "model.path",
+    allow_download: bool = False,
+    **kwargs: Any,
+) -> PreTrainedModel:
+    """The causal LM of the model folder (or hub id) at `path`, on CPU in `dtype`.
+
+    `dtype` is a torch dtype or its name (`"bfloat16"`); extra kwargs go to `from_pretrained`
+    (for example `attn_implementation`), except the two loading-info ones this function sets
+    itself. Moving to a device is the caller's business. Weights that do not match config.json
+    are a `ConfigError` (`_check_weights_match`).
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    taken = sorted({"output_loading_info", "ignore_mismatched_sizes"} & kwargs.keys())
+    if taken:
+        raise TypeError(f"load_causal_lm sets {', '.join(taken)} itself; do not pass it")
+    resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
+    auto = AutoModelForImageTextToText if is_vision_language(resolved) else AutoModelForCausalLM
+    try:
+        loaded: Any = auto.from_pretrained(  # (model, loading info)
+            resolved,
+            dtype=torch_dtype,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **kwargs,
+        )
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a causal LM from '{path}': {e}") from e
+    model, info = loaded
+    _check_weights_match(info, model, resolved, key)
+    return model
+
+
+def load_value_model(
+    path: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    *,
+    key: str = "model.path",
+    allow_download: bool = False,
+) -> PreTrainedModel:
+    """A value model (critic or reward model) from the folder at `path`, on CPU in `dtype`.
+
+    A value model is the ``*ForTokenClassification`` model of the folder's architecture with
+    one label: its decoder plus a linear ``score`` head, one number per position (as verl's
+    critic). From a causal LM folder the head is new and starts at zero, so a fresh critic
+    predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded. Decoder
+    weights that do not match config.json are a `ConfigError`, as in `load_causal_lm`.
+    """
+    from transformers import AutoModelForTokenClassification
+
+    resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
+    try:
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            resolved,
+            dtype=torch_dtype,
+            num_labels=1,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+        )
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{key}: cannot load a value model from '{path}': {e}") from e
+    # From a causal LM folder the new score head is missing and the LM's own head (lm_head)
+    # is left over: both are expected; anything else of the decoder is a damaged folder.
+    prefix = f"{model.base_model_prefix}."
+    _check_weights_match(
+        {
+            **info,
+            "missing_keys": {k for k in info["missing_keys"] if not k.startswith("score.")},
+            "unexpected_keys": {k for k in info["unexpected_keys"] if k.startswith(prefix)},
+        },
+        model,
+        resolved,
+        key,
+    )
+    model.config.architectures = [type(model).__name__]  # saved folders load as value models
+    if any(k.startswith("score.") for k in info["missing_keys"]):
+        with torch.no_grad():
+            for p in model.score.parameters():
+                p.zero_()
+    return model
+
+
+def _check_weights_match(
+    info: Mapping[str, Any], model: PreTrainedModel, folder: str, key: str
+) -> None:
+    """Refuse a folder whose weights do not fit the model its config.json describes.
+
+    transformers would start a missing tensor at random and drop a tensor the architecture
+    has no place for, both with no more than a log table, and the run would train the damaged
+    model; a shape mismatch (loaded with ``ignore_mismatched_sizes=True`` so that it lands in
+    ``info`` rather than as a bare RuntimeError) is the same mistake. ``info`` is the loading
+    info of ``from_pretrained``, in which transformers has already left out what is benign (a
+    tied ``lm_head.weight``, old rotary buffers, the model's own ignore patterns).
+    """
+    missing, unexpected = sorted(info["missing_keys"]), sorted(info["unexpected_keys"])
+    mismatched = sorted(info["mismatched_keys"], key=lambda m: m[0])
+    problems: list[str] = []
+    if missing:
+        problems.append(f"{_first(missing)} {'is' if len(missing) == 1 else 'are'} missing")
+    if unexpected:
+        problems.append(
+            f"{_first(unexpected)} {'is' if len(unexpected) == 1 else 'are'} not used by "
+            f"config.json's architecture ({type(model).__name__}{_layer_hint(unexpected, model)})"
+        )
+    if mismatched:
+        shapes = [
+            f"{k} is {_dims(got)} in the file but {_dims(want)} by config.json"
+            for k, got, want in mismatched
+        ]
+        problems.append(_first(shapes))
+    problems += [" ".join(str(m).split()) for m in info.get("error_msgs") or []]
+    if problems:
+        raise ConfigError(
+            f"{key}: the weights in '{folder}' do not match its config.json: "
+            f"{'; '.join(problems)}: fix config.json or save the model again"
+        )
+
+
+def _first(items: list[str], shown: int = 3) -> str:
+    """The first ``shown`` of ``items``, and how many more there are."""
+    more = f" (and {len(items) - shown} more)" if len(items) > shown else ""
+    return ", ".join(items[:shown]) + more
+
+
+def _dims(shape: tuple[int, ...]) -> str:
+    """``128x384``: a shape without the commas that separate tensors in a message."""
+    return "x".join(map(str, shape))
+
+
+def _layer_hint(unexpected: list[str], model: PreTrainedModel) -> str:
+    """``; the weights have 4 layers, config.json says num_hidden_layers=2`` where the unused
+    tensors are of layers past config.json's count (the usual cause), else ``""``."""
+    declared = getattr(model.config, "num_hidden_layers", None)  # a text model's own count
+    layer = re.compile(r"\.layers\.(\d+)\.")
+    extra = [int(m.group(1)) for k in unexpected if (m := layer.search(k))]
+    if not isinstance(declared, int) or not extra or min(extra) < declared:
+        return ""
+    return (
+        f"; the weights have {max(extra) + 1} layers, config.json says num_hidden_layers={declared}"
+    )
+
+
+def save_tokenizer(tokenizer: PreTrainedTokenizerBase, out_dir: str | Path) -> None:
+    """`tokenizer.save_pretrained(out_dir)`, written so older transformers (vLLM's) read it too.
+
+    A vision-language model's processor files (``PROCESSOR_FILES``) in the folder the tokenizer
+    was loaded from are copied beside it, so a saved checkpoint loads its processor too.
+
+    transformers 5 names a plain tokenizers-backed tokenizer `TokenizersBackend` and lists extra
+    special tokens as `extra_special_tokens`; both names are unknown to transformers 4, which
+    reads the same file as `PreTrainedTokenizerFast` with `additional_special_tokens`.
+    """
+    out = Path(out_dir)
+    tokenizer.save_pretrained(out)
+    source = Path(str(getattr(tokenizer, "name_or_path", "")))
+    for name in PROCESSOR_FILES:  # a vision-language model's processor goes with its tokenizer
+        if (source / name).is_file() and source.resolve() != out.resolve():
+            shutil.copyfile(source / name, out / name)
+    config_path = out / "tokenizer_config.json"
+    if not config_path.is_file():
+        return
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    if config.get("tokenizer_class") == "TokenizersBackend":
+        config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    if isinstance(config.get("extra_special_tokens"), list):
+        config["additional_special_tokens"] = config.pop("extra_special_tokens")
+    config_path.write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def save_hf_folder(
+    state_dict: Mapping[str, torch.Tensor],
+    config: PretrainedConfig,
+    tokenizer: PreTrainedTokenizerBase | None,
+    out_dir: str | Path,
+) -> Path:
+    """Write a full (gathered) state dict as an HF model folder: safetensors, config, tokenizer.
+
+    A config whose architecture is a ``*ForTokenClassification`` gives a value-model folder.
+    The weights go through a model built from `config` and `save_pretrained`, so the folder
+    holds exactly what transformers writes itself (tied embeddings stored once, the generation
+    config). The model is built on the meta device and takes the given tensors without a copy.
+    """
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForImageTextToText,
+        AutoModelForTokenClassification,
+    )
+
+    value_model = any(a.endswith("ForTokenClassification") for a in config.architectures or [])
+    auto: Any = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    if hasattr(config, "vision_config"):
+        auto = AutoModelForImageTextToText
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    result = model.load_state_dict(dict(state_dict), strict=False, assign=True)
+    if result.unexpected_keys:
+        raise ValueError(f"state dict has keys the model lacks: {result.unexpected_keys[:5]}")
+    model.tie_weights()
+    still_empty = [name for name, p in model.named_parameters() if p.is_meta]
+    if still_empty:
+        raise ValueError(f"state dict is missing parameters: {still_empty[:5]}")
+    out = Path(out_dir)
+    model.save_pretrained(out, safe_serialization=True)
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
+    return out
+
+
+def count_parameters(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
+    """Number of parameters, tied ones counted once."""
+    return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+"""A LoRA checkpoint's (and ``final_model``'s) peft adapter folder: adapter_config.json,
+adapter_model.safetensors, the tokenizer; loadable with ``PeftModel.from_pretrained``."""
+
+
+def linear_module_names(model: torch.nn.Module) -> list[str]:
+    """The distinct last names of the model's linear layers (``q_proj``, ``down_proj``...)."""
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
+    return sorted(names)
+
+
+def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: int = 0) -> Any:
+    """``model`` with peft LoRA adapters as ``lora`` (an ``actor.lora`` section) says.
+
+    Only the adapters require gradients. A listed target module must be the last name of
+    one of the model's linear layers (checked here, naming the key). The adapter records
+    ``base_path`` (absolute) as its base model, so an exported adapter loads with
+    ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is 0) is drawn from
+    ``seed``, whatever the global RNG went through before, which it leaves as it was.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    targets = lora.target_modules
+    if not isinstance(targets, str):
+        known = linear_module_names(model)
+        unknown = [t for t in targets if t not in known]
+        if unknown:
+            raise ConfigError(
+                f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not a linear "
+                f"layer of the model (its linear layers: {', '.join(known)}; or 'all-linear')"
+            )
+    elif targets != "all-linear":
+        raise ConfigError(
+            f"actor.lora.target_modules: '{targets}' is neither 'all-linear' nor a list of "
+            "module names"
+        )
+    config = LoraConfig(
+        r=lora.rank,
+        lora_alpha=lora.alpha,
+        lora_dropout=lora.dropout,
+        target_modules=targets if isinstance(targets, str) else list(targets),
+        task_type="CAUSAL_LM",
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        peft_model = get_peft_model(model, config)
+    if getattr(peft_model.peft_config["default"], "fan_in_fan_out", False):  # GPT-2 Conv1D
+        raise ConfigError(
+            "actor.lora: this model's layers store weights transposed (Conv1D, as GPT-2), "
+            "which treadle's merged weight sync does not handle; use full fine-tuning "
+            "(actor.lora.rank=0)"
+        )
+    resolved = Path(base_path).expanduser()
+    peft_model.peft_config["default"].base_model_name_or_path = (
+        str(resolved.resolve()) if resolved.exists() else str(base_path)
+    )
+    return peft_model
+
+
+def save_adapter(
+    state: Mapping[str, torch.Tensor],
+    peft_config: Any,
+    tokenizer: PreTrainedTokenizerBase | None,
+    out_dir: str | Path,
+) -> Path:
+    """Write adapter weights (peft's saved names, ``...lora_A.weight``) as a peft folder."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out / "adapter_model.safetensors"))
+    peft_config.save_pretrained(str(out))
+    if tokenizer is not None:
+        save_tokenizer(tokenizer, out)
+    return out
+
+
+def export_merged(adapter_dir: str | Path, out_dir: str | Path) -> Path:
+    """The adapter merged into its base model, as an HF folder at ``out_dir`` (in the base
+    model's dtype), with the adapter folder itself copied to ``out_dir/adapter``."""
+    import shutil
+
+    from peft import PeftConfig, PeftModel
+    from transformers import AutoConfig
+    from transformers.utils import logging as hf_logging
+
+    adapter = Path(adapter_dir)
+    base = PeftConfig.from_pretrained(str(adapter)).base_model_name_or_path
+    dtype = getattr(AutoConfig.from_pretrained(base), "dtype", None) or torch.float32
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # no loading/writing bars at the end of a run
+    try:
+        model = load_causal_lm(base, dtype, key=f"{adapter}/adapter_config.json base model")
+        merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+        out = Path(out_dir)
+        merged.save_pretrained(out, safe_serialization=True)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+    shutil.copytree(adapter, out / ADAPTER_DIR)
+    for name in adapter.iterdir():
+        if name.name not in ("adapter_model.safetensors", "adapter_config.json", "README.md"):
+            shutil.copy2(name, out / name.name)  # the tokenizer files
+    return out

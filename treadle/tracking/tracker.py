@@ -1,0 +1,267 @@
+"""Metrics out of a run: the loggers of ``trainer.loggers``, phase timers, and where the
+messages of Ray, vLLM and torch go.
+
+Every step's metrics go to each logger (:mod:`treadle.tracking.sinks`): ``metrics.jsonl`` (one
+JSON line per step, flushed at once, each step once after a resume), the console, and the
+trackers (TensorBoard, wandb, MLflow, SwanLab). Phase timers write ``timing/<phase>`` in
+seconds.
+
+Messages. Unless ``trainer.verbose``, the console shows treadle's own lines only: the driver's
+loggers of Ray, vLLM, torch, transformers and the trackers, and Python warnings, go to
+``<output_dir>/logs/driver.log`` (:func:`route_logs`), and every Ray worker process writes its
+stdout and stderr (C++ and CUDA messages included) to ``<output_dir>/logs/<role>-<pid>.log``
+(:func:`redirect_output`, called as the worker starts; Ray does not forward them to the driver:
+``ray.init(log_to_driver=False)``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from treadle.tracking.sinks import ConsoleLogger, open_loggers
+
+log = logging.getLogger("treadle")
+
+
+@contextmanager
+def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
+    """Add the wall time of the block to ``metrics['timing/<name>']``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        metrics[f"timing/{name}"] = metrics.get(f"timing/{name}", 0.0) + (
+            time.perf_counter() - start
+        )
+
+
+class Tracker:
+    """The run's loggers (``trainer.loggers``, :mod:`treadle.tracking.sinks`), opened together and
+    each called in turn. Use as a context manager."""
+
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        start_step: int = 0,
+        show_progress: bool = True,
+        headline: str = "reward/mean",
+        loggers: Sequence[str] = ("console", "jsonl"),
+        config: dict[str, Any] | None = None,
+        console: ConsoleLogger | None = None,
+    ) -> None:
+        self.out = Path(output_dir)
+        self.out.mkdir(parents=True, exist_ok=True)
+        if console is None and "console" in loggers:
+            console = ConsoleLogger(total_steps, start_step, headline, bar=None)
+        if console is not None and not show_progress:
+            console.bar = False
+        self.console = console if "console" in loggers else None
+        self.loggers = open_loggers(list(loggers), self.out, config or {}, start_step, console)
+        if self.console is not None:
+            self.console.begin(total_steps, start_step)
+
+    def __enter__(self) -> Tracker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        loggers, self.loggers = self.loggers, []
+        for logger in loggers:
+            try:
+                logger.close()
+            except Exception as e:  # a tracker that fails to close must not hide the run's end
+                log.warning("closing %s failed: %s", type(logger).__name__, e)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
+        for logger in self.loggers:
+            logger.log(step, metrics)
+
+    def log_table(self, step: int, name: str, rows: list[dict[str, Any]]) -> None:
+        """``rows`` to every logger's table ``name`` (``samples.jsonl``, wandb.Table, ...)."""
+        for logger in self.loggers:
+            logger.log_table(step, name, rows)
+
+    def print(self, message: str) -> None:
+        if self.console is not None:
+            self.console.print(message)
+
+
+def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(output_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# Loggers of the libraries a run drives: off the console unless trainer.verbose.
+NOISY = (
+    "ray",
+    "ray._private",  # keeps its handler while ray.init empties the "ray" logger's
+    "vllm",
+    "torch",
+    "transformers",
+    "datasets",
+    "filelock",
+    "urllib3",
+    "httpx",  # a black-box agent's openai client (httpx2 in openai 3): a line per request
+    "httpx2",
+    "httpcore",
+    "openai",
+    "aiohttp.access",
+    "py.warnings",
+    "wandb",
+    "mlflow",
+    "alembic",
+    "swanlab",
+)
+LOG_DIR_ENV = "TREADLE_LOG_DIR"  # set for the run's Ray workers: where they write
+
+
+class _Route:
+    """The driver's routing while a run is on: its file handler and what it replaced."""
+
+    def __init__(self, logs: Path) -> None:
+        self.handler = logging.FileHandler(logs / "driver.log")
+        fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
+        self.handler.setFormatter(logging.Formatter(fmt))
+        self.before: dict[str, tuple[bool, list[logging.Handler]]] = {}
+        self.vllm_logging: str | None = None  # the user's VLLM_CONFIGURE_LOGGING
+
+    def apply(self) -> None:
+        """Route every noisy logger to the file (again: a library imported since, such as
+        Ray, may have put its own console handler back)."""
+        for name in NOISY:
+            logger = logging.getLogger(name)
+            if name not in self.before:
+                self.before[name] = (logger.propagate, list(logger.handlers))
+            for h in list(logger.handlers):  # vLLM's and Ray's own console handlers
+                if isinstance(h, logging.StreamHandler) and h is not self.handler:
+                    logger.removeHandler(h)
+            if self.handler not in logger.handlers:
+                logger.addHandler(self.handler)
+            logger.propagate = False
+
+    def undo(self) -> None:
+        for name, (propagate, handlers) in self.before.items():
+            logger = logging.getLogger(name)
+            logger.removeHandler(self.handler)
+            logger.propagate = propagate
+            for h in handlers:
+                if h not in logger.handlers:
+                    logger.addHandler(h)
+        self.handler.close()
+
+
+_route: _Route | None = None
+
+
+def route_logs(out: Path, verbose: bool) -> Callable[[], None]:
+    """Send the driver's library messages to ``<out>/logs/driver.log`` (unless ``verbose``);
+    returns the function that puts things back as they were (a run ends, another starts)."""
+    global _route
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        os.environ.pop(LOG_DIR_ENV, None)
+        return lambda: None
+    route = _route = _Route(logs)
+    route.apply()
+    # VLLM_CONFIGURE_LOGGING=0: an in-process vLLM adds no console handler
+    env_before = _put_env({LOG_DIR_ENV: str(logs.resolve()), "VLLM_CONFIGURE_LOGGING": "0"})
+    route.vllm_logging = env_before["VLLM_CONFIGURE_LOGGING"]
+    logging.captureWarnings(True)
+
+    def restore() -> None:
+        global _route
+        logging.captureWarnings(False)
+        route.undo()
+        _route = None
+        _put_env(env_before)
+
+    return restore
+
+
+def worker_env() -> dict[str, str]:
+    """What a Ray worker of the run needs to write where the driver's routing says (a Ray
+    worker inherits the environment of the first run that started Ray: set both always)."""
+    if _route is None:
+        return {LOG_DIR_ENV: ""}
+    # vLLM in a worker writes to the worker's log file, with its own format
+    return {
+        LOG_DIR_ENV: os.environ[LOG_DIR_ENV],
+        "VLLM_CONFIGURE_LOGGING": _route.vllm_logging or "1",
+    }
+
+
+def reroute_logs() -> None:
+    """After importing a library that configures its own logging (Ray): route it again."""
+    if _route is not None:
+        _route.apply()
+
+
+def _put_env(values: dict[str, str | None]) -> dict[str, str | None]:
+    """Set (or, for None, unset) environment variables; returns what they were."""
+    before = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    return before
+
+
+@contextmanager
+def quiet_start() -> Iterator[None]:
+    """While the workers start: this process's stdout and stderr (file descriptors, so C++
+    warnings and progress bars of an in-process vLLM or torch too) to ``<logs>/driver.log``,
+    unless the run is verbose. Put back before anything is raised to the caller."""
+    if _route is None:
+        yield
+        return
+    import sys
+
+    path = Path(os.environ[LOG_DIR_ENV]) / "driver.log"
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    saved = os.dup(1), os.dup(2)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    # sys.stdout/sys.stderr too: they need not write to descriptors 1 and 2 (pytest, Jupyter)
+    with open(path, "a", buffering=1) as text:
+        try:
+            os.dup2(fd, 1)
+            os.dup2(fd, 2)
+            with contextlib.redirect_stdout(text), contextlib.redirect_stderr(text):
+                yield
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for f in (fd, *saved):
+                os.close(f)
+
+
+def redirect_output(name: str) -> None:
+    """In a Ray worker of a run that is not verbose: this process's stdout and stderr (file
+    descriptors 1 and 2, so C++ and CUDA messages too) to ``<logs>/<name>-<pid>.log``."""
+    logs = os.environ.get(LOG_DIR_ENV)
+    if not logs:
+        return
+    import sys
+
+    path = Path(logs) / f"{name.replace(' ', '_')}-{os.getpid()}.log"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
