@@ -16,12 +16,12 @@ import yaml
 from treadle.cli import main
 from treadle.config import load_config
 from treadle.config.data import ReasoningGymConfig
-from treadle.data import config_prompts, config_sft
 from treadle.data.gym import compute_score, extract_answer, format_answer, gym_records
 from treadle.models.loading import load_tokenizer
 from treadle.rewards import Scorer
 from treadle.runtime.errors import ConfigError
 from treadle.tracking.tracker import read_metrics
+from treadle.trainers.datasets import config_prompts, config_sft
 
 ARITHMETIC = {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2}
 

@@ -632,7 +632,7 @@ def _fewer_rows(key: str, size: int | None, rows: int) -> list[str]:
 
 def _val_set_rows(cfg: Config, name: str, tokenizer: Tokenizer, tools: Any) -> Any:
     """The set's prompts, every ground truth one its reward takes."""
-    from treadle.data import val_set_prompts
+    from treadle.trainers.datasets import val_set_prompts
 
     ds = val_set_prompts(cfg, name, tokenizer.load(), tools)
     key, own = f"data.val_sets.{name}", cfg.data.val_sets[name].reward
@@ -655,7 +655,7 @@ def _rows(
 ) -> int:
     """``reader``'s row count of ``file``, remembered for the file, the tokenizer's files and
     the settings a reader sees (the ``data`` section, ``rollout.max_new_tokens``, the tools:
-    ``TextOptions.from_config``); what it logged (rows filtered) is said again."""
+    ``treadle.trainers.datasets.text_options``); what it logged (rows filtered) is said again."""
     path = Path(file)
     if tokenizer.prints is None or cfg.data.source != "files" or not path.is_file():
         return reader(cfg, tokenizer.load(), file, key, tools)
@@ -701,7 +701,7 @@ def _no_held_out(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -
 def _prompt_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
     """The prompts of ``file``, every ground truth one ``reward.function`` takes (every
     command that reads prompts scores them with it)."""
-    from treadle.data import config_prompts
+    from treadle.trainers.datasets import config_prompts
 
     ds = config_prompts(cfg, [file], key, tokenizer, tools)
     files = cfg.data.source == "files"
@@ -811,19 +811,19 @@ def _check_reward_columns(cfg: Config, ds: Any, key: str, spec: str, spec_key: s
 
 
 def _sft_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
-    from treadle.data import config_sft
+    from treadle.trainers.datasets import config_sft
 
     return len(config_sft(cfg, [file], key, tokenizer))
 
 
 def _pair_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
-    from treadle.data import config_pairs
+    from treadle.trainers.datasets import config_pairs
 
     return len(config_pairs(cfg, [file], key, tokenizer))
 
 
 def _unpaired_rows(cfg: Config, tokenizer: Any, file: str, key: str, tools: Any) -> int:
-    from treadle.data import config_unpaired
+    from treadle.trainers.datasets import config_unpaired
 
     return len(config_unpaired(cfg, [file], key, tokenizer))
 

@@ -28,9 +28,10 @@ from __future__ import annotations
 import difflib
 import functools
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from treadle.data.options import TextOptions
 from treadle.data.readers import Record
 from treadle.runtime.errors import ConfigError
 
@@ -177,3 +178,22 @@ def compute_score(
         extracted = extract_answer(response, how or "answer_tag")
         scores.append(float(_scorer(meta["source_dataset"])(extracted, entry)))
     return scores
+
+
+def gym_rows(
+    spec: ReasoningGymConfig, split: Split, options: TextOptions, key: str
+) -> tuple[list[Record], TextOptions]:
+    """reasoning-gym's rows of ``split`` as ``spec`` (the config key ``key``) draws them: the
+    prompt is the ``question``, the ground truth the ``answer``, the SFT target the
+    ``solution``, and the answer format's instruction the system prompt unless
+    ``data.system_prompt`` is set."""
+    system = options.system_prompt
+    gym = replace(
+        options,
+        prompt_key="question",
+        answer_key="answer",
+        response_key="solution",
+        system_prompt=instruction(spec.answer_format) if system is None else system,
+        config_key=f"{key} ({split})",
+    )
+    return gym_records(spec, split, key), gym

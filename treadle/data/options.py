@@ -2,21 +2,17 @@
 
 The column names, the chat template and system prompt, whether text may spell special tokens,
 the length limits and what to do with a row over them, the config key that messages name, and
-the tools shown in prompts. ``TextOptions.from_config`` is the one adapter from a run's config:
-the trainers and ``treadle check`` read files through it, so both see exactly the same rows.
+the tools shown in prompts. The data layer reads these options and never the run's config:
+:mod:`treadle.trainers.datasets` is the one adapter that makes them from it, and the trainers
+and ``treadle check`` read files through it, so both see exactly the same rows.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any, Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from treadle.data.images import ImageProcessor, load_image_processor
-from treadle.models.folders import resolve_model_path
-from treadle.runtime.errors import ConfigError
-
-if TYPE_CHECKING:
-    from treadle.config import Config
+from treadle.data.images import ImageProcessor
 
 Overlong = Literal["filter", "error"]
 
@@ -50,28 +46,3 @@ class TextOptions:
         if self.max_length is not None:
             return self.max_length
         return self.max_prompt_length + self.max_response_length
-
-    @classmethod
-    def from_config(cls, cfg: Config, config_key: str, tools: Any = None) -> TextOptions:
-        """The ``data`` section's settings (responses: at most ``rollout.max_new_tokens``)."""
-        d = cfg.data
-        # columns, template, system prompt, special tokens, prompt length: the same names
-        same = {f.name for f in fields(cls)} & set(type(d).model_fields)
-        return cls(
-            **{name: getattr(d, name) for name in same},
-            max_response_length=cfg.rollout.max_new_tokens,
-            overlong=d.overlong_prompts,
-            config_key=config_key,
-            tools=tools,
-            processor=_processor(cfg),
-        )
-
-
-def _processor(cfg: Config) -> ImageProcessor | None:
-    """The image processor of ``model.path`` when it is a vision-language model (a path that
-    does not resolve is reported by the checks of the model, not here)."""
-    try:
-        path = resolve_model_path(cfg.model.path, allow_download=cfg.model.allow_download)
-    except ConfigError:
-        return None
-    return load_image_processor(path)

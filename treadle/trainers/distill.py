@@ -36,7 +36,6 @@ from treadle.agents.trajectory import Trajectory
 from treadle.algorithms.distill import reverse_kl_advantages
 from treadle.config import Config
 from treadle.data import prompt_batch
-from treadle.data.options import TextOptions
 from treadle.data.prompts import pad_prompts
 from treadle.data.readers import as_text
 from treadle.data.templating import response_ids
@@ -46,6 +45,7 @@ from treadle.rollout.sources import SyncSource, sampling_params
 from treadle.rollout.teacher import Teacher, start_teacher
 from treadle.runtime.errors import DataError
 from treadle.tracking.tracker import timed
+from treadle.trainers.datasets import text_options
 from treadle.trainers.prompts import tokenizer
 from treadle.trainers.rl import RLTrainer, rollout_metrics, sample_rows
 
@@ -151,7 +151,7 @@ class DistillTrainer(RLTrainer):
         without one, or one longer than ``rollout.max_new_tokens``, is an error naming it."""
         cfg, tok = self.cfg, tokenizer(self.cfg)
         key = cfg.data.response_key
-        options = TextOptions.from_config(cfg, "data.train_files")
+        options = text_options(cfg, "data.train_files")
         answers = {}
         for i in range(len(self.train_ds)):
             row = self.train_ds[i]

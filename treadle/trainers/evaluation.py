@@ -38,7 +38,7 @@ from treadle.algorithms.sampled import PromptSamples, sampled_metrics
 from treadle.config import Config
 from treadle.config.data import VAL
 from treadle.controller import Actors
-from treadle.data import PromptDataset, prompt_batch, val_set_prompts
+from treadle.data import PromptDataset, prompt_batch
 from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rewards import Scorer, answer_reader
@@ -46,6 +46,7 @@ from treadle.rollout.fleet import Rollout, start_rollout
 from treadle.runtime.errors import ConfigError, RewardError
 from treadle.runtime.faults import failpoint
 from treadle.tracking.tracker import quiet_start
+from treadle.trainers.datasets import val_set_prompts
 from treadle.trainers.prompts import load_prompts, tokenizer, tool_schemas
 from treadle.trainers.roles import build_actors
 

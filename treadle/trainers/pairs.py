@@ -24,12 +24,11 @@ from treadle.data import (
     UnpairedDataset,
     collate_pairs,
     collate_unpaired,
-    config_pairs,
-    config_unpaired,
 )
 from treadle.protocol import Batch
 from treadle.tracking.tracker import timed
 from treadle.trainers.base import Trainer
+from treadle.trainers.datasets import config_pairs, config_unpaired
 from treadle.trainers.evaluation import evaluate_sets, load_val_sets
 from treadle.trainers.prompts import held_out, listed, tokenizer
 

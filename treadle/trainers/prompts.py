@@ -10,9 +10,10 @@ from collections.abc import Sized
 from typing import Any
 
 from treadle.config import Config
-from treadle.data import PromptDataset, config_prompts
+from treadle.data import PromptDataset
 from treadle.models.loading import load_tokenizer
 from treadle.runtime.errors import ConfigError
+from treadle.trainers.datasets import config_prompts
 
 
 def load_prompts(cfg: Config, files: list[str], key: str) -> PromptDataset:

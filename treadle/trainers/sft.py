@@ -14,12 +14,13 @@ from __future__ import annotations
 import time
 
 from treadle.config import Config
-from treadle.data import ResumableSampler, collate_sft, config_sft
+from treadle.data import ResumableSampler, collate_sft
 from treadle.data.images import PIXELS, stack_pixels
 from treadle.data.templating import pad_or_eos_id
 from treadle.protocol import Batch
 from treadle.tracking.tracker import timed
 from treadle.trainers.base import Trainer
+from treadle.trainers.datasets import config_sft
 from treadle.trainers.evaluation import evaluate_sets, load_val_sets
 from treadle.trainers.prompts import listed, tokenizer
 
