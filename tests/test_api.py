@@ -237,7 +237,7 @@ def test_python_api_example_runs(tiny_task, tmp_path, monkeypatch, capsys):
 
 
 def test_a_bad_plugin_is_one_line_naming_algorithm_plugins(tmp_path):
-    from treadle.check.run import check_algorithm
+    from treadle.check import check_algorithm
 
     broken = tmp_path / "broken.py"
     broken.write_text("1 / 0\n")

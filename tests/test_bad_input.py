@@ -424,9 +424,9 @@ REWARD_CASES = [
 
 @pytest.mark.parametrize(("name", "pattern"), REWARD_CASES)
 def test_bad_reward_function(env, capsys, monkeypatch, name, pattern) -> None:  # type: ignore[no-untyped-def]
-    import treadle.check.run
+    import treadle.check.user_code
 
-    monkeypatch.setattr(treadle.check.run, "IMPORT_TIMEOUT_S", 2.0)
+    monkeypatch.setattr(treadle.check.user_code, "IMPORT_TIMEOUT_S", 2.0)
     path = write(env, name, REWARDS[name])
     assert_bad(check(env, capsys, f"reward.function={path}:score"), pattern)
 

@@ -674,9 +674,9 @@ def test_bad_reward_function_is_named(env, capsys, spec, pattern) -> None:  # ty
 
 
 def test_an_agent_loop_that_blocks_at_import_is_interrupted(env, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    import treadle.check.run
+    import treadle.check.user_code
 
-    monkeypatch.setattr(treadle.check.run, "IMPORT_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(treadle.check.user_code, "IMPORT_TIMEOUT_S", 0.3)
     path = write(
         env, "slow_loop.py", "import time\ntime.sleep(60)\nasync def loop(*a):\n    pass\n"
     )
@@ -764,7 +764,7 @@ def test_every_command_runs_the_checks_first(env, capsys, command, overrides, pa
 
 @pytest.mark.parametrize("path", sorted(Path("examples").glob("*/*.yaml")), ids=str)
 def test_example_configs_pass_the_config_and_algorithm_checks(path: Path) -> None:
-    from treadle.check.run import check_algorithm
+    from treadle.check import check_algorithm
     from treadle.config import load_config
 
     kinds = {"sft": "sft", "dpo": "dpo", "rm": "rm", "kto": "kto", "orpo": "dpo", "simpo": "dpo"}

@@ -427,7 +427,7 @@ def test_optimal_token_baseline_says_what_is_missing(name):
 
 
 def test_check_refuses_configs_the_new_estimators_cannot_run():
-    from treadle.check.run import check_algorithm
+    from treadle.check import check_algorithm
     from treadle.config import load_config
     from treadle.runtime.errors import ConfigError
 

@@ -25,7 +25,7 @@ from treadle.algorithms import (
     entropy_from_logits,
 )
 from treadle.algorithms import value_loss as value_loss_fn
-from treadle.check.run import check_algorithm
+from treadle.check import check_algorithm
 from treadle.config import AlgorithmConfig, load_config
 from treadle.runtime.errors import ConfigError
 from treadle.workers.objectives import loss_options

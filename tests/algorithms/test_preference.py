@@ -10,7 +10,7 @@ import torch
 from algorithm_calls import pair_loss
 
 from treadle.algorithms import PREFERENCE_LOSSES, bradley_terry_loss, implicit_rewards, pair_stats
-from treadle.check.run import check_algorithm
+from treadle.check import check_algorithm
 from treadle.config import load_config
 from treadle.runtime.errors import ConfigError
 

@@ -26,7 +26,7 @@ import tiny_runs
 import torch
 
 from treadle.algorithms import ADV_ESTIMATORS
-from treadle.check.run import check_algorithm
+from treadle.check import check_algorithm
 from treadle.config import load_config
 from treadle.models.loading import load_causal_lm
 from treadle.protocol import Batch

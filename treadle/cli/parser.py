@@ -110,7 +110,7 @@ def _job_parser(sub: argparse._SubParsersAction, name: str, text: str) -> argpar
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from treadle.check.run import KINDS
+    from treadle.check import KINDS
     from treadle.tasks import PREPARERS
 
     p = argparse.ArgumentParser(

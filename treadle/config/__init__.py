@@ -8,7 +8,7 @@ closest valid key suggested; a key given twice in the YAML is an error (PyYAML w
 last), and a syntax error names the file, line and column. Every bad override, unknown key,
 invalid value and broken rule found is listed, one per line of the ConfigError; numbers are
 never nan or infinite. What needs registries is ``treadle.config.rules``'s, what needs files
-or models ``treadle.check.run``'s. The fully resolved config is written to
+or models ``treadle.check``'s. The fully resolved config is written to
 ``<trainer.output_dir>/config.yaml`` so a run directory says exactly what ran.
 
 The schema knows nothing of Ray or torch; it is plain pydantic. The package holds one module

@@ -1,0 +1,121 @@
+"""User code a run imports: the reward function, the agent loop, the tools, and the
+endpoint's parsers.
+
+Each is imported as the run will import it, within ``IMPORT_TIMEOUT_S`` seconds: an import
+that blocks is interrupted with SIGALRM, in the main thread (``time_limit``), and one no signal
+interrupts (a hang in C, an ``os._exit``) is tried in a child process first (``probe_import``).
+The limit is read here alone (:func:`import_limit` lends it to the data checks, which load the
+validation sets' rewards): a test lowers it on this module. A reward function that loaded is
+kept (:func:`load_reward`) so that the data checks can read which row columns a batched one is
+called with (:func:`reward_columns`) without importing it again. The parsers are names vLLM
+registers; the defaults are known without importing vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from typing import Any
+
+from treadle.config import Config
+from treadle.config.rules import RL_KINDS, Kind
+from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
+from treadle.runtime.errors import TreadleError
+from treadle.runtime.plugins import probe_import
+
+
+def check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[str]) -> Any:
+    """Loads the reward function, the tools and (RL) the agent loop, adding to ``problems``;
+    the tools' schemas (None without tools)."""
+    uses_reward = (
+        kind in (*RL_KINDS, "eval")
+        or (kind == "sft" and cfg.data.val_files)
+        or (kind == "dpo" and cfg.dpo.eval_task)
+        or (kind == "kto" and cfg.kto.eval_task)
+    )
+    if uses_reward:
+        spec = cfg.reward.function
+        try:
+            if not spec.startswith("python:"):  # (a function given in this process)
+                probe_import(spec, "reward.function", IMPORT_TIMEOUT_S)  # a hang, an os._exit
+            with time_limit(IMPORT_TIMEOUT_S, "reward.function"):
+                load_reward(spec, "reward.function")
+            summary.append(f"reward.function: {spec}")
+        except TreadleError as e:
+            problems.append(str(e))
+    schemas = None
+    if kind in (*RL_KINDS, "eval"):
+        from treadle.agents.registry import BUILTIN_LOOPS, load_agent_loop
+
+        loads: list[tuple[str, Callable[[], Any]]] = []
+        if cfg.rollout.tools:  # (their schemas are shown in prompts)
+            loads.append(("rollout.tools", lambda: _toolbox(cfg.rollout.tools).schemas))
+        if kind in RL_KINDS and cfg.rollout.agent_loop not in BUILTIN_LOOPS:  # (not treadle's)
+            loads.append(
+                (
+                    "rollout.agent_loop",
+                    lambda: load_agent_loop(cfg.rollout.agent_loop, cfg.rollout.env),
+                )
+            )
+        for key, load in loads:
+            try:
+                with time_limit(IMPORT_TIMEOUT_S, key):
+                    value = load()
+                schemas = value if key == "rollout.tools" and cfg.rollout.tools else schemas
+            except TreadleError as e:
+                problems.append(str(e))
+    return schemas
+
+
+def _toolbox(specs: list[str]) -> Any:
+    from treadle.agents.tools import Toolbox
+
+    return Toolbox.load(specs)
+
+
+def check_parsers(cfg: Config, summary: list[str]) -> None:
+    """The endpoint's parsers are vLLM's registered names (the defaults: without importing
+    vLLM, which takes seconds)."""
+    from treadle.serving.parsers import check_parser_names
+
+    r = cfg.rollout
+    check_parser_names(r.tool_parser, r.reasoning_parser)
+    if r.tool_parser != "hermes" or r.reasoning_parser is not None:
+        summary.append(f"rollout.tool_parser: {r.tool_parser}, reasoning: {r.reasoning_parser}")
+
+
+_LOADED_REWARDS: dict[str, Any] = {}  # spec -> its RewardFn, once it loaded in this process
+
+
+def load_reward(spec: str, key: str) -> Any:
+    """``load_reward_fn``, the function kept for :func:`reward_columns` (which must not import
+    a module whose import failed or hung: it is loaded here under a time limit)."""
+    from treadle.rewards import load_reward_fn
+
+    _LOADED_REWARDS.pop(spec, None)  # (a check's failed load keeps no earlier one)
+    fn = _LOADED_REWARDS[spec] = load_reward_fn(spec, key)
+    return fn
+
+
+def reward_columns(spec: str | None) -> list[str] | None:
+    """The row columns the batched reward ``spec`` (``fn(completions, **columns)``,
+    reasoning_gym's) is called with and needs (its parameters without a default); None for a
+    per-sample reward or one that did not load (said where it is loaded)."""
+    import inspect
+
+    fn = _LOADED_REWARDS.get(spec) if spec is not None else None
+    if fn is None or not fn.batched:
+        return None
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return [
+        name
+        for name, p in inspect.signature(fn._fn).parameters.items()
+        if p.kind in kinds and p.default is inspect.Parameter.empty
+        and name not in ("prompts", "completions")
+    ]  # fmt: skip
+
+
+def import_limit(key: str) -> AbstractContextManager[None]:
+    """The time limit on importing the user code ``key`` names (``IMPORT_TIMEOUT_S``, read
+    when called)."""
+    return time_limit(IMPORT_TIMEOUT_S, key)
