@@ -1,4 +1,4 @@
-# treadle: `make demo` runs the built-in RL demo, `make test` the whole suite.
+# treadle: `make demo` runs the built-in RL demo, `make test` the whole suite (and `make docs`).
 # Both create .venv and install on first use. torch is pinned and installed first so that pip
 # takes the CPU wheel on this machine instead of a multi-GB CUDA build.
 
@@ -17,7 +17,7 @@ VLLM    := vllm
 BROKEN  :=
 endif
 
-.PHONY: install demo test test-fast lint typecheck browser facts clean
+.PHONY: install demo test test-fast lint typecheck browser docs facts clean
 
 install: $(STAMP)
 
@@ -49,7 +49,20 @@ browser:
 	command -v chromium >/dev/null || \
 		{ apt-get update -q && apt-get install -y -q --no-install-recommends chromium; }
 
-test: lint typecheck browser
+# The documentation site (mkdocs.yml, docs/) into build/site, offline, in strict mode: a broken
+# link or anchor, a missing page or a page left out of the navigation fails it. The `docs` extra
+# goes into the same .venv; NO_MKDOCS_2_WARNING quiets mkdocs-material's notice about its future.
+# Not --quiet: mkdocs 1.6 then stops counting warnings, and strict mode passes whatever broke.
+DOCS_STAMP := $(VENV)/.installed-docs
+
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -e '.[docs]'
+	touch $(DOCS_STAMP)
+
+docs: $(DOCS_STAMP)
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
+
+test: lint typecheck browser docs
 	$(PY) -m pytest -q -p no:cacheprovider --durations=25
 
 # The edit-run loop: everything but the `slow` tests (those that start Ray or a real engine).
