@@ -8,8 +8,9 @@ Trajectory`` (:mod:`treadle.agents.loops`); tools are plain functions
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from treadle.runtime.lazy import lazy
 
 if TYPE_CHECKING:
     from treadle.agents.loops import AgentClient, AgentLoopError, Limits, Sample, run_agents
@@ -38,8 +39,4 @@ __all__ = [
     "run_agents",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy(__name__, _LAZY)

@@ -12,8 +12,9 @@ imported on first use: :mod:`.loading` imports torch, which the folder helpers d
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from treadle.runtime.lazy import lazy
 
 if TYPE_CHECKING:
     from treadle.models.folders import load_tokenizer, model_config, vocab_size
@@ -62,8 +63,4 @@ __all__ = [
     "vocab_size",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy(__name__, _LAZY)

@@ -14,7 +14,9 @@ RolloutClient``), where they were before it had a package of its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from treadle.serving import __getattr__ as _serving
 
 if TYPE_CHECKING:
     from treadle.serving import (
@@ -37,10 +39,4 @@ __all__ = [
     "RolloutServer",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        import treadle.serving
-
-        return getattr(treadle.serving, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = _serving  # the service's names, imported on first use

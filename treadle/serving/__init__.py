@@ -14,8 +14,9 @@ The agent loops (:mod:`treadle.agents`) call the client; the driver's rollout
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from treadle.runtime.lazy import lazy
 
 if TYPE_CHECKING:
     from treadle.serving.client import LocalReplica, RayReplica, RolloutClient, RolloutError
@@ -38,8 +39,4 @@ __all__ = [
     "RolloutServer",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        return getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = lazy(__name__, _LAZY)
