@@ -279,7 +279,7 @@ class _Futures:
     def __init__(self, monkeypatch, first: Exception, errors: dict[str, Exception]) -> None:
         import ray
 
-        from treadle.controller import groups
+        from treadle.controller.groups import group as groups
 
         self.waits = 0
 

@@ -286,7 +286,7 @@ def test_not_a_model_folder(tmp_path):
 
 @pytest.mark.slow  # imports vLLM (~15 s), as the engine does before it refuses the model
 def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
-    from treadle.engines.vllm import _check_cpu_head_size
+    from treadle.engines.vllm.slot import _check_cpu_head_size
 
     narrow = tmp_path / "head16"  # 64 / 4 heads: below vLLM's CPU minimum of 32
     tiny_model(
@@ -304,8 +304,9 @@ def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
 
 def test_start_failures_are_config_errors(vllm_session, vllm_model, monkeypatch):
     from treadle.engines import vllm
+    from treadle.engines.vllm import slot
 
-    monkeypatch.setattr(vllm, "_LIVE", None)  # as if no engine ran in this process
+    monkeypatch.setattr(slot, "_LIVE", None)  # as if no engine ran in this process
     with pytest.raises(ConfigError, match=r"did not start .* rollout.engine=hf works"):
         vllm.VLLMRolloutEngine(vllm_model, max_model_len=10**6)  # > the model's 256
     monkeypatch.setitem(sys.modules, "vllm", None)

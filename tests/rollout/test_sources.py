@@ -19,7 +19,8 @@ from treadle.config import load_config
 from treadle.data import PromptDataset, ResumableSampler
 from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
-from treadle.rollout.sources import AsyncSource, _Group
+from treadle.rollout.sources import AsyncSource
+from treadle.rollout.sources.admission import Group as _Group
 from treadle.runtime.errors import ConfigError
 from treadle.serving import Request, Response, RolloutClient
 

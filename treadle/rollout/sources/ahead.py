@@ -1,61 +1,15 @@
-"""Where the driver's batches come from: one :class:`RolloutSource`, whatever ``trainer.mode``.
+"""Generating ahead (``trainer.mode`` one_step_off and async): :class:`AsyncSource`.
 
-The driver asks a source for a step's scored batch (:meth:`~RolloutSource.sample`), tells it
-when the actor's weights changed (:meth:`~RolloutSource.after_update`), has it evaluate the
-learner's weights (:meth:`~RolloutSource.evaluate`: now, or beside training with the metrics
-later, :meth:`~RolloutSource.late_metrics`), and saves and restores its position with the
-checkpoint (:meth:`~RolloutSource.state` / :meth:`~RolloutSource.load_state`). It never asks
-which mode runs; :func:`make_source` picks the source once.
-
-- :class:`SyncSource` (``trainer.mode=sync``): the step draws its prompts, generates with the
-  learner's weights, scores, and syncs the weights after the update.
-- :class:`AsyncSource` (one_step_off, async): the split replicas generate ahead into a bounded
-  buffer the step takes its batch from; weights are synced as ``async.sync_every`` says.
-
-Both hand the scored groups to one :class:`GroupFilter`, DAPO's dynamic sampling
-(``algorithm.filter_groups``, arXiv 2503.14476): groups whose rewards are all equal are
-dropped and more are generated (or taken), at most ``algorithm.max_gen_rounds`` batches' worth;
-if that does not fill the batch, dropped groups top it up (their advantage is zero under a
-group baseline).
-
-Sampling seeds are derived from (seed, step, round) (:func:`sampling_params`), so a resumed
-synchronous run draws the same samples as an uninterrupted one.
-
-**Generating ahead** (:class:`AsyncSource`). In a synchronous step the trainer waits for the
-rollout and the rollout for the trainer. Here a producer runs on the rollout client's loop, in a
-thread of its own, that keeps drawing prompts and generating, and a bounded buffer of finished
-groups sits between it and the trainer, which takes a batch as soon as one is there.
+In a synchronous step the trainer waits for the rollout and the rollout for the trainer. Here
+a producer runs on the rollout client's loop, in a thread of its own, that keeps drawing
+prompts and generating, and a bounded buffer of finished groups sits between it and the
+trainer, which takes a batch as soon as one is there.
 
 - **The unit of generation** is a step-batch: the ``data.batch_size`` prompts the sampler gives
   for step ``s``, sampled with step ``s``'s seed and sent together, exactly as a synchronous
   step sends them. Its groups enter the buffer when they finish; the trainer takes them oldest
   first (the oldest finished ones, with ``admission: drop``).
-- **Staleness.** A sample's version is the oldest weight version of its tokens; its staleness
-  is the learner's version (the step of the actor's last update) minus that. A step-batch
-  starts only while the buffer, with what is in flight, has room (``async.buffer_groups``,
-  default ``(max_staleness + 1) x data.batch_size``), and ``async.admission`` says how the
-  bound ``async.max_staleness`` is kept:
-
-  - ``bounded`` (the default) admits work so that it cannot go stale. The trainer takes groups
-    oldest first, waiting for an older group still generating rather than take a newer one
-    past it, and every step takes at least ``data.batch_size`` groups, so the group ``p``
-    places behind the front of those started and not yet taken is trained by step
-    :func:`trained_by` at the latest. A step-batch starts only when its last group will be
-    trained by then within the bound of the replicas' version now (its oldest token's version
-    at worst, with partial rollouts too). Groups dynamic sampling takes on top only come
-    earlier; a trainer waiting for them takes them in its current step, which the sync rule
-    (``sync_every <= max_staleness + 1``) keeps within the bound. Nothing is dropped (tinker
-    cookbook PR 822: dropping favours prompts that finish fast).
-  - ``drop`` starts step-batch ``s`` once the replicas hold version ``s - 1 - max_staleness``
-    or newer; the trainer takes whichever groups finished first, and a sample that is older
-    than the bound when taken (it finished after a later step-batch, or waited behind others)
-    is dropped and counted.
-
-  Either way a sample still outside the bound when taken is dropped and counted
-  (``async/dropped``). ``max_staleness: 0`` is synchronous training, sample for sample;
-  ``one_step_off`` is ``max_staleness: 1`` with a sync after every update and no partial
-  rollouts: step t+1's samples are generated with the weights before step t's update while
-  step t trains.
+- **Staleness** and when a step-batch may start: :mod:`.admission`.
 - **Weight sync** after every ``async.sync_every`` updates. Without partial rollouts the client
   stops sending, the requests in flight finish, the weights load, sending resumes; with
   ``async.partial_rollout`` the replicas pause what is in flight, load, and go on (each token
@@ -86,236 +40,18 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-import math
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-import torch
-
-from treadle.algorithms import ADV_ESTIMATORS
-from treadle.algorithms.shaping import varied_groups
 from treadle.config import Config
 from treadle.data import PromptDataset, ResumableSampler, pad_prompts, prompt_batch
-from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rollout.fleet import Rollout
-from treadle.tracking.tracker import timed
-
-Score = Callable[[Batch, dict[str, float] | None], torch.Tensor]
-"""The driver's scorer: token-level scores [B, R] of a generated batch; it may log into the
-metrics it is given (None: nothing)."""
-
-EvalRequests = Callable[[], Coroutine[Any, Any, Any]]
-"""An evaluation's generation: a coroutine on the client's loop (made in the caller's thread)."""
-EvalScores = Callable[[Any], dict[str, float]]
-"""An evaluation's metrics from what its generation returned (called in the trainer's thread)."""
-
-
-class RolloutSource(Protocol):
-    """What the driver takes its batches from, in every ``trainer.mode``."""
-
-    def sample(self, step: int, m: dict[str, float]) -> Batch:
-        """Step ``step``'s ``data.batch_size`` groups of ``rollout.n`` samples, scored
-        (``token_level_scores``); its metrics (timings, rollout/, async/) go into ``m``."""
-        ...
-
-    def after_update(self, version: int) -> dict[str, float]:
-        """The actor's weights are now ``version``: sync them to the replicas (when due)."""
-        ...
-
-    def evaluate(self, step: int, requests: EvalRequests, scores: EvalScores) -> dict[str, float]:
-        """Evaluate the learner's weights (those of step ``step``): ``requests`` generate on
-        the replicas, ``scores`` make the metrics of what they return. Now, the metrics
-        returned; or beside training, ``{}`` returned and the metrics by :meth:`late_metrics`."""
-        ...
-
-    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
-        """The metrics of the evaluations finished since the last call, by the step whose
-        weights they evaluated; ``wait``: every one in flight (at the end of a run)."""
-        ...
-
-    def evaluating(self) -> set[int]:
-        """The steps whose evaluation is in flight."""
-        ...
-
-    def metrics(self, step_seconds: float) -> dict[str, float]:
-        """Metrics of the whole step (``step_seconds`` long), after it ran."""
-        ...
-
-    def state(self) -> dict[str, Any]:
-        """The data position a checkpoint keeps (``sampler``, and ``async`` when ahead)."""
-        ...
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        """Go on from :meth:`state` of the checkpoint a run resumes from."""
-        ...
-
-
-def make_source(
-    cfg: Config,
-    rollout: Rollout,
-    dataset: PromptDataset,
-    sampler: ResumableSampler,
-    score: Score,
-    version: int,
-) -> RolloutSource:
-    """The source ``trainer.mode`` names; ``version``: the weights the replicas start with."""
-    if cfg.trainer.mode == "sync":
-        return SyncSource(cfg, rollout, dataset, sampler, score)
-    return AsyncSource(cfg, rollout, dataset, sampler, score, version)
-
-
-def sampling_params(cfg: Config, step: int, round_: int = 0) -> SamplingParams:
-    """``rollout``'s sampling for step ``step``, round ``round_`` (its own seed)."""
-    r = cfg.rollout
-    return SamplingParams(
-        n=r.n,
-        temperature=r.temperature,
-        top_p=r.top_p,
-        top_k=r.top_k,
-        max_new_tokens=r.max_new_tokens,
-        seed=cfg.trainer.seed * 100_003 + step + round_ * 1_000_003,
-        ignore_eos=r.ignore_eos,
-    )
-
-
-# ----------------------------------------------------------------------------- prompt batches
-
-
-# ----------------------------------------------------------------------------- group filter
-
-
-class GroupFilter:
-    """DAPO's dynamic sampling for one batch (see the module docstring); without
-    ``algorithm.filter_groups`` it keeps every group."""
-
-    def __init__(self, cfg: Config) -> None:
-        alg = cfg.algorithm
-        self.on, self.want = alg.filter_groups, cfg.data.batch_size
-        self.budget = alg.max_gen_rounds * self.want if self.on else math.inf  # groups to look at
-        self.kept: list[Batch] = []
-        self.dropped: list[Batch] = []
-        self.kept_groups = self.examined = 0
-
-    def missing(self) -> int:
-        """Groups still wanted."""
-        return self.want - self.kept_groups
-
-    def done(self) -> bool:
-        return self.kept_groups >= self.want or self.examined >= self.budget
-
-    def add(self, batch: Batch | None, stale: int = 0, failed: int = 0) -> None:
-        """Scored groups (consecutive rows of one ``uid``: ``rollout.n``, fewer where agent
-        runs failed, more where a session split); ``stale``: groups looked at and dropped
-        before scoring, ``failed``: groups whose every run failed (both count against the
-        budget)."""
-        groups = len(set(batch["uid"])) if batch is not None else 0
-        self.examined += groups + stale + failed
-        if batch is None:
-            return
-        if not self.on:
-            self.kept.append(batch)
-            self.kept_groups += groups
-            return
-        varied = varied_groups(batch["token_level_scores"].sum(-1), list(batch["uid"]))
-        self.kept.append(batch.select(varied.numpy()))
-        self.dropped.append(batch.select((~varied).numpy()))
-        self.kept_groups += len(set(batch.select(varied.numpy())["uid"]))
-
-    def batch(self, m: dict[str, float]) -> Batch:
-        """The first ``data.batch_size`` groups, kept ones first; ``rollout/kept_group_frac``."""
-        if self.on:
-            m["rollout/kept_group_frac"] = self.kept_groups / max(self.examined, 1)
-        parts = [b for b in self.kept + self.dropped if len(b)]
-        batch = pad_prompts(parts)
-        return batch.slice(0, _rows_of_groups(list(batch["uid"]), self.want))
-
-
-def _rows_of_groups(uids: list[str], groups: int) -> int:
-    """How many leading rows the first ``groups`` groups (runs of one uid) take."""
-    seen: set[str] = set()
-    for i, uid in enumerate(uids):
-        if uid not in seen and len(seen) == groups:
-            return i
-        seen.add(uid)
-    return len(uids)
-
-
-# ----------------------------------------------------------------------------- synchronous
-
-
-@dataclass
-class SyncSource:
-    """Generation inside the step, with the learner's weights (``trainer.mode=sync``)."""
-
-    cfg: Config
-    rollout: Rollout
-    dataset: PromptDataset
-    sampler: ResumableSampler
-    score: Score
-
-    def __post_init__(self) -> None:
-        # ReMax's baseline: the scores of greedy responses, generated here
-        self.greedy = "baseline_rewards" in ADV_ESTIMATORS.needs(self.cfg.algorithm.adv_estimator)
-
-    def sample(self, step: int, m: dict[str, float]) -> Batch:
-        """Rounds of fresh prompts (one without dynamic sampling), each generated and scored."""
-        groups = GroupFilter(self.cfg)
-        rounds = 0
-        while not groups.done():
-            ds = self.dataset
-            prompts = prompt_batch(ds, self.sampler.next_indices(), ds.pad_id)
-            if rounds:  # a prompt drawn again in a later round is a group of its own
-                prompts["uid"] = [f"{u}/{rounds}" for u in prompts["uid"]]
-            with timed(m, "generate"):
-                batch = self.rollout.generate(prompts, sampling_params(self.cfg, step, rounds))
-            with timed(m, "reward"):
-                batch["token_level_scores"] = self.score(batch, m)
-            if self.greedy:
-                with timed(m, "generate_greedy"):
-                    batch["baseline_scores"] = self.greedy_scores(prompts, list(batch["uid"]))
-            groups.add(batch, failed=len(prompts) - len(set(batch["uid"])))
-            rounds += 1
-        if groups.on:
-            m["rollout/gen_rounds"] = float(rounds)
-        m.update(self.rollout.take_counters())
-        return groups.batch(m)
-
-    def greedy_scores(self, prompts: Batch, uids: list[str]) -> torch.Tensor:
-        """ReMax's baseline: the score of the greedy response to each prompt, for each of the
-        rows ``uids`` (a prompt whose greedy run failed: 0)."""
-        r = self.cfg.rollout
-        out = self.rollout.generate(
-            prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens)
-        )
-        scores = dict(zip(out["uid"], self.score(out, None).sum(-1).tolist(), strict=True))
-        return torch.tensor([scores.get(uid, 0.0) for uid in uids])
-
-    def after_update(self, version: int) -> dict[str, float]:
-        return self.rollout.sync_weights(version=version)
-
-    def evaluate(self, step: int, requests: EvalRequests, scores: EvalScores) -> dict[str, float]:
-        return scores(self.rollout.client.run(requests()))  # synced after every update
-
-    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
-        return {}
-
-    def evaluating(self) -> set[int]:
-        return set()
-
-    def metrics(self, step_seconds: float) -> dict[str, float]:
-        return {}
-
-    def state(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict()}
-
-    def load_state(self, state: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-
-
-# ----------------------------------------------------------------------------- ahead of training
+from treadle.rollout.sources.admission import Admission, Group
+from treadle.rollout.sources.group_filter import GroupFilter
+from treadle.rollout.sources.source import EvalRequests, EvalScores, Score, sampling_params
 
 
 @dataclass(eq=False)
@@ -323,41 +59,6 @@ class _Eval:
     step: int  # the step that asked for it (its record gets the metrics)
     generated: concurrent.futures.Future[Any]  # its requests, answered
     scores: EvalScores
-
-
-@dataclass
-class _Group:
-    step: int  # the step-batch it was drawn for (and sampled with the seed of)
-    index: int  # its prompt's place in that step-batch
-    batch: Batch  # its rollout.n samples
-
-
-@dataclass(frozen=True)
-class Admission:
-    """``async.admission``: whether a step-batch may start now for the staleness bound, and
-    whether the trainer may take the buffer's first groups (see the module docstring)."""
-
-    bounded: bool
-    max_staleness: int
-    batch_size: int
-
-    def fresh(
-        self, step: int, count: int, version: int, ahead: int, at: tuple[int, int], waiting: int
-    ) -> bool:
-        """Step-batch ``step``'s ``count`` groups, started now with the replicas' ``version``
-        behind the ``ahead`` groups started and not yet taken; ``at``: the step the trainer
-        takes groups for and how many it took, ``waiting``: how many more it waits for."""
-        if not self.bounded:  # within its own step's bound (taken later, it may be dropped)
-            return version >= step - 1 - self.max_staleness
-        last = trained_by(ahead + count - 1, *at, waiting, self.batch_size)
-        return last <= version + self.max_staleness + 1  # its oldest token: ``version``
-
-    def ready(self, buffer: list[_Group], count: int, flying: set[int]) -> bool:
-        """Whether the buffer's first ``count`` groups may be taken (``flying``: the step-batches
-        generating): bounded, only when no older group is still generating."""
-        if len(buffer) < count:
-            return False
-        return not self.bounded or buffer[count - 1].step < min(flying, default=math.inf)
 
 
 class AsyncSource:
@@ -392,7 +93,7 @@ class AsyncSource:
         self.consumed: set[tuple[int, int]] = set()  # (step-batch, group) trained
         self.drawn: dict[int, dict[str, int]] = {}  # open step-batch -> sampler state before it
         self.open: dict[int, int] = {}  # step-batch -> its groups not yet taken
-        self.buffer: list[_Group] = []
+        self.buffer: list[Group] = []
         self.in_flight = 0  # groups
         self.flying: set[int] = set()  # step-batches generating
         self.waiting = 0  # groups the trainer waits for (0: not waiting)
@@ -460,7 +161,7 @@ class AsyncSource:
             for j, i in enumerate(keep):
                 rows = [k for k, uid in enumerate(uids) if uid == part["uid"][j]]
                 # a prompt whose every run failed is an empty group (taken, then skipped)
-                self.buffer.append(_Group(step, i, batch.select(rows)))
+                self.buffer.append(Group(step, i, batch.select(rows)))
             self.buffer.sort(key=lambda g: (g.step, g.index))
         except asyncio.CancelledError:
             raise
@@ -470,7 +171,7 @@ class AsyncSource:
             self.in_flight -= len(keep)
             self.flying.discard(step)
 
-    async def _take(self, count: int) -> list[_Group]:
+    async def _take(self, count: int) -> list[Group]:
         self.waiting = count
         try:
             ready = self.admission.ready
@@ -637,18 +338,6 @@ def _answered(evals: list[_Eval]) -> float | None:
     return time.perf_counter() - started
 
 
-def trained_by(position: int, step: int, taken: int, waiting: int, batch_size: int) -> int:
-    """The latest step that trains the group ``position`` places behind the front of those
-    admitted and not yet taken (0: the next to be taken), when the trainer takes groups oldest
-    first for step ``step``, has taken ``taken`` of them and waits for ``waiting`` more. Every
-    step takes at least ``batch_size`` groups (dynamic sampling may take more: earlier, never
-    later)."""
-    now = max(batch_size - taken, waiting)  # groups step ``step`` is still sure to take
-    if position < now:
-        return step
-    return step + 1 + (position - now) // batch_size
-
-
-def _oldest(group: _Group) -> int:
+def _oldest(group: Group) -> int:
     """The oldest weight version of a group's tokens."""
     return int(group.batch["weight_version"].min())

@@ -1,0 +1,267 @@
+"""The process's one vLLM engine: started once, checked at start, kept in a slot, reused.
+
+:func:`engine_for` answers every construction of a
+:class:`~treadle.engines.vllm.engine.VLLMRolloutEngine`: the first starts the engine
+(:func:`_start`), the next ones get the same engine with its model folder's weights reloaded.
+Choices:
+
+- **In-process, one engine per process.** `VLLM_ENABLE_V1_MULTIPROCESSING=0` keeps the model
+  in this process, so a weight update is a memory copy, not a transfer, and the engine lives
+  inside the Ray actor that owns the rank. Starting an engine costs seconds to tens of seconds
+  and vLLM's process-wide state (its distributed group, patched torch functions) allows one
+  per process, so the engine is started once and kept in a module-level slot. Constructing
+  `VLLMRolloutEngine` again with the same model folder and settings returns a handle to the
+  same engine and reloads the folder's weights into it (so a new handle holds what its
+  arguments say); a different folder or settings raises `ConfigError`.
+- **Host-process side effects undone.** Starting vLLM seeds the global RNGs and, on CPU,
+  replaces `torch.set_num_threads` with a no-op: the RNG states, the thread count and the
+  function are restored after start. Not undone: when no torch.distributed group exists,
+  vLLM creates the default one (world size 1, gloo) and keeps it; in a Ray actor the rank's
+  group exists first and vLLM works beside it.
+- **Checked at start.** vLLM's CPU attention supports head sizes 32, 64, 80, ...; a model with
+  another (the 16 of a 64-wide, 4-head toy) fails in the first forward pass deep inside
+  vLLM, so it is refused at start with a `ConfigError` instead.
+- **Prefix caching on CPU, 32-token blocks.** vLLM caches whole KV blocks of prompts, and its
+  CPU default block is 128 tokens, which an RL prompt of tens of tokens never fills: each of
+  a prompt's `n` samples computed its prefill. With 32-token blocks (the smallest vLLM's CPU
+  attention takes) the samples of a prompt share its full blocks within a call
+  (`bench/vllm_sweep.py`: SmolLM2, 32 prompts of 39 tokens x 4 samples, ~2.6x less prefill).
+- **What it starts with.** ``logprobs_mode="processed_logprobs"`` (what that gives:
+  :mod:`.engine`), treadle's worker extension (:mod:`.worker`), eager mode on CPU (compiling
+  costs minutes there and gains little) and sleep mode enabled on CUDA.
+
+Errors: if vLLM cannot be imported or the engine does not start, `ConfigError` says why (the
+first line of the original error) and that `rollout.engine=hf` works without vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import random
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from treadle.engines.inference import Finished
+from treadle.engines.vllm.worker import TreadleWorkerExtension
+from treadle.engines.vllm_pictures import PictureLayout
+from treadle.runtime.errors import ConfigError
+
+logger = logging.getLogger("treadle")
+
+_EXTENSION_CLS = f"{TreadleWorkerExtension.__module__}.{TreadleWorkerExtension.__qualname__}"
+# KV-cache block size on CPU, unless `block_size` is given (see "Prefix caching on CPU").
+CPU_BLOCK_SIZE = 32
+_FALLBACK_HINT = "rollout.engine=hf works without vLLM"
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What an engine was started with; a second construction must ask for the same."""
+
+    model_path: str
+    dtype: str
+    seed: int
+    max_model_len: int
+    kv_cache_gib: float
+    gpu_memory_utilization: float
+    extra: tuple[tuple[str, Any], ...] = ()
+
+
+@dataclass
+class LiveEngine:
+    """The process's engine and what every handle on it shares."""
+
+    settings: EngineSettings
+    llm: Any  # vllm.LLM
+    tied_embeddings: bool
+    start_seconds: float
+    asleep: bool = False
+    weights_ok: bool = True  # False after a weight update that failed part-way
+    pictures: PictureLayout | None = None  # a vision-language model's, on its first picture
+    warned: set[str] = field(default_factory=set)
+    # request id -> its tokens and log-probs so far (step() returns deltas)
+    so_far: dict[str, tuple[list[int], list[float]]] = field(default_factory=dict)
+    # requests that finished while `score` stepped the engine: the next step() returns them
+    stash: list[Finished] = field(default_factory=list)
+
+
+_LIVE: LiveEngine | None = None
+
+
+def engine_running() -> bool:
+    """Whether this process's engine has started (it lives until the process ends)."""
+    return _LIVE is not None
+
+
+def engine_for(settings: EngineSettings) -> LiveEngine:
+    """The process's engine: started on first use, reused (weights reloaded) after."""
+    global _LIVE
+    if _LIVE is None:
+        _LIVE = _start(settings)
+        return _LIVE
+    if _LIVE.settings != settings:
+        raise ConfigError(
+            "only one vLLM engine can run per process: it was started with "
+            f"{_describe(_LIVE.settings)}, now asked for {_describe(settings)}; "
+            "use the same model folder and settings in every rollout engine of a process"
+        )
+    handle = _LIVE
+    reload_folder(handle)
+    return handle
+
+
+def reload_folder(live: LiveEngine) -> None:
+    """Load the engine's model folder's weights again (what it started with)."""
+    live.weights_ok = False
+    live.llm.collective_rpc("treadle_reload_from_disk")
+    forget_old_outputs(live)
+    live.weights_ok = True
+
+
+def forget_old_outputs(live: LiveEngine) -> None:
+    """Drop what vLLM computed with the old weights: cached KV blocks and the vision tower's
+    outputs (the scheduler's record of them too, or it would skip the encoder for a picture it
+    thinks cached)."""
+    live.llm.reset_prefix_cache()
+    live.llm.llm_engine.reset_encoder_cache()
+
+
+def _describe(s: EngineSettings) -> str:
+    extra = "".join(f", {k}={v!r}" for k, v in s.extra)
+    return (
+        f"'{s.model_path}' (dtype={s.dtype}, seed={s.seed}, max_model_len={s.max_model_len}, "
+        f"kv_cache_gib={s.kv_cache_gib}, gpu_memory_utilization={s.gpu_memory_utilization}"
+        f"{extra})"
+    )
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """`Type: first line` of an error; for a pydantic error, the first failure's message."""
+    text = str(error).strip()
+    with contextlib.suppress(Exception):  # pydantic's first line only counts the failures
+        text = str(error.errors()[0]["msg"])  # type: ignore[attr-defined]
+    line = text.splitlines()[0] if text else ""
+    if len(line) > limit:
+        line = line[: limit - 3] + "..."
+    return f"{type(error).__name__}: {line}" if line else type(error).__name__
+
+
+def _start(settings: EngineSettings) -> LiveEngine:
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
+    start = time.perf_counter()
+    with _preserve_host_state():
+        try:
+            from vllm import LLM
+        except Exception as e:
+            reason = _first_line(e)
+            raise ConfigError(
+                f"rollout.engine=vllm: vLLM is not importable ({reason}); {_FALLBACK_HINT}"
+            ) from e
+        cuda = torch.cuda.is_available()
+        if not cuda:
+            _check_cpu_head_size(settings.model_path)
+        options: dict[str, Any] = {
+            "dtype": settings.dtype,
+            "enforce_eager": not cuda,  # compiling costs minutes on CPU and gains little
+            **dict(settings.extra),
+        }
+        memory: dict[str, Any] = (
+            {"gpu_memory_utilization": settings.gpu_memory_utilization, "enable_sleep_mode": True}
+            if cuda
+            else {"kv_cache_memory_bytes": int(settings.kv_cache_gib * (1 << 30))}
+        )
+        if not cuda:  # see CPU_BLOCK_SIZE
+            options.setdefault("block_size", CPU_BLOCK_SIZE)
+        try:
+            llm = LLM(
+                settings.model_path,
+                seed=settings.seed,
+                max_model_len=settings.max_model_len,
+                logprobs_mode="processed_logprobs",
+                worker_extension_cls=_EXTENSION_CLS,
+                **memory,
+                **options,
+            )
+        except Exception as e:
+            raise ConfigError(
+                f"rollout.engine=vllm: the vLLM engine did not start for "
+                f"'{settings.model_path}' ({_first_line(e)}); {_FALLBACK_HINT}"
+            ) from e
+    tied = bool(getattr(llm.llm_engine.model_config.hf_text_config, "tie_word_embeddings", False))
+    _quiet_benign_reload_warnings()
+    seconds = time.perf_counter() - start
+    logger.info("started vLLM engine for %s in %.1f s", settings.model_path, seconds)
+    return LiveEngine(settings=settings, llm=llm, tied_embeddings=tied, start_seconds=seconds)
+
+
+def _check_cpu_head_size(model_path: str) -> None:
+    """vLLM's CPU attention supports a fixed set of head sizes; fail at start, not mid-rollout."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    config_file = Path(model_path) / "config.json"
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text(encoding="utf-8"))
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim and head_dim not in supported:
+        raise ConfigError(
+            f"rollout.engine=vllm: the model in '{model_path}' has head size {head_dim} "
+            f"(hidden_size / num_attention_heads), which vLLM's CPU attention does not support "
+            f"(it supports {supported}); {_FALLBACK_HINT}"
+        )
+
+
+@contextlib.contextmanager
+def _preserve_host_state() -> Iterator[None]:
+    """Undo what starting vLLM does to this process: RNG seeds and torch's thread setting."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    torch_state = torch.random.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    threads, set_num_threads = torch.get_num_threads(), torch.set_num_threads
+    try:
+        yield
+    finally:
+        torch.set_num_threads = set_num_threads  # vLLM's CPU worker swaps in a no-op
+        set_num_threads(threads)
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.random.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+
+
+class _DropMessages(logging.Filter):
+    def __init__(self, messages: set[str]) -> None:
+        super().__init__()
+        self.messages = messages
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.getMessage() not in self.messages
+
+
+def _quiet_benign_reload_warnings() -> None:
+    """Drop two warnings every reload gives: the rotary embedding (a cache, no weights) and a
+    tied LM head (its weight is the embedding's, re-tied after) get no weights of their own.
+    An untied head left unloaded is caught by the check in `update_weights`."""
+    layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    if not any(isinstance(f, _DropMessages) for f in layerwise.filters):
+        layerwise.addFilter(
+            _DropMessages(
+                {
+                    "RotaryEmbedding: Failed to load weights",
+                    "ParallelLMHead: Failed to load weights",
+                }
+            )
+        )

@@ -1,0 +1,96 @@
+"""The synchronous source (``trainer.mode=sync``): generation inside the step, with the
+learner's weights.
+
+The step draws its prompts, generates with the learner's weights, scores, and syncs the weights
+after the update; with dynamic sampling it draws fresh prompts for each further round (a prompt
+drawn again in a later round is a group of its own). Choices: an evaluation runs at once on the
+replicas (they hold the learner's weights); ReMax's baseline (an estimator that needs
+``baseline_rewards``) is the score of a greedy response to each prompt, generated here, which
+the modes that generate ahead do not offer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from treadle.algorithms import ADV_ESTIMATORS
+from treadle.config import Config
+from treadle.data import PromptDataset, ResumableSampler, prompt_batch
+from treadle.engines.inference import SamplingParams
+from treadle.protocol import Batch
+from treadle.rollout.fleet import Rollout
+from treadle.rollout.sources.group_filter import GroupFilter
+from treadle.rollout.sources.source import EvalRequests, EvalScores, Score, sampling_params
+from treadle.tracking.tracker import timed
+
+
+@dataclass
+class SyncSource:
+    """Generation inside the step, with the learner's weights (``trainer.mode=sync``)."""
+
+    cfg: Config
+    rollout: Rollout
+    dataset: PromptDataset
+    sampler: ResumableSampler
+    score: Score
+
+    def __post_init__(self) -> None:
+        # ReMax's baseline: the scores of greedy responses, generated here
+        self.greedy = "baseline_rewards" in ADV_ESTIMATORS.needs(self.cfg.algorithm.adv_estimator)
+
+    def sample(self, step: int, m: dict[str, float]) -> Batch:
+        """Rounds of fresh prompts (one without dynamic sampling), each generated and scored."""
+        groups = GroupFilter(self.cfg)
+        rounds = 0
+        while not groups.done():
+            ds = self.dataset
+            prompts = prompt_batch(ds, self.sampler.next_indices(), ds.pad_id)
+            if rounds:  # a prompt drawn again in a later round is a group of its own
+                prompts["uid"] = [f"{u}/{rounds}" for u in prompts["uid"]]
+            with timed(m, "generate"):
+                batch = self.rollout.generate(prompts, sampling_params(self.cfg, step, rounds))
+            with timed(m, "reward"):
+                batch["token_level_scores"] = self.score(batch, m)
+            if self.greedy:
+                with timed(m, "generate_greedy"):
+                    batch["baseline_scores"] = self.greedy_scores(prompts, list(batch["uid"]))
+            groups.add(batch, failed=len(prompts) - len(set(batch["uid"])))
+            rounds += 1
+        if groups.on:
+            m["rollout/gen_rounds"] = float(rounds)
+        m.update(self.rollout.take_counters())
+        return groups.batch(m)
+
+    def greedy_scores(self, prompts: Batch, uids: list[str]) -> torch.Tensor:
+        """ReMax's baseline: the score of the greedy response to each prompt, for each of the
+        rows ``uids`` (a prompt whose greedy run failed: 0)."""
+        r = self.cfg.rollout
+        out = self.rollout.generate(
+            prompts, SamplingParams(n=1, temperature=0.0, max_new_tokens=r.max_new_tokens)
+        )
+        scores = dict(zip(out["uid"], self.score(out, None).sum(-1).tolist(), strict=True))
+        return torch.tensor([scores.get(uid, 0.0) for uid in uids])
+
+    def after_update(self, version: int) -> dict[str, float]:
+        return self.rollout.sync_weights(version=version)
+
+    def evaluate(self, step: int, requests: EvalRequests, scores: EvalScores) -> dict[str, float]:
+        return scores(self.rollout.client.run(requests()))  # synced after every update
+
+    def late_metrics(self, wait: bool) -> dict[int, dict[str, float]]:
+        return {}
+
+    def evaluating(self) -> set[int]:
+        return set()
+
+    def metrics(self, step_seconds: float) -> dict[str, float]:
+        return {}
+
+    def state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict()}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
