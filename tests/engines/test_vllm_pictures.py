@@ -208,7 +208,7 @@ def test_weight_update_reaches_the_vision_tower(ray_session, replica, pictures, 
 def test_pictures_and_their_image_tokens_must_agree() -> None:
     from types import SimpleNamespace
 
-    from treadle.engines.vllm_pictures import PictureLayout, _placeholders
+    from treadle.engines.vllm.pictures import PictureLayout, _placeholders
 
     vision = SimpleNamespace(image_size=64, patch_size=8)
     config = SimpleNamespace(vision_config=vision, image_token_id=5, scale_factor=2)

@@ -49,6 +49,7 @@ MOVED = {
     "treadle.rollout.parsers": "treadle.serving.parsers",
     "treadle.rollout.completions": "treadle.serving.completions",
     "treadle.rollout.serving": "treadle.serving.serve",
+    "treadle.engines.vllm_pictures": "treadle.engines.vllm.pictures",
 }
 """Old module path -> where the module is now."""
 

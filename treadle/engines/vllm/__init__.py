@@ -16,7 +16,7 @@ on GPUs the `vllm` package; the code is the same.
   weight update, bucket by bucket, and a tied LM head re-tied after it.
 
 Each imports only those below it in this list; vision-language prompts go to vLLM as
-:mod:`treadle.engines.vllm_pictures` makes them. The names are handed on here, where they were
+:mod:`treadle.engines.vllm.pictures` makes them. The names are handed on here, where they were
 when this was one module.
 """
 

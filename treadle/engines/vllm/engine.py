@@ -26,7 +26,7 @@ over the one engine of the process (:mod:`.slot`). Choices:
   generate until a full one succeeds.
 - **Pictures** (a vision-language model's ``pixel_values``) go to vLLM with the prompt's ids
   exactly as treadle's processor made them, as processed input
-  (:mod:`treadle.engines.vllm_pictures`); vLLM's vision tower computes their features. A
+  (:mod:`treadle.engines.vllm.pictures`); vLLM's vision tower computes their features. A
   weight update covers the vision tower and connector like any layer and clears vLLM's
   encoder cache (vision features computed with the old weights) with its prefix cache.
 - **Sleep mode** (free the weights and KV cache while training runs) is used on CUDA (level 1;
@@ -53,13 +53,13 @@ from treadle.engines.inference import (
     check_score_args,
 )
 from treadle.engines.vllm.outputs import score_in_queue, stop_reason, take_output
+from treadle.engines.vllm.pictures import PictureLayout, picture_prompt
 from treadle.engines.vllm.slot import (
     EngineSettings,
     engine_for,
     forget_old_outputs,
     reload_folder,
 )
-from treadle.engines.vllm_pictures import PictureLayout, picture_prompt
 from treadle.engines.weights import weight_buckets
 from treadle.models.loading import resolve_model_path
 from treadle.runtime.errors import ConfigError
@@ -139,7 +139,7 @@ class VLLMRolloutEngine:
         """Queue one request (one sample); `step` runs it with everything else in flight.
         ``pixel_values`` ``[images, 3, H, W]``: a vision-language prompt's pictures, their image
         tokens already in ``prompt`` (given to vLLM as they are:
-        :mod:`treadle.engines.vllm_pictures`)."""
+        :mod:`treadle.engines.vllm.pictures`)."""
         from vllm.inputs import TokensPrompt
 
         if params.n != 1:

@@ -51,8 +51,8 @@ import numpy as np
 import torch
 
 from treadle.engines.inference import Finished
+from treadle.engines.vllm.pictures import PictureLayout
 from treadle.engines.vllm.worker import TreadleWorkerExtension
-from treadle.engines.vllm_pictures import PictureLayout
 from treadle.runtime.errors import ConfigError
 
 logger = logging.getLogger("treadle")
