@@ -9,25 +9,19 @@
 It imports neither rollout nor workers: both sit above it and place themselves on its pools.
 """
 
-from treadle.controller.groups import (
+from treadle.controller.groups.dispatch import (
     Collect,
     Dispatch,
     MethodSpec,
-    ResourcePool,
-    Worker,
-    WorkerGroup,
     collect_results,
-    death_cause,
-    device_type,
     dispatch_args,
-    free_port,
-    guarded,
     method_spec,
-    pid_note,
-    ray_get,
     register,
-    tcp_store,
 )
+from treadle.controller.groups.failures import death_cause, pid_note, ray_get
+from treadle.controller.groups.group import WorkerGroup
+from treadle.controller.groups.pool import ResourcePool
+from treadle.controller.groups.worker import Worker, device_type, free_port, guarded, tcp_store
 from treadle.controller.placement import Actors, Placement, rank_threads, ray_env, start_group
 
 __all__ = [

@@ -35,7 +35,9 @@ import torch
 
 from treadle.config import Config
 from treadle.controller.cluster import ensure_ray, total_cpus
-from treadle.controller.groups import ResourcePool, Worker, WorkerGroup
+from treadle.controller.groups.group import WorkerGroup
+from treadle.controller.groups.pool import ResourcePool
+from treadle.controller.groups.worker import Worker
 from treadle.runtime.omp import openmp_env
 from treadle.tracking.tracker import worker_env
 

@@ -4,8 +4,8 @@ One module per job: ``readers`` (files to records: JSONL, Parquet, ``save_to_dis
 every bad row reported with its file and 1-based row), ``templating`` (the chat template,
 tools in prompts, text to token ids with special-token strings kept as text), ``options``
 (``TextOptions``: how every reader turns rows into tokens), ``rows`` (``Rows``, length
-limits), ``prompts`` (RL prompts), ``sft`` (SFT examples), ``pairs`` (preference pairs),
-``unpaired`` (KTO's examples) and ``sampler`` (``ResumableSampler``); ``gym`` draws rows
+limits), ``prompts`` (RL prompts), ``sft`` (SFT examples), ``preference`` (pairs, and KTO's
+unpaired examples) and ``sampler`` (``ResumableSampler``); ``gym`` draws rows
 from reasoning-gym instead of files (``data.source=reasoning_gym``) and holds its reward.
 
 The data layer reads typed options (``TextOptions``, a reasoning-gym spec), never the run's
@@ -20,7 +20,16 @@ from __future__ import annotations
 
 from treadle.data.gym import gym_rows
 from treadle.data.options import Overlong, TextOptions
-from treadle.data.pairs import PairDataset, PairRow, collate_pairs, load_pair_dataset
+from treadle.data.preference import (
+    PairDataset,
+    PairRow,
+    UnpairedDataset,
+    UnpairedRow,
+    collate_pairs,
+    collate_unpaired,
+    load_pair_dataset,
+    load_unpaired_dataset,
+)
 from treadle.data.prompts import (
     PromptDataset,
     PromptRow,
@@ -40,12 +49,6 @@ from treadle.data.templating import (
     special_strings,
     supports_tools,
     tool_messages,
-)
-from treadle.data.unpaired import (
-    UnpairedDataset,
-    UnpairedRow,
-    collate_unpaired,
-    load_unpaired_dataset,
 )
 
 __all__ = [

@@ -14,29 +14,8 @@ RolloutClient``), where they were before it had a package of its own.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from treadle.serving import __getattr__ as _serving
 
-if TYPE_CHECKING:
-    from treadle.serving import (
-        LocalReplica,
-        RayReplica,
-        Request,
-        Response,
-        RolloutClient,
-        RolloutError,
-        RolloutServer,
-    )
-
-__all__ = [
-    "LocalReplica",
-    "RayReplica",
-    "Request",
-    "Response",
-    "RolloutClient",
-    "RolloutError",
-    "RolloutServer",
-]
-
-__getattr__ = _serving  # the service's names, imported on first use
+# The service's names (RolloutClient, Request, ...) where they were before serving/ had a
+# package of its own: imported from treadle.serving on first use.
+__getattr__ = _serving

@@ -15,48 +15,6 @@ declared once, on the worker method, so the driver never handles ranks.
 - :mod:`.group`: :class:`WorkerGroup`, N ranks of one worker class called as one object, on
   Ray or in the driver's process (``backend="local"``).
 
-Each module imports only ones listed above it (``group`` all four); the names are handed on
-here, where they were when this was one module.
+Each module imports only ones listed above it (``group`` all four); :mod:`treadle.controller`
+hands their names on.
 """
-
-from treadle.controller.groups.dispatch import (
-    Collect,
-    Dispatch,
-    MethodSpec,
-    collect_results,
-    dispatch_args,
-    method_spec,
-    register,
-)
-from treadle.controller.groups.failures import (
-    PEER_LOST,
-    death_cause,
-    peer_lost,
-    pid_note,
-    ray_get,
-)
-from treadle.controller.groups.group import WorkerGroup
-from treadle.controller.groups.pool import ResourcePool
-from treadle.controller.groups.worker import Worker, device_type, free_port, guarded, tcp_store
-
-__all__ = [
-    "PEER_LOST",
-    "Collect",
-    "Dispatch",
-    "MethodSpec",
-    "ResourcePool",
-    "Worker",
-    "WorkerGroup",
-    "collect_results",
-    "death_cause",
-    "device_type",
-    "dispatch_args",
-    "free_port",
-    "guarded",
-    "method_spec",
-    "peer_lost",
-    "pid_note",
-    "ray_get",
-    "register",
-    "tcp_store",
-]
