@@ -35,5 +35,7 @@ def test_the_faces_hand_on_their_modules_names():
     assert treadle.models.load_tokenizer is load_tokenizer
     assert treadle.serving.RolloutClient is RolloutClient
     assert treadle.rollout.RolloutClient is RolloutClient  # where it was before serving/
-    for face in (treadle.agents, treadle.models, treadle.serving, treadle.rollout):
+    for face in (treadle.agents, treadle.models, treadle.serving):
         assert all(hasattr(face, name) for name in face.__all__), face.__name__
+    for name in treadle.serving.__all__:  # the service's old home hands on each of them
+        assert getattr(treadle.rollout, name) is getattr(treadle.serving, name), name
