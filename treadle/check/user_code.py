@@ -43,6 +43,7 @@ def check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[
             summary.append(f"reward.function: {spec}")
         except TreadleError as e:
             problems.append(str(e))
+        check_reward_service(cfg, summary, problems)
     schemas = None
     if kind in (*RL_KINDS, "eval"):
         from treadle.agents.registry import BUILTIN_LOOPS, load_agent_loop
@@ -65,6 +66,24 @@ def check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[
             except TreadleError as e:
                 problems.append(str(e))
     return schemas
+
+
+def check_reward_service(cfg: Config, summary: list[str], problems: list[str]) -> None:
+    """``reward.url``, reached once: an empty batch (``{"samples": []}``), one try under
+    ``reward.url_timeout_s`` (:meth:`~treadle.rewards.service.RewardService.probe`)."""
+    r = cfg.reward
+    if r.url is None:
+        return
+    from treadle.rewards.service import RewardService, ServiceOptions
+
+    try:
+        with RewardService(
+            ServiceOptions(r.url, timeout_s=r.url_timeout_s, auth_env=r.url_auth_env)
+        ) as s:
+            s.probe()
+        summary.append(f"reward.url: {r.url} answered (weight {r.url_weight:g})")
+    except TreadleError as e:
+        problems.append(str(e))
 
 
 def _toolbox(specs: list[str]) -> Any:

@@ -1,8 +1,10 @@
-"""``reward``: the reward function or model and its shaping."""
+"""``reward``: the reward function, model or service (``url``) and its shaping."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
 
 from treadle.config.base import Key, Section
 
@@ -44,3 +46,76 @@ class RewardConfig(Section):
         description="Wall-clock seconds one reward call (a code reward: one graded program) may "
         "take.",
     )
+    function_weight: float | None = Field(
+        None,
+        description="Weight of reward.function's score in the reward; null: 1 without "
+        "reward.url, 0 with it (the function is then not called in training: set a weight to "
+        "add both, e.g. a format rule beside a service's score).",
+    )
+    url: str | None = Field(
+        None,
+        description="A reward service: the samples are POSTed as "
+        '{"samples": [{"prompt", "response", "ground_truth", "row"}, ...]} and it answers '
+        '{"rewards": [...]}, one number (or dict of numbers) per sample '
+        "(docs/data-and-rewards.md#a-reward-service). `treadle check` sends it an empty batch.",
+    )
+    url_weight: float = Field(
+        1.0, description="Weight of the reward service's score in the reward."
+    )
+    url_batch_size: int = Field(32, gt=0, description="Reward service: samples per request.")
+    url_concurrency: int = Field(
+        4, gt=0, description="Reward service: requests in flight at once, at most."
+    )
+    url_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="Reward service: seconds one request may take before it is tried again.",
+    )
+    url_retries: int = Field(
+        3,
+        ge=0,
+        description="Reward service: tries after the first of a request that timed out, could "
+        "not connect or was answered 429/5xx; then the run stops with one line.",
+    )
+    url_backoff_s: float = Field(
+        1.0,
+        ge=0,
+        description="Reward service: seconds before the first retry, doubled for each next one.",
+    )
+    url_auth_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Reward service: the name of an environment variable whose value is sent as "
+        "`Authorization: Bearer <value>` (the token itself never goes in the YAML).",
+    )
+
+    @field_validator("url")
+    @classmethod
+    def _an_http_url(cls, url: str | None) -> str | None:
+        if url is None:
+            return None
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("not an http:// or https:// URL")
+        return url
+
+    @model_validator(mode="after")
+    def _something_scores(self) -> RewardConfig:
+        if self.url is not None and "@" in urlsplit(self.url).netloc:  # (not echoed: a secret)
+            raise ValueError(
+                "reward.url carries credentials (user:password@): give the token through "
+                "reward.url_auth_env instead, the name of an environment variable holding it"
+            )
+        if self.rule_weight == 0 and (self.url is None or self.url_weight == 0):
+            raise ValueError(
+                "reward.function_weight is 0 and no reward.url scores instead: nothing would "
+                "score the samples (give reward.url, or a nonzero weight)"
+            )
+        return self
+
+    @property
+    def rule_weight(self) -> float:
+        """reward.function's weight: function_weight, or 1 without a service and 0 with one."""
+        if self.function_weight is not None:
+            return self.function_weight
+        return 0.0 if self.url is not None else 1.0

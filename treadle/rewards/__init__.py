@@ -59,7 +59,9 @@ One module per job:
   Python, their signatures checked;
 - :mod:`.results`: what a function returned, checked (a finite number or named components);
 - :mod:`.scores`: a batch scored (per sample, or batched as TRL does) by a :class:`Scorer`;
-- :mod:`.pool`: the worker processes a reward runs in, each call under ``reward.timeout_s``.
+- :mod:`.pool`: the worker processes a reward runs in, each call under ``reward.timeout_s``;
+- :mod:`.service`: a reward service over HTTP (``reward.url``), weighed with the function by
+  the ``Scorer`` (``reward.function_weight``, ``reward.url_weight``).
 """
 
 from treadle.rewards.functions import (
@@ -100,6 +102,7 @@ from treadle.rewards.scores import (
     score_batch,
     score_batched,
 )
+from treadle.rewards.service import RewardService, ServiceOptions
 
 __all__ = [
     "ANSWER_READERS",
@@ -113,9 +116,11 @@ __all__ = [
     "Outcome",
     "RewardFn",
     "RewardPool",
+    "RewardService",
     "Sample",
     "Scorer",
     "Scores",
+    "ServiceOptions",
     "answer_reader",
     "as_result",
     "as_score",

@@ -17,9 +17,11 @@ def shorten(text: Any, limit: int = 80) -> str:
     return repr(text if len(text) <= limit else text[: limit - 3] + "...")
 
 
-def fail(name: str, index: int, prompt: Any, response: Any, problem: str) -> RewardError:
+def fail(
+    name: str, index: int, prompt: Any, response: Any, problem: str, what: str = "reward function"
+) -> RewardError:
     error = RewardError(
-        f"reward function '{name}' failed on sample {index}: {problem} "
+        f"{what} '{name}' failed on sample {index}: {problem} "
         f"(prompt {shorten(prompt)}, response {shorten(response)})"
     )
     error.sample = index

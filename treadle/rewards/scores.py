@@ -13,7 +13,8 @@ from typing import Any
 from treadle.rewards.functions import SANDBOXED, load_reward_fn
 from treadle.rewards.pool import RewardPool
 from treadle.rewards.results import Outcome, Sample, as_result, fail, outcome
-from treadle.runtime.errors import RewardError
+from treadle.rewards.service import RewardService, ServiceOptions
+from treadle.runtime.errors import ConfigError, RewardError
 
 
 class Scores(list[float]):
@@ -124,25 +125,28 @@ def _samples(
     return list(zip(prompts, responses, ground_truths, strict=True))
 
 
-def _judge(name: str, samples: list[Sample], outcomes: Iterable[Outcome]) -> Scores:
-    """The scores, or the RewardError of the first sample (in order) that failed."""
+def _judge(
+    name: str, samples: list[Sample], outcomes: Iterable[Outcome], what: str = "reward function"
+) -> Scores:
+    """The scores, or the RewardError of the first sample (in order) that failed (``what``:
+    what ``name`` is, in the error)."""
     scores = Scores()
     components: list[dict[str, float] | None] = []
     for i, ((prompt, response, _), (value, error)) in enumerate(
         zip(samples, outcomes, strict=False)
     ):
         if isinstance(error, str):
-            raise fail(name, i, prompt, response, error)
+            raise fail(name, i, prompt, response, error, what)
         if error is not None:
             cause = f"raised {type(error).__name__}: {error}"
-            raise fail(name, i, prompt, response, cause) from error
+            raise fail(name, i, prompt, response, cause, what) from error
         result = as_result(value)
         if isinstance(result, str):
-            raise fail(name, i, prompt, response, result)
+            raise fail(name, i, prompt, response, result, what)
         if components and (components[0] is None) != (result[1] is None):
             first = "a number" if components[0] is None else "a dict"
             problem = f"returned {value!r}, but sample 0 returned {first}: return one kind"
-            raise fail(name, i, prompt, response, problem)
+            raise fail(name, i, prompt, response, problem, what)
         scores.append(result[0])
         components.append(result[1])
     if len(scores) != len(samples):
@@ -150,6 +154,19 @@ def _judge(name: str, samples: list[Sample], outcomes: Iterable[Outcome]) -> Sco
     if components and components[0] is not None:
         scores.components = [c for c in components if c is not None]
     return scores
+
+
+def _weighted(parts: list[tuple[float, Scores]]) -> Scores:
+    """The weighted sum of the sides' scores; one side's components kept (scaled)."""
+    if len(parts) == 1:
+        weight, scores = parts[0]
+        if weight == 1:
+            return scores
+        out = Scores(weight * x for x in scores)
+        if scores.components is not None:
+            out.components = [{k: weight * v for k, v in c.items()} for c in scores.components]
+        return out
+    return Scores(sum(w * s[i] for w, s in parts) for i in range(len(parts[0][1])))
 
 
 def _outcomes_parallel(
@@ -166,15 +183,34 @@ def _outcomes_parallel(
 
 class Scorer:
     """Scores batches with the function ``reward.function`` names, as ``reward.num_workers``
-    and ``reward.timeout_s`` say (see the module's docstring). Close it (or use ``with``)."""
+    and ``reward.timeout_s`` say (see the module docstring), and with a reward service
+    (``service``, :mod:`treadle.rewards.service`) when one is given. Close it (or use
+    ``with``).
+
+    With both, a sample's score is ``rule_weight`` x the function's + ``service.weight`` x the
+    service's; a weight of 0 leaves its side uncalled. The named components of a dict reward
+    are kept (and scaled by its weight) when only one side is called."""
 
     def __init__(
-        self, spec: str, num_workers: int = 0, timeout_s: float = 10.0, key: str = "reward.function"
+        self,
+        spec: str,
+        num_workers: int = 0,
+        timeout_s: float = 10.0,
+        key: str = "reward.function",
+        service: ServiceOptions | None = None,
+        rule_weight: float = 1.0,
     ) -> None:
         self.fn = load_reward_fn(spec, key)
         self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
+        self.rule_weight = rule_weight
+        if not rule_weight and (service is None or not service.weight):
+            raise ConfigError(
+                "reward.function_weight is 0 and there is no reward.url (or its weight is 0): "
+                "nothing would score the samples"
+            )
         use_pool = num_workers > 0 and not self.fn.treadle_sandboxed and not self.fn.batched
-        self.pool = RewardPool(spec, num_workers, timeout_s) if use_pool else None
+        self.pool = RewardPool(spec, num_workers, timeout_s) if use_pool and rule_weight else None
+        self.service = None if service is None or not service.weight else RewardService(service)
 
     def __call__(
         self,
@@ -183,7 +219,27 @@ class Scorer:
         ground_truths: Sequence[str],
         rows: Sequence[Mapping[str, Any]] | None = None,
     ) -> Scores:
-        """The scores; ``rows`` (the data rows, for a batched reward's columns) is optional."""
+        """The scores; ``rows`` (the data rows, for a batched reward's columns and the reward
+        service) is optional."""
+        parts: list[tuple[float, Scores]] = []
+        if self.rule_weight:
+            parts.append((self.rule_weight, self.rule(prompts, responses, ground_truths, rows)))
+        if self.service is not None:
+            values = self.service(prompts, responses, ground_truths, rows)
+            samples = _samples(prompts, responses, ground_truths)
+            url = self.service.options.url
+            served = _judge(url, samples, ((v, None) for v in values), "reward service")
+            parts.append((self.service.options.weight, served))
+        return _weighted(parts)
+
+    def rule(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        rows: Sequence[Mapping[str, Any]] | None = None,
+    ) -> Scores:
+        """The reward function's scores alone."""
         if self.fn.batched:
             return score_batched(
                 self.fn._fn, prompts, responses, ground_truths, rows, spec=self.spec
@@ -205,6 +261,8 @@ class Scorer:
     def close(self) -> None:
         if self.pool is not None:
             self.pool.close()
+        if self.service is not None:
+            self.service.close()
 
     def __enter__(self) -> Scorer:
         return self

@@ -42,6 +42,7 @@ from treadle.data import PromptDataset, prompt_batch
 from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rewards import Scorer, answer_reader
+from treadle.rewards.service import ServiceOptions
 from treadle.rollout.fleet import Rollout, start_rollout
 from treadle.runtime.errors import ConfigError, RewardError
 from treadle.runtime.faults import failpoint
@@ -74,9 +75,16 @@ class ValSet:
 
 def make_scorer(cfg: Config, spec: str | None = None, key: str = "reward.function") -> Scorer:
     """``spec`` (default ``reward.function``), called as ``reward.num_workers`` and
-    ``reward.timeout_s`` say; a bad spec is a ConfigError naming ``key``."""
+    ``reward.timeout_s`` say; a bad spec is a ConfigError naming ``key``. Without ``spec``: the
+    run's reward, with the reward service ``reward.url`` and the weights when there is one."""
     r = cfg.reward
-    return Scorer(spec or r.function, r.num_workers, r.timeout_s, key)
+    if spec is not None:
+        return Scorer(spec, r.num_workers, r.timeout_s, key)
+    service = r.url and ServiceOptions(
+        r.url, r.url_batch_size, r.url_concurrency, r.url_timeout_s, r.url_retries,
+        r.url_backoff_s, r.url_auth_env, r.url_weight,
+    )  # fmt: skip
+    return Scorer(r.function, r.num_workers, r.timeout_s, key, service or None, r.rule_weight)
 
 
 def worker_restarts(scorer: Scorer, sets: Mapping[str, ValSet]) -> dict[str, float]:
