@@ -14,6 +14,7 @@ from algorithm_calls import estimate as estimator
 from torch.testing import assert_close
 
 from treadle.algorithms import ADV_ESTIMATORS, EstimatorInputs
+from treadle.algorithms.utils import trajectory_weights
 
 MASK = torch.tensor(
     [
@@ -460,3 +461,42 @@ def test_a_name_an_estimator_does_not_take_is_an_error(name):
         estimate(name, some_future_option=1)
     with pytest.raises(TypeError, match="some_future_input"):
         EstimatorInputs(outcome_rewards(), MASK, GROUPS, some_future_input=1)  # type: ignore[call-arg]
+
+
+# --------------------------------------------------------------------------- split trajectories
+
+
+@pytest.mark.parametrize(
+    "name", ["grpo", "dr_grpo", "rloo", "reinforce_plus_plus_baseline", "gpg", "gdpo"]
+)
+def test_a_trajectory_split_into_segments_weighs_as_one(name):
+    """Group "a" is three trajectories scored 1, 0, 0.5; the first was split into two
+    segments (two rows, one trajectory id). With its weights each segment gets the advantage
+    the unsplit trajectory gets (the whitening estimators: its group statistics are the
+    unsplit group's); without them the split trajectory counts twice."""
+    whole, _ = estimate(name)
+    rows = [0, 0, 1, 2, 3, 4, 5]  # the first row is split: its two segments
+    mask = MASK[rows]
+    rewards = outcome_rewards([SCORES[i] for i in rows], mask)
+    groups = [GROUPS[i] for i in rows]
+    weights = trajectory_weights(groups, [0, 0, 1, 2, 3, 4, 5])
+    assert weights is not None and weights.tolist() == [0.5, 0.5, 1, 1, 1, 1, 1]
+    split, _ = estimate(name, rewards, mask, group_ids=groups, sample_weights=weights)
+    counted_twice, _ = estimate(name, rewards, mask, group_ids=groups)
+    per_row = lambda adv: (adv.sum(-1) / mask.sum(-1)).tolist()  # noqa: E731
+    per_whole = (whole.sum(-1) / MASK.sum(-1)).tolist()
+    if name in ("reinforce_plus_plus_baseline", "gdpo"):  # whitened over the batch's tokens
+        # the trajectory scored 0.5 is its group's mean (1, 0, 0.5): centred 0 before the
+        # whitening, as the rows of the all-equal group "c" are
+        assert per_row(split)[3] == pytest.approx(per_row(split)[5])
+        assert per_row(counted_twice)[3] != pytest.approx(per_row(counted_twice)[5])
+    else:  # (gpg's factor B / nonzero counts rows, as its loss does: compared up to it)
+        scale = 7 / 4 / 2 if name == "gpg" else 1.0
+        assert per_row(split) == pytest.approx([per_whole[i] * scale for i in rows])
+    assert per_row(counted_twice)[:4] != pytest.approx(per_row(split)[:4])
+
+
+def test_trajectory_weights_are_none_when_nothing_is_split():
+    assert trajectory_weights(["a", "a", "b"], [0, 1, 0]) is None
+    # the same trajectory number in two groups is two trajectories
+    assert trajectory_weights(["a", "b"], [0, 0]) is None

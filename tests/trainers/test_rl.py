@@ -238,3 +238,23 @@ def test_on_ray_the_workers_begin_before_the_data_and_close_if_it_fails(
     with pytest.raises(DataError, match="row 3"):
         trainer(tiny_task, tmp_path, parity_reward, "trainer.backend=ray")
     assert order == ["launched wait=False", "data", "closed", "logs back"]
+
+
+def test_the_segments_of_a_split_session_weigh_as_one_trajectory():
+    """The driver hands the estimator each sample's weight in its group: the two rows of
+    sample 0 (a session split into two segments) half each."""
+    from types import SimpleNamespace
+
+    batch = Batch.from_dict(
+        {
+            "token_level_rewards": torch.tensor([[1.0], [1.0], [0.0], [0.5]]),
+            "response_mask": torch.ones(4, 1, dtype=torch.long),
+            "sample_index": torch.tensor([0, 0, 1, 2]),
+        },
+        {"uid": ["a", "a", "a", "a"]},
+    )
+    fake = SimpleNamespace(cfg=load_config(None, []), needs=())
+    inputs = RLTrainer.estimator_inputs(fake, batch)
+    assert inputs.sample_weights.tolist() == [0.5, 0.5, 1.0, 1.0]
+    whole = batch.select([1, 2, 3])
+    assert RLTrainer.estimator_inputs(fake, whole).sample_weights is None

@@ -23,6 +23,11 @@ Choices made here:
   Group statistics are computed in float64 so that a group of equal rewards gets an advantage
   of exactly (not approximately) 0 even after dividing by a tiny std.
 - A group of one sample has no baseline (mean 0, std 1), as in verl.
+- A trajectory split into segments (a black-box agent's session whose prompts stopped
+  extending each other) is several samples of one trajectory: ``sample_weights`` (1 / its
+  segments) makes it count once in its group's mean, std and count (grpo, dr_grpo, rloo,
+  reinforce_plus_plus_baseline, gpg, gdpo); each segment then gets its trajectory's
+  advantage. grpo_passk, opo, prime and the optimal token baseline count segments as samples.
 - Outcome estimators return ``returns == advantages`` (there is no critic to regress).
 - Outputs are float32, or float64 for float64 rewards.
 
@@ -68,12 +73,25 @@ def _scores(inputs: EstimatorInputs) -> Tensor:
     return masked_sum(inputs.token_level_rewards.double(), inputs.response_mask, dim=-1)
 
 
-def _group_mean_std(scores: Tensor, index: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-sample group mean and unbiased std; a single-sample group gets mean 0, std 1."""
-    count = group_sum(torch.ones_like(scores), index)
-    mean = group_sum(scores, index) / count
-    var = group_sum((scores - mean) ** 2, index) / (count - 1).clamp(min=1)
-    single = count == 1
+def _weights(inputs: EstimatorInputs, scores: Tensor) -> Tensor:
+    """Each sample's weight in its group's statistics (float64 [B]): ``sample_weights``, so
+    that the segments of one trajectory count once, or 1 each."""
+    if inputs.sample_weights is None:
+        return torch.ones_like(scores)
+    return inputs.sample_weights.to(scores)
+
+
+def _group_mean_std(
+    scores: Tensor, index: Tensor, weights: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-sample group mean and unbiased std over the group's trajectories (``weights``: each
+    sample's share of its trajectory, 1 each by default); a group of one trajectory gets mean
+    0, std 1."""
+    w = torch.ones_like(scores) if weights is None else weights
+    count = group_sum(w, index)  # trajectories
+    mean = group_sum(w * scores, index) / count
+    var = group_sum(w * (scores - mean) ** 2, index) / (count - 1).clamp(min=1)
+    single = count < 1.5
     return torch.where(single, 0.0, mean), torch.where(single, 1.0, var.sqrt())
 
 
@@ -152,7 +170,8 @@ def grpo(inputs: EstimatorInputs, settings: GRPOSettings) -> Result:
     ``norm_adv_by_std=False`` there is no division (Dr. GRPO, arXiv 2503.20783).
     """
     scores = _scores(inputs)
-    mean, std = _group_mean_std(scores, group_index(inputs.group_ids, scores))
+    index = group_index(inputs.group_ids, scores)
+    mean, std = _group_mean_std(scores, index, _weights(inputs, scores))
     adv = scores - mean
     if settings.norm_adv_by_std:
         adv = adv / (std + settings.eps)
@@ -176,10 +195,10 @@ def rloo(inputs: EstimatorInputs, settings: NoSettings) -> Result:
     group; a single-sample group has no baseline (``A_i = s_i``).
     """
     scores = _scores(inputs)
-    index = group_index(inputs.group_ids, scores)
-    n = group_sum(torch.ones_like(scores), index)
-    loo = (n * scores - group_sum(scores, index)) / (n - 1).clamp(min=1)
-    return _outcome(torch.where(n > 1, loo, scores), inputs)
+    index, w = group_index(inputs.group_ids, scores), _weights(inputs, scores)
+    n = group_sum(w, index)  # trajectories
+    loo = (n * scores - group_sum(w * scores, index)) / (n - 1).clamp(min=1)
+    return _outcome(torch.where(n > 1.5, loo, scores), inputs)
 
 
 @register_adv_estimator("reinforce_plus_plus", settings=GammaSettings)
@@ -202,7 +221,8 @@ def reinforce_plus_plus_baseline(inputs: EstimatorInputs, settings: NoSettings) 
     the mean and std of all valid tokens of the batch (token-weighted, as in verl).
     """
     scores = _scores(inputs)
-    mean, _std = _group_mean_std(scores, group_index(inputs.group_ids, scores))
+    index = group_index(inputs.group_ids, scores)
+    mean, _std = _group_mean_std(scores, index, _weights(inputs, scores))
     return _whitened_outcome(scores - mean, inputs)
 
 
@@ -280,7 +300,8 @@ def gpg(inputs: EstimatorInputs, settings: EpsSettings) -> Result:
     ``F_norm = 1`` variant (its optional std normalisation is left out).
     """
     scores = _scores(inputs)
-    mean, _std = _group_mean_std(scores, group_index(inputs.group_ids, scores))
+    index = group_index(inputs.group_ids, scores)
+    mean, _std = _group_mean_std(scores, index, _weights(inputs, scores))
     centered = scores - mean
     n_valid = (centered.abs() > settings.eps).sum().clamp(min=1)
     return _outcome(centered * scores.shape[0] / n_valid, inputs)
@@ -358,7 +379,7 @@ def gdpo(inputs: EstimatorInputs, settings: GDPOSettings) -> Result:
     index = group_index(inputs.group_ids, scores)
     total = torch.zeros_like(scores)
     for j in range(k):
-        mean, std = _group_mean_std(comps[:, j], index)
+        mean, std = _group_mean_std(comps[:, j], index, _weights(inputs, scores))
         centered = comps[:, j] - mean
         scaled = centered / (std + settings.eps) if settings.norm_adv_by_std else centered
         total = total + weights[j] * scaled

@@ -85,6 +85,8 @@ class EstimatorInputs:
     (ReMax); ``old_log_probs``, ``sum_pi_squared`` and, under rollout correction,
     ``rollout_is_weights`` [B,T] (optimal token baseline); ``reward_components`` [B,K]
     (GDPO); ``implicit_rewards`` [B,T]: the implicit PRM's token rewards (PRIME).
+    ``sample_weights`` [B]: each sample's weight in its group's statistics (1 / the segments of
+    its trajectory, :func:`~treadle.algorithms.utils.trajectory_weights`; None: 1 each).
     """
 
     token_level_rewards: Tensor
@@ -97,6 +99,7 @@ class EstimatorInputs:
     rollout_is_weights: Tensor | None = None
     reward_components: Tensor | None = None
     implicit_rewards: Tensor | None = None
+    sample_weights: Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -94,3 +94,18 @@ def group_sum(x: Tensor, index: Tensor) -> Tensor:
     """For each sample, the sum of ``x`` over the samples of its group ([B] -> [B])."""
     sums = torch.zeros(int(index.max()) + 1, dtype=x.dtype, device=x.device)
     return sums.index_add_(0, index, x)[index]
+
+
+def trajectory_weights(
+    group_ids: Sequence[Hashable], trajectory_ids: Sequence[Hashable]
+) -> Tensor | None:
+    """Each sample's weight in its group's statistics: 1 / the number of samples of its
+    trajectory (a session split into segments is several samples of one trajectory, which
+    must weigh as one); None when every trajectory is one sample (every weight 1)."""
+    keys = list(zip(group_ids, trajectory_ids, strict=True))
+    counts: dict[tuple[Hashable, Hashable], int] = {}
+    for key in keys:
+        counts[key] = counts.get(key, 0) + 1
+    if all(n == 1 for n in counts.values()):
+        return None
+    return torch.tensor([1.0 / counts[key] for key in keys], dtype=torch.float64)

@@ -66,7 +66,7 @@ from treadle.algorithms.correction import rollout_correction
 from treadle.algorithms.inputs import EstimatorInputs
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty
-from treadle.algorithms.utils import mismatch_metrics, mismatch_stats
+from treadle.algorithms.utils import mismatch_metrics, mismatch_stats, trajectory_weights
 from treadle.config import Config
 from treadle.config.rules import Kind, check_algorithm
 from treadle.data import ResumableSampler
@@ -344,7 +344,8 @@ class RLTrainer(Trainer):
         """What the estimator reads: rewards, mask, groups, values and greedy baselines when
         there are, and its ``needs``: the old policy's log-probs and Σπ² (optimal token
         baseline; with rollout correction, its importance weights too), the reward's
-        components (GDPO), the implicit PRM's token rewards (PRIME)."""
+        components (GDPO), the implicit PRM's token rewards (PRIME); and each sample's weight
+        in its group, 1 / the segments of its trajectory (a split session counts once)."""
         alg, out = self.cfg.algorithm, {}
         if "old_log_probs" in self.needs:
             out["old_log_probs"] = batch["old_log_probs"]
@@ -359,6 +360,9 @@ class RLTrainer(Trainer):
         for name in ("sum_pi_squared", "reward_components"):
             if name in self.needs:
                 out[name] = batch[name]
+        if "sample_index" in batch:  # a split session's segments weigh as one trajectory
+            trajectories = batch["sample_index"].tolist()
+            out["sample_weights"] = trajectory_weights(list(batch["uid"]), trajectories)
         return EstimatorInputs(
             batch["token_level_rewards"],
             batch["response_mask"].float(),
