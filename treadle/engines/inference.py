@@ -28,6 +28,9 @@ KV cache on a left-padded batch. Log-probs are taken from the raw logits divided
 temperature (the policy the actor trains), not from the top-p/top-k-filtered scores.
 ``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
 response (every response runs to ``max_new_tokens``, for benchmarks); stop tokens still do.
+``SamplingParams.top_logprobs = k`` also returns, per sampled token, the k most likely ids of
+that position and their log-probs, from the same distribution (the OpenAI endpoint's
+``top_logprobs``); an engine that does not give them returns empty lists.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ class SamplingParams:
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # run every response to max_new_tokens (stop_token_ids still stop)
+    top_logprobs: int = 0  # also the k most likely ids per sampled position, with log-probs
 
 
 @dataclass
@@ -64,6 +68,8 @@ class RolloutOutput:
     token_ids: list[list[int]] = field(default_factory=list)
     log_probs: list[list[float]] = field(default_factory=list)
     stop_reasons: list[str] = field(default_factory=list)  # "stop" (EOS/stop token) | "length"
+    top_ids: list[list[list[int]]] = field(default_factory=list)  # params.top_logprobs > 0
+    top_log_probs: list[list[list[float]]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,9 @@ class Finished:
     token_ids: list[int]
     log_probs: list[float]
     stop_reason: str  # "stop" | "length"
+    # per token the top_logprobs most likely ids and their log-probs (empty: not asked for)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -207,13 +216,18 @@ class HFRolloutEngine:
         logits = torch.stack(gen.logits, dim=1).float().cpu()  # [B, new, V]
         if not greedy:
             logits = logits / params.temperature
-        logps = torch.log_softmax(logits, -1).gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
-        for row, lp in zip(seqs.tolist(), logps.tolist(), strict=True):
+        all_logps = torch.log_softmax(logits, -1)
+        logps = all_logps.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
+        top = all_logps.topk(params.top_logprobs, -1) if params.top_logprobs else None
+        for k, (row, lp) in enumerate(zip(seqs.tolist(), logps.tolist(), strict=True)):
             end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
             length = end if end is not None else len(row)
             out.token_ids.append(row[:length])
             out.log_probs.append(lp[:length])
             out.stop_reasons.append("stop" if end is not None else "length")
+            if top is not None:  # (the same distribution as the sampled token's log-prob)
+                out.top_ids.append(top.indices[k, :length].tolist())
+                out.top_log_probs.append(top.values[k, :length].tolist())
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[Scored]:
@@ -287,10 +301,16 @@ class HFRolloutEngine:
         for key, (seed, requests) in groups.items():
             prompts, pictures = [p for _, p, _ in requests], [x for _, _, x in requests]
             out = self.generate(prompts, dataclasses.replace(key, seed=seed), pictures)
+            tops = list(zip(out.top_ids, out.top_log_probs, strict=True))
             done += [
-                Finished(rid, t, lp, r)
-                for (rid, _, _), t, lp, r in zip(
-                    requests, out.token_ids, out.log_probs, out.stop_reasons, strict=True
+                Finished(rid, t, lp, r, *top)
+                for (rid, _, _), t, lp, r, top in zip(
+                    requests,
+                    out.token_ids,
+                    out.log_probs,
+                    out.stop_reasons,
+                    tops or [([], [])] * len(requests),
+                    strict=True,
                 )
             ]
         return done

@@ -88,6 +88,9 @@ class Response:
     weight_version: int  # the oldest version of its tokens
     replica: str
     token_versions: tuple[int, ...] = ()  # per token; empty: every token is weight_version
+    # per token the params.top_logprobs most likely ids and log-probs (empty: none given)
+    top_ids: list[list[int]] = field(default_factory=list)
+    top_log_probs: list[list[float]] = field(default_factory=list)
 
     def versions(self) -> list[int]:
         """The version of the weights that sampled each token."""
@@ -305,9 +308,16 @@ class RolloutServer:
         p = self._progress.pop(f.request_id, None)
         if p is None:
             response = Response(
-                f.request_id, f.token_ids, f.log_probs, f.stop_reason, self.version, self.name
+                f.request_id,
+                f.token_ids,
+                f.log_probs,
+                f.stop_reason,
+                self.version,
+                self.name,
+                top_ids=f.top_ids,
+                top_log_probs=f.top_log_probs,
             )
-        else:
+        else:  # (no top log-probs: a paused request's first part has none)
             versions = p.versions + [self.version] * len(f.token_ids)
             response = Response(
                 f.request_id,
