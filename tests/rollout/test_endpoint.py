@@ -28,7 +28,6 @@ from treadle.models.loading import load_causal_lm
 from treadle.runtime.errors import ConfigError
 from treadle.serving import LocalReplica, Request, Response, RolloutClient, RolloutServer
 from treadle.serving import openai_api as api
-from treadle.serving.completions import pieces
 from treadle.serving.endpoint import Endpoint
 
 MESSAGES = [{"role": "user", "content": "What is 2 + 3?"}]
@@ -149,11 +148,39 @@ def test_chat_returns_what_was_sampled_and_records_it(client, tok):
         got = choice.logprobs.content
         assert [t.logprob for t in got] == call.log_probs
         assert [t.token for t in got] == [tok.decode([i]) for i in call.completion_ids]
-        assert all([x.token for x in t.top_logprobs] == [t.token] for t in got)
+        assert all(len(t.top_logprobs) == 3 for t in got)  # (their values: a test below)
         reason = "stop" if call.completion_ids[-1] == tok.eos_token_id else "length"
         assert choice.finish_reason == call.stop_reason == reason
     assert answer.usage.prompt_tokens == len(expected_prompt)
     assert answer.usage.completion_tokens == sum(len(c.completion_ids) for c in calls)
+
+
+def test_top_logprobs_are_the_most_likely_tokens_of_the_sampled_distribution(client, tok):
+    """top_logprobs=k: per completion token the k most likely tokens there and their log-probs,
+    from the distribution the token was sampled from (temperature 0.7 here), as a forward pass
+    of the model gives them."""
+
+    async def scenario(ep: Endpoint) -> Any:
+        answer = await oai(ep, ep.session_url("top")).chat.completions.create(
+            model="tiny", messages=MESSAGES, logprobs=True, top_logprobs=4, max_tokens=5,
+            temperature=0.7,
+        )  # fmt: skip
+        return answer, ep.take_calls("top")
+
+    answer, (call,) = serve(client, tok, scenario)
+    model = client.replicas[0].server.engine.model
+    ids = torch.tensor([call.prompt_ids + call.completion_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(call.prompt_ids) - 1 : -1].float() / 0.7
+    expected = torch.log_softmax(logits, -1).topk(4, -1)
+    got = answer.choices[0].logprobs.content
+    assert len(got) == len(call.completion_ids)
+    for j, entry in enumerate(got):
+        tops = entry.top_logprobs
+        assert [t.token for t in tops] == [tok.decode([i]) for i in expected.indices[j].tolist()]
+        assert [t.logprob for t in tops] == pytest.approx(expected.values[j].tolist(), abs=1e-4)
+        sampled = torch.log_softmax(logits[j], -1)[call.completion_ids[j]]
+        assert entry.logprob == pytest.approx(float(sampled), abs=1e-4)
 
 
 def test_completions_from_text_and_from_token_ids(client, tok):
@@ -170,7 +197,9 @@ def test_completions_from_text_and_from_token_ids(client, tok):
     assert by_text.choices[0].text == text_of(tok, calls[0].completion_ids)
     lp = by_text.choices[0].logprobs
     assert lp.token_logprobs == calls[0].log_probs
-    assert lp.top_logprobs == [{t: x} for t, x in zip(lp.tokens, lp.token_logprobs, strict=True)]
+    assert all(0 < len(top) <= 2 for top in lp.top_logprobs)  # (tokens of one text: one key)
+    for top, x in zip(lp.top_logprobs, lp.token_logprobs, strict=True):
+        assert max(top.values()) >= x - 1e-5  # the most likely is at least the sampled one
     assert by_ids.choices[0].text == text_of(tok, calls[1].completion_ids)
     assert len(calls[1].completion_ids) <= 3
 
@@ -502,14 +531,6 @@ def test_the_openai_client_sees_400_and_a_prompt_too_long(client, tok):
 
 
 # --- pieces, config -----------------------------------------------------------------------------
-
-
-def test_pieces_join_to_the_text_even_inside_a_character(tok):
-    ids = tok.encode("né 5 + 6 → 11")
-    text = tok.decode(ids)
-    assert "".join(pieces(tok, ids, text)) == text
-    assert len(pieces(tok, ids, text)) == len(ids)
-    assert "".join(pieces(tok, ids, text[:4])) == text[:4]
 
 
 def test_asked_reads_max_completion_tokens_and_stop():

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from treadle.data.templating import encode, encode_prompt, render, special_strings
 from treadle.serving.openai_api import ApiError
+from treadle.serving.server import Response
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,8 @@ class Sampled:
     versions: list[int]
     stop_reason: str  # "stop" | "length"
     text: str
+    top_ids: list[list[int]] = field(default_factory=list)  # per token (empty: none asked)
+    top_log_probs: list[list[float]] = field(default_factory=list)
 
 
 def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
@@ -97,38 +100,30 @@ def cut_at_stop(tokenizer: Any, ids: list[int], stops: tuple[str, ...]) -> tuple
     return keep, text[:at]
 
 
-def finish(
-    tokenizer: Any,
-    ids: list[int],
-    log_probs: list[float],
-    versions: list[int],
-    stop_reason: str,
-    stops: tuple[str, ...],
-) -> Sampled:
+def finish(tokenizer: Any, r: Response, stops: tuple[str, ...]) -> Sampled:
     """A response as the endpoint returns and records it (cut at the first stop string)."""
+    ids, log_probs, versions = r.token_ids, r.log_probs, r.versions()
+    has_top = len(r.top_ids) == len(ids)
+    top_ids, top_lps = (r.top_ids, r.top_log_probs) if has_top else ([], [])
     cut = cut_at_stop(tokenizer, ids, stops) if stops else None
     if cut is None:
-        return Sampled(ids, log_probs, versions, stop_reason, decode(tokenizer, ids))
-    keep, text = cut
-    return Sampled(ids[:keep], log_probs[:keep], versions[:keep], "stop", text)
+        text = decode(tokenizer, ids)
+        return Sampled(ids, log_probs, versions, r.stop_reason, text, top_ids, top_lps)
+    k, text = cut
+    return Sampled(ids[:k], log_probs[:k], versions[:k], "stop", text, top_ids[:k], top_lps[:k])
+
+
+def alternatives(
+    tokenizer: Any, top_ids: list[list[int]], top_log_probs: list[list[float]]
+) -> list[list[tuple[str, float]]]:
+    """Per completion token its most likely alternatives as (text, log-prob), most likely
+    first; empty when the engine gave none."""
+    return [
+        [(str(tokenizer.decode([t])), lp) for t, lp in zip(ids, lps, strict=True)]
+        for ids, lps in zip(top_ids, top_log_probs, strict=True)
+    ]
 
 
 def token_texts(tokenizer: Any, ids: list[int]) -> list[str]:
     """Each token's own text (special tokens spelt out), for ``logprobs``."""
     return [str(tokenizer.decode([t])) for t in ids]
-
-
-def pieces(tokenizer: Any, ids: list[int], text: str) -> tuple[str, ...]:
-    """``text`` split token by token for streaming: the pieces join to ``text`` exactly; a
-    token that ends inside a character (or a cut stop string) gives an empty piece."""
-    out, done = [], ""
-    for k in range(1, len(ids)):
-        current = decode(tokenizer, ids[:k])[: len(text)]
-        if current.endswith("\ufffd") or not text.startswith(current) or len(current) < len(done):
-            out.append("")
-            continue
-        out.append(current[len(done) :])
-        done = current
-    if ids:
-        out.append(text[len(done) :])
-    return tuple(out)

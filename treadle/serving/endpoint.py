@@ -10,7 +10,10 @@ client) reach the model through it, during training or under ``treadle serve``:
 =================================  ===========================================================
 
 Both completions stream (``stream: true``: server-sent events ``data: {...}`` then
-``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk). Every request carries
+``data: [DONE]``; ``stream_options.include_usage`` adds a usage chunk) as the tokens are
+generated, in chunks of 1, 2, 4, ... up to 32 tokens (:mod:`treadle.serving.streaming`), the
+call recorded whole; a chat answer whose tool calls or reasoning are parsed is generated whole,
+then streamed. Every request carries
 ``Authorization: Bearer <api_key>`` (401 otherwise); a malformed body is a 400 whose message
 names the field; errors have OpenAI's JSON shape. Any model name is accepted: there is one.
 
@@ -40,10 +43,12 @@ the system message, as treadle's own tools loop shows them); a ``tool_choice`` o
 or a named function is not enforced (no guided decoding): the model's text is parsed as for
 ``auto``; ``none`` returns the text as content.
 
-**Limitations.** The engines do not stream token by token: a streamed answer is generated
-whole, then sent as chunks (a token per chunk; one content chunk when tools or reasoning are
-parsed). Only the sampled token's log-prob exists: ``top_logprobs`` lists that token alone.
-``stop`` strings cut the completion after the token that completes one (that token stays in the
+**Log-probs.** ``logprobs`` gives each token's log-prob as the engine sampled it;
+``top_logprobs: k`` (chat, up to 20) or ``logprobs: k`` (completions, up to 5) the k most likely
+tokens of each position, from the same distribution, where the engine gives them (the
+transformers engine does; one that does not lists the sampled token alone).
+
+**Limitations.** ``stop`` strings cut the completion after the token that completes one (that token stays in the
 record, the text ends before the stop string). No images, audio, ``echo``, ``logit_bias``,
 penalties or structured output (guided decoding): those fields are ignored.
 
@@ -74,6 +79,7 @@ from treadle.serving import openai_api as api
 from treadle.serving.client import RolloutClient
 from treadle.serving.parsers import ChatParsers
 from treadle.serving.server import Request, Response
+from treadle.serving.streaming import LiveCompletion, Piece
 
 logger = logging.getLogger(__name__)
 SESSION_HEADER = "X-Treadle-Session"
@@ -105,6 +111,7 @@ class Recorder:
     def params(self, session: str | None, asked: api.Asked, default_max: int) -> SamplingParams:
         """The sampling of one choice: the session's (or the endpoint's), else the request's."""
         held = self.forced.get(session, self.sampling) if session is not None else self.sampling
+        top = asked.top_logprobs if asked.logprobs else 0  # (an output: not the sampling)
         if held is not None:
             cap = held.max_new_tokens
             return dataclasses.replace(
@@ -112,6 +119,7 @@ class Recorder:
                 n=1,
                 max_new_tokens=min(asked.max_tokens or cap, cap),
                 seed=self._seed(held.seed),
+                top_logprobs=top,
             )
         return SamplingParams(
             n=1,
@@ -119,6 +127,7 @@ class Recorder:
             top_p=1.0 if asked.top_p is None else asked.top_p,
             max_new_tokens=asked.max_tokens or default_max,
             seed=self._seed(0) if asked.seed is None else asked.seed,
+            top_logprobs=top,
         )
 
     def _seed(self, base: int) -> int:
@@ -314,6 +323,8 @@ class Endpoint:
         asked = api.read_asked(body, chat=True)
         parsing = self.parsers.request(body)  # (a 400 before anything is sampled)
         prompt = cmp.chat_prompt_ids(self.tokenizer, messages, tools)
+        if asked.stream and parsing is None:  # token by token (parsed answers: whole)
+            return await self._stream_live(request, prompt, asked, chat=True)
         sampled = await self._sample(prompt, asked, _session(request))
         choices = [self._chat_choice(s, body, asked, parsing) for s in sampled]
         counts = (len(prompt), sum(len(s.token_ids) for s in sampled))
@@ -328,12 +339,12 @@ class Endpoint:
             raise api.ApiError(400, "'echo' is not served", "echo")
         prompt = cmp.text_prompt_ids(self.tokenizer, api.read_prompt(body))
         asked = api.read_asked(body, chat=False)
+        if asked.stream:
+            return await self._stream_live(request, prompt, asked, chat=False)
         sampled = await self._sample(prompt, asked, _session(request))
         choices = [self._choice(s, asked) for s in sampled]
         counts = (len(prompt), sum(len(s.token_ids) for s in sampled))
         rid = api.new_id("cmpl")
-        if asked.stream:
-            return await _stream(request, api.text_chunks(rid, self.model, choices, asked, counts))
         return web.json_response(api.text_response(rid, self.model, choices, asked, counts))
 
     # ------------------------------------------------------------------ generation
@@ -343,6 +354,18 @@ class Endpoint:
     ) -> list[cmp.Sampled]:
         """``asked.n`` choices of ``prompt``, sent through the router, recorded under
         ``session``."""
+        params = self._params(prompt, asked, session)
+        requests = [
+            Request(self.client.new_id("endpoint-"), tuple(prompt), params, session)
+            for _ in range(asked.n)
+        ]
+        responses: list[Response] = await self.client.submit_many(requests)
+        sampled = [cmp.finish(self.tokenizer, r, asked.stop) for r in responses]
+        self.recorder.record(session, prompt, sampled)
+        return sampled
+
+    def _params(self, prompt: list[int], asked: api.Asked, session: str | None) -> SamplingParams:
+        """The sampling of one choice, its budget within ``max_model_len``."""
         params = self.recorder.params(session, asked, self.max_new_tokens)
         if self.max_model_len is not None:
             room = self.max_model_len - len(prompt)
@@ -354,19 +377,65 @@ class Endpoint:
                     "messages",
                 )
             params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-        requests = [
-            Request(self.client.new_id("endpoint-"), tuple(prompt), params, session)
-            for _ in range(asked.n)
-        ]
-        responses: list[Response] = await self.client.submit_many(requests)
-        sampled = [
-            cmp.finish(
-                self.tokenizer, r.token_ids, r.log_probs, r.versions(), r.stop_reason, asked.stop
+        return params
+
+    async def _stream_live(
+        self, request: web.Request, prompt: list[int], asked: api.Asked, *, chat: bool
+    ) -> web.StreamResponse:
+        """``asked.n`` choices streamed as they are generated (:mod:`.streaming`), recorded
+        before the closing ``[DONE]``; a client that leaves stops them, unrecorded."""
+        session = _session(request)
+        live = LiveCompletion(
+            self.client,
+            self.tokenizer,
+            prompt,
+            self._params(prompt, asked, session),
+            asked,
+            session,
+        )
+        kind = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
+        head = api.envelope(kind[0], api.new_id(kind[1]), self.model)
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(request)
+        try:
+            if chat:
+                for i in range(asked.n):
+                    await response.write(
+                        api.sse(api.chat_chunk(head, i, {"role": "assistant", "content": ""}))
+                    )
+            offsets = [0] * asked.n
+            async for piece in live.pieces():
+                for event in self._piece_events(head, piece, asked, chat, offsets):
+                    await response.write(api.sse(event))
+            if asked.include_usage:
+                counts = (len(prompt), sum(len(s.token_ids) for s in live.sampled))
+                await response.write(api.sse(api.usage_chunk(head, counts)))
+            self.recorder.record(session, prompt, live.sampled)
+            await response.write(api.sse(None))
+            await response.write_eof()
+        except ConnectionResetError:  # the client left: nothing more is generated for it
+            logger.debug(
+                "endpoint: %s %s: the client left mid-stream", request.method, request.path
             )
-            for r in responses
-        ]
-        self.recorder.record(session, prompt, sampled)
-        return sampled
+        finally:
+            await live.close()
+        return response
+
+    def _piece_events(
+        self, head: dict[str, Any], piece: Piece, asked: api.Asked, chat: bool, offsets: list[int]
+    ) -> list[dict[str, Any]]:
+        """The chunks of one piece (:func:`~treadle.serving.openai_api.piece_chunks`)."""
+        i = piece.choice
+        part = api.Part(
+            piece.text,
+            cmp.token_texts(self.tokenizer, piece.token_ids),
+            piece.log_probs,
+            cmp.alternatives(self.tokenizer, piece.top_ids, piece.top_log_probs),
+        )
+        finish = piece.done.stop_reason if piece.done is not None else None
+        events = api.piece_chunks(head, i, part, finish, asked, chat=chat, offset=offsets[i])
+        offsets[i] += len(piece.text)
+        return events
 
     def _choice(self, s: cmp.Sampled, asked: api.Asked, **parsed: Any) -> api.Choice:
         text = parsed.pop("text", s.text)
@@ -375,7 +444,7 @@ class Endpoint:
             tokens=cmp.token_texts(self.tokenizer, s.token_ids),
             log_probs=s.log_probs,
             finish_reason=s.stop_reason,
-            pieces=cmp.pieces(self.tokenizer, s.token_ids, s.text) if asked.stream else (),
+            alternatives=cmp.alternatives(self.tokenizer, s.top_ids, s.top_log_probs),
             **parsed,
         )
 
@@ -396,10 +465,11 @@ def _session(request: web.Request) -> str | None:
     return request.match_info.get("session") or request.headers.get(SESSION_HEADER) or None
 
 
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
 async def _stream(request: web.Request, events: Any) -> web.StreamResponse:
-    response = web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
-    )
+    response = web.StreamResponse(headers=SSE_HEADERS)
     await response.prepare(request)
     try:
         for event in events:

@@ -5,9 +5,11 @@ serves them. A malformed body is an :class:`ApiError` (HTTP 400) whose message n
 the error body has OpenAI's shape (``{"error": {"message", "type", "param", "code"}}``), which
 the ``openai`` client turns into ``BadRequestError`` and friends.
 
-Log-probs: treadle's engines return the sampled token's log-prob only, so ``top_logprobs``
-(chat) and ``logprobs=k`` (completions) list that one token whatever k asks for (the OpenAI
-API allows fewer entries than asked).
+Log-probs: ``top_logprobs=k`` (chat) and ``logprobs=k`` (completions) list the k most likely
+tokens of each position, as the engine gives them (``SamplingParams.top_logprobs``: the
+transformers engine does, from the same distribution as the sampled token's log-prob); where an
+engine gives none they list the sampled token alone (the OpenAI API allows fewer entries than
+asked).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import json
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 MAX_N = 16  # choices per request at most
@@ -177,7 +179,7 @@ class Choice:
     finish_reason: str  # "stop" | "length" | "tool_calls"
     reasoning: str | None = None
     tool_calls: tuple[dict[str, Any], ...] = ()
-    pieces: tuple[str, ...] = ()  # the text, token by token (streaming); empty: in one piece
+    alternatives: list[list[tuple[str, float]]] = field(default_factory=list)  # per token
 
 
 def new_id(prefix: str) -> str:
@@ -196,27 +198,52 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     }
 
 
-def chat_logprobs(tokens: list[str], log_probs: list[float], top: int) -> dict[str, Any]:
-    """Chat ``logprobs.content``: per token its log-prob; top alternatives: the token alone."""
-    content = []
-    for token, lp in zip(tokens, log_probs, strict=True):
-        entry = {"token": token, "logprob": lp, "bytes": list(token.encode())}
-        content.append({**entry, "top_logprobs": [entry] if top else []})
-    return {"content": content}
+Alternatives = list[list[tuple[str, float]]]  # per token: (text, log-prob), most likely first
+
+
+def _top(
+    tokens: list[str], log_probs: list[float], top: int, alternatives: Alternatives | None
+) -> list[list[tuple[str, float]]]:
+    """Per token its ``top`` alternatives: the engine's, else the sampled token alone."""
+    if alternatives and len(alternatives) == len(tokens):
+        return [found[:top] for found in alternatives]
+    return [[(t, lp)] for t, lp in zip(tokens, log_probs, strict=True)]
+
+
+def chat_logprobs(
+    tokens: list[str], log_probs: list[float], top: int, alternatives: Alternatives | None = None
+) -> dict[str, Any]:
+    """Chat ``logprobs.content``: per token its log-prob and its ``top`` alternatives."""
+
+    def entry(token: str, lp: float) -> dict[str, Any]:
+        return {"token": token, "logprob": lp, "bytes": list(token.encode())}
+
+    tops = _top(tokens, log_probs, top, alternatives) if top else [[] for _ in tokens]
+    return {
+        "content": [
+            {**entry(t, lp), "top_logprobs": [entry(a, x) for a, x in found]}
+            for t, lp, found in zip(tokens, log_probs, tops, strict=True)
+        ]
+    }
 
 
 def text_logprobs(
-    tokens: list[str], log_probs: list[float], top: int, offset: int = 0
+    tokens: list[str],
+    log_probs: list[float],
+    top: int,
+    offset: int = 0,
+    alternatives: Alternatives | None = None,
 ) -> dict[str, Any]:
     """Text completion ``logprobs`` (tokens, token_logprobs, top_logprobs, text_offset)."""
     offsets, at = [], offset
     for token in tokens:
         offsets.append(at)
         at += len(token)
+    tops = _top(tokens, log_probs, top, alternatives) if top else None
     return {
         "tokens": tokens,
         "token_logprobs": log_probs,
-        "top_logprobs": [{t: lp} for t, lp in zip(tokens, log_probs, strict=True)] if top else None,
+        "top_logprobs": [dict(found) for found in tops] if tops is not None else None,
         "text_offset": offsets,
     }
 
@@ -239,7 +266,7 @@ def chat_response(
             {
                 "index": i,
                 "message": chat_message(c),
-                "logprobs": chat_logprobs(c.tokens, c.log_probs, asked.top_logprobs)
+                "logprobs": chat_logprobs(c.tokens, c.log_probs, asked.top_logprobs, c.alternatives)
                 if asked.logprobs
                 else None,
                 "finish_reason": c.finish_reason,
@@ -259,7 +286,9 @@ def text_response(
             {
                 "index": i,
                 "text": c.text,
-                "logprobs": text_logprobs(c.tokens, c.log_probs, asked.top_logprobs)
+                "logprobs": text_logprobs(
+                    c.tokens, c.log_probs, asked.top_logprobs, alternatives=c.alternatives
+                )
                 if asked.logprobs
                 else None,
                 "finish_reason": c.finish_reason,
@@ -273,65 +302,91 @@ def text_response(
 # --- streaming (server-sent events) --------------------------------------------------------------
 
 
-def _pieces(choice: Choice) -> list[tuple[str, list[str], list[float]]]:
-    """(text, tokens, log-probs) per chunk: a token each, or all at once when parsed."""
-    if choice.pieces and not choice.tool_calls and choice.reasoning is None:
-        return [
-            (piece, [t], [lp])
-            for piece, t, lp in zip(choice.pieces, choice.tokens, choice.log_probs, strict=True)
-        ]
-    return [(choice.text, choice.tokens, choice.log_probs)] if choice.text or choice.tokens else []
+def chat_chunk(
+    head: dict[str, Any], i: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None
+) -> dict[str, Any]:
+    """One ``chat.completion.chunk`` of choice ``i`` (``head``: :func:`envelope`'s)."""
+    return {
+        **head,
+        "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}],
+    }
+
+
+def text_chunk(
+    head: dict[str, Any], i: int, text: str, finish: str | None = None, lp: Any = None
+) -> dict[str, Any]:
+    """One streamed ``text_completion`` chunk of choice ``i``."""
+    return {
+        **head,
+        "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": finish}],
+    }
+
+
+def usage_chunk(head: dict[str, Any], counts: tuple[int, int]) -> dict[str, Any]:
+    """The last chunk of a stream with ``stream_options.include_usage``."""
+    return {**head, "choices": [], "usage": usage(*counts)}
+
+
+@dataclass(frozen=True)
+class Part:
+    """A streamed piece of a choice: its text, tokens, their log-probs and alternatives."""
+
+    text: str
+    tokens: list[str]
+    log_probs: list[float]
+    alternatives: Alternatives
+
+
+def piece_chunks(
+    head: dict[str, Any],
+    i: int,
+    part: Part,
+    finish: str | None,
+    asked: Asked,
+    *,
+    chat: bool,
+    offset: int = 0,
+) -> list[dict[str, Any]]:
+    """The chunks of a piece of choice ``i`` streamed as generated: its text with its
+    log-probs, then (``finish``: its last piece) the finish reason; ``offset``: where the
+    piece starts in the choice's text (text completions' ``text_offset``)."""
+    out = []
+    if part.text or part.tokens:
+        top, alternatives = asked.top_logprobs, part.alternatives
+        if chat:
+            lp = chat_logprobs(part.tokens, part.log_probs, top, alternatives)
+            out.append(
+                chat_chunk(head, i, {"content": part.text}, lp=lp if asked.logprobs else None)
+            )
+        else:
+            lp = text_logprobs(part.tokens, part.log_probs, top, offset, alternatives)
+            out.append(text_chunk(head, i, part.text, lp=lp if asked.logprobs else None))
+    if finish is not None:
+        out.append(chat_chunk(head, i, {}, finish) if chat else text_chunk(head, i, "", finish))
+    return out
 
 
 def chat_chunks(
     rid: str, model: str, choices: list[Choice], asked: Asked, counts: tuple[int, int]
 ) -> Iterator[dict[str, Any]]:
-    """The chunks of a streamed chat completion, choice after choice."""
+    """The chunks of a chat completion parsed whole (tool calls, reasoning) and then streamed,
+    choice after choice: its reasoning, its content in one chunk, its tool calls."""
     head = envelope("chat.completion.chunk", rid, model)
-
-    def chunk(i: int, delta: dict[str, Any], finish: str | None = None, lp: Any = None) -> Any:
-        return {
-            **head,
-            "choices": [{"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}],
-        }
-
     for i, c in enumerate(choices):
-        yield chunk(i, {"role": "assistant", "content": ""})
+        yield chat_chunk(head, i, {"role": "assistant", "content": ""})
         if c.reasoning is not None:
-            yield chunk(i, {"reasoning_content": c.reasoning})
-        for text, tokens, lps in _pieces(c):
-            lp = chat_logprobs(tokens, lps, asked.top_logprobs) if asked.logprobs else None
-            yield chunk(i, {"content": text}, lp=lp)
+            yield chat_chunk(head, i, {"reasoning_content": c.reasoning})
+        if c.text or c.tokens:
+            lp = None
+            if asked.logprobs:
+                lp = chat_logprobs(c.tokens, c.log_probs, asked.top_logprobs, c.alternatives)
+            yield chat_chunk(head, i, {"content": c.text}, lp=lp)
         if c.tool_calls:
             calls = [{"index": k, **call} for k, call in enumerate(c.tool_calls)]
-            yield chunk(i, {"tool_calls": calls})
-        yield chunk(i, {}, c.finish_reason)
+            yield chat_chunk(head, i, {"tool_calls": calls})
+        yield chat_chunk(head, i, {}, c.finish_reason)
     if asked.include_usage:
-        yield {**head, "choices": [], "usage": usage(*counts)}
-
-
-def text_chunks(
-    rid: str, model: str, choices: list[Choice], asked: Asked, counts: tuple[int, int]
-) -> Iterator[dict[str, Any]]:
-    """The chunks of a streamed text completion, choice after choice."""
-    head = envelope("text_completion", rid, model)
-    for i, c in enumerate(choices):
-        offset = 0
-        for text, tokens, lps in _pieces(c):
-            lp = text_logprobs(tokens, lps, asked.top_logprobs, offset) if asked.logprobs else None
-            offset += len(text)
-            yield {
-                **head,
-                "choices": [{"index": i, "text": text, "logprobs": lp, "finish_reason": None}],
-            }
-        yield {
-            **head,
-            "choices": [
-                {"index": i, "text": "", "logprobs": None, "finish_reason": c.finish_reason}
-            ],
-        }
-    if asked.include_usage:
-        yield {**head, "choices": [], "usage": usage(*counts)}
+        yield usage_chunk(head, counts)
 
 
 def sse(event: dict[str, Any] | None) -> bytes:
