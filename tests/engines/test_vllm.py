@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -312,3 +313,51 @@ def test_start_failures_are_config_errors(vllm_session, vllm_model, monkeypatch)
     monkeypatch.setitem(sys.modules, "vllm", None)
     with pytest.raises(ConfigError, match=r"vLLM is not importable .* rollout.engine=hf works"):
         vllm.VLLMRolloutEngine(vllm_model, max_model_len=MAX_MODEL_LEN)
+
+
+def test_a_json_schema_holds_the_response_to_it(engine, tokenizer, prompts):
+    """Structured output (a forced tool choice's schema at the endpoint): the tiny random model,
+    sampled, answers JSON of the schema; its tokens and log-probs come back as usual."""
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 3]}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    params = SamplingParams(temperature=1.0, max_new_tokens=120, seed=3)
+    for i, prompt in enumerate(prompts[:3]):
+        engine.add_request(f"json{i}", prompt, params, json_schema=json.dumps(schema))
+    done: dict[str, Any] = {}
+    while len(done) < 3:
+        done.update((f.request_id, f) for f in engine.step())
+    for f in done.values():
+        text = tokenizer.decode(f.token_ids, skip_special_tokens=True)
+        assert len(f.log_probs) == len(f.token_ids)
+        if f.stop_reason == "stop":  # (a whitespace run may reach the budget first)
+            value = json.loads(text)
+            assert set(value) == {"ok", "n"} and isinstance(value["ok"], bool)
+            assert value["n"] in (1, 2, 3)
+        else:
+            assert text.lstrip().startswith("{")
+    assert any(f.stop_reason == "stop" for f in done.values())
+
+
+def test_the_rollout_server_hands_a_requests_schema_to_the_engine(engine, tokenizer, prompts):
+    """The endpoint's forced tool choice goes to the engine as the request's json_schema
+    (the endpoint's side: tests/rollout/test_endpoint_tool_choice.py; a tools prompt does not
+    fit this engine's 256 tokens with the tiny tokenizer)."""
+    from treadle.serving import LocalReplica, Request, RolloutClient, RolloutServer
+
+    schema = json.dumps({"enum": ["yes", "no"]})
+    params = SamplingParams(temperature=1.0, max_new_tokens=20, seed=5)
+    client = RolloutClient([LocalReplica(RolloutServer(engine, "vllm"))])
+    try:
+        requests = [
+            Request(f"s{i}", tuple(p), params, json_schema=schema)
+            for i, p in enumerate(prompts[:4])
+        ]
+        responses = client.generate(requests)
+    finally:
+        client.close()
+    texts = [tokenizer.decode(r.token_ids, skip_special_tokens=True) for r in responses]
+    assert all(json.loads(t) in ("yes", "no") for t in texts), texts

@@ -135,6 +135,7 @@ class VLLMRolloutEngine:
         prompt: list[int],
         params: SamplingParams,
         pixel_values: torch.Tensor | None = None,
+        json_schema: str | None = None,  # the response follows it: vLLM's structured output
     ) -> None:
         """Queue one request (one sample); `step` runs it with everything else in flight.
         ``pixel_values`` ``[images, 3, H, W]``: a vision-language prompt's pictures, their image
@@ -150,6 +151,10 @@ class VLLMRolloutEngine:
 
         request_params = self._request_params(params)
         request_params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
+        if json_schema is not None:
+            from vllm.sampling_params import StructuredOutputsParams
+
+            request_params.structured_outputs = StructuredOutputsParams(json=json_schema)
         if pixel_values is None:
             engine_prompt = TokensPrompt(prompt_token_ids=list(prompt))
         else:
