@@ -39,18 +39,24 @@ question asked twice is sampled anew (and a run replays the same).
 default; finish_reason ``tool_calls``), ``reasoning_content`` from its reasoning parser
 ``rollout.reasoning_parser`` when one is set (:mod:`treadle.serving.parsers`). Tools reach
 the chat template as ``tools=`` (or, for a template without them, as Hermes instructions in
-the system message, as treadle's own tools loop shows them); a ``tool_choice`` of ``required``
-or a named function is not enforced (no guided decoding): the model's text is parsed as for
-``auto``; ``none`` returns the text as content.
+the system message, as treadle's own tools loop shows them). A ``tool_choice`` of
+``required`` or a named function is enforced by structured output, as ``vllm serve`` does it:
+the answer is generated under vLLM's guided decoding to the JSON of the calls (``required``: a
+list of ``{"name", "parameters"}``, a named function: its arguments; vLLM's own schema), and
+returned as ``tool_calls`` with empty content; the record keeps that JSON as sampled (the
+recorded log-probs are the engine's, under the grammar). The transformers engine does no
+guided decoding: there such a request is a 400 that says so. ``auto`` parses the model's text
+for calls; ``none`` returns the text as content.
 
 **Log-probs.** ``logprobs`` gives each token's log-prob as the engine sampled it;
 ``top_logprobs: k`` (chat, up to 20) or ``logprobs: k`` (completions, up to 5) the k most likely
 tokens of each position, from the same distribution, where the engine gives them (the
 transformers engine does; one that does not lists the sampled token alone).
 
-**Limitations.** ``stop`` strings cut the completion after the token that completes one (that token stays in the
-record, the text ends before the stop string). No images, audio, ``echo``, ``logit_bias``,
-penalties or structured output (guided decoding): those fields are ignored.
+**Limitations.** ``stop`` strings cut the completion after the token that completes one (that
+token stays in the record, the text ends before the stop string). No images, audio, ``echo``,
+``logit_bias``, penalties or ``response_format`` (structured output beyond a forced tool
+choice): those fields are ignored.
 
 The server is aiohttp's, run on the rollout client's own event loop (the loop that steps a
 local engine): no thread of its own, and no signal handlers of its own (uvicorn's would take
@@ -62,6 +68,7 @@ from __future__ import annotations
 import dataclasses
 import hmac
 import itertools
+import json
 import logging
 import secrets
 from dataclasses import dataclass
@@ -178,6 +185,7 @@ class Endpoint:
         api_key: str | None = None,
         record: bool = True,
         stop_grace_s: float = 5.0,
+        structured_output: bool = False,
     ) -> None:
         """``sampling``: every call's sampling (training), None: the request's (serving);
         ``max_new_tokens``: a request's default budget then; ``max_model_len``: prompt plus
@@ -185,11 +193,13 @@ class Endpoint:
         keep sessions' calls for :meth:`take_calls` (``treadle serve``, where nobody takes
         them, does not: its memory stays flat however many sessions come); ``stop_grace_s``:
         how long :meth:`stop` waits for the requests in flight, then for them to end once cut
-        (aiohttp's shutdown timeout: it must be positive, 0 is no limit there)."""
+        (aiohttp's shutdown timeout: it must be positive, 0 is no limit there);
+        ``structured_output``: the engine holds an answer to a JSON schema (vLLM), so a
+        ``tool_choice`` that forces a call is enforced (else it is a 400)."""
         if stop_grace_s <= 0:
             raise ValueError(f"stop_grace_s must be positive, got {stop_grace_s}")
         self.client, self.tokenizer, self.model = client, tokenizer, model
-        self.stop_grace_s = stop_grace_s
+        self.stop_grace_s, self.structured_output = stop_grace_s, structured_output
         self.recorder = Recorder(sampling, record)
         self.max_new_tokens, self.max_model_len = max_new_tokens, max_model_len
         self.parsers = ChatParsers(tokenizer, tool_parser, reasoning_parser)
@@ -231,6 +241,7 @@ class Endpoint:
             api_key=e.api_key,
             record=force_sampling,
             stop_grace_s=stop_grace_s,
+            structured_output=r.engine == "vllm",
         )
 
     # ------------------------------------------------------------------ lifetime and sessions
@@ -322,11 +333,12 @@ class Endpoint:
         messages, tools = api.read_messages(body), api.read_tools(body)
         asked = api.read_asked(body, chat=True)
         parsing = self.parsers.request(body)  # (a 400 before anything is sampled)
+        schema = self._forced_schema(body, parsing)
         prompt = cmp.chat_prompt_ids(self.tokenizer, messages, tools)
         if asked.stream and parsing is None:  # token by token (parsed answers: whole)
             return await self._stream_live(request, prompt, asked, chat=True)
-        sampled = await self._sample(prompt, asked, _session(request))
-        choices = [self._chat_choice(s, body, asked, parsing) for s in sampled]
+        sampled = await self._sample(prompt, asked, _session(request), schema)
+        choices = [self._chat_choice(s, body, asked, parsing, schema) for s in sampled]
         counts = (len(prompt), sum(len(s.token_ids) for s in sampled))
         rid = api.new_id("chatcmpl")
         if asked.stream:
@@ -350,13 +362,15 @@ class Endpoint:
     # ------------------------------------------------------------------ generation
 
     async def _sample(
-        self, prompt: list[int], asked: api.Asked, session: str | None
+        self, prompt: list[int], asked: api.Asked, session: str | None, schema: str | None = None
     ) -> list[cmp.Sampled]:
         """``asked.n`` choices of ``prompt``, sent through the router, recorded under
-        ``session``."""
+        ``session``; ``schema``: the JSON schema they must follow (structured output)."""
         params = self._params(prompt, asked, session)
         requests = [
-            Request(self.client.new_id("endpoint-"), tuple(prompt), params, session)
+            Request(
+                self.client.new_id("endpoint-"), tuple(prompt), params, session, json_schema=schema
+            )
             for _ in range(asked.n)
         ]
         responses: list[Response] = await self.client.submit_many(requests)
@@ -448,12 +462,38 @@ class Endpoint:
             **parsed,
         )
 
+    def _forced_schema(self, body: dict[str, Any], parsing: Any) -> str | None:
+        """The schema a forced ``tool_choice`` holds the answer to; a 400 where the engine
+        cannot hold it."""
+        schema = self.parsers.forced_schema(body, parsing)
+        if schema is not None and not self.structured_output:
+            raise api.ApiError(
+                400,
+                f"tool_choice {json.dumps(body.get('tool_choice'))} is enforced by structured "
+                "output (guided decoding), which the transformers engine (rollout.engine=hf) "
+                "does not do: use rollout.engine=vllm, or tool_choice 'auto' (the model's text "
+                "parsed for calls)",
+                "tool_choice",
+            )
+        return schema
+
     def _chat_choice(
-        self, s: cmp.Sampled, body: dict[str, Any], asked: api.Asked, parsing: Any
+        self,
+        s: cmp.Sampled,
+        body: dict[str, Any],
+        asked: api.Asked,
+        parsing: Any,
+        schema: str | None = None,
     ) -> api.Choice:
-        """``parsing``: the parsers' request (:meth:`ChatParsers.request`); None: plain text."""
+        """``parsing``: the parsers' request (:meth:`ChatParsers.request`); None: plain text;
+        ``schema``: a forced tool choice's (the text is the calls' JSON)."""
         if parsing is None:
             return self._choice(s, asked)
+        if schema is not None:
+            calls = self.parsers.forced_calls(s.text, body)
+            choice = self._choice(s, asked, text="" if calls else s.text)
+            reason = "tool_calls" if calls else s.stop_reason
+            return dataclasses.replace(choice, tool_calls=tuple(calls), finish_reason=reason)
         reasoning, content, calls = self.parsers.parse(s.text, body, parsing)
         choice = self._choice(s, asked, text=content or "", reasoning=reasoning)
         if not calls:

@@ -124,6 +124,52 @@ class ChatParsers:
         except Exception as e:  # vLLM's own checks (VLLMValidationError, not a ValueError)
             raise ApiError(400, f"'tools', 'tool_choice': {e}", "tool_choice") from None
 
+    def forced_schema(self, body: dict[str, Any], request: Any) -> str | None:
+        """The JSON schema the answer must follow when ``tool_choice`` forces a call
+        (``required``: a list of ``{"name", "parameters"}``; a named function: its arguments),
+        as vLLM's server builds it; None otherwise. ``request``: :meth:`request` of ``body``."""
+        choice = body.get("tool_choice")
+        if request is None or not body.get("tools") or choice in (None, "auto", "none"):
+            return None
+        import json
+
+        from vllm.tool_parsers.utils import get_json_schema_from_tools
+
+        try:
+            schema = get_json_schema_from_tools(
+                request.tool_choice, request.tools, body.get("parallel_tool_calls")
+            )
+        except ValueError as e:  # a named function not among the tools
+            raise ApiError(400, f"'tool_choice': {e}", "tool_choice") from None
+        return None if schema is None else json.dumps(schema)
+
+    @staticmethod
+    def forced_calls(text: str, body: dict[str, Any]) -> list[dict[str, Any]]:
+        """The tool calls of an answer generated under :meth:`forced_schema` (OpenAI's JSON);
+        none when the text is not the JSON it should be (an answer cut by max_tokens)."""
+        import json
+        import uuid
+
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            return []
+        choice = body.get("tool_choice")
+        if isinstance(choice, dict):  # a named function: the text is its arguments
+            pairs = [(choice.get("function", {}).get("name"), value)]
+        elif isinstance(value, list):
+            pairs = [(c.get("name"), c.get("parameters")) for c in value if isinstance(c, dict)]
+        else:
+            return []
+        return [
+            {
+                "id": f"call_{uuid.uuid4().hex[:24]}",
+                "type": "function",
+                "function": {"name": name, "arguments": json.dumps(arguments)},
+            }
+            for name, arguments in pairs
+        ]
+
     def request(self, body: dict[str, Any]) -> Any:
         """vLLM's request object the parsers read, built once per call before sampling
         (ApiError 400 when vLLM does not take the tools); None when nothing is parsed."""

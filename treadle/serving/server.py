@@ -75,6 +75,9 @@ class Request:
     session_id: str | None = None
     # a vision-language model's pictures [images, 3, H, W], their image tokens in prompt_ids
     pixel_values: torch.Tensor | None = None
+    # a JSON schema (as text) the response must follow: structured output, for an engine that
+    # does it (``takes_json_schema``: vLLM's guided decoding), refused by one that does not
+    json_schema: str | None = None
 
 
 @dataclass(frozen=True)
@@ -291,6 +294,11 @@ class RolloutServer:
                 ValueError(f"{self.name}: request id {taken[0]!r} is already in flight")
             )
             return
+        if any(r.json_schema for r in group.requests) and not takes_json_schema(self.engine):
+            group.future.set_exception(
+                ValueError(f"{self.name}: its engine does not do structured output (json_schema)")
+            )
+            return
         if self._rng is None:  # idle -> busy: seed the sampling noise, keep the host's stream
             self._rng = _rng_state()
             torch.manual_seed(group.requests[0].params.seed * 9973 + self.index)
@@ -300,7 +308,10 @@ class RolloutServer:
         for r in group.requests:
             self._groups[r.request_id] = group
             self._requests[r.request_id] = r
-            self.engine.add_request(r.request_id, list(r.prompt_ids), r.params, r.pixel_values)
+            schema = {"json_schema": r.json_schema} if r.json_schema else {}
+            self.engine.add_request(
+                r.request_id, list(r.prompt_ids), r.params, r.pixel_values, **schema
+            )
 
     def _answer(self, f: Finished) -> None:
         group = self._groups.pop(f.request_id)
@@ -341,6 +352,11 @@ class RolloutServer:
             self._rng = None
             if self.sleep_when_idle:
                 self.engine.sleep()
+
+
+def takes_json_schema(engine: RolloutEngine) -> bool:
+    """Whether ``engine.add_request`` takes ``json_schema=`` (structured output)."""
+    return bool(getattr(engine, "takes_json_schema", False))
 
 
 def _rng_state() -> list[torch.Tensor]:
