@@ -17,6 +17,13 @@ from treadle.config.base import Key, Section
 class EndpointConfig(Section):
     """Where the endpoint listens and the token a client must send."""
 
+    enabled: bool = Field(
+        False,
+        description="Serve the endpoint for the whole run, in every trainer.mode, whatever "
+        "the agent loop: an outside process can call the model (the replicas' weights, "
+        "synced after each update) between steps too. Its URL (and a random token) are "
+        "logged at start; weight syncs wait for its requests in flight.",
+    )
     host: Key = Field(
         "127.0.0.1",
         description="Address the endpoint listens on (the loopback by default: agents run on "

@@ -42,10 +42,11 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Iterator, Sequence
 from typing import Any, Protocol, TypeVar
 
 from treadle.controller import death_cause, pid_note
@@ -216,10 +217,12 @@ class RolloutClient:
                 raise self.failure
         return result
 
-    def start_background(self) -> None:
-        """Run the loop in a thread of its own from now on (only Ray replicas: a local
-        server's engine must step in the thread that made it)."""
-        if any(isinstance(r, LocalReplica) for r in self.replicas):
+    def start_background(self, local: bool = False) -> None:
+        """Run the loop in a thread of its own from now on: only Ray replicas, unless
+        ``local`` (a local server's engine then steps in the loop's thread, not the one that
+        made it: vLLM's CPU engine is slower so, measured; the endpoint between steps of the
+        synchronous trainer, ``rollout.endpoint.enabled``, asks for it)."""
+        if not local and any(isinstance(r, LocalReplica) for r in self.replicas):
             raise RuntimeError("a local replica's engine steps in the driver's thread")
         if self._thread is None:
             self._thread = threading.Thread(
@@ -245,6 +248,19 @@ class RolloutClient:
 
     async def resume(self) -> None:
         self._open.set()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Nothing in flight inside (a weight update) while the loop runs in its own thread
+        (:meth:`pause`, then :meth:`resume`); in this thread nothing can be."""
+        if self._thread is None:
+            yield
+            return
+        self.run(self.pause())
+        try:
+            yield
+        finally:
+            self.run(self.resume())
 
     def generate(self, requests: list[Request]) -> list[Response]:
         """All ``requests``, routed and answered; responses in request order."""

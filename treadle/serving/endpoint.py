@@ -269,6 +269,13 @@ class Endpoint:
         self.port = int(runner.addresses[0][1])
         self._runner = runner
 
+    def serve_always(self) -> None:
+        """Listen from now on, between the driver's calls too: the client's loop goes to a
+        thread of its own (``rollout.endpoint.enabled`` in the synchronous trainer, whose
+        loop otherwise runs only while it generates)."""
+        self.client.start_background(local=True)
+        self.client.run(self.start())
+
     async def stop(self) -> None:
         if self._runner is not None:
             runner, self._runner = self._runner, None
