@@ -19,6 +19,7 @@ every replica under a version number. Choices:
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -152,7 +153,12 @@ class Rollout:
         """Push the actor's weights to every replica as ``version``; the bytes sent (the time
         is the driver's ``timing/sync_weights``). ``interrupt``: split replicas pause the
         requests in flight instead of refusing them (partial rollouts). Replicas restarted
-        since the last sync join a new weight-sync group first (:mod:`.restarts`)."""
+        since the last sync join a new weight-sync group first (:mod:`.restarts`). Else the
+        requests in flight (an outside process's, rollout.endpoint.enabled) finish first."""
+        with contextlib.nullcontext() if interrupt else self.client.held():
+            return self._sync_weights(version, interrupt)
+
+    def _sync_weights(self, version: int, interrupt: bool) -> dict[str, float]:
         if self.restarter is None:
             return self.broadcast(version, interrupt)
         self.restarter.revive()

@@ -15,6 +15,7 @@ through it; a split start that fails kills its replicas and gives their pool bac
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 from treadle.agents.registry import needs_endpoint
@@ -94,9 +95,18 @@ def start_rollout(
 
 
 def _endpoint(cfg: Config, client: RolloutClient, tokenizer: Any) -> Endpoint | None:
-    """The run's OpenAI-compatible endpoint, when its agents talk to the model through it."""
-    if not needs_endpoint(cfg.rollout.agent_loop):
+    """The run's OpenAI-compatible endpoint, when its agents talk to the model through it or
+    ``rollout.endpoint.enabled`` (then served from now on, between steps too)."""
+    enabled = cfg.rollout.endpoint.enabled
+    if not needs_endpoint(cfg.rollout.agent_loop) and not enabled:
         return None
     from treadle.serving.endpoint import Endpoint  # (aiohttp and vLLM's parsers: when used)
 
-    return Endpoint.from_config(cfg, client, tokenizer)
+    endpoint = Endpoint.from_config(cfg, client, tokenizer)
+    if enabled:
+        endpoint.serve_always()
+        key = "" if cfg.rollout.endpoint.api_key else f" (api key: {endpoint.api_key})"
+        logging.getLogger("treadle").info(
+            "rollout.endpoint: serving the run's model at %s%s", endpoint.url, key
+        )
+    return endpoint
