@@ -13,6 +13,7 @@ import tiny_runs
 
 from treadle.config import load_config
 from treadle.serving import Request, Response, RolloutClient
+from treadle.serving.client import held
 from treadle.trainers.rl import RLTrainer
 
 
@@ -91,7 +92,7 @@ def test_a_weight_sync_waits_for_the_requests_in_flight():
         seen: list[int] = []
 
         def sync() -> None:
-            with client.held():  # what Rollout.sync_weights does around the update
+            with held(client):  # what Rollout.sync_weights does around the update
                 seen.append(replica.answered)
 
         syncing = threading.Thread(target=sync)

@@ -218,10 +218,9 @@ class RolloutClient:
         return result
 
     def start_background(self, local: bool = False) -> None:
-        """Run the loop in a thread of its own from now on: only Ray replicas, unless
-        ``local`` (a local server's engine then steps in the loop's thread, not the one that
-        made it: vLLM's CPU engine is slower so, measured; the endpoint between steps of the
-        synchronous trainer, ``rollout.endpoint.enabled``, asks for it)."""
+        """Run the loop in a thread of its own from now on (only Ray replicas, unless
+        ``local``: a local engine then steps there, not in the thread that made it, which made
+        vLLM's CPU engine ~40% slower, measured)."""
         if not local and any(isinstance(r, LocalReplica) for r in self.replicas):
             raise RuntimeError("a local replica's engine steps in the driver's thread")
         if self._thread is None:
@@ -248,19 +247,6 @@ class RolloutClient:
 
     async def resume(self) -> None:
         self._open.set()
-
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Nothing in flight inside (a weight update) while the loop runs in its own thread
-        (:meth:`pause`, then :meth:`resume`); in this thread nothing can be."""
-        if self._thread is None:
-            yield
-            return
-        self.run(self.pause())
-        try:
-            yield
-        finally:
-            self.run(self.resume())
 
     def generate(self, requests: list[Request]) -> list[Response]:
         """All ``requests``, routed and answered; responses in request order."""
@@ -435,3 +421,18 @@ class RolloutClient:
             for _ in range(held):
                 permits.release()
             self.outstanding[index] -= len(requests)
+
+
+@contextlib.contextmanager
+def held(client: RolloutClient) -> Iterator[None]:
+    """Nothing in flight inside (a weight update) while ``client``'s loop runs in its own
+    thread (its ``pause``, then ``resume``: the synchronous trainer's too, when its endpoint
+    is served between steps, ``rollout.endpoint.enabled``); in the caller's nothing can be."""
+    if not client.background:
+        yield
+        return
+    client.run(client.pause())
+    try:
+        yield
+    finally:
+        client.run(client.resume())

@@ -66,9 +66,9 @@ Ctrl-C from treadle's, :mod:`treadle.runtime.errors`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hmac
 import itertools
-import json
 import logging
 import secrets
 from dataclasses import dataclass
@@ -86,7 +86,7 @@ from treadle.serving import openai_api as api
 from treadle.serving.client import RolloutClient
 from treadle.serving.parsers import ChatParsers
 from treadle.serving.server import Request, Response
-from treadle.serving.streaming import LiveCompletion, Piece
+from treadle.serving.streaming import SSE_HEADERS, LiveCompletion, stream_live
 
 logger = logging.getLogger(__name__)
 SESSION_HEADER = "X-Treadle-Session"
@@ -250,7 +250,7 @@ class Endpoint:
         """Listen (on the running loop, the rollout client's); again: nothing."""
         if self._runner is not None:
             return
-        app = web.Application(middlewares=[self._errors], client_max_size=64 << 20)
+        app = web.Application(middlewares=[_guarded(self.api_key)], client_max_size=64 << 20)
         for prefix in ("", "/sessions/{session}"):
             app.router.add_get(f"{prefix}/v1/models", self._models)
             app.router.add_post(f"{prefix}/v1/chat/completions", self._chat)
@@ -308,29 +308,6 @@ class Endpoint:
 
     # ------------------------------------------------------------------ HTTP
 
-    @web.middleware
-    async def _errors(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        try:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                raise api.ApiError(401, "invalid or missing API key (Authorization: Bearer ...)")
-            response: web.StreamResponse = await handler(request)
-            return response
-        except api.ApiError as e:
-            return web.json_response(e.body(), status=e.status)
-        except web.HTTPException as e:
-            if e.status < 400:
-                raise
-            error = api.ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
-            return web.json_response(error.body(), status=e.status)
-        except Exception as e:  # the engine or the router failed: the caller hears why
-            if signalled():  # a stop signal stopped the engine: the process says so itself
-                error = api.ApiError(503, "the server is stopping")
-                return web.json_response(error.body(), status=503)
-            logger.exception("endpoint: %s %s failed", request.method, request.path)
-            error = api.ApiError(500, f"{type(e).__name__}: {e}")
-            return web.json_response(error.body(), status=500)
-
     async def _models(self, request: web.Request) -> web.StreamResponse:
         entry = {"id": self.model, "object": "model", "created": 0, "owned_by": "treadle"}
         return web.json_response({"object": "list", "data": [entry]})
@@ -340,7 +317,7 @@ class Endpoint:
         messages, tools = api.read_messages(body), api.read_tools(body)
         asked = api.read_asked(body, chat=True)
         parsing = self.parsers.request(body)  # (a 400 before anything is sampled)
-        schema = self._forced_schema(body, parsing)
+        schema = self.parsers.forced_schema(body, parsing, self.structured_output)
         prompt = cmp.chat_prompt_ids(self.tokenizer, messages, tools)
         if asked.stream and parsing is None:  # token by token (parsed answers: whole)
             return await self._stream_live(request, prompt, asked, chat=True)
@@ -388,75 +365,17 @@ class Endpoint:
     def _params(self, prompt: list[int], asked: api.Asked, session: str | None) -> SamplingParams:
         """The sampling of one choice, its budget within ``max_model_len``."""
         params = self.recorder.params(session, asked, self.max_new_tokens)
-        if self.max_model_len is not None:
-            room = self.max_model_len - len(prompt)
-            if room < 1:
-                raise api.ApiError(
-                    400,
-                    f"the prompt has {len(prompt)} tokens; the model takes {self.max_model_len} "
-                    "tokens in all, prompt and completion",
-                    "messages",
-                )
-            params = dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
-        return params
+        return within(params, len(prompt), self.max_model_len)
 
     async def _stream_live(
         self, request: web.Request, prompt: list[int], asked: api.Asked, *, chat: bool
     ) -> web.StreamResponse:
-        """``asked.n`` choices streamed as they are generated (:mod:`.streaming`), recorded
-        before the closing ``[DONE]``; a client that leaves stops them, unrecorded."""
+        """``asked.n`` choices streamed as they are generated (:mod:`.streaming`)."""
         session = _session(request)
-        live = LiveCompletion(
-            self.client,
-            self.tokenizer,
-            prompt,
-            self._params(prompt, asked, session),
-            asked,
-            session,
-        )
-        kind = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
-        head = api.envelope(kind[0], api.new_id(kind[1]), self.model)
-        response = web.StreamResponse(headers=SSE_HEADERS)
-        await response.prepare(request)
-        try:
-            if chat:
-                for i in range(asked.n):
-                    await response.write(
-                        api.sse(api.chat_chunk(head, i, {"role": "assistant", "content": ""}))
-                    )
-            offsets = [0] * asked.n
-            async for piece in live.pieces():
-                for event in self._piece_events(head, piece, asked, chat, offsets):
-                    await response.write(api.sse(event))
-            if asked.include_usage:
-                counts = (len(prompt), sum(len(s.token_ids) for s in live.sampled))
-                await response.write(api.sse(api.usage_chunk(head, counts)))
-            self.recorder.record(session, prompt, live.sampled)
-            await response.write(api.sse(None))
-            await response.write_eof()
-        except ConnectionResetError:  # the client left: nothing more is generated for it
-            logger.debug(
-                "endpoint: %s %s: the client left mid-stream", request.method, request.path
-            )
-        finally:
-            await live.close()
-        return response
-
-    def _piece_events(
-        self, head: dict[str, Any], piece: Piece, asked: api.Asked, chat: bool, offsets: list[int]
-    ) -> list[dict[str, Any]]:
-        """The chunks of one piece (:func:`~treadle.serving.openai_api.piece_chunks`)."""
-        i = piece.choice
-        part = api.Part(
-            piece.text,
-            cmp.token_texts(self.tokenizer, piece.token_ids),
-            piece.log_probs,
-            cmp.alternatives(self.tokenizer, piece.top_ids, piece.top_log_probs),
-        )
-        finish = piece.done.stop_reason if piece.done is not None else None
-        events = api.piece_chunks(head, i, part, finish, asked, chat=chat, offset=offsets[i])
-        offsets[i] += len(piece.text)
-        return events
+        params = self._params(prompt, asked, session)
+        live = LiveCompletion(self.client, self.tokenizer, prompt, params, asked, session)
+        record = functools.partial(self.recorder.record, session, prompt)
+        return await stream_live(request, live, self.model, record, chat=chat)
 
     def _choice(self, s: cmp.Sampled, asked: api.Asked, **parsed: Any) -> api.Choice:
         text = parsed.pop("text", s.text)
@@ -468,21 +387,6 @@ class Endpoint:
             alternatives=cmp.alternatives(self.tokenizer, s.top_ids, s.top_log_probs),
             **parsed,
         )
-
-    def _forced_schema(self, body: dict[str, Any], parsing: Any) -> str | None:
-        """The schema a forced ``tool_choice`` holds the answer to; a 400 where the engine
-        cannot hold it."""
-        schema = self.parsers.forced_schema(body, parsing)
-        if schema is not None and not self.structured_output:
-            raise api.ApiError(
-                400,
-                f"tool_choice {json.dumps(body.get('tool_choice'))} is enforced by structured "
-                "output (guided decoding), which the transformers engine (rollout.engine=hf) "
-                "does not do: use rollout.engine=vllm, or tool_choice 'auto' (the model's text "
-                "parsed for calls)",
-                "tool_choice",
-            )
-        return schema
 
     def _chat_choice(
         self,
@@ -496,23 +400,61 @@ class Endpoint:
         ``schema``: a forced tool choice's (the text is the calls' JSON)."""
         if parsing is None:
             return self._choice(s, asked)
-        if schema is not None:
-            calls = self.parsers.forced_calls(s.text, body)
-            choice = self._choice(s, asked, text="" if calls else s.text)
-            reason = "tool_calls" if calls else s.stop_reason
-            return dataclasses.replace(choice, tool_calls=tuple(calls), finish_reason=reason)
-        reasoning, content, calls = self.parsers.parse(s.text, body, parsing)
+        reasoning, content, calls = self.parsers.parse(s.text, body, parsing, schema)
         choice = self._choice(s, asked, text=content or "", reasoning=reasoning)
         if not calls:
             return choice
         return dataclasses.replace(choice, tool_calls=tuple(calls), finish_reason="tool_calls")
 
 
+def within(params: SamplingParams, prompt: int, max_model_len: int | None) -> SamplingParams:
+    """``params`` with a budget that fits ``prompt`` tokens in ``max_model_len`` (a 400 when
+    the prompt alone does not)."""
+    if max_model_len is None:
+        return params
+    room = max_model_len - prompt
+    if room < 1:
+        raise api.ApiError(
+            400,
+            f"the prompt has {prompt} tokens; the model takes {max_model_len} tokens in all, "
+            "prompt and completion",
+            "messages",
+        )
+    return dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, room))
+
+
+def _guarded(api_key: str) -> Any:
+    """The middleware every request goes through: the bearer token checked, errors answered
+    in OpenAI's shape (a 500 names the engine's or the router's failure)."""
+
+    @web.middleware
+    async def errors(request: web.Request, handler: Any) -> web.StreamResponse:
+        try:
+            given = request.headers.get("Authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                raise api.ApiError(401, "invalid or missing API key (Authorization: Bearer ...)")
+            response: web.StreamResponse = await handler(request)
+            return response
+        except api.ApiError as e:
+            return web.json_response(e.body(), status=e.status)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            error = api.ApiError(e.status, f"{request.method} {request.path}: {e.reason}")
+            return web.json_response(error.body(), status=e.status)
+        except Exception as e:  # the engine or the router failed: the caller hears why
+            if signalled():  # a stop signal stopped the engine: the process says so itself
+                error = api.ApiError(503, "the server is stopping")
+                return web.json_response(error.body(), status=503)
+            logger.exception("endpoint: %s %s failed", request.method, request.path)
+            error = api.ApiError(500, f"{type(e).__name__}: {e}")
+            return web.json_response(error.body(), status=500)
+
+    return errors
+
+
 def _session(request: web.Request) -> str | None:
     return request.match_info.get("session") or request.headers.get(SESSION_HEADER) or None
-
-
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 
 
 async def _stream(request: web.Request, events: Any) -> web.StreamResponse:

@@ -13,6 +13,7 @@ tool_choice) beside the text.
 from __future__ import annotations
 
 import importlib.util
+import json
 from typing import Any
 
 from treadle.runtime.errors import ConfigError
@@ -87,11 +88,15 @@ class ChatParsers:
             raise
 
     def parse(
-        self, text: str, body: dict[str, Any], request: Any
+        self, text: str, body: dict[str, Any], request: Any, schema: str | None = None
     ) -> tuple[str | None, str | None, list[dict[str, Any]]]:
         """``(reasoning, content, tool_calls)`` of ``text`` answering the chat request ``body``
         (tool calls as OpenAI's JSON: id, type, function name and arguments); ``request``:
-        :meth:`request` of ``body``."""
+        :meth:`request` of ``body``; ``schema``: :meth:`forced_schema`'s (the text is the
+        calls' JSON: content "", or the text where it is not that JSON)."""
+        if schema is not None:
+            forced = self.forced_calls(text, body)
+            return None, "" if forced else text, forced
         reasoning: str | None = None
         content: str | None = text
         if self._reasoning is not None:
@@ -124,15 +129,22 @@ class ChatParsers:
         except Exception as e:  # vLLM's own checks (VLLMValidationError, not a ValueError)
             raise ApiError(400, f"'tools', 'tool_choice': {e}", "tool_choice") from None
 
-    def forced_schema(self, body: dict[str, Any], request: Any) -> str | None:
+    def forced_schema(self, body: dict[str, Any], request: Any, structured: bool) -> str | None:
         """The JSON schema the answer must follow when ``tool_choice`` forces a call
         (``required``: a list of ``{"name", "parameters"}``; a named function: its arguments),
-        as vLLM's server builds it; None otherwise. ``request``: :meth:`request` of ``body``."""
+        as vLLM's server builds it; None otherwise. ``request``: :meth:`request` of ``body``;
+        ``structured``: whether the engine holds an answer to a schema (else: a 400)."""
         choice = body.get("tool_choice")
         if request is None or not body.get("tools") or choice in (None, "auto", "none"):
             return None
-        import json
-
+        if not structured:
+            raise ApiError(
+                400,
+                f"tool_choice {json.dumps(choice)} is enforced by structured output (guided "
+                "decoding), which the transformers engine (rollout.engine=hf) does not do: use "
+                "rollout.engine=vllm, or tool_choice 'auto' (the model's text parsed for calls)",
+                "tool_choice",
+            )
         from vllm.tool_parsers.utils import get_json_schema_from_tools
 
         try:
@@ -147,7 +159,6 @@ class ChatParsers:
     def forced_calls(text: str, body: dict[str, Any]) -> list[dict[str, Any]]:
         """The tool calls of an answer generated under :meth:`forced_schema` (OpenAI's JSON);
         none when the text is not the JSON it should be (an answer cut by max_tokens)."""
-        import json
         import uuid
 
         try:

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -76,7 +77,7 @@ class Request:
     # a vision-language model's pictures [images, 3, H, W], their image tokens in prompt_ids
     pixel_values: torch.Tensor | None = None
     # a JSON schema (as text) the response must follow: structured output, for an engine that
-    # does it (``takes_json_schema``: vLLM's guided decoding), refused by one that does not
+    # does it (add_request takes json_schema: vLLM's guided decoding), refused by one that not
     json_schema: str | None = None
 
 
@@ -355,8 +356,8 @@ class RolloutServer:
 
 
 def takes_json_schema(engine: RolloutEngine) -> bool:
-    """Whether ``engine.add_request`` takes ``json_schema=`` (structured output)."""
-    return bool(getattr(engine, "takes_json_schema", False))
+    """Whether ``engine.add_request`` takes ``json_schema=`` (structured output: vLLM's)."""
+    return "json_schema" in inspect.signature(engine.add_request).parameters
 
 
 def _rng_state() -> list[torch.Tensor]:

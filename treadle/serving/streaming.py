@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ from treadle.serving import openai_api as api
 from treadle.serving.client import RolloutClient
 from treadle.serving.server import Request, Response
 
+logger = logging.getLogger("treadle.serving.endpoint")
 FIRST_CHUNK_TOKENS = 1
 MAX_CHUNK_TOKENS = 32
 
@@ -202,3 +204,56 @@ def _piece(index: int, text: str, s: cmp.Sampled, start: int, done: cmp.Sampled 
         s.top_log_probs[start:] if has_tops else [],
         done,
     )
+
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+
+
+async def stream_live(
+    request: Any, live: LiveCompletion, model: str, record: Callable[[list[cmp.Sampled]], None],
+    *, chat: bool,
+) -> Any:  # fmt: skip
+    """``live``'s chunks as server-sent events answering ``request`` (aiohttp's), its choices
+    given to ``record`` before the closing ``[DONE]``; a client that leaves stops them,
+    unrecorded."""
+    from aiohttp import web
+
+    response = web.StreamResponse(headers=SSE_HEADERS)
+    await response.prepare(request)
+    try:
+        await _write(response, live, model, chat=chat)
+        record(live.sampled)
+        await response.write(api.sse(None))
+        await response.write_eof()
+    except ConnectionResetError:  # the client left: nothing more is generated for it
+        logger.debug("endpoint: %s %s: the client left mid-stream", request.method, request.path)
+    finally:
+        await live.close()
+    return response
+
+
+async def _write(response: Any, live: LiveCompletion, model: str, *, chat: bool) -> None:
+    """``live``'s chunks, up to the usage chunk."""
+    kind = ("chat.completion.chunk", "chatcmpl") if chat else ("text_completion", "cmpl")
+    head = api.envelope(kind[0], api.new_id(kind[1]), model)
+    if chat:
+        for i in range(live.asked.n):
+            role = api.chat_chunk(head, i, {"role": "assistant", "content": ""})
+            await response.write(api.sse(role))
+    offsets = [0] * live.asked.n
+    async for piece in live.pieces():
+        part = api.Part(
+            piece.text,
+            cmp.token_texts(live.tokenizer, piece.token_ids),
+            piece.log_probs,
+            cmp.alternatives(live.tokenizer, piece.top_ids, piece.top_log_probs),
+        )
+        finish = piece.done.stop_reason if piece.done is not None else None
+        i = piece.choice
+        events = api.piece_chunks(head, i, part, finish, live.asked, chat=chat, offset=offsets[i])
+        for event in events:
+            await response.write(api.sse(event))
+        offsets[i] += len(piece.text)
+    if live.asked.include_usage:
+        counts = (len(live.prompt), sum(len(s.token_ids) for s in live.sampled))
+        await response.write(api.sse(api.usage_chunk(head, counts)))

@@ -344,8 +344,7 @@ class RLTrainer(Trainer):
         """What the estimator reads: rewards, mask, groups, values and greedy baselines when
         there are, and its ``needs``: the old policy's log-probs and Σπ² (optimal token
         baseline; with rollout correction, its importance weights too), the reward's
-        components (GDPO), the implicit PRM's token rewards (PRIME); and each sample's weight
-        in its group, 1 / the segments of its trajectory (a split session counts once)."""
+        components (GDPO), the implicit PRM's token rewards (PRIME); each sample's weight."""
         alg, out = self.cfg.algorithm, {}
         if "old_log_probs" in self.needs:
             out["old_log_probs"] = batch["old_log_probs"]
@@ -360,9 +359,7 @@ class RLTrainer(Trainer):
         for name in ("sum_pi_squared", "reward_components"):
             if name in self.needs:
                 out[name] = batch[name]
-        if "sample_index" in batch:  # a split session's segments weigh as one trajectory
-            trajectories = batch["sample_index"].tolist()
-            out["sample_weights"] = trajectory_weights(list(batch["uid"]), trajectories)
+        out["sample_weights"] = _segment_weights(batch)  # a split session weighs as one
         return EstimatorInputs(
             batch["token_level_rewards"],
             batch["response_mask"].float(),
@@ -442,3 +439,11 @@ class RLTrainer(Trainer):
 def train(cfg: Config) -> dict[str, float]:
     """Run RL with ``cfg``; returns the last step's metrics."""
     return RLTrainer(cfg).fit()
+
+
+def _segment_weights(batch: Batch) -> torch.Tensor | None:
+    """Each sample's weight in its group: 1 / the segments of its trajectory (the rows of one
+    ``sample_index``, a session split where its prompts stopped extending each other)."""
+    if "sample_index" not in batch:
+        return None
+    return trajectory_weights(list(batch["uid"]), batch["sample_index"].tolist())

@@ -149,12 +149,8 @@ class VLLMRolloutEngine:
         self._warn_truncated_logprobs(params)
         from vllm.sampling_params import RequestOutputKind
 
-        request_params = self._request_params(params)
+        request_params = _held_to(self._request_params(params), json_schema)
         request_params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
-        if json_schema is not None:
-            from vllm.sampling_params import StructuredOutputsParams
-
-            request_params.structured_outputs = StructuredOutputsParams(json=json_schema)
         if pixel_values is None:
             engine_prompt = TokensPrompt(prompt_token_ids=list(prompt))
         else:
@@ -330,3 +326,12 @@ def _seeded_rng(seed: int) -> Iterator[None]:
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         yield
+
+
+def _held_to(request_params: Any, json_schema: str | None) -> Any:
+    """vLLM's ``request_params`` with structured output to ``json_schema`` (None: as given)."""
+    if json_schema is not None:
+        from vllm.sampling_params import StructuredOutputsParams
+
+        request_params.structured_outputs = StructuredOutputsParams(json=json_schema)
+    return request_params

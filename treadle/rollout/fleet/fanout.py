@@ -35,7 +35,7 @@ from treadle.protocol import Batch
 from treadle.rollout.fleet.batch import Agents, left_trim, trajectory_batch
 from treadle.rollout.fleet.restarts import Restarter
 from treadle.rollout.fleet.sync_group import SyncBroken, settle
-from treadle.serving.client import RolloutClient
+from treadle.serving.client import RolloutClient, held
 
 if TYPE_CHECKING:
     from treadle.serving.endpoint import Endpoint
@@ -155,7 +155,7 @@ class Rollout:
         requests in flight instead of refusing them (partial rollouts). Replicas restarted
         since the last sync join a new weight-sync group first (:mod:`.restarts`). Else the
         requests in flight (an outside process's, rollout.endpoint.enabled) finish first."""
-        with contextlib.nullcontext() if interrupt else self.client.held():
+        with contextlib.nullcontext() if interrupt else held(self.client):
             return self._sync_weights(version, interrupt)
 
     def _sync_weights(self, version: int, interrupt: bool) -> dict[str, float]:
