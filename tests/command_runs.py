@@ -46,15 +46,23 @@ CASES: dict[str, Case] = {
     "grpo_full_kl": Case(
         "train", "examples/arithmetic/grpo.yaml", ("algorithm.kl_estimator=full",), rl=True
     ),
-    "ppo": Case("train", "examples/arithmetic/ppo.yaml", rl=True),  # a critic, GAE
-    "dapo": Case("train", "examples/arithmetic/dapo.yaml", rl=True),  # dynamic sampling
+    # a critic, GAE (and the actor from step 1: the example warms the critic up first)
+    "ppo": Case("train", "examples/arithmetic/ppo.yaml", ("critic.warmup_steps=0",), rl=True),
+    "dapo": Case(  # dynamic sampling
+        "train", "examples/arithmetic/dapo.yaml", ("reward.overlong_buffer_len=4",), rl=True
+    ),
     "lora": Case("train", "examples/lora/grpo_lora.yaml", ("actor.lora.rank=4",), rl=True),
     "prime": Case("train", "examples/prime/prime.yaml", rl=True),  # the implicit PRM
     "sft": Case("sft", "examples/arithmetic/sft.yaml"),
     "dpo": Case("dpo", "examples/arithmetic/dpo.yaml", pairs=True),
     "kto": Case("kto", "examples/preference/kto.yaml", pairs=True),
     "rm": Case("rm", "examples/arithmetic/rm.yaml", pairs=True),
-    "gkd": Case("distill", "examples/distill/gkd.yaml", ("distill.top_k=5",), teacher=True),
+    "gkd": Case(  # (its dataset answers are up to 31 tokens)
+        "distill",
+        "examples/distill/gkd.yaml",
+        ("distill.top_k=5", "rollout.max_new_tokens=40"),
+        teacher=True,
+    ),
     "seq_kd": Case("distill", "examples/distill/seq_kd.yaml", teacher=True),
     "reverse_kl": Case("distill", "examples/distill/on_policy.yaml", teacher=True),
     "eval": Case("eval", "examples/arithmetic/grpo.yaml", ("eval.n=2", "eval.temperature=1.0")),
@@ -70,7 +78,8 @@ def argv(
     steps: int = 1,
 ) -> list[str]:
     """The command line of case ``name`` on ``task`` (tests/conftest.py's ``tiny_task``) into
-    ``out``: 4 prompts x 2 samples of 8 new tokens, ``steps`` steps, a checkpoint at the end;
+    ``out``: 4 prompts (x 2 samples of 8 new tokens for RL, 1 sample for distillation; up to
+    24 tokens a response for SFT and pairs), ``steps`` steps, a checkpoint at the end;
     ``extra`` comes last (a key given again there wins)."""
     case = CASES[name]
     train, val = ("pairs_train", "pairs_test") if case.pairs else ("train", "test")
@@ -82,10 +91,7 @@ def argv(
         "data.max_prompt_length=64",
         "data.batch_size=4",
         "rollout.engine=hf",
-        "rollout.n=2",
-        "rollout.max_new_tokens=8",
         "actor.world_size=1",
-        "actor.ppo_mini_batch_size=8",
         "actor.micro_batch_size=4",
         "trainer.backend=local",
         f"trainer.total_steps={steps}",
@@ -97,7 +103,11 @@ def argv(
         reward = out.parent / f"{out.name}_reward.py"
         reward.write_text(LENGTH_REWARD)
         keys += [f"reward.function={reward}:score", "reward.num_workers=0"]
-    if case.teacher:
+        keys += ["rollout.n=2", "rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=8"]
+    elif case.teacher:
         assert teacher is not None, f"case {name} needs a teacher model"
         keys += [f"teacher.model_path={teacher}", "teacher.engine=hf", "rollout.n=1"]
+        keys += ["rollout.max_new_tokens=8", "actor.ppo_mini_batch_size=4"]
+    else:  # SFT, pairs, evaluation: the data's responses are up to 24 tokens
+        keys += ["rollout.max_new_tokens=24", "actor.ppo_mini_batch_size=4"]
     return [case.command, case.config, *keys, *case.keys, *extra]

@@ -32,7 +32,7 @@ def weight_buckets(
             continue
         t = tensor.detach()
         cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-        t = t.to("cpu", dtype=cast).contiguous()
+        t = t.to(dtype=cast).cpu().contiguous()  # cast where it is: fewer bytes to the host
         if any(t.data_ptr() == other.data_ptr() for other in bucket.values()):
             t = t.clone()  # safetensors refuses tensors that share memory
         bucket[name] = t
