@@ -177,8 +177,6 @@ class TrainEngine:
         section: str = "actor",
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
-        # The device the caller put the model on: every micro-batch comes here (train_step).
-        self.device: torch.device = next(iter(lm.parameters())).device
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
@@ -220,6 +218,12 @@ class TrainEngine:
         factor = schedule or LrSchedule()
         # LambdaLR counts from 0, the schedule's steps from 1
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: factor(s + 1))
+
+    @property
+    def device(self) -> torch.device:
+        """The device the caller put the model on, where :meth:`train_step` puts each
+        micro-batch."""
+        return next(iter(self.module.parameters())).device
 
     def forward(self, request: LogProbRequest) -> LogProbOutput:
         """The head's forward on ``request`` (a reference view of a LoRA engine: with the
