@@ -2,9 +2,11 @@
 
 A weight update is a stream of ``(HF name, full tensor)`` pairs; :func:`weight_buckets` cuts it
 into buckets of about ``rollout.weight_sync_bucket_mb``, each safetensors bytes, so names,
-shapes and dtypes travel with the data and nothing is unpickled on arrival. The colocated
-path hands them straight to the engine; the split path broadcasts them to the replicas
-(:mod:`treadle.serving.weight_sync`).
+shapes and dtypes travel with the data and nothing is unpickled on arrival. The split path
+broadcasts them to the replicas (:mod:`treadle.serving.weight_sync`), and vLLM's engine loads
+them so. The colocated path hands the engine its named tensors where they are, on the device
+(:meth:`treadle.workers.actor.ActorRolloutRefWorker.sync_weights`): the hf engine copies them
+into its weights in place, with no trip through the host.
 """
 
 from __future__ import annotations

@@ -158,24 +158,30 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         """The actor's full weights to the rollout as ``version``; returns the bytes moved.
 
         Every rank walks the full tensors (gathering one is a collective). Colocated: each
-        rank loads them into its own replica. Split: rank 0 broadcasts them in buckets."""
+        rank hands them, cast to the rollout's dtype where they are (on the device), to its own
+        replica's engine, one tensor at a time (the hf engine copies each into its weights in
+        place; vLLM's cuts them into safetensors buckets). Split: rank 0 broadcasts them in
+        buckets."""
         r = self.cfg.rollout
         dtype = getattr(torch, r.dtype or self.cfg.model.dtype)
         tied = bool(getattr(self.engine.module.lm.config, "tie_word_embeddings", False))
         skip = frozenset({"lm_head.weight"} if tied else ())
-        bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
-        buckets = weight_buckets(self.engine.full_state(), bucket, dtype, skip)
         if self.server is not None:
             sent = 0
 
-            def counted() -> Iterator[bytes]:
+            def cast() -> Iterator[tuple[str, torch.Tensor]]:
                 nonlocal sent
-                for payload in buckets:
-                    sent += len(payload)
-                    yield payload
+                for name, tensor in self.engine.full_state():
+                    if name in skip:
+                        continue
+                    t = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor
+                    sent += t.numel() * t.element_size()
+                    yield name, t
 
-            self.server.update_weights(lambda engine: engine.load_payloads(counted()), version)
+            self.server.update_weights(cast(), version)
             return sent
+        bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
+        buckets = weight_buckets(self.engine.full_state(), bucket, dtype, skip)
         if self.weight_sync is not None:
             return self.weight_sync.send(buckets)
         for _ in self.engine.full_state():  # ranks > 0 of split: join the gathers only
