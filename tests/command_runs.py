@@ -48,8 +48,13 @@ CASES: dict[str, Case] = {
     ),
     # a critic, GAE (and the actor from step 1: the example warms the critic up first)
     "ppo": Case("train", "examples/arithmetic/ppo.yaml", ("critic.warmup_steps=0",), rl=True),
-    "dapo": Case(  # dynamic sampling
-        "train", "examples/arithmetic/dapo.yaml", ("reward.overlong_buffer_len=4",), rl=True
+    # dynamic sampling (8-token responses are all cut: the example's mask_truncated would
+    # leave no token to learn from)
+    "dapo": Case(
+        "train",
+        "examples/arithmetic/dapo.yaml",
+        ("reward.overlong_buffer_len=4", "algorithm.mask_truncated=false"),
+        rl=True,
     ),
     "lora": Case("train", "examples/lora/grpo_lora.yaml", ("actor.lora.rank=4",), rl=True),
     "prime": Case("train", "examples/prime/prime.yaml", rl=True),  # the implicit PRM
