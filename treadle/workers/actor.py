@@ -50,7 +50,6 @@ engine and server in the same process: ``init_teacher`` loads it, ``teacher_gene
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +59,7 @@ from treadle.algorithms import UNPAIRED_LOSSES
 from treadle.controller import Collect, Dispatch, free_port, register
 from treadle.data.images import PIXELS
 from treadle.engines.heads import LogProbRequest
-from treadle.engines.weights import weight_buckets
+from treadle.engines.weights import CastTensors, weight_buckets
 from treadle.models.checkpoint import read_state
 from treadle.models.loading import apply_lora
 from treadle.protocol import Batch
@@ -167,19 +166,9 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         tied = bool(getattr(self.engine.module.lm.config, "tie_word_embeddings", False))
         skip = frozenset({"lm_head.weight"} if tied else ())
         if self.server is not None:
-            sent = 0
-
-            def cast() -> Iterator[tuple[str, torch.Tensor]]:
-                nonlocal sent
-                for name, tensor in self.engine.full_state():
-                    if name in skip:
-                        continue
-                    t = tensor.detach().to(dtype) if tensor.is_floating_point() else tensor
-                    sent += t.numel() * t.element_size()
-                    yield name, t
-
-            self.server.update_weights(cast(), version)
-            return sent
+            tensors = CastTensors(self.engine.full_state(), dtype, skip)
+            self.server.update_weights(tensors, version)
+            return tensors.bytes
         bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
         buckets = weight_buckets(self.engine.full_state(), bucket, dtype, skip)
         if self.weight_sync is not None:
