@@ -5,7 +5,9 @@ treadle); not meant to be run by hand. It trains `--steps` + `--warmup` optimize
 rows of `--prompts` (a JSONL file of `prompt`, `answer`; each step takes all of them, so every
 step sees the same prompts) and writes one record per step to `--out` as JSON.
 
-TRL runs with its defaults except: `use_cpu=True`; float32 weights, with `bf16` autocast when
+TRL runs with its defaults except: `use_cpu=True` (on `--device cuda`, the GPU; then each step
+record has its peak device memory, `max_memory_allocated` and `max_memory_reserved` in bytes,
+the counters reset as the step begins); float32 weights, with `bf16` autocast when
 `--dtype bfloat16` (TRL's default is bf16 autocast); one optimizer step per generation batch
 (`per_device_train_batch_size` = prompts x samples, `gradient_accumulation_steps=1`);
 `min_new_tokens` = `max_completion_length`, so every completion has exactly that many tokens;
@@ -95,12 +97,20 @@ class StepTimer(TrainerCallback):
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         assert self.trainer is not None
         self.trainer.phase = {}
+        if torch.cuda.is_initialized():
+            torch.cuda.reset_peak_memory_stats()
         self.start = time.perf_counter()
 
     def on_step_end(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         assert self.trainer is not None
         step = time.perf_counter() - self.start
-        self.records.append({"step": step, **self.trainer.phase})
+        memory = {}
+        if torch.cuda.is_initialized():
+            memory = {
+                "max_memory_allocated": float(torch.cuda.max_memory_allocated()),
+                "max_memory_reserved": float(torch.cuda.max_memory_reserved()),
+            }
+        self.records.append({"step": step, **self.trainer.phase, **memory})
 
 
 def main() -> None:
@@ -118,6 +128,7 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
@@ -126,7 +137,7 @@ def main() -> None:
     dataset = Dataset.from_dict({"prompt": chats, "answer": [r["answer"] for r in rows]})
     config = GRPOConfig(
         output_dir=str(Path(args.workdir) / "trl_out"),
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         bf16=args.dtype == "bfloat16",
         model_init_kwargs={"dtype": "float32"},  # bf16 is mixed precision: float32 weights
         per_device_train_batch_size=len(rows) * args.n,

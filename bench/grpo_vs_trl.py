@@ -392,15 +392,23 @@ def treadle_overrides(args: argparse.Namespace, run_dir: Path) -> list[str]:
 
 
 def treadle_side(args: argparse.Namespace) -> None:
-    """Run the RL steps with treadle as a library; write per-step timings as JSON.
+    """Run the RL steps with treadle as a library; write per-step timings as JSON."""
+    run_dir = Path(args.workdir) / "treadle_run"
+    steps = treadle_steps(treadle_overrides(args, run_dir), run_dir, args.n)
+    settings = {"micro_tokens": args.micro_tokens, "kv_cache_gib": args.kv_cache_gib}
+    Path(args.side_out).write_text(json.dumps({"steps": steps, "settings": settings}))
+
+
+def treadle_steps(overrides: list[str], run_dir: Path, n: int) -> list[dict[str, float]]:
+    """The RL steps of the config ``overrides`` make (into ``run_dir``), one record a step: its
+    ``timing/*`` without the prefix, its ``perf/*`` metrics, and the prompt and generated tokens.
 
     The loop is `Trainer.fit` without its final checkpoint (TRL's side saves none either)."""
     from treadle.config import load_config
     from treadle.tracking.tracker import Tracker, read_metrics
     from treadle.trainers.rl import RLTrainer
 
-    run_dir = Path(args.workdir) / "treadle_run"
-    cfg = load_config(None, treadle_overrides(args, run_dir))
+    cfg = load_config(None, overrides)
     trainer = RLTrainer(cfg)
     total = cfg.trainer.total_steps
     try:
@@ -409,15 +417,15 @@ def treadle_side(args: argparse.Namespace) -> None:
                 tracker.log(step, trainer.run_step(step))
     finally:
         trainer.actors.close()
-    prompt_tokens = sum(len(row["prompt_ids"]) for row in trainer.train_ds.rows) * args.n
+    prompt_tokens = sum(len(row["prompt_ids"]) for row in trainer.train_ds.rows) * n
     steps = []
     for m in read_metrics(run_dir):
         record = {k.removeprefix("timing/"): v for k, v in m.items() if k.startswith("timing/")}
-        record["generated_tokens"] = m["response/length_mean"] * cfg.data.batch_size * args.n
+        record |= {k: v for k, v in m.items() if k.startswith("perf/")}
+        record["generated_tokens"] = m["response/length_mean"] * cfg.data.batch_size * n
         record["prompt_tokens"] = prompt_tokens
         steps.append(record)
-    settings = {"micro_tokens": args.micro_tokens, "kv_cache_gib": args.kv_cache_gib}
-    Path(args.side_out).write_text(json.dumps({"steps": steps, "settings": settings}))
+    return steps
 
 
 # ----------------------------------------------------------------------------- summary
@@ -475,12 +483,14 @@ def side_summary(side: dict[str, Any], phases: Any, warmup: int) -> dict[str, fl
     return summary
 
 
-def format_table(trl: dict[str, float], ours: dict[str, float]) -> list[str]:
+def format_table(
+    trl: dict[str, float], ours: dict[str, float], columns: tuple = COLUMNS
+) -> list[str]:
     """Aligned rows: TRL, treadle, and treadle / TRL per column."""
-    rows = [["", *(title for title, _, _ in COLUMNS)]]
+    rows = [["", *(title for title, _, _ in columns)]]
     for name, s in (("TRL", trl), ("treadle", ours)):
-        rows.append([name, *(fmt.format(s[key]) for _, key, fmt in COLUMNS)])
-    rows.append(["treadle/TRL", *(f"{ours[key] / trl[key]:.2f}" for _, key, _ in COLUMNS)])
+        rows.append([name, *(fmt.format(s[key]) for _, key, fmt in columns)])
+    rows.append(["treadle/TRL", *(f"{ours[key] / trl[key]:.2f}" for _, key, _ in columns)])
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [
         "  ".join(
@@ -491,10 +501,14 @@ def format_table(trl: dict[str, float], ours: dict[str, float]) -> list[str]:
     ]
 
 
-def ratio_lines(results: dict[str, tuple[dict[str, float], dict[str, float]]]) -> list[str]:
-    """The closing lines: step-time ratios for every model, then peak-RSS ratios."""
+def ratio_lines(
+    results: dict[str, tuple[dict[str, float], dict[str, float]]],
+    metrics: tuple[tuple[str, str], ...] = (("step_time", "step"), ("peak_rss", "peak_rss_gib")),
+) -> list[str]:
+    """The closing lines: step-time ratios for every model, then peak-RSS ratios (or the
+    ``(name, key)`` of ``metrics``, in their order)."""
     lines = []
-    for metric, key in (("step_time", "step"), ("peak_rss", "peak_rss_gib")):
+    for metric, key in metrics:
         for model, (trl, ours) in results.items():
             lines.append(f"ratio {metric} treadle/trl {model}: {ours[key] / trl[key]:.2f}")
     return lines

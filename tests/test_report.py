@@ -303,3 +303,28 @@ def test_a_distillation_run_has_its_panel_first():
     kl, teacher = figs["Distillation"].data
     assert kl.name == "distill/reverse_kl" and list(kl.y) == pytest.approx([0.5, 0.25])
     assert list(teacher.y) == pytest.approx([-1.0, -0.5])
+
+
+def test_a_gpu_run_has_its_peak_memory_panel_and_summary(tmp_path):
+    """The local backend on a GPU logs each phase's peak device memory and the step's
+    (tracking.tracker.timed): one panel of them, and the run's highest in the summary."""
+    records = [
+        {
+            "step": s,
+            "reward/mean": 0.1 * s,
+            "timing/step": 1.0,
+            "perf/max_memory_allocated_gib/generate": 3.0 + s,
+            "perf/max_memory_allocated_gib/update_actor": 2.0,
+            "perf/max_memory_allocated_gib": 3.0 + s,
+            "perf/max_memory_reserved_gib": 6.5,
+        }
+        for s in (1, 2)
+    ]
+    figs = dict(figures(numeric_series(records)))
+    names = [t.name for t in figs["Peak device memory (GiB)"].data]
+    assert sorted(names) == sorted(k for k in records[0] if k.startswith("perf/"))
+    assert "perf" not in figs  # not also among the rest
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "<th>peak device memory</th><td>5.00 GiB (6.50 GiB reserved)</td>" in page

@@ -22,6 +22,7 @@ from treadle.config import LoraConfig, load_config
 from treadle.engines.fsdp import TrainEngine
 from treadle.models.checkpoint import CheckpointError, holds_adapters
 from treadle.models.loading import apply_lora, load_causal_lm, load_tokenizer
+from treadle.protocol import Batch
 from treadle.runtime.errors import ConfigError
 
 
@@ -50,11 +51,12 @@ def batch(vocab: int, n: int = 4, length: int = 12) -> tuple[torch.Tensor, torch
 def step(engine: TrainEngine, vocab: int) -> dict[str, float]:
     ids, mask = batch(vocab)
 
-    def loss(_: object) -> tuple[torch.Tensor, dict[str, float]]:
-        logp, _ = engine.log_probs(ids, mask, 6)
+    def loss(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, _ = engine.log_probs(mb["input_ids"], mb["attention_mask"], 6)
         return -logp.mean(), {}
 
-    return engine.train_step([None], loss)
+    micro = Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask})
+    return engine.train_step([micro], loss)
 
 
 def full(engine: TrainEngine) -> dict[str, torch.Tensor]:

@@ -370,12 +370,11 @@ def gdpo(inputs: EstimatorInputs, settings: GDPOSettings) -> Result:
             f"{list(comps.shape)}"
         )
     k, reward_weights = comps.shape[1], settings.reward_weights
-    weights = torch.ones(k, dtype=torch.float64) if reward_weights is None else None
-    if reward_weights is not None:
-        if len(reward_weights) != k:
-            raise ValueError(f"gdpo: {len(reward_weights)} reward_weights for {k} components")
-        weights = torch.tensor(list(reward_weights), dtype=torch.float64)
-    assert weights is not None
+    if reward_weights is not None and len(reward_weights) != k:
+        raise ValueError(f"gdpo: {len(reward_weights)} reward_weights for {k} components")
+    weights = comps.new_tensor(
+        [1.0] * k if reward_weights is None else list(reward_weights), dtype=torch.float64
+    )
     index = group_index(inputs.group_ids, scores)
     total = torch.zeros_like(scores)
     for j in range(k):

@@ -48,7 +48,12 @@ class TeacherConfig(Section):
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache, GiB.")
     gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="vllm engine on CUDA: fraction of GPU memory it may take."
+        0.3,
+        gt=0,
+        le=1,
+        description="On CUDA: fraction of GPU memory the vllm engine may take; for the hf "
+        "engine, the fraction this process may hold while generating (a batch that needs "
+        "more is generated in chunks). No effect on CPU.",
     )
 
 

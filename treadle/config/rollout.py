@@ -27,13 +27,23 @@ class RolloutConfig(Section):
         False,
         description="Generate max_new_tokens tokens for every response, ignoring EOS (benchmarks).",
     )
-    micro_batch_size: int = Field(64, gt=0, description="hf engine: sequences per generate call.")
+    micro_batch_size: int = Field(
+        64,
+        gt=0,
+        description="hf engine: sequences per generate call at most (on CUDA fewer when "
+        "gpu_memory_utilization leaves room for fewer).",
+    )
     weight_sync_bucket_mb: float = Field(
         64, gt=0, description="vllm engine: size of one weight-sync message, MiB."
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache size, GiB.")
     gpu_memory_utilization: float = Field(
-        0.5, gt=0, le=1, description="vllm engine on CUDA: fraction of GPU memory it may take."
+        0.5,
+        gt=0,
+        le=1,
+        description="On CUDA: fraction of GPU memory the vllm engine may take; for the hf "
+        "engine, the fraction this process may hold while generating (a batch that needs "
+        "more is generated in chunks). No effect on CPU.",
     )
     placement: Literal["colocated", "split"] = Field(
         "colocated",

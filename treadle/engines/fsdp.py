@@ -45,7 +45,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -63,10 +63,9 @@ from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, save_optimizer, save_schedule
 from treadle.models.checkpoint import CheckpointError
 from treadle.models.loading import ADAPTER_DIR, save_adapter, save_hf_folder
+from treadle.protocol import Batch
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.faults import failpoint
-
-M = TypeVar("M")  # a micro-batch, whatever the role's loss function takes
 
 
 def shard_model(
@@ -220,6 +219,12 @@ class TrainEngine:
         # LambdaLR counts from 0, the schedule's steps from 1
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: factor(s + 1))
 
+    @property
+    def device(self) -> torch.device:
+        """The device the caller put the model on, where :meth:`train_step` puts each
+        micro-batch."""
+        return next(iter(self.module.parameters())).device
+
     def forward(self, request: LogProbRequest) -> LogProbOutput:
         """The head's forward on ``request`` (a reference view of a LoRA engine: with the
         adapters disabled); without gradients when it asks for ``sum_pi_squared`` or the
@@ -268,8 +273,8 @@ class TrainEngine:
 
     def train_step(
         self,
-        micros: Sequence[M],
-        loss_fn: Callable[[M], tuple[torch.Tensor, dict[str, float]]],
+        micros: Sequence[Batch],
+        loss_fn: Callable[[Batch], tuple[torch.Tensor, dict[str, float]]],
         prefix: str = "",
     ) -> dict[str, float]:
         """One optimizer step over ``micros``: every role's update loop (actor, critic, reward
@@ -277,14 +282,18 @@ class TrainEngine:
 
         ``loss_fn(micro)`` returns the micro-batch's share of the step's loss (already scaled
         by global counts: the gradients are summed over micro-batches and averaged over
-        ranks) and its metrics. Gradients are reduced across ranks after the last micro-batch
-        only. Returns the metrics summed over micro-batches plus ``<prefix>grad_norm`` and
-        ``<prefix>lr`` of :meth:`step`.
+        ranks) and its metrics. Each micro-batch reaches it on this engine's device, whole:
+        the one place where the driver's batch (on the CPU, by design) crosses to the device,
+        so no loss moves its inputs field by field (verl and torchtitan move theirs at one
+        seam too); a micro-batch is moved when its turn comes, so the device holds one.
+        Gradients are reduced across ranks after the last micro-batch only. Returns the
+        metrics summed over micro-batches plus ``<prefix>grad_norm`` and ``<prefix>lr`` of
+        :meth:`step`.
         """
         sums: dict[str, float] = defaultdict(float)
         for i, micro in enumerate(micros):
             self.module.set_requires_gradient_sync(i == len(micros) - 1)
-            loss, metrics = loss_fn(micro)
+            loss, metrics = loss_fn(micro.to(self.device))
             loss.backward()
             for k, v in metrics.items():
                 sums[k] += v

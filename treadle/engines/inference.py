@@ -23,14 +23,27 @@ generation requests in flight: the transformers engine does not touch them; vLLM
 (:mod:`treadle.engines.vllm`) scores through its own request queue and keeps what the
 in-flight requests produce meanwhile for the next ``step``.
 
-The transformers engine is the debugging engine and the fallback: plain ``generate`` with a
-KV cache on a left-padded batch. Log-probs are taken from the raw logits divided by the
-temperature (the policy the actor trains), not from the top-p/top-k-filtered scores.
+The transformers engine is the debugging engine, the fallback and, on a GPU without vLLM, the
+rollout: plain ``generate`` with a KV cache on a left-padded batch. Log-probs are taken from
+the raw logits divided by the temperature (the policy the actor trains), not from the
+top-p/top-k-filtered scores.
 ``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
 response (every response runs to ``max_new_tokens``, for benchmarks); stop tokens still do.
 ``SamplingParams.top_logprobs = k`` also returns, per sampled token, the k most likely ids of
 that position and their log-probs, from the same distribution (the OpenAI endpoint's
 ``top_logprobs``); an engine that does not give them returns empty lists.
+
+Memory follows the work, not the tokens generated. A decoding step's full-vocabulary scores
+live only until the next step: :class:`SampledLogProbs`, the first of the logits processors,
+keeps that step's log-softmax until the next step shows which token was sampled and keeps the
+``[B]`` log-probs of it (``generate``'s ``output_logits`` kept every step's ``[B, V]`` and a
+float32 copy of them all: 139 GB on an H200 for 256 sequences of 256 tokens at a vocabulary of
+49,152). A batch is generated in chunks: at most ``micro_batch_size`` sequences a ``generate``
+call and, on CUDA, as many as the KV cache, the per-step scores and the prompt's forward of
+each (:func:`sequence_bytes`) fit in the memory ``gpu_memory_utilization`` leaves
+(:func:`generation_budget`: that fraction of the device's memory, less what this process's
+tensors hold already, the actor's weights and optimizer among them when colocated, and never
+more than is free). On CPU, ``micro_batch_size`` alone sets the chunks.
 """
 
 from __future__ import annotations
@@ -44,6 +57,13 @@ from typing import Any, Protocol
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
+from transformers import (
+    LogitsProcessor,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 from treadle.data.images import stack_pixels
 
@@ -145,8 +165,97 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
 
+class SampledLogProbs(LogitsProcessor):
+    """The log-prob of each sampled token, from the raw scores of its step divided by the
+    temperature, without keeping a step's full-vocabulary scores past the next step.
+
+    ``generate`` calls it at each step with the sequences so far and the step's raw scores
+    (it comes first among the processors): it gathers the previous step's log-softmax at the
+    token that step sampled (now the sequences' last) and keeps this step's until the next.
+    :meth:`finish` gathers the last step's from the final sequences. With ``top_k`` (the
+    request's ``top_logprobs``) it keeps each step's ``top_k`` most likely ids and log-probs
+    too, ``[B, top_k]`` a step."""
+
+    def __init__(self, temperature: float, top_k: int = 0) -> None:
+        self.temperature, self.top_k = temperature, top_k
+        self.steps: list[torch.Tensor] = []  # [B] per decoding step
+        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # (values, ids) [B, k] a step
+        self._last: torch.Tensor | None = None  # the last step's log-softmax [B, V]
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        self._take(input_ids[:, -1])
+        self._last = torch.log_softmax(scores.float() / self.temperature, -1)
+        if self.top_k:
+            self.tops.append(tuple(self._last.topk(self.top_k, -1)))  # type: ignore[arg-type]
+        return scores
+
+    def _take(self, tokens: torch.Tensor) -> None:
+        if self._last is not None:
+            self.steps.append(self._last.gather(-1, tokens[:, None]).squeeze(-1))
+            self._last = None
+
+    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
+        """``[B, steps]``: each step's sampled token's log-prob (``sequences`` ``[B, P + steps]``,
+        ``generate``'s output)."""
+        self._take(sequences[:, -1])
+        if not self.steps:
+            return sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
+        return torch.stack(self.steps, 1)
+
+    def top(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``([B, steps, k] log-probs, [B, steps, k] ids)`` of the steps' most likely ids, or
+        None when ``top_k`` is 0."""
+        if not self.top_k or not self.tops:
+            return None
+        return torch.stack([v for v, _ in self.tops], 1), torch.stack([i for _, i in self.tops], 1)
+
+
+def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> int:
+    """Device memory one sequence takes while it is generated: its KV cache over ``prompt +
+    new`` positions, a decoding step's full-vocabulary scores (the float32 logits, the
+    processed scores, the sampling probabilities and :class:`SampledLogProbs`' log-softmax: 4
+    copies) and its prompt's forward (a decoder layer's activations at every prompt position,
+    kept one layer at a time). ``config``: the model's (its text part for a vision-language
+    one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    width = dtype.itemsize
+    kv = 2 * text.num_hidden_layers * kv_heads * head_dim * (prompt + new) * width
+    scores = 4 * text.vocab_size * 4
+    intermediate = getattr(text, "intermediate_size", 4 * text.hidden_size)
+    prefill = prompt * (4 * text.hidden_size + 3 * intermediate) * width
+    return int(kv + scores + prefill)
+
+
+def generation_budget(device: torch.device, utilization: float) -> int | None:
+    """Bytes a ``generate`` call may take on ``device``: ``utilization`` of its memory less what
+    this process's tensors hold, and no more than the driver reports free (plus what torch's
+    cache holds unused); None on a CPU (no bound but ``micro_batch_size``)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    cached = torch.cuda.memory_reserved(device) - allocated
+    return max(0, min(int(utilization * total) - allocated, free + cached))
+
+
+def chunk_size(budget: int | None, per_sequence: int, most: int) -> int:
+    """Sequences a ``generate`` call takes: ``most`` (``micro_batch_size``), fewer when the
+    ``budget`` holds fewer (at least one: a single sequence that does not fit fails in torch,
+    with its allocation's size)."""
+    if budget is None:
+        return most
+    return max(1, min(most, budget // max(per_sequence, 1)))
+
+
 class HFRolloutEngine:
-    """Batched sampling with transformers ``generate`` on a private copy of the weights."""
+    """Batched sampling with transformers ``generate`` on a private copy of the weights.
+
+    ``micro_batch_size``: sequences a ``generate`` call takes at most; ``gpu_memory_utilization``
+    (CUDA): the fraction of the device's memory the process may hold while generating, which
+    may make the chunks smaller (see the module docstring)."""
 
     def __init__(
         self,
@@ -154,13 +263,23 @@ class HFRolloutEngine:
         eos_token_ids: list[int],
         pad_token_id: int,
         micro_batch_size: int = 64,
+        gpu_memory_utilization: float = 0.5,
     ) -> None:
         self.model: Any = model.eval()  # a transformers model with .generate
         self.eos = list(eos_token_ids)
         self.pad = pad_token_id
         self.micro_batch_size = micro_batch_size
+        self.gpu_memory_utilization = gpu_memory_utilization
         self.params = dict(self.model.named_parameters())
         self._pending: list[tuple[str, list[int], SamplingParams, torch.Tensor | None]] = []
+
+    def chunk(self, prompts: list[list[int]], params: SamplingParams) -> int:
+        """Sequences of ``prompts`` one ``generate`` call takes (see :func:`chunk_size`)."""
+        param = next(self.model.parameters())
+        longest = max((len(p) for p in prompts), default=1)
+        per = sequence_bytes(self.model.config, param.dtype, longest, params.max_new_tokens)
+        budget = generation_budget(param.device, self.gpu_memory_utilization)
+        return chunk_size(budget, per, self.micro_batch_size)
 
     @torch.no_grad()
     def generate(
@@ -175,8 +294,9 @@ class HFRolloutEngine:
         pictures = [x for x in pixel_values or [None] * len(prompts) for _ in range(params.n)]
         out = RolloutOutput()
         torch.manual_seed(params.seed)
-        for start in range(0, len(expanded), self.micro_batch_size):
-            end = start + self.micro_batch_size
+        size = self.chunk(expanded, params)
+        for start in range(0, len(expanded), size):
+            end = start + size
             self._generate_chunk(expanded[start:end], params, out, pictures[start:end])
         return out
 
@@ -195,39 +315,32 @@ class HFRolloutEngine:
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
         stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
-        greedy = params.temperature == 0
         stacked = stack_pixels(pictures)  # zero pictures pad a row; Idefics3 drops them
         images = {} if stacked is None else {"pixel_values": stacked.to(device)}
+        record, processors = _processors(params)
         gen = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_p=None if greedy else params.top_p,
-            top_k=None if greedy or params.top_k <= 0 else params.top_k,
             max_new_tokens=params.max_new_tokens,
             eos_token_id=stops or None,  # None: no stopping, not the model's default EOS
             pad_token_id=self.pad,
-            return_dict_in_generate=True,
-            output_logits=True,
+            logits_processor=processors,
+            **_sampling(params),
             **images,
         )
-        seqs = gen.sequences[:, width:].cpu()
-        logits = torch.stack(gen.logits, dim=1).float().cpu()  # [B, new, V]
-        if not greedy:
-            logits = logits / params.temperature
-        all_logps = torch.log_softmax(logits, -1)
-        logps = all_logps.gather(-1, seqs.unsqueeze(-1)).squeeze(-1)
-        top = all_logps.topk(params.top_logprobs, -1) if params.top_logprobs else None
+        sequences = gen if isinstance(gen, torch.Tensor) else gen.sequences
+        logps = record.finish(sequences).cpu()
+        top = record.top()
+        seqs = sequences[:, width:].cpu()
         for k, (row, lp) in enumerate(zip(seqs.tolist(), logps.tolist(), strict=True)):
             end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
             length = end if end is not None else len(row)
             out.token_ids.append(row[:length])
             out.log_probs.append(lp[:length])
             out.stop_reasons.append("stop" if end is not None else "length")
-            if top is not None:  # (the same distribution as the sampled token's log-prob)
-                out.top_ids.append(top.indices[k, :length].tolist())
-                out.top_log_probs.append(top.values[k, :length].tolist())
+            if top is not None:
+                out.top_log_probs.append(top[0][k, :length].tolist())
+                out.top_ids.append(top[1][k, :length].tolist())
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[Scored]:
@@ -341,3 +454,27 @@ class HFRolloutEngine:
 
     def wake(self) -> None:
         """See :meth:`sleep`."""
+
+
+def _processors(params: SamplingParams) -> tuple[SampledLogProbs, LogitsProcessorList]:
+    """The recorder of the sampled tokens' log-probs first, then temperature, top-k and top-p
+    in transformers' order (``generate`` itself is given neutral values and adds none)."""
+    greedy = params.temperature == 0
+    record = SampledLogProbs(1.0 if greedy else params.temperature, params.top_logprobs)
+    processors: list[LogitsProcessor] = [record]
+    if not greedy:
+        if params.temperature != 1.0:
+            processors.append(TemperatureLogitsWarper(params.temperature))
+        if params.top_k > 0:
+            processors.append(TopKLogitsWarper(params.top_k))
+        if params.top_p < 1.0:
+            processors.append(TopPLogitsWarper(params.top_p))
+    return record, LogitsProcessorList(processors)
+
+
+def _sampling(params: SamplingParams) -> dict[str, Any]:
+    """``generate``'s own sampling arguments: neutral, so that it adds no warper of its own
+    (the model's generation config may name some) and those of :func:`_processors` apply."""
+    if params.temperature == 0:
+        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
+    return {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}

@@ -240,8 +240,9 @@ def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     starts where the position is 0), as transformers builds it for packed rows."""
     seq = (position_ids == 0).long().cumsum(-1)
     same = seq[:, :, None] == seq[:, None, :]
-    causal = torch.ones(position_ids.shape[1], position_ids.shape[1], dtype=torch.bool)
-    return (same & causal.tril().to(position_ids.device))[:, None]
+    s = position_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
+    return (same & causal)[:, None]
 
 
 def sequence_parallel_forward(

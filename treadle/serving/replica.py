@@ -102,7 +102,11 @@ def make_engine(
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     model: Any = load_causal_lm(path, dtype, key=key, allow_download=cfg.model.allow_download)
     return HFRolloutEngine(
-        model.to(device), eos_token_ids=eos, pad_token_id=pad, micro_batch_size=micro
+        model.to(device),
+        eos_token_ids=eos,
+        pad_token_id=pad,
+        micro_batch_size=micro,
+        gpu_memory_utilization=memory["gpu_memory_utilization"],
     )
 
 

@@ -11,9 +11,9 @@ Choices:
   page works from ``file://`` with no network: copy it anywhere, open it offline.
 - The named panels come first (distillation, reward, loss, one per validation set, held-out
   accuracy, KL, entropy, response length, clip fraction, time per phase stacked per step,
-  throughput), each from whichever of its series the run has; every other numeric series is
-  plotted too, one small panel per series, grouped by its prefix (``actor/``, ``rollout/``,
-  ``dpo/``, ...), so an SFT, DPO or RM run shows its own.
+  throughput, peak device memory), each from whichever of its series the run has; every
+  other numeric series is plotted too, one small panel per series, grouped by its prefix
+  (``actor/``, ``rollout/``, ``dpo/``, ...), so an SFT, DPO or RM run shows its own.
 - A validation set's panel (``Held-out: <set>``) has every metric of the set against the step
   (``eval/<set>/<metric>``, its bootstrap ``/std`` aside): the in-training evaluation's from
   metrics.jsonl and, dashed, ``treadle eval``'s of the checkpoints from eval.jsonl, named
@@ -52,11 +52,14 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Response length", ("response/*length*",)),
     ("Clip fraction", ("*/clip_frac", "*/*clipfrac")),
     ("Throughput", ("throughput/*",)),
+    # a run on a GPU (local backend): each phase's peak and the step's (tracking.tracker)
+    ("Peak device memory (GiB)", ("perf/max_memory_*",)),
 )
 # Timings that are not a phase of a step: the step's total (its unnamed rest is drawn as
 # "other") and the one-off start-up time (shown in the summary); evaluation is timed after the
 # step, outside ``timing/step``.
 STEP_TIME, STARTUP_TIME, AFTER_STEP = "timing/step", "timing/startup", ("timing/eval",)
+MEMORY = ("perf/max_memory_allocated_gib", "perf/max_memory_reserved_gib")  # the step's peaks
 EVAL_FILE, CHECKPOINT_EVAL = "eval.jsonl", " (treadle eval)"  # its series: <name> (treadle eval)
 MAX_SAMPLES = 200  # the newest ones: a long run logs thousands
 
@@ -373,6 +376,9 @@ def _summary(series: Series, config: dict[str, Any] | None) -> str:
         rows.append(("start-up", f"{series[STARTUP_TIME][1][0]:.1f} s"))
     if STEP_TIME in series:
         rows.append(("time in steps", f"{sum(series[STEP_TIME][1]):.1f} s"))
+    if all(name in series for name in MEMORY):
+        allocated, reserved = (max(series[name][1]) for name in MEMORY)
+        rows.append(("peak device memory", f"{allocated:.2f} GiB ({reserved:.2f} GiB reserved)"))
     for name in ("reward/mean", *accuracy_keys(series), "eval/pair_accuracy"):
         if name in series:
             step, value = series[name][0][-1], series[name][1][-1]

@@ -4,7 +4,15 @@ messages of Ray, vLLM and torch go.
 Every step's metrics go to each logger (:mod:`treadle.tracking.sinks`): ``metrics.jsonl`` (one
 JSON line per step, flushed at once, each step once after a resume), the console, and the
 trackers (TensorBoard, wandb, MLflow, SwanLab). Phase timers write ``timing/<phase>`` in
-seconds.
+seconds and, in a process that computes on a CUDA GPU (the local backend), the phase's peak
+device memory in GiB, as verl's ``perf/max_memory_*`` (``torch.cuda.max_memory_allocated`` and
+``max_memory_reserved``, their peaks reset as each phase begins):
+``perf/max_memory_allocated_gib/<phase>``, ``perf/max_memory_reserved_gib/<phase>``, and the
+step's (the highest of its phases) ``perf/max_memory_allocated_gib`` and
+``perf/max_memory_reserved_gib``. On a CPU, and in a driver whose workers are Ray actors (it
+holds no device memory), there are none: a CPU process's resident memory has no peak that can
+be reset per phase. Phases that overlap (the asynchronous modes' generation beside the update)
+share the device, so each one's peak counts the other's work in its window.
 
 Messages. Unless ``trainer.verbose``, the console shows treadle's own lines only: the driver's
 loggers of Ray, vLLM, torch, transformers and the trackers, and Python warnings, go to
@@ -20,6 +28,8 @@ import contextlib
 import json
 import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -33,14 +43,69 @@ log = logging.getLogger("treadle")
 
 @contextmanager
 def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
-    """Add the wall time of the block to ``metrics['timing/<name>']``."""
+    """Add the wall time of the block to ``metrics['timing/<name>']``, and on a CUDA GPU its
+    peak device memory to ``perf/max_memory_*_gib`` (see the module docstring)."""
     start = time.perf_counter()
+    cuda = device_memory()
+    if cuda is not None:
+        _PEAKS.begin(cuda)
     try:
         yield
     finally:
         metrics[f"timing/{name}"] = metrics.get(f"timing/{name}", 0.0) + (
             time.perf_counter() - start
         )
+        if cuda is not None:
+            _PEAKS.end(cuda, metrics, name)
+
+
+MEMORY_METRICS = ("perf/max_memory_allocated_gib", "perf/max_memory_reserved_gib")
+"""The step's peak device memory; ``<name>/<phase>`` each phase's."""
+
+
+def device_memory() -> Any:
+    """``torch.cuda`` when this process has computed on a GPU, else None (torch not imported,
+    no GPU, or CUDA never initialised here: a driver of Ray workers)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available() or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda
+
+
+class _PhasePeaks(threading.local):
+    """Peaks of nested phases: a phase that begins inside another first folds the peak so far
+    into the outer one's, then resets the device's counters; the outer one's peak is the
+    highest of what it folded and what the counters show at its end. One stack per thread."""
+
+    def __init__(self) -> None:
+        self.stack: list[list[int]] = []
+
+    def begin(self, cuda: Any) -> None:
+        if self.stack:
+            self._fold(self.stack[-1], _now(cuda))
+        cuda.reset_peak_memory_stats()
+        self.stack.append([0, 0])
+
+    def end(self, cuda: Any, metrics: dict[str, float], name: str) -> None:
+        peaks = self.stack.pop() if self.stack else [0, 0]
+        self._fold(peaks, _now(cuda))
+        if self.stack:
+            self._fold(self.stack[-1], peaks)
+        for key, value in zip(MEMORY_METRICS, peaks, strict=True):
+            gib = value / (1 << 30)
+            for k in (f"{key}/{name}", key):  # the phase's (the most of its calls), the step's
+                metrics[k] = max(metrics.get(k, 0.0), gib)
+
+    @staticmethod
+    def _fold(into: list[int], peaks: Sequence[int]) -> None:
+        into[0], into[1] = max(into[0], peaks[0]), max(into[1], peaks[1])
+
+
+def _now(cuda: Any) -> tuple[int, int]:
+    return cuda.max_memory_allocated(), cuda.max_memory_reserved()
+
+
+_PEAKS = _PhasePeaks()
 
 
 class Tracker:

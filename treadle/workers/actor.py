@@ -50,7 +50,6 @@ engine and server in the same process: ``init_teacher`` loads it, ``teacher_gene
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,7 +59,7 @@ from treadle.algorithms import UNPAIRED_LOSSES
 from treadle.controller import Collect, Dispatch, free_port, register
 from treadle.data.images import PIXELS
 from treadle.engines.heads import LogProbRequest
-from treadle.engines.weights import weight_buckets
+from treadle.engines.weights import CastTensors, weight_buckets
 from treadle.models.checkpoint import read_state
 from treadle.models.loading import apply_lora
 from treadle.protocol import Batch
@@ -158,24 +157,20 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
         """The actor's full weights to the rollout as ``version``; returns the bytes moved.
 
         Every rank walks the full tensors (gathering one is a collective). Colocated: each
-        rank loads them into its own replica. Split: rank 0 broadcasts them in buckets."""
+        rank hands them, cast to the rollout's dtype where they are (on the device), to its own
+        replica's engine, one tensor at a time (the hf engine copies each into its weights in
+        place; vLLM's cuts them into safetensors buckets). Split: rank 0 broadcasts them in
+        buckets."""
         r = self.cfg.rollout
         dtype = getattr(torch, r.dtype or self.cfg.model.dtype)
         tied = bool(getattr(self.engine.module.lm.config, "tie_word_embeddings", False))
         skip = frozenset({"lm_head.weight"} if tied else ())
+        if self.server is not None:
+            tensors = CastTensors(self.engine.full_state(), dtype, skip)
+            self.server.update_weights(tensors, version)
+            return tensors.bytes
         bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
         buckets = weight_buckets(self.engine.full_state(), bucket, dtype, skip)
-        if self.server is not None:
-            sent = 0
-
-            def counted() -> Iterator[bytes]:
-                nonlocal sent
-                for payload in buckets:
-                    sent += len(payload)
-                    yield payload
-
-            self.server.update_weights(lambda engine: engine.load_payloads(counted()), version)
-            return sent
         if self.weight_sync is not None:
             return self.weight_sync.send(buckets)
         for _ in self.engine.full_state():  # ranks > 0 of split: join the gathers only

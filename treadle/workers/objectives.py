@@ -268,14 +268,14 @@ class PolicyGradient(Objective[dict[str, Any]]):
             mismatch = None
             if "old_log_probs" not in mb:  # the mismatch metrics still compare to this forward
                 mismatch = mismatch_stats(
-                    logp.detach().cpu(), mb["rollout_log_probs"], mb["response_mask"]
-                )
+                    logp.detach(), mb["rollout_log_probs"], mb["response_mask"]
+                ).cpu()
             return mb["rollout_log_probs"].to(logp), mismatch
         if "old_log_probs" in mb:
             return mb["old_log_probs"], None
         # on-policy, one optimizer step: this forward is the old policy (see update_actor)
         old = logp.detach()
-        return old, mismatch_stats(old.cpu(), mb["rollout_log_probs"], mb["response_mask"])
+        return old, mismatch_stats(old, mb["rollout_log_probs"], mb["response_mask"]).cpu()
 
     def loss(self, mb: Batch, counts: dict[str, Any]) -> MicroLoss:
         alg = self.cfg.algorithm

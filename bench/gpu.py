@@ -1,0 +1,471 @@
+"""GRPO on one GPU: treadle (local backend, hf engine) against TRL 1.16's `GRPOTrainer`.
+
+    python bench/gpu.py                      # both workloads, on the GPU
+    python bench/gpu.py --workloads smollm2 --steps 3 --warmup 1
+    python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
+
+Prints, per workload, each side's step time (median of `--steps` after `--warmup`), its
+generation and training time, generated tokens/s and peak memory, then the ratio lines last:
+`ratio step_time treadle/trl <workload>: <r>` for every workload, then `ratio peak_memory ...`.
+
+The workloads (`WORKLOADS`): SmolLM2-135M's shape, 8 prompts x 4 samples x 64 new tokens; a
+1.39 B model of Qwen2.5-1.5B's shape with SmolLM2's vocabulary (49,152), 32 x 8 x 256; `tiny`
+(`--tiny`), a 0.1 M model, 2 x 2 x 4. Models are built on the spot with random weights
+(`AutoModelForCausalLM.from_config`, seed 0, float32), as is their tokenizer (a word-level one
+of the model's vocabulary, `w<i>`, whose chat template is the message's text), so nothing but
+this repository has to reach the GPU machine: every completion is exactly `max_new_tokens`
+long on both sides (treadle `rollout.ignore_eos=true`, TRL `min_new_tokens`), so the work is
+that of real weights. Every prompt is `--prompt-tokens` random words, the same on both sides.
+
+Both sides, each in a process of its own, one after the other (`bench/grpo_vs_trl.py`'s
+comparison, whose helpers this reuses, on a GPU): float32 weights and AdamW, bf16 mixed
+precision on a GPU (TRL's `bf16` autocast; treadle `actor.mixed_precision=bf16` and a bfloat16
+hf rollout engine, `rollout.dtype=bfloat16`), float32 on a CPU; GRPO advantages, token-mean
+loss (TRL's `loss_type="dapo"`), no KL and no reference (TRL's `beta=0`), one optimizer step
+over all samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's default; treadle
+`actor.gradient_checkpointing=true`, micro-batches of at most `--micro-tokens` tokens), every
+row computed (treadle `actor.skip_zero_advantage=false`). TRL generates the step's samples in
+one `generate` call; treadle's hf engine in one too (`rollout.micro_batch_size` = the step's
+samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room) and syncs the
+weights into it after the update. The rewards differ (TRL's last-number check, treadle's length
+rule) and change only the advantages' values, not the work.
+
+Measured per step: step (TRL: `on_step_begin` to `on_step_end`; treadle: `timing/step`),
+generation (TRL's `_generate_single_turn`; treadle `timing/generate`), training (TRL: the step
+less its `_generate_and_score_completions`; treadle: `timing/update_actor` +
+`timing/sync_weights`), generated tokens/s. Peak memory: on a GPU the highest of the measured
+steps' `torch.cuda.max_memory_allocated` (counters reset as each step begins; treadle's
+`perf/max_memory_allocated_gib`), and reserved beside it; on a CPU the process's peak RSS over
+its whole life (`wait4`), warm-up and model loading included.
+
+On the bare GPU machine (no Ray, vLLM, pydantic, datasets or TRL there; `/work/shared/GPU.md`):
+the wheels of pydantic, datasets and trl travel with the call, installed with `pip install
+--no-index --no-deps --target /tmp/site .whl/*.whl` and `PYTHONPATH=/tmp/site:$PWD`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+BENCH = Path(__file__).resolve().parent
+ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+import grpo_vs_trl as base  # noqa: E402  (the CPU comparison's helpers)
+
+GIB = float(1 << 30)
+# treadle's length rule: rewards that vary within a group (TRL's side has its own)
+REWARD = "def score(prompt, response, ground_truth):\n    return (len(response) % 7) / 6\n"
+CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model shape (``architecture`` and its config's keys) and the step's work.
+
+    Every shape is built as a Llama (Qwen2.5's with ``attention_bias``: biases on the query,
+    key and value projections as Qwen2's, and one on the output projection), since
+    transformers reads a word-level tokenizer beside a ``qwen2`` config as Qwen2's BPE."""
+
+    title: str
+    architecture: str
+    shape: dict[str, Any]
+    prompts: int
+    n: int
+    new_tokens: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+WORKLOADS: dict[str, Workload] = {
+    "smollm2": Workload(
+        "SmolLM2-135M's shape",
+        "llama",
+        {
+            "vocab_size": 49152,
+            "hidden_size": 576,
+            "intermediate_size": 1536,
+            "num_hidden_layers": 30,
+            "num_attention_heads": 9,
+            "num_key_value_heads": 3,
+            "rope_theta": 100000.0,
+            "rms_norm_eps": 1e-5,
+        },
+        prompts=8,
+        n=4,
+        new_tokens=64,
+    ),
+    "1.4b": Workload(
+        "Qwen2.5-1.5B's shape, vocabulary 49,152",
+        "llama",
+        {
+            "attention_bias": True,  # Qwen2's biases (and one on the output projection)
+            "vocab_size": 49152,
+            "hidden_size": 1536,
+            "intermediate_size": 8960,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 12,
+            "num_key_value_heads": 2,
+            "rope_theta": 1000000.0,
+            "rms_norm_eps": 1e-6,
+        },
+        prompts=32,
+        n=8,
+        new_tokens=256,
+    ),
+    "tiny": Workload(
+        "a tiny Llama (the script's own check, on a CPU)",
+        "llama",
+        {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+        },
+        prompts=2,
+        n=2,
+        new_tokens=4,
+    ),
+}
+SPECIAL = ("<pad>", "<eos>", "<unk>")  # ids 0, 1, 2; then w3 .. w<vocab - 1>
+
+
+# ----------------------------------------------------------------------------- the workload
+
+
+def build_model(wl: Workload, folder: Path, prompt_tokens: int) -> Path:
+    """A random-initialised model of ``wl``'s shape and its word-level tokenizer in ``folder``
+    (kept: built once per work directory)."""
+    if any(folder.glob("*.safetensors")):
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        wl.architecture,
+        **wl.shape,
+        max_position_embeddings=max(2048, prompt_tokens + wl.new_tokens),
+        tie_word_embeddings=True,
+        pad_token_id=0,
+        eos_token_id=1,
+        bos_token_id=None,
+    )
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(folder)
+    from treadle.models.loading import save_tokenizer
+
+    save_tokenizer(tokenizer(wl.shape["vocab_size"]), folder)  # readable by AutoTokenizer too
+    return folder
+
+
+def tokenizer(vocab: int) -> Any:
+    """A word-level tokenizer of ``vocab`` ids: the special tokens, then ``w3`` .. ``w<vocab-1>``
+    (every id the model can sample decodes to a word)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {w: i for i, w in enumerate(SPECIAL)} | {f"w{i}": i for i in range(3, vocab)}
+    core = Tokenizer(models.WordLevel(words, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.decoder = decoders.WordPiece()  # words joined by spaces
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=core, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>"
+    )
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def write_prompts(wl: Workload, path: Path, prompt_tokens: int) -> Path:
+    """``wl.prompts`` rows of ``prompt_tokens`` random words (seed 0), as JSONL of ``prompt``
+    and ``answer`` (both sides' reader)."""
+    import random
+
+    rng = random.Random(0)
+    vocab = wl.shape["vocab_size"]
+    rows = [
+        {
+            "prompt": " ".join(f"w{rng.randrange(3, vocab)}" for _ in range(prompt_tokens)),
+            "answer": "0",
+        }
+        for _ in range(wl.prompts)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+# ----------------------------------------------------------------------------- the two sides
+
+
+def treadle_overrides(args: argparse.Namespace, wl: Workload, paths: dict[str, Path]) -> list[str]:
+    """treadle's run of the workload: the local backend, the hf engine (see the docstring)."""
+    rows, gpu = wl.prompts * wl.n, args.device == "cuda"
+    return [
+        f"model.path={paths['model']}",
+        "model.dtype=float32",
+        f"rollout.dtype={'bfloat16' if gpu else 'float32'}",
+        f"actor.mixed_precision={'bf16' if gpu else 'none'}",
+        f"data.train_files=[{paths['prompts']}]",
+        "data.val_files=[]",
+        f"data.batch_size={wl.prompts}",
+        "data.shuffle=false",
+        f"data.max_prompt_length={args.prompt_tokens}",
+        "rollout.engine=hf",
+        f"rollout.n={wl.n}",
+        "rollout.temperature=1.0",
+        f"rollout.max_new_tokens={wl.new_tokens}",
+        "rollout.ignore_eos=true",
+        f"rollout.micro_batch_size={rows}",
+        f"reward.function={paths['reward']}:score",
+        "reward.num_workers=0",
+        "algorithm.adv_estimator=grpo",
+        "algorithm.kl_coef=0",
+        "algorithm.loss_agg_mode=token-mean",
+        f"actor.lr={args.lr}",
+        f"actor.ppo_mini_batch_size={rows}",
+        f"actor.micro_batch_size={rows}",
+        f"actor.max_tokens_per_micro_batch={args.micro_tokens}",
+        f"actor.gradient_checkpointing={str(gpu).lower()}",
+        "actor.skip_zero_advantage=false",  # equal work: TRL computes every row
+        "trainer.backend=local",
+        f"trainer.output_dir={paths['run']}",
+        f"trainer.total_steps={args.warmup + args.steps}",
+        "trainer.resume=false",
+        "trainer.progress=false",
+    ]
+
+
+def workload_paths(args: argparse.Namespace, name: str) -> dict[str, Path]:
+    folder = Path(args.workdir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    reward = folder / "reward.py"
+    reward.write_text(REWARD, encoding="utf-8")
+    return {
+        "folder": folder,
+        "model": folder / "model",
+        "prompts": folder / "prompts.jsonl",
+        "reward": reward,
+        "run": folder / "treadle_run",
+    }
+
+
+def treadle_side(args: argparse.Namespace) -> None:
+    """The treadle side (in its own process): the steps' records as JSON to ``--side-out``."""
+    import torch
+
+    torch.set_num_threads(args.threads)
+    wl = WORKLOADS[args.workload]
+    paths = workload_paths(args, args.workload)
+    steps = base.treadle_steps(treadle_overrides(args, wl, paths), paths["run"], wl.n)
+    Path(args.side_out).write_text(json.dumps({"steps": steps}), encoding="utf-8")
+
+
+def run_side(command: list[str], log: Path, threads: int) -> dict[str, float]:
+    """Run one side to its end, its output to ``log``: its wall time and peak RSS (``wait4``)."""
+    env = base.side_env(threads, None)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    start = time.perf_counter()
+    with log.open("w") as out:
+        proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
+        sys.exit(f"{Path(command[1]).name} failed ({proc.returncode}); {log}:\n{tail}")
+    return {"wall_s": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024.0}
+
+
+def common_flags(args: argparse.Namespace, wl: Workload) -> list[str]:
+    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    return [
+        f"--n={wl.n}",
+        f"--new-tokens={wl.new_tokens}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--lr={args.lr}",
+        f"--dtype={dtype}",
+        f"--threads={args.threads}",
+    ]
+
+
+def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
+    """Both sides of workload ``name``: each one's step records and process peak RSS."""
+    wl, paths = WORKLOADS[name], workload_paths(args, name)
+    build_model(wl, paths["model"], args.prompt_tokens)
+    write_prompts(wl, paths["prompts"], args.prompt_tokens)
+    folder = paths["folder"]
+    trl = [
+        sys.executable,
+        str(BENCH / "grpo_trl_side.py"),
+        f"--model={paths['model']}",
+        f"--prompts={paths['prompts']}",
+        f"--out={folder / 'trl.json'}",
+        f"--workdir={folder}",
+        f"--device={args.device}",
+        *common_flags(args, wl),
+    ]
+    ours = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--side=treadle",
+        f"--workload={name}",
+        f"--side-out={folder / 'treadle.json'}",
+        f"--workdir={args.workdir}",
+        f"--prompt-tokens={args.prompt_tokens}",
+        f"--micro-tokens={args.micro_tokens}",
+        f"--device={args.device}",
+        *(f for f in common_flags(args, wl) if not f.startswith(("--n=", "--new-tokens="))),
+    ]
+    out: dict[str, Any] = {}
+    for side, command in (("trl", trl), ("treadle", ours)):
+        print(f"{name}: {side} (log: {folder / side}.log)", flush=True)
+        memory = run_side(command, folder / f"{side}.log", args.threads)
+        out[side] = {**json.loads((folder / f"{side}.json").read_text()), "memory": memory}
+    return out
+
+
+# ----------------------------------------------------------------------------- the report
+
+GPU_COLUMNS = (
+    *base.COLUMNS[:5],
+    ("peak alloc GiB", "peak_gib", "{:.2f}"),
+    ("peak reserved GiB", "reserved_gib", "{:.2f}"),
+)
+CPU_COLUMNS = (*base.COLUMNS[:5], ("peak RSS GiB", "peak_gib", "{:.2f}"))
+RATIOS = (("step_time", "step"), ("peak_memory", "peak_gib"))
+
+
+def summary(side: dict[str, Any], phases: Any, keys: tuple[str, str], warmup: int) -> dict:
+    """The median step of ``side`` (``phases`` splits a record) and its peak memory: on a GPU
+    the highest of the measured steps' ``keys`` (allocated, reserved; GiB), else peak RSS."""
+    out = base.medians([phases(r) for r in side["steps"]], warmup)
+    measured = side["steps"][warmup:]
+    if keys[0] in measured[0]:
+        scale = GIB if keys[0] == "max_memory_allocated" else 1.0  # TRL's are bytes
+        out["peak_gib"] = max(r[keys[0]] for r in measured) / scale
+        out["reserved_gib"] = max(r[keys[1]] for r in measured) / scale
+    else:
+        out["peak_gib"] = side["memory"]["peak_rss"] / GIB
+    return out
+
+
+def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> list[str]:
+    """The printed lines: the header, a table per workload, the ratio lines last."""
+    lines = header(args)
+    columns = GPU_COLUMNS if args.device == "cuda" else CPU_COLUMNS
+    results = {}
+    for name, sides in measured.items():
+        wl = WORKLOADS[name]
+        trl = summary(sides["trl"], base.trl_phases, TRL_MEMORY, args.warmup)
+        ours = summary(sides["treadle"], base.treadle_phases, TREADLE_MEMORY, args.warmup)
+        results[name] = (trl, ours)
+        lines += [
+            "",
+            f"{name}: {wl.title}; {wl.prompts} prompts x {wl.n} samples x {wl.new_tokens} new "
+            f"tokens, prompts of {args.prompt_tokens} tokens",
+            *base.format_table(trl, ours, columns),
+            base.trl_breakdown(sides["trl"]["steps"], args.warmup),
+            base.treadle_breakdown(sides["treadle"]["steps"], args.warmup),
+            *base.workload_warnings(trl, ours),
+        ]
+    return [*lines, "", *base.ratio_lines(results, RATIOS)]
+
+
+TRL_MEMORY = ("max_memory_allocated", "max_memory_reserved")
+TREADLE_MEMORY = ("perf/max_memory_allocated_gib", "perf/max_memory_reserved_gib")
+
+
+def header(args: argparse.Namespace) -> list[str]:
+    from importlib.metadata import version
+
+    import torch
+
+    if args.device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        machine = f"device: {props.name}, {props.total_memory / GIB:.0f} GiB"
+    else:
+        machine = (
+            base.machine_line()
+            if base.psutil is not None
+            else f"device: {platform.processor() or 'CPU'}"
+        )
+    versions = ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "trl"))
+    precision = "bf16 mixed precision" if args.device == "cuda" else "float32"
+    return [
+        f"date: {date.today().isoformat()}",
+        machine,
+        f"{versions}; {precision}; median of {args.steps} steps after {args.warmup} warm-up",
+        "TRL: GRPOTrainer's defaults (loss dapo, beta 0, gradient checkpointing), one generate "
+        "call and one forward/backward over the step's samples",
+        f"treadle: local backend, hf engine (one generate call), micro-batches of <= "
+        f"{args.micro_tokens} tokens, gradient checkpointing "
+        f"{'on' if args.device == 'cuda' else 'off'}, weight sync every step",
+    ]
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workloads", default="smollm2,1.4b", help="comma-separated: smollm2,1.4b")
+    p.add_argument("--tiny", action="store_true", help="the tiny workload (a CPU check)")
+    p.add_argument("--steps", type=int, default=3, help="measured steps (median)")
+    p.add_argument("--warmup", type=int, default=1, help="steps before the measured ones")
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 64 (tiny: 8)")
+    p.add_argument("--lr", type=float, default=1e-6)
+    p.add_argument("--micro-tokens", type=int, default=16384, help="treadle's tokens a fwd/bwd")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (GPU: up to 8)")
+    p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument("--workdir", default=str(ROOT / "runs" / "gpu_bench"))
+    p.add_argument("--side", choices=["treadle"], help=argparse.SUPPRESS)
+    p.add_argument("--side-out", help=argparse.SUPPRESS)
+    p.add_argument("--workload", help=argparse.SUPPRESS)
+    p.add_argument("--n", type=int, help=argparse.SUPPRESS)  # (the sides' common flags)
+    p.add_argument("--new-tokens", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--dtype", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.workloads = ["tiny"] if args.tiny else [w.strip() for w in args.workloads.split(",")]
+    unknown = [w for w in args.workloads if w not in WORKLOADS]
+    if unknown or not args.workloads:
+        p.error(f"--workloads: unknown {unknown}; choose from smollm2, 1.4b (or --tiny)")
+    if args.steps < 1 or args.warmup < 0:
+        p.error("--steps must be at least 1 and --warmup at least 0")
+    if args.prompt_tokens is None:
+        args.prompt_tokens = 8 if args.tiny else 64
+    if args.device == "auto":
+        import torch
+
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.threads is None:
+        cores = os.cpu_count() or 1
+        args.threads = (
+            min(8, cores) if args.device == "cuda" else int(os.environ.get("OMP_NUM_THREADS", "2"))
+        )
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.side == "treadle":
+        treadle_side(args)
+        return
+    start = time.perf_counter()
+    measured = {name: measure(args, name) for name in args.workloads}
+    print("\n".join(report(args, measured)))
+    print(f"(the whole benchmark: {time.perf_counter() - start:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()

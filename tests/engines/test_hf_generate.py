@@ -1,0 +1,156 @@
+"""The transformers engine's generation: the sampled tokens' log-probs equal a teacher-forced
+forward of the same sequence, no decoding step's full-vocabulary scores outlive the next step,
+and a batch bigger than the memory budget is generated in chunks."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from treadle.engines import inference
+from treadle.engines.inference import (
+    HFRolloutEngine,
+    SamplingParams,
+    chunk_size,
+    generation_budget,
+    sequence_bytes,
+)
+from treadle.models.loading import load_causal_lm, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def model_and_tok(tiny_task):
+    path = str(tiny_task["model"])
+    return load_causal_lm(path, torch.float32).eval(), load_tokenizer(path)
+
+
+def prompts(tok) -> list[list[int]]:
+    # different lengths: the batch is left-padded
+    return [tok(t)["input_ids"] for t in ("1+2=", "13+4= ", "7 + 8 =", "20+20=40 ; 3+3=")]
+
+
+@torch.no_grad()
+def forward_log_probs(model, prompt: list[int], response: list[int], temperature: float):
+    """log-softmax(logits / T) of one unpadded sequence at its response tokens."""
+    logits = model(torch.tensor([prompt + response])).logits[0].float()
+    lp = torch.log_softmax(logits[len(prompt) - 1 : -1] / temperature, -1)
+    return lp.gather(-1, torch.tensor(response)[:, None]).squeeze(-1)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        # the log-probs are of logits / T, not of the top-k / top-p filtered scores
+        SamplingParams(n=2, temperature=0.7, top_k=8, top_p=0.9, max_new_tokens=12, seed=3),
+        SamplingParams(n=1, temperature=0.0, max_new_tokens=12),  # greedy: T = 1
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=10, ignore_eos=True, seed=1),
+    ],
+)
+def test_sampled_log_probs_equal_a_teacher_forced_forward(model_and_tok, params):
+    model, tok = model_and_tok
+    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, micro_batch_size=3)
+    ps = prompts(tok)
+    out = engine.generate(ps, params)
+    assert len(out.token_ids) == len(ps) * params.n
+    temperature = params.temperature or 1.0
+    for i, (tokens, logps) in enumerate(zip(out.token_ids, out.log_probs, strict=True)):
+        assert len(tokens) == len(logps) >= 1
+        if params.ignore_eos:
+            assert len(tokens) == params.max_new_tokens
+        want = forward_log_probs(model, ps[i // params.n], tokens, temperature)
+        torch.testing.assert_close(torch.tensor(logps), want, atol=2e-5, rtol=0)
+    if params.temperature == 0:  # greedy: each token is the forward's most likely
+        for i, tokens in enumerate(out.token_ids):
+            logits = model(torch.tensor([ps[i] + tokens])).logits[0, len(ps[i]) - 1 : -1]
+            assert logits.argmax(-1).tolist() == tokens
+
+
+def test_no_step_s_full_vocabulary_scores_outlive_the_next_step(model_and_tok):
+    """At every decoding step, the tensors alive with the vocabulary as last dimension are as
+    few as at the first: ``output_logits`` kept one more a step (and stacked them all)."""
+    model, tok = model_and_tok
+    vocab = model.config.vocab_size
+    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id)
+    alive: list[int] = []
+    forward = model.forward
+
+    def counting(*args, **kwargs):
+        gc.collect()
+        alive.append(
+            sum(
+                1
+                for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and o.dim() and o.shape[-1] == vocab
+            )
+        )
+        return forward(*args, **kwargs)
+
+    model.forward = counting
+    try:
+        params = SamplingParams(n=4, max_new_tokens=24, ignore_eos=True, seed=0)
+        out = engine.generate(prompts(tok), params)
+    finally:
+        del model.forward
+    assert all(len(t) == 24 for t in out.token_ids)
+    assert len(alive) == 24  # one forward a step
+    assert max(alive) <= alive[1] <= 3, alive  # bounded, not growing with the steps
+
+
+def test_a_batch_over_the_budget_is_generated_in_chunks(model_and_tok, monkeypatch):
+    model, tok = model_and_tok
+    ps = prompts(tok)
+    params = SamplingParams(n=2, temperature=0.0, max_new_tokens=6, ignore_eos=True)
+    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, micro_batch_size=64)
+    calls: list[int] = []
+    generate = model.generate
+
+    def counting(*args, **kwargs):
+        calls.append(len(kwargs["input_ids"]))
+        return generate(*args, **kwargs)
+
+    model.generate = counting
+    try:
+        whole = engine.generate(ps, params)
+        assert calls == [8]  # on a CPU: micro_batch_size alone
+        longest = max(len(p) for p in ps)
+        per = sequence_bytes(model.config, torch.float32, longest, params.max_new_tokens)
+        monkeypatch.setattr(inference, "generation_budget", lambda device, u: int(3.5 * per))
+        calls.clear()
+        chunked = engine.generate(ps, params)
+    finally:
+        del model.generate
+    assert calls == [3, 3, 2]
+    assert chunked.token_ids == whole.token_ids  # greedy: the same answers in any chunks
+    for a, b in zip(chunked.log_probs, whole.log_probs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_sequence_bytes_of_the_1_4b_workload_by_hand():
+    """Qwen2.5-1.5B's shape (28 layers, 2 key/value heads of 128, hidden 1536, MLP 8960) with
+    SmolLM2's vocabulary (49,152), bf16, 64 prompt + 256 new tokens."""
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=49152,
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    )
+    kv = 2 * 28 * 2 * 128 * (64 + 256) * 2  # K and V, layers, heads, head size, tokens, bytes
+    scores = 4 * 49152 * 4  # four float32 copies of a step's scores
+    prefill = 64 * (4 * 1536 + 3 * 8960) * 2
+    assert sequence_bytes(config, torch.bfloat16, 64, 256) == kv + scores + prefill == 14_188_544
+    # 256 sequences (32 prompts x 8) need 3.4 GiB: one call within 40 GiB, 29 a call in 0.4
+    assert chunk_size(40 << 30, kv + scores + prefill, 256) == 256
+    assert chunk_size(400 << 20, kv + scores + prefill, 256) == math.floor((400 << 20) / 14_188_544)
+    assert chunk_size(1, 10, 64) == 1  # one sequence at least: too big fails in torch, named
+    assert chunk_size(None, 10, 64) == 64  # a CPU: micro_batch_size alone
+
+
+def test_the_budget_is_only_on_cuda():
+    assert generation_budget(torch.device("cpu"), 0.5) is None

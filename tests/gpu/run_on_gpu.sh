@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One call on the lent GPU machine (/work/shared/GPU.md): the wheels it lacks, then
+#   tests   tests/gpu and tests/engines/test_cuda.py          (~5 min budget)
+#   bench   bench/gpu.py, both workloads                       (~8 min budget)
+#   all     both
+# Before the call, on the CPU machine, from the repository root (9.6 MB with the source):
+#   echo /.whl/ >> .git/info/exclude
+#   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
+#     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess trl==1.16.0
+# and give the run tool carry=[".whl"]. What it prints goes to $OUT (tests.txt, bench.txt).
+set -u
+what=${1:-all}
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+out=${OUT:-/tmp/out}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 420 python3 -m pytest -q -p no:cacheprovider -rfE --durations=20 \
+    tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 480 python3 bench/gpu.py --workdir /tmp/gpu_bench 2>&1 | tee "$out/bench.txt"
+  for log in /tmp/gpu_bench/*/*.log; do  # each side's log, by workload
+    [ -f "$log" ] && cp "$log" "$out/$(basename "$(dirname "$log")")-$(basename "$log")"
+  done
+fi

@@ -1,0 +1,111 @@
+"""The pure parts of bench/gpu.py: the workloads' tokenizer and prompts, the shapes' sizes, the
+summary of each side's steps and the closing ratio lines. (The benchmark itself runs with
+``--tiny`` on a CPU in ~1 min when idle; its numbers are no test's business.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+GIB = float(1 << 30)
+
+
+@pytest.fixture(scope="module")
+def bench():
+    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
+    spec = importlib.util.spec_from_file_location("bench_gpu", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    yield module
+    del sys.modules[spec.name]
+
+
+def test_the_tokenizer_reads_back_as_treadle_and_trl_load_it(bench, tmp_path):
+    """Every id the model can sample decodes to a word; a prompt of P words is P tokens,
+    through treadle's loader and AutoTokenizer (TRL's) alike, with the chat template applied."""
+    from transformers import AutoTokenizer
+
+    from treadle.models.loading import load_tokenizer
+
+    wl = bench.WORKLOADS["tiny"]
+    folder = bench.build_model(wl, tmp_path / "model", prompt_tokens=8)
+    rows = bench.write_prompts(wl, tmp_path / "prompts.jsonl", prompt_tokens=8).read_text()
+    prompt = __import__("json").loads(rows.splitlines()[0])["prompt"]
+    for tok in (load_tokenizer(folder), AutoTokenizer.from_pretrained(folder)):
+        assert len(tok) == wl.shape["vocab_size"] == 512
+        chat = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False)
+        assert chat == prompt
+        ids = tok(chat, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 8 and min(ids) >= 3  # words, no special or unknown token
+        assert tok.decode(ids) == prompt
+        assert tok.decode([3, 511]) == "w3 w511"
+
+
+def test_the_workloads_have_the_shapes_they_are_named_after(bench):
+    from transformers import AutoConfig
+
+    def parameters(name: str) -> int:
+        wl = bench.WORKLOADS[name]
+        c = AutoConfig.for_model(wl.architecture, **wl.shape, tie_word_embeddings=True)
+        h, layers, v = c.hidden_size, c.num_hidden_layers, c.vocab_size
+        kv = c.num_key_value_heads * (h // c.num_attention_heads)
+        attention = 2 * h * h + 2 * h * kv + (2 * h + 2 * kv if c.attention_bias else 0)
+        return v * h + layers * (attention + 3 * h * c.intermediate_size + 2 * h) + h
+
+    assert parameters("smollm2") == 134_515_008  # SmolLM2-135M
+    assert parameters("1.4b") == pytest.approx(1.39e9, rel=0.01)  # Qwen2.5-1.5B at 49,152 words
+    big = bench.WORKLOADS["1.4b"]
+    assert (big.prompts, big.n, big.new_tokens) == (32, 8, 256)
+
+
+def test_summary_and_ratio_lines(bench):
+    """The median step; peak memory the highest of the measured steps (TRL's in bytes,
+    treadle's in GiB), or the process's peak RSS on a CPU."""
+
+    def step(s: float, gen: float) -> dict[str, float]:
+        return {"step": s, "generate": gen, "generated_tokens": 64.0, "prompt_tokens": 32.0}
+
+    trl_steps = [
+        {**step(9.0, 5.0), "prepare": 6.0, "max_memory_allocated": 9 * GIB}
+        | {"max_memory_reserved": 10 * GIB},
+        *(
+            {**step(s, 2.0), "prepare": 2.5, "max_memory_allocated": m * GIB}
+            | {"max_memory_reserved": 5 * GIB}
+            for s, m in ((4.0, 3.0), (5.0, 4.0), (6.0, 3.5))
+        ),
+    ]
+    ours_steps = [
+        {**step(3.0, 1.0), "update_actor": 1.5, "sync_weights": 0.1}
+        | {"perf/max_memory_allocated_gib": m, "perf/max_memory_reserved_gib": 2.5}
+        for m in (9.0, 2.0, 1.5, 2.25)
+    ]
+    trl = bench.summary({"steps": trl_steps}, bench.base.trl_phases, bench.TRL_MEMORY, 1)
+    ours = bench.summary({"steps": ours_steps}, bench.base.treadle_phases, bench.TREADLE_MEMORY, 1)
+    assert trl["step"] == 5.0 and trl["generation"] == 2.0 and trl["training"] == 2.5
+    assert (trl["peak_gib"], trl["reserved_gib"]) == (4.0, 5.0)  # not the warm-up's 9
+    assert ours["training"] == pytest.approx(1.6) and ours["peak_gib"] == 2.25
+    cpu = bench.summary(
+        {"steps": [step(1.0, 0.5), step(1.0, 0.5)], "memory": {"peak_rss": 3 * GIB}},
+        bench.base.treadle_phases,
+        bench.TREADLE_MEMORY,
+        1,
+    )
+    assert cpu["peak_gib"] == 3.0
+    lines = bench.base.ratio_lines({"1.4b": (trl, ours)}, bench.RATIOS)
+    assert lines == [
+        "ratio step_time treadle/trl 1.4b: 0.60",
+        "ratio peak_memory treadle/trl 1.4b: 0.56",
+    ]
+
+
+def test_the_tiny_flag_and_the_workload_list(bench):
+    args = bench.parse_args(["--tiny", "--device", "cpu"])
+    assert (args.workloads, args.prompt_tokens) == (["tiny"], 8)
+    assert bench.parse_args(["--device", "cpu"]).workloads == ["smollm2", "1.4b"]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--workloads", "smollm2,7b", "--device", "cpu"])

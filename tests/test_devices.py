@@ -1,0 +1,77 @@
+"""The CPU's guard against "cuda:0 and cpu": every command runs under a second device.
+
+:class:`~device_double.TwoDevices` gives the driver's tensors (host) and a worker's (device)
+places that CPU torch tells apart, and fails an op that mixes them as CUDA would. On 8781f41,
+`treadle train` failed on an H200 at step 1's actor update (``algorithms/inputs.py
+valid_only``: "cuda:0 and cpu"); under the double, the same run fails at the same line here.
+The runs are those of ``tests/gpu/`` (``tests/command_runs.py``), one step each.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from command_runs import CASES, argv
+from device_double import DeviceMixError, TwoDevices, place
+
+from treadle.cli import main
+from treadle.tracking.tracker import read_metrics
+
+# ---------------------------------------------------------------- the double itself
+
+
+def test_the_double_fails_an_op_that_mixes_host_and_device_as_cuda_does():
+    layer = torch.nn.Linear(3, 2)  # a parameter: on the device
+    with TwoDevices():
+        x = torch.ones(4, 3)  # made without a device: the host
+        y = layer(x.to("cpu"))  # "cpu" is the worker's device here
+        assert (place(x), place(y)) == ("host", "device")
+        with pytest.raises(DeviceMixError, match="linear mixes host and device"):
+            layer(x)
+        mask = torch.ones(4, 2)
+        with pytest.raises(DeviceMixError, match="where mixes"):
+            torch.where(mask.bool(), y, torch.zeros_like(y))
+        with pytest.raises(DeviceMixError, match="mixes"):
+            y * mask.to(y.dtype)  # .to(dtype) stays where it was
+        with pytest.raises(DeviceMixError, match="indexed by a device tensor"):
+            x[torch.tensor([0, 1]).to("cpu")]
+        with pytest.raises(DeviceMixError, match="numpy"):
+            y.numpy()
+
+
+def test_the_double_lets_through_what_cuda_allows():
+    layer = torch.nn.Linear(3, 2)
+    with TwoDevices():
+        x = torch.ones(4, 3)
+        y = layer(x.to("cpu"))
+        assert place(y * torch.tensor(2.0)) == "device"  # a 0-dim CPU tensor: a scalar
+        assert place(y[torch.tensor([0, 1])]) == "device"  # host indices into a device tensor
+        assert place(torch.arange(3, device=y.device)) == "device"  # follows its input
+        assert place(torch.arange(3, device=x.device)) == "host"
+        assert place(y.new_zeros(2)) == place(torch.zeros_like(y)) == "device"
+        assert place(x.to(y)) == "device" and place(y.to(x.dtype)) == "device"
+        back = y.detach().cpu()
+        assert place(back) == "host" and place(y) == "device"  # a new tensor, not y
+        assert back.numpy().shape == (4, 2)
+        assert place(x.to("cpu")) == "device" and place(x) == "host"  # x itself stays
+
+
+# ---------------------------------------------------------------- every command
+
+
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=[] if n == "grpo" else [pytest.mark.slow]) for n in CASES],
+)
+def test_a_command_mixes_no_host_and_device_tensors(name, tiny_task, teacher_model, tmp_path):
+    """One step of the command under the double: it ends with 0 and logs its metrics; a mixed
+    op anywhere (driver, worker, engine, the libraries' own code) fails it."""
+    out = tmp_path / "run"
+    mode = TwoDevices()
+    with mode:
+        code = main(argv(name, tiny_task, out, teacher=teacher_model))
+    assert mode.errors == [], mode.errors[0]
+    assert code == 0
+    assert mode.ops > 1000  # the double saw the run
+    if CASES[name].command != "eval":
+        assert [m["step"] for m in read_metrics(out)] == [1]
