@@ -681,7 +681,45 @@ def test_an_agent_loop_that_blocks_at_import_is_interrupted(env, capsys, monkeyp
         env, "slow_loop.py", "import time\ntime.sleep(60)\nasync def loop(*a):\n    pass\n"
     )
     result = check(env, capsys, f"rollout.agent_loop={path}:loop")
-    assert_bad(result, r"rollout\.agent_loop: importing it took longer than 0\.3 s")
+    assert_bad(result, r"rollout\.agent_loop: importing '.*slow_loop\.py' did not finish in 0\.3 s")
+
+
+def test_every_import_of_user_code_is_limited_and_the_other_problems_stay(
+    env, capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """A validation set's reward that never returns from its import: its limit wrapped
+    attempt(...) from outside, so the hang left check() with the other problems dropped. One
+    that blocks everywhere is found in the child process; one that blocks in this process
+    only, by SIGALRM here; an environment factory and a plug-in go through the same limit."""
+    import treadle.check.user_code
+
+    monkeypatch.setattr(treadle.check.user_code, "IMPORT_TIMEOUT_S", 1.5)
+    hangs = "import time\ntime.sleep(60)\ndef score(p, r, g):\n    return 0.0\n"
+    here = "import sys, time\nif sys.argv[0] != '-c':\n    time.sleep(60)\n"  # (not the child)
+    everywhere, in_process = write(env, "hangs.py", hangs), write(env, "hangs_here.py", here)
+    sets = (
+        f"data.val_sets={{a: {{files: [{env['test']}], reward: '{everywhere}:score'}}, "
+        f"b: {{files: [{env['test']}], reward: '{in_process}:score'}}}}"
+    )
+    loop = ["rollout.agent_loop=env", f"rollout.env={everywhere}:make_env"]
+    loop += ["rollout.max_response_length=32"]  # (the model's context is 128)
+    plugin = f"algorithm.plugins=[{everywhere}]"
+    result = check(env, capsys, sets, *loop, plugin, "data.batch_size=1000")
+    assert_bad(result, "", lines=5)
+    errors = result[2].splitlines()
+    slow = "did not finish in 1.5 s: a module must define its functions quickly when imported"
+    assert errors == [
+        f"treadle: error: algorithm.plugins: importing '{everywhere}' {slow} (load models or "
+        "data on first call)",
+        f"treadle: error: rollout.env: importing '{everywhere}' {slow} (load models or data on "
+        "first call)",
+        "treadle: error: data.train_files: 40 rows, fewer than one batch of "
+        "data.batch_size=1000: lower data.batch_size or add rows",
+        f"treadle: error: data.val_sets.a.reward: importing '{everywhere}' {slow} (load models "
+        "or data on first call)",
+        "treadle: error: data.val_sets.b.reward: importing it took longer than 1.5 s: does it "
+        "block or loop at import time?",
+    ]
 
 
 def test_bad_agent_loop_and_tools_are_named(env, capsys) -> None:  # type: ignore[no-untyped-def]

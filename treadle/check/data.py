@@ -17,11 +17,12 @@ import logging
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from treadle.check.models import Tokenizer
-from treadle.check.user_code import import_limit, load_reward, reward_columns
+from treadle.check.user_code import import_user_code, load_reward, reward_columns
 from treadle.config import Config
 from treadle.config.rules import RL_KINDS, Kind
 from treadle.runtime import cache
@@ -129,9 +130,10 @@ def check_val_sets(
     for name, spec in cfg.data.val_sets.items():
         key = f"data.val_sets.{name}"
         if spec.reward is not None:
-            with import_limit(f"{key}.reward"):
-                if attempt(f"{key}.reward", load_reward, spec.reward, f"{key}.reward"):
-                    summary.append(f"{key}.reward: {spec.reward}")
+            reward = f"{key}.reward"
+            load = partial(load_reward, spec.reward, reward)
+            if attempt(reward, import_user_code, spec.reward, reward, load):
+                summary.append(f"{reward}: {spec.reward}")
         if tokenizer is not None:
             ds = attempt(key, _val_set_rows, cfg, name, tokenizer, tools)
             if ds is not None:

@@ -52,9 +52,9 @@ from treadle.check.data import check_files, check_gym, check_val_sets, evaluates
 from treadle.check.machine import check_endpoint, machine_problems
 from treadle.check.models import check_models
 from treadle.check.output import check_output_dir
-from treadle.check.user_code import check_parsers, check_user_code
+from treadle.check.user_code import check_parsers, check_rules, check_user_code
 from treadle.config import Config
-from treadle.config.rules import Kind, check_algorithm
+from treadle.config.rules import Kind
 from treadle.runtime.errors import ConfigError, TreadleError
 
 T = TypeVar("T")
@@ -75,7 +75,7 @@ def check(cfg: Config, kind: Kind) -> list[str]:
             problems.append(f"{what}: {type(e).__name__}: {e}")
         return None
 
-    attempt("algorithm", check_algorithm, cfg, kind)
+    attempt("algorithm", check_rules, cfg, kind)
     problems += machine_problems(cfg, kind)
     attempt("rollout.tool_parser", check_parsers, cfg, summary)
     tokenizer = attempt("model.path", check_models, cfg, kind, summary, problems)

@@ -1,27 +1,29 @@
-"""User code a run imports: the reward function, the agent loop, the tools, and the
+"""User code a run imports: the reward functions (``reward.function``, the validation sets'),
+the agent loop (an environment's factory, a black-box agent), the tools, the plug-ins, and the
 endpoint's parsers.
 
-Each is imported as the run will import it, within ``IMPORT_TIMEOUT_S`` seconds: an import
-that blocks is interrupted with SIGALRM, in the main thread (``time_limit``), and one no signal
-interrupts (a hang in C, an ``os._exit``) is tried in a child process first (``probe_import``).
-The limit is read here alone (:func:`import_limit` lends it to the data checks, which load the
-validation sets' rewards): a test lowers it on this module. A reward function that loaded is
-kept (:func:`load_reward`) so that the data checks can read which row columns a batched one is
-called with (:func:`reward_columns`) without importing it again. The parsers are names vLLM
-registers; the defaults are known without importing vLLM.
+Each is imported as the run will import it, within ``IMPORT_TIMEOUT_S`` seconds, through
+:func:`import_user_code` alone: its module is tried in a child process first
+(``probe_import``: a hang no signal interrupts, such as one in C, or an ``os._exit``), then
+imported here, where an import that blocks is interrupted with SIGALRM, in the main thread
+(``time_limit``). The limit is read here alone: a test lowers it on this module. A reward
+function that loaded is kept (:func:`load_reward`) so that the data checks can read which row
+columns a batched one is called with (:func:`reward_columns`) without importing it again. The
+parsers are names vLLM registers; the defaults are known without importing vLLM.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, TypeVar
 
 from treadle.config import Config
-from treadle.config.rules import RL_KINDS, Kind
+from treadle.config.rules import RL_KINDS, Kind, check_algorithm
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
 from treadle.runtime.errors import TreadleError
 from treadle.runtime.plugins import probe_import
+
+T = TypeVar("T")
 
 
 def check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[str]) -> Any:
@@ -36,33 +38,25 @@ def check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[
     if uses_reward:
         spec = cfg.reward.function
         try:
-            if not spec.startswith("python:"):  # (a function given in this process)
-                probe_import(spec, "reward.function", IMPORT_TIMEOUT_S)  # a hang, an os._exit
-            with time_limit(IMPORT_TIMEOUT_S, "reward.function"):
-                load_reward(spec, "reward.function")
+            import_user_code(spec, "reward.function", lambda: load_reward(spec, "reward.function"))
             summary.append(f"reward.function: {spec}")
         except TreadleError as e:
             problems.append(str(e))
         check_reward_service(cfg, summary, problems)
     schemas = None
     if kind in (*RL_KINDS, "eval"):
-        from treadle.agents.registry import BUILTIN_LOOPS, load_agent_loop
+        from treadle.agents.registry import BUILTIN_LOOPS
 
-        loads: list[tuple[str, Callable[[], Any]]] = []
-        if cfg.rollout.tools:  # (their schemas are shown in prompts)
-            loads.append(("rollout.tools", lambda: _toolbox(cfg.rollout.tools).schemas))
-        if kind in RL_KINDS and cfg.rollout.agent_loop not in BUILTIN_LOOPS:  # (not treadle's)
-            loads.append(
-                (
-                    "rollout.agent_loop",
-                    lambda: load_agent_loop(cfg.rollout.agent_loop, cfg.rollout.env),
-                )
-            )
-        for key, load in loads:
+        r = cfg.rollout
+        loads: list[tuple[str, list[str], Callable[[], Any]]] = []
+        if r.tools:  # (their schemas are shown in prompts)
+            loads.append(("rollout.tools", r.tools, lambda: _toolbox(r.tools).schemas))
+        if kind in RL_KINDS and r.agent_loop not in BUILTIN_LOOPS:  # (not treadle's)
+            loads.append((*_loop_code(r.agent_loop, r.env), _agent_loop(cfg)))
+        for key, specs, load in loads:
             try:
-                with time_limit(IMPORT_TIMEOUT_S, key):
-                    value = load()
-                schemas = value if key == "rollout.tools" and cfg.rollout.tools else schemas
+                value = import_user_code(specs, key, load)
+                schemas = value if key == "rollout.tools" else schemas
             except TreadleError as e:
                 problems.append(str(e))
     return schemas
@@ -84,6 +78,39 @@ def check_reward_service(cfg: Config, summary: list[str], problems: list[str]) -
         summary.append(f"reward.url: {r.url} answered (weight {r.url_weight:g})")
     except TreadleError as e:
         problems.append(str(e))
+
+
+def import_user_code(specs: str | list[str], key: str, load: Callable[[], T]) -> T:
+    """``load()``, which imports the user code ``specs`` names (``key``'s), within
+    ``IMPORT_TIMEOUT_S`` seconds: each module is imported in a child process first (a hang no
+    signal interrupts, an ``os._exit``), then ``load`` runs here under SIGALRM. Every import
+    of user code the check does goes through here."""
+    for spec in [specs] if isinstance(specs, str) else specs:
+        if not spec.startswith("python:"):  # (a function given in this process)
+            probe_import(spec, key, IMPORT_TIMEOUT_S)
+    with time_limit(IMPORT_TIMEOUT_S, key):
+        return load()
+
+
+def check_rules(cfg: Config, kind: Kind) -> None:
+    """The registered names and the rules between them (``check_algorithm``), after the
+    plug-ins that register names (``algorithm.plugins``) are imported."""
+    plugins = [f"{spec}:" for spec in cfg.algorithm.plugins]  # (modules: no function named)
+    import_user_code(plugins, "algorithm.plugins", lambda: check_algorithm(cfg, kind))
+
+
+def _loop_code(spec: str, env: str | None) -> tuple[str, list[str]]:
+    """The key and the user code of the agent loop ``spec``: an ``env`` loop's factory
+    (``rollout.env``), a black-box agent's function (``openai:module:function``), the loop."""
+    if spec == "env":
+        return "rollout.env", [env] if env else []
+    return "rollout.agent_loop", [spec.removeprefix("openai:")]
+
+
+def _agent_loop(cfg: Config) -> Callable[[], Any]:
+    from treadle.agents.registry import load_agent_loop
+
+    return lambda: load_agent_loop(cfg.rollout.agent_loop, cfg.rollout.env)
 
 
 def _toolbox(specs: list[str]) -> Any:
@@ -132,9 +159,3 @@ def reward_columns(spec: str | None) -> list[str] | None:
         if p.kind in kinds and p.default is inspect.Parameter.empty
         and name not in ("prompts", "completions")
     ]  # fmt: skip
-
-
-def import_limit(key: str) -> AbstractContextManager[None]:
-    """The time limit on importing the user code ``key`` names (``IMPORT_TIMEOUT_S``, read
-    when called)."""
-    return time_limit(IMPORT_TIMEOUT_S, key)
