@@ -10,6 +10,7 @@ config is checked too (exit 0 and the summary). Nothing here starts Ray or loads
 from __future__ import annotations
 
 import fcntl
+import os
 import re
 import shutil
 from pathlib import Path
@@ -739,6 +740,33 @@ def test_output_dir_is_a_file(env, capsys) -> None:  # type: ignore[no-untyped-d
 def test_output_dir_below_a_file(env, capsys) -> None:  # type: ignore[no-untyped-def]
     result = check(env, capsys, f"trainer.output_dir={env['train']}/run")
     assert_bad(result, r"trainer\.output_dir: cannot create .*: '.*train\.jsonl' is a file")
+
+
+@pytest.mark.parametrize("where", ["/proc", "a name too long"])
+def test_output_dir_that_cannot_be_created_is_found(env, capsys, where) -> None:  # type: ignore[no-untyped-def]
+    """/proc's permissions let root write, yet nothing can be made there: the check passed,
+    then `treadle train` died in mkdir with a FileNotFoundError traceback. The check now
+    creates the directory as the run will, and removes it."""
+    if where == "/proc":
+        if not os.access("/proc", os.W_OK):
+            pytest.skip("only root is let write in /proc (and fails)")
+        out, why = "/proc/treadle-run", "No such file or directory"
+    else:
+        out, why = str(Path(env["root"]) / ("x" * 300) / "run"), "File name too long"
+    result = check(env, capsys, f"trainer.output_dir={out}")
+    assert_bad(result, "", lines=1)
+    assert result[2] == (
+        f"treadle: error: trainer.output_dir: cannot create '{out}' ({why}): set "
+        "trainer.output_dir to a directory that can be created\n"
+    )
+
+
+def test_a_creatable_output_dir_is_left_as_it_was(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    root = Path(env["root"])
+    code, out, err = check(env, capsys, f"trainer.output_dir={root / 'new' / 'deeper' / 'run'}")
+    assert code == 0, err
+    assert "trainer.output_dir: " in out and "run (new)" in out
+    assert not (root / "new").exists()  # tried, and removed
 
 
 def test_output_dir_locked_by_a_live_run_names_its_pid(env, capsys) -> None:  # type: ignore[no-untyped-def]

@@ -1,7 +1,8 @@
 """The run directory, ``trainer.output_dir``: where a run writes, and what it resumes from.
 
 It is a directory, or can be created (its nearest existing parent is a writable directory on
-a file system mounted read-write); it is no model folder's, nor holds or is held by one; no live
+a file system mounted read-write, and creating it, as the run will, works: it is removed at
+once); it is no model folder's, nor holds or is held by one; no live
 run holds its lock (:func:`lock_holder`, tried with ``flock`` as the run takes it). A run
 resumes from its newest checkpoint: one written by another command, or with a setting that
 cannot change (``treadle.config.recorded.FIXED``), is refused; the others changed since are
@@ -10,6 +11,7 @@ named in the summary.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 from pathlib import Path
@@ -22,6 +24,10 @@ from treadle.runtime.errors import ConfigError
 def check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
     key = "trainer.output_dir"
     out = Path(cfg.trainer.output_dir).expanduser()
+    try:
+        out.exists()
+    except OSError as e:  # a name too long, a loop of symlinks
+        raise _cannot_create(out, e) from None
     if out.is_symlink() and not out.exists():
         raise ConfigError(
             f"{key}: '{out}' is a symlink to '{os.readlink(out)}', which does not exist: "
@@ -44,7 +50,29 @@ def check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
         raise ConfigError(f"{key}: cannot create '{out}': '{parent}' is on a read-only file system")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(f"{key}: cannot create '{out}': '{parent}' is not writable")
+    _try_creating(out, parent)
     summary.append(f"{key}: {out} (new)")
+
+
+def _try_creating(out: Path, parent: Path) -> None:
+    """Create ``out`` as the run will (``mkdir(parents=True)``) and remove what was created:
+    some directories refuse what their permissions allow (``/proc``, ``/sys``)."""
+    made = [out, *[p for p in out.parents if parent in p.parents]]  # deepest first
+    try:
+        out.mkdir(parents=True)
+    except OSError as e:
+        raise _cannot_create(out, e) from None
+    finally:
+        for directory in made:
+            with contextlib.suppress(OSError):  # (not made, or written to meanwhile: kept)
+                directory.rmdir()
+
+
+def _cannot_create(out: Path, error: OSError) -> ConfigError:
+    return ConfigError(
+        f"trainer.output_dir: cannot create '{out}' ({error.strerror}): set "
+        "trainer.output_dir to a directory that can be created"
+    )
 
 
 def _check_apart_from_models(cfg: Config, out: Path) -> None:
