@@ -4,7 +4,8 @@
 module of its own: ``machine``, ``models`` (model folders, the tokenizer, LoRA's targets),
 ``user_code`` (reward functions, agent loops, tools, parsers; the import time limit), ``data``
 (files, rows, validation sets, reasoning-gym, ground truths, a reward's columns) and ``output``
-(the run directory, resuming).
+(the run directory, resuming); ``kind`` works out the command a config is for when
+``treadle check`` is not told.
 """
 
 from treadle.check.output import lock_holder

@@ -2,7 +2,8 @@
 report | prepare | demo | model | sandbox.
 
 Every subcommand that runs a job takes a YAML config and ``section.key=value`` overrides, and
-first runs ``treadle.check.run`` for itself (``treadle check CONFIG --kind train`` runs only that).
+first runs ``treadle.check.run`` for itself (``treadle check CONFIG`` runs only that, for the
+command the config is for, :mod:`treadle.check.kind`, or the one ``--kind`` names).
 Problems a user can fix (config keys, data rows, reward functions) end the command with one
 line per problem on stderr, ``treadle: error: ...``, and exit code 2; nothing already written
 is removed.
@@ -52,13 +53,18 @@ def _config(args: argparse.Namespace):
 
 
 def cmd_check(args: argparse.Namespace) -> None:
+    from treadle.check.kind import infer_kind
     from treadle.check.run import check
     from treadle.config import load_config
 
     cfg = load_config(args.config, args.overrides)
-    for line in check(cfg, args.kind):
+    kind = args.kind
+    if kind is None:
+        kind, why = infer_kind(cfg)
+        print(f"checking for `treadle {kind}`: {why}", flush=True)
+    for line in check(cfg, kind):
         print(line)
-    print(f"ok: ready for `treadle {args.kind}`")
+    print(f"ok: ready for `treadle {kind}`")
 
 
 def cmd_train(args: argparse.Namespace) -> None:

@@ -71,7 +71,7 @@ EXAMPLES = {
     "rm": "treadle rm examples/arithmetic/rm.yaml data.batch_size=32",
     "eval": "treadle eval examples/arithmetic/grpo.yaml "
     "model.path=runs/arithmetic/grpo/final_model",
-    "check": "treadle check examples/arithmetic/dpo.yaml --kind dpo",
+    "check": "treadle check examples/arithmetic/dpo.yaml",
     "serve": "treadle serve examples/arithmetic/grpo.yaml rollout.endpoint.port=8000",
 }
 
@@ -136,7 +136,12 @@ def build_parser() -> argparse.ArgumentParser:
         sub, "serve", "serve model.path over an OpenAI-compatible API until Ctrl-C"
     ).set_defaults(fn=cmd_serve)
     s = _job_parser(sub, "check", "check a config, its model, data, reward and output dir")
-    s.add_argument("--kind", choices=KINDS, default="train", help="the command to check for")
+    s.add_argument(
+        "--kind",
+        choices=KINDS,
+        default=None,
+        help="the command to check for (default: the one the config's sections and data say)",
+    )
     s.set_defaults(fn=cmd_check)
     s = sub.add_parser("prepare", help="write a built-in task's data (arithmetic: also a model)")
     s.add_argument("--task", choices=sorted(PREPARERS), default="arithmetic")
