@@ -8,8 +8,10 @@ none of them is told by what it trains on: no training files, `treadle eval` (he
 `treadle serve` (none); rows of preference pairs, `treadle rm` (a DPO config sets its ``dpo``
 section, as examples/arithmetic/dpo.yaml does and rm.yaml does not); labelled completions,
 `treadle kto`; worked answers or conversations (or reasoning-gym's rows, whose answers are
-the targets), `treadle sft`; prompts alone, `treadle train`. Only a config that sets two
-commands' settings, or whose rows cannot be read, is one it cannot tell: ``--kind`` is named.
+the targets), `treadle sft`; prompts alone, `treadle train`. A config that sets two commands'
+settings, or whose rows cannot be read, is one it cannot tell: ``--kind`` is asked for; rows
+that hold answers as well as responses (the demo's SFT and GRPO share them) are taken for SFT,
+and the line says that ``--kind train`` checks them for RL.
 """
 
 from __future__ import annotations
@@ -90,7 +92,9 @@ def _by_data(cfg: Config) -> tuple[Kind, str]:
     needs = [set(pairs), set(unpaired), {d.response_key}, {d.messages_key}]
     for (kind, what), needed in zip(kinds, needs, strict=True):
         if needed <= columns:
-            return kind, f"{rows} {what}"
+            # (rows with answers too train RL as well: the demo's SFT and GRPO share them)
+            rl = kind == "sft" and d.answer_key in columns
+            return kind, f"{rows} {what}" + ("; --kind train checks it for RL" if rl else "")
     return "train", f"{rows} prompts without responses ({d.response_key})"
 
 
