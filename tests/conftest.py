@@ -23,6 +23,9 @@ os.environ.setdefault("HF_UPDATE_DOWNLOAD_COUNTS", "0")
 # `treadle check`'s kept answers (treadle.runtime.cache): this session's own folder, not ~/.cache
 _CHECK_CACHE = tempfile.TemporaryDirectory(prefix="treadle-check-cache-")
 os.environ.setdefault("TREADLE_CHECK_CACHE", _CHECK_CACHE.name)
+# the library messages of commands that have no run directory (treadle.cli.console): not ~/.cache
+_COMMAND_LOGS = tempfile.TemporaryDirectory(prefix="treadle-command-logs-")
+os.environ.setdefault("TREADLE_LOGS", _COMMAND_LOGS.name)
 
 
 # A test that starts Ray or a real inference engine is `slow` (`make test-fast` leaves it out).

@@ -49,7 +49,8 @@ def _train_then_evaluate(task, tmp_path, capsys, *extra: str):
     # every checkpoint through one set of workers: each step's numbers are the run's own
     assert main(["eval", str(out)]) == 0
     printed = capsys.readouterr().out.splitlines()
-    assert [line.split(":")[0] for line in printed] == ["step 1", "step 2", "step 3", "eval"]
+    assert printed[0].startswith(f"treadle: eval of {out}, steps 1, 2, 3; library messages: ")
+    assert [line.split(":")[0] for line in printed[1:]] == ["step 1", "step 2", "step 3", "eval"]
     lines = read_eval_lines(out)
     assert sorted(lines) == [1, 2, 3]
     for record in logged:

@@ -1,15 +1,18 @@
 """The ``treadle`` command's process: its environment and logging, one command parsed and run,
 and its exit code (0; 2 for a problem the user can fix, one ``treadle: error: ...`` line each;
-130 or 143 for a stop)."""
+1 for any other error, one line and where its traceback is, :mod:`treadle.cli.console`; 130
+or 143 for a stop)."""
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
+from treadle.cli.console import failed, quiet
 from treadle.cli.parser import parse
 from treadle.cli.signals import on_stop_signal, overrun, set_stop_handlers
 from treadle.runtime import startup
@@ -53,11 +56,14 @@ def _main(argv: Sequence[str] | None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    for name in ("httpx", "httpx2"):  # an agent's openai client: a line a call
+        logging.getLogger(name).setLevel(logging.WARNING)
+    args: argparse.Namespace | None = None
+    restore: Callable[[], None] | None = None
     try:
-        logging.basicConfig(level=logging.INFO, format="%(message)s")
-        for name in ("httpx", "httpx2"):  # an agent's openai client: a line a call
-            logging.getLogger(name).setLevel(logging.WARNING)
         args = parse(argv)
+        restore = quiet(args)  # the libraries' messages off the console (treadle.cli.console)
         startup.from_process_start()
         args.fn(args)
         raise_if_signalled()  # one whose exception was lost on the way still stops it
@@ -72,6 +78,13 @@ def _main(argv: Sequence[str] | None) -> int:
         for line in str(e).splitlines() or [type(e).__name__]:  # one line per problem
             print(f"treadle: error: {line}", file=sys.stderr)
         return 2
+    except Exception as e:  # a library's (or a bug): one line and where its traceback is
+        if args is None or args.verbose:
+            raise
+        return failed(e, args.command)
+    finally:
+        if restore is not None:
+            restore()
     return 0
 
 

@@ -26,10 +26,13 @@ solution (no bubblewrap, an unreadable file, tests that do not parse) exits 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from treadle.cli.console import own_log, progress, settle
 from treadle.runtime import startup
 from treadle.runtime.errors import (
     TreadleError,
@@ -37,14 +40,18 @@ from treadle.runtime.errors import (
 from treadle.runtime.faults import failpoint
 
 
-def _config(args: argparse.Namespace):
-    """The config, checked for the command about to run (``treadle.check.run``)."""
+def _config(args: argparse.Namespace, first: Callable[[Any], str] | None = None):
+    """The config, checked for the command about to run (``treadle.check.run``); ``first``:
+    the command's first line, of the config, printed before the check."""
     from treadle.check.run import check
     from treadle.config import load_config
     from treadle.controller.cluster import start_ray_early
 
     startup.mark("imports")
     cfg = load_config(args.config, args.overrides)
+    settle(cfg)
+    if first is not None:
+        print(first(cfg), flush=True)
     check(cfg, args.command)
     startup.mark("check")
     start_ray_early(cfg)  # while the command imports its trainer and reads its data
@@ -58,6 +65,7 @@ def cmd_check(args: argparse.Namespace) -> None:
     from treadle.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    settle(cfg)
     kind = args.kind
     if kind is None:
         kind, why = infer_kind(cfg)
@@ -164,13 +172,20 @@ def cmd_eval(args: argparse.Namespace) -> None:
         raw = load_config(args.config, args.overrides).model_dump(mode="json", by_alias=True)
         raw["data"] = with_sets(raw["data"], _named_sets(args.sets))
         args.config, args.overrides = raw, []
-    cfg = _config(args)
+    cfg = _config(args, _eval_line)
     from treadle.trainers.evaluation import evaluate_model
 
-    metrics = evaluate_model(cfg)
+    with progress(f"evaluating {cfg.model.path}"):
+        metrics = evaluate_model(cfg)
     print_accuracies(metrics)
     if cfg.eval.n > 1:  # the sampled metrics too (pass@k, maj@k, ...)
         print(_shown(metrics))
+
+
+def _eval_line(cfg: Any) -> str:
+    """``treadle eval``'s first line: what it evaluates, and where the libraries' messages go."""
+    sets = ", ".join(cfg.data.set_names) or "no set"
+    return f"treadle: eval of {cfg.model.path} on {sets} ({cfg.rollout.engine}); {own_log(cfg)}"
 
 
 def _shown(metrics: dict[str, float]) -> str:
@@ -182,6 +197,7 @@ def _eval_run(args: argparse.Namespace, run_dir: Path) -> None:
     """``treadle eval RUN_DIR``: the run's checkpoints, one line a step; eval.jsonl."""
     from treadle.check.run import check
     from treadle.controller.cluster import start_ray_early
+    from treadle.tracking.tracker import route_logs
     from treadle.trainers.run_eval import evaluate_checkpoints, run_config, sealed_checkpoints
 
     if args.config is not None:
@@ -192,13 +208,21 @@ def _eval_run(args: argparse.Namespace, run_dir: Path) -> None:
     steps = _steps(args.steps) if args.steps is not None else None
     checkpoints = sealed_checkpoints(run_dir, steps)
     cfg = run_config(run_dir, args.overrides, _named_sets(args.sets) if args.sets else None)
-    check(cfg, "eval")
-    start_ray_early(cfg)
+    settle(cfg)
+    restore_logs = route_logs(run_dir, cfg.trainer.verbose)  # the run's logs/, from here
+    try:
+        steps_shown = ", ".join(c.name.removeprefix("step_") for c in checkpoints)
+        print(f"treadle: eval of {run_dir}, steps {steps_shown}; {own_log(cfg)}", flush=True)
+        check(cfg, "eval")
+        start_ray_early(cfg)
+        with progress(f"evaluating {len(checkpoints)} checkpoint(s) of {run_dir}") as say:
 
-    def done(step: int, metrics: dict[str, float]) -> None:
-        print(f"step {step}: {_shown(metrics)}", flush=True)
+            def done(step: int, metrics: dict[str, float]) -> None:
+                say(f"step {step}: {_shown(metrics)}")
 
-    evaluate_checkpoints(cfg, run_dir, checkpoints, done)
+            evaluate_checkpoints(cfg, run_dir, checkpoints, done)
+    finally:
+        restore_logs()
     print(f"eval: {run_dir / 'eval.jsonl'}")
 
 
@@ -230,17 +254,24 @@ def cmd_serve(args: argparse.Namespace) -> None:
     from treadle.config import load_config
 
     cfg = load_config(args.config, args.overrides)
+    settle(cfg)
+    engine = cfg.rollout.engine
+    print(f"treadle: serve {cfg.model.path} ({engine}); {own_log(cfg)}", flush=True)
     check(cfg, "serve")
     from treadle.serving.serve import serve
 
-    def announce(endpoint: Any) -> None:
-        print(
-            f"serving {endpoint.model} at {endpoint.url} (api key: {endpoint.api_key}); "
-            "Ctrl-C stops",
-            flush=True,
-        )
+    with contextlib.ExitStack() as starting:
+        starting.enter_context(progress(f"starting the {engine} engine for {cfg.model.path}"))
 
-    serve(cfg, announce)
+        def announce(endpoint: Any) -> None:
+            starting.close()  # (the spinner)
+            print(
+                f"serving {endpoint.model} at {endpoint.url} (api key: {endpoint.api_key}); "
+                "Ctrl-C stops",
+                flush=True,
+            )
+
+        serve(cfg, announce)
 
 
 def cmd_prepare(args: argparse.Namespace) -> None:
@@ -270,7 +301,9 @@ def cmd_report(args: argparse.Namespace) -> None:
 def cmd_model_fetch(args: argparse.Namespace) -> None:
     from treadle.models.hub import fetch_model
 
-    print(fetch_model(args.name, cache_dir=args.cache_dir))
+    with progress(f"fetching {args.name}"):
+        folder = fetch_model(args.name, cache_dir=args.cache_dir)
+    print(folder)
 
 
 def cmd_sandbox_grade(args: argparse.Namespace) -> None:

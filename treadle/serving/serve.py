@@ -28,14 +28,16 @@ from treadle.serving.client import LocalReplica, RolloutClient
 from treadle.serving.endpoint import Endpoint
 from treadle.serving.replica import make_engine
 from treadle.serving.server import RolloutServer
+from treadle.tracking.tracker import quiet_start
 
 
 def serve(cfg: Config, on_ready: Callable[[Endpoint], None]) -> None:
     """Serve ``cfg.model.path`` until interrupted; ``on_ready(endpoint)`` once it listens."""
     m, r = cfg.model, cfg.rollout
-    tokenizer = load_tokenizer(m.tokenizer_path or m.path, allow_download=m.allow_download)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    server = RolloutServer(make_engine(cfg, m.path, device), "local replica")
+    with quiet_start():  # the engine's C-level messages and progress bars: to the log file
+        tokenizer = load_tokenizer(m.tokenizer_path or m.path, allow_download=m.allow_download)
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        server = RolloutServer(make_engine(cfg, m.path, device), "local replica")
     client = RolloutClient(
         [LocalReplica(server)],
         max_inflight=r.max_inflight_per_replica,

@@ -167,7 +167,7 @@ def read_metrics(output_dir: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-# Loggers of the libraries a run drives: off the console unless trainer.verbose.
+# Loggers of the libraries a command drives: off the console unless trainer.verbose.
 NOISY = (
     "ray",
     "ray._private",  # keeps its handler while ray.init empties the "ray" logger's
@@ -175,6 +175,12 @@ NOISY = (
     "torch",
     "transformers",
     "datasets",
+    "huggingface_hub",
+    "accelerate",
+    "gguf",
+    "reasoning_gym",
+    "PIL",
+    "fsspec",
     "filelock",
     "urllib3",
     "httpx",  # a black-box agent's openai client (httpx2 in openai 3): a line per request
@@ -189,31 +195,73 @@ NOISY = (
     "swanlab",
 )
 LOG_DIR_ENV = "TREADLE_LOG_DIR"  # set for the run's Ray workers: where they write
+DRIVER_LOG = "driver.log"
+_KEPT_MAX = 10_000  # records kept before a command knows its log file (the rest: dropped)
+
+
+class _Kept(logging.Handler):
+    """The library records of a command that does not know its log file yet (a run's comes
+    with its directory, after the check): kept, and written there when it is known."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if len(self.records) < _KEPT_MAX:
+            self.records.append(record)
+
+
+def _file_handler(path: Path) -> logging.FileHandler:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    return handler
 
 
 class _Route:
-    """The driver's routing while a run is on: its file handler and what it replaced."""
+    """The routing of the library loggers while a command (or a run) is on: the handler they
+    write to (a file, ``path``, or the records kept until there is one) and what it replaced."""
 
-    def __init__(self, logs: Path) -> None:
-        self.handler = logging.FileHandler(logs / "driver.log")
-        fmt = "%(asctime)s %(name)s %(levelname)s %(message)s"
-        self.handler.setFormatter(logging.Formatter(fmt))
+    def __init__(self, handler: logging.Handler, path: Path | None) -> None:
+        self.handler, self.path = handler, path
+        self.last: Path | None = None  # the file it wrote to before (a run's, ended)
+        self.fallback: Path | None = None  # the folder of its file if it needs one
         self.before: dict[str, tuple[bool, list[logging.Handler]]] = {}
         self.vllm_logging: str | None = None  # the user's VLLM_CONFIGURE_LOGGING
+        self.restore: Callable[[], None] = lambda: None  # (set by quiet_console)
 
     def apply(self) -> None:
-        """Route every noisy logger to the file (again: a library imported since, such as
-        Ray, may have put its own console handler back)."""
-        for name in NOISY:
+        """Route every noisy logger to the handler (again: a library imported since, such as
+        Ray or torch, may have put its own console handler back, on a child logger too)."""
+        for name in (*NOISY, *_children()):
             logger = logging.getLogger(name)
             if name not in self.before:
                 self.before[name] = (logger.propagate, list(logger.handlers))
-            for h in list(logger.handlers):  # vLLM's and Ray's own console handlers
+            for h in list(logger.handlers):  # vLLM's, Ray's and torch's own console handlers
                 if isinstance(h, logging.StreamHandler) and h is not self.handler:
                     logger.removeHandler(h)
-            if self.handler not in logger.handlers:
-                logger.addHandler(self.handler)
-            logger.propagate = False
+            if name in NOISY:
+                if self.handler not in logger.handlers:
+                    logger.addHandler(self.handler)
+                logger.propagate = False
+
+    def move(
+        self, handler: logging.Handler, path: Path | None
+    ) -> tuple[logging.Handler, Path | None]:
+        """Write to ``handler`` from now on (the kept records first); what it wrote to."""
+        old = self.handler, self.path
+        self.last = self.path or self.last
+        for name in NOISY:
+            logger = logging.getLogger(name)
+            logger.removeHandler(self.handler)
+            logger.addHandler(handler)
+        if isinstance(self.handler, _Kept):
+            for record in self.handler.records:
+                handler.handle(record)
+            self.handler.records.clear()
+        self.handler, self.path = handler, path
+        return old
 
     def undo(self) -> None:
         for name, (propagate, handlers) in self.before.items():
@@ -226,39 +274,108 @@ class _Route:
         self.handler.close()
 
 
+def _children() -> list[str]:
+    """The loggers made so far below the noisy ones (torch's have console handlers of their
+    own)."""
+    prefixes = tuple(f"{name}." for name in NOISY)
+    return [name for name in list(logging.root.manager.loggerDict) if name.startswith(prefixes)]
+
+
 _route: _Route | None = None
 
 
-def route_logs(out: Path, verbose: bool) -> Callable[[], None]:
-    """Send the driver's library messages to ``<out>/logs/driver.log`` (unless ``verbose``);
-    returns the function that puts things back as they were (a run ends, another starts)."""
+def quiet_console(logs: Path | None = None, fallback: Path | None = None) -> Callable[[], None]:
+    """A command's console from its start: its library messages to ``<logs>/driver.log``, or,
+    ``logs`` None, kept until the command knows where its log goes (a run's, by
+    :func:`route_logs`), or needs a file without one (:func:`log_file`): then
+    ``<fallback>/driver.log``. Returns the function that puts things back."""
     global _route
-    logs = out / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
-    if verbose:
-        os.environ.pop(LOG_DIR_ENV, None)
-        return lambda: None
-    route = _route = _Route(logs)
+    if logs is None:
+        route = _route = _Route(_Kept(), None)
+        route.fallback = fallback
+        env: dict[str, str | None] = {LOG_DIR_ENV: None, "VLLM_CONFIGURE_LOGGING": "0"}
+    else:
+        route = _route = _Route(_file_handler(logs / DRIVER_LOG), logs / DRIVER_LOG)
+        env = {LOG_DIR_ENV: str(logs.resolve()), "VLLM_CONFIGURE_LOGGING": "0"}
     route.apply()
     # VLLM_CONFIGURE_LOGGING=0: an in-process vLLM adds no console handler
-    env_before = _put_env({LOG_DIR_ENV: str(logs.resolve()), "VLLM_CONFIGURE_LOGGING": "0"})
+    env_before = _put_env(env)
     route.vllm_logging = env_before["VLLM_CONFIGURE_LOGGING"]
     logging.captureWarnings(True)
 
     def restore() -> None:
         global _route
+        if _route is not route:  # (put back already)
+            return
         logging.captureWarnings(False)
         route.undo()
         _route = None
         _put_env(env_before)
 
+    route.restore = restore
     return restore
+
+
+def loud() -> None:
+    """The console shows the library messages after all (``trainer.verbose``): the command's
+    routing undone, what it kept shown."""
+    route = _route
+    if route is None:
+        return
+    kept = route.handler.records if isinstance(route.handler, _Kept) else []
+    route.restore()
+    for record in kept:
+        logging.getLogger(record.name).handle(record)
+
+
+def route_logs(out: Path, verbose: bool) -> Callable[[], None]:
+    """Send the driver's library messages to ``<out>/logs/driver.log`` (unless ``verbose``);
+    returns the function that puts things back as they were (a run ends, another starts).
+    Within a command whose console is quiet already (:func:`quiet_console`), its routing
+    moves there, with what it kept, and back after."""
+    return route_into(out / "logs", verbose)
+
+
+def route_into(logs: Path, verbose: bool) -> Callable[[], None]:
+    """:func:`route_logs` into the folder ``logs`` itself (``<logs>/driver.log``)."""
+    logs.mkdir(parents=True, exist_ok=True)
+    if verbose:
+        os.environ.pop(LOG_DIR_ENV, None)
+        return lambda: None
+    route = _route
+    if route is None:
+        return quiet_console(logs)
+    old = route.move(_file_handler(logs / DRIVER_LOG), logs / DRIVER_LOG)
+    env_before = _put_env({LOG_DIR_ENV: str(logs.resolve())})
+
+    def restore() -> None:
+        handler, _ = route.move(*old)
+        handler.close()
+        _put_env(env_before)
+
+    return restore
+
+
+def log_file() -> Path | None:
+    """Where the library messages go (None: to the console). A command between files (before
+    its run's, or after) writes what it kept to the last one it had, else to its fallback
+    (:func:`quiet_console`), from now on."""
+    route = _route
+    if route is None:
+        return None
+    if route.path is None:
+        fallback = route.fallback / DRIVER_LOG if route.fallback is not None else None
+        path = route.last or fallback
+        if path is not None:
+            route.move(_file_handler(path), path)
+            os.environ[LOG_DIR_ENV] = str(path.parent.resolve())  # the Ray workers' too
+    return route.path
 
 
 def worker_env() -> dict[str, str]:
     """What a Ray worker of the run needs to write where the driver's routing says (a Ray
     worker inherits the environment of the first run that started Ray: set both always)."""
-    if _route is None:
+    if _route is None or LOG_DIR_ENV not in os.environ:
         return {LOG_DIR_ENV: ""}
     # vLLM in a worker writes to the worker's log file, with its own format
     return {
@@ -286,21 +403,23 @@ def _put_env(values: dict[str, str | None]) -> dict[str, str | None]:
 
 @contextmanager
 def quiet_start() -> Iterator[None]:
-    """While the workers start: this process's stdout and stderr (file descriptors, so C++
-    warnings and progress bars of an in-process vLLM or torch too) to ``<logs>/driver.log``,
-    unless the run is verbose. Put back before anything is raised to the caller."""
-    if _route is None:
+    """While the workers (or an engine) start: this process's stdout and stderr (file
+    descriptors, so C++ warnings and progress bars of an in-process vLLM or torch too) to the
+    command's log file, unless it has none (verbose). Put back before anything is raised to the
+    caller, and the loggers routed again (a library imported meanwhile may have added its own
+    console handler)."""
+    path = log_file()
+    if path is None:
         yield
         return
     import sys
 
-    path = Path(os.environ[LOG_DIR_ENV]) / "driver.log"
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     saved = os.dup(1), os.dup(2)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     # sys.stdout/sys.stderr too: they need not write to descriptors 1 and 2 (pytest, Jupyter)
-    with open(path, "a", buffering=1) as text:
+    with open(path, "a", buffering=1) as text, _own_lines_shown(saved[1]):
         try:
             os.dup2(fd, 1)
             os.dup2(fd, 2)
@@ -313,6 +432,31 @@ def quiet_start() -> Iterator[None]:
             os.dup2(saved[1], 2)
             for f in (fd, *saved):
                 os.close(f)
+            reroute_logs()
+
+
+@contextmanager
+def _own_lines_shown(stderr: int) -> Iterator[None]:
+    """treadle's own log lines (the root logger's console handlers: a library's are routed to
+    the log file) still reach the console, a copy of ``stderr``, while the descriptors point
+    at the log file (``started vLLM engine ... in 18.4 s``)."""
+    import sys
+
+    handlers = [
+        h
+        for h in logging.getLogger().handlers
+        if type(h) is logging.StreamHandler and h.stream in (sys.stderr, sys.__stderr__)
+    ]
+    if not handlers:
+        yield
+        return
+    with os.fdopen(os.dup(stderr), "w", buffering=1) as console:
+        before = [h.setStream(console) for h in handlers]
+        try:
+            yield
+        finally:
+            for h, stream in zip(handlers, before, strict=True):
+                h.setStream(stream)
 
 
 def redirect_output(name: str) -> None:
