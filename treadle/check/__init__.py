@@ -10,8 +10,9 @@ module of its own: ``machine``, ``models`` (model folders, the tokenizer, LoRA's
 
 from treadle.check.output import lock_holder
 from treadle.check.run import check
+from treadle.check.user_code import IMPORT_TIMEOUT_S
 from treadle.config.rules import KINDS, Kind, check_algorithm
-from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
+from treadle.config.timeout import time_limit
 
 __all__ = [
     "IMPORT_TIMEOUT_S",
