@@ -198,3 +198,28 @@ def test_a_long_phase_shows_a_spinner_on_a_terminal_and_plain_lines_piped() -> N
     assert "starting the vllm engine" in shown and "0:00:0" in shown  # the spinner, its time
     assert "started vLLM engine for m in 3.0 s" in shown
     assert "\x1b[" in shown  # drawn, then wiped (transient)
+
+
+def test_what_a_command_kept_before_its_run_goes_to_the_run_logs(tmp_path, capfd) -> None:  # type: ignore[no-untyped-def]
+    """A training command checks before it knows its run directory: the libraries' messages
+    of the check are kept, then written to the run's driver.log before the run's own; after
+    the run, to the same file. Nothing reaches the console."""
+    import logging
+
+    from treadle.tracking.tracker import log_file, quiet_console, route_logs
+
+    restore = quiet_console(fallback=tmp_path / "own")
+    try:
+        logging.getLogger("filelock.check").error("during the check")
+        back = route_logs(tmp_path / "run", verbose=False)
+        logging.getLogger("urllib3.run").error("during the run")
+        back()
+        logging.getLogger("httpcore.after").error("after the run")
+        assert log_file() == tmp_path / "run" / "logs" / "driver.log"
+    finally:
+        restore()
+    assert capfd.readouterr() == ("", "")
+    text = (tmp_path / "run" / "logs" / "driver.log").read_text()
+    said = [text.index(s) for s in ("during the check", "during the run", "after the run")]
+    assert said == sorted(said)
+    assert not (tmp_path / "own").exists()  # (the command's own log: not needed)
