@@ -167,6 +167,23 @@ def test_a_library_error_is_one_line_and_where_its_traceback_is(
         main([*eval_config, "--verbose"])
 
 
+def test_an_error_a_stop_caused_is_the_stop(eval_config, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """A library's error on the way out of a stop (a worker gone under it) is not a failure:
+    the command says it stopped, with the stop's exit code."""
+    import signal
+
+    from treadle.runtime.errors import note_signal
+    from treadle.trainers import evaluation
+
+    def stopped(cfg):  # type: ignore[no-untyped-def]
+        note_signal(signal.SIGTERM)
+        raise RuntimeError("ActorDiedError: the actor died unexpectedly")
+
+    monkeypatch.setattr(evaluation, "evaluate_model", stopped)
+    assert main(eval_config) == 143
+    assert capsys.readouterr().err == "treadle: stopped by SIGTERM\n"
+
+
 def test_verbose_and_trainer_verbose_agree(eval_config, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
     from treadle.trainers import evaluation
 

@@ -21,6 +21,7 @@ from treadle.runtime.errors import (
     TreadleError,
     clear_signals,
     raise_if_signalled,
+    signalled,
     stop_cause,
     stop_line,
 )
@@ -81,6 +82,10 @@ def _main(argv: Sequence[str] | None) -> int:
     except Exception as e:  # a library's (or a bug): one line and where its traceback is
         if args is None or args.verbose:
             raise
+        if signalled():  # what a stop broke on its way out (a worker gone): the stop it is
+            how, code = stop_cause()
+            print(f"treadle: {stop_line(how)}", file=sys.stderr)
+            return code
         return failed(e, args.command)
     finally:
         if restore is not None:
