@@ -36,8 +36,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         overrun.arm()
     # first: Ctrl-C or SIGTERM from here on stops the command
     before = set_stop_handlers(on_stop_signal)
+    quieted: list[Callable[[], None]] = []  # the console's logging put back (console.quiet)
     try:
-        overrun.code = _main(argv)
+        overrun.code = _main(argv, quieted)
         return overrun.code
     finally:
         # The outcome is settled: a signal now (Ray's exit handler, Python's teardown, which
@@ -47,10 +48,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.disable(logging.INFO)  # (torch's FakeTensor cache stats, once interrupted)
         cluster = sys.modules.get("treadle.controller.cluster")
         if cluster is not None:  # Ray may still be starting in the background
-            cluster.settle()
+            cluster.settle()  # (its messages meanwhile: still off the console)
+        for restore in quieted:
+            restore()
 
 
-def _main(argv: Sequence[str] | None) -> int:
+def _main(argv: Sequence[str] | None, quieted: list[Callable[[], None]]) -> int:
     os.environ.update(openmp_env())  # before torch is imported (treadle.runtime.omp)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_DATASETS_DISABLE_PROGRESS_BARS", "1")
@@ -61,10 +64,9 @@ def _main(argv: Sequence[str] | None) -> int:
     for name in ("httpx", "httpx2"):  # an agent's openai client: a line a call
         logging.getLogger(name).setLevel(logging.WARNING)
     args: argparse.Namespace | None = None
-    restore: Callable[[], None] | None = None
     try:
         args = parse(argv)
-        restore = quiet(args)  # the libraries' messages off the console (treadle.cli.console)
+        quieted.append(quiet(args))  # the libraries' messages off the console (cli.console)
         startup.from_process_start()
         args.fn(args)
         raise_if_signalled()  # one whose exception was lost on the way still stops it
@@ -80,16 +82,13 @@ def _main(argv: Sequence[str] | None) -> int:
             print(f"treadle: error: {line}", file=sys.stderr)
         return 2
     except Exception as e:  # a library's (or a bug): one line and where its traceback is
-        if args is None or args.verbose:
+        if args is None or getattr(args, "verbose", False):
             raise
         if signalled():  # what a stop broke on its way out (a worker gone): the stop it is
             how, code = stop_cause()
             print(f"treadle: {stop_line(how)}", file=sys.stderr)
             return code
-        return failed(e, args.command)
-    finally:
-        if restore is not None:
-            restore()
+        return failed(e, getattr(args, "command", "treadle"))
     return 0
 
 

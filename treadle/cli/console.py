@@ -38,9 +38,9 @@ from treadle.tracking.tracker import log_file, loud, quiet_console
 def quiet(args: argparse.Namespace) -> Callable[[], None]:
     """The command's console quiet from its start (unless ``--verbose``), its own log folder
     the fallback (:func:`command_logs`); returns the function that puts the logging back."""
-    if args.verbose:
+    if getattr(args, "verbose", False):
         return lambda: None
-    return quiet_console(fallback=command_logs(args.command))
+    return quiet_console(fallback=command_logs(getattr(args, "command", "treadle")))
 
 
 def settle(cfg: Any) -> None:
