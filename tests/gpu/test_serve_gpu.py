@@ -24,11 +24,14 @@ def test_serve_answers_a_chat_request_on_the_gpu(tiny_task, tmp_path):
     command = [sys.executable, "-m", "treadle", "serve", str(config), "rollout.max_new_tokens=4"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()  # the first line printed is the URL line
+        # the first line names where the libraries' messages go (treadle.cli.console), the
+        # second is the URL line
+        first, line = proc.stdout.readline(), proc.stdout.readline()
         match = URL_LINE.match(line)
-        if match is None:
+        if match is None or not first.startswith(f"treadle: serve {tiny_task['model']} (hf); "):
             proc.kill()
-            pytest.fail(f"no URL line but {line!r}; stderr:\n{proc.communicate()[1][-3000:]}")
+            stderr = proc.communicate()[1][-3000:]
+            pytest.fail(f"no URL line but {first!r}, {line!r}; stderr:\n{stderr}")
         model, url, key = match.groups()
         body = {"model": model, "messages": [{"role": "user", "content": "1 + 1"}], "max_tokens": 3}
         request = urllib.request.Request(
