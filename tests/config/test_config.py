@@ -54,6 +54,14 @@ def test_a_hash_in_an_override_is_kept_not_read_as_a_comment():
     assert cfg.trainer.total_steps == 3
 
 
+def test_a_home_in_the_output_dir_is_the_users_home(monkeypatch, tmp_path):
+    """``treadle check`` created ``~/runs/x`` in the home while the run wrote to ``./~/runs/x``:
+    the config expands it once, for both."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config(None, ["model.path=m", "trainer.output_dir=~/runs/x"])
+    assert cfg.trainer.output_dir == f"{tmp_path}/runs/x"
+
+
 def test_misspelt_override_names_key_and_suggestion():
     with pytest.raises(
         ConfigError,

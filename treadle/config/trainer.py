@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Literal
 
 from pydantic import Field, field_validator
@@ -108,8 +109,15 @@ class TrainerConfig(Section):
     verbose: bool = Field(
         False,
         description="Show Ray's, vLLM's and torch's messages on the console; otherwise they go "
-        "to <output_dir>/logs/.",
+        "to <output_dir>/logs/ (every command's --verbose sets it).",
     )
+
+    @field_validator("output_dir")
+    @classmethod
+    def _home(cls, value: str) -> str:
+        """``~`` is the user's home, for the run as for ``treadle check`` (which created the
+        directory it names: a run that kept ``~`` wrote to ``./~``)."""
+        return os.path.expanduser(value)
 
     @field_validator("keep_best")
     @classmethod
