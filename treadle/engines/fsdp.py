@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
@@ -106,6 +106,53 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     for members in groups.values():
         torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
     return total
+
+
+def update_ratio(optimizer: torch.optim.Optimizer) -> float:
+    """``||Δθ|| / ||θ||`` of the AdamW step just taken, over every parameter it holds (``θ``: the
+    weights before the step), from the optimizer's state rather than a copy of the weights.
+
+    torch's AdamW step is ``θ' = θ (1 - lr·wd) - u`` with ``u = lr / (1 - β1^t) · m / (√v /
+    √(1 - β2^t) + eps)``, so ``Δθ = -(lr·wd·θ' + u) / (1 - lr·wd)`` and ``θ = (θ' + u) / (1 -
+    lr·wd)``: one parameter's temporaries at a time, each rank its own shards, the squared sums
+    added over the mesh dimensions a parameter is sharded on (one all-reduce per mesh)."""
+    sums: dict[Any, torch.Tensor] = {}  # (mesh, placements) -> [Σ Δθ², Σ θ²] of this rank
+    for group in optimizer.param_groups:
+        lr, eps, decay = group["lr"], group["eps"], group["lr"] * group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state or "exp_avg" not in state:
+                continue
+            t = float(state["step"])
+            m, v, new = (_local(x) for x in (state["exp_avg"], state["exp_avg_sq"], p.detach()))
+            denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(eps)
+            u = m.div(denom).mul_(lr / (1 - beta1**t))
+            delta, old = (u + decay * new) / (1 - decay), (new + u) / (1 - decay)
+            key = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
+            squares = torch.stack([_square_sum(delta), _square_sum(old)])
+            sums[key] = sums[key] + squares if key in sums else squares
+    total = sum((_over_shards(key, s) for key, s in sums.items()), torch.zeros(2))
+    return float(total[0].sqrt() / total[1].sqrt().clamp(min=1e-30))
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return x.to_local() if isinstance(x, DTensor) else x
+
+
+def _square_sum(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, dtype=torch.float64).square().cpu()
+
+
+def _over_shards(key: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` squared sums added over the mesh dimensions its parameters are sharded on."""
+    if key is None:
+        return local.float()
+    mesh, placements = key
+    sharded = [Partial() if p.is_shard() else Replicate() for p in placements]
+    on_mesh = local.to(mesh.device_type)
+    full = DTensor.from_local(on_mesh, mesh, sharded, run_check=False).full_tensor()
+    return full.cpu().float()
 
 
 def full_tensors(
@@ -300,7 +347,8 @@ class TrainEngine:
         return {**sums, **{prefix + k: v for k, v in self.step().items()}}
 
     def step(self) -> dict[str, float]:
-        """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""
+        """Clip, step, zero. Returns the pre-clip gradient norm, the learning rate and the
+        step's size relative to the weights (:func:`update_ratio`)."""
         assert self.optimizer is not None and self.scheduler is not None
         if self.tensor_parallel:
             norm = clip_grad_norm(self.params, self.grad_clip)
@@ -310,11 +358,13 @@ class TrainEngine:
             norm = norm.full_tensor()
         grad_norm = float(norm)
         lr = self.scheduler.get_last_lr()[0]
+        ratio = 0.0  # a step skipped for a non-finite gradient changes nothing
         if math.isfinite(grad_norm):
             self.optimizer.step()
+            ratio = update_ratio(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": float(lr)}
+        return {"grad_norm": grad_norm, "lr": float(lr), "update_ratio": ratio}
 
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's full tensors under its HF names (LoRA: merged into the base weights)."""
