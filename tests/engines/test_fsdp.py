@@ -145,6 +145,7 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
     local = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs={"model_path": path})
     try:
         [(loss1, grads1)] = local.loss_and_grads(batch)
+        ratio1, _, _ = local.step_weights(batch, 5.0)
     finally:
         local.shutdown()
     pool = ResourcePool(world_size=2, cpus_per_rank=1.0)
@@ -153,9 +154,12 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
     )
     try:
         results = group.loss_and_grads(batch)
+        ratio2, _, _ = group.step_weights(batch, 5.0)
     finally:
         group.shutdown()
         pool.remove()
+    # the update size's sums over each rank's shards, added over the ranks
+    assert ratio2 == pytest.approx(ratio1, rel=1e-5)
     (loss2, grads2), (loss2b, _) = results
     assert loss2 == pytest.approx(loss1, rel=1e-6)
     assert loss2b == pytest.approx(loss1, rel=1e-6)
@@ -229,6 +233,8 @@ def test_update_ratio_is_the_step_s_change_over_the_weights(tiny_task, decay):
         ratio, before, after = group.step_weights(make_batch(vocab=100), decay)
     finally:
         group.shutdown()
-    change = sum(float((a.double() - b.double()).square().sum()) for a, b in zip(after, before))
+    change = sum(
+        float((a.double() - b.double()).square().sum()) for a, b in zip(after, before, strict=True)
+    )
     weights = sum(float(b.double().square().sum()) for b in before)
     assert change > 0 and ratio == pytest.approx((change / weights) ** 0.5, rel=1e-4)

@@ -112,47 +112,48 @@ def update_ratio(optimizer: torch.optim.Optimizer) -> float:
     """``||Δθ|| / ||θ||`` of the AdamW step just taken, over every parameter it holds (``θ``: the
     weights before the step), from the optimizer's state rather than a copy of the weights.
 
-    torch's AdamW step is ``θ' = θ (1 - lr·wd) - u`` with ``u = lr / (1 - β1^t) · m / (√v /
-    √(1 - β2^t) + eps)``, so ``Δθ = -(lr·wd·θ' + u) / (1 - lr·wd)`` and ``θ = (θ' + u) / (1 -
-    lr·wd)``: one parameter's temporaries at a time, each rank its own shards, the squared sums
-    added over the mesh dimensions a parameter is sharded on (one all-reduce per mesh)."""
-    sums: dict[Any, torch.Tensor] = {}  # (mesh, placements) -> [Σ Δθ², Σ θ²] of this rank
+    torch's AdamW step is ``θ' = θ (1 - c) - u`` with ``c = lr·wd`` and ``u = lr / (1 - β1^t) ·
+    m / (√v / √(1 - β2^t) + eps)``, so ``Δθ = -(c θ' + u) / (1 - c)`` and ``θ = (θ' + u) / (1 -
+    c)``: both squared norms follow from ``θ'·θ'``, ``θ'·u`` and ``u·u``, summed on the device
+    one parameter (one temporary ``u``) at a time, then over the mesh dimensions the parameters
+    are sharded on (one all-reduce per mesh, no other synchronisation)."""
+    sums: dict[tuple[Any, float], torch.Tensor] = {}  # (shards, c) -> [θ'·θ', θ'·u, u·u]
     for group in optimizer.param_groups:
-        lr, eps, decay = group["lr"], group["eps"], group["lr"] * group["weight_decay"]
+        lr, eps, c = group["lr"], group["eps"], group["lr"] * group["weight_decay"]
         beta1, beta2 = group["betas"]
         for p in group["params"]:
             state = optimizer.state.get(p)
             if not state or "exp_avg" not in state:
                 continue
             t = float(state["step"])
-            m, v, new = (_local(x) for x in (state["exp_avg"], state["exp_avg_sq"], p.detach()))
-            denom = v.sqrt().div_(math.sqrt(1 - beta2**t)).add_(eps)
-            u = m.div(denom).mul_(lr / (1 - beta1**t))
-            delta, old = (u + decay * new) / (1 - decay), (new + u) / (1 - decay)
-            key = (p.device_mesh, p.placements) if isinstance(p, DTensor) else None
-            squares = torch.stack([_square_sum(delta), _square_sum(old)])
-            sums[key] = sums[key] + squares if key in sums else squares
-    total = sum((_over_shards(key, s) for key, s in sums.items()), torch.zeros(2))
-    return float(total[0].sqrt() / total[1].sqrt().clamp(min=1e-30))
+            m, v, new = (_local(x).flatten() for x in (state["exp_avg"], state["exp_avg_sq"], p))
+            # u = m / d, d = (√v / √(1 - β2^t) + eps) (1 - β1^t) / lr: one pass a term
+            scale = (1 - beta1**t) / lr
+            u = v.sqrt().mul_(scale / math.sqrt(1 - beta2**t)).add_(eps * scale)
+            u = torch.div(m, u, out=u)
+            dots = torch.stack([new.dot(new), new.dot(u), u.dot(u)]).double()
+            key = ((p.device_mesh, p.placements) if isinstance(p, DTensor) else None, c)
+            sums[key] = sums[key] + dots if key in sums else dots
+    change = weights = 0.0
+    for (shards, c), local in sums.items():
+        ww, wu, uu = _over_shards(shards, local).tolist()
+        change += (c * c * ww + 2 * c * wu + uu) / (1 - c) ** 2
+        weights += (ww + 2 * wu + uu) / (1 - c) ** 2
+    return math.sqrt(change / weights) if weights > 0 else 0.0
 
 
 def _local(x: torch.Tensor) -> torch.Tensor:
-    return x.to_local() if isinstance(x, DTensor) else x
+    return (x.to_local() if isinstance(x, DTensor) else x).detach()
 
 
-def _square_sum(x: torch.Tensor) -> torch.Tensor:
-    return torch.linalg.vector_norm(x, dtype=torch.float64).square().cpu()
-
-
-def _over_shards(key: Any, local: torch.Tensor) -> torch.Tensor:
-    """``local`` squared sums added over the mesh dimensions its parameters are sharded on."""
-    if key is None:
-        return local.float()
-    mesh, placements = key
-    sharded = [Partial() if p.is_shard() else Replicate() for p in placements]
-    on_mesh = local.to(mesh.device_type)
-    full = DTensor.from_local(on_mesh, mesh, sharded, run_check=False).full_tensor()
-    return full.cpu().float()
+def _over_shards(shards: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` sums (this rank's) added over the mesh dimensions ``shards`` (a mesh and
+    placements; None: not sharded) is sharded on."""
+    if shards is None:
+        return local
+    mesh, placements = shards
+    partial = [Partial() if p.is_shard() else Replicate() for p in placements]
+    return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
 
 
 def full_tensors(
