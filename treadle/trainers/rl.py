@@ -429,11 +429,9 @@ class RLTrainer(Trainer):
         """:meth:`step` plus throughput and, when due, the validation sets' metrics."""
         start = time.perf_counter()
         metrics = self.step(step)
-        metrics["timing/step"] = time.perf_counter() - start
-        metrics["throughput/tokens_per_s"] = (
-            metrics.pop("generated_tokens") / metrics["timing/step"]
-        )
-        metrics.update(self.source.metrics(metrics["timing/step"]))
+        seconds = metrics["timing/step"] = time.perf_counter() - start
+        metrics["throughput/tokens_per_s"] = metrics.pop("generated_tokens") / seconds
+        metrics.update(self.source.metrics(seconds))
         metrics.update(worker_restarts(self.scorer, self.val_sets))
         if self.val_sets and self.eval_due(step):
             # now (sync), or sent beside training, its metrics joining this step's later
