@@ -137,7 +137,7 @@ def standard_error(values: Sequence[float]) -> float:
     return float(np.std(values) / math.sqrt(len(values)))
 
 
-def set_metrics(per_prompt: Sequence[Mapping[str, float]]) -> dict[str, float]:
+def set_summary(per_prompt: Sequence[Mapping[str, float]]) -> dict[str, float]:
     """The prompts' metrics averaged (:func:`mean_metrics`) and ``accuracy/stderr``."""
     stderr = standard_error([m["accuracy"] for m in per_prompt])
     return {**mean_metrics(per_prompt), "accuracy/stderr": stderr}
@@ -149,11 +149,11 @@ def sampled_metrics(
     """The metrics over ``prompts`` (``name``), and per data source (``<source>/name``) when
     ``sources`` gives one per prompt."""
     per_prompt = [prompt_metrics(p, seed) for p in prompts]
-    out = set_metrics(per_prompt)
+    out = set_summary(per_prompt)
     if sources is not None:
         by_source: dict[str, list[dict[str, float]]] = {}
         for source, metrics in zip(sources, per_prompt, strict=True):
             by_source.setdefault(source, []).append(metrics)
         for source, group in by_source.items():
-            out.update({f"{source}/{k}": v for k, v in set_metrics(group).items()})
+            out.update({f"{source}/{k}": v for k, v in set_summary(group).items()})
     return out
