@@ -150,7 +150,9 @@ def test_report_command_writes_one_self_contained_page(run_dir, capsys):
     assert SCRIPT not in page and "&lt;script&gt;window.pwned = 1&lt;/script&gt;" in page
     assert "3 &lt;b&gt;bold&lt;/b&gt;" in page
     assert not re.search(r"<(script|link|img|iframe)\b[^>]*\b(src|href)=", page)  # all inline
-    assert "Plotly" in page and page.count('class="plotly-graph-div"') == len(TITLES)
+    assert "<h2>Is it learning?</h2>" in page  # (tests/test_report_learning.py: its rules)
+    drawn = len(TITLES) + 1  # the panels, and "Is it learning?"'s plots
+    assert "Plotly" in page and page.count('class="plotly-graph-div"') == drawn
 
 
 @pytest.mark.parametrize(
@@ -250,7 +252,7 @@ def test_page_loads_offline_in_chromium_with_plots_and_tables(run_dir):
             # every plot div drawn, and the numbers read back from the rendered graph
             plots = page.locator("section")
             assert plots.locator("h3").all_inner_texts() == TITLES
-            assert page.locator(".js-plotly-plot").count() == n
+            assert page.locator(".js-plotly-plot").count() == n + 1  # and "Is it learning?"
             drawn = page.evaluate(
                 "[...document.querySelectorAll('.js-plotly-plot')]"
                 ".map(g => g.querySelectorAll('.scatterlayer .trace, .barlayer .trace').length)"
@@ -263,7 +265,8 @@ def test_page_loads_offline_in_chromium_with_plots_and_tables(run_dir):
             )
             assert overflow == 0  # each plot fits its box (plotly sizes them to it)
             reward = page.evaluate(
-                "document.querySelector('.js-plotly-plot').data.map(t => [t.name, Array.from(t.y)])"
+                "document.querySelector('.plots .js-plotly-plot').data"
+                ".map(t => [t.name, Array.from(t.y)])"
             )
             assert reward == [["reward/mean", REWARD], ["reward/max", [1, 1, 1, 1]]]
             # the tables: config keys and values, samples with their rewards, as text

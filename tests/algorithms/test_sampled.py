@@ -110,7 +110,9 @@ def test_pass_at_k_is_the_chance_that_k_drawn_without_replacement_hold_a_right_o
 
 def test_greedy_is_accuracy_and_reward_only():
     prompts = [PromptSamples([1.0], [1.0], ["7"]), PromptSamples([0.25], [0.0], ["8"])]
-    assert sampled_metrics(prompts) == {"accuracy": 0.5, "reward": 0.625}
+    # one of two right: the binomial standard error sqrt(0.5 * 0.5 / 2)
+    want = {"accuracy": 0.5, "reward": 0.625, "accuracy/stderr": math.sqrt(0.125)}
+    assert sampled_metrics(prompts) == pytest.approx(want, rel=1e-12)
     assert sizes(1) == [] and sizes(4) == [2, 4] and sizes(6) == [2, 4, 6]
 
 
@@ -124,4 +126,6 @@ def test_pass_at_k_of_a_set_by_hand():
     assert m["pass@2"] == pytest.approx(5 / 12)
     assert m["pass@4"] == 0.5 and m["mean@4"] == m["accuracy"] == 0.25
     assert math.isclose(m["std@4"], 0.25)  # (0.5 + 0) / 2
+    # over the prompts, not the samples: accuracies 0.5 and 0, std 0.25, over sqrt(2)
+    assert m["accuracy/stderr"] == pytest.approx(0.25 / math.sqrt(2))
     assert m["best@4/std"] > 0 and m["maj@4"] < 0.5  # drawn with replacement

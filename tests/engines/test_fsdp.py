@@ -77,6 +77,23 @@ class GradWorker(Worker):
         finally:
             del self.engine.step
 
+    @register(Dispatch.ALL, Collect.RANK0)
+    def step_weights(self, batch: Batch, decay: float) -> tuple[float, list[torch.Tensor], list]:
+        """Two optimizer steps (AdamW's bias corrections differ in the second), the second with
+        weight decay ``decay``: its ``update_ratio`` and the weights before and after it."""
+        full = lambda: [p.full_tensor().detach().clone() for p in self.engine.module.parameters()]  # noqa: E731
+        mb = batch.split(len(batch))
+
+        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            logp, _ = self.engine.log_probs(mb["input_ids"], mb["attention_mask"], 6)
+            return -(logp * mb["rmask"]).sum() / mb["rmask"].sum(), {}
+
+        self.engine.train_step(mb, loss_fn)
+        self.engine.optimizer.param_groups[0]["weight_decay"] = decay
+        before = full()
+        ratio = self.engine.train_step(mb, loss_fn)["update_ratio"]
+        return ratio, before, full()
+
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:
         with torch.no_grad():
@@ -128,6 +145,7 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
     local = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs={"model_path": path})
     try:
         [(loss1, grads1)] = local.loss_and_grads(batch)
+        ratio1, _, _ = local.step_weights(batch, 5.0)
     finally:
         local.shutdown()
     pool = ResourcePool(world_size=2, cpus_per_rank=1.0)
@@ -136,9 +154,12 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
     )
     try:
         results = group.loss_and_grads(batch)
+        ratio2, _, _ = group.step_weights(batch, 5.0)
     finally:
         group.shutdown()
         pool.remove()
+    # the update size's sums over each rank's shards, added over the ranks
+    assert ratio2 == pytest.approx(ratio1, rel=1e-5)
     (loss2, grads2), (loss2b, _) = results
     assert loss2 == pytest.approx(loss1, rel=1e-6)
     assert loss2b == pytest.approx(loss1, rel=1e-6)
@@ -193,10 +214,27 @@ def test_train_step_sums_micro_batches_into_one_optimizer_step(tiny_task):
         finally:
             group.shutdown()
     (whole, grads_a), (parts, grads_b) = runs
-    assert set(parts) == {"nll", "tokens", "x/grad_norm", "x/lr"}
+    assert set(parts) == {"nll", "tokens", "x/grad_norm", "x/lr", "x/update_ratio"}
     assert parts["tokens"] == whole["tokens"] == float(batch["rmask"].sum())
     assert parts["nll"] == pytest.approx(whole["nll"], rel=1e-6)
     assert parts["x/grad_norm"] == pytest.approx(whole["x/grad_norm"], rel=1e-5)
     assert whole["x/grad_norm"] > 0 and whole["x/lr"] == pytest.approx(1e-3)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("decay", [0.0, 5.0])  # 5: lr·wd as large as the Adam step
+def test_update_ratio_is_the_step_s_change_over_the_weights(tiny_task, decay):
+    """``update_ratio``, rebuilt from AdamW's state, against ||after - before|| / ||before||."""
+    group = WorkerGroup(
+        GradWorker, world_size=1, backend="local", kwargs={"model_path": str(tiny_task["model"])}
+    )
+    try:
+        ratio, before, after = group.step_weights(make_batch(vocab=100), decay)
+    finally:
+        group.shutdown()
+    change = sum(
+        float((a.double() - b.double()).square().sum()) for a, b in zip(after, before, strict=True)
+    )
+    weights = sum(float(b.double().square().sum()) for b in before)
+    assert change > 0 and ratio == pytest.approx((change / weights) ** 0.5, rel=1e-4)

@@ -11,6 +11,7 @@ import asyncio
 import json
 import math
 import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -148,6 +149,13 @@ def test_sets_equal_verl_process_validation_metrics(sets_config, n, seed):
         ours = {key: v for key, v in metrics.items() if key.startswith(f"eval/{name}/")}
         reward = {key: ours.pop(key) for key in list(ours) if key.endswith("/reward")}
         passes = {key: ours.pop(key) for key in list(ours) if "/pass@" in key}
+        stderr = {key: ours.pop(key) for key in list(ours) if key.endswith("/stderr")}
+        per_prompt = [sum(infos["acc"][i : i + n]) / n for i in range(0, len(uids), n)]
+        assert stderr.pop(f"eval/{name}/accuracy/stderr") == pytest.approx(
+            statistics.pstdev(per_prompt) / count**0.5
+        )  # (not verl's: the prompts' accuracies' standard error)
+        by_source = [f"eval/tagged/{s}/accuracy/stderr" for s in ("even", "odd")]
+        assert sorted(stderr) == (by_source if name == "tagged" else [])
         assert reward.pop(f"eval/{name}/reward") == pytest.approx(sum(infos["acc"]) / len(uids))
         if name == "tagged":
             by_source = verl.process_validation_metrics(sources, uids, infos, seed)
@@ -187,7 +195,8 @@ def test_a_set_scores_with_its_own_reward(sets_config, tmp_path):
     assert metrics["eval/val/accuracy"] == metrics["eval/val/reward"] > 0  # arithmetic's
     # per data source where the rows carry one, not elsewhere
     assert metrics["eval/long/even/reward"] == metrics["eval/long/odd/reward"] == 0.5
-    assert not [key for key in metrics if key.startswith("eval/val/") and key.count("/") > 2]
+    per_source = [k for k in metrics if k.removesuffix("/stderr").count("/") > 2]
+    assert not [key for key in per_source if key.startswith("eval/val/")]
 
 
 def test_a_run_reports_every_set_with_sampled_metrics(tiny_task, tmp_path, capsys):
@@ -225,7 +234,8 @@ def test_a_run_reports_every_set_with_sampled_metrics(tiny_task, tmp_path, capsy
         boot = {
             f"{s}@{k}{t}" for s in ("best", "worst", "maj") for k in (2, 4) for t in ("", "/std")
         }
-        assert set(m) == {"accuracy", "reward", "mean@4", "std@4", "pass@2", "pass@4", *boot}
+        plain = {"accuracy", "accuracy/stderr", "reward", "mean@4", "std@4", "pass@2", "pass@4"}
+        assert set(m) == plain | boot
         assert m["accuracy"] == m["mean@4"]
         assert m["accuracy"] <= m["pass@2"] <= m["pass@4"] <= 1.0
         assert m["worst@4"] <= m["worst@2"] <= m["accuracy"] <= m["best@2"] <= m["best@4"]

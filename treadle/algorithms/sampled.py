@@ -11,6 +11,10 @@ two below ``n``, then ``n``):
 
 - ``accuracy``: the mean of ``acc`` over a prompt's samples (verl's ``mean@n``; the fraction
   of prompts right when ``n`` is 1); ``reward``: the mean score.
+- ``accuracy/stderr``: the standard error of ``accuracy`` over the prompts (not in verl): the
+  standard deviation of the prompts' accuracies over the square root of their number; with one
+  sample per prompt it is the binomial ``sqrt(p (1 - p) / prompts)``. The prompts are the
+  sample the set was drawn as: several samples of one prompt are not independent questions.
 - ``mean@n`` (= ``accuracy``) and ``std@n``: the mean and the population standard deviation of
   ``acc`` over the prompt's ``n`` samples (verl's ``mean@N`` and ``std@N``).
 - ``pass@k``: the unbiased estimator of Chen et al. 2021 (arXiv 2107.03374),
@@ -127,17 +131,29 @@ def mean_metrics(per_prompt: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {name: float(np.mean(values)) for name, values in gathered.items()}
 
 
+def standard_error(values: Sequence[float]) -> float:
+    """The standard error of the mean of ``values``: their (population) standard deviation over
+    the square root of their number; for 0/1 values, ``sqrt(p (1 - p) / n)``."""
+    return float(np.std(values) / math.sqrt(len(values)))
+
+
+def set_summary(per_prompt: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """The prompts' metrics averaged (:func:`mean_metrics`) and ``accuracy/stderr``."""
+    stderr = standard_error([m["accuracy"] for m in per_prompt])
+    return {**mean_metrics(per_prompt), "accuracy/stderr": stderr}
+
+
 def sampled_metrics(
     prompts: Sequence[PromptSamples], sources: Sequence[str] | None = None, seed: int = 42
 ) -> dict[str, float]:
     """The metrics over ``prompts`` (``name``), and per data source (``<source>/name``) when
     ``sources`` gives one per prompt."""
     per_prompt = [prompt_metrics(p, seed) for p in prompts]
-    out = mean_metrics(per_prompt)
+    out = set_summary(per_prompt)
     if sources is not None:
         by_source: dict[str, list[dict[str, float]]] = {}
         for source, metrics in zip(sources, per_prompt, strict=True):
             by_source.setdefault(source, []).append(metrics)
         for source, group in by_source.items():
-            out.update({f"{source}/{k}": v for k, v in mean_metrics(group).items()})
+            out.update({f"{source}/{k}": v for k, v in set_summary(group).items()})
     return out

@@ -53,7 +53,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
@@ -106,6 +106,54 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
     for members in groups.values():
         torch.nn.utils.clip_grads_with_norm_(members, max_norm, total)
     return total
+
+
+def update_ratio(optimizer: torch.optim.Optimizer) -> float:
+    """``||Δθ|| / ||θ||`` of the AdamW step just taken, over every parameter it holds (``θ``: the
+    weights before the step), from the optimizer's state rather than a copy of the weights.
+
+    torch's AdamW step is ``θ' = θ (1 - c) - u`` with ``c = lr·wd`` and ``u = lr / (1 - β1^t) ·
+    m / (√v / √(1 - β2^t) + eps)``, so ``Δθ = -(c θ' + u) / (1 - c)`` and ``θ = (θ' + u) / (1 -
+    c)``: both squared norms follow from ``θ'·θ'``, ``θ'·u`` and ``u·u``, summed on the device
+    one parameter (one temporary ``u``) at a time, then over the mesh dimensions the parameters
+    are sharded on (one all-reduce per mesh, no other synchronisation)."""
+    sums: dict[tuple[Any, float], torch.Tensor] = {}  # (shards, c) -> [θ'·θ', θ'·u, u·u]
+    for group in optimizer.param_groups:
+        lr, eps, c = group["lr"], group["eps"], group["lr"] * group["weight_decay"]
+        beta1, beta2 = group["betas"]
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if not state or "exp_avg" not in state:
+                continue
+            t = float(state["step"])
+            m, v, new = (_local(x).flatten() for x in (state["exp_avg"], state["exp_avg_sq"], p))
+            # u = m / d, d = (√v / √(1 - β2^t) + eps) (1 - β1^t) / lr: one pass a term
+            scale = (1 - beta1**t) / lr
+            u = v.sqrt().mul_(scale / math.sqrt(1 - beta2**t)).add_(eps * scale)
+            u = torch.div(m, u, out=u)
+            dots = torch.stack([new.dot(new), new.dot(u), u.dot(u)]).double()
+            key = ((p.device_mesh, p.placements) if isinstance(p, DTensor) else None, c)
+            sums[key] = sums[key] + dots if key in sums else dots
+    change = weights = 0.0
+    for (shards, c), local in sums.items():
+        ww, wu, uu = _over_shards(shards, local).tolist()
+        change += (c * c * ww + 2 * c * wu + uu) / (1 - c) ** 2
+        weights += (ww + 2 * wu + uu) / (1 - c) ** 2
+    return math.sqrt(change / weights) if weights > 0 else 0.0
+
+
+def _local(x: torch.Tensor) -> torch.Tensor:
+    return (x.to_local() if isinstance(x, DTensor) else x).detach()
+
+
+def _over_shards(shards: Any, local: torch.Tensor) -> torch.Tensor:
+    """``local`` sums (this rank's) added over the mesh dimensions ``shards`` (a mesh and
+    placements; None: not sharded) is sharded on."""
+    if shards is None:
+        return local
+    mesh, placements = shards
+    partial = [Partial() if p.is_shard() else Replicate() for p in placements]
+    return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
 
 
 def full_tensors(
@@ -300,7 +348,8 @@ class TrainEngine:
         return {**sums, **{prefix + k: v for k, v in self.step().items()}}
 
     def step(self) -> dict[str, float]:
-        """Clip, step, zero. Returns the pre-clip gradient norm and the learning rate."""
+        """Clip, step, zero. Returns the pre-clip gradient norm, the learning rate and the
+        step's size relative to the weights (:func:`update_ratio`)."""
         assert self.optimizer is not None and self.scheduler is not None
         if self.tensor_parallel:
             norm = clip_grad_norm(self.params, self.grad_clip)
@@ -310,11 +359,13 @@ class TrainEngine:
             norm = norm.full_tensor()
         grad_norm = float(norm)
         lr = self.scheduler.get_last_lr()[0]
+        ratio = 0.0  # a step skipped for a non-finite gradient changes nothing
         if math.isfinite(grad_norm):
             self.optimizer.step()
+            ratio = update_ratio(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return {"grad_norm": grad_norm, "lr": float(lr)}
+        return {"grad_norm": grad_norm, "lr": float(lr), "update_ratio": ratio}
 
     def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's full tensors under its HF names (LoRA: merged into the base weights)."""

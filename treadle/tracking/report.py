@@ -7,6 +7,8 @@ RUN_DIR`` evaluated its checkpoints, ``eval.jsonl`` (one object per checkpoint's
 
 Choices:
 
+- "Is it learning?" comes first (:mod:`treadle.tracking.learning`): an RL run's learning
+  signals plotted together, and what the rules of docs/diagnostics.md see in them, in words.
 - Plots are plotly figures, and plotly.js is inlined once in the page (about 4.6 MB), so the
   page works from ``file://`` with no network: copy it anywhere, open it offline.
 - The named panels come first (distillation, reward, loss, one per validation set, held-out
@@ -15,7 +17,8 @@ Choices:
   other numeric series is plotted too, one small panel per series, grouped by its prefix
   (``actor/``, ``rollout/``, ``dpo/``, ...), so an SFT, DPO or RM run shows its own.
 - A validation set's panel (``Held-out: <set>``) has every metric of the set against the step
-  (``eval/<set>/<metric>``, its bootstrap ``/std`` aside): the in-training evaluation's from
+  (``eval/<set>/<metric>``, its bootstrap ``/std`` aside, its ``/stderr`` as error bars): the
+  in-training evaluation's from
   metrics.jsonl and, dashed, ``treadle eval``'s of the checkpoints from eval.jsonl, named
   ``<metric> (treadle eval)``.
 - Model text and config values are untrusted: everything put into the page's HTML is escaped,
@@ -38,6 +41,7 @@ from plotly.offline import get_plotlyjs
 from plotly.subplots import make_subplots
 
 from treadle.runtime.errors import TreadleError
+from treadle.tracking.learning import STDERR, Series, learning_section
 from treadle.tracking.sinks import accuracy_keys
 
 # (title, the metric names it plots as fnmatch patterns); a series goes to the first panel that
@@ -62,8 +66,6 @@ STEP_TIME, STARTUP_TIME, AFTER_STEP = "timing/step", "timing/startup", ("timing/
 MEMORY = ("perf/max_memory_allocated_gib", "perf/max_memory_reserved_gib")  # the step's peaks
 EVAL_FILE, CHECKPOINT_EVAL = "eval.jsonl", " (treadle eval)"  # its series: <name> (treadle eval)
 MAX_SAMPLES = 200  # the newest ones: a long run logs thousands
-
-Series = dict[str, tuple[list[float], list[float]]]  # name -> (steps, values)
 
 
 def write_report(run_dir: str | Path) -> Path:
@@ -194,10 +196,11 @@ def figures(series: Series) -> list[tuple[str, go.Figure]]:
                     n
                     for n in left
                     if n.startswith(f"eval/{name}/")
-                    and not n.removesuffix(CHECKPOINT_EVAL).endswith("/std")
+                    and not n.removesuffix(CHECKPOINT_EVAL).endswith(("/std", STDERR))
                 ]
                 out.append((f"Held-out: {name}", _line_figure(series, metrics)))
-                left = [n for n in left if n not in metrics]
+                bars = [_stderr(n) for n in metrics]  # drawn as the lines' error bars
+                left = [n for n in left if n not in metrics and n not in bars]
         names = [n for n in left if any(fnmatchcase(n, p) for p in patterns)]
         if names:
             out.append((title, _line_figure(series, names)))
@@ -218,13 +221,24 @@ def figures(series: Series) -> list[tuple[str, go.Figure]]:
     return out
 
 
+def _stderr(name: str) -> str:
+    """The name of ``name``'s standard error (``<metric>/stderr``, before `` (treadle eval)``)."""
+    if name.endswith(CHECKPOINT_EVAL):
+        return name.removesuffix(CHECKPOINT_EVAL) + STDERR + CHECKPOINT_EVAL
+    return name + STDERR
+
+
 def _line_figure(series: Series, names: list[str]) -> go.Figure:
     fig = go.Figure()
     for name in names:
         steps, values = series[name]
         dash = "dash" if name.endswith(CHECKPOINT_EVAL) else None
+        errors = dict(zip(*series.get(_stderr(name), ([], [])), strict=True))
+        bars = {"type": "data", "array": [errors.get(s, 0.0) for s in steps]} if errors else None
         fig.add_trace(
-            go.Scatter(x=steps, y=values, name=name, mode=_mode(steps), line={"dash": dash})
+            go.Scatter(
+                x=steps, y=values, name=name, mode=_mode(steps), line={"dash": dash}, error_y=bars
+            )
         )
     fig.update_xaxes(title_text="step")
     return _layout(fig, height=320, showlegend=True)
@@ -325,6 +339,7 @@ td.text { white-space: pre-wrap; font-family: monospace; max-width: 560px;
 div.config { display: grid; grid-template-columns: repeat(auto-fill, minmax(440px, 1fr));
               gap: 16px; align-items: start; }
 td.num { text-align: right; font-family: monospace; }
+ul.findings { font-size: 1.05em; line-height: 1.5; }
 """
 
 
@@ -354,6 +369,7 @@ def _page(
 <h1>treadle run report: {name}</h1>
 <div class="path">{html.escape(str(run.resolve()))}</div>
 {_summary(series, config)}
+{learning_section(series)}
 <h2>Metrics</h2>
 <div class="plots">
 {"".join(plots)}

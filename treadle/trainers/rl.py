@@ -63,6 +63,11 @@ from treadle.algorithms import (
     FixedKLController,
 )
 from treadle.algorithms.correction import rollout_correction
+from treadle.algorithms.diagnostics import (
+    equal_reward_frac,
+    group_reward_std,
+    nonzero_advantage_frac,
+)
 from treadle.algorithms.inputs import EstimatorInputs
 from treadle.algorithms.kl import kl_in_reward
 from treadle.algorithms.shaping import overlong_penalty
@@ -141,6 +146,20 @@ def rollout_metrics(batch: Batch, component_keys: Sequence[str] = ()) -> dict[st
     if "old_log_probs" in batch:
         stats = mismatch_stats(batch["old_log_probs"], batch["rollout_log_probs"], mask)
         m.update(mismatch_metrics(stats))
+    return m
+
+
+def signal_metrics(batch: Batch) -> dict[str, float]:
+    """What the update can learn from (docs/diagnostics.md): ``advantages/nonzero_frac``, the
+    share of the loss's response tokens with a non-zero advantage, and over the groups of two
+    or more samples (none when ``rollout.n`` is 1) ``reward/frac_zero_std``, the share whose
+    rewards are all equal (TRL's ``frac_reward_zero_std``), and ``reward/group_std``, the
+    reward's spread within a group."""
+    mask, scores, uids = batch["response_mask"], batch["token_level_scores"].sum(-1), batch["uid"]
+    m = {"advantages/nonzero_frac": nonzero_advantage_frac(batch["advantages"], mask)}
+    equal, spread = equal_reward_frac(scores, list(uids)), group_reward_std(scores, list(uids))
+    if equal is not None and spread is not None:
+        m.update({"reward/frac_zero_std": equal, "reward/group_std": spread})
     return m
 
 
@@ -288,6 +307,7 @@ class RLTrainer(Trainer):
             self.samples = sample_rows(batch, self.cfg.trainer.log_samples)
         if alg.mask_truncated:  # DAPO: a cut-off response says nothing about its answer
             batch["response_mask"] = finished_only(batch)
+        m.update(signal_metrics(batch))  # what the update can learn from
         # 7. update the critic toward the returns; 8. the actor, unless the critic warms up;
         # 9. push the actor's weights into the rollout engine
         batch.meta["step"] = step
@@ -409,11 +429,9 @@ class RLTrainer(Trainer):
         """:meth:`step` plus throughput and, when due, the validation sets' metrics."""
         start = time.perf_counter()
         metrics = self.step(step)
-        metrics["timing/step"] = time.perf_counter() - start
-        metrics["throughput/tokens_per_s"] = (
-            metrics.pop("generated_tokens") / metrics["timing/step"]
-        )
-        metrics.update(self.source.metrics(metrics["timing/step"]))
+        seconds = metrics["timing/step"] = time.perf_counter() - start
+        metrics["throughput/tokens_per_s"] = metrics.pop("generated_tokens") / seconds
+        metrics.update(self.source.metrics(seconds))
         metrics.update(worker_restarts(self.scorer, self.val_sets))
         if self.val_sets and self.eval_due(step):
             # now (sync), or sent beside training, its metrics joining this step's later

@@ -236,6 +236,7 @@ class PolicyGradient(Objective[dict[str, Any]]):
     ) -> dict[str, float]:
         metrics["actor/rows_skipped"] = counts["skipped"]
         metrics["actor/clip_frac"] /= micros
+        metrics["actor/ppo_kl"] /= micros
         if "actor/rollout_corr_over_cap_frac" in metrics:
             metrics["actor/rollout_corr_over_cap_frac"] /= micros
         return metrics
@@ -309,6 +310,7 @@ class PolicyGradient(Objective[dict[str, Any]]):
         metrics = {
             "actor/pg_loss": float(pg_loss.detach()),
             "actor/clip_frac": stats["pg_clipfrac"],
+            "actor/ppo_kl": stats["ppo_kl"],  # to the old policy: verl's name
         }
         if is_weights is not None:
             metrics["actor/rollout_corr_over_cap_frac"] = over_cap
