@@ -27,6 +27,9 @@ def test_varied_groups():
     assert got.tolist() == [False, False, False, True, True, False, False, False]
     # Groups come from the ids, not from positions.
     assert varied_groups(torch.tensor([0.0, 0.0, 1.0, 1.0]), [1, 2, 1, 2]).tolist() == [True] * 4
+    # Equal scores whose mean does not round back to them (0.1 in float64) are equal.
+    tenths = torch.tensor([0.1, 0.1, 0.1], dtype=torch.float64)
+    assert varied_groups(tenths, ["a"] * 3).tolist() == [False] * 3
 
 
 def test_kl_in_reward_by_hand():

@@ -23,13 +23,7 @@ from collections.abc import Hashable, Sequence
 import torch
 from torch import Tensor
 
-from treadle.algorithms.utils import group_index, masked_mean
-
-
-def _per_group(x: Tensor, index: Tensor, reduce: str) -> Tensor:
-    """``reduce`` ("sum", "amax", "amin") of ``x`` [B] over each group: [G]."""
-    out = x.new_zeros(int(index.max()) + 1)
-    return out.scatter_reduce(0, index, x, reduce, include_self=False)
+from treadle.algorithms.utils import group_index, group_reduce, masked_mean
 
 
 def equal_reward_frac(scores: Tensor, group_ids: Sequence[Hashable]) -> float | None:
@@ -37,8 +31,8 @@ def equal_reward_frac(scores: Tensor, group_ids: Sequence[Hashable]) -> float | 
     no group has two samples."""
     index = group_index(group_ids, scores)
     s = scores.double()
-    sizes = _per_group(torch.ones_like(s), index, "sum")
-    equal = _per_group(s, index, "amax") == _per_group(s, index, "amin")
+    sizes = group_reduce(torch.ones_like(s), index, "sum")
+    equal = group_reduce(s, index, "amax") == group_reduce(s, index, "amin")
     several = sizes > 1
     if not several.any():
         return None
@@ -50,12 +44,12 @@ def group_reward_std(scores: Tensor, group_ids: Sequence[Hashable]) -> float | N
     samples, averaged over those groups; None when there is none."""
     index = group_index(group_ids, scores)
     s = scores.double()
-    sizes = _per_group(torch.ones_like(s), index, "sum")
+    sizes = group_reduce(torch.ones_like(s), index, "sum")
     several = sizes > 1
     if not several.any():
         return None
-    mean = _per_group(s, index, "sum") / sizes
-    squares = _per_group((s - mean[index]) ** 2, index, "sum")
+    mean = group_reduce(s, index, "sum") / sizes
+    squares = group_reduce((s - mean[index]) ** 2, index, "sum")
     std = (squares / (sizes - 1).clamp(min=1)).sqrt()
     return float(std[several].mean())
 

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 
-import torch
 from torch import Tensor
 
-from treadle.algorithms.utils import group_index, group_sum
+from treadle.algorithms.utils import group_index, group_reduce
 
 
 def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: float) -> Tensor:
@@ -31,10 +30,9 @@ def overlong_penalty(lengths: Tensor, max_len: int, buffer_len: int, factor: flo
 
 
 def varied_groups(scores: Tensor, group_ids: Sequence[Hashable]) -> Tensor:
-    """Bool [B]: True where the sample's group has at least two different scores."""
+    """Bool [B]: True where the sample's group has at least two different scores (compared
+    exactly, lowest against highest: a spread computed from the mean is not 0 for equal scores
+    such as 0.1 in float64)."""
     index = group_index(group_ids, scores)
     s = scores.double()
-    count = group_sum(torch.ones_like(s), index)
-    mean = group_sum(s, index) / count
-    spread = group_sum((s - mean).abs(), index)
-    return spread > 0
+    return (group_reduce(s, index, "amax") != group_reduce(s, index, "amin"))[index]

@@ -96,6 +96,13 @@ def group_sum(x: Tensor, index: Tensor) -> Tensor:
     return sums.index_add_(0, index, x)[index]
 
 
+def group_reduce(x: Tensor, index: Tensor, reduce: str) -> Tensor:
+    """``reduce`` ("sum", "amax", "amin") of ``x`` [B] over each group: [G] (index [B] from
+    :func:`group_index`)."""
+    out = x.new_zeros(int(index.max()) + 1)
+    return out.scatter_reduce(0, index, x, reduce, include_self=False)
+
+
 def trajectory_weights(
     group_ids: Sequence[Hashable], trajectory_ids: Sequence[Hashable]
 ) -> Tensor | None:
