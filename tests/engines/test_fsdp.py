@@ -238,3 +238,20 @@ def test_update_ratio_is_the_step_s_change_over_the_weights(tiny_task, decay):
     )
     weights = sum(float(b.double().square().sum()) for b in before)
     assert change > 0 and ratio == pytest.approx((change / weights) ** 0.5, rel=1e-4)
+
+
+def test_update_ratio_of_a_step_at_lr_0_is_0():
+    """A schedule's lr of 0 (a warm-up's first step, a decay to 0): AdamW moves nothing, and the
+    ratio says 0 rather than dividing by the lr."""
+    from treadle.engines.fsdp import update_ratio
+
+    w = torch.nn.Parameter(torch.tensor([3.0, 4.0]))
+    opt = torch.optim.AdamW([w], lr=0.0, weight_decay=0.1)
+    w.grad = torch.tensor([1.0, -1.0])
+    opt.step()
+    assert w.tolist() == [3.0, 4.0] and update_ratio(opt) == 0.0
+    opt.param_groups[0]["lr"] = 0.5  # and a step that moves, by hand: the same g twice makes
+    opt.step()  # Adam's bias-corrected step lr·g/|g|, after the decay θ·(1 - lr·wd)
+    before = torch.tensor([3.0, 4.0])
+    torch.testing.assert_close(w.detach(), before * 0.95 - 0.5 * torch.tensor([1.0, -1.0]))
+    assert update_ratio(opt) == pytest.approx(float((w.detach() - before).norm() / 5.0), rel=1e-5)

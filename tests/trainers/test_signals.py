@@ -192,7 +192,7 @@ import treadle.cli.signals as signals
 from treadle.runtime.errors import whereabouts
 signals.STOP_GRACE_S = float(sys.argv[1])
 
-def command(argv):
+def command(argv, quieted):
     with whereabouts(lambda: "during step 2; the last checkpoint is step_1"):
         try:
             os.kill(os.getpid(), signal.SIGINT)
@@ -265,7 +265,7 @@ def elsewhere(signum):
         signal.pthread_kill(threading.get_ident(), signum)  # it lands on this thread
     threading.Thread(target=send).start()
 
-def command(argv):
+def command(argv, quieted):
     with whereabouts(lambda: "during step 2; the last checkpoint is step_1"):
         try:
             elsewhere(signal.SIGINT)

@@ -127,11 +127,14 @@ def update_ratio(optimizer: torch.optim.Optimizer) -> float:
                 continue
             t = float(state["step"])
             m, v, new = (_local(x).flatten() for x in (state["exp_avg"], state["exp_avg_sq"], p))
-            # u = m / d, d = (√v / √(1 - β2^t) + eps) (1 - β1^t) / lr: one pass a term
-            scale = (1 - beta1**t) / lr
-            u = v.sqrt().mul_(scale / math.sqrt(1 - beta2**t)).add_(eps * scale)
-            u = torch.div(m, u, out=u)
-            dots = torch.stack([new.dot(new), new.dot(u), u.dot(u)]).double()
+            if lr == 0:  # a schedule's lr of 0 (a warm-up's start, a decay's end): u = 0
+                zero = new.new_zeros(())
+                dots = torch.stack([new.dot(new), zero, zero]).double()
+            else:  # u = m / d, d = (√v / √(1 - β2^t) + eps) (1 - β1^t) / lr: one pass a term
+                scale = (1 - beta1**t) / lr
+                u = v.sqrt().mul_(scale / math.sqrt(1 - beta2**t)).add_(eps * scale)
+                u = torch.div(m, u, out=u)
+                dots = torch.stack([new.dot(new), new.dot(u), u.dot(u)]).double()
             key = ((p.device_mesh, p.placements) if isinstance(p, DTensor) else None, c)
             sums[key] = sums[key] + dots if key in sums else dots
     change = weights = 0.0
