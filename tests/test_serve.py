@@ -25,9 +25,9 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
-def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
-    """The serving process and its model name, URL and key, once it printed them."""
-    config = tmp_path / "serve.yaml"
+def _launch(tiny_task, folder) -> tuple[subprocess.Popen, queue.Queue]:
+    """A serving process of the tiny model, and the queue its stdout's lines go to."""
+    config = folder / "serve.yaml"
     config.write_text(f"model:\n  path: {tiny_task['model']}\ndata:\n  max_prompt_length: 64\n")
     proc = subprocess.Popen(
         [
@@ -45,6 +45,27 @@ def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    return proc, lines
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_task, tmp_path_factory):
+    """One serving process for each test of the module, all started at the first test's
+    start: their start-ups (imports, the model; one core each) overlap."""
+    procs = {
+        name: _launch(tiny_task, tmp_path_factory.mktemp(f"serve-{name}"))
+        for name in ("Ctrl-C", "SIGTERM", "in flight")
+    }
+    yield procs
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _start(launched, name: str) -> tuple[subprocess.Popen, str, str, str]:
+    """The serving process ``name`` and its model name, URL and key, once it printed them."""
+    proc, lines = launched[name]
     line = lines.get(timeout=120)  # the first line printed is the URL line
     if line is None:
         proc.wait(timeout=30)
@@ -68,10 +89,8 @@ def _stopped(proc: subprocess.Popen, signum: int) -> tuple[int, str]:
 @pytest.mark.parametrize(
     ("signum", "code", "how"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
 )
-def test_serve_answers_the_openai_client_and_stops_on_a_signal(
-    tiny_task, tmp_path, signum, code, how
-):
-    proc, model, url, key = _start(tiny_task, tmp_path)
+def test_serve_answers_the_openai_client_and_stops_on_a_signal(launched, signum, code, how):
+    proc, model, url, key = _start(launched, how)
     try:
         api = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)
         answer = api.chat.completions.create(model=model, messages=MESSAGES, max_tokens=3)
@@ -89,10 +108,10 @@ def test_serve_answers_the_openai_client_and_stops_on_a_signal(
     assert "Traceback" not in err, err[-3000:]
 
 
-def test_serve_stops_cleanly_with_requests_in_flight(tiny_task, tmp_path):
+def test_serve_stops_cleanly_with_requests_in_flight(launched):
     """A signal that lands in the engine's step or a request's task ends the process with the
     one line, whatever the requests in flight were doing (streams cut, answers not sent)."""
-    proc, model, url, key = _start(tiny_task, tmp_path)
+    proc, model, url, key = _start(launched, "in flight")
     stop, answered = threading.Event(), threading.Event()
 
     def ask() -> None:
