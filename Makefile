@@ -17,7 +17,7 @@ VLLM    := vllm
 BROKEN  :=
 endif
 
-.PHONY: install demo test test-fast lint typecheck browser docs facts clean
+.PHONY: install demo test test-fast test-long lint typecheck browser docs facts clean
 
 install: $(STAMP)
 
@@ -62,12 +62,25 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-test: lint typecheck browser docs
-	$(PY) -m pytest -q -p no:cacheprovider --durations=25
+# The type check runs beside the tests, niced (it takes ~2.4 CPU-minutes; the tests leave a
+# quarter of two cores idle): its output follows the tests', and the target fails if either
+# fails. The `long` tests are `make test-long`'s (docs/testing.md).
+test: lint browser docs $(STAMP)
+	@types=$$(mktemp); \
+	nice -n 10 $(VENV)/bin/mypy treadle >$$types 2>&1 & mypy=$$!; \
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m "not long"; tests=$$?; \
+	wait $$mypy; typed=$$?; \
+	echo "mypy treadle:"; cat $$types; rm -f $$types; \
+	test $$tests -eq 0 && test $$typed -eq 0
 
 # The edit-run loop: everything but the `slow` tests (those that start Ray or a real engine).
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider -m "not slow"
+
+# The checks too long for every commit (docs/testing.md says which and why): run them before
+# resolving an issue that touches what they cover.
+test-long: $(STAMP)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=25 -m long
 
 # What `treadle check` reads instead of importing torch, written again after a change to the
 # algorithms' registrations or to transformers (tests hold both files to the live code):

@@ -80,6 +80,9 @@ def _marked(item: pytest.Item, name: str) -> bool:
 
 def pytest_configure(config):
     config.pluginmanager.register(_Background(), "treadle-background")
+    # (here rather than in pyproject.toml's list: the tests' own business)
+    long = "long: a long check that `make test` leaves to `make test-long` (docs/testing.md)"
+    config.addinivalue_line("markers", long)
 
 
 @pytest.fixture

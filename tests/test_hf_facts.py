@@ -71,16 +71,33 @@ print(code, sorted(m for m in ("torch", "vllm", "ray") if m in sys.modules))
 """
 
 
-@pytest.mark.parametrize("kind", ["train", "sft", "dpo"])
-def test_a_first_check_imports_no_torch(env, tmp_path, kind):
+KINDS = ("train", "sft", "dpo")
+
+
+@pytest.fixture(scope="module")
+def first_checks(env, tmp_path_factory):
+    """A first check of each kind, each in a process of its own with an empty cache, all
+    started together at the first test's start (one core each: their imports overlap)."""
+    procs = {}
+    for kind in KINDS:
+        args = [env["config"], f"--kind={kind}"]
+        if kind == "dpo":
+            args += [f"data.train_files=[{env['pairs']}]", f"data.val_files=[{env['pairs']}]"]
+        cache = {"TREADLE_CHECK_CACHE": str(tmp_path_factory.mktemp(f"cache-{kind}"))}
+        procs[kind] = subprocess.Popen(
+            [sys.executable, "-c", _FIRST_CHECK, *args],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **cache},
+        )  # fmt: skip
+    yield procs
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_first_check_imports_no_torch(first_checks, kind):
     """Nothing kept (an empty cache): the tokenizer, the data rows, the model's config and the
     algorithm's facts are all read without torch (seconds of a first check)."""
-    args = [env["config"], f"--kind={kind}"]
-    if kind == "dpo":
-        args += [f"data.train_files=[{env['pairs']}]", f"data.val_files=[{env['pairs']}]"]
-    cache = {"TREADLE_CHECK_CACHE": str(tmp_path / "cache")}
-    proc = subprocess.run(
-        [sys.executable, "-c", _FIRST_CHECK, *args],
-        check=False, capture_output=True, text=True, env={**os.environ, **cache},
-    )  # fmt: skip
-    assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout + proc.stderr[-3000:]
+    stdout, stderr = first_checks[kind].communicate(timeout=300)
+    assert stdout.strip().splitlines()[-1] == "0 []", stdout + stderr[-3000:]

@@ -26,9 +26,9 @@ def _lines(stream, out: queue.Queue) -> None:
     out.put(None)
 
 
-def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
-    """The serving process and its model name, URL and key, once it printed them."""
-    config = tmp_path / "serve.yaml"
+def _launch(tiny_task, folder: Path) -> tuple[subprocess.Popen, queue.Queue]:
+    """A ``treadle serve`` process of the tiny model and the queue of its stdout's lines."""
+    config = folder / "serve.yaml"
     config.write_text(f"model:\n  path: {tiny_task['model']}\ndata:\n  max_prompt_length: 64\n")
     proc = subprocess.Popen(
         [
@@ -46,6 +46,27 @@ def _start(tiny_task, tmp_path) -> tuple[subprocess.Popen, str, str, str]:
     )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(proc.stdout, lines), daemon=True).start()
+    return proc, lines
+
+
+@pytest.fixture(scope="module")
+def launched(tiny_task, tmp_path_factory):
+    """One serving process for each test of the module, all started at the first test's
+    start: their start-ups (imports, the model; one core each) overlap."""
+    procs = {
+        how: _launch(tiny_task, tmp_path_factory.mktemp(f"serve-{how}"))
+        for how in ("Ctrl-C", "SIGTERM")
+    }
+    yield procs
+    for proc, _ in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def _start(tiny_task, launched, how: str) -> tuple[subprocess.Popen, str, str, str]:
+    """The serving process for ``how`` and its model name, URL and key, once it printed them."""
+    proc, lines = launched[how]
     first, line = lines.get(timeout=120), lines.get(timeout=120)
     if first is None or line is None:
         proc.wait(timeout=30)
@@ -100,13 +121,13 @@ def _ask_until_stopped(url: str, key: str, model: str) -> tuple[threading.Event,
     [(signal.SIGINT, 130, "Ctrl-C", True), (signal.SIGTERM, 143, "SIGTERM", False)],
 )
 def test_serve_answers_the_openai_client_and_stops_on_a_signal(
-    tiny_task, tmp_path, signum, code, how, busy
+    tiny_task, launched, signum, code, how, busy
 ):
     """It answers the openai client, refuses a wrong key, and a signal ends it with the one
     line and not one of the libraries'. Busy: the signal lands in the engine's step or a
     request's task, whatever the requests in flight were doing (streams cut, answers not
     sent)."""
-    proc, model, url, key = _start(tiny_task, tmp_path)
+    proc, model, url, key = _start(tiny_task, launched, how)
     stop = threading.Event()
     try:
         api = openai.OpenAI(base_url=url, api_key=key, max_retries=0, timeout=60)

@@ -6,7 +6,11 @@ and counted, no step is short of its samples, nothing is dropped (slow).
 It runs in the background (``@pytest.mark.background``, tests/conftest.py): :func:`start` is
 called as soon as the session's tests are collected, the soak runs its three minutes beside the
 other tests (it is bounded by time, not by work: it keeps the core the others leave idle busy),
-and the test, run last, waits for it and checks what it wrote."""
+and the test, run last, waits for it and checks what it wrote.
+
+It is ``long``: ``make test-long`` runs it, ``make test`` does not (its three minutes of two
+replicas, two reward workers and a trainer took most of a core from the suite's other tests;
+docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ def start(folder: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.background
 def test_three_minutes_with_replicas_and_reward_workers_killed_lose_nothing(background):
     proc, folder = background

@@ -145,21 +145,36 @@ sys.stdin.readline()
 """
 
 
+@pytest.fixture(scope="module")
+def local_clusters(tmp_path_factory):
+    """A driver of _LOCAL per verbosity, both started at the first test's start (a cluster's
+    start-up is mostly one core: the two overlap); each waits for a line on stdin to end."""
+    script = tmp_path_factory.mktemp("local") / "local.py"
+    script.write_text(_LOCAL)
+    env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
+    procs = {}
+    for verbose in (False, True):
+        procs[verbose] = subprocess.Popen(
+            [sys.executable, str(script), str(verbose).lower()],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=env, start_new_session=True,
+        )  # fmt: skip
+    yield procs
+    for proc in procs.values():
+        with contextlib.suppress(BrokenPipeError, ValueError):  # (ended, or closed by its test)
+            proc.communicate("\n", timeout=120)
+        proc.kill()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("verbose", [False, True])
 def test_a_local_cluster_starts_no_autoscaler_and_a_log_monitor_only_when_verbose(
-    tmp_path, verbose
+    local_clusters, verbose
 ):
     """The autoscaler's monitor of a cluster that never scales, and the log monitor that
     sends workers' output to a driver that does not ask for it, are not started (two daemons,
     ~1.7 CPU-s of every start); a verbose run still gets its workers' output."""
-    (tmp_path / "local.py").write_text(_LOCAL)
-    env = {k: v for k, v in os.environ.items() if k not in AUTH_VARS}
-    proc = subprocess.Popen(
-        [sys.executable, str(tmp_path / "local.py"), str(verbose).lower()],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env=env, start_new_session=True,
-    )  # fmt: skip
+    proc = local_clusters[verbose]
     try:
         lines: list[str] = []
         wanted = ["{", *(["hello from a worker"] if verbose else [])]
@@ -214,15 +229,16 @@ def _start_node(args: list[str], env: dict[str, str], log: Path) -> subprocess.P
 
 
 def _stop_node(*procs: subprocess.Popen) -> None:
-    """SIGTERM to each node's process group (raylet, GCS, workers), SIGKILL what is left."""
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        for proc in procs:
-            with contextlib.suppress(ProcessLookupError):  # a group may outlive its leader
-                os.killpg(proc.pid, sig)
-        deadline = time.monotonic() + wait
-        for proc in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+    """SIGKILL to each node's process group (raylet, GCS, workers). Not SIGTERM first: `ray
+    start --block` drains for up to 30 s on it (FINDINGS.md), and the 5 s this waited for it
+    always ran out (the module's teardown took 5.25 s); a test cluster has nothing to save."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):  # a group may outlive its leader
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5.0
+    for proc in procs:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
 
 
 @pytest.fixture(scope="module")

@@ -142,17 +142,19 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
     path = str(tiny_task["model"])
     batch = make_batch(vocab=100)
-    local = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs={"model_path": path})
-    try:
-        [(loss1, grads1)] = local.loss_and_grads(batch)
-        ratio1, _, _ = local.step_weights(batch, 5.0)
-    finally:
-        local.shutdown()
+    # the two ranks' processes start while the one-process reference is computed here
     pool = ResourcePool(world_size=2, cpus_per_rank=1.0)
     group = WorkerGroup(
-        GradWorker, world_size=2, backend="ray", pool=pool, kwargs={"model_path": path}
+        GradWorker, world_size=2, backend="ray", pool=pool, kwargs={"model_path": path}, wait=False
     )
     try:
+        local = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs={"model_path": path})
+        try:
+            [(loss1, grads1)] = local.loss_and_grads(batch)
+            ratio1, _, _ = local.step_weights(batch, 5.0)
+        finally:
+            local.shutdown()
+        group.ready()
         results = group.loss_and_grads(batch)
         ratio2, _, _ = group.step_weights(batch, 5.0)
     finally:

@@ -1,6 +1,8 @@
 """Black-box agents end to end on the tiny model: code that imports only `openai` talks to the
 run's endpoint; its recorded calls are what is trained on (hf engine, local backend), a run of
-two steps under Ray with vLLM replicas, and bad agents stopping the run with one line."""
+two steps under Ray (the endpoint in the driver, the replica in the actor's process; the hf
+engine: agents through vLLM replicas are tests/rollout/test_agents_e2e.py's tools loop), and
+bad agents stopping the run with one line."""
 
 from __future__ import annotations
 
@@ -116,8 +118,7 @@ def test_a_black_box_agent_on_reasoning_gym_trains_two_steps_under_ray(
             "data.reasoning_gym.val_size=4",
             "data.system_prompt=Be brief.",
             "reward.function=reasoning_gym",
-            "rollout.engine=vllm",
-            "rollout.kv_cache_gib=0.25",
+            "rollout.engine=hf",
             "trainer.backend=ray",
             "trainer.total_steps=2",
             "trainer.save_every=0",

@@ -19,8 +19,7 @@ import json
 import os
 import re
 import signal
-import subprocess
-import sys
+import threading
 import time
 
 import pytest
@@ -28,6 +27,7 @@ import ray
 import tiny_runs
 import torch
 
+from treadle.cli import main
 from treadle.config import load_config
 from treadle.engines.inference import SamplingParams
 from treadle.models.loading import load_causal_lm
@@ -149,7 +149,8 @@ def test_split_replicas_after_a_sync_match_the_actor(
 
 def _replica_pids(driver: int) -> list[int]:
     """The rollout replicas' processes of the run whose driver is ``driver`` (Ray's workers
-    are children of the raylet the driver started), not another run's on the machine."""
+    are children of the raylet the driver started: here the session's), not another run's on
+    the machine."""
     import psutil
 
     found = []
@@ -161,10 +162,13 @@ def _replica_pids(driver: int) -> list[int]:
     return found
 
 
-def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_reward, tmp_path):
-    """The CLI, split placement, long rollouts; one replica's process is killed with SIGKILL
-    during step 2's rollout: exit 2, one `treadle: error:` line naming the replica, and the
-    metrics and checkpoint of step 1 intact."""
+def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(
+    tiny_task, length_reward, tmp_path, ray_session, capsys
+):
+    """The command line (run here, in this process, on the session's Ray), split placement,
+    long rollouts; one replica's process is killed with SIGKILL during step 2's rollout: exit
+    2, one `treadle: error:` line naming the replica, and the metrics and checkpoint of step 1
+    intact."""
     out = tmp_path / "run"
     args = _overrides(
         tiny_task,
@@ -184,35 +188,27 @@ def test_a_replica_killed_mid_rollout_stops_the_run_naming_it(tiny_task, length_
         "trainer.num_cpus=2",
         "rollout.max_restarts=0",  # (tests/rollout/test_restarts.py: with restarts)
     )
-    env = {**os.environ, "RAY_COLOR_PREFIX": "0"}
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "treadle",
-            "train",
-            "examples/arithmetic/grpo.yaml",
-            *args,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env,
-    )
-    try:
+    metrics = out / "metrics.jsonl"
+    killed: list[int] = []
+
+    def kill_in_step_2() -> None:
         deadline = time.monotonic() + 240
-        metrics = out / "metrics.jsonl"
         while not (metrics.exists() and metrics.read_text().count("\n") >= 1):
-            assert proc.poll() is None, proc.communicate()
-            assert time.monotonic() < deadline, "step 1 did not finish"
+            if time.monotonic() > deadline:
+                return  # (the assertion on `killed` says so)
             time.sleep(0.2)
         time.sleep(1.0)  # into step 2's rollout (it takes several seconds)
-        os.kill(_replica_pids(proc.pid)[0], signal.SIGKILL)
-        _, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 2, stderr[-3000:]
+        killed.append(_replica_pids(os.getpid())[0])
+        os.kill(killed[0], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_in_step_2, daemon=True)
+    killer.start()
+    capsys.readouterr()
+    code = main(["train", "examples/arithmetic/grpo.yaml", *args])
+    killer.join(timeout=60)
+    stderr = capsys.readouterr().err
+    assert killed, "step 1 did not finish, or no replica was found"
+    assert code == 2, stderr[-3000:]
     last = stderr.strip().splitlines()[-1]
     assert re.fullmatch(
         r"treadle: error: step \d+: rollout replica [01] \(pid \d+\) died during a "

@@ -22,6 +22,7 @@ import time
 import pytest
 import tiny_runs
 
+from treadle.cli import main
 from treadle.config import load_config
 from treadle.trainers.rl import RLTrainer
 
@@ -167,13 +168,12 @@ def test_a_checkpoint_ranked_by_its_evaluation_waits_for_the_one_beside_training
 
 
 def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(
-    tiny_task, length_reward, tmp_path
+    tiny_task, length_reward, tmp_path, ray_session, capsys
 ):
+    """The command killed is a process of its own (its Ray, its replica); the same command
+    run again here, in this process, joins the session's Ray (one Ray start fewer)."""
     out = tmp_path / "run"
-    args = [
-        sys.executable,
-        "-m",
-        "treadle",
+    command = [
         "train",
         "examples/arithmetic/grpo.yaml",
         *_overrides(tiny_task, out, length_reward),
@@ -184,6 +184,7 @@ def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(
         "trainer.total_steps=5",
         "trainer.save_every=1",
     ]
+    args = [sys.executable, "-m", "treadle", *command]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
@@ -196,9 +197,11 @@ def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(
     finally:
         if proc.poll() is None:
             proc.kill()
-    done = subprocess.run(args, check=False, capture_output=True, text=True, timeout=400)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "resumed from" in done.stdout + done.stderr
+    capsys.readouterr()
+    code = main(command)
+    done = capsys.readouterr()
+    assert code == 0, done.err[-3000:]
+    assert "resumed from" in done.out + done.err
     state = json.loads((out / "checkpoints" / "step_5" / "state.json").read_text())
     assert state["step"] == 5 and "async" in state
     assert [m["step"] for m in _metrics(out)] == [1, 2, 3, 4, 5]  # steps redone: once

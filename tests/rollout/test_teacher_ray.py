@@ -113,6 +113,17 @@ OBJECTS = ("uid", "prompt_text", "ground_truth")
 
 def test_split_and_colocated_teachers_under_ray(ray_session, tiny_task, teacher_model, tmp_path):
     tok = load_tokenizer(tiny_task["model"])
+    # The colocated teacher's actor (1 CPU) starts now, its process beside the split replicas'
+    # (their pool: 1 CPU; the session's Ray has 2), and is used once they are done with.
+    colocated = _config(tiny_task, teacher_model, tmp_path / "colocated")
+    actors = build_actors(colocated, str(tiny_task["model"]), with_ref=False, wait=False)
+    try:
+        _split_then_colocated(tiny_task, teacher_model, tmp_path, tok, colocated, actors)
+    finally:
+        actors.close()
+
+
+def _split_then_colocated(tiny_task, teacher_model, tmp_path, tok, colocated, actors) -> None:
     batch = _batch(tok)
     expected = _expected(teacher_model, tok, batch)
 
@@ -151,13 +162,8 @@ def test_split_and_colocated_teachers_under_ray(ray_session, tiny_task, teacher_
     finally:
         teacher.close()
 
-    colocated = _config(tiny_task, teacher_model, tmp_path)
-    actors = build_actors(colocated, str(tiny_task["model"]), with_ref=False)
-    try:
-        teacher = start_teacher(colocated, actors.group, tok)
-        assert [r.name for r in teacher.client.replicas] == ["teacher replica 0 (actor rank 0)"]
-        _check(teacher.score(batch, TOP_K), expected)
-        _check_generate(teacher, batch, tok, teacher_model)
-        teacher.close()
-    finally:
-        actors.close()
+    teacher = start_teacher(colocated, actors.ready().group, tok)
+    assert [r.name for r in teacher.client.replicas] == ["teacher replica 0 (actor rank 0)"]
+    _check(teacher.score(batch, TOP_K), expected)
+    _check_generate(teacher, batch, tok, teacher_model)
+    teacher.close()

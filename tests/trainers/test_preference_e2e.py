@@ -243,29 +243,41 @@ def test_kto_example_runs_from_python_and_the_command_line(
     assert "held-out accuracy:" in capsys.readouterr().out
 
 
+def _two_kto_steps(cfg, actors):  # type: ignore[no-untyped-def]
+    """Two KTO steps of ``actors`` on eight rows (the first moves the policy off the
+    reference): the batch and the second step's metrics."""
+    ds = load_unpaired(cfg, cfg.data.train_files, "data.train_files")
+    batch = unpaired_batch(ds, [0, 2, 4, 5, 6, 8, 9, 11])
+    batch = batch.union(actors.group.compute_ref_unpaired_log_probs(batch))
+    actors.group.train_kto(batch)
+    return batch, actors.group.train_kto(batch)
+
+
 @pytest.mark.slow
 def test_kto_two_ranks_match_one(tiny_task, ray_session) -> None:  # type: ignore[no-untyped-def]
     """Over 2 ranks with unevenly split labels, the reference point (a mean over the whole
     batch), the class means and the gradient are those of one rank. The first step moves the
     policy (z0 = 0 at π = π_ref), the second is compared."""
-    results = []
-    for extra in (
-        ["trainer.backend=local"],
-        ["trainer.backend=ray", "actor.world_size=2", "trainer.num_cpus=2"],
-    ):
-        overrides = [*base_overrides(tiny_task), "actor.micro_batch_size=3", "actor.lr=1e-2"]
-        cfg = load_config("examples/preference/kto.yaml", [*overrides, *extra])
-        ds = load_unpaired(cfg, cfg.data.train_files, "data.train_files")
-        batch = unpaired_batch(ds, [0, 2, 4, 5, 6, 8, 9, 11])
-        actors = build_actors(cfg, cfg.model.path, with_ref=True)
+    overrides = [*base_overrides(tiny_task), "actor.micro_batch_size=3", "actor.lr=1e-2"]
+    one_cfg, two_cfg = (
+        load_config("examples/preference/kto.yaml", [*overrides, *extra])
+        for extra in (
+            ["trainer.backend=local"],
+            ["trainer.backend=ray", "actor.world_size=2", "trainer.num_cpus=2"],
+        )
+    )
+    # the two ranks' processes start while the one-rank run goes on here
+    ranks = build_actors(two_cfg, two_cfg.model.path, with_ref=True, wait=False)
+    try:
+        local = build_actors(one_cfg, one_cfg.model.path, with_ref=True)
         try:
-            batch = batch.union(actors.group.compute_ref_unpaired_log_probs(batch))
-            actors.group.train_kto(batch)
-            results.append(actors.group.train_kto(batch))
+            _, one = _two_kto_steps(one_cfg, local)
         finally:
-            actors.close()
+            local.close()
+        batch, two = _two_kto_steps(two_cfg, ranks.ready())
+    finally:
+        ranks.close()
     assert batch["labels"].tolist() == [1, 1, 1, 0, 1, 1, 0, 0]  # ranks get 3:1 and 2:2
-    one, two = results
     assert one["kto/kl"] > 0.1  # the moved policy: a real reference point
     for key, value in one.items():
         assert two[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

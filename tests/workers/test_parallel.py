@@ -9,6 +9,7 @@ local mode. The workers below only capture the gradients their optimizer step ap
 from __future__ import annotations
 
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -189,20 +190,33 @@ def assert_same_update(got, want, keys: tuple[str, ...]) -> None:
     assert all(g.abs().sum() > 0 for g in want_grads.values() if g.numel() > 1)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("layout", ["tp", "sp"])
-def test_two_ranks_match_one_rank(
-    layout, one_rank, parallel_model, value_model, tiny_task, ray_session
-):
+@pytest.fixture(scope="module")
+def two_ranks(parallel_model, value_model, tiny_task, ray_session):
+    """Each layout's results on 2 Ray ranks, both layouts at once (a thread each; a pool of
+    two half-CPU bundles each, the session's Ray having two CPUs) and beside the one-rank
+    reference (computed in this process meanwhile): the ranks' start-ups overlap. By layout, a
+    future: its test gets the result or the error."""
     from ray import cloudpickle
 
     cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    cfg = config(parallel_model, tiny_task, "actor.world_size=2", *LAYOUTS[layout])
-    pool = ResourcePool(world_size=2, cpus_per_rank=1.0)
-    try:
-        got = run_roles(cfg, str(parallel_model), str(value_model), "ray", pool)
-    finally:
-        pool.remove()
+
+    def run(layout: str) -> dict[str, object]:
+        cfg = config(parallel_model, tiny_task, "actor.world_size=2", *LAYOUTS[layout])
+        pool = ResourcePool(world_size=2, cpus_per_rank=0.5)  # (a rank's threads: 1 either way)
+        try:
+            return run_roles(cfg, str(parallel_model), str(value_model), "ray", pool)
+        finally:
+            pool.remove()
+
+    with ThreadPoolExecutor(len(LAYOUTS)) as threads:  # (waits for both at teardown)
+        yield {layout: threads.submit(run, layout) for layout in LAYOUTS}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp", "sp"])
+def test_two_ranks_match_one_rank(layout, two_ranks, one_rank):
+    """(``two_ranks`` first: its ranks start while ``one_rank`` computes in this process.)"""
+    got = two_ranks[layout].result()
     # Both ranks read the whole batch (one data-parallel rank, which rank 0 answers for) and
     # split the model or the rows.
     for role in ("actor_facts", "critic_facts"):
