@@ -185,6 +185,43 @@ class DataConfig(Section):
     system_prompt: str | None = Field(None, description="Optional system message for prompts.")
     batch_size: int = Field(16, gt=0, description="Prompts per RL step (SFT: samples per step).")
     shuffle: bool = Field(True, description="Shuffle the data every epoch.")
+    sampler: Literal["uniform", "pass_rate"] = Field(
+        "uniform",
+        description="RL: how a step's prompts are drawn: uniform (each epoch in a shuffled "
+        "order) or pass_rate (a curriculum: by each prompt's recent pass rate in the groups the "
+        "run made, weight max(p(1-p), floor) so those being learned come most; "
+        "data.pass_rate_*).",
+    )
+    pass_rate_threshold: float = Field(
+        1.0,
+        description="data.sampler=pass_rate: a response passes when its score is at least "
+        "this (1.0: as eval/<set>/accuracy counts a right answer).",
+    )
+    pass_rate_ema: float = Field(
+        0.5,
+        gt=0,
+        le=1,
+        description="data.sampler=pass_rate: the newest group's weight in a prompt's pass "
+        "rate, a moving average over the times it was drawn (1: the latest group alone).",
+    )
+    pass_rate_unseen: float = Field(
+        0.25,
+        gt=0,
+        description="data.sampler=pass_rate: the weight of a prompt not drawn yet (0.25: as "
+        "much as the best-learning prompt, p = 1/2).",
+    )
+    pass_rate_floor: float = Field(
+        0.05,
+        gt=0,
+        description="data.sampler=pass_rate: the weight of a prompt never solved (p = 0), "
+        "so the policy comes back to it; the floor falls linearly to pass_rate_solved at p = 1.",
+    )
+    pass_rate_solved: float = Field(
+        0.01,
+        gt=0,
+        description="data.sampler=pass_rate: the weight of a prompt always solved (p = 1), "
+        "drawn now and then so that forgetting shows.",
+    )
     val_size: int | None = Field(
         None, gt=0, description="Evaluate on the first N held-out rows only."
     )

@@ -5,7 +5,8 @@ every bad row reported with its file and 1-based row), ``templating`` (the chat 
 tools in prompts, text to token ids with special-token strings kept as text), ``options``
 (``TextOptions``: how every reader turns rows into tokens), ``rows`` (``Rows``, length
 limits), ``prompts`` (RL prompts), ``sft`` (SFT examples), ``preference`` (pairs, and KTO's
-unpaired examples) and ``sampler`` (``ResumableSampler``); ``gym`` draws rows
+unpaired examples), ``sampler`` (``ResumableSampler``, uniform) and ``curriculum``
+(``PassRateSampler``: prompts drawn by their recent pass rate); ``gym`` draws rows
 from reasoning-gym instead of files (``data.source=reasoning_gym``) and holds its reward.
 
 The data layer reads typed options (``TextOptions``, a reasoning-gym spec), never the run's
@@ -18,6 +19,7 @@ right-padded. ``loss_mask[t] == 1`` means token ``t`` is a target, predicted fro
 
 from __future__ import annotations
 
+from treadle.data.curriculum import PassRateRule, PassRateSampler
 from treadle.data.gym import gym_rows
 from treadle.data.options import Overlong, TextOptions
 from treadle.data.preference import (
@@ -41,7 +43,7 @@ from treadle.data.prompts import (
     prompt_dataset,
 )
 from treadle.data.rows import Rows
-from treadle.data.sampler import ResumableSampler
+from treadle.data.sampler import PromptSampler, ResumableSampler
 from treadle.data.sft import SFTDataset, SFTRow, collate_sft, load_sft_dataset, sft_dataset
 from treadle.data.templating import (
     HERMES_TOOLS_PROMPT,
@@ -56,8 +58,11 @@ __all__ = [
     "Overlong",
     "PairDataset",
     "PairRow",
+    "PassRateRule",
+    "PassRateSampler",
     "PromptDataset",
     "PromptRow",
+    "PromptSampler",
     "ResumableSampler",
     "Rows",
     "SFTDataset",

@@ -1,14 +1,41 @@
 """``ResumableSampler``: batches of dataset indices, shuffled per epoch from ``(seed, epoch)``
 alone, so its state is three integers and a resumed run draws exactly the batches the
-uninterrupted run would have."""
+uninterrupted run would have.
+
+``PromptSampler`` is what the RL sources draw prompts from: this uniform sampler
+(``data.sampler=uniform``) or the curriculum of :mod:`treadle.data.curriculum`
+(``data.sampler=pass_rate``). A source hands every sampler the scores of the groups it made
+(:meth:`PromptSampler.observe`); the uniform one reads none of them.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
 
 import numpy as np
 
 from treadle.runtime.errors import DataError
+
+
+class PromptSampler(Protocol):
+    """Where the RL sources draw a step's prompts from (see the module docstring)."""
+
+    def next_indices(self) -> list[int]:
+        """The next batch of dataset indices."""
+        ...
+
+    def observe(self, groups: Mapping[int, Sequence[float]]) -> None:
+        """The scores of the group each drawn prompt (by dataset index) was answered with."""
+        ...
+
+    def pool_metrics(self) -> dict[str, float]:
+        """``data/pool_*``: the prompt pool's difficulty as the sampler knows it."""
+        ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
 class ResumableSampler:
@@ -57,10 +84,22 @@ class ResumableSampler:
         self.position += len(batch)
         return batch
 
+    def observe(self, groups: Mapping[int, Sequence[float]]) -> None:
+        """A uniform draw reads no outcomes."""
+
+    def pool_metrics(self) -> dict[str, float]:
+        return {}
+
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n": self.n}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("kind") == "pass_rate":  # (treadle.data.curriculum's)
+            raise DataError(
+                "the checkpoint's prompts were drawn by pass rate (data.sampler=pass_rate), "
+                "this run draws them uniformly: resume with data.sampler=pass_rate, or start a "
+                "new run (another trainer.output_dir)"
+            )
         missing = {"epoch", "position", "seed"} - set(state)
         if missing:
             raise DataError(f"sampler state lacks {sorted(missing)}: got {state}")

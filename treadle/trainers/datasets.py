@@ -5,7 +5,7 @@ The data layer (:mod:`treadle.data`) reads typed options and never the run's con
 (responses: at most ``rollout.max_new_tokens``; the image processor of a vision-language
 ``model.path``), and ``data.source`` picks files or reasoning-gym's rows. Each command's
 dataset is read here, by the trainers and by ``treadle check`` alike, so both see exactly the
-same rows.
+same rows. The RL prompts' sampler is made here too (:func:`prompt_sampler`: ``data.sampler``).
 """
 
 from __future__ import annotations
@@ -19,7 +19,11 @@ from transformers import PreTrainedTokenizerBase
 from treadle.config import Config
 from treadle.data import (
     PairDataset,
+    PassRateRule,
+    PassRateSampler,
     PromptDataset,
+    PromptSampler,
+    ResumableSampler,
     SFTDataset,
     TextOptions,
     UnpairedDataset,
@@ -115,3 +119,13 @@ def config_unpaired(
 ) -> UnpairedDataset:
     """Unpaired examples of ``files`` (or pairs, two examples each), checked and tokenized."""
     return load_unpaired_dataset(files, tokenizer, text_options(cfg, key))
+
+
+def prompt_sampler(cfg: Config, n: int) -> PromptSampler:
+    """The RL prompts' sampler, as ``data.sampler`` says: uniform (shuffled each epoch, or in
+    order), or the curriculum of ``data.pass_rate_*`` (:mod:`treadle.data.curriculum`)."""
+    d, seed = cfg.data, cfg.trainer.seed
+    if d.sampler == "uniform":
+        return ResumableSampler(n, d.batch_size, seed, shuffle=d.shuffle)
+    knobs = {f.name: getattr(d, f"pass_rate_{f.name}") for f in fields(PassRateRule)}
+    return PassRateSampler(n, d.batch_size, seed, PassRateRule(**knobs))

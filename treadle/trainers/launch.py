@@ -29,7 +29,7 @@ import torch
 from treadle.config import Config
 from treadle.config.recorded import Change, changes
 from treadle.controller import Actors, Placement, WorkerGroup
-from treadle.data import ResumableSampler
+from treadle.data import PromptSampler
 from treadle.models import checkpoint as ckpt
 from treadle.rollout.fleet import Rollout, Spawned, spawn_rollout, start_rollout
 from treadle.runtime import startup
@@ -113,7 +113,7 @@ class Launch:
     console: ConsoleLogger | None
     side: dict[str, WorkerGroup]
     roles: dict[str, WorkerGroup]
-    sampler: ResumableSampler
+    sampler: PromptSampler
     actors: Actors
     group: WorkerGroup
     rollout: Rollout
@@ -146,7 +146,7 @@ class Launch:
             self._restore_logs()
 
     def start_workers(
-        self, sampler: ResumableSampler, with_ref: bool, layout: Layout | None = None
+        self, sampler: PromptSampler, with_ref: bool, layout: Layout | None = None
     ) -> None:
         """Build the actor group, from the newest complete checkpoint if there is one, the
         rollout, and the side roles of ``layout`` (none by default) into :attr:`side`."""

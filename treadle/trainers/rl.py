@@ -74,7 +74,7 @@ from treadle.algorithms.shaping import overlong_penalty
 from treadle.algorithms.utils import mismatch_metrics, mismatch_stats, trajectory_weights
 from treadle.config import Config
 from treadle.config.rules import Kind, check_algorithm
-from treadle.data import ResumableSampler
+from treadle.data import PromptSampler
 from treadle.engines.packing import balance_ranks
 from treadle.protocol import Batch, response_attention
 from treadle.rewards import component_matrix, load_reward_fn
@@ -82,6 +82,7 @@ from treadle.rollout.sources import RolloutSource, make_source
 from treadle.runtime.faults import failpoint
 from treadle.tracking.tracker import timed
 from treadle.trainers.base import Trainer
+from treadle.trainers.datasets import prompt_sampler
 from treadle.trainers.evaluation import (
     agenerate_sets,
     eval_params,
@@ -230,7 +231,7 @@ class RLTrainer(Trainer):
         if self.resumed_state:
             self.source.load_state(self.resumed_state)
 
-    def load_data(self) -> ResumableSampler:
+    def load_data(self) -> PromptSampler:
         """The prompts, the validation sets, the scorer and the step's settings; returns the
         sampler over the prompts."""
         cfg, alg = self.cfg, self.cfg.algorithm
@@ -248,9 +249,7 @@ class RLTrainer(Trainer):
         exact_kl = KL_ESTIMATORS.info(alg.kl_estimator).get("full_vocab", False)
         self.ref_pass = alg.kl_reward_coef > 0 or (alg.kl_coef > 0 and not exact_kl)
         self.old_log_prob_pass = old_log_prob_pass(cfg, self.needs)
-        return ResumableSampler(
-            len(self.train_ds), cfg.data.batch_size, cfg.trainer.seed, shuffle=cfg.data.shuffle
-        )
+        return prompt_sampler(cfg, len(self.train_ds))  # data.sampler: uniform | pass_rate
 
     @property
     def algorithm(self) -> str:  # type: ignore[override]

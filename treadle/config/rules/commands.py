@@ -21,6 +21,7 @@ KINDS: tuple[Kind, ...] = ("train", "distill", "sft", "dpo", "kto", "rm", "eval"
 RL_KINDS: tuple[Kind, ...] = ("train", "distill")  # the commands that run the RL dataflow
 NOT_RL: tuple[Kind, ...] = ("sft", "dpo", "kto", "rm")  # one optimizer step a batch, no RL
 RL = "treadle train/distill"
+PASS_RATE = ("threshold", "ema", "unseen", "floor", "solved")  # data.pass_rate_*
 EVALUATIONS = (
     "treadle train/distill/eval, and by sft with a validation set and dpo/kto with eval_task"
 )
@@ -61,6 +62,7 @@ def _readers(cfg: Sections, kind: Kind) -> list[tuple[str, tuple[str, ...] | Non
         ("reward", ("overlong_penalty",), RL, False),
         ("reward", ("function",), EVALUATIONS, evaluates),
         ("eval", None, EVALUATIONS, evaluates),
+        ("data", ("sampler", *(f"pass_rate_{k}" for k in PASS_RATE)), RL, False),
     ]
 
 

@@ -3,8 +3,9 @@
 ``Config`` runs :func:`old_log_probs_problem` and :func:`config_problems` when it is built
 (``treadle.config.schema``), before Ray or a model is touched; every broken rule is reported,
 one message each, not the first alone. Here: batch sizes against the actor's ranks, settings
-another one makes void, lr schedules, checkpoint retention, the trainer's mode, the agent
-loops' settings; the placement and parallel layouts are :mod:`treadle.config.rules.placement`'s.
+another one makes void, the prompt sampler, lr schedules, checkpoint retention, the trainer's
+mode, the agent loops' settings; the placement and parallel layouts are
+:mod:`treadle.config.rules.placement`'s.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 from treadle.config.data import DataConfig
 from treadle.config.rollout import RolloutConfig
-from treadle.config.rules.commands import changed_settings
+from treadle.config.rules.commands import PASS_RATE, changed_settings
 from treadle.config.rules.placement import check_parallel, check_rollout, check_side_role
 from treadle.config.run import Sections
 
@@ -83,6 +84,7 @@ def config_problems(cfg: Sections) -> Iterator[str]:
     yield from _check_retention(cfg)
     yield from _check_schedules(cfg)
     yield from _check_unread(cfg)
+    yield from _check_sampler(cfg)
     if cfg.eval.n > 1 and cfg.eval.temperature == 0:
         yield (
             f"eval.n={cfg.eval.n} with eval.temperature=0 draws {cfg.eval.n} equal greedy "
@@ -109,6 +111,33 @@ def _check_unread(cfg: Sections) -> Iterator[str]:
             "algorithm.mask_truncated=true drops responses cut at rollout.max_new_tokens from "
             "the loss, and rollout.ignore_eos=true cuts every response there, so nothing would "
             "train: set one of them to false"
+        )
+
+
+def _check_sampler(cfg: Sections) -> Iterator[str]:
+    """The curriculum (``data.sampler=pass_rate``) draws by the pass rates of the groups each
+    synchronous step made: it needs a random draw and that mode; its knobs mean nothing
+    without it."""
+    d = cfg.data
+    if d.sampler == "uniform":
+        changed = changed_settings("data", d, [f"pass_rate_{k}" for k in PASS_RATE])
+        if changed:
+            yield (
+                f"{', '.join(changed)}: set data.sampler=pass_rate, whose knobs they are, or "
+                "remove them"
+            )
+        return
+    if not d.shuffle:
+        yield (
+            "data.sampler=pass_rate draws prompts at random by their pass rates, and "
+            "data.shuffle=false asks for the file's order: set data.shuffle=true, or "
+            "data.sampler=uniform"
+        )
+    if cfg.trainer.mode != "sync":
+        yield (
+            f"data.sampler=pass_rate learns from the groups a step generates, and "
+            f"trainer.mode={cfg.trainer.mode} draws prompts ahead of them: set "
+            "trainer.mode=sync, or data.sampler=uniform"
         )
 
 

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from treadle.config import Config
-from treadle.data import PromptDataset, ResumableSampler, pad_prompts, prompt_batch
+from treadle.data import PromptDataset, PromptSampler, pad_prompts, prompt_batch
 from treadle.protocol import Batch
 from treadle.rollout.fleet import Rollout
 from treadle.rollout.sources.admission import Admission, Group
@@ -70,7 +70,7 @@ class AsyncSource:
         cfg: Config,
         rollout: Rollout,
         dataset: PromptDataset,
-        sampler: ResumableSampler,
+        sampler: PromptSampler,
         score: Score,
         start: int,
     ) -> None:

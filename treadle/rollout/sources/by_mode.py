@@ -7,7 +7,7 @@
 from __future__ import annotations
 
 from treadle.config import Config
-from treadle.data import PromptDataset, ResumableSampler
+from treadle.data import PromptDataset, PromptSampler
 from treadle.rollout.fleet import Rollout
 from treadle.rollout.sources.ahead import AsyncSource
 from treadle.rollout.sources.source import RolloutSource, Score
@@ -18,7 +18,7 @@ def make_source(
     cfg: Config,
     rollout: Rollout,
     dataset: PromptDataset,
-    sampler: ResumableSampler,
+    sampler: PromptSampler,
     score: Score,
     version: int,
 ) -> RolloutSource:

@@ -3,10 +3,11 @@ learner's weights.
 
 The step draws its prompts, generates with the learner's weights, scores, and syncs the weights
 after the update; with dynamic sampling it draws fresh prompts for each further round (a prompt
-drawn again in a later round is a group of its own). Choices: an evaluation runs at once on the
-replicas (they hold the learner's weights); ReMax's baseline (an estimator that needs
-``baseline_rewards``) is the score of a greedy response to each prompt, generated here, which
-the modes that generate ahead do not offer.
+drawn again in a later round is a group of its own). The scores of every group generated, kept
+or dropped, go back to the sampler (a curriculum draws by them, ``data.sampler=pass_rate``).
+Choices: an evaluation runs at once on the replicas (they hold the learner's weights); ReMax's
+baseline (an estimator that needs ``baseline_rewards``) is the score of a greedy response to
+each prompt, generated here, which the modes that generate ahead do not offer.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 
 from treadle.algorithms import ADV_ESTIMATORS
 from treadle.config import Config
-from treadle.data import PromptDataset, ResumableSampler, prompt_batch
+from treadle.data import PromptDataset, PromptSampler, prompt_batch
 from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
 from treadle.rollout.fleet import Rollout
@@ -34,7 +35,7 @@ class SyncSource:
     cfg: Config
     rollout: Rollout
     dataset: PromptDataset
-    sampler: ResumableSampler
+    sampler: PromptSampler
     score: Score
 
     def __post_init__(self) -> None:
@@ -46,14 +47,16 @@ class SyncSource:
         groups = GroupFilter(self.cfg)
         rounds = 0
         while not groups.done():
-            ds = self.dataset
-            prompts = prompt_batch(ds, self.sampler.next_indices(), ds.pad_id)
+            ds, indices = self.dataset, self.sampler.next_indices()
+            prompts = prompt_batch(ds, indices, ds.pad_id)
             if rounds:  # a prompt drawn again in a later round is a group of its own
                 prompts["uid"] = [f"{u}/{rounds}" for u in prompts["uid"]]
             with timed(m, "generate"):
                 batch = self.rollout.generate(prompts, sampling_params(self.cfg, step, rounds))
             with timed(m, "reward"):
                 batch["token_level_scores"] = self.score(batch, m)
+            # every group, kept or not, tells a curriculum its prompt's pass rate
+            self.sampler.observe(drawn_groups(indices, list(prompts["uid"]), batch))
             if self.greedy:
                 with timed(m, "generate_greedy"):
                     batch["baseline_scores"] = self.greedy_scores(prompts, list(batch["uid"]))
@@ -62,6 +65,7 @@ class SyncSource:
         if groups.on:
             m["rollout/gen_rounds"] = float(rounds)
         m.update(self.rollout.take_counters())
+        m.update(self.sampler.pool_metrics())  # data/pool_*: a curriculum's view of the pool
         return groups.batch(m)
 
     def greedy_scores(self, prompts: Batch, uids: list[str]) -> torch.Tensor:
@@ -94,3 +98,16 @@ class SyncSource:
 
     def load_state(self, state: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
+
+
+def drawn_groups(indices: list[int], uids: list[str], batch: Batch) -> dict[int, list[float]]:
+    """The scores of each drawn prompt's group, by its dataset index (``indices``, the
+    prompts' ``uids``): one score a sample, a session split into segments scored by its best
+    segment (as an evaluation scores it); a prompt whose every run failed has none."""
+    scores = batch["token_level_scores"].sum(-1).tolist()
+    runs = batch["sample_index"].tolist() if "sample_index" in batch else range(len(batch))
+    best: dict[str, dict[int, float]] = {}
+    for uid, run, score in zip(batch["uid"], runs, scores, strict=True):
+        group = best.setdefault(uid, {})
+        group[run] = max(score, group.get(run, score))
+    return {i: list(best.get(uid, {}).values()) for i, uid in zip(indices, uids, strict=True)}
