@@ -17,6 +17,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any
 
+from treadle.check.judge import check_judge
 from treadle.config import Config
 from treadle.config.rules import RL_KINDS, Kind
 from treadle.config.timeout import IMPORT_TIMEOUT_S, time_limit
@@ -44,6 +45,7 @@ def check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[
         except TreadleError as e:
             problems.append(str(e))
         check_reward_service(cfg, summary, problems)
+        check_judge(cfg, kind, summary, problems)  # reward.judge (treadle.check.judge)
     schemas = None
     if kind in (*RL_KINDS, "eval"):
         from treadle.agents.registry import BUILTIN_LOOPS, load_agent_loop
