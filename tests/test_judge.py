@@ -16,7 +16,7 @@ from treadle.check.judge import check_judge
 from treadle.config import load_config
 from treadle.rewards import Scorer
 from treadle.rewards.verdicts import NoVerdict, Verdict, fill, prob_score, template_fields
-from treadle.rollout.judge import LLMJudge
+from treadle.rollout.judge import JudgePrompt, LLMJudge
 from treadle.runtime.errors import ConfigError, RewardError
 from treadle.serving.client import RolloutClient
 from treadle.serving.server import Response, ScoreResponse
@@ -177,13 +177,14 @@ def judge_model(tiny_task, tmp_path_factory):
 class AnsweringReplica:
     """A judge replica whose answer to a judge prompt is ``answers``' value for the first of
     its keys the prompt holds (None: it never answers); a score request gets ``log_prob`` for
-    each scored token."""
+    token id t it scores the log-prob -t / 100."""
 
     name = "judge replica 0"
 
-    def __init__(self, tokenizer, answers, log_prob=-1.0):
-        self.tokenizer, self.answers, self.log_prob = tokenizer, answers, log_prob
+    def __init__(self, tokenizer, answers):
+        self.tokenizer, self.answers = tokenizer, answers
         self.prompts: list[str] = []
+        self.scored: list[list[int]] = []  # the answers' ids, in the order they came
 
     async def generate(self, requests):
         out = []
@@ -198,12 +199,12 @@ class AnsweringReplica:
         return out
 
     async def score(self, requests):
-        return [
-            ScoreResponse(
-                r.request_id, [self.log_prob] * (len(r.token_ids) - r.start), [], [], self.name, 0
-            )
-            for r in requests
-        ]
+        out = []
+        for r in requests:
+            self.scored.append(list(r.token_ids[r.start :]))
+            log_probs = [-t / 100 for t in self.scored[-1]]
+            out.append(ScoreResponse(r.request_id, log_probs, [], [], self.name, 0))
+        return out
 
 
 class Served:
@@ -216,10 +217,10 @@ class Served:
         self.client.close()
 
 
-def _judge(judge_model, *overrides, answers=None, log_prob=-1.0):
+def _judge(judge_model, *overrides, answers=None):
     cfg = load_config(None, [f"reward.judge.model_path={judge_model}", *overrides])
     judge = LLMJudge(cfg)
-    replica = AnsweringReplica(judge.tokenizer, answers or {}, log_prob)
+    replica = AnsweringReplica(judge.tokenizer, answers or {})
     judge.rollout = Served(replica)  # type: ignore[assignment]
     return judge, replica
 
@@ -253,27 +254,34 @@ def test_the_judge_reads_each_answer_and_scores_the_unparsed(judge_model):
 def test_the_judge_prompt_keeps_the_samples_special_strings_as_text(judge_model):
     judge, _ = _judge(judge_model, 'reward.judge.template="{response} ({answer})"')
     with judge:
-        ids = judge.prompt_ids("p", "sure<|im_end|>", "1", {"answer": "<|im_start|>"})
+        asked = judge.ask("p", "sure<|im_end|>", "1", {"answer": "<|im_start|>"})
         end = judge.tokenizer.convert_tokens_to_ids("<|im_end|>")
-        assert isinstance(ids, list) and ids.count(end) == 1  # the chat template's own
-        assert "not a column of this sample's data row" in judge.prompt_ids("p", "r", "1", {})
-        judge.limit = len(ids) + 15  # no room for the 16 answer tokens
-        too_long = judge.prompt_ids("p", "sure<|im_end|>", "1", {"answer": "<|im_start|>"})
+        assert isinstance(asked, JudgePrompt) and asked.ids.count(end) == 1  # the template's
+        assert "not a column of this sample's data row" in judge.ask("p", "r", "1", {})
+        judge.limit = len(asked.ids) + 15  # no room for the 16 answer tokens
+        too_long = judge.ask("p", "sure<|im_end|>", "1", {"answer": "<|im_start|>"})
         assert isinstance(too_long, NoVerdict) and "reward.judge.max_length=" in too_long.problem
 
 
 def test_a_prob_verdict_scores_the_answers_tokens_without_generating(judge_model):
-    overrides = ["reward.judge.verdict=prob", 'reward.judge.token="yes"']
-    judge, replica = _judge(judge_model, *overrides, log_prob=-0.5)
-    yes = len(judge.answers[0])
+    def log_prob(text):  # what the double gives the answer ``text``
+        return sum(-t / 100 for t in judge.tokenizer.encode(text, add_special_tokens=False))
+
+    judge, replica = _judge(judge_model, "reward.judge.verdict=prob", 'reward.judge.token="yes"')
     with judge:
         outcomes = judge(["p"], ["r"], ["1"], [{}])
-    assert outcomes == [(pytest.approx(math.exp(-0.5 * yes)), None)] and replica.prompts == []
-    judge, _ = _judge(judge_model, *overrides, 'reward.judge.against="no"', log_prob=-0.5)
-    no = len(judge.answers[1])
+    assert outcomes == [(pytest.approx(math.exp(log_prob("yes"))), None)]
+    assert replica.prompts == []  # nothing generated
+    reference = ['reward.judge.token="{answer}"', 'reward.judge.against="no"']
+    judge, replica = _judge(judge_model, "reward.judge.verdict=prob", *reference)
     with judge:
-        ((score, _),) = judge(["p"], ["r"], ["1"], [{}])
-    assert score == pytest.approx(prob_score(-0.5 * yes, -0.5 * no))
+        outcomes = judge(["p", "q"], ["r", "s"], ["1", "2"], [{"answer": "7"}, {"answer": "123"}])
+    assert outcomes == [
+        (pytest.approx(prob_score(log_prob("7"), log_prob("no"))), None),
+        (pytest.approx(prob_score(log_prob("123"), log_prob("no"))), None),
+    ]
+    encode = judge.tokenizer.encode
+    assert replica.scored == [encode(t, add_special_tokens=False) for t in ("7", "no", "123", "no")]
 
 
 def test_a_judge_past_its_time_limit_stops_with_one_line(judge_model):
@@ -305,7 +313,7 @@ def test_check_names_the_judges_problems(tiny_task, judge_model, tmp_path):
     ]
     _, found = problems(*judged, 'reward.judge.template="{prompt} {level}"')
     assert found == [
-        f"reward.judge.template names {{level}}, but data.train_files: {tiny_task['train']} row "
+        f"reward.judge names {{level}}, but data.train_files: {tiny_task['train']} row "
         f"1 has no such column (its columns: {', '.join(columns)}): fix the template or the data"
     ]
     _, found = problems(*base, f"reward.judge.model_path={tmp_path / 'none'}")

@@ -1,7 +1,8 @@
 """``reward.judge`` checked before a run, without loading its weights: the model folder is a
 causal LM's, its tokenizer loads (with a chat template when ``reward.judge.chat_template``),
-``reward.judge.max_length`` fits its context, and the template reads, naming only
-``{prompt}``, ``{response}``, ``{ground_truth}`` and columns every training row has."""
+``reward.judge.max_length`` fits its context, and the template (and a prob verdict's
+``token`` and ``against``) reads, naming only ``{prompt}``, ``{response}``,
+``{ground_truth}`` and columns every training row has."""
 
 from __future__ import annotations
 
@@ -67,10 +68,13 @@ def _check_columns(cfg: Config) -> None:
     row (the first row without one is named)."""
     from treadle.rewards.verdicts import NAMES, template_fields
 
-    try:
-        fields = set(template_fields(cfg.reward.judge.template)) - set(NAMES)
-    except ValueError as e:
-        raise ConfigError(f"reward.judge.template: {e}") from None
+    j, fields = cfg.reward.judge, set()
+    for key, text in (("template", j.template), ("token", j.token), ("against", j.against)):
+        try:
+            fields |= set(template_fields(text or ""))
+        except ValueError as e:
+            raise ConfigError(f"reward.judge.{key}: {e}") from None
+    fields -= set(NAMES)
     if not fields:
         return
     for record in _training_records(cfg):
@@ -78,7 +82,7 @@ def _check_columns(cfg: Config) -> None:
         if missing:
             names = ", ".join(f"{{{name}}}" for name in missing)
             raise ConfigError(
-                f"reward.judge.template names {names}, but {record.where} has no such column "
+                f"reward.judge names {names}, but {record.where} has no such column "
                 f"(its columns: {', '.join(sorted(record.row))}): fix the template or the data"
             )
 

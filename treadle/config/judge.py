@@ -63,12 +63,15 @@ class JudgeConfig(Section):
         description="choice: each label and its score.",
     )
     token: Key = Field(
-        "Yes", description="prob: the answer whose probability is the score (one token or more)."
+        "Yes",
+        description="prob: the answer whose probability is the score (one token or more); like "
+        "template it may name fields: '{answer}' scores the reference's probability after the "
+        "response.",
     )
     against: str | None = Field(
         None,
         min_length=1,
-        description="prob: the opposite answer; the score is then "
+        description="prob: the opposite answer (fields as in template); the score is then "
         "p(token) / (p(token) + p(against)).",
     )
     unparsed: float | None = Field(

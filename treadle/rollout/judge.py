@@ -28,6 +28,10 @@ closing the scorer closes the judge.
   per sample (two with ``against``) gives the log-probs of ``reward.judge.token``'s tokens
   after the prompt, at temperature 1, as the engine's ``score`` computes them (float32
   log-softmax of the raw logits): the same number a forward pass of the judge gives.
+  ``token`` and ``against`` are filled from the sample as the template is: ``token:
+  "{answer}"`` makes the verdict the judge's probability of the reference answer after
+  reading the response, a reference-probability reward (RLPR, arXiv 2506.18254, takes it
+  from the policy itself; here any frozen model gives it, and no answer format is needed).
 - **A sample without a verdict** (an answer with no number in the scale or none of the choices,
   a judge prompt over ``reward.judge.max_length``) gets ``reward.judge.unparsed`` when it is
   set (counted in ``reward/judge_unparsed``, the fraction of the batch), and is otherwise one
@@ -50,13 +54,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from treadle.agents.loops import single_turn
 from treadle.agents.tools import Toolbox
 from treadle.config import Config
 from treadle.controller import WorkerGroup
-from treadle.data.templating import encode, encode_prompt, render, special_strings
+from treadle.data.templating import encode_plain, encode_prompt, render, special_strings
 from treadle.engines.inference import SamplingParams
 from treadle.models.loading import load_tokenizer, resolve_model_path
 from treadle.rewards import Outcome
@@ -69,7 +74,18 @@ from treadle.serving.replica import judge_length
 from treadle.serving.server import Request, ScoreRequest
 
 KEY = "reward.judge.model_path"
-Asked = list[int] | NoVerdict | str  # a sample's judge prompt ids, or why it has none
+
+
+@dataclass(frozen=True)
+class JudgePrompt:
+    """One sample's judge prompt as the judge's token ids, and (prob) the ids of the answers
+    whose probabilities make the verdict: ``token``'s, then ``against``'s."""
+
+    ids: list[int]
+    answers: tuple[list[int], ...] = ()
+
+
+Asked = JudgePrompt | NoVerdict | str  # a sample's judge prompt, or why it has none
 
 
 def judge_cpus(cfg: Config) -> float:
@@ -99,22 +115,17 @@ class LLMJudge:
                 f"{KEY}: '{j.model_path}' has no chat template: set "
                 "reward.judge.chat_template=false to give it the filled template as it is"
             )
-        try:
-            template_fields(j.template)
-        except ValueError as e:
-            raise ConfigError(f"reward.judge.template: {e}") from None
+        self.answers = [j.token, j.against] if j.against is not None else [j.token]
+        for key, text in (("template", j.template), ("token", j.token), ("against", j.against)):
+            try:
+                template_fields(text or "")
+            except ValueError as e:
+                raise ConfigError(f"reward.judge.{key}: {e}") from None
         self.verdict = Verdict(j.verdict, j.scale, dict(j.choices))
         self.limit = judge_length(cfg, self.path)
         self.specials = special_strings(self.tokenizer)
-        self.answers = [self._answer_ids(text) for text in (j.token, j.against) if text]
         self.rollout: Rollout | None = None
         self.last: dict[str, float] = {}
-
-    def _answer_ids(self, text: str) -> list[int]:
-        ids = encode(self.tokenizer, text)
-        if not ids:
-            raise ConfigError(f"reward.judge: {text!r} is no tokens for the judge's tokenizer")
-        return ids
 
     def start(self, group: WorkerGroup) -> None:
         """Serve the judge as ``reward.judge.placement`` says (``group``: the actors')."""
@@ -153,39 +164,43 @@ class LLMJudge:
         started = time.perf_counter()
         rows = rows if rows is not None else [{}] * len(prompts)
         samples = zip(prompts, responses, ground_truths, rows, strict=True)
-        asked = [self.prompt_ids(*sample) for sample in samples]
-        todo = [ids for ids in asked if isinstance(ids, list)]
+        asked = [self.ask(*sample) for sample in samples]
+        todo = [a for a in asked if isinstance(a, JudgePrompt)]
         verdicts = iter(self._run(self._verdicts(todo), len(todo)) if todo else [])
-        results = [next(verdicts) if isinstance(a, list) else a for a in asked]
+        results = [next(verdicts) if isinstance(a, JudgePrompt) else a for a in asked]
         self.last = {"timing/judge": time.perf_counter() - started}
         if self.options.unparsed is not None and results:
             unparsed = sum(isinstance(r, NoVerdict) for r in results)
             self.last["reward/judge_unparsed"] = unparsed / len(results)
         return [self._outcome(r) for r in results]
 
-    def prompt_ids(self, prompt: str, response: str, truth: Any, row: Mapping[str, Any]) -> Asked:
-        """One sample's judge prompt as the judge's token ids, or why it has none."""
+    def ask(self, prompt: str, response: str, truth: Any, row: Mapping[str, Any]) -> Asked:
+        """One sample's judge prompt (and, prob, answers), or why it has none."""
         j = self.options
         try:
             text, values = fill(j.template, prompt, response, truth, row)
+            filled = [fill(a, prompt, response, truth, row)[0] for a in self.answers]
         except KeyError as e:
             return (
-                f"reward.judge.template names {{{e.args[0]}}}, which is not a column of this "
-                "sample's data row"
+                f"reward.judge names {{{e.args[0]}}}, which is not a column of this sample's "
+                "data row"
             )
+        answers = tuple(encode_plain(self.tokenizer, a) for a in filled)
+        if j.verdict == "prob" and not all(answers):
+            return f"reward.judge's answer {filled!r} is no tokens for the judge's tokenizer"
         if j.chat_template:
             text = render(self.tokenizer, [{"role": "user", "content": text}], generation=True)
         ids = encode_prompt(
             self.tokenizer, text, values, templated=j.chat_template, allow_special=False,
             specials=self.specials,
         )  # fmt: skip
-        answer = max(map(len, self.answers)) if j.verdict == "prob" else j.max_new_tokens
+        answer = max(map(len, answers)) if j.verdict == "prob" else j.max_new_tokens
         if len(ids) + answer > self.limit:
             return NoVerdict(
                 f"its judge prompt is {len(ids)} tokens; with the answer's {answer} that is over "
                 f"reward.judge.max_length={self.limit}"
             )
-        return ids
+        return JudgePrompt(ids, answers if j.verdict == "prob" else ())
 
     def _outcome(self, verdict: float | NoVerdict | str) -> Outcome:
         if isinstance(verdict, str):
@@ -213,25 +228,23 @@ class LLMJudge:
             ) from None
         return verdicts
 
-    async def _verdicts(self, prompts: list[list[int]]) -> list[float | NoVerdict]:
+    async def _verdicts(self, prompts: list[JudgePrompt]) -> list[float | NoVerdict]:
         """Each judge prompt's verdict: its answer read, or (prob) its answers' log-probs."""
         assert self.rollout is not None
         client = self.rollout.client
         if self.options.verdict == "prob":
             scoring = [
-                ScoreRequest(client.new_id("j"), (*ids, *answer), len(ids), 0)
-                for answer in self.answers
-                for ids in prompts
+                ScoreRequest(client.new_id("j"), (*p.ids, *answer), len(p.ids), 0)
+                for p in prompts
+                for answer in p.answers
             ]
-            scored = [sum(r.log_probs) for r in await client.score_many(scoring)]
-            n = len(prompts)
-            against = scored[n:] if len(self.answers) > 1 else [None] * n
-            return [prob_score(p, q) for p, q in zip(scored[:n], against, strict=True)]
+            scored = iter([sum(r.log_probs) for r in await client.score_many(scoring)])
+            return [prob_score(*(next(scored) for _ in p.answers)) for p in prompts]
         j = self.options
         params = SamplingParams(
             temperature=j.temperature, max_new_tokens=j.max_new_tokens, seed=self.cfg.trainer.seed
         )
-        requests = [Request(client.new_id("j"), tuple(ids), params) for ids in prompts]
+        requests = [Request(client.new_id("j"), tuple(p.ids), params) for p in prompts]
         answers = await client.submit_many(requests)
         texts = self.tokenizer.batch_decode(
             [a.token_ids for a in answers], skip_special_tokens=True
