@@ -8,6 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 from tiny_models import tiny_model
@@ -320,3 +323,29 @@ def test_check_names_the_judges_problems(tiny_task, judge_model, tmp_path):
     assert len(found) == 1 and found[0].startswith("reward.judge.model_path: ")
     _, found = problems(*judged, "reward.judge.max_length=512")
     assert "max_position_embeddings=512" in found[0]
+    _, found = problems(*judged, "reward.judge.verdict=prob", 'reward.judge.token="{level}"')
+    assert len(found) == 1 and found[0].startswith("reward.judge names {level}, but ")
+
+
+_CHECK = """
+import sys
+from treadle.cli import main
+code = main(["check", *sys.argv[1:]])
+print(code, sorted(m for m in ("torch", "vllm", "ray") if m in sys.modules))
+"""
+
+
+def test_check_of_a_judged_run_imports_no_torch(env, judge_model, tmp_path):
+    """As every first check: the judge's tokenizer, config and the rows, without torch."""
+    args = [
+        env["config"],
+        f"reward.judge.model_path={judge_model}",
+        'reward.judge.template="{answer}"',
+    ]
+    cache = {"TREADLE_CHECK_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-c", _CHECK, *args],
+        check=False, capture_output=True, text=True, env={**os.environ, **cache},
+    )  # fmt: skip
+    assert proc.stdout.strip().splitlines()[-1] == "0 []", proc.stdout + proc.stderr[-3000:]
+    assert f"reward.judge: {judge_model} (choice verdict" in proc.stdout

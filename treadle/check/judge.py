@@ -22,7 +22,6 @@ def check_judge(cfg: Config, kind: Kind, summary: list[str], problems: list[str]
         return
     try:
         folder = _check_model(cfg)
-        _check_columns(cfg)
     except TreadleError as e:
         problems.append(str(e))
         return
@@ -33,10 +32,10 @@ def check_judge(cfg: Config, kind: Kind, summary: list[str], problems: list[str]
 
 
 def _check_model(cfg: Config) -> str:
-    """The judge's folder, after checking it is a causal LM's with a tokenizer that fits the
-    settings."""
+    """The judge's folder, after checking it is a causal LM's whose tokenizer and context fit
+    the settings (and that the rows have the columns the settings name)."""
     from treadle.models.folders import load_tokenizer, model_config, resolve_model_path
-    from treadle.serving.replica import judge_length
+    from treadle.rewards.verdicts import check_prompting
 
     j, allow = cfg.reward.judge, cfg.model.allow_download
     folder = str(resolve_model_path(str(j.model_path), key=KEY, allow_download=allow))
@@ -47,38 +46,23 @@ def _check_model(cfg: Config) -> str:
             f"{KEY}: '{j.model_path}' is not a causal LM (architectures: {', '.join(arch)}): "
             "a judge generates its verdict, so give a *ForCausalLM folder"
         )
-    tokenizer = load_tokenizer(folder, key=KEY, allow_download=allow)
-    if j.chat_template and not tokenizer.chat_template:
-        raise ConfigError(
-            f"{KEY}: '{j.model_path}' has no chat template: set reward.judge.chat_template=false "
-            "to give it the filled template as it is"
-        )
     context = config.get("max_position_embeddings")
-    length = judge_length(cfg, folder)
+    length = j.length(context)
     if isinstance(context, int) and length >= context:
         raise ConfigError(
             f"reward.judge.max_length={length} leaves no room in the judge's context "
             f"(max_position_embeddings={context}; a scored prompt takes one more): lower it"
         )
+    _check_columns(cfg, check_prompting(j, load_tokenizer(folder, key=KEY, allow_download=allow)))
     return folder
 
 
-def _check_columns(cfg: Config) -> None:
-    """Every field of the template is one of the three names or a column of every training
-    row (the first row without one is named)."""
-    from treadle.rewards.verdicts import NAMES, template_fields
-
-    j, fields = cfg.reward.judge, set()
-    for key, text in (("template", j.template), ("token", j.token), ("against", j.against)):
-        try:
-            fields |= set(template_fields(text or ""))
-        except ValueError as e:
-            raise ConfigError(f"reward.judge.{key}: {e}") from None
-    fields -= set(NAMES)
+def _check_columns(cfg: Config, fields: list[str]) -> None:
+    """Every training row has the columns ``fields`` (the first row without one is named)."""
     if not fields:
         return
     for record in _training_records(cfg):
-        missing = sorted(name for name in fields if name not in record.row)
+        missing = [name for name in fields if name not in record.row]
         if missing:
             names = ", ".join(f"{{{name}}}" for name in missing)
             raise ConfigError(

@@ -8,6 +8,7 @@ from typing import Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from treadle.config.base import Key, Section
+from treadle.runtime.errors import ConfigError
 
 Verdict = Literal["number", "choice", "prob"]
 
@@ -156,3 +157,16 @@ class JudgeConfig(Section):
                     f"not by verdict={self.verdict}: remove it, or change the verdict"
                 )
         return self
+
+    def length(self, context: int | None) -> int:
+        """Tokens of a judge prompt plus its answer, at most: ``max_length``, or ``context``
+        (the judge's ``max_position_embeddings``) less one, since a scored sequence is followed
+        by one sampled token."""
+        if self.max_length is not None:
+            return self.max_length
+        if not isinstance(context, int) or context < 2:
+            raise ConfigError(
+                f"reward.judge.model_path: '{self.model_path}' gives no max_position_embeddings: "
+                "set reward.judge.max_length"
+            )
+        return context - 1

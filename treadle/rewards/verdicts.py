@@ -27,7 +27,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from treadle.config.judge import JudgeConfig
 from treadle.rewards.results import shorten
+from treadle.runtime.errors import ConfigError
 
 NAMES = ("prompt", "response", "ground_truth")  # a template's own fields, beside the columns
 NUMBER = re.compile(r"[-+]?(?:\d+(?:\.\d*)?|\.\d+)")
@@ -51,6 +53,24 @@ def template_fields(template: str) -> list[str]:
             )
         names.append(name)
     return names
+
+
+def check_prompting(judge: JudgeConfig, tokenizer: Any) -> list[str]:
+    """The fields ``judge``'s template, ``token`` and ``against`` name (beside
+    :data:`NAMES`), after checking they read as templates and that ``tokenizer`` (the judge's)
+    has a chat template when one is used; a ConfigError naming the key."""
+    if judge.chat_template and not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"reward.judge.model_path: '{judge.model_path}' has no chat template: set "
+            "reward.judge.chat_template=false to give it the filled template as it is"
+        )
+    fields: list[str] = []
+    for key in ("template", "token", "against"):
+        try:
+            fields += template_fields(getattr(judge, key) or "")
+        except ValueError as e:
+            raise ConfigError(f"reward.judge.{key}: {e}") from None
+    return [name for name in dict.fromkeys(fields) if name not in NAMES]
 
 
 def fill(

@@ -65,10 +65,10 @@ from treadle.data.templating import encode_plain, encode_prompt, render, special
 from treadle.engines.inference import SamplingParams
 from treadle.models.loading import load_tokenizer, resolve_model_path
 from treadle.rewards import Outcome
-from treadle.rewards.verdicts import NoVerdict, Verdict, fill, prob_score, template_fields
+from treadle.rewards.verdicts import NoVerdict, Verdict, check_prompting, fill, prob_score
 from treadle.rollout.fleet import Agents, Rollout
 from treadle.rollout.frozen import frozen_cpus, serve_frozen
-from treadle.runtime.errors import ConfigError, RewardError
+from treadle.runtime.errors import RewardError
 from treadle.serving.client import LocalReplica
 from treadle.serving.replica import judge_length
 from treadle.serving.server import Request, ScoreRequest
@@ -110,17 +110,8 @@ class LLMJudge:
         allow = cfg.model.allow_download
         self.path = str(resolve_model_path(j.model_path, key=KEY, allow_download=allow))
         self.tokenizer = load_tokenizer(self.path, key=KEY, allow_download=allow)
-        if j.chat_template and not self.tokenizer.chat_template:
-            raise ConfigError(
-                f"{KEY}: '{j.model_path}' has no chat template: set "
-                "reward.judge.chat_template=false to give it the filled template as it is"
-            )
+        check_prompting(j, self.tokenizer)
         self.answers = [j.token, j.against] if j.against is not None else [j.token]
-        for key, text in (("template", j.template), ("token", j.token), ("against", j.against)):
-            try:
-                template_fields(text or "")
-            except ValueError as e:
-                raise ConfigError(f"reward.judge.{key}: {e}") from None
         self.verdict = Verdict(j.verdict, j.scale, dict(j.choices))
         self.limit = judge_length(cfg, self.path)
         self.specials = special_strings(self.tokenizer)

@@ -78,21 +78,10 @@ class RoleEngine:
 
 
 def judge_length(cfg: Config, path: str) -> int:
-    """Tokens of a judge prompt plus its answer, at most: ``reward.judge.max_length``, or the
-    judge's context (``max_position_embeddings``) less one (a scored sequence is followed by
-    one sampled token)."""
-    j = cfg.reward.judge
-    if j.max_length is not None:
-        return j.max_length
-    context = model_config(path, "reward.judge.model_path", cfg.model.allow_download).get(
-        "max_position_embeddings"
-    )
-    if not isinstance(context, int) or context < 2:
-        raise ConfigError(
-            f"reward.judge.model_path: '{path}' gives no max_position_embeddings: set "
-            "reward.judge.max_length"
-        )
-    return context - 1
+    """Tokens of a judge prompt plus its answer, at most (``JudgeConfig.length`` of the
+    judge's context, from its config.json)."""
+    config = model_config(path, "reward.judge.model_path", cfg.model.allow_download)
+    return cfg.reward.judge.length(config.get("max_position_embeddings"))
 
 
 def role_engine(cfg: Config, role: Role, path: str) -> RoleEngine:
