@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from treadle.check.judge import check_judge
 from treadle.config import Config
 from treadle.config.rules import RL_KINDS, Kind, check_algorithm
 from treadle.config.timeout import time_limit
@@ -48,6 +49,7 @@ def check_user_code(cfg: Config, kind: Kind, summary: list[str], problems: list[
         except TreadleError as e:
             problems.append(str(e))
         check_reward_service(cfg, summary, problems)
+        check_judge(cfg, kind, summary, problems)  # reward.judge (treadle.check.judge)
     schemas = None
     if kind in (*RL_KINDS, "eval"):
         from treadle.agents.registry import BUILTIN_LOOPS

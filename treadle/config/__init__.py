@@ -12,8 +12,8 @@ or models ``treadle.check``'s. The fully resolved config is written to
 ``<trainer.output_dir>/config.yaml`` so a run directory says exactly what ran.
 
 The schema knows nothing of Ray or torch; it is plain pydantic. The package holds one module
-per section (``model``, ``data``, ``rollout``, ``reward``, ``algorithm``, ``dpo``, ``kto``,
-``actor``, ``critic``, ``prime``, ``teacher`` and ``distill``,
+per section (``model``, ``data``, ``rollout``, ``reward`` and its ``judge``, ``algorithm``,
+``dpo``, ``kto``, ``actor``, ``critic``, ``prime``, ``teacher`` and ``distill``,
 ``trainer``, ``asynchronous``, ``evaluation``), ``run`` (the
 sections composed), ``rules`` (every cross-field rule: validation, ``treadle check`` and role
 selection read it), ``schema`` (``Config``) and ``loader`` (YAML, overrides, dump).
@@ -28,6 +28,7 @@ from treadle.config.data import DataConfig
 from treadle.config.distill import DistillConfig, TeacherConfig
 from treadle.config.dpo import DPO_KNOBS, DPOConfig
 from treadle.config.evaluation import EvalConfig
+from treadle.config.judge import JudgeConfig
 from treadle.config.kto import KTOConfig
 from treadle.config.loader import dump_config, load_config
 from treadle.config.model import ModelConfig
@@ -50,6 +51,7 @@ __all__ = [
     "DataConfig",
     "DistillConfig",
     "EvalConfig",
+    "JudgeConfig",
     "KTOConfig",
     "Key",
     "LoggerName",

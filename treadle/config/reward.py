@@ -1,4 +1,5 @@
-"""``reward``: the reward function, model or service (``url``) and its shaping."""
+"""``reward``: the reward function, model, service (``url``) or LLM judge (``judge``) and its
+shaping."""
 
 from __future__ import annotations
 
@@ -6,7 +7,8 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
-from treadle.config.base import Key, Section
+from treadle.config.base import Key, Section, defaults
+from treadle.config.judge import JudgeConfig
 
 
 class RewardConfig(Section):
@@ -49,8 +51,8 @@ class RewardConfig(Section):
     function_weight: float | None = Field(
         None,
         description="Weight of reward.function's score in the reward; null: 1 without "
-        "reward.url, 0 with it (the function is then not called in training: set a weight to "
-        "add both, e.g. a format rule beside a service's score).",
+        "reward.url and reward.judge, 0 with either (the function is then not called in "
+        "training: set a weight to add both, e.g. a format rule beside a service's score).",
     )
     url: str | None = Field(
         None,
@@ -89,6 +91,13 @@ class RewardConfig(Section):
         "`Authorization: Bearer <value>` (the token itself never goes in the YAML).",
     )
 
+    judge: JudgeConfig = Field(
+        default_factory=defaults(JudgeConfig),
+        description="An LLM judge (model_path set): its verdict on each training sample, "
+        "weighed with the others (docs/data-and-rewards.md#an-llm-judge). Held-out "
+        "evaluation is scored without it.",
+    )
+
     @field_validator("url")
     @classmethod
     def _an_http_url(cls, url: str | None) -> str | None:
@@ -106,16 +115,32 @@ class RewardConfig(Section):
                 "reward.url carries credentials (user:password@): give the token through "
                 "reward.url_auth_env instead, the name of an environment variable holding it"
             )
-        if self.rule_weight == 0 and (self.url is None or self.url_weight == 0):
+        judged = self.judge.model_path is not None and self.judge.weight != 0
+        if self.rule_weight == 0 and (self.url is None or self.url_weight == 0) and not judged:
             raise ValueError(
-                "reward.function_weight is 0 and no reward.url scores instead: nothing would "
-                "score the samples (give reward.url, or a nonzero weight)"
+                "reward.function_weight is 0 and no reward.url or reward.judge scores instead: "
+                "nothing would score the samples (give one, or a nonzero weight)"
+            )
+        if self.judge.model_path is not None and self.model_path is not None:
+            raise ValueError(
+                "reward.model_path's scores replace every other reward, reward.judge's too: "
+                "set one of reward.model_path and reward.judge.model_path"
             )
         return self
 
     @property
     def rule_weight(self) -> float:
-        """reward.function's weight: function_weight, or 1 without a service and 0 with one."""
+        """reward.function's weight: function_weight, or 1 alone and 0 beside a service or a
+        judge."""
         if self.function_weight is not None:
             return self.function_weight
+        return 0.0 if self.url is not None or self.judge.model_path is not None else 1.0
+
+    @property
+    def eval_rule_weight(self) -> float:
+        """reward.function's weight in held-out evaluation, which the judge does not score:
+        as without reward.judge, and 1 where that would leave nothing scoring."""
+        served = self.url is not None and self.url_weight != 0
+        if self.function_weight is not None:
+            return self.function_weight if self.function_weight or served else 1.0
         return 0.0 if self.url is not None else 1.0

@@ -61,7 +61,11 @@ One module per job:
 - :mod:`.scores`: a batch scored (per sample, or batched as TRL does) by a :class:`Scorer`;
 - :mod:`.pool`: the worker processes a reward runs in, each call under ``reward.timeout_s``;
 - :mod:`.service`: a reward service over HTTP (``reward.url``), weighed with the function by
-  the ``Scorer`` (``reward.function_weight``, ``reward.url_weight``).
+  the ``Scorer`` (``reward.function_weight``, ``reward.url_weight``);
+- :mod:`.verdicts`: an LLM judge's prompt filled from a sample and its answer read as a score
+  (``reward.judge``); its replicas are :mod:`treadle.rollout.judge`'s, which hands the
+  ``Scorer`` each sample's verdict (a :class:`~treadle.rewards.scores.Judge`), weighed by
+  ``reward.judge.weight``.
 """
 
 from treadle.rewards.functions import (
@@ -96,6 +100,7 @@ from treadle.rewards.results import (
     shorten,
 )
 from treadle.rewards.scores import (
+    Judge,
     Scorer,
     Scores,
     component_matrix,
@@ -113,6 +118,7 @@ __all__ = [
     "REGISTERED",
     "SANDBOXED",
     "STARTUP_TIMEOUT_S",
+    "Judge",
     "Outcome",
     "RewardFn",
     "RewardPool",

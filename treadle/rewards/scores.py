@@ -1,6 +1,7 @@
 """Scoring a batch: ``score_batch`` (per sample, in threads for sandboxed rewards),
 ``score_batched`` (TRL's batched form) and ``Scorer``, which picks between them and the
-:class:`~treadle.rewards.pool.RewardPool` as the run's config says."""
+:class:`~treadle.rewards.pool.RewardPool` as the run's config says, and weighs in a reward
+service and an LLM judge (a :class:`Judge`, whose verdicts a higher layer hands in)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import inspect
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 from treadle.rewards.functions import SANDBOXED, load_reward_fn
 from treadle.rewards.pool import RewardPool
@@ -22,6 +23,29 @@ class Scores(list[float]):
     when the reward function returns dicts, else None."""
 
     components: list[dict[str, float]] | None = None
+
+
+class Judge(Protocol):
+    """Each sample's verdict from outside this layer (``reward.judge``: the judge's replicas,
+    :class:`~treadle.rollout.judge.LLMJudge`), weighed by ``weight``."""
+
+    weight: float
+
+    def __call__(
+        self,
+        prompts: Sequence[str],
+        responses: Sequence[str],
+        ground_truths: Sequence[str],
+        rows: Sequence[Mapping[str, Any]] | None,
+    ) -> list[Outcome]:
+        """Per sample, (its score, None) or (None, what went wrong, in words)."""
+        ...
+
+    def metrics(self) -> dict[str, float]:
+        """What the last call reports (``reward/judge_*``, ``timing/judge``)."""
+        ...
+
+    def close(self) -> None: ...
 
 
 def component_matrix(scores: Sequence[float], keys: Sequence[str], spec: str) -> Any:
@@ -183,13 +207,16 @@ def _outcomes_parallel(
 
 class Scorer:
     """Scores batches with the function ``reward.function`` names, as ``reward.num_workers``
-    and ``reward.timeout_s`` say (see the module docstring), and with a reward service
-    (``service``, :mod:`treadle.rewards.service`) when one is given. Close it (or use
-    ``with``).
+    and ``reward.timeout_s`` say (see the module docstring), with a reward service
+    (``service``, :mod:`treadle.rewards.service`) and an LLM judge (``judge``) when given.
+    Close it (or use ``with``): that closes the judge too.
 
-    With both, a sample's score is ``rule_weight`` x the function's + ``service.weight`` x the
-    service's; a weight of 0 leaves its side uncalled. The named components of a dict reward
-    are kept (and scaled by its weight) when only one side is called."""
+    A sample's score is ``rule_weight`` x the function's + ``service.weight`` x the service's
+    + ``judge.weight`` x the judge's verdict; a weight of 0 leaves its side uncalled. The named
+    components of a dict reward are kept (and scaled by its weight) when only one side is
+    called. A sample the judge gives no verdict is one RewardError naming ``reward.judge``;
+    ``last`` holds what the last judged call reports (``reward/judge_mean``, the verdicts'
+    mean before the weight, and the judge's own metrics)."""
 
     def __init__(
         self,
@@ -199,14 +226,17 @@ class Scorer:
         key: str = "reward.function",
         service: ServiceOptions | None = None,
         rule_weight: float = 1.0,
+        judge: Judge | None = None,
     ) -> None:
         self.fn = load_reward_fn(spec, key)
         self.spec, self.num_workers, self.timeout_s = spec, num_workers, timeout_s
         self.rule_weight = rule_weight
-        if not rule_weight and (service is None or not service.weight):
+        self.judge = judge if judge is not None and judge.weight else None
+        self.last: dict[str, float] = {}
+        if not rule_weight and (service is None or not service.weight) and self.judge is None:
             raise ConfigError(
-                "reward.function_weight is 0 and there is no reward.url (or its weight is 0): "
-                "nothing would score the samples"
+                "reward.function_weight is 0 and there is no reward.url or reward.judge (or "
+                "their weights are 0): nothing would score the samples"
             )
         use_pool = num_workers > 0 and not self.fn.treadle_sandboxed and not self.fn.batched
         self.pool = RewardPool(spec, num_workers, timeout_s) if use_pool and rule_weight else None
@@ -230,6 +260,14 @@ class Scorer:
             url = self.service.options.url
             served = _judge(url, samples, ((v, None) for v in values), "reward service")
             parts.append((self.service.options.weight, served))
+        if self.judge is None:
+            return _weighted(parts)
+        outcomes = self.judge(prompts, responses, ground_truths, rows)
+        samples = _samples(prompts, responses, ground_truths)
+        judged = _judge("reward.judge", samples, outcomes, "judge")
+        parts.append((self.judge.weight, judged))
+        mean = sum(judged) / len(judged) if judged else 0.0
+        self.last = {"reward/judge_mean": mean, **self.judge.metrics()}
         return _weighted(parts)
 
     def rule(
@@ -259,10 +297,14 @@ class Scorer:
         return 0 if self.pool is None else self.pool.restarts
 
     def close(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        if self.service is not None:
-            self.service.close()
+        try:
+            if self.pool is not None:
+                self.pool.close()
+            if self.service is not None:
+                self.service.close()
+        finally:
+            if self.judge is not None:
+                self.judge.close()
 
     def __enter__(self) -> Scorer:
         return self

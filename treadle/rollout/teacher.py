@@ -30,21 +30,10 @@ a :class:`Teacher`:
   with the run's agent loop (single-turn when the loop talks through the OpenAI-compatible
   endpoint, which is the student's). Its weights never change: version 0 throughout.
 
-Placement (``teacher.placement``):
-
-- ``split``: ``teacher.replicas`` (default 1) :class:`~treadle.serving.replica.RolloutReplica`
-  actors started with ``role="teacher"`` (engine, dtype and memory from the ``teacher``
-  section) in a placement group of their own, ``teacher.cpus_per_replica`` CPUs and
-  ``teacher.gpus_per_replica`` GPUs a bundle (:func:`reserve_teacher_pool`; a driver that plans
-  its placement keeps :func:`teacher_cpus` out of the actors' share). Named "teacher replica
-  i" in errors; killed, with the pool, by :meth:`Teacher.close`. Ray only: the local backend
-  refuses it. One that dies or stops answering is started again, as a split rollout replica
-  is (``rollout.max_restarts``, :class:`~treadle.rollout.fleet.Restarter`).
-- ``colocated``: a teacher engine (transformers only: a process runs one vLLM engine, the
-  rollout's) and its own server in every actor rank's process
-  (:class:`~treadle.serving.replica.ServesTeacher`, made by ``init_teacher``), called as
-  ``teacher_generate``/``teacher_score`` on the actor's Ray workers, or in this process with
-  the local backend (the server's engine then steps in the driver's thread).
+Placement (``teacher.placement``) is a frozen model's (:mod:`treadle.rollout.frozen`):
+``split``, ``teacher.replicas`` Ray actors in a pool of their own (Ray only, restarted when
+they die, named "teacher replica i"); ``colocated``, a transformers engine in every actor
+rank's process (:class:`~treadle.serving.replica.ServesTeacher`, made by ``init_teacher``).
 
 Checked at start: ``teacher.model_path`` is a model folder, and its vocabulary is the
 student's (config.json ``vocab_size``, and the tokenizer when the folder has one): the teacher
@@ -64,7 +53,6 @@ from treadle.agents.registry import needs_endpoint
 from treadle.agents.tools import Toolbox
 from treadle.config import Config
 from treadle.controller import ResourcePool, WorkerGroup
-from treadle.controller.cluster import ensure_ray
 from treadle.models.loading import (
     TOKENIZER_FILES,
     load_tokenizer,
@@ -72,9 +60,10 @@ from treadle.models.loading import (
     shared_vocabulary,
 )
 from treadle.protocol import Batch, response_attention
-from treadle.rollout.fleet import Agents, Restarter, Rollout, kill_replicas, start_replicas
+from treadle.rollout.fleet import Agents, Rollout
+from treadle.rollout.frozen import frozen_cpus, reserve_frozen_pool, serve_frozen
 from treadle.runtime.errors import ConfigError
-from treadle.serving.client import LocalReplica, RayReplica, ReplicaHandle, RolloutClient
+from treadle.serving.client import RolloutClient
 from treadle.serving.server import ScoreRequest, ScoreResponse
 
 logger = logging.getLogger("treadle")
@@ -156,10 +145,7 @@ def teacher_fields(
 
 def teacher_cpus(cfg: Config) -> float:
     """CPUs of the split teacher pool (0 when colocated)."""
-    t = cfg.teacher
-    if t.placement == "colocated":
-        return 0.0
-    return (t.replicas or 1) * t.cpus_per_replica
+    return frozen_cpus(cfg.teacher)
 
 
 def check_teacher(cfg: Config, tokenizer: Any) -> str:
@@ -194,12 +180,7 @@ def check_teacher(cfg: Config, tokenizer: Any) -> str:
 
 def reserve_teacher_pool(cfg: Config) -> ResourcePool | None:
     """The split teacher's placement group (None when colocated)."""
-    t = cfg.teacher
-    if t.placement == "colocated":
-        return None
-    ensure_ray(cfg)
-    gpus = t.gpus_per_replica if torch.cuda.is_available() else 0.0
-    return ResourcePool(t.replicas or 1, t.cpus_per_replica, gpus)
+    return reserve_frozen_pool(cfg, cfg.teacher)
 
 
 def start_teacher(
@@ -208,58 +189,11 @@ def start_teacher(
     """The teacher's replicas as ``teacher.placement`` says (see the module docstring), the
     student's ``tokenizer`` checked against the teacher's. Colocated: on ``group`` (the
     actor's workers); split: in ``pool`` (:func:`reserve_teacher_pool`; reserved here if not
-    given)."""
+    given). Its rollout generates with the run's agent loop (single-turn when the loop talks
+    through the OpenAI-compatible endpoint, which is the student's)."""
     path = check_teacher(cfg, tokenizer)
-    r = cfg.rollout
-    opts: dict[str, Any] = {
-        "max_inflight": r.max_inflight_per_replica,
-        "timeout_s": r.request_timeout_s,
-    }
-    if cfg.teacher.placement == "colocated":
-        group.init_teacher()
-        handles: list[ReplicaHandle]
-        if group.backend == "local":
-            handles = [LocalReplica(w.teacher_server) for w in group.workers]
-        else:
-            handles = [
-                RayReplica(
-                    w, f"teacher replica {i} (actor rank {i})", "teacher_generate", "teacher_score"
-                )
-                for i, w in enumerate(group.workers)
-            ]
-        client = RolloutClient(handles, **opts)
-        return Teacher(_rollout(cfg, group, client, tokenizer))
-    if pool is None:
-        pool = reserve_teacher_pool(cfg)
-        assert pool is not None
-    replicas = start_replicas(cfg, pool, path, 0, role="teacher")
-    try:
-        names = [f"teacher replica {i}" for i in range(len(replicas))]
-        handles = [RayReplica(a, n) for a, n in zip(replicas, names, strict=True)]
-        client = RolloutClient(handles, **opts, max_restarts=r.max_restarts)
-        rollout = _rollout(cfg, group, client, tokenizer, replicas, pool)
-        Restarter.attach(rollout, cfg, path, role="teacher")  # (rollout.max_restarts)
-        return Teacher(rollout)
-    except BaseException:
-        kill_replicas(replicas, pool)
-        raise
-
-
-def _rollout(
-    cfg: Config,
-    group: WorkerGroup,
-    client: RolloutClient,
-    tokenizer: Any,
-    replicas: list[Any] | None = None,
-    pool: ResourcePool | None = None,
-) -> Rollout:
-    """The teacher's replicas as a Rollout (generation only: it is never synced)."""
-
-    def decode(tokens: list[list[int]]) -> list[str]:
-        return list(tokenizer.batch_decode(tokens, skip_special_tokens=True))
-
     if needs_endpoint(cfg.rollout.agent_loop):
         agents = Agents(single_turn, Toolbox([]), tokenizer)
     else:
         agents = Agents.from_config(cfg, tokenizer)
-    return Rollout(group, client, decode, tokenizer.pad_token_id or 0, agents, replicas, pool)
+    return Teacher(serve_frozen(cfg, group, "teacher", cfg.teacher, path, agents, pool))

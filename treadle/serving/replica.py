@@ -18,7 +18,10 @@ The frozen **teacher** of ``treadle distill`` is served the same way
 actors with ``role="teacher"`` (engine and dtype from the ``teacher`` section, weights from
 ``teacher.model_path``, no weight sync ever); ``teacher.placement=colocated`` gives each actor
 rank's process a second server (:class:`ServesTeacher`: ``init_teacher``, then
-``teacher_generate`` / ``teacher_score``).
+``teacher_generate`` / ``teacher_score``). The LLM judge of ``reward.judge``
+(:mod:`treadle.rollout.judge`) is served the same way, with ``role="judge"`` or
+:class:`ServesJudge` (``init_judge``, ``judge_generate``, ``judge_score``); it tokenizes with
+its own tokenizer, not the actor's.
 
 =================  ==========================================  ================================
 method             takes                                       returns
@@ -35,6 +38,7 @@ describe           nothing                                     name, node id and
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -42,6 +46,7 @@ import torch
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
 from treadle.engines.inference import HFRolloutEngine, RolloutEngine
+from treadle.models.folders import model_config
 from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.runtime.errors import ConfigError
 from treadle.serving.server import (
@@ -53,60 +58,98 @@ from treadle.serving.server import (
 )
 from treadle.serving.weight_sync import WeightSyncGroup
 
-Role = Literal["rollout", "teacher"]
+Role = Literal["rollout", "teacher", "judge"]
 
 VLLM_DEFAULT_MAX_LOGPROBS = 20  # vLLM's own default of max_logprobs
+
+
+@dataclass(frozen=True)
+class RoleEngine:
+    """How the engine of a role is made, from its config section."""
+
+    engine: str
+    dtype: str
+    micro_batch_size: int
+    memory: dict[str, float]
+    max_model_len: int
+    tokenizer: str | None  # the folder whose tokenizer gives EOS and padding (None: the model's)
+    key: str  # the config key of its weights, for errors
+    extra: dict[str, Any]
+
+
+def judge_length(cfg: Config, path: str) -> int:
+    """Tokens of a judge prompt plus its answer, at most (``JudgeConfig.length`` of the
+    judge's context, from its config.json)."""
+    config = model_config(path, "reward.judge.model_path", cfg.model.allow_download)
+    return cfg.reward.judge.length(config.get("max_position_embeddings"))
+
+
+def role_engine(cfg: Config, role: Role, path: str) -> RoleEngine:
+    """The ``rollout`` section's engine settings, or the teacher's (no tensor parallelism;
+    vLLM's ``max_logprobs`` at least ``distill.top_k``), or the judge's (its own tokenizer)."""
+    if role == "judge":
+        j = cfg.reward.judge
+        length = judge_length(cfg, path) + 1  # + 1: a scoring request samples one token after
+        key = "reward.judge.model_path"
+        dtype = j.dtype or cfg.model.dtype
+        return RoleEngine(j.engine, dtype, j.micro_batch_size, _memory(j), length, None, key, {})
+    length = cfg.data.max_prompt_length + cfg.response_length() + (role == "teacher")
+    tokenizer = cfg.model.tokenizer_path
+    if role == "teacher":
+        t = cfg.teacher
+        top_k = {"max_logprobs": max(cfg.distill.top_k, VLLM_DEFAULT_MAX_LOGPROBS)}
+        dtype = t.dtype or cfg.model.dtype
+        key = "teacher.model_path"
+        return RoleEngine(
+            t.engine, dtype, t.micro_batch_size, _memory(t), length, tokenizer, key, top_k
+        )
+    r = cfg.rollout
+    tp = r.tensor_parallel_size
+    extra = {"tensor_parallel_size": tp} if tp > 1 else {}
+    dtype = r.dtype or cfg.model.dtype
+    return RoleEngine(
+        r.engine, dtype, r.micro_batch_size, _memory(r), length, tokenizer, "model.path", extra
+    )
+
+
+def _memory(section: Any) -> dict[str, float]:
+    """A section's engine memory: vLLM's KV cache on CPU, its share of a GPU."""
+    return {
+        "kv_cache_gib": section.kv_cache_gib,
+        "gpu_memory_utilization": section.gpu_memory_utilization,
+    }
 
 
 def make_engine(
     cfg: Config, path: str, device: torch.device, role: Role = "rollout"
 ) -> RolloutEngine:
-    """The inference engine of ``role`` with the weights at ``path``: ``rollout.engine`` with
-    the ``rollout`` section's settings, or, for the teacher, ``teacher.engine`` with the
-    ``teacher`` section's (no tensor parallelism; vLLM started with ``max_logprobs`` at least
-    ``distill.top_k``)."""
-    key = "teacher.model_path" if role == "teacher" else "model.path"
-    if role == "teacher":
-        t = cfg.teacher
-        engine, dtype, micro = t.engine, t.dtype or cfg.model.dtype, t.micro_batch_size
-        memory = {
-            "kv_cache_gib": t.kv_cache_gib,
-            "gpu_memory_utilization": t.gpu_memory_utilization,
-        }
-        extra: dict[str, Any] = {"max_logprobs": max(cfg.distill.top_k, VLLM_DEFAULT_MAX_LOGPROBS)}
-    else:
-        r = cfg.rollout
-        engine, dtype, micro = r.engine, r.dtype or cfg.model.dtype, r.micro_batch_size
-        memory = {
-            "kv_cache_gib": r.kv_cache_gib,
-            "gpu_memory_utilization": r.gpu_memory_utilization,
-        }
-        tp = r.tensor_parallel_size
-        extra = {"tensor_parallel_size": tp} if tp > 1 else {}
-    if engine == "vllm":
+    """The inference engine of ``role`` with the weights at ``path``, as :func:`role_engine`
+    says: ``rollout.engine`` with the ``rollout`` section's settings, ``teacher.engine`` with
+    the ``teacher`` section's, ``reward.judge.engine`` with the judge's."""
+    s = role_engine(cfg, role, path)
+    if s.engine == "vllm":
         from treadle.engines.vllm import VLLMRolloutEngine
 
         return VLLMRolloutEngine(
             path,
-            dtype=dtype,
+            dtype=s.dtype,
             seed=cfg.trainer.seed,
-            # + 1: a scoring request samples one token after the whole sequence
-            max_model_len=cfg.data.max_prompt_length + cfg.response_length() + (role == "teacher"),
+            max_model_len=s.max_model_len,
             bucket_mb=cfg.rollout.weight_sync_bucket_mb,
             allow_download=cfg.model.allow_download,
-            **memory,
-            **extra,
+            **s.memory,
+            **s.extra,
         )
-    tok = load_tokenizer(cfg.model.tokenizer_path or path, allow_download=cfg.model.allow_download)
+    tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
     eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
-    model: Any = load_causal_lm(path, dtype, key=key, allow_download=cfg.model.allow_download)
+    model: Any = load_causal_lm(path, s.dtype, key=s.key, allow_download=cfg.model.allow_download)
     return HFRolloutEngine(
         model.to(device),
         eos_token_ids=eos,
         pad_token_id=pad,
-        micro_batch_size=micro,
-        gpu_memory_utilization=memory["gpu_memory_utilization"],
+        micro_batch_size=s.micro_batch_size,
+        gpu_memory_utilization=s.memory["gpu_memory_utilization"],
     )
 
 
@@ -122,6 +165,24 @@ class ServesRollout:
     async def rollout_score(self, requests: list[ScoreRequest]) -> list[ScoreResponse]:
         assert self.server is not None, "this worker has no rollout engine"
         return await self.server.score(requests)
+
+
+def frozen_server(cfg: Config, role: Role, device: torch.device, rank: int) -> RolloutServer:
+    """A colocated frozen model's server in actor rank ``rank``'s process: the teacher's
+    (``teacher``) or the LLM judge's (``reward.judge``); the transformers engine only (one vLLM
+    engine per process: the rollout's)."""
+    key, section = (
+        ("teacher", cfg.teacher) if role == "teacher" else ("reward.judge", cfg.reward.judge)
+    )
+    if section.model_path is None:
+        raise ConfigError(f"{key}.model_path is not set: there is no {role} to start")
+    if section.engine != "hf":
+        raise ConfigError(
+            f"{key}.engine={section.engine} with {key}.placement=colocated: one vLLM engine "
+            f"per process (the rollout's); set {key}.engine=hf or {key}.placement=split"
+        )
+    engine = make_engine(cfg, section.model_path, device, role=role)
+    return RolloutServer(engine, f"{role} replica {rank} (actor rank {rank})", index=rank)
 
 
 class ServesTeacher:
@@ -140,19 +201,8 @@ class ServesTeacher:
     @register(Dispatch.ALL, Collect.RANK0)
     def init_teacher(self) -> None:
         """Load ``teacher.model_path`` into this rank's teacher engine (once)."""
-        if self.teacher_server is not None:
-            return
-        t = self.cfg.teacher
-        if t.model_path is None:
-            raise ConfigError("teacher.model_path is not set: there is no teacher to start")
-        if t.engine != "hf":
-            raise ConfigError(
-                f"teacher.engine={t.engine} with teacher.placement=colocated: one vLLM engine "
-                "per process (the rollout's); set teacher.engine=hf or teacher.placement=split"
-            )
-        engine = make_engine(self.cfg, t.model_path, self.device, role="teacher")
-        name = f"teacher replica {self.rank} (actor rank {self.rank})"
-        self.teacher_server = RolloutServer(engine, name, index=self.rank)
+        if self.teacher_server is None:
+            self.teacher_server = frozen_server(self.cfg, "teacher", self.device, self.rank)
 
     async def teacher_generate(self, requests: list[Request]) -> list[Response]:
         self.init_teacher()
@@ -163,6 +213,33 @@ class ServesTeacher:
         self.init_teacher()
         assert self.teacher_server is not None
         return await self.teacher_server.score(requests)
+
+
+class ServesJudge:
+    """A colocated LLM judge (``reward.judge.placement=colocated``), served as the colocated
+    teacher is: ``init_judge`` (the driver's :class:`~treadle.rollout.judge.LLMJudge` calls it
+    on every rank), then ``judge_generate`` and ``judge_score``."""
+
+    cfg: Config
+    device: torch.device
+    rank: int
+    judge_server: RolloutServer | None = None
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def init_judge(self) -> None:
+        """Load ``reward.judge.model_path`` into this rank's judge engine (once)."""
+        if self.judge_server is None:
+            self.judge_server = frozen_server(self.cfg, "judge", self.device, self.rank)
+
+    async def judge_generate(self, requests: list[Request]) -> list[Response]:
+        self.init_judge()
+        assert self.judge_server is not None
+        return await self.judge_server.generate(requests)
+
+    async def judge_score(self, requests: list[ScoreRequest]) -> list[ScoreResponse]:
+        self.init_judge()
+        assert self.judge_server is not None
+        return await self.judge_server.score(requests)
 
 
 class RolloutReplica(ServesRollout):

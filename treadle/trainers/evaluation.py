@@ -41,7 +41,7 @@ from treadle.controller import Actors
 from treadle.data import PromptDataset, prompt_batch
 from treadle.engines.inference import SamplingParams
 from treadle.protocol import Batch
-from treadle.rewards import Scorer, answer_reader
+from treadle.rewards import Judge, Scorer, answer_reader
 from treadle.rewards.service import ServiceOptions
 from treadle.rollout.fleet import Rollout, start_rollout
 from treadle.runtime.errors import ConfigError, RewardError
@@ -73,10 +73,14 @@ class ValSet:
         self.scorer.close()
 
 
-def make_scorer(cfg: Config, spec: str | None = None, key: str = "reward.function") -> Scorer:
+def make_scorer(
+    cfg: Config, spec: str | None = None, key: str = "reward.function", judge: Judge | None = None
+) -> Scorer:
     """``spec`` (default ``reward.function``), called as ``reward.num_workers`` and
     ``reward.timeout_s`` say; a bad spec is a ConfigError naming ``key``. Without ``spec``: the
-    run's reward, with the reward service ``reward.url`` and the weights when there is one."""
+    run's reward, with the reward service ``reward.url`` and the weights when there is one, and
+    the training samples' ``judge`` (``reward.judge``) when given (held-out sets have none:
+    ``reward.eval_rule_weight``)."""
     r = cfg.reward
     if spec is not None:
         return Scorer(spec, r.num_workers, r.timeout_s, key)
@@ -84,16 +88,19 @@ def make_scorer(cfg: Config, spec: str | None = None, key: str = "reward.functio
         r.url, r.url_batch_size, r.url_concurrency, r.url_timeout_s, r.url_retries,
         r.url_backoff_s, r.url_auth_env, r.url_weight,
     )  # fmt: skip
-    return Scorer(r.function, r.num_workers, r.timeout_s, key, service or None, r.rule_weight)
+    weight = r.rule_weight if judge is not None else r.eval_rule_weight
+    return Scorer(r.function, r.num_workers, r.timeout_s, key, service or None, weight, judge)
 
 
-def worker_restarts(scorer: Scorer, sets: Mapping[str, ValSet]) -> dict[str, float]:
+def scorer_metrics(scorer: Scorer, sets: Mapping[str, ValSet]) -> dict[str, float]:
     """``reward/worker_restarts``: the reward processes that died and were started again, in
-    training's pool and the sets' (none when no scorer has a pool)."""
+    training's pool and the sets' (none when no scorer has a pool); and what the training
+    scorer's last judged batch reports (``reward/judge_*``, ``timing/judge``: reward.judge)."""
     scorers = [scorer, *(s.scorer for s in sets.values())]
+    judged = dict(scorer.last)
     if all(s.pool is None for s in scorers):
-        return {}
-    return {"reward/worker_restarts": float(sum(s.restarts for s in scorers))}
+        return judged
+    return {"reward/worker_restarts": float(sum(s.restarts for s in scorers)), **judged}
 
 
 def first_rows(ds: PromptDataset, size: int | None) -> list[int]:

@@ -18,7 +18,9 @@ PPO's critic (values, update critic) and a reward model (inside reward) are grou
 own, present when the estimator reads values / ``reward.model_path`` is set
 (:mod:`treadle.trainers.roles`); a checkpoint holds the critic in ``critic/``. PRIME's
 implicit PRM (``needs=("implicit_rewards",)``) is one too, updated and read before the
-advantages (:mod:`treadle.trainers.prime`); a checkpoint holds it in ``prm/``.
+advantages (:mod:`treadle.trainers.prime`); a checkpoint holds it in ``prm/``. An LLM judge
+(``reward.judge``, :mod:`treadle.rollout.judge`) is served with them and scores inside reward,
+weighed with the reward function.
 
 DAPO's data-side pieces (arXiv 2503.14476) are options of the same loop: over-long reward
 shaping (``reward.overlong_buffer_len``), dynamic sampling (``algorithm.filter_groups``: groups
@@ -90,7 +92,7 @@ from treadle.trainers.evaluation import (
     make_scorer,
     rule_scores,
     score_sets,
-    worker_restarts,
+    scorer_metrics,
 )
 from treadle.trainers.prime import ImplicitPRM
 from treadle.trainers.prompts import load_prompts
@@ -211,7 +213,7 @@ class RLTrainer(Trainer):
 
     def __init__(self, cfg: Config) -> None:
         check_names(cfg, self.kind)
-        layout = plan_roles(cfg)  # critic? reward model? where? (fails before anything starts)
+        self.layout = layout = plan_roles(cfg)  # critic? reward model? judge? where? (checked)
         super().__init__(cfg)
         self.resumed_state: dict[str, Any] = {}  # the checkpoint's driver state, when resumed
         use_ref = cfg.algorithm.kl_coef > 0 or cfg.algorithm.kl_reward_coef > 0
@@ -237,7 +239,7 @@ class RLTrainer(Trainer):
         cfg, alg = self.cfg, self.cfg.algorithm
         self.train_ds = load_prompts(cfg, cfg.data.train_files, "data.train_files")
         self.val_sets = load_val_sets(cfg)  # (closed by close())
-        self.scorer = make_scorer(cfg)  # now: the async producer scores from its thread
+        self.scorer = make_scorer(cfg, judge=self.layout.judge)  # now: the async producer scores
         self.estimator = ADV_ESTIMATORS.get(alg.adv_estimator)
         self.needs = ADV_ESTIMATORS.needs(alg.adv_estimator)  # what it reads beyond rewards
         self.kl_ctrl = (
@@ -431,7 +433,7 @@ class RLTrainer(Trainer):
         seconds = metrics["timing/step"] = time.perf_counter() - start
         metrics["throughput/tokens_per_s"] = metrics.pop("generated_tokens") / seconds
         metrics.update(self.source.metrics(seconds))
-        metrics.update(worker_restarts(self.scorer, self.val_sets))
+        metrics.update(scorer_metrics(self.scorer, self.val_sets))
         if self.val_sets and self.eval_due(step):
             # now (sync), or sent beside training, its metrics joining this step's later
             with timed(metrics, "eval"):

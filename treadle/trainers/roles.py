@@ -1,6 +1,8 @@
 """The roles of a run: the actors' group, and a table of the roles beside it that start-up
 loops over: the critic, the reward model and PRIME's implicit PRM (its per-step side is
-:mod:`treadle.trainers.prime`).
+:mod:`treadle.trainers.prime`); and an LLM judge (``reward.judge``,
+:mod:`treadle.rollout.judge`), made when the roles are planned (its folder, tokenizer and
+settings checked) and served after them, on the actors' group or in a pool of its own.
 
 The side roles are value models (``*ForTokenClassification``, one label, see
 :mod:`treadle.engines.value`) in worker groups of their own. A row of :data:`SIDE_ROLES` says
@@ -44,6 +46,7 @@ from treadle.config import Config
 from treadle.config.rules import check_value_models, uses_critic
 from treadle.controller import Actors, Placement, Worker, WorkerGroup, start_group
 from treadle.rollout.fleet import rollout_cpus
+from treadle.rollout.judge import LLMJudge, judge_cpus, make_judge
 from treadle.rollout.teacher import teacher_cpus
 from treadle.runtime.errors import ConfigError
 from treadle.trainers.prime import uses_prm
@@ -151,6 +154,7 @@ class Layout:
     """The side roles a run has, in start order, and how the actor's pool is cut for them."""
 
     roles: tuple[Planned, ...] = ()
+    judge: LLMJudge | None = None  # reward.judge: made when planned, served by start_roles
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -162,10 +166,10 @@ class Layout:
         return 1 + sum(not p.split for p in self.roles)
 
     def placement(self, cfg: Config) -> Placement:
-        """The run's placement: the training side's CPUs (all but a split rollout pool's and a
-        split teacher's) over the actor's ranks and every split role's."""
+        """The run's placement: the training side's CPUs (all but a split rollout pool's, a
+        split teacher's and a split judge's) over the actor's ranks and every split role's."""
         split_ranks = sum(p.world_size for p in self.roles if p.split)
-        reserved = rollout_cpus(cfg) + teacher_cpus(cfg)
+        reserved = rollout_cpus(cfg) + teacher_cpus(cfg) + judge_cpus(cfg)
         return Placement.plan(cfg, self.colocated, split_ranks, reserved)
 
 
@@ -173,7 +177,8 @@ def plan_roles(cfg: Config) -> Layout:
     """Decide and check the side roles; raises ConfigError before anything starts."""
     used = [role for role in SIDE_ROLES if role.used(cfg)]
     check_value_models(cfg, critic=any(role.name == "critic" for role in used))
-    return Layout(tuple(Planned(r, r.world_size(cfg), r.split(cfg)) for r in used))
+    planned = tuple(Planned(r, r.world_size(cfg), r.split(cfg)) for r in used)
+    return Layout(planned, make_judge(cfg))
 
 
 def start_roles(
@@ -181,6 +186,7 @@ def start_roles(
 ) -> dict[str, WorkerGroup]:
     """The side roles' groups by name, each restored from ``resumed_from`` when it is in
     checkpoints; a split role gets a pool of its own, a colocated one the actors' bundles.
+    Then the judge is served (closed by the scorer that holds it).
 
     The groups are registered with ``actors`` and close with them, also when this fails.
     """
@@ -194,4 +200,6 @@ def start_roles(
         if resumed_from is not None and role.saved:
             group.load_checkpoint(str(resumed_from / role.name))
         groups[role.name] = group
+    if layout.judge is not None:
+        layout.judge.start(actors.group)
     return groups

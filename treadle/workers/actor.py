@@ -45,7 +45,8 @@ has) serve requests from this rank's colocated replica (``rollout.placement=colo
 weight-sync group (split). A colocated teacher (``treadle distill``,
 ``teacher.placement=colocated``, :class:`~treadle.serving.replica.ServesTeacher`) is a second
 engine and server in the same process: ``init_teacher`` loads it, ``teacher_generate`` and
-``teacher_score`` serve it.
+``teacher_score`` serve it; a colocated LLM judge (``reward.judge``,
+:class:`~treadle.serving.replica.ServesJudge`) likewise, with ``init_judge``.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ from treadle.engines.weights import CastTensors, weight_buckets
 from treadle.models.checkpoint import read_state
 from treadle.models.loading import apply_lora
 from treadle.protocol import Batch
-from treadle.serving.replica import ServesRollout, ServesTeacher, make_engine
+from treadle.serving.replica import ServesJudge, ServesRollout, ServesTeacher, make_engine
 from treadle.serving.server import RolloutServer
 from treadle.serving.weight_sync import WeightSyncGroup
 from treadle.workers.base import TrainingWorker
@@ -99,7 +100,7 @@ if TYPE_CHECKING:  # imported where an engine is built: the driver does not need
     from treadle.engines.fsdp import TrainEngine
 
 
-class ActorRolloutRefWorker(ServesRollout, ServesTeacher, TrainingWorker):
+class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingWorker):
     """Actor + rollout engine + reference (+ a colocated teacher), in one process per rank."""
 
     role = "actor"

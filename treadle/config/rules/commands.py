@@ -59,7 +59,7 @@ def _readers(cfg: Sections, kind: Kind) -> list[tuple[str, tuple[str, ...] | Non
         ("rollout", ("n", "ignore_eos"), f"{RL} (an evaluation samples as eval.* says)", False),
         ("rollout", ("temperature", "top_p", "top_k"), f"{RL} (an evaluation: eval.*)", endpoint),
         ("reward", ("model_path", "micro_batch_size", "overlong_buffer_len"), RL, False),
-        ("reward", ("overlong_penalty",), RL, False),
+        ("reward", ("overlong_penalty", "judge"), RL, False),
         ("reward", ("function",), EVALUATIONS, evaluates),
         ("eval", None, EVALUATIONS, evaluates),
         ("data", ("sampler", *(f"pass_rate_{k}" for k in PASS_RATE)), RL, False),

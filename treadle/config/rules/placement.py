@@ -1,8 +1,10 @@
 """Where the roles run and how they are cut: the rollout replicas' placement, the critic's
-and PRIME's PRM's placement and mini-batches, tensor and sequence parallel layouts.
+and PRIME's PRM's placement and mini-batches, a frozen model's replicas (the teacher's, the
+LLM judge's), tensor and sequence parallel layouts.
 
 Config validation reads the rules of the config alone (``sections.config_problems`` calls
-:func:`check_rollout`, :func:`check_parallel` and :func:`check_side_role`); the layouts against
+:func:`check_rollout`, :func:`check_parallel`, :func:`check_side_role` and, for the judge,
+:func:`check_frozen`; ``treadle distill``'s rules call it for the teacher); the layouts against
 the model's shape, its ``config.json`` (:func:`parallel_model_problems`, :func:`model_problems`),
 are read by ``treadle check`` and by the engine at start-up.
 """
@@ -10,12 +12,47 @@ are read by ``treadle check`` and by the engine at start-up.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from treadle.config.actor import ActorConfig
 from treadle.config.rollout import RolloutConfig
 from treadle.config.run import Sections
 from treadle.config.trainer import TrainerConfig
+
+
+class FrozenSection(Protocol):
+    """A frozen model's replicas (``teacher``, ``reward.judge``): engine and placement."""
+
+    @property
+    def engine(self) -> str: ...
+
+    @property
+    def placement(self) -> str: ...
+
+    @property
+    def replicas(self) -> int | None: ...
+
+
+def check_frozen(key: str, section: FrozenSection, cfg: Sections) -> Iterator[str]:
+    """Where the frozen model of section ``key`` can run: vLLM only in replicas of its own,
+    split only on Ray, colocated one in each actor rank."""
+    if section.engine == "vllm" and section.placement == "colocated":
+        yield (
+            f"{key}.engine=vllm cannot share the actor's processes (one vLLM engine per "
+            f"process): set {key}.placement=split, or {key}.engine=hf"
+        )
+    if section.placement == "split" and cfg.trainer.backend == "local":
+        yield (
+            f"trainer.backend=local runs one rank in-process; set {key}.placement=colocated "
+            "or use trainer.backend=ray"
+        )
+    ws = cfg.actor.world_size
+    if section.placement == "colocated" and section.replicas not in (None, ws):
+        yield (
+            f"{key}.replicas={section.replicas} must equal actor.world_size={ws} "
+            f"when {key}.placement=colocated (one in each actor rank's process); set "
+            f"{key}.placement=split or drop {key}.replicas"
+        )
 
 
 def check_rollout(

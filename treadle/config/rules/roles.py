@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 from treadle import algorithms  # the package: importing it registers every built-in name
 from treadle.config.prime import PrimeConfig
+from treadle.config.rules.placement import check_frozen
 from treadle.config.run import Sections
 from treadle.models.folders import shared_vocabulary
 from treadle.runtime.errors import ConfigError
@@ -113,22 +114,7 @@ def distill_problems(cfg: Sections) -> Iterator[str]:
     t, d = cfg.teacher, cfg.distill
     if not t.model_path:
         yield "treadle distill needs a teacher: set teacher.model_path to a model folder"
-    if t.engine == "vllm" and t.placement == "colocated":
-        yield (
-            "teacher.engine=vllm cannot share the actor's processes (one vLLM engine per "
-            "process): set teacher.placement=split, or teacher.engine=hf"
-        )
-    if t.placement == "split" and cfg.trainer.backend == "local":
-        yield (
-            "trainer.backend=local runs one rank in-process; set teacher.placement=colocated "
-            "or use trainer.backend=ray"
-        )
-    if t.placement == "colocated" and t.replicas not in (None, cfg.actor.world_size):
-        yield (
-            f"teacher.replicas={t.replicas} must equal actor.world_size={cfg.actor.world_size} "
-            "when teacher.placement=colocated (one in each actor rank's process); set "
-            "teacher.placement=split or drop teacher.replicas"
-        )
+    yield from check_frozen("teacher", t, cfg)
     sides = {"values": "a critic", "implicit_rewards": "PRIME's PRM"}
     for need in _needs(cfg.algorithm.adv_estimator):
         if need in sides:

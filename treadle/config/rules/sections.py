@@ -15,7 +15,12 @@ from collections.abc import Iterator
 from treadle.config.data import DataConfig
 from treadle.config.rollout import RolloutConfig
 from treadle.config.rules.commands import PASS_RATE, changed_settings
-from treadle.config.rules.placement import check_parallel, check_rollout, check_side_role
+from treadle.config.rules.placement import (
+    check_frozen,
+    check_parallel,
+    check_rollout,
+    check_side_role,
+)
 from treadle.config.run import Sections
 
 
@@ -79,6 +84,8 @@ def config_problems(cfg: Sections) -> Iterator[str]:
         )
     yield from check_parallel(cfg)
     yield from check_rollout(cfg.rollout, cfg.actor, cfg.trainer)
+    if cfg.reward.judge.model_path is not None:
+        yield from check_frozen("reward.judge", cfg.reward.judge, cfg)
     yield from _check_agents(cfg.rollout, cfg.data)
     yield from _check_mode(cfg)
     yield from _check_retention(cfg)

@@ -10,10 +10,10 @@ rank 0 join the new one) and the current weights and version broadcast over it, 
 request reaches it. The actor is idle while the synchronous driver generates, so that happens
 at once; while the asynchronous producer generates (the client's loop in a thread of its own,
 the actor training), the new replica waits, down, for the driver's next ``sync_weights``,
-which makes the group again first. A teacher replica has no weights to sync: it starts again
-from ``teacher.model_path`` and is up at once. Each restart counts in
-``rollout/replica_restarts``. An agent loop never sees the failure: its call is answered by
-another replica. A colocated replica (an actor rank) is not restarted.
+which makes the group again first. A teacher (or judge) replica has no weights to sync: it
+starts again from ``teacher.model_path`` (``reward.judge.model_path``) and is up at once. Each
+restart counts in ``rollout/replica_restarts``. An agent loop never sees the failure: its call
+is answered by another replica. A colocated replica (an actor rank) is not restarted.
 
 A replica that dies *during* a weight sync breaks the group under every member: the actor's
 rank 0 fails (and walks the rest of the update, so that its other ranks finish their gathers),
@@ -110,7 +110,7 @@ class Restarter:
             actor = start_replica(self.cfg, r.pool, index, self.path, r.version, self.role)
             _get(actor.treadle_check.remote(), r.names[index], "its restart")
             r.replicas[index] = actor
-            if self.role == "teacher":  # frozen: nothing to sync
+            if self.role != "rollout":  # a teacher or judge: frozen, nothing to sync
                 return True
             self.pending.add(index)
             if r.client.background:  # the actor may be training: at the next sync
