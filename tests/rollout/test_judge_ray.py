@@ -59,7 +59,9 @@ def test_a_split_judge_scores_as_its_forward_pass_and_is_restarted(
     rows = [{"answer": a} for a in ("2", "17", "30", "5")]
     model = load_causal_lm(str(judge_path), torch.float32).eval()
     tokenizer = load_tokenizer(judge_path)
-    expected = [_forward(model, tokenizer, r, row["answer"]) for r, row in zip(responses, rows)]
+    expected = [
+        _forward(model, tokenizer, r, row["answer"]) for r, row in zip(responses, rows, strict=True)
+    ]
     judge = LLMJudge(cfg)
     try:
         judge.start(None)  # type: ignore[arg-type]  # (split: no actors' group is needed)
