@@ -110,3 +110,16 @@ def test_a_config_of_two_commands_asks_for_kind(capsys) -> None:  # type: ignore
         "(`treadle dpo`) and kto.desirable_weight=1.5 (`treadle kto`): give --kind dpo or "
         "--kind kto\n"
     )
+
+
+def test_a_judge_or_a_curriculum_says_train() -> None:
+    """An LLM judge and the curriculum are RL's alone: a config with either is for `treadle
+    train` whatever its rows hold, and the line names the judge's own keys, not its section."""
+    from treadle.check.kind import infer_kind
+    from treadle.config import load_config
+
+    judged = ["reward.judge.model_path=/judge", 'reward.judge.template="{answer}"']
+    cfg = load_config("examples/arithmetic/sft.yaml", judged)
+    assert infer_kind(cfg) == ("train", "it sets reward.judge.model_path=/judge and 1 more")
+    cfg = load_config("examples/arithmetic/sft.yaml", ["data.sampler=pass_rate"])
+    assert infer_kind(cfg) == ("train", "it sets data.sampler=pass_rate")

@@ -1,14 +1,14 @@
 """Which command a config is for, when ``treadle check`` is not told (``--kind``).
 
-The settings only one command reads say it (the table of
-:mod:`treadle.config.rules.commands`): ``dpo`` is `treadle dpo`'s, ``kto`` `treadle kto`'s,
-``teacher`` and ``distill`` `treadle distill`'s, and RL's own (``algorithm``, ``critic``,
-``prime``, ``async``, ``rollout.n``, the reward model's) `treadle train`'s. A config that sets
-none of them is told by what it trains on: no training files, `treadle eval` (held-out sets) or
+The settings only one command reads say it (the table of :mod:`treadle.config.rules.commands`):
+``dpo`` is `treadle dpo`'s, ``kto`` `treadle kto`'s, ``teacher`` and ``distill`` `treadle
+distill`'s, and RL's own (``algorithm``, ``critic``, ``prime``, ``async``, ``rollout.n``, the
+reward model's, the LLM judge's, the curriculum's) `treadle train`'s. A config that sets none
+of them is told by what it trains on: no training files, `treadle eval` (held-out sets) or
 `treadle serve` (none); rows of preference pairs, `treadle rm` (a DPO config sets its ``dpo``
 section, as examples/arithmetic/dpo.yaml does and rm.yaml does not); labelled completions,
-`treadle kto`; worked answers or conversations (or reasoning-gym's rows, whose answers are
-the targets), `treadle sft`; prompts alone, `treadle train`. A config that sets two commands'
+`treadle kto`; worked answers or conversations (or reasoning-gym's rows, whose answers are the
+targets), `treadle sft`; prompts alone, `treadle train`. A config that sets two commands'
 settings, or whose rows cannot be read, is one it cannot tell: ``--kind`` is asked for; rows
 that hold answers as well as responses (the demo's SFT and GRPO share them) are taken for SFT,
 and the line says that ``--kind train`` checks them for RL.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from treadle.config import Config
 from treadle.config.rules import Kind
-from treadle.config.rules.commands import changed_settings
+from treadle.config.rules.commands import PASS_RATE, changed_settings
 from treadle.runtime.errors import ConfigError
 
 # The settings that only one command reads (None: the whole section), and that command;
@@ -37,6 +37,8 @@ OWN_SETTINGS: list[tuple[str, tuple[str, ...] | None, Kind]] = [
     ("async", None, "train"),
     ("rollout", ("n", "ignore_eos"), "train"),
     ("reward", ("model_path", "micro_batch_size", "overlong_buffer_len"), "train"),
+    ("reward", ("overlong_penalty", "judge"), "train"),
+    ("data", ("sampler", *(f"pass_rate_{k}" for k in PASS_RATE)), "train"),
 ]
 
 

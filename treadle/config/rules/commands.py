@@ -99,11 +99,16 @@ def _no_evaluation(kind: Kind, it: str) -> str:
 def changed_settings(section: str, settings: Any, keys: Sequence[str]) -> list[str]:
     """``section.key=value`` of each of ``keys`` that ``settings`` sets away from its default."""
     default = type(settings).model_validate({})
-    return [
-        f"{section}.{k}={_shown(getattr(settings, k))}"
-        for k in keys
-        if getattr(settings, k) != getattr(default, k)
-    ]
+    out: list[str] = []
+    for k in keys:
+        value, was = getattr(settings, k), getattr(default, k)
+        if value == was:
+            continue
+        if hasattr(value, "model_fields") and type(was) is type(value):  # a section's own keys
+            out.extend(changed_settings(f"{section}.{k}", value, list(type(value).model_fields)))
+        else:
+            out.append(f"{section}.{k}={_shown(value)}")
+    return out
 
 
 def _shown(value: Any) -> str:
