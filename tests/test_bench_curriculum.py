@@ -28,7 +28,7 @@ def bench():
     del sys.modules[spec.name]
 
 
-@pytest.mark.parametrize("size", ["full", "small", "tiny"])
+@pytest.mark.parametrize("size", ["full", "medium", "small", "tiny"])
 def test_every_stage_config_passes_its_commands_checks(bench, size, tmp_path):
     args = argparse.Namespace(size=size, model=tmp_path, engine="vllm", bf16=False)
     sft = load_config(bench.config(args, bench.MIX, tmp_path / "sft", "sft"))
