@@ -5,12 +5,10 @@ and the table's standard errors are the ones it says."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 from treadle.config import load_config
 from treadle.config.rules import check_algorithm
@@ -18,14 +16,8 @@ from treadle.config.rules import check_algorithm
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "curriculum.py"
-    spec = importlib.util.spec_from_file_location("curriculum_bench", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("curriculum") as module:
+        yield module
 
 
 @pytest.mark.parametrize("size", ["full", "medium", "small", "tiny"])

@@ -4,25 +4,16 @@ summary of each side's steps and the closing ratio lines. (The benchmark itself 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
+from bench_scripts import bench_script
 
 GIB = float(1 << 30)
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "gpu.py"
-    spec = importlib.util.spec_from_file_location("bench_gpu", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("gpu") as module:
+        yield module
 
 
 def test_the_tokenizer_reads_back_as_treadle_and_trl_load_it(bench, tmp_path):

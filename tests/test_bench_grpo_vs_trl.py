@@ -5,27 +5,20 @@ The benchmark itself is not run here (it times things and takes minutes).
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import bench_script
 
 MIB = 1 << 20
 
 
 @pytest.fixture(scope="module")
 def bench():
-    path = Path(__file__).resolve().parents[1] / "bench" / "grpo_vs_trl.py"
-    spec = importlib.util.spec_from_file_location("grpo_vs_trl", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with bench_script("grpo_vs_trl") as module:
+        yield module
 
 
 # A child that starts a grandchild holding 100 MiB, then holds 200 MiB itself; both filled with
