@@ -254,16 +254,17 @@ class Scorer:
         parts: list[tuple[float, Scores]] = []
         if self.rule_weight:
             parts.append((self.rule_weight, self.rule(prompts, responses, ground_truths, rows)))
+        if self.service is None and self.judge is None:
+            return _weighted(parts)
+        samples = _samples(prompts, responses, ground_truths)  # (what their errors name)
         if self.service is not None:
             values = self.service(prompts, responses, ground_truths, rows)
-            samples = _samples(prompts, responses, ground_truths)
             url = self.service.options.url
             served = _judge(url, samples, ((v, None) for v in values), "reward service")
             parts.append((self.service.options.weight, served))
         if self.judge is None:
             return _weighted(parts)
         outcomes = self.judge(prompts, responses, ground_truths, rows)
-        samples = _samples(prompts, responses, ground_truths)
         judged = _judge("reward.judge", samples, outcomes, "judge")
         parts.append((self.judge.weight, judged))
         mean = sum(judged) / len(judged) if judged else 0.0
