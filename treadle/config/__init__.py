@@ -14,7 +14,8 @@ or models ``treadle.check``'s. The fully resolved config is written to
 The schema knows nothing of Ray or torch; it is plain pydantic. The package holds one module
 per section (``model``, ``data``, ``rollout``, ``reward`` and its ``judge``, ``algorithm``,
 ``dpo``, ``kto``, ``actor``, ``critic``, ``prime``, ``teacher`` and ``distill``,
-``trainer``, ``asynchronous``, ``evaluation``), ``run`` (the
+``trainer``, ``asynchronous``, ``evaluation``), ``frozen`` (what the teacher's and the
+judge's sections share), ``run`` (the
 sections composed), ``rules`` (every cross-field rule: validation, ``treadle check`` and role
 selection read it), ``schema`` (``Config``) and ``loader`` (YAML, overrides, dump).
 """

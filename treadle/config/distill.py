@@ -2,58 +2,25 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
 from treadle.config.base import Section
+from treadle.config.frozen import FrozenModelConfig
 
 
-class TeacherConfig(Section):
+class TeacherConfig(FrozenModelConfig):
     """The frozen teacher of ``treadle distill``: replicas of an inference engine that score
     the student's samples (per-token log-probs of the sampled tokens, the top-k of each
     position) and, for sequence-level KD, generate. Any Hugging Face causal-LM folder whose
     vocabulary is the student's."""
 
+    role: ClassVar[str] = "teacher"
+    key: ClassVar[str] = "teacher"
+
     model_path: str | None = Field(
         None, description="The teacher model folder (required by treadle distill)."
-    )
-    engine: Literal["hf", "vllm"] = Field(
-        "hf",
-        description="Inference engine of the teacher replicas ('vllm' needs placement=split: "
-        "one vLLM engine per process).",
-    )
-    dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="Weight dtype of the teacher engine (null: model.dtype)."
-    )
-    placement: Literal["colocated", "split"] = Field(
-        "colocated",
-        description="'colocated': a teacher engine in each actor rank's process, taking turns "
-        "with training; 'split': teacher.replicas Ray actors in a resource pool of their own "
-        "(on other nodes as rollout replicas are).",
-    )
-    replicas: int | None = Field(
-        None,
-        gt=0,
-        description="split: teacher replicas (null: 1); colocated: one per actor rank.",
-    )
-    cpus_per_replica: float = Field(
-        1.0, gt=0, description="split: CPUs reserved for each teacher replica."
-    )
-    gpus_per_replica: float = Field(
-        0.0, ge=0, description="split: GPUs reserved for each teacher replica."
-    )
-    micro_batch_size: int = Field(
-        32, gt=0, description="hf engine: sequences per scoring forward / generate call."
-    )
-    kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache, GiB.")
-    gpu_memory_utilization: float = Field(
-        0.3,
-        gt=0,
-        le=1,
-        description="On CUDA: fraction of GPU memory the vllm engine may take; for the hf "
-        "engine, the fraction this process may hold while generating (a batch that needs "
-        "more is generated in chunks). No effect on CPU.",
     )
 
 

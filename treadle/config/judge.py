@@ -3,11 +3,12 @@ sample is read as a reward (:mod:`treadle.rollout.judge`)."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from treadle.config.base import Key, Section
+from treadle.config.base import Key
+from treadle.config.frozen import FrozenModelConfig
 from treadle.runtime.errors import ConfigError
 
 Verdict = Literal["number", "choice", "prob"]
@@ -27,11 +28,14 @@ VERDICT_KNOBS: dict[str, tuple[Verdict, ...]] = {
 }
 
 
-class JudgeConfig(Section):
+class JudgeConfig(FrozenModelConfig):
     """An LLM judge (verl's generative reward model, TRL's judges): any Hugging Face causal-LM
     folder, served by replicas as the distillation teacher is, reads each sample through
     ``template`` and answers; its verdict, read from the answer, is a score weighed with the
     reward function's."""
+
+    role: ClassVar[str] = "judge"
+    key: ClassVar[str] = "reward.judge"
 
     model_path: str | None = Field(
         None,
@@ -98,36 +102,6 @@ class JudgeConfig(Section):
         gt=0,
         description="Seconds the judge may take over one batch's verdicts before the run stops "
         "with a RewardError.",
-    )
-    engine: Literal["hf", "vllm"] = Field(
-        "hf",
-        description="Inference engine of the judge replicas ('vllm' needs placement=split: one "
-        "vLLM engine per process).",
-    )
-    dtype: Literal["float32", "bfloat16"] | None = Field(
-        None, description="Weight dtype of the judge engine (null: model.dtype)."
-    )
-    placement: Literal["colocated", "split"] = Field(
-        "colocated",
-        description="'colocated': a judge engine in each actor rank's process, taking turns "
-        "with training; 'split': reward.judge.replicas Ray actors in a resource pool of their "
-        "own.",
-    )
-    replicas: int | None = Field(
-        None, gt=0, description="split: judge replicas (null: 1); colocated: one per actor rank."
-    )
-    cpus_per_replica: float = Field(
-        1.0, gt=0, description="split: CPUs reserved for each judge replica."
-    )
-    gpus_per_replica: float = Field(
-        0.0, ge=0, description="split: GPUs reserved for each judge replica."
-    )
-    micro_batch_size: int = Field(
-        32, gt=0, description="hf engine: sequences per scoring forward / generate call."
-    )
-    kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache, GiB.")
-    gpu_memory_utilization: float = Field(
-        0.3, gt=0, le=1, description="vllm engine on CUDA: fraction of GPU memory it may take."
     )
 
     @field_validator("token", "against", "choices", mode="before")

@@ -21,11 +21,12 @@ Either way the result is a :class:`~treadle.rollout.fleet.Rollout` over those re
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
 from treadle.config import Config
+from treadle.config.frozen import FrozenModelConfig
 from treadle.controller import ResourcePool, WorkerGroup
 from treadle.controller.cluster import ensure_ray
 from treadle.rollout.fleet import Agents, Restarter, Rollout, kill_replicas, start_replicas
@@ -33,30 +34,14 @@ from treadle.serving.client import LocalReplica, RayReplica, ReplicaHandle, Roll
 from treadle.serving.replica import Role
 
 
-class FrozenSection(Protocol):
-    """A frozen model's section (``teacher``, ``reward.judge``): where its replicas run."""
-
-    @property
-    def placement(self) -> str: ...
-
-    @property
-    def replicas(self) -> int | None: ...
-
-    @property
-    def cpus_per_replica(self) -> float: ...
-
-    @property
-    def gpus_per_replica(self) -> float: ...
-
-
-def frozen_cpus(section: FrozenSection) -> float:
+def frozen_cpus(section: FrozenModelConfig) -> float:
     """CPUs of the split pool (0 when colocated)."""
     if section.placement == "colocated":
         return 0.0
     return (section.replicas or 1) * section.cpus_per_replica
 
 
-def reserve_frozen_pool(cfg: Config, section: FrozenSection) -> ResourcePool | None:
+def reserve_frozen_pool(cfg: Config, section: FrozenModelConfig) -> ResourcePool | None:
     """The split replicas' placement group (None when colocated)."""
     if section.placement == "colocated":
         return None
@@ -69,7 +54,7 @@ def serve_frozen(
     cfg: Config,
     group: WorkerGroup,
     role: Role,
-    section: FrozenSection,
+    section: FrozenModelConfig,
     path: str,
     agents: Agents,
     pool: ResourcePool | None = None,

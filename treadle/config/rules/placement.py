@@ -12,28 +12,16 @@ are read by ``treadle check`` and by the engine at start-up.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import Any
 
 from treadle.config.actor import ActorConfig
+from treadle.config.frozen import FrozenModelConfig
 from treadle.config.rollout import RolloutConfig
 from treadle.config.run import Sections
 from treadle.config.trainer import TrainerConfig
 
 
-class FrozenSection(Protocol):
-    """A frozen model's replicas (``teacher``, ``reward.judge``): engine and placement."""
-
-    @property
-    def engine(self) -> str: ...
-
-    @property
-    def placement(self) -> str: ...
-
-    @property
-    def replicas(self) -> int | None: ...
-
-
-def check_frozen(key: str, section: FrozenSection, cfg: Sections) -> Iterator[str]:
+def check_frozen(key: str, section: FrozenModelConfig, cfg: Sections) -> Iterator[str]:
     """Where the frozen model of section ``key`` can run: vLLM only in replicas of its own,
     split only on Ray, colocated one in each actor rank."""
     if section.engine == "vllm" and section.placement == "colocated":
