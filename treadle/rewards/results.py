@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from treadle.runtime.errors import RewardError
@@ -62,6 +62,17 @@ def as_result(value: Any) -> tuple[float, dict[str, float] | None] | str:
 
 
 Sample = tuple[str, str, str]  # (prompt, response, ground truth)
+
+
+def with_rows(
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    ground_truths: Sequence[str],
+    rows: Sequence[Mapping[str, Any]] | None,
+) -> list[tuple[str, str, str, Mapping[str, Any]]]:
+    """Each sample's prompt, response, ground truth and data row (``{}`` without ``rows``)."""
+    rows = rows if rows is not None else [{}] * len(prompts)
+    return list(zip(prompts, responses, ground_truths, rows, strict=True))
 
 
 # (returned value, None) or (None, the exception it raised or what happened to its process)

@@ -47,6 +47,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from treadle.rewards.results import with_rows
 from treadle.runtime.errors import ConfigError, RewardError
 
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -102,10 +103,9 @@ class RewardService:
     ) -> list[Any]:
         """What the service returned for each sample, in order (checked by the caller); a
         RewardError when it cannot be had."""
-        rows = rows if rows is not None else [{}] * len(prompts)
         samples = [
             {"prompt": p, "response": r, "ground_truth": g, "row": dict(row)}
-            for p, r, g, row in zip(prompts, responses, ground_truths, rows, strict=True)
+            for p, r, g, row in with_rows(prompts, responses, ground_truths, rows)
         ]
         if not samples:
             return []

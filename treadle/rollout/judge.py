@@ -65,6 +65,7 @@ from treadle.data.templating import encode_plain, encode_prompt, render, special
 from treadle.engines.inference import SamplingParams
 from treadle.models.loading import load_tokenizer, resolve_model_path
 from treadle.rewards import Outcome
+from treadle.rewards.results import with_rows
 from treadle.rewards.verdicts import NoVerdict, Verdict, check_prompting, fill, prob_score
 from treadle.rollout.fleet import Agents, Rollout
 from treadle.rollout.frozen import frozen_cpus, serve_frozen
@@ -153,8 +154,7 @@ class LLMJudge:
         """Per sample, (its score, None) or (None, why it has none)."""
         assert self.rollout is not None, "start the judge first"
         started = time.perf_counter()
-        rows = rows if rows is not None else [{}] * len(prompts)
-        samples = zip(prompts, responses, ground_truths, rows, strict=True)
+        samples = with_rows(prompts, responses, ground_truths, rows)
         asked = [self.ask(*sample) for sample in samples]
         todo = [a for a in asked if isinstance(a, JudgePrompt)]
         verdicts = iter(self._run(self._verdicts(todo), len(todo)) if todo else [])
