@@ -29,16 +29,8 @@ from treadle.algorithms import PREFERENCE_LOSSES, implicit_rewards, length_rewar
 from treadle.config import Config
 from treadle.config.rules import check_algorithm
 from treadle.data import PairDataset
-from treadle.rewards import load_reward_fn
 from treadle.tracking.tracker import timed
 from treadle.trainers.pairs import PairTrainer, held_out_batch, load_pairs, pair_batch, pair_means
-
-
-def check_dpo(cfg: Config) -> None:
-    """Fail before anything starts on a wrong loss name or a task eval without held-out data."""
-    check_algorithm(cfg, "dpo")
-    if cfg.dpo.eval_task:
-        load_reward_fn(cfg.reward.function)
 
 
 class DPOTrainer(PairTrainer[PairDataset]):
@@ -52,7 +44,7 @@ class DPOTrainer(PairTrainer[PairDataset]):
         return f"DPO (dpo.loss_type={self.cfg.dpo.loss_type})"
 
     def __init__(self, cfg: Config) -> None:
-        check_dpo(cfg)
+        check_algorithm(cfg, "dpo")
         self.reference = PREFERENCE_LOSSES.info(cfg.dpo.loss_type).get("reference", True)
         super().__init__(cfg, load_pairs, with_ref=self.reference, eval_task=cfg.dpo.eval_task)
 

@@ -28,7 +28,6 @@ from treadle.algorithms import implicit_rewards
 from treadle.config import Config
 from treadle.config.rules import check_algorithm
 from treadle.data import UnpairedDataset
-from treadle.rewards import load_reward_fn
 from treadle.tracking.tracker import timed
 from treadle.trainers.pairs import PairTrainer, held_out_unpaired, load_unpaired, unpaired_batch
 
@@ -45,8 +44,6 @@ class KTOTrainer(PairTrainer[UnpairedDataset]):
 
     def __init__(self, cfg: Config) -> None:
         check_algorithm(cfg, "kto")
-        if cfg.kto.eval_task:
-            load_reward_fn(cfg.reward.function)
         super().__init__(cfg, load_unpaired, with_ref=True, eval_task=cfg.kto.eval_task)
 
     def update(self, indices: list[int], m: dict[str, float]) -> None:

@@ -26,6 +26,7 @@ from treadle.data import (
     collate_unpaired,
 )
 from treadle.protocol import Batch
+from treadle.rewards import load_reward_fn
 from treadle.tracking.tracker import timed
 from treadle.trainers.base import Trainer
 from treadle.trainers.datasets import config_pairs, config_unpaired
@@ -98,6 +99,8 @@ class PairTrainer(Trainer, Generic[D]):
         with_ref: bool,
         eval_task: bool = False,
     ) -> None:
+        if eval_task:  # fail before anything starts on a reward function that will not load
+            load_reward_fn(cfg.reward.function)
         d = cfg.data
         self.train: D = load(cfg, d.train_files, "data.train_files")
         self.val: D | None = load(cfg, d.val_files, "data.val_files") if d.val_files else None
