@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.data.images import PIXELS, image_prompt, stack_pixels
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, answer_text, read_records, require
-from treadle.data.rows import Rows, keep, kept
+from treadle.data.rows import Rows, keep, kept_within
 from treadle.data.templating import (
     check_template,
     encode_prompt,
@@ -89,8 +89,7 @@ def prompt_dataset(
                 row["pixel_values"] = pictures[1]
             rows.append(row)
     limit = f"max_prompt_length={o.max_prompt_length}"
-    over, empty = f"rows longer than {limit} tokens", f"every prompt is longer than {limit}"
-    return kept(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, over, empty)
+    return kept_within(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, limit, "prompt")
 
 
 def _parse(

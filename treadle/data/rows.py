@@ -59,6 +59,15 @@ def kept(
     return Rows(rows=rows, pad_id=pad_id, n_filtered=n_filtered)
 
 
+def kept_within(
+    rows: list[R], total: int, pad_id: int, config_key: str, limit: str, what: str
+) -> Rows[R]:
+    """:func:`kept` under one length limit (``limit``: ``"max_length=512"``), rows of ``what``
+    (``"example"``) longer than it dropped."""
+    over, empty = f"rows longer than {limit} tokens", f"every {what} is longer than {limit}"
+    return kept(rows, total, pad_id, config_key, over, empty)
+
+
 def right_padded(
     seqs: Sequence[Sequence[int]], pad_id: int, width: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:

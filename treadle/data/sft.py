@@ -18,7 +18,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.data.images import image_prompt
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, as_text, read_records, require
-from treadle.data.rows import Rows, keep, kept
+from treadle.data.rows import Rows, keep, kept_within
 from treadle.data.templating import (
     check_template,
     encode_prompt,
@@ -76,8 +76,7 @@ def sft_dataset(
                 row["pixel_values"] = pixels
             rows.append(row)
     limit = f"max_length={max_length}"
-    over, empty = f"rows longer than {limit} tokens", f"every example is longer than {limit}"
-    return kept(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, over, empty)
+    return kept_within(rows, len(records), pad_or_eos_id(tokenizer), o.config_key, limit, "example")
 
 
 def _sft_example(
