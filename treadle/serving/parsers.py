@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from collections.abc import Callable
 from typing import Any
 
 from treadle.runtime.errors import ConfigError
@@ -47,23 +48,22 @@ def check_parser_names(tool_parser: str, reasoning_parser: str | None) -> None:
     The defaults (hermes, no reasoning parser) are taken as they are: no vLLM import."""
     problems = []
     if tool_parser != DEFAULT_TOOL_PARSER:
-        _vllm("rollout.tool_parser", tool_parser)
-        names = tool_parser_names()
-        if tool_parser not in names:
-            problems.append(
-                f"rollout.tool_parser={tool_parser} is not one of vLLM's tool parsers: "
-                f"{', '.join(names)}"
-            )
+        problems += _unregistered("rollout.tool_parser", tool_parser, tool_parser_names, "tool")
     if reasoning_parser is not None:
-        _vllm("rollout.reasoning_parser", reasoning_parser)
-        names = reasoning_parser_names()
-        if reasoning_parser not in names:
-            problems.append(
-                f"rollout.reasoning_parser={reasoning_parser} is not one of vLLM's reasoning "
-                f"parsers: {', '.join(names)} (or null)"
-            )
+        key = "rollout.reasoning_parser"
+        problems += _unregistered(key, reasoning_parser, reasoning_parser_names, "reasoning")
     if problems:
         raise ConfigError("\n".join(problems))
+
+
+def _unregistered(key: str, name: str, registered: Callable[[], list[str]], kind: str) -> list[str]:
+    """The problem with ``key=name`` when vLLM has no ``kind`` parser of that name."""
+    _vllm(key, name)
+    names = registered()
+    if name in names:
+        return []
+    tail = " (or null)" if kind == "reasoning" else ""
+    return [f"{key}={name} is not one of vLLM's {kind} parsers: {', '.join(names)}{tail}"]
 
 
 class ChatParsers:
