@@ -16,7 +16,13 @@ import yaml
 from treadle.cli import main
 from treadle.config import load_config
 from treadle.config.data import ReasoningGymConfig
-from treadle.data.gym import compute_score, extract_answer, format_answer, gym_records
+from treadle.data.gym import (
+    compute_score,
+    extract_answer,
+    format_answer,
+    gym_records,
+    instruction,
+)
 from treadle.models.loading import load_tokenizer
 from treadle.rewards import Scorer
 from treadle.runtime.errors import ConfigError
@@ -178,6 +184,38 @@ def test_rows_become_prompts_with_the_formats_instruction(tiny_task):
         for r in sft.rows
     ]
     assert targets[0].startswith(f"<answer>{row['row']['answer']}</answer>")
+
+
+def test_shots_are_the_first_training_rows_as_chat_turns_before_each_question(tiny_task):
+    cfg = gym_config(
+        str(tiny_task["model"]),
+        "data.reasoning_gym.shots=2",
+        "data.reasoning_gym.answer_format=full",
+    )
+    tok = load_tokenizer(tiny_task["model"])
+    train = config_prompts(cfg, [], "data.train_files", tok, None)
+    val = config_prompts(cfg, [], "data.val_files", tok, None)
+    first = [r["row"] for r in train[:2]]  # the shots are the training rows' first two
+    turns = [
+        {"role": "user", "content": first[0]["question"]},
+        {"role": "assistant", "content": str(first[0]["answer"])},
+        {"role": "user", "content": first[1]["question"]},
+        {"role": "assistant", "content": str(first[1]["answer"])},
+    ]
+    for row in (train[5], val[3]):
+        assert row["row"]["prompt"] == [*turns, {"role": "user", "content": row["row"]["question"]}]
+        assert row["prompt_text"] == row["row"]["question"]
+        system = {"role": "system", "content": instruction("full")}
+        expected = tok.apply_chat_template(
+            [system, *row["row"]["prompt"]], add_generation_prompt=True, tokenize=False
+        )
+        assert tok.decode(row["prompt_ids"]) == expected
+    sft = config_sft(cfg, [], "data.train_files", tok)
+    mask = sft.rows[5]["loss_mask"]
+    assert sft.rows[5]["input_ids"][: len(train[5]["prompt_ids"])] == train[5]["prompt_ids"]
+    assert mask.index(1) == len(train[5]["prompt_ids"])  # no loss on the shots' answers
+    target = [t for t, m in zip(sft.rows[5]["input_ids"], mask, strict=True) if m]
+    assert tok.decode(target).startswith(str(train[5]["row"]["answer"]))
 
 
 # --- treadle check ---------------------------------------------------------------------------

@@ -51,6 +51,14 @@ class ReasoningGymConfig(Section):
         "line) or full (the whole response, stripped). Its instruction is the system prompt "
         "unless data.system_prompt is set.",
     )
+    shots: int = Field(
+        0,
+        ge=0,
+        le=16,
+        description="Worked examples shown before each question as earlier chat turns: the "
+        "question and its answer in answer_format, from the first rows of seed (the same for "
+        "every question). Teaches a base model the answer format without SFT.",
+    )
 
     def streams(self, split: Literal["train", "val"]) -> range:
         """The seeds of the random streams the rows of ``split`` use (see ``val_seed``)."""

@@ -5,9 +5,11 @@
 the training rows with ``data.reasoning_gym.seed``, the held-out rows with ``val_seed``. Each
 row is reasoning-gym's entry as it made it (``question``, ``answer``, ``metadata``) plus two
 columns of ours: ``answer_format`` (how the model is asked to answer, so the reward reads the
-answer the same way) and ``solution`` (the answer written in that format: the SFT target). The
-rows then go through the same prompt pipeline as a file's rows (``question`` is the prompt,
-``answer`` the ground truth, the whole row kept in ``row``), so nothing downstream changes.
+answer the same way) and ``solution`` (the answer written in that format: the SFT target);
+with ``shots`` a third, ``prompt``: the worked examples as chat turns, then the question. The
+rows then go through the same prompt pipeline as a file's rows (``question``, or ``prompt``, is
+the prompt, ``answer`` the ground truth, the whole row kept in ``row``), so nothing downstream
+changes.
 
 ``reward.function=reasoning_gym`` (``compute_score``, a batched reward: it reads the rows'
 columns) extracts each response's answer as the row's ``answer_format`` says and scores it with
@@ -56,6 +58,7 @@ def gym_records(spec: ReasoningGymConfig, split: Split, key: str = KEY) -> list[
     bad dataset name or config."""
     size, seed = (spec.size, spec.seed) if split == "train" else (spec.val_size, spec.val_seed)
     dataset = _composite(spec, size, seed, key)
+    shown = _shots(spec, key)
     records = []
     for i in range(size):
         entry = dataset[i]
@@ -66,8 +69,26 @@ def gym_records(spec: ReasoningGymConfig, split: Split, key: str = KEY) -> list[
             "answer_format": spec.answer_format,
             "solution": format_answer(str(entry["answer"]), spec.answer_format),
         }
+        if shown:
+            row["prompt"] = [*shown, {"role": "user", "content": entry["question"]}]
         records.append(Record(f"{key} ({split}) row {i + 1}", f"reasoning_gym-{split}:{i}", row))
     return records
+
+
+def _shots(spec: ReasoningGymConfig, key: str) -> list[dict[str, str]]:
+    """The ``shots`` worked examples as chat turns: the first rows of ``seed`` (reasoning-gym
+    draws entry i from its own seeds, so they are the training rows' first ones)."""
+    if not spec.shots:
+        return []
+    examples = _composite(spec, spec.shots, spec.seed, key)
+    turns = []
+    for i in range(spec.shots):
+        answer = format_answer(str(examples[i]["answer"]), spec.answer_format)
+        turns += [
+            {"role": "user", "content": examples[i]["question"]},
+            {"role": "assistant", "content": answer},
+        ]
+    return turns
 
 
 def _composite(spec: ReasoningGymConfig, size: int, seed: int, key: str) -> Any:
@@ -186,11 +207,12 @@ def gym_rows(
     """reasoning-gym's rows of ``split`` as ``spec`` (the config key ``key``) draws them: the
     prompt is the ``question``, the ground truth the ``answer``, the SFT target the
     ``solution``, and the answer format's instruction the system prompt unless
-    ``data.system_prompt`` is set."""
+    ``data.system_prompt`` is set. With ``shots`` the prompt is the chat ``prompt``: the worked
+    examples, then the question."""
     system = options.system_prompt
     gym = replace(
         options,
-        prompt_key="question",
+        prompt_key="prompt" if spec.shots else "question",
         answer_key="answer",
         response_key="solution",
         system_prompt=instruction(spec.answer_format) if system is None else system,
