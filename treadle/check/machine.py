@@ -14,6 +14,7 @@ import os
 from treadle.config import Config
 from treadle.config.rules import RL_KINDS, Kind
 from treadle.runtime.errors import ConfigError
+from treadle.runtime.precision import emulated_bf16
 
 BATCH_BYTES_PER_TOKEN = 64  # a step's batch on the driver: ids, masks, log-probs, advantages...
 
@@ -55,6 +56,19 @@ def machine_problems(cfg: Config, kind: Kind) -> list[str]:
             "actor.world_size, or join a Ray cluster with more (trainer.ray_address)"
         )
     return problems
+
+
+def precision_warning(cfg: Config, kind: Kind) -> str | None:
+    """bfloat16 asked for on a machine that emulates it (a run on this machine)."""
+    t = cfg.trainer
+    if t.backend == "ray" and (t.ray_address or os.environ.get("RAY_ADDRESS", "local")) != "local":
+        return None  # a joined cluster's nodes are not this machine
+    settings = {"model.dtype": cfg.model.dtype}
+    if kind not in ("eval", "serve"):
+        settings["actor.mixed_precision"] = cfg.actor.mixed_precision
+    if kind in (*RL_KINDS, "eval", "serve") and cfg.rollout.dtype:
+        settings["rollout.dtype"] = cfg.rollout.dtype
+    return emulated_bf16(settings)
 
 
 def check_endpoint(cfg: Config, kind: Kind) -> None:

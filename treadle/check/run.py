@@ -45,11 +45,12 @@ traceback.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from treadle.check.data import check_files, check_gym, check_val_sets, evaluates
-from treadle.check.machine import check_endpoint, machine_problems
+from treadle.check.machine import check_endpoint, machine_problems, precision_warning
 from treadle.check.models import check_models
 from treadle.check.output import check_output_dir
 from treadle.check.user_code import check_parsers, check_rules, check_user_code
@@ -77,6 +78,9 @@ def check(cfg: Config, kind: Kind) -> list[str]:
 
     attempt("algorithm", check_rules, cfg, kind)
     problems += machine_problems(cfg, kind)
+    slow = precision_warning(cfg, kind)
+    if slow:
+        logging.getLogger("treadle.check").warning("warning: %s", slow)
     attempt("rollout.tool_parser", check_parsers, cfg, summary)
     tokenizer = attempt("model.path", check_models, cfg, kind, summary, problems)
     tools = attempt("rollout.tools", check_user_code, cfg, kind, summary, problems)

@@ -132,12 +132,14 @@ class ActorConfig(Section):
         "CPU. Narrower rows, down to the longest sequence, are used when cheaper: each row "
         "position weighted by 3 x hidden size + the width.",
     )
-    mixed_precision: Literal["none", "bf16"] = Field(
+    mixed_precision: Literal["none", "bf16", "auto"] = Field(
         "none",
         description="bf16: decoder layers and LM-head products of actor and reference compute "
         "in bfloat16 from float32 parameters (FSDP2 MixedPrecisionPolicy); norms, softmax, "
         "log-probs, value heads and the optimizer float32. "
-        "Measured on an AVX-512 BF16 CPU, SmolLM2-135M actor update: 2.2-2.8x faster.",
+        "Measured on an AVX-512 BF16 CPU, SmolLM2-135M actor update: 2.2-2.8x faster; on a CPU "
+        "without native bfloat16 (AVX2 only) torch emulates it, ~25x slower. auto: bf16 where "
+        "it is native (a CUDA GPU with bf16, a CPU with AVX-512 BF16 or AMX), else none.",
     )
     max_tokens_per_micro_batch: int | None = Field(
         None,

@@ -26,6 +26,7 @@ from treadle.engines.schedule import LrSchedule
 from treadle.engines.value import ValueHead
 from treadle.models.loading import load_value_model
 from treadle.protocol import Batch, response_attention
+from treadle.runtime.precision import compute_bf16
 
 if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP
     from treadle.engines.fsdp import TrainEngine
@@ -38,7 +39,7 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     return {
         "chunk_size": a.logprob_chunk_size,
         "row_tokens": a.pack_row_tokens if a.remove_padding else None,
-        "compute_dtype": torch.bfloat16 if a.mixed_precision == "bf16" else None,
+        "compute_dtype": torch.bfloat16 if compute_bf16(a.mixed_precision) else None,
     }
 
 
