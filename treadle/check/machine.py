@@ -19,11 +19,19 @@ from treadle.runtime.precision import emulated_bf16
 BATCH_BYTES_PER_TOKEN = 64  # a step's batch on the driver: ids, masks, log-probs, advantages...
 
 
+def joined(cfg: Config) -> bool:
+    """The run joins a Ray cluster rather than starting one here or running locally."""
+    t = cfg.trainer
+    return (
+        t.backend == "ray" and (t.ray_address or os.environ.get("RAY_ADDRESS", "local")) != "local"
+    )
+
+
 def machine_problems(cfg: Config, kind: Kind) -> list[str]:
     """Sizes beyond this machine (a run that starts its own Ray cluster or runs locally):
     memory for a step's batch and the vLLM KV caches, a CPU for each actor rank."""
     t, r = cfg.trainer, cfg.rollout
-    if t.backend == "ray" and (t.ray_address or os.environ.get("RAY_ADDRESS", "local")) != "local":
+    if joined(cfg):
         return []  # a joined cluster: its nodes' sizes are Ray's to say
     gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     cpus = os.cpu_count() or 1
@@ -60,10 +68,9 @@ def machine_problems(cfg: Config, kind: Kind) -> list[str]:
 
 def precision_warning(cfg: Config, kind: Kind) -> str | None:
     """bfloat16 asked for on a machine that emulates it (a run on this machine)."""
-    t = cfg.trainer
-    if t.backend == "ray" and (t.ray_address or os.environ.get("RAY_ADDRESS", "local")) != "local":
+    if joined(cfg):
         return None  # a joined cluster's nodes are not this machine
-    settings = {"model.dtype": cfg.model.dtype}
+    settings: dict[str, str] = {"model.dtype": cfg.model.dtype}
     if kind not in ("eval", "serve"):
         settings["actor.mixed_precision"] = cfg.actor.mixed_precision
     if kind in (*RL_KINDS, "eval", "serve") and cfg.rollout.dtype:
