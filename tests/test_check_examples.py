@@ -36,6 +36,7 @@ KINDS = {
 GYM = ["data.max_prompt_length=512", "data.reasoning_gym.size=64", "data.reasoning_gym.val_size=8"]
 OVERRIDES = {
     "examples/reasoning_gym/grpo.yaml": GYM,
+    "examples/reasoning_gym/grpo_base.yaml": GYM,
     "examples/reasoning_gym/sft.yaml": GYM,
     "examples/shapes/sft.yaml": ["data.batch_size=16"],
     "examples/tools/grpo_calculator.yaml": ["data.max_prompt_length=1536"],
