@@ -133,6 +133,17 @@ def test_reward_reads_rows_through_the_scorer():
     assert list(scores) == [1.0, 0.0, 1.0]
 
 
+def test_the_examples_exact_score_drops_the_partial_credit():
+    rows = [r.row for r in gym_records(spec(answer_format="full"), "train")[:3]]
+    responses = [str(rows[0]["answer"]), f"{rows[1]['answer']}0", "nonsense"]  # right, near miss
+    with Scorer("examples/reasoning_gym/exact.py:exact_score", num_workers=0) as exact:
+        got = exact([r["question"] for r in rows], responses, [r["answer"] for r in rows], rows)
+    with Scorer("reasoning_gym", num_workers=0) as partial:
+        full = partial([r["question"] for r in rows], responses, [r["answer"] for r in rows], rows)
+    assert list(full) == [1.0, pytest.approx(len(str(rows[1]["answer"])) / len(responses[1])), 0.0]
+    assert list(got) == [1.0, 0.0, 0.0]
+
+
 def test_reward_on_rows_without_metadata_says_what_it_needs():
     with pytest.raises(ValueError, match=r"use data\.source=reasoning_gym"):
         compute_score(["1"], ["q"], ["1"], [{}])
