@@ -12,6 +12,7 @@ import functools
 from pathlib import Path
 
 CPU_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16", "bf16"})  # x86 (Linux names), Arm
+FIXES = {"actor.mixed_precision": "auto (bf16 where native) or none"}  # else float32
 
 
 def cpu_flags(cpuinfo: str) -> set[str]:
@@ -48,14 +49,14 @@ def emulated_bf16(settings: dict[str, str]) -> str | None:
     """A warning when the settings (config key: value) compute in bfloat16 on a machine that
     emulates it: a CPU without native bfloat16 and no NVIDIA driver (the check does not import
     torch); None otherwise."""
-    bf16 = [f"{key}={value}" for key, value in settings.items() if value in ("bf16", "bfloat16")]
+    bf16 = {key: value for key, value in settings.items() if value in ("bf16", "bfloat16")}
     if not bf16 or cpu_native_bf16() or Path("/proc/driver/nvidia/version").exists():
         return None
-    fix = ["auto (bf16 where native) or none" if "mixed" in b else "float32" for b in bf16]
+    asked = " and ".join(f"{key}={value}" for key, value in bf16.items())
+    fixes = ", ".join(f"{key}={FIXES.get(key, 'float32')}" for key in bf16)
     return (
-        f"{' and '.join(bf16)}: this CPU has no native bfloat16 (AVX-512 BF16 or AMX), so "
-        "torch emulates it, about 25x slower than float32: set "
-        + ", ".join(f"{b.split('=')[0]}={f}" for b, f in zip(bf16, fix, strict=True))
+        f"{asked}: this CPU has no native bfloat16 (AVX-512 BF16 or AMX), so torch emulates "
+        f"it, about 25x slower than float32: set {fixes}"
     )
 
 
