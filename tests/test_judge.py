@@ -18,6 +18,7 @@ from tiny_models import tiny_model
 from treadle.check.judge import check_judge
 from treadle.config import load_config
 from treadle.rewards import Scorer
+from treadle.rewards.results import with_rows
 from treadle.rewards.verdicts import NoVerdict, Verdict, fill, prob_score, template_fields
 from treadle.rollout.judge import JudgePrompt, LLMJudge
 from treadle.runtime.errors import ConfigError, RewardError
@@ -99,7 +100,7 @@ class FakeJudge:
     def __init__(self, outcomes, weight=1.0):
         self.outcomes, self.weight, self.calls, self.closed = outcomes, weight, 0, False
 
-    def __call__(self, prompts, responses, ground_truths, rows):
+    def __call__(self, samples):
         self.calls += 1
         return self.outcomes
 
@@ -236,7 +237,7 @@ def test_the_judge_reads_each_answer_and_scores_the_unparsed(judge_model):
     judge, replica = _judge(judge_model, "reward.judge.unparsed=0.5", answers=ANSWERS)
     prompts = [f"What is {i}?" for i in range(4)]
     with judge:
-        outcomes = judge(prompts, RESPONSES, ["2", "3", "7", "1"], [{}] * 4)
+        outcomes = judge(with_rows(prompts, RESPONSES, ["2", "3", "7", "1"], [{}] * 4))
     assert outcomes == [(1.0, None), (0.0, None), (0.5, None), (0.5, None)]
     assert judge.metrics()["reward/judge_unparsed"] == 0.5  # "Score: 7", "hmm"
     assert "timing/judge" in judge.metrics()
@@ -248,7 +249,7 @@ def test_the_judge_reads_each_answer_and_scores_the_unparsed(judge_model):
         judge_model, "reward.judge.verdict=number", "reward.judge.scale=[1,11]", answers=ANSWERS
     )
     with judge:
-        outcomes = judge(prompts, RESPONSES, ["2", "3", "7", "1"], [{}] * 4)
+        outcomes = judge(with_rows(prompts, RESPONSES, ["2", "3", "7", "1"], [{}] * 4))
     assert outcomes[2] == (0.6, None)  # (7 - 1) / (11 - 1)
     assert outcomes[0][0] is None and "no number in [1, 11]" in outcomes[0][1]
     assert "set reward.judge.unparsed to score such samples" in outcomes[0][1]
@@ -272,13 +273,15 @@ def test_a_prob_verdict_scores_the_answers_tokens_without_generating(judge_model
 
     judge, replica = _judge(judge_model, "reward.judge.verdict=prob", 'reward.judge.token="yes"')
     with judge:
-        outcomes = judge(["p"], ["r"], ["1"], [{}])
+        outcomes = judge(with_rows(["p"], ["r"], ["1"], [{}]))
     assert outcomes == [(pytest.approx(math.exp(log_prob("yes"))), None)]
     assert replica.prompts == []  # nothing generated
     reference = ['reward.judge.token="{answer}"', 'reward.judge.against="no"']
     judge, replica = _judge(judge_model, "reward.judge.verdict=prob", *reference)
     with judge:
-        outcomes = judge(["p", "q"], ["r", "s"], ["1", "2"], [{"answer": "7"}, {"answer": "123"}])
+        outcomes = judge(
+            with_rows(["p", "q"], ["r", "s"], ["1", "2"], [{"answer": "7"}, {"answer": "123"}])
+        )
     assert outcomes == [
         (pytest.approx(prob_score(log_prob("7"), log_prob("no"))), None),
         (pytest.approx(prob_score(log_prob("123"), log_prob("no"))), None),
@@ -290,7 +293,7 @@ def test_a_prob_verdict_scores_the_answers_tokens_without_generating(judge_model
 def test_a_judge_past_its_time_limit_stops_with_one_line(judge_model):
     judge, _ = _judge(judge_model, "reward.judge.timeout_s=0.2", answers={"": None})
     with judge, pytest.raises(RewardError) as e:
-        judge(["p", "q"], ["r", "s"], ["1", "2"], [{}, {}])
+        judge(with_rows(["p", "q"], ["r", "s"], ["1", "2"], [{}, {}]))
     message = str(e.value)
     assert "\n" not in message and message.startswith("reward.judge: no verdicts within ")
     assert "reward.judge.timeout_s=0.2 s for a batch of 2 judge prompts" in message

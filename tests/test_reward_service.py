@@ -19,6 +19,7 @@ from aiohttp import web
 from treadle.check.user_code import check_reward_service
 from treadle.config import load_config
 from treadle.rewards import Scorer
+from treadle.rewards.results import with_rows
 from treadle.rewards.service import RewardService, ServiceOptions
 from treadle.runtime.errors import ConfigError, RewardError
 from treadle.trainers.rl import RLTrainer
@@ -102,7 +103,7 @@ def test_scores_arrive_in_order_in_batches_with_the_rows():
                 {"prompt": p, "answer": t, "level": i}
                 for i, (p, t) in enumerate(zip(PROMPTS, TRUTHS, strict=True))
             ]
-            values = rs(PROMPTS, RESPONSES, TRUTHS, rows)
+            values = rs(with_rows(PROMPTS, RESPONSES, TRUTHS, rows))
     assert values == [length_score({"response": r}) for r in RESPONSES]
     assert sorted(len(b["samples"]) for b in s.bodies) == [1, 2, 2]
     sent = sorted((x for b in s.bodies for x in b["samples"]), key=lambda x: x["prompt"])
@@ -118,7 +119,7 @@ def test_a_slow_service_times_out_in_one_line():
     with service(lambda n, body: None) as s:
         options = ServiceOptions(s.url, retries=1, backoff_s=0.01, timeout_s=0.3)
         with RewardService(options) as rs, pytest.raises(RewardError) as e:
-            rs(PROMPTS[:1], RESPONSES[:1], TRUTHS[:1])
+            rs(with_rows(PROMPTS[:1], RESPONSES[:1], TRUTHS[:1], None))
     message = str(e.value)
     assert "\n" not in message and f"reward.url={s.url}" in message
     assert "no answer within reward.url_timeout_s=0.3 s" in message and "2 tries" in message
@@ -128,7 +129,9 @@ def test_a_slow_service_times_out_in_one_line():
 def test_a_flaky_service_succeeds_after_retries():
     flaky = service(lambda n, body: 503 if n <= 2 else scored(n, body))
     with flaky as s, RewardService(ServiceOptions(s.url, retries=3, **FAST)) as rs:
-        assert rs(PROMPTS, RESPONSES, TRUTHS) == [length_score({"response": r}) for r in RESPONSES]
+        assert rs(with_rows(PROMPTS, RESPONSES, TRUTHS, None)) == [
+            length_score({"response": r}) for r in RESPONSES
+        ]
     assert len(s.bodies) == 3
 
 
@@ -144,7 +147,7 @@ def test_a_service_that_stays_down_stops_with_one_line():
         RewardService(ServiceOptions(url, retries=2, **FAST)) as rs,
         pytest.raises(RewardError) as e,
     ):
-        rs(PROMPTS, RESPONSES, TRUTHS)
+        rs(with_rows(PROMPTS, RESPONSES, TRUTHS, None))
     message = str(e.value)
     assert "\n" not in message
     assert message.startswith(f"reward.url={url}: cannot reach it (")
@@ -170,7 +173,7 @@ def test_a_refusal_or_a_wrong_answer_is_one_line_without_retries(answer, expecte
         RewardService(ServiceOptions(s.url, **FAST)) as rs,
         pytest.raises(RewardError) as e,
     ):
-        rs(PROMPTS, RESPONSES, TRUTHS)
+        rs(with_rows(PROMPTS, RESPONSES, TRUTHS, None))
     assert expected in str(e.value) and "\n" not in str(e.value)
     assert len(s.bodies) == 1
 
@@ -179,7 +182,7 @@ def test_the_token_comes_from_the_environment_variable(monkeypatch):
     monkeypatch.setenv("TREADLE_TEST_RM_TOKEN", "s3cret-token")
     options = {"auth_env": "TREADLE_TEST_RM_TOKEN"}
     with service(scored) as s, RewardService(ServiceOptions(s.url, **options)) as rs:
-        rs(PROMPTS[:1], RESPONSES[:1], TRUTHS[:1])
+        rs(with_rows(PROMPTS[:1], RESPONSES[:1], TRUTHS[:1], None))
     assert s.headers[0]["Authorization"] == "Bearer s3cret-token"
     monkeypatch.delenv("TREADLE_TEST_RM_TOKEN")
     with pytest.raises(ConfigError, match="TREADLE_TEST_RM_TOKEN is not set"):

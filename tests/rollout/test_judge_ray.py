@@ -15,6 +15,7 @@ from tiny_models import tiny_model
 
 from treadle.config import load_config
 from treadle.models.loading import load_causal_lm, load_tokenizer
+from treadle.rewards.results import with_rows
 from treadle.rollout.judge import LLMJudge
 
 pytestmark = pytest.mark.slow
@@ -66,11 +67,11 @@ def test_a_split_judge_scores_as_its_forward_pass_and_is_restarted(
     try:
         judge.start(None)  # type: ignore[arg-type]  # (split: no actors' group is needed)
         assert judge.rollout is not None and judge.rollout.names == ["judge replica 0"]
-        outcomes = judge(["p"] * 4, responses, ["t"] * 4, rows)
+        outcomes = judge(with_rows(["p"] * 4, responses, ["t"] * 4, rows))
         assert [score for score, _ in outcomes] == pytest.approx(expected, abs=1e-6)
         pid = judge.rollout.replicas[0].describe.remote()
         os.kill(ray_session.get(pid)["pid"], signal.SIGKILL)
-        again = judge(["p"] * 4, responses, ["t"] * 4, rows)  # restarted, then answered
+        again = judge(with_rows(["p"] * 4, responses, ["t"] * 4, rows))  # restarted, then answered
         assert [score for score, _ in again] == pytest.approx(expected, abs=1e-6)
         assert judge.rollout.counters.get("rollout/replica_restarts") == 1.0
     finally:

@@ -62,6 +62,7 @@ def as_result(value: Any) -> tuple[float, dict[str, float] | None] | str:
 
 
 Sample = tuple[str, str, str]  # (prompt, response, ground truth)
+RowSample = tuple[str, str, str, Mapping[str, Any]]  # (prompt, response, ground truth, data row)
 
 
 def with_rows(
@@ -69,7 +70,7 @@ def with_rows(
     responses: Sequence[str],
     ground_truths: Sequence[str],
     rows: Sequence[Mapping[str, Any]] | None,
-) -> list[tuple[str, str, str, Mapping[str, Any]]]:
+) -> list[RowSample]:
     """Each sample's prompt, response, ground truth and data row (``{}`` without ``rows``)."""
     rows = rows if rows is not None else [{}] * len(prompts)
     return list(zip(prompts, responses, ground_truths, rows, strict=True))

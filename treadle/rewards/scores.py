@@ -13,7 +13,15 @@ from typing import Any, Protocol
 
 from treadle.rewards.functions import SANDBOXED, load_reward_fn
 from treadle.rewards.pool import RewardPool
-from treadle.rewards.results import Outcome, Sample, as_result, fail, outcome
+from treadle.rewards.results import (
+    Outcome,
+    RowSample,
+    Sample,
+    as_result,
+    fail,
+    outcome,
+    with_rows,
+)
 from treadle.rewards.service import RewardService, ServiceOptions
 from treadle.runtime.errors import ConfigError, RewardError
 
@@ -31,14 +39,9 @@ class Judge(Protocol):
 
     weight: float
 
-    def __call__(
-        self,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        ground_truths: Sequence[str],
-        rows: Sequence[Mapping[str, Any]] | None,
-    ) -> list[Outcome]:
-        """Per sample, (its score, None) or (None, what went wrong, in words)."""
+    def __call__(self, samples: Sequence[RowSample]) -> list[Outcome]:
+        """Per sample (prompt, response, ground truth and data row, as :func:`with_rows` pairs
+        them), (its score, None) or (None, what went wrong, in words)."""
         ...
 
     def metrics(self) -> dict[str, float]:
@@ -257,14 +260,15 @@ class Scorer:
         if self.service is None and self.judge is None:
             return _weighted(parts)
         samples = _samples(prompts, responses, ground_truths)  # (what their errors name)
+        rowed = with_rows(prompts, responses, ground_truths, rows)  # (what they are sent)
         if self.service is not None:
-            values = self.service(prompts, responses, ground_truths, rows)
+            values = self.service(rowed)
             url = self.service.options.url
             served = _judge(url, samples, ((v, None) for v in values), "reward service")
             parts.append((self.service.options.weight, served))
         if self.judge is None:
             return _weighted(parts)
-        outcomes = self.judge(prompts, responses, ground_truths, rows)
+        outcomes = self.judge(rowed)
         judged = _judge("reward.judge", samples, outcomes, "judge")
         parts.append((self.judge.weight, judged))
         mean = sum(judged) / len(judged) if judged else 0.0

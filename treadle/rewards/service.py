@@ -43,11 +43,11 @@ import os
 import random
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from treadle.rewards.results import with_rows
+from treadle.rewards.results import RowSample
 from treadle.runtime.errors import ConfigError, RewardError
 
 RETRIED_STATUS = frozenset({408, 429, 500, 502, 503, 504})
@@ -94,23 +94,18 @@ class RewardService:
 
     # ------------------------------------------------------------------ the caller's side
 
-    def __call__(
-        self,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        ground_truths: Sequence[str],
-        rows: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[Any]:
-        """What the service returned for each sample, in order (checked by the caller); a
-        RewardError when it cannot be had."""
-        samples = [
+    def __call__(self, samples: Sequence[RowSample]) -> list[Any]:
+        """What the service returned for each sample (prompt, response, ground truth and data
+        row, as :func:`~treadle.rewards.results.with_rows` pairs them), in order (checked by the
+        caller); a RewardError when it cannot be had."""
+        sent = [
             {"prompt": p, "response": r, "ground_truth": g, "row": dict(row)}
-            for p, r, g, row in with_rows(prompts, responses, ground_truths, rows)
+            for p, r, g, row in samples
         ]
-        if not samples:
+        if not sent:
             return []
         size = self.options.batch_size
-        batches = [samples[k : k + size] for k in range(0, len(samples), size)]
+        batches = [sent[k : k + size] for k in range(0, len(sent), size)]
         answers = self._run(self._score_all(batches))
         return [value for answer in answers for value in answer]
 

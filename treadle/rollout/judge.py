@@ -65,7 +65,7 @@ from treadle.data.templating import encode_plain, encode_prompt, render, special
 from treadle.engines.inference import SamplingParams
 from treadle.models.loading import load_tokenizer, resolve_model_path
 from treadle.rewards import Outcome
-from treadle.rewards.results import with_rows
+from treadle.rewards.results import RowSample
 from treadle.rewards.verdicts import NoVerdict, Verdict, check_prompting, fill, prob_score
 from treadle.rollout.fleet import Agents, Rollout
 from treadle.rollout.frozen import frozen_cpus, serve_frozen
@@ -144,17 +144,12 @@ class LLMJudge:
 
     # ------------------------------------------------------------------ a batch's verdicts
 
-    def __call__(
-        self,
-        prompts: Sequence[str],
-        responses: Sequence[str],
-        ground_truths: Sequence[str],
-        rows: Sequence[Mapping[str, Any]] | None = None,
-    ) -> list[Outcome]:
-        """Per sample, (its score, None) or (None, why it has none)."""
+    def __call__(self, samples: Sequence[RowSample]) -> list[Outcome]:
+        """Per sample (prompt, response, ground truth and data row, as
+        :func:`~treadle.rewards.results.with_rows` pairs them), (its score, None) or (None, why
+        it has none)."""
         assert self.rollout is not None, "start the judge first"
         started = time.perf_counter()
-        samples = with_rows(prompts, responses, ground_truths, rows)
         asked = [self.ask(*sample) for sample in samples]
         todo = [a for a in asked if isinstance(a, JudgePrompt)]
         verdicts = iter(self._run(self._verdicts(todo), len(todo)) if todo else [])
