@@ -92,12 +92,14 @@ from treadle.rewards.pool import (
 from treadle.rewards.results import (
     FLOAT32_MAX,
     Outcome,
+    RowSample,
     Sample,
     as_result,
     as_score,
     fail,
     outcome,
     shorten,
+    with_rows,
 )
 from treadle.rewards.scores import (
     Judge,
@@ -123,6 +125,7 @@ __all__ = [
     "RewardFn",
     "RewardPool",
     "RewardService",
+    "RowSample",
     "Sample",
     "Scorer",
     "Scores",
@@ -143,4 +146,5 @@ __all__ = [
     "score_batch",
     "score_batched",
     "shorten",
+    "with_rows",
 ]
