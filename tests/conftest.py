@@ -28,10 +28,12 @@ _COMMAND_LOGS = tempfile.TemporaryDirectory(prefix="treadle-command-logs-")
 os.environ.setdefault("TREADLE_LOGS", _COMMAND_LOGS.name)
 
 
-# A test that starts Ray or a real inference engine is `slow` (`make test-fast` leaves it out).
-# Those that get them from these fixtures are marked here; those that start them another way (a
-# `treadle` subprocess, the trainer's own `ray.init`) carry the mark themselves, and a test that
-# forgets it fails at `ray.init` (see _fast_tests_start_no_ray).
+# A test that starts Ray or a real inference engine is `slow` (`make test-fast` leaves it out),
+# and so is one that starts a `treadle` command, a server or a browser in a process of its own,
+# or compares whole runs (a resumed run against a straight one): the edit-run loop keeps the
+# tests that take a second or two. Those that get Ray or an engine from these fixtures are marked
+# here; the others carry the mark themselves, and one that starts Ray without it fails at
+# `ray.init` (see _fast_tests_start_no_ray).
 STARTS_RAY_OR_ENGINE = {"ray_session", "ray_actor", "vllm_session"}
 
 

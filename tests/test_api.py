@@ -255,6 +255,7 @@ def test_a_bad_plugin_is_one_line_naming_algorithm_plugins(tmp_path):
         check_algorithm(cfg, "train")
 
 
+@pytest.mark.slow
 def test_the_plugin_example_trains_from_the_command_line(tiny_task, tmp_path):
     """examples/plugins: the README's custom estimator, named in a config, runs a step."""
     task = Path(tiny_task["train"]).parent

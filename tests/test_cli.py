@@ -11,6 +11,7 @@ from treadle.cli import main
 from treadle.tracking.tracker import read_metrics
 
 
+@pytest.mark.slow
 def test_misspelt_key_exits_nonzero_with_one_line(tmp_path):
     proc = subprocess.run(
         [

@@ -95,6 +95,7 @@ def first_checks(env, tmp_path_factory):
             proc.wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_first_check_imports_no_torch(first_checks, kind):
     """Nothing kept (an empty cache): the tokenizer, the data rows, the model's config and the

@@ -93,6 +93,7 @@ def test_a_turned_off_or_unwritable_store_works_everything_out(tmp_path, monkeyp
     assert cached() == cached() == {"a": ["b"]} and len(calls) == 2
 
 
+@pytest.mark.slow
 def test_transformers_reads_its_answers_back_in_the_next_process(tmp_path):
     """Two real processes: the first stores both answers, the second reads them (a marker put
     into the stored distributions shows), and both equal what transformers works out itself."""

@@ -338,6 +338,7 @@ print(code, sorted(m for m in ("torch", "vllm", "ray") if m in sys.modules))
 """
 
 
+@pytest.mark.slow
 def test_check_of_a_judged_run_imports_no_torch(env, judge_model, tmp_path):
     """As every first check: the judge's tokenizer, config and the rows, without torch."""
     args = [

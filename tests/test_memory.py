@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from treadle.runtime.memory import trim_heap
@@ -56,6 +57,7 @@ def _heap(mode: str) -> dict:
     return json.loads(out.stdout)
 
 
+@pytest.mark.slow
 def test_keep_heap_serves_the_next_update_from_the_same_pages():
     """In a fresh process glibc maps a 16 MiB block on its own and unmaps it when freed (the
     next update faults all its pages again); after keep_heap it comes from the heap and stays

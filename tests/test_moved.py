@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import treadle
 from treadle.runtime.moved import MOVED
 
@@ -29,6 +31,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.slow
 def test_an_old_path_is_the_new_module_and_says_where_it_went():
     proc = subprocess.run(
         [sys.executable, "-c", _IMPORT_ALL, json.dumps(MOVED)],

@@ -218,6 +218,7 @@ def test_bad_run_dir_is_one_line_naming_file_and_line(tmp_path, capsys, setup, m
     assert not (run / "report.html").exists()
 
 
+@pytest.mark.slow
 def test_page_loads_offline_in_chromium_with_plots_and_tables(run_dir):
     from playwright.sync_api import sync_playwright
 

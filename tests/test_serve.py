@@ -116,6 +116,7 @@ def _ask_until_stopped(url: str, key: str, model: str) -> tuple[threading.Event,
     return stop, answered
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("signum", "code", "how", "busy"),
     [(signal.SIGINT, 130, "Ctrl-C", True), (signal.SIGTERM, 143, "SIGTERM", False)],

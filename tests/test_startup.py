@@ -73,6 +73,7 @@ WORKER_ONLY = (
 DRIVERS = ("rl", "sft", "dpo", "kto", "rm", "distill", "prime")
 
 
+@pytest.mark.slow
 def test_the_drivers_imports_leave_out_what_only_their_workers_need():
     """A driver imports the worker classes to start them as Ray actors, not what they build."""
     code = (

@@ -52,6 +52,7 @@ def _expected(out: Path) -> dict[int, float]:
     return {m["step"]: m["reward/mean"] for m in read_metrics(out)}
 
 
+@pytest.mark.slow
 def test_jsonl_holds_each_step_once_with_the_resumed_values(resumed_run):
     out, _ = resumed_run
     assert _expected(out) == {1: 0.1, 2: 0.2, 3: 1.3, 4: 1.4}

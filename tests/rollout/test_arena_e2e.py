@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import tiny_runs
 
 
+@pytest.mark.slow
 def test_a_textarena_game_trains_two_steps_through_the_endpoint(long_task, tmp_path):
     games = tmp_path / "games.jsonl"
     rows = [

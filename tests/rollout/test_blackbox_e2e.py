@@ -158,6 +158,7 @@ async def flaky(client, row):
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("mode", "problem"),
     [

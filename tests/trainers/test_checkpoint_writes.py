@@ -129,6 +129,7 @@ def test_a_failed_export_leaves_the_previous_final_model(
     assert not (tmp_path / "final_model.tmp").exists()
 
 
+@pytest.mark.slow
 def test_a_full_disk_at_step_2_stops_the_run_and_the_rerun_resumes_from_step_1(
     tiny_task: dict[str, Path],
     tmp_path: Path,

@@ -35,6 +35,7 @@ def test_a_plain_console_prints_one_line_per_step_with_eta():
     assert len(lines) == 2
 
 
+@pytest.mark.slow
 def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, length_reward, tmp_path):
     run = tmp_path / "run"
     proc = subprocess.run(

@@ -231,6 +231,7 @@ def test_gkd_mixes_student_samples_and_dataset_answers(tiny_task, teacher_model,
     assert step1["distill/jsd"] == pytest.approx(float(per_token.mean()), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_seq_kd_learns_the_teachers_samples_and_resumes(tiny_task, teacher_model, tmp_path, seen):
     out = tmp_path / "run"
     args = distill_overrides(

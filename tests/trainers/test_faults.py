@@ -160,6 +160,7 @@ def test_address_decoding_and_loopback():
     assert not _on_loopback("192.0.2.2:80")
 
 
+@pytest.mark.slow
 def test_the_reaper_ends_what_a_killed_driver_leaves(tmp_path):
     """As Ray's raylet does, a child of the driver dies with it (PR_SET_PDEATHSIG) and leaves
     its own child behind, adopted by init; another child is in a session of its own. The

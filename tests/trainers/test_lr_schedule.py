@@ -111,6 +111,7 @@ def test_a_warm_up_longer_than_the_run_is_said(tiny_task, tmp_path, lrs, caplog)
     ) in caplog.messages
 
 
+@pytest.mark.slow
 def test_sft_resumed_continues_the_schedule(tiny_task, tmp_path, lrs) -> None:
     """Stopped after step 3 (a shorter run), resumed to step 6: the lr of steps 4-6 is the
     uninterrupted run's, the schedule of the run's 6 steps (not of the first run's 3)."""
@@ -125,6 +126,7 @@ def test_sft_resumed_continues_the_schedule(tiny_task, tmp_path, lrs) -> None:
     assert logged[-3:] == straight[3:]
 
 
+@pytest.mark.slow
 def test_sft_crashed_and_resumed_continues_the_schedule(
     tiny_task, tmp_path, lrs, monkeypatch, capsys
 ):

@@ -222,6 +222,7 @@ def test_reference_free_examples_run_without_a_reference(tiny_task, tmp_path, mo
     assert (out / "final_model" / "model.safetensors").is_file()
 
 
+@pytest.mark.slow
 def test_kto_example_runs_from_python_and_the_command_line(
     tiny_task, tmp_path, monkeypatch, capsys
 ):  # type: ignore[no-untyped-def]

@@ -168,6 +168,7 @@ def test_an_unknown_target_module_names_the_key_and_the_model_layers(tiny_task):
         load_config(None, ["actor.lora.rank=4", "actor.lora.target_modules=linear"])
 
 
+@pytest.mark.slow
 def test_grpo_with_lora_resumes_like_a_straight_run_and_exports_merged_and_adapter(
     tiny_task, length_reward, tmp_path
 ):
