@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import socket
+import types
 from pathlib import Path
 
 import pytest
@@ -324,3 +325,59 @@ def test_a_peer_lost_seen_first_names_the_rank_that_died(monkeypatch, peer_error
     with pytest.raises(WorkerDied, match=r"^actor rank 1 \(pid 4242\) died during update_actor"):
         _two_ranks()._get(["f0", "f1"], "during update_actor")
     assert futures.waits == 1
+
+
+class _Pinged(_Handle):
+    """A rank whose ping (``__ray_ready__``) is the future ``name``."""
+
+    def __init__(self, actor_id: str, name: str) -> None:
+        super().__init__(actor_id)
+        self.__ray_ready__ = types.SimpleNamespace(remote=lambda: name)
+
+
+def test_find_dead_names_the_rank_whose_ping_says_its_process_is_gone(monkeypatch):
+    from ray.exceptions import RayActorError
+
+    group = _two_ranks()
+    group.backend = "ray"
+    group.workers = [_Pinged("aa" * 16, "f0"), _Pinged("bb" * 16, "f1")]
+    dead = RayActorError("bb" * 16, RAY_SIGKILL.format(id="bb" * 16))
+    futures = _Futures(monkeypatch, dead, {"f1": dead})
+    died = group.find_dead("during rollout_generate")
+    assert str(died).startswith("actor rank 1 (pid 4242) died during rollout_generate (its ")
+    assert futures.waits == 1
+    _Futures(monkeypatch, dead, {})
+    assert group.find_dead("during rollout_generate") is None  # both answered
+
+
+def test_a_peer_lost_in_a_rollout_is_the_dead_rank_on_the_drivers_line():
+    """A colocated rollout's rank 0 fails in FSDP's all-gather before rank 1's death reaches the
+    driver (seen in CI): the driver names rank 1 and the call, not rank 0's gloo error."""
+    from ray.exceptions import RayTaskError
+
+    from treadle.runtime.errors import WorkerDied
+    from treadle.trainers.base import Trainer
+
+    lost = RayTaskError(
+        "rollout_generate",
+        f"Traceback ...\n{GLOO_RESET}",
+        RuntimeError(GLOO_RESET),
+        proctitle="ray::ActorRolloutRefWorker.rollout_generate",
+    ).as_instanceof_cause()
+    asked = []
+
+    class Group:
+        def __init__(self, died):
+            self.died = died
+
+        def find_dead(self, when):
+            asked.append(when)
+            return self.died and WorkerDied(f"actor rank 1 died {when}")
+
+    trainer = object.__new__(Trainer)
+    trainer.group, trainer.side = Group(None), {"ref": Group("yes")}
+    assert str(trainer.dead_peer(lost)) == "actor rank 1 died during rollout_generate"
+    assert asked == ["during rollout_generate"] * 2
+    assert trainer.dead_peer(RuntimeError("No space left on device")) is None
+    trainer.side = {}
+    assert trainer.dead_peer(lost) is None  # no rank found dead: the error stands

@@ -18,7 +18,7 @@ from treadle.controller.groups.dispatch import (
     method_spec,
     register,
 )
-from treadle.controller.groups.failures import death_cause, pid_note, ray_get
+from treadle.controller.groups.failures import death_cause, peer_lost, pid_note, ray_get
 from treadle.controller.groups.group import WorkerGroup
 from treadle.controller.groups.pool import ResourcePool
 from treadle.controller.groups.worker import Worker, device_type, free_port, guarded, tcp_store
@@ -40,6 +40,7 @@ __all__ = [
     "free_port",
     "guarded",
     "method_spec",
+    "peer_lost",
     "pid_note",
     "rank_threads",
     "ray_env",

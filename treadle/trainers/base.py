@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import re
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,7 @@ from typing import Any
 from treadle.config import Config
 from treadle.config.recorded import record
 from treadle.config.rules import Kind
-from treadle.controller import WorkerGroup
+from treadle.controller import WorkerGroup, peer_lost
 from treadle.models import checkpoint as ckpt
 from treadle.rewards import Scorer
 from treadle.rollout.fleet import Rollout
@@ -144,6 +145,11 @@ class Trainer(Launch):
                 raise Stopped(stop_line(how), code) from None
             except (WorkerDied, RolloutError) as e:  # a process of the run is gone
                 raise type(e)(f"step {self.at_step}: {e}; {resume_hint(self.cfg)}") from None
+            except Exception as e:
+                died = self.dead_peer(e)
+                if died is None:
+                    raise
+                raise WorkerDied(f"step {self.at_step}: {died}; {resume_hint(self.cfg)}") from None
             finally:
                 self.close()
         if self.console is not None:
@@ -151,6 +157,18 @@ class Trainer(Launch):
             if "jsonl" in self.cfg.trainer.loggers:
                 self.console.print(f"report: treadle report {self.out}")
         return metrics
+
+    def dead_peer(self, error: BaseException) -> WorkerDied | None:
+        """When ``error`` is a rank's collective failing because a peer's process is gone,
+        seen before the peer's death (a rollout or a call that no group's ``_get`` reads):
+        the dead rank, named; else None."""
+        if not peer_lost(error) or not hasattr(self, "group"):
+            return None
+        # Ray's task error begins "ray::<Class>.<method>() (pid=..."
+        call = re.search(r"ray::\w+\.(\w+)\(\)", str(error))
+        when = f"during {call.group(1) if call else 'a step'}"
+        groups = {id(g): g for g in [self.group, *self.side.values()]}
+        return next(filter(None, (g.find_dead(when) for g in groups.values())), None)
 
     def run_steps(self, held: HeldRecords) -> dict[str, float]:
         """The steps after ``start``, each logged and checkpointed as the config says; the last

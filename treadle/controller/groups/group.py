@@ -209,6 +209,23 @@ class WorkerGroup:
             # wait in a collective for it until they are killed: waiting for them adds nothing.
             raise first
 
+    def find_dead(self, when: str, wait_s: float = 30.0) -> WorkerDied | None:
+        """A :class:`WorkerDied` for a rank whose process is gone (each rank is pinged; one
+        busy in a collective does not answer within ``wait_s`` and is not dead); None if none
+        is found."""
+        if self.backend == "local":
+            return None
+        import ray
+
+        pings = [w.__ray_ready__.remote() for w in self.workers]
+        ready, _ = ray.wait(pings, num_returns=len(pings), timeout=wait_s)
+        for ping in ready:
+            try:
+                ray.get(ping)
+            except ray.exceptions.RayActorError as e:
+                return WorkerDied(self.died(e, when))
+        return None
+
     def _died_of(self, error: BaseException, when: str) -> WorkerDied | None:
         """A :class:`WorkerDied` for a Ray error that says a rank's process died or ran out
         of memory; None for any other."""
