@@ -67,6 +67,11 @@ def _main(argv: Sequence[str] | None, quieted: list[Callable[[], None]]) -> int:
     try:
         args = parse(argv)
         quieted.append(quiet(args))  # the libraries' messages off the console (cli.console)
+        if not getattr(args, "verbose", False):
+            # Ray prints a call's error that nobody read when its reference is freed, even at
+            # exit, after the line that names what stopped the run: the peers of a rank that
+            # died fail too, and that line names the rank (treadle reads every result it uses)
+            os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")
         startup.from_process_start()
         args.fn(args)
         raise_if_signalled()  # one whose exception was lost on the way still stops it
