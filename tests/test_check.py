@@ -696,7 +696,8 @@ def test_every_import_of_user_code_is_limited_and_the_other_problems_stay(
 
     monkeypatch.setattr(treadle.check.user_code, "IMPORT_TIMEOUT_S", 1.5)
     hangs = "import time\ntime.sleep(60)\ndef score(p, r, g):\n    return 0.0\n"
-    here = "import sys, time\nif sys.argv[0] != '-c':\n    time.sleep(60)\n"  # (not the child)
+    # (the probe's child has this file in its argv; a pytest-xdist worker's argv is "-c" too)
+    here = "import sys, time\nif 'here.py' not in str(sys.argv):\n    time.sleep(60)\n"
     everywhere, in_process = write(env, "hangs.py", hangs), write(env, "hangs_here.py", here)
     sets = (
         f"data.val_sets={{a: {{files: [{env['test']}], reward: '{everywhere}:score'}}, "

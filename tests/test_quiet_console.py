@@ -14,8 +14,10 @@ import json
 import os
 import pty
 import re
+import select
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -224,7 +226,11 @@ def test_a_long_phase_shows_a_spinner_on_a_terminal_and_plain_lines_piped() -> N
         progress("starting the vllm engine", terminal) as say,
     ):
         say("started vLLM engine for m in 3.0 s")
-    shown = os.read(master, 1 << 16).decode()
+    shown = ""  # (a pty hands on what was written in its own time: read until the last line)
+    deadline = time.monotonic() + 30
+    while "3.0 s" not in shown and time.monotonic() < deadline:
+        if select.select([master], [], [], 1)[0]:
+            shown += os.read(master, 1 << 16).decode()
     os.close(master)
     assert "starting the vllm engine" in shown and "0:00:0" in shown  # the spinner, its time
     assert "started vLLM engine for m in 3.0 s" in shown
