@@ -1,0 +1,182 @@
+"""A shared prompt computed once: the layout by hand, and the same log-probs and gradients as
+the padded forward and the unshared packed one on a tiny random Llama (sdpa and eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from treadle.engines.heads import LogProbHead, LogProbRequest, can_share_prompts
+from treadle.engines.packing import label_positions, pack, pack_shared, prompt_groups
+from treadle.protocol import Batch
+
+
+def tiny_llama(attn: str = "sdpa"):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(config).float()
+
+
+def grouped_batch() -> Batch:
+    """Three groups of identical prompts (5, 3 and 2 tokens: left-padded to 5) with responses
+    of 1 to 4 tokens, and one row whose prompt no other row has."""
+    prompts = [[11, 12, 13, 14, 15]] * 3 + [[21, 22, 23]] * 2 + [[31, 32]] * 2 + [[11, 12, 13, 14]]
+    responses = [[40], [41, 42, 43, 44], [45, 46], [50, 51, 52], [53], [60, 61], [62, 63, 6]]
+    responses.append([7, 8])
+    p, r = 5, 4
+    pmask = torch.tensor([[0] * (p - len(x)) + [1] * len(x) for x in prompts])
+    rmask = torch.tensor([[1] * len(x) + [0] * (r - len(x)) for x in responses])
+    return Batch.from_dict(
+        tensors={
+            "prompts": torch.tensor([[0] * (p - len(x)) + x for x in prompts]),
+            "prompt_mask": pmask,
+            "responses": torch.tensor([x + [0] * (r - len(x)) for x in responses]),
+            "response_mask": rmask,
+        }
+    )
+
+
+def joined(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.cat([batch["prompts"], batch["responses"]], 1)
+    return ids, torch.cat([batch["prompt_mask"], batch["response_mask"]], 1)
+
+
+# ----------------------------------------------------------------------------- the layout
+
+
+def test_prompt_groups_are_identical_valid_tokens_in_first_seen_order():
+    batch = grouped_batch()
+    assert prompt_groups(batch["prompts"], batch["prompt_mask"]) == [
+        [0, 1, 2],
+        [3, 4],
+        [5, 6],
+        [7],  # a prefix of group 0's prompt is another prompt
+    ]
+    empty = torch.zeros(2, 3, dtype=torch.long)
+    assert prompt_groups(empty, empty) == [[0], [1]]  # no prompt: nothing to share
+
+
+def test_the_shared_layout_of_two_groups_by_hand():
+    # Group A: prompt [5, 6] (left-padded), responses [7, 8] and [9]; group B: prompt
+    # [1, 2, 3], responses [4] and [5, 6]. Units: A = 2 + 3 tokens, B = 3 + 3 tokens.
+    ids = torch.tensor([[0, 5, 6, 7, 8], [0, 5, 6, 9, 0], [1, 2, 3, 4, 0], [1, 2, 3, 5, 6]])
+    mask = torch.tensor([[0, 1, 1, 1, 1], [0, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 1, 1, 1]])
+    where = label_positions(mask, 2)
+    layout = pack_shared(ids, mask, where, row_tokens=11, pad_id=-1)
+    # One row of 11: B first (the longer unit), then A.
+    assert layout.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 5, 6, 7, 8, 9]]
+    # Each response goes on counting its prompt's positions.
+    assert layout.position_ids.tolist() == [[0, 1, 2, 3, 3, 4, 0, 1, 2, 3, 2]]
+    # Labels in row-major order of where: row 0 (7, 8), row 1 (9), row 2 (4), row 3 (5, 6);
+    # the first of each response is predicted by its prompt's last token (shared).
+    assert layout.gather.tolist() == [7, 8, 7, 2, 2, 4]
+    allowed = {(q, k) for q in range(11) for k in range(11) if layout.attention_mask[0, 0, q, k]}
+    prompt_b, prompt_a = [0, 1, 2], [6, 7]
+    want = {(q, k) for q in prompt_b for k in prompt_b if k <= q}
+    want |= {(3, k) for k in [*prompt_b, 3]}  # B's first response
+    want |= {(q, k) for q in [4, 5] for k in [*prompt_b, 4, 5] if k <= q}  # B's second
+    want |= {(q, k) for q in prompt_a for k in prompt_a if k <= q}
+    want |= {(q, k) for q in [8, 9] for k in [*prompt_a, 8, 9] if k <= q}  # A's first
+    want |= {(10, k) for k in [*prompt_a, 10]}  # A's second
+    assert allowed == want
+
+
+def test_filler_attends_to_itself_only():
+    ids = torch.tensor([[5, 6, 7], [5, 6, 8], [1, 2, 3]])
+    mask = torch.ones_like(ids)
+    layout = pack_shared(ids, mask, label_positions(mask, 1), row_tokens=1, pad_id=-1)
+    # Units of 4 ([5, 6, 7, 8]) and 3 tokens, a row each: the second ends in one filler.
+    assert layout.input_ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, -1]]
+    assert layout.attention_mask[1, 0, 3].tolist() == [False, False, False, True]
+
+
+def test_the_shared_layout_holds_each_prompt_once():
+    batch = grouped_batch()
+    ids, mask = joined(batch)
+    where = label_positions(mask, 4)
+    layout = pack_shared(ids, mask, where, row_tokens=1000, pad_id=-1)
+    prompts, responses = batch["prompt_mask"].sum(1), batch["response_mask"].sum(1)
+    groups = prompt_groups(batch["prompts"], batch["prompt_mask"])
+    want = sum(int(prompts[g[0]] + responses[g].sum()) for g in groups)
+    assert want == 5 + 7 + 3 + 4 + 2 + 5 + 4 + 2 == 32  # against 47 unshared
+    assert int((layout.input_ids != -1).sum()) == want
+    assert layout.input_ids.numel() == want  # one row, no filler
+    assert int(mask.sum()) == 47
+
+
+def test_without_a_shared_prompt_it_is_pack():
+    ids = torch.tensor([[0, 11, 12, 13, 0], [21, 22, 23, 24, 0], [0, 0, 31, 32, 0]])
+    mask = (ids != 0).long()
+    where = label_positions(mask, 2)
+    shared = pack_shared(ids, mask, where, row_tokens=5, pad_id=-1)
+    plain = pack(ids, mask, where, row_tokens=5, pad_id=-1)
+    assert shared.attention_mask is None
+    for name in ("input_ids", "position_ids", "gather", "order"):
+        assert torch.equal(getattr(shared, name), getattr(plain, name))
+
+
+# ----------------------------------------------------------------------------- exactness
+
+
+def padded_log_probs(model, ids, mask, r: int) -> torch.Tensor:
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float()
+    logp = torch.log_softmax(logits[:, -r - 1 : -1], -1)
+    return logp.gather(-1, ids[:, -r:, None]).squeeze(-1)
+
+
+def grads(module) -> dict[str, torch.Tensor]:
+    return {n.removeprefix("lm."): p.grad.clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("row_tokens", [1, 12, 1000])
+def test_shared_log_probs_and_gradients_equal_the_padded_and_packed_ones(attn, row_tokens):
+    batch = grouped_batch()
+    ids, mask = joined(batch)
+    rmask = batch["response_mask"].bool()
+    results = {}
+    for name in ("shared", "packed", "padded"):
+        lm = tiny_llama(attn)
+        assert can_share_prompts(lm.config)
+        if name == "padded":
+            logp = padded_log_probs(lm, ids, mask, 4) * rmask
+            module = lm
+        else:
+            module = LogProbHead(lm, chunk_size=3, row_tokens=row_tokens)
+            module.share_prompts = name == "shared"
+            logp = module(LogProbRequest(ids, mask, 4)).log_probs
+        (logp * torch.linspace(0.5, 1.5, logp.numel()).view_as(logp)).sum().backward()
+        results[name] = (logp.detach(), grads(module))
+    if row_tokens == 1000:  # one row: every group's prompt computed once
+        layout = pack_shared(ids, mask, label_positions(mask, 4), row_tokens)
+        assert layout.input_ids.shape == (1, 32)
+    logp, got = results["shared"]
+    for other in ("packed", "padded"):
+        want_logp, want = results[other]
+        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+        assert got.keys() == want.keys()
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], atol=1e-4, rtol=1e-4)
+    assert (logp[rmask] != 0).all() and (logp[~rmask] == 0).all()
+
+
+def test_a_sliding_window_or_another_attention_keeps_the_unshared_layout():
+    from transformers import LlamaConfig, Qwen2Config
+
+    assert can_share_prompts(Qwen2Config(attn_implementation="sdpa"))
+    assert not can_share_prompts(
+        Qwen2Config(attn_implementation="sdpa", use_sliding_window=True, sliding_window=16)
+    )
+    assert not can_share_prompts(LlamaConfig(attn_implementation="flex_attention"))
