@@ -180,3 +180,93 @@ def test_a_sliding_window_or_another_attention_keeps_the_unshared_layout():
         Qwen2Config(attn_implementation="sdpa", use_sliding_window=True, sliding_window=16)
     )
     assert not can_share_prompts(LlamaConfig(attn_implementation="flex_attention"))
+
+
+# ----------------------------------------------------------------------------- micro-batches
+
+
+def test_units_weigh_a_prompt_once_and_stay_under_the_budget():
+    from treadle.workers.common import shared_prompt_units
+
+    batch = grouped_batch()
+    units, tokens = shared_prompt_units(batch, budget=100)
+    assert units == [[0, 1, 2], [3, 4], [5, 6], [7]]
+    assert tokens == [5 + 7, 3 + 4, 2 + 5, 4 + 2]
+    # A budget of 10: group 0 (5 + 1, + 4 would be 10, + 2 is 12) is cut after its second.
+    units, tokens = shared_prompt_units(batch, budget=10)
+    assert units == [[0, 1], [2], [3, 4], [5, 6], [7]]
+    assert tokens == [10, 7, 7, 7, 6]
+
+
+def test_micro_batches_by_samples_keep_a_prompts_rows_together():
+    from treadle.config import ActorConfig
+    from treadle.workers.common import micro_batches
+
+    batch = grouped_batch().select(torch.tensor([0, 3, 5, 1, 7, 4, 2, 6]))  # groups spread
+    shared = micro_batches(batch, ActorConfig(micro_batch_size=3))
+    assert [g.tolist() for g in shared] == [[0, 3, 6], [1, 5, 2], [7, 4]]
+    off = micro_batches(batch, ActorConfig(micro_batch_size=3, share_prompts=False))
+    assert [g.tolist() for g in off] == [[0, 1, 2], [3, 4, 5], [6, 7]]
+
+
+# ----------------------------------------------------------------------------- the actor
+
+
+def groups_of(batch: Batch, groups: list[list[int]]) -> Batch:
+    """``batch`` with the prompt of each group's first row copied to its other rows."""
+    prompts, pmask = batch["prompts"].clone(), batch["prompt_mask"].clone()
+    for g in groups:
+        prompts[g], pmask[g] = prompts[g[0]].clone(), pmask[g[0]].clone()
+    batch["prompts"], batch["prompt_mask"] = prompts, pmask
+    return batch
+
+
+@pytest.mark.parametrize(
+    "overrides, micros",
+    [
+        # a prompt weighs once: 2 micro-batches of 40 tokens, against 3 unshared
+        (("actor.pack_row_tokens=24", "actor.max_tokens_per_micro_batch=40"), (2, 3)),
+        (("actor.pack_row_tokens=64", "actor.micro_batch_size=4"), (2, 2)),
+    ],
+    ids=["token-budget", "samples"],
+)
+def test_the_update_with_shared_prompts_gives_the_plain_loss_and_gradients(
+    tiny_task, overrides, micros
+):
+    from test_packing import assert_same_grads, joined, local_actor, plain_ppo_update, uneven_batch
+
+    from treadle.models.loading import load_causal_lm
+
+    path = str(tiny_task["model"])
+    # Rows 0, 2, 5 share a prompt, and 1, 6; 3, 4 and 7 have their own (rows apart, as a
+    # shuffled mini-batch has them).
+    batch = groups_of(uneven_batch(vocab=100, n=8, seed=1), [[0, 2, 5], [1, 6]])
+    ids, mask = joined(batch)
+    shared = pack_shared(ids, mask, label_positions(mask, 8), row_tokens=1000)
+    assert int((shared.input_ids != 0).sum()) < int(mask.sum())  # there is something to share
+    results = {}
+    for share in ("true", "false"):
+        group = local_actor(path, f"actor.share_prompts={share}", "data.batch_size=8",
+                            "actor.ppo_mini_batch_size=8", *overrides)  # fmt: skip
+        try:
+            [worker] = group.workers
+            assert worker.actor.module.share_prompts is (share == "true")
+            [results[share]] = group.update_grads(batch, "token-mean")
+            out = group.compute_log_probs(batch)
+        finally:
+            group.shutdown()
+        results[share + "/logp"] = out["old_log_probs"]
+    want_loss, want_grads = plain_ppo_update(path, batch, "token-mean")
+    (m_on, g_on, micros_on), (m_off, g_off, micros_off) = results["true"], results["false"]
+    assert m_on["actor/pg_loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-6)
+    assert m_on["actor/pg_loss"] == pytest.approx(m_off["actor/pg_loss"], rel=1e-5, abs=1e-6)
+    assert_same_grads(g_on, want_grads)
+    assert_same_grads(g_on, g_off)
+    assert (micros_on, micros_off) == micros
+    with torch.no_grad():
+        from test_packing import plain_log_probs
+
+        want, _ = plain_log_probs(load_causal_lm(path), ids, mask, 8)
+    rmask = batch["response_mask"].bool()
+    torch.testing.assert_close(results["true/logp"][rmask], want[rmask], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["true/logp"], results["false/logp"], atol=1e-5, rtol=1e-5)
