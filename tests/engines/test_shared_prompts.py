@@ -270,3 +270,42 @@ def test_the_update_with_shared_prompts_gives_the_plain_loss_and_gradients(
     rmask = batch["response_mask"].bool()
     torch.testing.assert_close(results["true/logp"][rmask], want[rmask], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(results["true/logp"], results["false/logp"], atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def test_balanced_group_order_keeps_groups_on_one_rank_where_they_fit():
+    from treadle.engines.packing import balanced_group_order, balanced_order
+
+    # Groups of 3, 3 and 2 samples over 2 ranks of 4: the groups cost (prompt once) 10 + 3,
+    # 5 + 6 and 8 + 2 tokens. 13 -> A, 11 -> B; 10 fits whole in neither (1 place each): its
+    # first sample to the lighter B, the other to A.
+    prompt = [10] * 3 + [5] * 3 + [8] * 2
+    response = [1, 1, 1, 2, 2, 2, 1, 1]
+    groups = [[0, 1, 2], [3, 4, 5], [6, 7]]
+    assert balanced_group_order(groups, prompt, response, 2) == [0, 1, 2, 7, 3, 4, 5, 6]
+    # Two groups of 2 and one of 4 over 2 ranks: every group whole.
+    prompt, response = [4, 4, 3, 3, 9, 9, 9, 9], [1] * 8
+    order = balanced_group_order([[0, 1], [2, 3], [4, 5, 6, 7]], prompt, response, 2)
+    assert order == [4, 5, 6, 7, 0, 1, 2, 3]
+    # Groups of one: balanced_order of the samples' tokens.
+    lengths = [100, 90, 10, 5, 80, 20]
+    singles = balanced_group_order([[i] for i in range(6)], lengths, [0] * 6, 2)
+    assert singles == balanced_order(lengths, 2)
+    with pytest.raises(ValueError, match="3 samples cannot be cut into 2 equal parts"):
+        balanced_group_order([[0, 1, 2]], [1] * 3, [1] * 3, 2)
+
+
+def test_balance_ranks_with_shared_prompts_keeps_a_group_together():
+    from treadle.engines.packing import balance_ranks
+
+    batch = grouped_batch().select(torch.tensor([0, 3, 5, 1, 7, 4, 2, 6]))
+    shared = balance_ranks(batch, 2, share_prompts=True)
+    halves = [prompt_groups(h["prompts"], h["prompt_mask"]) for h in shared.split(4)]
+    # 3 + 1 and 2 + 2 samples: every group whole on one rank
+    assert [sorted(len(g) for g in h) for h in halves] == [[1, 3], [2, 2]]
+    unshared = [
+        prompt_groups(h["prompts"], h["prompt_mask"]) for h in balance_ranks(batch, 2).split(4)
+    ]
+    assert sorted(len(g) for h in unshared for g in h) == [1, 1, 1, 1, 2, 2]  # groups spread

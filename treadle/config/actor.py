@@ -158,6 +158,11 @@ class ActorConfig(Section):
         "goes alone) instead of micro_batch_size samples; null: by micro_batch_size.",
     )
 
+    def shares_prompts(self) -> bool:
+        """Whether packed forwards compute a shared prompt once (share_prompts, which needs
+        remove_padding)."""
+        return self.remove_padding and self.share_prompts
+
     def dp_size(self) -> int:
         """Data-parallel ranks: world_size / (tensor_parallel_size x sequence_parallel_size)
         (rounded down; the config rules refuse a remainder)."""

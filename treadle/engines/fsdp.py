@@ -234,7 +234,7 @@ class TrainEngine:
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
-        root = (
+        root: Any = (  # a HeadRoot (sequence_group, share_prompts)
             head(lm, row_tokens=row_tokens)
             if head is not None
             else LogProbHead(lm, chunk_size, row_tokens, compute_dtype)

@@ -106,10 +106,45 @@ def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
     return [i for part in members for i in sorted(part)]
 
 
-def balance_ranks(batch: Batch, ranks: int) -> Batch:
-    """``batch`` reordered by :func:`balanced_order` of its valid tokens (prompt + response)."""
-    lengths = batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
-    return batch.select(balanced_order(lengths.tolist(), ranks))
+def balanced_group_order(
+    groups: Sequence[Sequence[int]], prompt: Sequence[int], response: Sequence[int], parts: int
+) -> list[int]:
+    """:func:`balanced_order` of groups of samples that share a prompt, which a part counts
+    once: the heaviest remaining group goes whole to the lightest part with room for it;
+    where no part has room, it fills the lightest part with room and the rest goes on.
+    ``prompt`` / ``response``: each sample's tokens. Groups of one: :func:`balanced_order`."""
+    n = len(prompt)
+    if n % parts:
+        raise ValueError(f"{n} samples cannot be cut into {parts} equal parts")
+    size = n // parts
+    members: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+
+    def cost(g: Sequence[int]) -> int:
+        return prompt[g[0]] + sum(response[i] for i in g)
+
+    for group in sorted(groups, key=lambda g: -cost(g)):
+        rest = list(group)
+        while rest:
+            room = [p for p in range(parts) if len(members[p]) < size]
+            whole = [p for p in room if size - len(members[p]) >= len(rest)]
+            p = min(whole or room, key=lambda p: loads[p])
+            take, rest = rest[: size - len(members[p])], rest[size - len(members[p]) :]
+            members[p] += take
+            loads[p] += cost(take)
+    return [i for part in members for i in sorted(part)]
+
+
+def balance_ranks(batch: Batch, ranks: int, share_prompts: bool = False) -> Batch:
+    """``batch`` reordered by :func:`balanced_order` of its valid tokens (prompt + response);
+    ``share_prompts``: by :func:`balanced_group_order`, a prompt's samples kept on one rank
+    where the counts allow, so that its forwards compute the prompt once."""
+    prompt, response = batch["prompt_mask"].sum(1), response_attention(batch).sum(1)
+    if share_prompts and ranks > 1:
+        groups = prompt_groups(batch["prompts"], batch["prompt_mask"])
+        order = balanced_group_order(groups, prompt.tolist(), response.tolist(), ranks)
+        return batch.select(order)
+    return batch.select(balanced_order((prompt + response).tolist(), ranks))
 
 
 @dataclass
@@ -293,11 +328,13 @@ def pack_shared(
     flat_unit[dest[valid]] = unit[:, None].expand_as(valid)[valid]
     flat_branch = torch.zeros(size, dtype=torch.long, device=device)
     flat_branch[dest[valid]] = torch.where(is_response, branch[:, None], 0)[valid]
-    u, b = flat_unit.view(len(rows), width), flat_branch.view(len(rows), width)
+    # [rows, query, key]: the same unit, causal, a key in the prompt or in the query's response
+    unit_ids = flat_unit.view(len(rows), width)
+    branches = flat_branch.view(len(rows), width)
     idx = torch.arange(width, device=device)
-    same_unit = (u[:, :, None] == u[:, None, :]) & (u[:, :, None] >= 0)
+    same_unit = (unit_ids[:, :, None] == unit_ids[:, None, :]) & (unit_ids[:, :, None] >= 0)
     causal = idx[None, :] <= idx[:, None]
-    own_branch = (b[:, None, :] == 0) | (b[:, None, :] == b[:, :, None])
+    own_branch = (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None])
     mask = (same_unit & causal & own_branch) | torch.eye(width, dtype=torch.bool, device=device)
     order = (start + before).cpu().argsort(stable=True)
     return PackedLayout(

@@ -40,7 +40,7 @@ def engine_options(cfg: Config) -> dict[str, Any]:
     return {
         "chunk_size": a.logprob_chunk_size,
         "row_tokens": a.pack_row_tokens if a.remove_padding else None,
-        "share_prompts": a.remove_padding and a.share_prompts,
+        "share_prompts": a.shares_prompts(),
         "compute_dtype": torch.bfloat16 if compute_bf16(a.mixed_precision) else None,
     }
 
@@ -216,7 +216,7 @@ def micro_batches(
     (:func:`shared_prompt_units`).
     """
     budget = actor.max_tokens_per_micro_batch
-    shared = actor.remove_padding and actor.share_prompts and "prompts" in batch
+    shared = actor.shares_prompts() and "prompts" in batch
     if budget is None:
         order = torch.arange(len(batch))
         if shared:
