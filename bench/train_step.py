@@ -204,6 +204,7 @@ def main() -> None:
         results = [] if args.no_plain else [("plain", plain_seconds(path, batch, args))]
         for name, overrides in variants:
             results.append((name, treadle_seconds(path, batch, args, overrides)))
+            print(f"{name}: {results[-1][1]:.2f} s an update", flush=True)  # as they come
     peak = matmul_peak()
     tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     padded = batch["prompts"].numel() + batch["responses"].numel()

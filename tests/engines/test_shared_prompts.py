@@ -95,7 +95,7 @@ def test_the_shared_layout_of_two_groups_by_hand():
 def test_filler_attends_to_itself_only():
     ids = torch.tensor([[5, 6, 7], [5, 6, 8], [1, 2, 3]])
     mask = torch.ones_like(ids)
-    layout = pack_shared(ids, mask, label_positions(mask, 1), row_tokens=1, pad_id=-1)
+    layout = pack_shared(ids, mask, label_positions(mask, 1), row_tokens=4, pad_id=-1)
     # Units of 4 ([5, 6, 7, 8]) and 3 tokens, a row each: the second ends in one filler.
     assert layout.input_ids.tolist() == [[5, 6, 7, 8], [1, 2, 3, -1]]
     assert layout.attention_mask[1, 0, 3].tolist() == [False, False, False, True]
@@ -113,6 +113,26 @@ def test_the_shared_layout_holds_each_prompt_once():
     assert int((layout.input_ids != -1).sum()) == want
     assert layout.input_ids.numel() == want  # one row, no filler
     assert int(mask.sum()) == 47
+
+
+def test_a_group_wider_than_a_row_is_cut_with_its_prompt_in_each_piece():
+    # Prompt [1, 2] with three responses of 3: rows of 8 take the prompt and two responses,
+    # the third goes with a prompt of its own (unshared, as pack lays it).
+    ids = torch.tensor([[1, 2, 3, 4, 5], [1, 2, 6, 7, 8], [1, 2, 9, 10, 11]])
+    mask = torch.ones_like(ids)
+    layout = pack_shared(ids, mask, label_positions(mask, 3), row_tokens=8, pad_id=-1)
+    assert layout.input_ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 8], [1, 2, 9, 10, 11, -1, -1, -1]]
+    assert layout.position_ids[0].tolist() == [0, 1, 2, 3, 4, 2, 3, 4]
+
+
+def test_a_one_column_prompt_is_not_shared():
+    # SFT's request: labels at every position but the first, which rows often share.
+    ids = torch.tensor([[7, 1, 2, 3], [7, 4, 5, 0]])
+    mask = (ids != 0).long()
+    where = label_positions(mask, 3)
+    layout = pack_shared(ids, mask, where, row_tokens=8)
+    assert layout.attention_mask is None
+    assert torch.equal(layout.input_ids, pack(ids, mask, where, row_tokens=8).input_ids)
 
 
 def test_without_a_shared_prompt_it_is_pack():

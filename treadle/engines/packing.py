@@ -281,19 +281,29 @@ def pack_shared(
     every state is the one of the unshared sequence, P's states computed once for the k
     responses (their gradients add up over them). The state predicting Ri's first token is
     P's last, shared. The layout's ``attention_mask`` says so (filler attends to itself).
-    Units are laid into rows as :func:`pack` lays sequences.
+    Units are laid into rows as :func:`pack` lays sequences; a unit that would pass
+    ``row_tokens`` (or the longest sequence) is cut into consecutive units, each with the
+    prompt, so that no row grows wider than unshared packing makes it (attention computes
+    each row's whole square).
 
-    Without a prompt shared by two rows this is :func:`pack` (no attention mask).
+    Without a prompt shared by two rows this is :func:`pack` (no attention mask), and so it is
+    with a prompt of one column (SFT's labels: every position but the first), which would
+    save a token a row.
     """
     num_labels = where.shape[1]
     split = input_ids.shape[1] - num_labels
     valid = attention_mask.bool()
-    groups = prompt_groups(input_ids[:, :split], valid[:, :split])
-    if all(len(g) == 1 for g in groups):
-        return pack(input_ids, attention_mask, where, row_tokens, pad_id, hidden_size)
-    device = input_ids.device
     prompt = valid[:, :split].sum(1).cpu()
     response = valid[:, split:].sum(1).cpu()
+    cap = max(row_tokens, int((prompt + response).max()))
+    groups = [
+        piece
+        for g in prompt_groups(input_ids[:, :split], valid[:, :split])
+        for piece in prompt_pieces(g, int(prompt[g[0]]), response.tolist(), cap)
+    ]
+    if split < 2 or all(len(g) == 1 for g in groups):
+        return pack(input_ids, attention_mask, where, row_tokens, pad_id, hidden_size)
+    device = input_ids.device
     sizes = [int(prompt[g[0]] + response[g].sum()) for g in groups]
     width, rows = _cheapest_rows(sizes, row_tokens, hidden_size)
     # Per sample: where its unit starts in the flat [rows * width] layout, how many response
@@ -345,6 +355,20 @@ def pack_shared(
         order=order,
         attention_mask=mask[:, None],
     )
+
+
+def prompt_pieces(group: list[int], prompt: int, response: list[int], cap: int) -> list[list[int]]:
+    """``group`` (rows of one prompt) cut into consecutive pieces of at most ``cap`` tokens,
+    the prompt once a piece (a row that alone passes it is a piece of its own)."""
+    pieces: list[list[int]] = []
+    piece: list[int] = []
+    for i in group:
+        if piece and prompt + sum(response[j] for j in piece) + response[i] > cap:
+            pieces.append(piece)
+            piece = []
+        piece.append(i)
+    pieces.append(piece)
+    return pieces
 
 
 def _cheapest_rows(

@@ -21,7 +21,12 @@ from torch import nn
 from treadle.algorithms import masked_sum
 from treadle.config import ActorConfig, Config
 from treadle.data.images import PIXELS
-from treadle.engines.packing import first_fit_decreasing, prompt_groups, token_micro_batches
+from treadle.engines.packing import (
+    first_fit_decreasing,
+    prompt_groups,
+    prompt_pieces,
+    token_micro_batches,
+)
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.value import ValueHead
 from treadle.models.loading import load_value_model
@@ -257,15 +262,11 @@ def shared_prompt_units(batch: Batch, budget: int) -> tuple[list[list[int]], lis
     cut in consecutive pieces where they would exceed ``budget`` (a sample that alone
     exceeds it is a piece of its own)."""
     tokens = _Tokens(batch)
-    units: list[list[int]] = []
-    for group in prompt_groups(*_prompts(batch)):
-        piece: list[int] = []
-        for i in group:
-            if piece and tokens([*piece, i]) > budget:
-                units.append(piece)
-                piece = []
-            piece.append(i)
-        units.append(piece)
+    units = [
+        piece
+        for group in prompt_groups(*_prompts(batch))
+        for piece in prompt_pieces(group, tokens.prompt[group[0]], tokens.response, budget)
+    ]
     return units, [tokens(u) for u in units]
 
 
