@@ -1,13 +1,18 @@
 """One actor update: treadle's worker against a minimal plain PyTorch loop, and the FLOP/s.
 
     OMP_NUM_THREADS=2 python bench/train_step.py [--model smollm2|tiny]
-        [--lengths uniform|uneven] [--variant NAME=key=value,key=value ...]
+        [--lengths uniform|uneven|grouped] [--variant NAME=key=value,key=value ...]
+        [--no-plain]
 
 Both sides get the same model weights, the same batch (``--seqs`` sequences of random ids),
 the same AdamW, the same micro-batch size and the same PPO-clip token-mean loss on the
 response tokens. ``--lengths uniform``: every sequence ``--prompt`` + ``--response`` tokens,
 no padding; ``uneven``: prompts of 20-60 and responses of 5-64 tokens, left- and right-padded
-to the longest as treadle's batches are (the realistic case the packed path is for).
+to the longest as treadle's batches are (the realistic case the packed path is for);
+``grouped``: GRPO's shape on reasoning-gym's basic_arithmetic, ``--seqs / --group`` prompts of
+40-52 tokens, each with ``--group`` responses of 3-8 tokens (what ``actor.share_prompts``
+is for: compare ``--variant share=actor.share_prompts=true --variant
+unshared=actor.share_prompts=false --no-plain``).
 
 - treadle: ``ActorRolloutRefWorker.update_actor`` through a local-backend ``WorkerGroup``
   (FSDP2 on one rank, log-probs chunked over positions with recompute), once per
@@ -20,7 +25,8 @@ Tokens/s counts the valid tokens (prompt + response, padding excluded) per updat
 ``--repeats`` updates after one warm-up. Achieved FLOP/s uses 6 x parameters x tokens (the
 usual forward + backward estimate, attention ignored) and is shown against a measured peak: the
 median of five 2048^3 float32 matrix products on the same threads. The last line is
-``ratio tokens_per_s treadle/plain: <r>`` for the first variant.
+``ratio tokens_per_s treadle/plain: <r>`` for the first variant (``--no-plain``: no plain
+loop, and the ratio is the first variant's against the second's).
 """
 
 from __future__ import annotations
@@ -52,15 +58,23 @@ def make_batch(vocab: int, args: argparse.Namespace):
     n, p, r = args.seqs, args.prompt, args.response
     if args.lengths == "uniform":
         p_len, r_len = torch.full((n,), p), torch.full((n,), r)
+    elif args.lengths == "grouped":
+        k = args.group
+        p_len = torch.randint(40, 53, (n // k,), generator=g).repeat_interleave(k)
+        r_len = torch.randint(3, 9, (n,), generator=g)
+        p, r = int(p_len.max()), int(r_len.max())
     else:
         p_len = torch.randint(20, 61, (n,), generator=g)
         r_len = torch.randint(5, 65, (n,), generator=g)
         p, r = int(p_len.max()), int(r_len.max())
     pmask = (torch.arange(p)[None] >= (p - p_len)[:, None]).long()  # left-padded
     rmask = (torch.arange(r)[None] < r_len[:, None]).long()  # right-padded
+    prompts = torch.randint(3, vocab, (n, p), generator=g)
+    if args.lengths == "grouped":  # one prompt a group
+        prompts = prompts[:: args.group].repeat_interleave(args.group, 0)
     return Batch.from_dict(
         tensors={
-            "prompts": torch.randint(3, vocab, (n, p), generator=g) * pmask,
+            "prompts": prompts * pmask,
             "prompt_mask": pmask,
             "responses": torch.randint(3, vocab, (n, r), generator=g) * rmask,
             "response_mask": rmask,
@@ -160,7 +174,9 @@ def parse_variant(text: str) -> tuple[str, list[str]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=["smollm2", "tiny"], default="smollm2")
-    parser.add_argument("--lengths", choices=["uniform", "uneven"], default="uniform")
+    parser.add_argument("--lengths", choices=["uniform", "uneven", "grouped"], default="uniform")
+    parser.add_argument("--group", type=int, default=8, help="grouped: samples per prompt")
+    parser.add_argument("--no-plain", action="store_true", help="no plain PyTorch loop")
     parser.add_argument("--seqs", type=int, default=16)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--response", type=int, default=64)
@@ -185,9 +201,10 @@ def main() -> None:
         from treadle.models.loading import count_parameters, load_causal_lm
 
         params = count_parameters(load_causal_lm(path))
-        results = [("plain", plain_seconds(path, batch, args))]
+        results = [] if args.no_plain else [("plain", plain_seconds(path, batch, args))]
         for name, overrides in variants:
             results.append((name, treadle_seconds(path, batch, args, overrides)))
+            print(f"{name}: {results[-1][1]:.2f} s an update", flush=True)  # as they come
     peak = matmul_peak()
     tokens = int(batch["prompt_mask"].sum() + batch["response_mask"].sum())
     padded = batch["prompts"].numel() + batch["responses"].numel()
@@ -197,13 +214,18 @@ def main() -> None:
         f"{torch.get_num_threads()} threads; float32 matmul peak {peak / 1e9:.0f} GFLOP/s"
     )
     print(f"{'side':10} {'update s':>9} {'tokens/s':>9} {'GFLOP/s':>8} {'of peak':>8}  overrides")
-    for (side, seconds), extra in zip(results, [[]] + [o for _, o in variants], strict=True):
+    extras = ([] if args.no_plain else [[]]) + [o for _, o in variants]
+    for (side, seconds), extra in zip(results, extras, strict=True):
         flops = 6 * params * tokens / seconds
         print(
             f"{side:10} {seconds:9.2f} {tokens / seconds:9.0f} {flops / 1e9:8.1f} "
             f"{flops / peak:8.1%}  {' '.join(extra)}"
         )
-    print(f"ratio tokens_per_s treadle/plain: {results[0][1] / results[1][1]:.2f}")
+    if args.no_plain:
+        (first, a), (second, b) = results[:2]
+        print(f"ratio tokens_per_s {first}/{second}: {b / a:.2f}")
+    else:
+        print(f"ratio tokens_per_s treadle/plain: {results[0][1] / results[1][1]:.2f}")
 
 
 if __name__ == "__main__":

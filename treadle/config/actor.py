@@ -132,6 +132,16 @@ class ActorConfig(Section):
         "CPU. Narrower rows, down to the longest sequence, are used when cheaper: each row "
         "position weighted by 3 x hidden size + the width.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="remove_padding: rows with the same prompt (a GRPO group's samples, "
+        "told by their prompt tokens) have it computed once in the packed forwards of actor, "
+        "reference and critic: the prompt, then each response attending to it and to its own "
+        "earlier tokens (an explicit attention mask); their micro-batches keep a group "
+        "together. Same log-probs and gradients within float rounding. Not with "
+        "sequence_parallel_size > 1, pictures, a sliding window or an attention other than "
+        "sdpa and eager (they keep the unshared layout).",
+    )
     mixed_precision: Literal["none", "bf16", "auto"] = Field(
         "none",
         description="bf16: decoder layers and LM-head products of actor and reference compute "
@@ -147,6 +157,11 @@ class ActorConfig(Section):
         description="Form micro-batches by this many valid tokens per rank (a longer sample "
         "goes alone) instead of micro_batch_size samples; null: by micro_batch_size.",
     )
+
+    def shares_prompts(self) -> bool:
+        """Whether packed forwards compute a shared prompt once (share_prompts, which needs
+        remove_padding)."""
+        return self.remove_padding and self.share_prompts
 
     def dp_size(self) -> int:
         """Data-parallel ranks: world_size / (tensor_parallel_size x sequence_parallel_size)

@@ -17,7 +17,8 @@ Choices:
   :class:`~treadle.engines.heads.LogProbRequest` and returns its
   :class:`~treadle.engines.heads.LogProbOutput`.
 - Packed forwards (``row_tokens``): the decoder runs on the valid tokens only, several
-  sequences per row with attention kept within each (:mod:`treadle.engines.packing`).
+  sequences per row with attention kept within each (:mod:`treadle.engines.packing`); with
+  ``share_prompts`` the rows that share a prompt have it computed once.
 - Mixed precision (``compute_dtype``): decoder layers and the LM head's matrix products
   compute in bfloat16 from float32 parameters; norms, softmax and the optimizer stay float32.
   On CPU, attention that needs gradients computes in float32 (:mod:`treadle.engines.attention`:
@@ -204,7 +205,8 @@ class TrainEngine:
     ``head`` builds the FSDP2 root around the LM (default :class:`LogProbHead`); a value
     model passes its own, called as ``head(lm, row_tokens=row_tokens)``, which must hold the
     LM as ``.lm``. ``row_tokens`` set: forwards run packed, without padding
-    (:func:`response_hidden`). ``compute_dtype``: mixed precision (:func:`shard_model`).
+    (:func:`response_hidden`), with ``share_prompts`` a prompt several rows share computed
+    once. ``compute_dtype``: mixed precision (:func:`shard_model`).
     ``meshes``: tensor-parallel layers or Ulysses attention
     (:mod:`treadle.engines.parallel`), ``section`` the config section that asked for them.
     """
@@ -222,6 +224,7 @@ class TrainEngine:
         grad_clip: float = 1.0,
         gradient_checkpointing: bool = False,
         row_tokens: int | None = None,
+        share_prompts: bool = False,
         compute_dtype: torch.dtype | None = None,
         head: Callable[..., nn.Module] | None = None,
         meshes: Meshes | None = None,
@@ -231,11 +234,12 @@ class TrainEngine:
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
-        root = (
+        root: Any = (  # a HeadRoot (sequence_group, share_prompts)
             head(lm, row_tokens=row_tokens)
             if head is not None
             else LogProbHead(lm, chunk_size, row_tokens, compute_dtype)
         )
+        root.share_prompts = share_prompts and row_tokens is not None
         # Tensor-parallel layers or Ulysses attention first, then FSDP2 over data-parallel ranks.
         parallelize(lm, meshes, section)
         if meshes is not None and meshes.sp_group is not None:

@@ -30,7 +30,7 @@ from treadle.engines.lm_head import (
     linear_token_stats,
     linear_topk_logits,
 )
-from treadle.engines.packing import label_positions, pack, scatter_labels
+from treadle.engines.packing import label_positions, pack, pack_shared, scatter_labels
 from treadle.engines.parallel import sequence_parallel_forward
 from treadle.engines.pictures import picture_embeddings, picture_tokens
 
@@ -45,6 +45,7 @@ def response_hidden(
     row_tokens: int | None = None,
     sequence_group: Any = None,
     pixel_values: torch.Tensor | None = None,
+    share_prompts: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decoder hidden states that predict the selected labels among the last ``num_labels``.
 
@@ -65,6 +66,13 @@ def response_hidden(
     padding): the decoder takes input embeddings in which the rows' picture tokens hold the
     vision tower's features (:mod:`treadle.engines.pictures`), packed or not; the image tokens
     keep ordinary 1-D positions (Idefics3). Not with ``sequence_group`` (the rules refuse it).
+
+    ``share_prompts`` (packed only): rows with the same prompt (the columns before the last
+    ``num_labels``) have it computed once (:func:`~treadle.engines.packing.pack_shared`), the
+    decoder taking the layout's 4-D mask (transformers uses a 4-D mask as given: bool for
+    ``sdpa``, additive float for ``eager``). The same states, within float rounding. Not with
+    ``sequence_group`` or ``pixel_values``, nor for another attention implementation or a
+    sliding window (:func:`can_share_prompts`): those keep the layout of :func:`pack`.
     """
     where = label_positions(attention_mask, num_labels, label_mask)
     decoder = lm.get_decoder()
@@ -78,6 +86,17 @@ def response_hidden(
         ).last_hidden_state
         return hidden[:, -num_labels - 1 : -1][where], where
     h = getattr(decoder.config, "hidden_size", None)  # weighs a row's width (see pack)
+    shared = share_prompts and sequence_group is None and pixel_values is None
+    if shared and can_share_prompts(decoder.config):
+        layout = pack_shared(input_ids, attention_mask, where, row_tokens, hidden_size=h)
+        if layout.attention_mask is not None:
+            hidden = decoder(
+                input_ids=layout.input_ids,
+                attention_mask=_mask_for(decoder, layout.attention_mask),
+                position_ids=layout.position_ids,
+                use_cache=False,
+            ).last_hidden_state
+            return hidden.flatten(0, 1)[layout.gather], where
     layout = pack(input_ids, attention_mask, where, row_tokens, hidden_size=h)
     if sequence_group is not None:
         assert pixel_values is None, "sequence parallel does not take pictures (config rules)"
@@ -95,6 +114,30 @@ def response_hidden(
     # from the position ids (with a cache it silently attends across the whole row).
     hidden = decoder(position_ids=layout.position_ids, use_cache=False, **inputs).last_hidden_state
     return hidden.flatten(0, 1)[layout.gather], where
+
+
+SHARED_ATTENTION = ("sdpa", "eager")
+"""The attention implementations that take :func:`pack_shared`'s 4-D mask as given."""
+
+
+def can_share_prompts(config: Any) -> bool:
+    """Whether a decoder of ``config`` runs the shared-prompt layout exactly: attention that
+    takes a 4-D mask (:data:`SHARED_ATTENTION`) and no sliding window (the mask holds none)."""
+    return (
+        getattr(config, "_attn_implementation", None) in SHARED_ATTENTION
+        and getattr(config, "sliding_window", None) is None
+    )
+
+
+def _mask_for(decoder: Any, allowed: torch.Tensor) -> torch.Tensor:
+    """A bool 4-D mask (True: attend) as the decoder's attention takes it: sdpa the bool
+    mask, eager an additive one (0 or the dtype's minimum, as ``masking_utils.eager_mask``)."""
+    if decoder.config._attn_implementation == "sdpa":
+        return allowed
+    dtype = decoder.get_input_embeddings().weight.dtype
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
 
 
 def _inputs(
@@ -115,6 +158,7 @@ class HeadRoot(nn.Module):
         self.lm: Any = lm  # a transformers PreTrainedModel
         self.row_tokens = row_tokens  # set: packed forward, no compute on padding
         self.sequence_group: Any = None  # set (by the engine): sequence-parallel forward
+        self.share_prompts = False  # set (by the engine): a shared prompt computed once
 
     def hidden(
         self,
@@ -134,6 +178,7 @@ class HeadRoot(nn.Module):
             row_tokens=self.row_tokens,
             sequence_group=self.sequence_group,
             pixel_values=pixel_values,
+            share_prompts=self.share_prompts,
         )
 
 

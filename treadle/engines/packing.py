@@ -15,6 +15,11 @@ layout computes on every pad position. Here are the pieces that take the padding
   ``bench/train_step.py``; see the actor config). The layout also says where, in the packed
   rows, the hidden state predicting each selected label sits, so heads run on those states
   only and scatter back to the ``[batch, num_labels]`` layout.
+- :func:`pack_shared` does the same with each shared prompt laid out once: the samples of a
+  GRPO group (:func:`prompt_groups`: identical valid prompt tokens) become one unit, the prompt
+  followed by every response, each response attending to the prompt and to its own causal
+  prefix only, with the positions it has in its own sequence. The position ids cannot say
+  that (a second response's do not restart at 0), so the layout carries an explicit 4-D mask.
 - :func:`token_micro_batches` groups a rank's samples into micro-batches by a token budget
   instead of a sample count, with the same number of micro-batches on every rank (FSDP's
   collectives run once per micro-batch; a rank with fewer would hang the others).
@@ -101,10 +106,45 @@ def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
     return [i for part in members for i in sorted(part)]
 
 
-def balance_ranks(batch: Batch, ranks: int) -> Batch:
-    """``batch`` reordered by :func:`balanced_order` of its valid tokens (prompt + response)."""
-    lengths = batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
-    return batch.select(balanced_order(lengths.tolist(), ranks))
+def balanced_group_order(
+    groups: Sequence[Sequence[int]], prompt: Sequence[int], response: Sequence[int], parts: int
+) -> list[int]:
+    """:func:`balanced_order` of groups of samples that share a prompt, which a part counts
+    once: the heaviest remaining group goes whole to the lightest part with room for it;
+    where no part has room, it fills the lightest part with room and the rest goes on.
+    ``prompt`` / ``response``: each sample's tokens. Groups of one: :func:`balanced_order`."""
+    n = len(prompt)
+    if n % parts:
+        raise ValueError(f"{n} samples cannot be cut into {parts} equal parts")
+    size = n // parts
+    members: list[list[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+
+    def cost(g: Sequence[int]) -> int:
+        return prompt[g[0]] + sum(response[i] for i in g)
+
+    for group in sorted(groups, key=lambda g: -cost(g)):
+        rest = list(group)
+        while rest:
+            room = [p for p in range(parts) if len(members[p]) < size]
+            whole = [p for p in room if size - len(members[p]) >= len(rest)]
+            p = min(whole or room, key=lambda p: loads[p])
+            take, rest = rest[: size - len(members[p])], rest[size - len(members[p]) :]
+            members[p] += take
+            loads[p] += cost(take)
+    return [i for part in members for i in sorted(part)]
+
+
+def balance_ranks(batch: Batch, ranks: int, share_prompts: bool = False) -> Batch:
+    """``batch`` reordered by :func:`balanced_order` of its valid tokens (prompt + response);
+    ``share_prompts``: by :func:`balanced_group_order`, a prompt's samples kept on one rank
+    where the counts allow, so that its forwards compute the prompt once."""
+    prompt, response = batch["prompt_mask"].sum(1), response_attention(batch).sum(1)
+    if share_prompts and ranks > 1:
+        groups = prompt_groups(batch["prompts"], batch["prompt_mask"])
+        order = balanced_group_order(groups, prompt.tolist(), response.tolist(), ranks)
+        return batch.select(order)
+    return batch.select(balanced_order((prompt + response).tolist(), ranks))
 
 
 @dataclass
@@ -118,7 +158,7 @@ class PackedLayout:
     in row-major order of ``where``, the flat index into ``rows * width`` of the hidden state
     that predicts it. ``order``: the samples in the order their tokens appear in the packed
     rows, row-major (a vision-language model fills its image tokens with the pictures in that
-    order: :meth:`packed_pixels`).
+    order: :meth:`packed_pixels`). ``attention_mask``: see :func:`pack_shared`.
     """
 
     input_ids: torch.Tensor
@@ -126,6 +166,10 @@ class PackedLayout:
     where: torch.Tensor
     gather: torch.Tensor
     order: torch.Tensor
+    # [rows, 1, width, width] bool (True: the row's query position attends to the key
+    # position) of a layout with shared prompts (:func:`pack_shared`); None: the position ids
+    # say it all
+    attention_mask: torch.Tensor | None = None
 
     def packed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """A batch's pictures ``[B, images, 3, H, W]`` as the packed rows' one sample
@@ -203,6 +247,128 @@ def pack(
         gather=gather,
         order=seq_start.cpu().argsort(stable=True),
     )
+
+
+def prompt_groups(prompts: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """The rows of ``prompts [B, P]`` grouped by identical valid tokens (``prompt_mask``), in
+    the order of their first rows; a row with an empty prompt is a group of its own.
+
+    Identity is by tokens, not by a prompt id: the samples of a GRPO group share a prompt, a
+    multi-turn sample whose prompt differs does not."""
+    groups: dict[tuple[int, ...] | int, list[int]] = {}
+    valid = prompt_mask.bool()
+    for i, (row, keep) in enumerate(zip(prompts.tolist(), valid.tolist(), strict=True)):
+        key = tuple(t for t, k in zip(row, keep, strict=True) if k)
+        groups.setdefault(key if key else -1 - i, []).append(i)
+    return list(groups.values())
+
+
+def pack_shared(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    where: torch.Tensor,
+    row_tokens: int,
+    pad_id: int = 0,
+    hidden_size: int | None = None,
+) -> PackedLayout:
+    """:func:`pack`, with the prompt of the rows that share one laid out once.
+
+    The prompt is what comes before the last ``where.shape[1]`` columns (the labels: the
+    responses); rows with identical valid prompt tokens (:func:`prompt_groups`) form a unit,
+    ``P R1 R2 ... Rk`` in one packed row, a row without a partner the unit ``P R``. Each
+    token keeps its position in its own sequence (Ri's continue P's); a response token
+    attends to P and to its own response's earlier tokens, not to the other responses, so
+    every state is the one of the unshared sequence, P's states computed once for the k
+    responses (their gradients add up over them). The state predicting Ri's first token is
+    P's last, shared. The layout's ``attention_mask`` says so (filler attends to itself).
+    Units are laid into rows as :func:`pack` lays sequences; a unit that would pass
+    ``row_tokens`` (or the longest sequence) is cut into consecutive units, each with the
+    prompt, so that no row grows wider than unshared packing makes it (attention computes
+    each row's whole square).
+
+    Without a prompt shared by two rows this is :func:`pack` (no attention mask), and so it is
+    with a prompt of one column (SFT's labels: every position but the first), which would
+    save a token a row.
+    """
+    num_labels = where.shape[1]
+    split = input_ids.shape[1] - num_labels
+    valid = attention_mask.bool()
+    prompt = valid[:, :split].sum(1).cpu()
+    response = valid[:, split:].sum(1).cpu()
+    cap = max(row_tokens, int((prompt + response).max()))
+    groups = [
+        piece
+        for g in prompt_groups(input_ids[:, :split], valid[:, :split])
+        for piece in prompt_pieces(g, int(prompt[g[0]]), response.tolist(), cap)
+    ]
+    if split < 2 or all(len(g) == 1 for g in groups):
+        return pack(input_ids, attention_mask, where, row_tokens, pad_id, hidden_size)
+    device = input_ids.device
+    sizes = [int(prompt[g[0]] + response[g].sum()) for g in groups]
+    width, rows = _cheapest_rows(sizes, row_tokens, hidden_size)
+    # Per sample: where its unit starts in the flat [rows * width] layout, how many response
+    # tokens of its unit come before its own, and its branch (1 + its place in the unit).
+    unit_start = torch.zeros(len(groups), dtype=torch.long)
+    for r, units in enumerate(rows):
+        offsets = torch.tensor([sizes[u] for u in units]).cumsum(0)
+        unit_start[units] = r * width + offsets - torch.tensor([sizes[u] for u in units])
+    start = torch.zeros(len(valid), dtype=torch.long)
+    before = torch.zeros(len(valid), dtype=torch.long)
+    branch = torch.zeros(len(valid), dtype=torch.long)
+    unit = torch.zeros(len(valid), dtype=torch.long)
+    for u, g in enumerate(groups):
+        start[g] = unit_start[u]
+        before[g] = response[g].cumsum(0) - response[g]
+        branch[g] = torch.arange(1, len(g) + 1)
+        unit[g] = u
+    start, before, branch, unit = (x.to(device) for x in (start, before, branch, unit))
+    # A prompt token goes to start + its position, a response token after the responses of
+    # its unit that come before it: start + before + its position.
+    local = (valid.long().cumsum(1) - 1).clamp(min=0)
+    is_response = torch.zeros_like(valid)
+    is_response[:, split:] = True
+    dest = start[:, None] + local + torch.where(is_response, before[:, None], 0)
+    dest = torch.where(valid, dest, -1)
+    size = len(rows) * width
+    flat_ids = torch.full((size,), pad_id, dtype=input_ids.dtype, device=device)
+    flat_ids[dest[valid]] = input_ids[valid]  # a shared prompt's rows write the same ids
+    flat_pos = torch.zeros(size, dtype=torch.long, device=device)
+    flat_pos[dest[valid]] = local[valid]
+    flat_unit = torch.full((size,), -1, dtype=torch.long, device=device)
+    flat_unit[dest[valid]] = unit[:, None].expand_as(valid)[valid]
+    flat_branch = torch.zeros(size, dtype=torch.long, device=device)
+    flat_branch[dest[valid]] = torch.where(is_response, branch[:, None], 0)[valid]
+    # [rows, query, key]: the same unit, causal, a key in the prompt or in the query's response
+    unit_ids = flat_unit.view(len(rows), width)
+    branches = flat_branch.view(len(rows), width)
+    idx = torch.arange(width, device=device)
+    same_unit = (unit_ids[:, :, None] == unit_ids[:, None, :]) & (unit_ids[:, :, None] >= 0)
+    causal = idx[None, :] <= idx[:, None]
+    own_branch = (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None])
+    mask = (same_unit & causal & own_branch) | torch.eye(width, dtype=torch.bool, device=device)
+    order = (start + before).cpu().argsort(stable=True)
+    return PackedLayout(
+        input_ids=flat_ids.view(len(rows), width),
+        position_ids=flat_pos.view(len(rows), width),
+        where=where,
+        gather=dest[:, -num_labels - 1 : -1][where],
+        order=order,
+        attention_mask=mask[:, None],
+    )
+
+
+def prompt_pieces(group: list[int], prompt: int, response: list[int], cap: int) -> list[list[int]]:
+    """``group`` (rows of one prompt) cut into consecutive pieces of at most ``cap`` tokens,
+    the prompt once a piece (a row that alone passes it is a piece of its own)."""
+    pieces: list[list[int]] = []
+    piece: list[int] = []
+    for i in group:
+        if piece and prompt + sum(response[j] for j in piece) + response[i] > cap:
+            pieces.append(piece)
+            piece = []
+        piece.append(i)
+    pieces.append(piece)
+    return pieces
 
 
 def _cheapest_rows(

@@ -96,7 +96,8 @@ class DistillTrainer(RLTrainer):
     def step(self, step: int) -> dict[str, float]:
         d, m = self.cfg.distill, dict[str, float]()
         batch = self.distill_batch(step, m)
-        batch = balance_ranks(batch, self.cfg.actor.dp_size())
+        a = self.cfg.actor
+        batch = balance_ranks(batch, a.dp_size(), a.shares_prompts())
         if d.loss != "seq_kd":  # the teacher's log-probs of its own samples are their rollout's
             with timed(m, "teacher"):
                 batch = batch.union(self.teacher.score(batch, d.top_k if d.loss == "gkd" else 0))

@@ -287,8 +287,9 @@ class RLTrainer(Trainer):
         # or ahead of it, as the source says
         batch = self.source.sample(step, m)
         # Every data-parallel rank gets a similar token count (the dispatcher cuts contiguous
-        # chunks).
-        batch = balance_ranks(batch, self.cfg.actor.dp_size())
+        # chunks), a prompt's samples on one rank where they fit (actor.share_prompts).
+        a = self.cfg.actor
+        batch = balance_ranks(batch, a.dp_size(), a.shares_prompts())
         # 3-4. the actor's "old" log-probs and the frozen reference's, when they are needed
         batch = self.log_prob_passes(batch, m)
         batch["token_level_rewards"] = self.kl_shaped_rewards(batch, m)

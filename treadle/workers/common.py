@@ -21,7 +21,12 @@ from torch import nn
 from treadle.algorithms import masked_sum
 from treadle.config import ActorConfig, Config
 from treadle.data.images import PIXELS
-from treadle.engines.packing import first_fit_decreasing, token_micro_batches
+from treadle.engines.packing import (
+    first_fit_decreasing,
+    prompt_groups,
+    prompt_pieces,
+    token_micro_batches,
+)
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.value import ValueHead
 from treadle.models.loading import load_value_model
@@ -34,11 +39,13 @@ if TYPE_CHECKING:  # imported where an engine is built: the driver does not need
 
 def engine_options(cfg: Config) -> dict[str, Any]:
     """How every training engine (actor, reference, critic, reward model) runs its forward:
-    packed without padding (``actor.remove_padding``), in ``actor.mixed_precision``."""
+    packed without padding (``actor.remove_padding``), a shared prompt computed once
+    (``actor.share_prompts``), in ``actor.mixed_precision``."""
     a = cfg.actor
     return {
         "chunk_size": a.logprob_chunk_size,
         "row_tokens": a.pack_row_tokens if a.remove_padding else None,
+        "share_prompts": a.shares_prompts(),
         "compute_dtype": torch.bfloat16 if compute_bf16(a.mixed_precision) else None,
     }
 
@@ -206,16 +213,74 @@ def micro_batches(
 
     By ``actor.max_tokens_per_micro_batch`` (``lengths`` = valid tokens per sample;
     default: prompt + response tokens) when set, else ``actor.micro_batch_size`` samples each.
+
+    With shared prompts (``actor.share_prompts``, a batch of prompts and responses) the
+    samples of one prompt (:func:`~treadle.engines.packing.prompt_groups`) stay together,
+    so that the packed forward computes their prompt once: by samples, the batch is cut in
+    the order of its groups; by tokens, a group weighs its prompt once plus its responses
+    (:func:`shared_prompt_units`).
     """
-    if actor.max_tokens_per_micro_batch is None:
-        return list(torch.arange(len(batch)).split(actor.micro_batch_size))
+    budget = actor.max_tokens_per_micro_batch
+    shared = actor.shares_prompts() and "prompts" in batch
+    if budget is None:
+        order = torch.arange(len(batch))
+        if shared:
+            order = torch.tensor([i for g in prompt_groups(*_prompts(batch)) for i in g])
+        return list(order.split(actor.micro_batch_size))
     if lengths is None:
         lengths = batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
+    units = [[i] for i in range(len(batch))]
     lens = lengths.tolist()
-    need = torch.tensor([len(first_fit_decreasing(lens, actor.max_tokens_per_micro_batch))])
+    if shared:
+        units, lens = shared_prompt_units(batch, budget)
+    need = torch.tensor([len(first_fit_decreasing(lens, budget))])
     dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere
-    groups = token_micro_batches(lens, actor.max_tokens_per_micro_batch, int(need))
-    return [torch.tensor(g, dtype=torch.long) for g in groups]
+    while len(units) < int(need) and any(len(u) > 1 for u in units):  # more pieces to cut
+        units, lens = _halve_heaviest(batch, units, lens)
+    groups = token_micro_batches(lens, budget, int(need))
+    return [torch.tensor([i for u in g for i in units[u]], dtype=torch.long) for g in groups]
+
+
+def _prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    return batch["prompts"], batch["prompt_mask"]
+
+
+class _Tokens:
+    """Valid tokens of a batch's samples of one prompt, counting the prompt once."""
+
+    def __init__(self, batch: Batch) -> None:
+        self.prompt = batch["prompt_mask"].sum(1).tolist()
+        self.response = response_attention(batch).sum(1).tolist()
+
+    def __call__(self, rows: list[int]) -> int:
+        return int(self.prompt[rows[0]] + sum(self.response[i] for i in rows))
+
+
+def shared_prompt_units(batch: Batch, budget: int) -> tuple[list[list[int]], list[int]]:
+    """The samples of ``batch`` as units for token-budget micro-batches with shared prompts,
+    and each unit's tokens (its prompt once plus its responses): the samples of one prompt,
+    cut in consecutive pieces where they would exceed ``budget`` (a sample that alone
+    exceeds it is a piece of its own)."""
+    tokens = _Tokens(batch)
+    units = [
+        piece
+        for group in prompt_groups(*_prompts(batch))
+        for piece in prompt_pieces(group, tokens.prompt[group[0]], tokens.response, budget)
+    ]
+    return units, [tokens(u) for u in units]
+
+
+def _halve_heaviest(
+    batch: Batch, units: list[list[int]], lens: list[int]
+) -> tuple[list[list[int]], list[int]]:
+    """The heaviest unit of several samples cut in two: another rank needs more micro-batches
+    than this one has units."""
+    heavy = max((u for u in range(len(units)) if len(units[u]) > 1), key=lambda u: lens[u])
+    rows = units[heavy]
+    halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
+    rest = [u for k, u in enumerate(units) if k != heavy]
+    rest_lens = [n for k, n in enumerate(lens) if k != heavy]
+    return rest + halves, rest_lens + [_Tokens(batch)(h) for h in halves]
 
 
 def rows_with_gradient(batch: Batch) -> torch.Tensor:
