@@ -306,5 +306,8 @@ def test_kto_from_python_takes_a_dataset_in_trls_unpaired_format(tiny_task, tmp_
         overrides=[*overrides, "data.val_files=[]", "trainer.eval_every=0"],
     )
     assert result.metrics["kto/loss"] == pytest.approx(0.5, abs=1e-6)
-    assert result.metrics["kto/kl"] == 0.0 and "kto/chosen_logp" in result.metrics
+    # the policy is the reference at step 1; their passes pack the rows that share a prompt
+    # differently (actor.share_prompts), which changes the float rounding only
+    assert result.metrics["kto/kl"] == pytest.approx(0.0, abs=1e-5)
+    assert "kto/chosen_logp" in result.metrics
     assert (result.output_dir / "datasets" / "train").is_dir()

@@ -198,6 +198,22 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
     )
 
 
+def adamw(
+    params: list[nn.Parameter],
+    lr: float,
+    betas: tuple[float, float],
+    weight_decay: float,
+    schedule: LrSchedule | None,
+) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+    """AdamW over ``params`` and its lr ``schedule`` (default constant)."""
+    # fused: one kernel over all the parameters (CPU and CUDA); SmolLM2's step against the
+    # default (foreach): 0.40 -> 0.10 s on 2 CPU threads, 17 -> 1.5 ms on an H100
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+    factor = schedule or LrSchedule()
+    # LambdaLR counts from 0, the schedule's steps from 1
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: factor(s + 1))
+
+
 class TrainEngine:
     """FSDP2 model + AdamW + lr schedule (default constant). ``trainable=False``: a frozen
     reference.
@@ -265,14 +281,7 @@ class TrainEngine:
         self.module.train()  # from_pretrained gives eval mode; checkpointing needs training mode
         # Only what trains (with LoRA: the adapters) gets optimizer state.
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        # fused: one kernel over all the parameters (CPU and CUDA); SmolLM2's step against
-        # the default (foreach): 0.40 -> 0.10 s on 2 CPU threads, 17 -> 1.5 ms on an H100
-        self.optimizer = torch.optim.AdamW(
-            self.params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True
-        )
-        factor = schedule or LrSchedule()
-        # LambdaLR counts from 0, the schedule's steps from 1
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: factor(s + 1))
+        self.optimizer, self.scheduler = adamw(self.params, lr, betas, weight_decay, schedule)
 
     @property
     def device(self) -> torch.device:

@@ -30,7 +30,13 @@ from treadle.engines.lm_head import (
     linear_token_stats,
     linear_topk_logits,
 )
-from treadle.engines.packing import label_positions, pack, pack_shared, scatter_labels
+from treadle.engines.packing import (
+    PackedLayout,
+    label_positions,
+    pack,
+    pack_shared,
+    scatter_labels,
+)
 from treadle.engines.parallel import sequence_parallel_forward
 from treadle.engines.pictures import picture_embeddings, picture_tokens
 
@@ -67,29 +73,22 @@ def response_hidden(
     vision tower's features (:mod:`treadle.engines.pictures`), packed or not; the image tokens
     keep ordinary 1-D positions (Idefics3). Not with ``sequence_group`` (the rules refuse it).
 
-    ``share_prompts`` (packed only): rows with the same prompt (the columns before the last
-    ``num_labels``) have it computed once (:func:`~treadle.engines.packing.pack_shared`), the
-    decoder taking the layout's 4-D mask (transformers uses a 4-D mask as given: bool for
-    ``sdpa``, additive float for ``eager``). The same states, within float rounding. Not with
-    ``sequence_group`` or ``pixel_values``, nor for another attention implementation or a
-    sliding window (:func:`can_share_prompts`): those keep the layout of :func:`pack`.
+    ``share_prompts`` (packed only): rows with the same prompt have it computed once, the same
+    states within float rounding (:func:`~treadle.engines.packing.pack_shared`, a 4-D mask);
+    not with ``sequence_group``, ``pixel_values`` or what :func:`can_share_prompts` refuses.
     """
     where = label_positions(attention_mask, num_labels, label_mask)
     decoder = lm.get_decoder()
-    if row_tokens is None:
+    if row_tokens is None:  # the padded batch
         position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        hidden = decoder(
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=False,
-            **_inputs(lm, input_ids, pixel_values),
-        ).last_hidden_state
-        return hidden[:, -num_labels - 1 : -1][where], where
+        inputs = {**_inputs(lm, input_ids, pixel_values), "use_cache": False}
+        hidden = decoder(attention_mask=attention_mask, position_ids=position_ids, **inputs)
+        return hidden.last_hidden_state[:, -num_labels - 1 : -1][where], where
     h = getattr(decoder.config, "hidden_size", None)  # weighs a row's width (see pack)
     shared = share_prompts and sequence_group is None and pixel_values is None
     if shared and can_share_prompts(decoder.config):
         layout = pack_shared(input_ids, attention_mask, where, row_tokens, hidden_size=h)
-        if layout.attention_mask is not None:
+        if layout.attention_mask is not None:  # (else no prompt is shared: pack's layout)
             hidden = decoder(
                 input_ids=layout.input_ids,
                 attention_mask=_mask_for(decoder, layout.attention_mask),
@@ -98,22 +97,44 @@ def response_hidden(
             ).last_hidden_state
             return hidden.flatten(0, 1)[layout.gather], where
     layout = pack(input_ids, attention_mask, where, row_tokens, hidden_size=h)
+    hidden = _packed_hidden(
+        lm, layout, (input_ids, attention_mask), row_tokens, sequence_group, pixel_values
+    )
+    return hidden.flatten(0, 1)[layout.gather], where
+
+
+def _packed_hidden(
+    lm: Any,
+    layout: PackedLayout,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    row_tokens: int,
+    sequence_group: Any,
+    pixel_values: torch.Tensor | None,
+) -> torch.Tensor:
+    """The decoder's states ``[rows, width, H]`` of :func:`pack`'s ``layout`` (of rows of at
+    most ``row_tokens``) of ``batch`` (input ids, attention mask): split over a
+    sequence-parallel group, or with pictures (see :func:`response_hidden`)."""
+    decoder = lm.get_decoder()
+    input_ids, attention_mask = batch
     if sequence_group is not None:
         assert pixel_values is None, "sequence parallel does not take pictures (config rules)"
-        hidden = sequence_parallel_forward(
+        return sequence_parallel_forward(
             decoder, layout.input_ids, layout.position_ids, sequence_group
         )
-        return hidden.flatten(0, 1)[layout.gather], where
     inputs = {"input_ids": layout.input_ids}
     if pixel_values is not None:  # the picture positions, packed the same way
+        h = getattr(decoder.config, "hidden_size", None)
         pictures = picture_tokens(lm, input_ids, pixel_values).long()
-        packed = pack(pictures, attention_mask, where, row_tokens, hidden_size=h).input_ids.bool()
+        packed = pack(pictures, attention_mask, layout.where, row_tokens, hidden_size=h)
         pixels = layout.packed_pixels(pixel_values)
-        inputs = {"inputs_embeds": picture_embeddings(lm, layout.input_ids, packed, pixels)}
+        inputs = {
+            "inputs_embeds": picture_embeddings(
+                lm, layout.input_ids, packed.input_ids.bool(), pixels
+            )
+        }
     # No attention mask and no cache: transformers then builds the block-diagonal causal mask
     # from the position ids (with a cache it silently attends across the whole row).
-    hidden = decoder(position_ids=layout.position_ids, use_cache=False, **inputs).last_hidden_state
-    return hidden.flatten(0, 1)[layout.gather], where
+    return decoder(position_ids=layout.position_ids, use_cache=False, **inputs).last_hidden_state
 
 
 SHARED_ATTENTION = ("sdpa", "eager")

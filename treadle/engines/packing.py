@@ -303,25 +303,27 @@ def pack_shared(
     ]
     if split < 2 or all(len(g) == 1 for g in groups):
         return pack(input_ids, attention_mask, where, row_tokens, pad_id, hidden_size)
-    device = input_ids.device
     sizes = [int(prompt[g[0]] + response[g].sum()) for g in groups]
     width, rows = _cheapest_rows(sizes, row_tokens, hidden_size)
-    # Per sample: where its unit starts in the flat [rows * width] layout, how many response
-    # tokens of its unit come before its own, and its branch (1 + its place in the unit).
-    unit_start = torch.zeros(len(groups), dtype=torch.long)
-    for r, units in enumerate(rows):
-        offsets = torch.tensor([sizes[u] for u in units]).cumsum(0)
-        unit_start[units] = r * width + offsets - torch.tensor([sizes[u] for u in units])
-    start = torch.zeros(len(valid), dtype=torch.long)
-    before = torch.zeros(len(valid), dtype=torch.long)
-    branch = torch.zeros(len(valid), dtype=torch.long)
-    unit = torch.zeros(len(valid), dtype=torch.long)
-    for u, g in enumerate(groups):
-        start[g] = unit_start[u]
-        before[g] = response[g].cumsum(0) - response[g]
-        branch[g] = torch.arange(1, len(g) + 1)
-        unit[g] = u
-    start, before, branch, unit = (x.to(device) for x in (start, before, branch, unit))
+    places = _places(groups, rows, sizes, width, response, len(valid))
+    return _pack_units(input_ids, valid, where, (width, len(rows)), places, pad_id)
+
+
+def _pack_units(
+    input_ids: torch.Tensor,
+    valid: torch.Tensor,
+    where: torch.Tensor,
+    shape: tuple[int, int],
+    places: tuple[torch.Tensor, ...],
+    pad_id: int,
+) -> PackedLayout:
+    """:func:`pack_shared`'s layout of the samples at ``places`` (:func:`_places`) in
+    ``shape`` = (width, rows)."""
+    width, n_rows = shape
+    num_labels = where.shape[1]
+    split = input_ids.shape[1] - num_labels
+    device = input_ids.device
+    start, before, branch, unit = (x.to(device) for x in places)
     # A prompt token goes to start + its position, a response token after the responses of
     # its unit that come before it: start + before + its position.
     local = (valid.long().cumsum(1) - 1).clamp(min=0)
@@ -329,7 +331,7 @@ def pack_shared(
     is_response[:, split:] = True
     dest = start[:, None] + local + torch.where(is_response, before[:, None], 0)
     dest = torch.where(valid, dest, -1)
-    size = len(rows) * width
+    size = n_rows * width
     flat_ids = torch.full((size,), pad_id, dtype=input_ids.dtype, device=device)
     flat_ids[dest[valid]] = input_ids[valid]  # a shared prompt's rows write the same ids
     flat_pos = torch.zeros(size, dtype=torch.long, device=device)
@@ -338,23 +340,53 @@ def pack_shared(
     flat_unit[dest[valid]] = unit[:, None].expand_as(valid)[valid]
     flat_branch = torch.zeros(size, dtype=torch.long, device=device)
     flat_branch[dest[valid]] = torch.where(is_response, branch[:, None], 0)[valid]
-    # [rows, query, key]: the same unit, causal, a key in the prompt or in the query's response
-    unit_ids = flat_unit.view(len(rows), width)
-    branches = flat_branch.view(len(rows), width)
-    idx = torch.arange(width, device=device)
-    same_unit = (unit_ids[:, :, None] == unit_ids[:, None, :]) & (unit_ids[:, :, None] >= 0)
-    causal = idx[None, :] <= idx[:, None]
-    own_branch = (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None])
-    mask = (same_unit & causal & own_branch) | torch.eye(width, dtype=torch.bool, device=device)
+    mask = _shared_mask(flat_unit.view(n_rows, width), flat_branch.view(n_rows, width))
     order = (start + before).cpu().argsort(stable=True)
     return PackedLayout(
-        input_ids=flat_ids.view(len(rows), width),
-        position_ids=flat_pos.view(len(rows), width),
+        input_ids=flat_ids.view(n_rows, width),
+        position_ids=flat_pos.view(n_rows, width),
         where=where,
         gather=dest[:, -num_labels - 1 : -1][where],
         order=order,
-        attention_mask=mask[:, None],
+        attention_mask=mask,
     )
+
+
+def _places(
+    groups: list[list[int]],
+    rows: list[list[int]],
+    sizes: list[int],
+    width: int,
+    response: torch.Tensor,
+    n: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per sample of :func:`pack_shared`'s units (``groups``, laid into ``rows``): where its
+    unit starts in the flat ``[rows * width]`` layout, how many response tokens of its unit
+    come before its own, its branch (1 + its place in the unit) and its unit."""
+    unit_start = torch.zeros(len(groups), dtype=torch.long)
+    for r, units in enumerate(rows):
+        lengths = torch.tensor([sizes[u] for u in units])
+        unit_start[units] = r * width + lengths.cumsum(0) - lengths
+    start, before, branch, unit = (torch.zeros(n, dtype=torch.long) for _ in range(4))
+    for u, g in enumerate(groups):
+        start[g] = unit_start[u]
+        before[g] = response[g].cumsum(0) - response[g]
+        branch[g] = torch.arange(1, len(g) + 1)
+        unit[g] = u
+    return start, before, branch, unit
+
+
+def _shared_mask(units: torch.Tensor, branches: torch.Tensor) -> torch.Tensor:
+    """``[rows, 1, query, key]`` bool: a query attends to a key of its unit (``units``, -1 for
+    filler) at or before it that is in the prompt (branch 0) or in its own response; filler to
+    itself."""
+    width = units.shape[1]
+    idx = torch.arange(width, device=units.device)
+    same_unit = (units[:, :, None] == units[:, None, :]) & (units[:, :, None] >= 0)
+    causal = idx[None, :] <= idx[:, None]
+    own_branch = (branches[:, None, :] == 0) | (branches[:, None, :] == branches[:, :, None])
+    eye = torch.eye(width, dtype=torch.bool, device=units.device)
+    return ((same_unit & causal & own_branch) | eye)[:, None]
 
 
 def prompt_pieces(group: list[int], prompt: int, response: list[int], cap: int) -> list[list[int]]:
