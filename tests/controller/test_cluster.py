@@ -29,8 +29,8 @@ BIN = Path(sys.executable).parent
 GRPO = ROOT / "examples/arithmetic/grpo.yaml"
 AUTH_VARS = ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH", "RAY_ADDRESS")
 
-# after the other tests, alone in `make test`: a node started beside other work (the soak's
-# replicas, another test process) missed Ray's own fixed deadlines (tests/conftest.py)
+# after the other tests: a node started beside other work (the soak's replicas) missed Ray's
+# own fixed deadlines (tests/conftest.py); so would one beside another pytest-xdist process
 pytestmark = pytest.mark.late
 
 
