@@ -296,10 +296,11 @@ def pack_shared(
     prompt = valid[:, :split].sum(1).cpu()
     response = valid[:, split:].sum(1).cpu()
     cap = max(row_tokens, int((prompt + response).max()))
+    responses = response.tolist()
     groups = [
         piece
         for g in prompt_groups(input_ids[:, :split], valid[:, :split])
-        for piece in prompt_pieces(g, int(prompt[g[0]]), response.tolist(), cap)
+        for piece in prompt_pieces(g, int(prompt[g[0]]), responses, cap)
     ]
     if split < 2 or all(len(g) == 1 for g in groups):
         return pack(input_ids, attention_mask, where, row_tokens, pad_id, hidden_size)
@@ -394,11 +395,13 @@ def prompt_pieces(group: list[int], prompt: int, response: list[int], cap: int) 
     the prompt once a piece (a row that alone passes it is a piece of its own)."""
     pieces: list[list[int]] = []
     piece: list[int] = []
+    size = prompt
     for i in group:
-        if piece and prompt + sum(response[j] for j in piece) + response[i] > cap:
+        if piece and size + response[i] > cap:
             pieces.append(piece)
-            piece = []
+            piece, size = [], prompt
         piece.append(i)
+        size += response[i]
     pieces.append(piece)
     return pieces
 

@@ -225,24 +225,23 @@ def micro_batches(
     if budget is None:
         order = torch.arange(len(batch))
         if shared:
-            order = torch.tensor([i for g in prompt_groups(*_prompts(batch)) for i in g])
+            groups = prompt_groups(batch["prompts"], batch["prompt_mask"])
+            order = torch.tensor([i for g in groups for i in g])
         return list(order.split(actor.micro_batch_size))
     if lengths is None:
         lengths = batch["prompt_mask"].sum(1) + response_attention(batch).sum(1)
     units = [[i] for i in range(len(batch))]
     lens = lengths.tolist()
-    if shared:
-        units, lens = shared_prompt_units(batch, budget)
+    tokens = _Tokens(batch) if shared else None
+    if tokens is not None:
+        units, lens = shared_prompt_units(batch, budget, tokens)
     need = torch.tensor([len(first_fit_decreasing(lens, budget))])
     dist.all_reduce(need, op=dist.ReduceOp.MAX)  # FSDP collectives: same count everywhere
-    while len(units) < int(need) and any(len(u) > 1 for u in units):  # more pieces to cut
-        units, lens = _halve_heaviest(batch, units, lens)
+    # another rank needs more micro-batches than this one has units: cut units of a prompt
+    while tokens is not None and len(units) < int(need) and any(len(u) > 1 for u in units):
+        units, lens = _halve_heaviest(units, lens, tokens)
     groups = token_micro_batches(lens, budget, int(need))
     return [torch.tensor([i for u in g for i in units[u]], dtype=torch.long) for g in groups]
-
-
-def _prompts(batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    return batch["prompts"], batch["prompt_mask"]
 
 
 class _Tokens:
@@ -256,31 +255,32 @@ class _Tokens:
         return int(self.prompt[rows[0]] + sum(self.response[i] for i in rows))
 
 
-def shared_prompt_units(batch: Batch, budget: int) -> tuple[list[list[int]], list[int]]:
+def shared_prompt_units(
+    batch: Batch, budget: int, tokens: _Tokens | None = None
+) -> tuple[list[list[int]], list[int]]:
     """The samples of ``batch`` as units for token-budget micro-batches with shared prompts,
     and each unit's tokens (its prompt once plus its responses): the samples of one prompt,
     cut in consecutive pieces where they would exceed ``budget`` (a sample that alone
-    exceeds it is a piece of its own)."""
-    tokens = _Tokens(batch)
+    exceeds it is a piece of its own). ``tokens``: the batch's :class:`_Tokens`, if made."""
+    tokens = tokens or _Tokens(batch)
     units = [
         piece
-        for group in prompt_groups(*_prompts(batch))
+        for group in prompt_groups(batch["prompts"], batch["prompt_mask"])
         for piece in prompt_pieces(group, tokens.prompt[group[0]], tokens.response, budget)
     ]
     return units, [tokens(u) for u in units]
 
 
 def _halve_heaviest(
-    batch: Batch, units: list[list[int]], lens: list[int]
+    units: list[list[int]], lens: list[int], tokens: _Tokens
 ) -> tuple[list[list[int]], list[int]]:
-    """The heaviest unit of several samples cut in two: another rank needs more micro-batches
-    than this one has units."""
+    """The heaviest unit of several samples cut in two, ``tokens`` weighing the halves."""
     heavy = max((u for u in range(len(units)) if len(units[u]) > 1), key=lambda u: lens[u])
     rows = units[heavy]
     halves = [rows[: len(rows) // 2], rows[len(rows) // 2 :]]
     rest = [u for k, u in enumerate(units) if k != heavy]
     rest_lens = [n for k, n in enumerate(lens) if k != heavy]
-    return rest + halves, rest_lens + [_Tokens(batch)(h) for h in halves]
+    return rest + halves, rest_lens + [tokens(h) for h in halves]
 
 
 def rows_with_gradient(batch: Batch) -> torch.Tensor:
