@@ -34,6 +34,18 @@ Key = Annotated[str, Field(min_length=1)]  # a column name, a path: never empty
 Beta = Annotated[float, Field(ge=0, lt=1)]
 
 
+def gpu_memory_field(default: float) -> Any:
+    """An inference engine's ``gpu_memory_utilization`` (the rollout's, a frozen model's)."""
+    return Field(
+        default,
+        gt=0,
+        le=1,
+        description="On CUDA: fraction of GPU memory the vllm engine may take; for the hf "
+        "engine, the fraction this process may hold while generating (a batch that needs "
+        "more is generated in chunks). No effect on CPU.",
+    )
+
+
 S = TypeVar("S", bound=Section)
 
 

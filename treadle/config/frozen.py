@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from treadle.config.base import Section
+from treadle.config.base import Section, gpu_memory_field
 
 
 class FrozenModelConfig(Section):
@@ -49,14 +49,7 @@ class FrozenModelConfig(Section):
         32, gt=0, description="hf engine: sequences per scoring forward / generate call."
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache, GiB.")
-    gpu_memory_utilization: float = Field(
-        0.3,
-        gt=0,
-        le=1,
-        description="On CUDA: fraction of GPU memory the vllm engine may take; for the hf "
-        "engine, the fraction this process may hold while generating (a batch that needs "
-        "more is generated in chunks). No effect on CPU.",
-    )
+    gpu_memory_utilization: float = gpu_memory_field(0.3)
 
     @classmethod
     def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:

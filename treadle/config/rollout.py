@@ -6,7 +6,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from treadle.config.base import Key, Section, defaults
+from treadle.config.base import Key, Section, defaults, gpu_memory_field
 from treadle.config.endpoint import EndpointConfig
 
 
@@ -37,14 +37,7 @@ class RolloutConfig(Section):
         64, gt=0, description="vllm engine: size of one weight-sync message, MiB."
     )
     kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache size, GiB.")
-    gpu_memory_utilization: float = Field(
-        0.5,
-        gt=0,
-        le=1,
-        description="On CUDA: fraction of GPU memory the vllm engine may take; for the hf "
-        "engine, the fraction this process may hold while generating (a batch that needs "
-        "more is generated in chunks). No effect on CPU.",
-    )
+    gpu_memory_utilization: float = gpu_memory_field(0.5)
     placement: Literal["colocated", "split"] = Field(
         "colocated",
         description="'colocated': one replica in every actor rank's process, on its devices, "
