@@ -47,6 +47,26 @@ def _model_folder(
     return resolved, torch_dtype
 
 
+def _from_pretrained(
+    auto: Any, resolved: str, dtype: torch.dtype, failed: str, **kwargs: Any
+) -> tuple[Any, dict[str, Any]]:
+    """``auto.from_pretrained`` of the folder ``resolved`` and its loading info (for
+    :func:`_check_weights_match`: weights of another shape are loaded as mismatched, not
+    raised); a folder that does not load is a ``ConfigError`` that begins with ``failed``."""
+    try:
+        loaded: Any = auto.from_pretrained(
+            resolved,
+            dtype=dtype,
+            output_loading_info=True,
+            ignore_mismatched_sizes=True,
+            **kwargs,
+        )
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{failed}: {e}") from e
+    model, info = loaded
+    return model, info
+
+
 def load_causal_lm(
     path: str | Path,
     dtype: torch.dtype | str = torch.float32,
@@ -69,17 +89,8 @@ def load_causal_lm(
         raise TypeError(f"load_causal_lm sets {', '.join(taken)} itself; do not pass it")
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     auto = AutoModelForImageTextToText if is_vision_language(resolved) else AutoModelForCausalLM
-    try:
-        loaded: Any = auto.from_pretrained(  # (model, loading info)
-            resolved,
-            dtype=torch_dtype,
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,
-            **kwargs,
-        )
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}: cannot load a causal LM from '{path}': {e}") from e
-    model, info = loaded
+    failed = f"{key}: cannot load a causal LM from '{path}'"
+    model, info = _from_pretrained(auto, resolved, torch_dtype, failed, **kwargs)
     _check_weights_match(info, model, resolved, key)
     return model
 
@@ -102,16 +113,9 @@ def load_value_model(
     from transformers import AutoModelForTokenClassification
 
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
-    try:
-        model, info = AutoModelForTokenClassification.from_pretrained(
-            resolved,
-            dtype=torch_dtype,
-            num_labels=1,
-            output_loading_info=True,
-            ignore_mismatched_sizes=True,
-        )
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"{key}: cannot load a value model from '{path}': {e}") from e
+    failed = f"{key}: cannot load a value model from '{path}'"
+    auto = AutoModelForTokenClassification
+    model, info = _from_pretrained(auto, resolved, torch_dtype, failed, num_labels=1)
     # From a causal LM folder the new score head is missing and the LM's own head (lm_head)
     # is left over: both are expected; anything else of the decoder is a damaged folder.
     prefix = f"{model.base_model_prefix}."
