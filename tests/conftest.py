@@ -151,8 +151,21 @@ def length_reward(tmp_path_factory):
 def ray_session():
     ray = pytest.importorskip("ray")
     if not ray.is_initialized():
+        from treadle.controller.cluster import _fewer_daemons, _on_loopback
+
         os.environ.setdefault("RAY_worker_niceness", "0")
-        ray.init(num_cpus=2, include_dashboard=False, configure_logging=False)
+        # as a run starts its own (treadle.controller.cluster): no log monitor, no autoscaler,
+        # no idle workers ahead (the suite's log monitors took ~70 CPU-s of a `make test` on
+        # 2026-11-29, most of it this one's, reading the workers' output while the session
+        # lasts); a worker's error still reaches the test as its exception.
+        with _on_loopback(), _fewer_daemons(log_monitor=False):
+            ray.init(
+                num_cpus=2,
+                include_dashboard=False,
+                log_to_driver=False,
+                configure_logging=False,
+                _system_config={"prestart_worker_first_driver": False},
+            )
     yield ray
     ray.shutdown()
 
