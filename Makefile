@@ -62,19 +62,21 @@ $(DOCS_STAMP): $(STAMP)
 docs: $(DOCS_STAMP)
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
-# The type check runs beside the tests, niced (it takes ~2.4 CPU-minutes; the tests leave a
-# quarter of two cores idle): its output follows the tests', and the target fails if either
-# fails. The `long` tests are `make test-long`'s (docs/testing.md). One process: in two
-# (pytest-xdist) all but the `late` tests took 1356 s on the quiet machine (2026-11-29), little
-# less, as most of the time goes to tests that use both cores already (Ray, vLLM, two ranks).
+# The type check runs beside the tests, niced (it takes ~2.4 CPU-minutes; the tests leave part
+# of two cores idle): its output follows the tests', and the target fails if either fails. The
+# `long` tests are `make test-long`'s (docs/testing.md). First the tests `make test-fast` runs,
+# in two processes (they use one core each: 220 s instead of 273 s on the quiet machine), then
+# the `slow` ones in one: in two (pytest-xdist) they gained nothing measurable (2026-11-29), as
+# they use both cores already (Ray, vLLM, two ranks) and slowed each other down.
 PYTEST  := $(PY) -m pytest -q -p no:cacheprovider
 test: lint browser docs $(STAMP)
 	@types=$$(mktemp); \
 	nice -n 10 $(VENV)/bin/mypy treadle >$$types 2>&1 & mypy=$$!; \
-	$(PYTEST) --durations=25 -m "not long"; tests=$$?; \
+	$(PYTEST) -n 2 --dist loadfile -m "not slow and not long"; fast=$$?; \
+	$(PYTEST) --durations=25 -m "slow and not long"; slow=$$?; \
 	wait $$mypy; typed=$$?; \
 	echo "mypy treadle:"; cat $$types; rm -f $$types; \
-	test $$tests -eq 0 && test $$typed -eq 0
+	test $$fast -eq 0 && test $$slow -eq 0 && test $$typed -eq 0
 
 # The edit-run loop: everything but the `slow` tests (those that start Ray or a real engine),
 # in two processes (pytest-xdist: these tests use one core each), a module's tests in one.
