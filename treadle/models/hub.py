@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import importlib.util
 import json
 import logging
@@ -212,9 +213,11 @@ def _convert(gguf_path: Path, out: Path) -> None:
 def _gguf_read_once() -> Iterator[None]:
     """One parse of a GGUF file for all of transformers' reads of it: it parses the file anew
     for the tokenizer, the config and the weights, ~6 s each for SmolLM2 here (49,152 tokens
-    and 48,900 merges read field by field), and reads nothing but the parsed fields."""
-    gguf: Any = importlib.import_module("gguf")  # its reader class is swapped for the while
-    original = gguf.GGUFReader
+    and 48,900 merges read field by field), and reads nothing but the parsed fields. And one
+    tensor-name map per architecture: transformers builds it again for every submodule of the
+    model (397 times for SmolLM2, ~20 ms each here) and only reads it."""
+    gguf: Any = importlib.import_module("gguf")  # its functions are swapped for the while
+    original, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[tuple[str, str], Any] = {}
 
     def read_once(path: str | Path, mode: Any = "r") -> Any:
@@ -224,10 +227,11 @@ def _gguf_read_once() -> Iterator[None]:
         return readers[key]
 
     gguf.GGUFReader = read_once
+    gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(name_map)
     try:
         yield
     finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader, gguf.get_tensor_name_map = original, name_map
 
 
 def _tidy_tokenizer_config(path: Path, chat_template: object) -> None:
