@@ -36,9 +36,8 @@ ROOT = Path(__file__).resolve().parents[1]
 STARTUP_S = 10.0
 
 # The first match names the kind (a test's tmp paths make many command lines contain "pytest":
-# the pytest process itself is told by its pid).
+# the pytest process itself is told by its pid). A Ray worker: ray::IDLE, then ray::<its class>.
 KINDS = [
-    ("ray::IDLE", "ray worker"),
     ("ray::", "ray worker"),
     ("raylet", "ray daemons"),
     ("gcs_server", "ray daemons"),
