@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -104,6 +105,19 @@ def _fast_tests_start_no_ray(request, monkeypatch):
             raise RuntimeError(f"{request.node.nodeid} starts Ray: mark it `slow`")
 
         monkeypatch.setattr(ray, "init", refuse)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _a_module_leaves_the_logs_routed_as_it_found_them(request):
+    """A trainer left open (``t.actors.close()`` instead of ``t.close()``) keeps the library
+    loggers and Python's warnings routed to its run's log: a later test in the same process
+    (under xdist, whichever file comes next) then fails for no reason of its own. Caught at
+    the module that leaves it, once its own fixtures are closed."""
+    yield
+    tracker = sys.modules.get("treadle.tracking.tracker")
+    if tracker is not None and tracker._route is not None:
+        tracker._route.restore()  # (so that the next module starts clean)
+        pytest.fail(f"{request.node.nodeid} leaves the logs routed: close its trainer")
 
 
 @pytest.fixture(scope="session")

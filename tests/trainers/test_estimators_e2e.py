@@ -82,7 +82,7 @@ def run(tiny_task, parts_reward, tmp_path_factory):
         return m, seen[-1], before, after
 
     yield t, step
-    t.actors.close()
+    t.close()
 
 
 def recomputed(name: str, batch: Batch) -> torch.Tensor:

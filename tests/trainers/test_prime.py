@@ -117,7 +117,7 @@ def test_one_prime_step_trains_the_prm_and_its_rewards_reach_the_advantages(
         batch = seen["batch"]
         q = t.prm.group.compute_log_ratio(batch)["prm_log_ratio"]
     finally:
-        t.actors.close()
+        t.close()
     assert m.keys() >= PRIME_METRICS, PRIME_METRICS - m.keys()
     # every PRM tensor moved (one optimizer step on the batch's outcomes)
     assert initial.keys() == after.keys()

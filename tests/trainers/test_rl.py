@@ -67,7 +67,7 @@ def test_dynamic_sampling_keeps_groups_with_varied_rewards(tiny_task, parity_rew
         m: dict[str, float] = {}
         batch = t.source.sample(1, m)
     finally:
-        t.actors.close()
+        t.close()
     rounds = int(m["rollout/gen_rounds"])
     assert len(batch) == 4 * N
     assert t.sampler.position == 4 * rounds  # each round drew a fresh batch of prompts
@@ -96,7 +96,7 @@ def test_remax_baseline_is_the_greedy_response_score(tiny_task, length_reward, t
         greedy = t.rollout.generate(firsts, SamplingParams(n=1, temperature=0.0, max_new_tokens=12))
         m = t.step(2)
     finally:
-        t.actors.close()
+        t.close()
     want = score_batch(
         load_reward_fn(length_reward),
         list(greedy["prompt_text"]),
@@ -126,7 +126,7 @@ def test_mask_truncated_drops_cut_responses_from_the_loss(tiny_task, parity_rewa
     try:
         m = t.step(1)
     finally:
-        t.actors.close()
+        t.close()
     [batch] = seen
     cut = torch.tensor([r == "length" for r in batch["stop_reason"]])
     assert 0 < int(cut.sum()) < len(batch), "need both cut and finished responses"
@@ -156,7 +156,7 @@ def test_rollout_dtype_bfloat16_engine_gets_cast_weights(tiny_task, length_rewar
         engine_params = dict(worker.server.engine.model.named_parameters())
         actor = {name: tensor.clone() for name, tensor in worker.actor.full_state()}
     finally:
-        t.actors.close()
+        t.close()
     assert {p.dtype for p in engine_params.values()} == {torch.bfloat16}
     for name, param in engine_params.items():  # the synced weights are the trained ones, cast
         assert torch.equal(param, actor[name].to(torch.bfloat16)), name
@@ -179,7 +179,7 @@ def test_on_policy_update_without_the_old_log_prob_pass_is_the_same(
             metrics = [t.step(1), t.step(2)]
             weights = {k: v.clone() for k, v in t.group.workers[0].actor.full_state()}
         finally:
-            t.actors.close()
+            t.close()
         runs[name] = metrics, weights
     (m_pass, w_pass), (m_fused, w_fused) = runs["pass"], runs["fused"]
     assert "timing/old_log_probs" in m_pass[0] and "timing/old_log_probs" not in m_fused[0]

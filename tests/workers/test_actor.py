@@ -103,7 +103,7 @@ class Rig:
 def rig(tiny_task, length_reward, tmp_path_factory):
     r = Rig(tiny_task, tmp_path_factory.mktemp("losses_e2e"), length_reward)
     yield r
-    r.trainer.actors.close()
+    r.trainer.close()
 
 
 def norm(m: dict[str, float]) -> float:
@@ -220,7 +220,7 @@ def test_the_driver_runs_bypass_mode_token_sum_and_the_full_kl(
     try:
         first, second = t.step(1), t.step(2)
     finally:
-        t.actors.close()
+        t.close()
     # bypass_mode's old policy is the rollout's and the full KL computes the reference's
     # distribution in the update: neither pass runs before it, even with two mini-batches
     assert "timing/old_log_probs" not in first and "timing/ref_log_probs" not in first
