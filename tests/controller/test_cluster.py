@@ -329,6 +329,7 @@ def tiny_run(task: dict, out: Path, *extra: str) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_train_joins_by_ray_address(ray_cluster, tiny_task, tmp_path):
     out = tmp_path / "run"
     env = ray_cluster.env | {"RAY_ADDRESS": ray_cluster.address}
@@ -350,6 +351,7 @@ SECOND_NODE_REPLICA = (
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_train_under_ray_job_submit_with_the_replica_on_the_second_node(
     ray_cluster, tiny_task, tmp_path
 ):
@@ -373,6 +375,7 @@ def test_train_under_ray_job_submit_with_the_replica_on_the_second_node(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_joining_without_the_token_is_one_clear_line(ray_cluster, tiny_task, tmp_path):
     env = {k: v for k, v in ray_cluster.env.items() if k not in AUTH_VARS}
     # Ray tries to connect once a second, 20 times by default, before ray.init gives up; every

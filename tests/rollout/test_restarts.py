@@ -211,6 +211,7 @@ def _wait_gone(pid: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_replica_killed_twice_mid_run_is_restarted_and_every_step_has_its_samples(
     tiny_task, length_reward, tmp_path, ray_session, caplog
 ):

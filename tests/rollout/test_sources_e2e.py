@@ -167,6 +167,8 @@ def test_a_checkpoint_ranked_by_its_evaluation_waits_for_the_one_beside_training
         assert state["eval"]["eval/val/reward"] == logged[step]
 
 
+@pytest.mark.slow
+@pytest.mark.long
 def test_an_async_run_killed_with_sigkill_is_completed_by_running_it_again(
     tiny_task, length_reward, tmp_path, ray_session, capsys
 ):

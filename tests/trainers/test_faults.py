@@ -214,6 +214,7 @@ def test_descendants_follow_the_tree_and_skip_the_roots():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_kill_9_at_three_moments_then_rerun_equals_an_uninterrupted_run(
     tiny_task, length_reward, tmp_path
 ):
@@ -284,6 +285,7 @@ def _wait_for(path: Path, proc: subprocess.Popen[str], seconds: float = 240) -> 
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_dead_worker_and_a_killed_driver_leave_one_line_and_no_process(
     tiny_task, length_reward, tmp_path
 ):
@@ -355,6 +357,7 @@ def test_a_dead_worker_and_a_killed_driver_leave_one_line_and_no_process(
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_full_disk_on_rank_0_of_two_stops_the_ray_run_and_the_rerun_resumes(
     tiny_task, length_reward, tmp_path, ray_session, capsys
 ):

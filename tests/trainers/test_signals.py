@@ -65,6 +65,7 @@ def _stopped_at(args: list[str], failpoint: str) -> tuple[int, str, str]:
 
 
 @pytest.mark.slow
+@pytest.mark.long
 def test_a_signal_stops_the_run_wherever_it_lands(tiny_task, length_reward, tmp_path):
     out = tmp_path / "run"
     args = [
