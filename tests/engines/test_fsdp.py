@@ -94,6 +94,29 @@ class GradWorker(Worker):
         ratio = self.engine.train_step(mb, loss_fn)["update_ratio"]
         return ratio, before, full()
 
+    @register(Dispatch.ALL, Collect.RANK0)
+    def zero_gradient_step(self, batch: Batch) -> tuple[dict, list, list, list, list]:
+        """A step with a gradient, then one whose gradient is exactly 0: the second's metrics,
+        the weights and AdamW's state before and after it."""
+        full = lambda: [p.full_tensor().detach().clone() for p in self.engine.module.parameters()]  # noqa: E731
+        state = lambda: [  # noqa: E731
+            {k: getattr(v, "full_tensor", v.clone)().clone() for k, v in s.items()}
+            for s in self.engine.optimizer.state.values()
+        ]
+        mb = batch.split(len(batch))
+        scale = [1.0]
+
+        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            logp, _ = self.engine.log_probs(mb["input_ids"], mb["attention_mask"], 6)
+            return -(logp * mb["rmask"]).sum() / mb["rmask"].sum() * scale[0], {}
+
+        self.engine.optimizer.param_groups[0]["weight_decay"] = 0.1
+        self.engine.train_step(mb, loss_fn)
+        before, adam = full(), state()
+        scale[0] = 0.0  # (every advantage 0: the loss, and its gradient, exactly 0)
+        metrics = self.engine.train_step(mb, loss_fn)
+        return metrics, before, full(), adam, state()
+
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:
         with torch.no_grad():
@@ -257,3 +280,22 @@ def test_update_ratio_of_a_step_at_lr_0_is_0():
     before = torch.tensor([3.0, 4.0])
     torch.testing.assert_close(w.detach(), before * 0.95 - 0.5 * torch.tensor([1.0, -1.0]))
     assert update_ratio(opt) == pytest.approx(float((w.detach() - before).norm() / 5.0), rel=1e-5)
+
+
+def test_a_step_whose_gradient_is_zero_moves_nothing(tiny_task):
+    """A batch with nothing to learn from (every advantage 0, no KL or entropy term) after one
+    that had: AdamW would still move the weights by its momentum and weight decay (a run from
+    the base model whose groups all scored 0 drifted that way for 28 steps); the step is
+    skipped, and the learning-rate schedule goes on."""
+    group = WorkerGroup(
+        GradWorker, world_size=1, backend="local", kwargs={"model_path": str(tiny_task["model"])}
+    )
+    try:
+        metrics, before, after, adam, adam_after = group.zero_gradient_step(make_batch(vocab=100))
+    finally:
+        group.shutdown()
+    assert metrics["grad_norm"] == 0.0 and metrics["update_ratio"] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(after, before, strict=True))
+    assert len(adam) == len(adam_after) == len(before)
+    for s, t in zip(adam, adam_after, strict=True):  # the step count and the moments as they were
+        assert s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s)

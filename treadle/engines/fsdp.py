@@ -365,7 +365,10 @@ class TrainEngine:
 
     def step(self) -> dict[str, float]:
         """Clip, step, zero. Returns the pre-clip gradient norm, the learning rate and the
-        step's size relative to the weights (:func:`update_ratio`)."""
+        step's size relative to the weights (:func:`update_ratio`). A gradient that is not
+        finite, or exactly 0 (a batch with nothing to learn from: every advantage 0 and no KL or
+        entropy term), changes nothing: AdamW would otherwise move the weights by its momentum
+        and decay alone."""
         assert self.optimizer is not None and self.scheduler is not None
         if self.tensor_parallel:
             norm = clip_grad_norm(self.params, self.grad_clip)
@@ -375,8 +378,8 @@ class TrainEngine:
             norm = norm.full_tensor()
         grad_norm = float(norm)
         lr = self.scheduler.get_last_lr()[0]
-        ratio = 0.0  # a step skipped for a non-finite gradient changes nothing
-        if math.isfinite(grad_norm):
+        ratio = 0.0  # a step skipped changes nothing
+        if math.isfinite(grad_norm) and grad_norm > 0:
             self.optimizer.step()
             ratio = update_ratio(self.optimizer)
         self.scheduler.step()
