@@ -286,7 +286,7 @@ def test_a_step_whose_gradient_is_zero_moves_nothing(tiny_task):
     """A batch with nothing to learn from (every advantage 0, no KL or entropy term) after one
     that had: AdamW would still move the weights by its momentum and weight decay (a run from
     the base model whose groups all scored 0 drifted that way for 28 steps); the step is
-    skipped, and the learning-rate schedule goes on."""
+    skipped."""
     group = WorkerGroup(
         GradWorker, world_size=1, backend="local", kwargs={"model_path": str(tiny_task["model"])}
     )
