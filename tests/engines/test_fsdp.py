@@ -77,45 +77,43 @@ class GradWorker(Worker):
         finally:
             del self.engine.step
 
+    def _weights(self) -> list[torch.Tensor]:
+        return [p.full_tensor().detach().clone() for p in self.engine.module.parameters()]
+
+    def _nll(self, mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+        logp, _ = self.engine.log_probs(mb["input_ids"], mb["attention_mask"], 6)
+        return -(logp * mb["rmask"]).sum() / mb["rmask"].sum(), {}
+
     @register(Dispatch.ALL, Collect.RANK0)
     def step_weights(self, batch: Batch, decay: float) -> tuple[float, list[torch.Tensor], list]:
         """Two optimizer steps (AdamW's bias corrections differ in the second), the second with
         weight decay ``decay``: its ``update_ratio`` and the weights before and after it."""
-        full = lambda: [p.full_tensor().detach().clone() for p in self.engine.module.parameters()]  # noqa: E731
         mb = batch.split(len(batch))
-
-        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            logp, _ = self.engine.log_probs(mb["input_ids"], mb["attention_mask"], 6)
-            return -(logp * mb["rmask"]).sum() / mb["rmask"].sum(), {}
-
-        self.engine.train_step(mb, loss_fn)
+        self.engine.train_step(mb, self._nll)
         self.engine.optimizer.param_groups[0]["weight_decay"] = decay
-        before = full()
-        ratio = self.engine.train_step(mb, loss_fn)["update_ratio"]
-        return ratio, before, full()
+        before = self._weights()
+        ratio = self.engine.train_step(mb, self._nll)["update_ratio"]
+        return ratio, before, self._weights()
 
     @register(Dispatch.ALL, Collect.RANK0)
     def zero_gradient_step(self, batch: Batch) -> tuple[dict, list, list, list, list]:
         """A step with a gradient, then one whose gradient is exactly 0: the second's metrics,
         the weights and AdamW's state before and after it."""
-        full = lambda: [p.full_tensor().detach().clone() for p in self.engine.module.parameters()]  # noqa: E731
         state = lambda: [  # noqa: E731
             {k: getattr(v, "full_tensor", v.clone)().clone() for k, v in s.items()}
             for s in self.engine.optimizer.state.values()
         ]
+
+        def nothing_to_learn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            loss, metrics = self._nll(mb)
+            return loss * 0.0, metrics  # (every advantage 0: the loss and its gradient exactly 0)
+
         mb = batch.split(len(batch))
-        scale = [1.0]
-
-        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
-            logp, _ = self.engine.log_probs(mb["input_ids"], mb["attention_mask"], 6)
-            return -(logp * mb["rmask"]).sum() / mb["rmask"].sum() * scale[0], {}
-
         self.engine.optimizer.param_groups[0]["weight_decay"] = 0.1
-        self.engine.train_step(mb, loss_fn)
-        before, adam = full(), state()
-        scale[0] = 0.0  # (every advantage 0: the loss, and its gradient, exactly 0)
-        metrics = self.engine.train_step(mb, loss_fn)
-        return metrics, before, full(), adam, state()
+        self.engine.train_step(mb, self._nll)
+        before, adam = self._weights(), state()
+        metrics = self.engine.train_step(mb, nothing_to_learn)
+        return metrics, before, self._weights(), adam, state()
 
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:
