@@ -326,3 +326,33 @@ def test_a_coroutine_the_stop_left_unawaited_says_nothing_after_the_stop_line(tm
         check=False, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert (proc.returncode, proc.stderr) == (130, "treadle: stopped by Ctrl-C\n")
+
+
+_IN_A_DEL = """
+import argparse, os, signal, sys, threading
+import treadle.cli.app as cli
+
+class Transport:
+    def __del__(self):  # where Python ignores what is raised (asyncio's transports do this)
+        os.kill(os.getpid(), signal.SIGINT)
+        sum(range(1000))  # the handler runs here, in __del__
+
+def command(args):
+    Transport()
+    threading.Event().wait(60)
+
+cli.parse = lambda argv: argparse.Namespace(fn=command)
+sys.exit(cli.main())
+"""
+
+
+def test_a_ctrl_c_that_lands_in_a_del_still_stops_the_command(tmp_path):
+    """In CI, `treadle serve`'s Ctrl-C landed in an asyncio transport's ``__del__``, where
+    Python prints the exception and drops it: the command served on until the grace ended.
+    The stop thread sends the signal again."""
+    (tmp_path / "in_a_del.py").write_text(_IN_A_DEL)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "in_a_del.py")],
+        check=False, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert (proc.returncode, proc.stderr) == (130, "treadle: stopped by Ctrl-C\n")

@@ -51,7 +51,12 @@ class _Overrun:
     C-level handler writes each signal's number to the wakeup fd (``signal.set_wakeup_fd``)
     in whichever thread took it: the stop thread reads them there, sends the main thread the
     signal once more (``pthread_kill``, which wakes it) if its handler has not run
-    :data:`WAKE_AFTER_S` after, and ends the process on a second one."""
+    :data:`WAKE_AFTER_S` after, and ends the process on a second one.
+
+    A stop raised where Python ignores exceptions (a ``__del__``, a weakref callback: asyncio's
+    transports were collected just as one Ctrl-C landed, in CI) reaches
+    ``sys.unraisablehook`` instead of unwinding the command: it counts as not raised, so the
+    stop thread sends it again."""
 
     def __init__(self) -> None:
         self.raised = threading.Event()  # the main thread's handler ran (and raised)
@@ -67,6 +72,7 @@ class _Overrun:
             os.set_blocking(write, False)  # the C-level handler must never wait on it
             signal.set_wakeup_fd(write, warn_on_full_buffer=False)
             os.register_at_fork(after_in_child=_forget_wakeup_fd)
+            sys.unraisablehook = self._unraisable(sys.unraisablehook)
             self.thread = threading.Thread(
                 target=self._watch, args=(read,), name="treadle stop", daemon=True
             )
@@ -78,6 +84,15 @@ class _Overrun:
         first = not self.raised.is_set()
         self.raised.set()
         return first or self.thread is None
+
+    def _unraisable(self, before: Any) -> Any:
+        def hook(unraisable: Any) -> None:
+            if isinstance(unraisable.exc_value, KeyboardInterrupt) and self.raised.is_set():
+                self.raised.clear()  # swallowed: the stop thread sends it again
+            else:
+                before(unraisable)
+
+        return hook
 
     def _watch(self, fd: int) -> None:
         first, second = self._count(fd)
