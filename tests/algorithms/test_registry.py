@@ -191,11 +191,15 @@ def test_masked_whiten():
     assert_close(kept[M.bool()], expected + 2.5)
 
 
-def test_the_package_exports_exactly_its_lazy_names():
-    """``treadle.algorithms`` lists its names for the tools (``__all__``, a literal) and for
-    its lazy imports (``_LAZY``): the two lists agree, and every name resolves."""
+def test_the_package_exports_exactly_its_lazy_and_registry_names():
+    """``treadle.algorithms`` lists its names for the tools (``__all__``, a literal), for its
+    lazy imports (``_LAZY``) and imports the registry's with itself: the lists agree, and every
+    name resolves."""
     import treadle.algorithms as package
+    from treadle.algorithms import registry
 
-    assert sorted(package.__all__) == sorted([*package._LAZY, *package._SUBMODULES])
+    eager = [name for name in package.__all__ if getattr(registry, name, None) is not None]
+    assert eager  # the registries and their decorators
+    assert sorted(package.__all__) == sorted([*package._LAZY, *package._SUBMODULES, *eager])
     for name in package.__all__:
         assert getattr(package, name) is not None, name

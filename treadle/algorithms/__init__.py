@@ -17,16 +17,35 @@
 - ``registry``: the ``Registry`` class and the ``register_*`` decorators
 
 Nothing here knows about Ray, models or config objects. ``ADV_ESTIMATORS.get("grpo")`` works
-after ``import treadle.algorithms``: the names below are imported on first use, and a registry
-imports the modules that register its built-in functions when it is first asked for one
-(``registry``), so importing the package, or asking a registry which names it has, does not
-import torch (config validation and ``treadle check`` do only that).
+after ``import treadle.algorithms``: the registry's names are imported with the package (its
+module needs only the standard library), the others on first use, and a registry imports the
+modules that register its built-in functions when it is first asked for one (``registry``), so
+importing the package, or asking a registry which names it has, does not import torch (config
+validation and ``treadle check`` do only that).
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from treadle.algorithms.registry import (
+    ADV_ESTIMATORS,
+    DISTILL_LOSSES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    PREFERENCE_LOSSES,
+    UNPAIRED_LOSSES,
+    Registry,
+    register_adv_estimator,
+    register_distill_loss,
+    register_kl_estimator,
+    register_loss_agg_mode,
+    register_policy_loss,
+    register_preference_loss,
+    register_unpaired_loss,
+)
 
 if TYPE_CHECKING:
     from treadle.algorithms import advantages, distill, inputs, kl, losses, preference, prime, utils
@@ -47,23 +66,6 @@ if TYPE_CHECKING:
         kto_kl,
         length_rewards,
         pair_stats,
-    )
-    from treadle.algorithms.registry import (
-        ADV_ESTIMATORS,
-        DISTILL_LOSSES,
-        KL_ESTIMATORS,
-        LOSS_AGG_MODES,
-        POLICY_LOSSES,
-        PREFERENCE_LOSSES,
-        UNPAIRED_LOSSES,
-        Registry,
-        register_adv_estimator,
-        register_distill_loss,
-        register_kl_estimator,
-        register_loss_agg_mode,
-        register_policy_loss,
-        register_preference_loss,
-        register_unpaired_loss,
     )
     from treadle.algorithms.utils import masked_mean, masked_sum, masked_var, masked_whiten
 
@@ -88,26 +90,6 @@ _LAZY = {
         "preference",
     ),
     **dict.fromkeys(["masked_mean", "masked_sum", "masked_var", "masked_whiten"], "utils"),
-    **dict.fromkeys(
-        [
-            "ADV_ESTIMATORS",
-            "DISTILL_LOSSES",
-            "KL_ESTIMATORS",
-            "LOSS_AGG_MODES",
-            "POLICY_LOSSES",
-            "PREFERENCE_LOSSES",
-            "UNPAIRED_LOSSES",
-            "Registry",
-            "register_adv_estimator",
-            "register_distill_loss",
-            "register_kl_estimator",
-            "register_loss_agg_mode",
-            "register_policy_loss",
-            "register_preference_loss",
-            "register_unpaired_loss",
-        ],
-        "registry",
-    ),
 }
 _SUBMODULES = ("advantages", "distill", "inputs", "kl", "losses", "preference", "prime", "utils")
 
