@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -146,8 +147,7 @@ def _tiny(out, n_train: int, n_test: int, max_positions: int):  # type: ignore[n
         n_train=n_train,
         n_test=n_test,
         max_value=20,
-        **TINY_SHAPE,
-        max_positions=max_positions,
+        shape=replace(TINY_SHAPE, max_positions=max_positions),
     )
 
 

@@ -29,7 +29,7 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("model")
     rows = ar.generate_problems(100, seed=0)
     tok = ar.build_tokenizer([r["solution"] for r in rows], out)
-    ar.build_tiny_model(tok, out, hidden_size=32, num_layers=2, intermediate_size=64)
+    ar.build_tiny_model(tok, out, ar.ModelShape(hidden_size=32, num_layers=2, intermediate_size=64))
     return out
 
 

@@ -4,27 +4,25 @@ and tests both import it as they import tiny_runs)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from treadle.tasks.arithmetic import ModelShape
+
 # The tiny task's model shape (tests/conftest.py's `tiny_task`): head size 32 (64 / 2 heads),
 # the smallest vLLM's CPU attention runs.
-TINY_SHAPE: dict[str, int] = {
-    "hidden_size": 64,
-    "num_layers": 2,
-    "num_heads": 2,
-    "num_kv_heads": 1,
-    "intermediate_size": 128,
-}
+TINY_SHAPE = ModelShape(
+    hidden_size=64, num_layers=2, num_heads=2, num_kv_heads=1, intermediate_size=128
+)
 
 
-def tiny_model(out: str | Path, tokenizer_from: str | Path, **changes: Any) -> Path:
-    """A tiny model of `TINY_SHAPE` (128 positions, seed 0) with the tokenizer of the model
-    folder ``tokenizer_from``, saved to ``out``; ``changes`` replace any of
-    `build_tiny_model`'s keywords."""
+def tiny_model(out: str | Path, tokenizer_from: str | Path, seed: int = 0, **changes: Any) -> Path:
+    """A tiny model of `TINY_SHAPE` (128 positions) with the tokenizer of the model folder
+    ``tokenizer_from``, saved to ``out``; ``changes`` replace any of `ModelShape`'s fields."""
     from treadle.models.loading import load_tokenizer
     from treadle.tasks.arithmetic import build_tiny_model
 
-    kwargs: dict[str, Any] = {**TINY_SHAPE, "max_positions": 128, "seed": 0, **changes}
+    shape = replace(TINY_SHAPE, **{"max_positions": 128, **changes})
     tokenizer = load_tokenizer(tokenizer_from)  # a fast tokenizer, typed as their base class
-    return build_tiny_model(tokenizer, out, **kwargs)  # type: ignore[arg-type]
+    return build_tiny_model(tokenizer, out, shape, seed=seed)  # type: ignore[arg-type]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from treadle.models.loading import load_tokenizer
 from treadle.tasks import arithmetic as ar
 
-SMALL_MODEL = {"hidden_size": 32, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
+SMALL_MODEL = ar.ModelShape(hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2)
 
 
 @pytest.fixture(scope="module")
@@ -195,7 +196,8 @@ def test_chat_template_is_chatml(tok):  # type: ignore[no-untyped-def]
 def test_tiny_model_folder_loads_with_tied_weights(tmp_path: Path, tok_dir: Path, arch: str):
     tokenizer = load_tokenizer(tok_dir)
     state = torch.random.get_rng_state()
-    out = ar.build_tiny_model(tokenizer, tmp_path, arch=arch, seed=3, **SMALL_MODEL)  # type: ignore[arg-type]
+    shape = replace(SMALL_MODEL, arch=arch)
+    out = ar.build_tiny_model(tokenizer, tmp_path, shape, seed=3)  # type: ignore[arg-type]
     assert torch.equal(torch.random.get_rng_state(), state)  # global RNG untouched
     assert (out / "model.safetensors").is_file() and (out / "tokenizer.json").is_file()
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -214,7 +216,7 @@ def test_tiny_model_init_is_seeded(tmp_path: Path, tok_dir: Path):
     tokenizer = load_tokenizer(tok_dir)
     weights = {}
     for name, seed in (("a", 0), ("b", 0), ("c", 1)):
-        ar.build_tiny_model(tokenizer, tmp_path / name, seed=seed, **SMALL_MODEL)  # type: ignore[arg-type]
+        ar.build_tiny_model(tokenizer, tmp_path / name, SMALL_MODEL, seed=seed)  # type: ignore[arg-type]
         model = AutoModelForCausalLM.from_pretrained(tmp_path / name)
         weights[name] = model.model.layers[0].mlp.up_proj.weight
     assert torch.equal(weights["a"], weights["b"])
@@ -222,7 +224,7 @@ def test_tiny_model_init_is_seeded(tmp_path: Path, tok_dir: Path):
 
 
 def test_prepare_builds_everything_and_reuses_it(tmp_path: Path):
-    kwargs = {"n_train": 60, "n_test": 20, **SMALL_MODEL}
+    kwargs = {"n_train": 60, "n_test": 20, "shape": SMALL_MODEL}
     paths = ar.prepare(tmp_path, **kwargs)  # type: ignore[arg-type]
     assert paths["model"] == tmp_path / "model_init"
     assert len(paths["train"].read_text().splitlines()) == 60
@@ -237,7 +239,7 @@ def test_prepare_builds_everything_and_reuses_it(tmp_path: Path):
 
 
 def test_prepare_builds_a_smaller_student_with_the_same_tokenizer(tmp_path: Path):
-    kwargs = {"n_train": 60, "n_test": 20, **SMALL_MODEL}
+    kwargs = {"n_train": 60, "n_test": 20, "shape": SMALL_MODEL}
     paths = ar.prepare(tmp_path, **kwargs)  # type: ignore[arg-type]
     big = json.loads((paths["model"] / "config.json").read_text())
     small = json.loads((paths["model_small"] / "config.json").read_text())

@@ -32,6 +32,7 @@ import random
 import re
 import shutil
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, replace
 from itertools import zip_longest
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -357,20 +358,41 @@ def build_tokenizer(
     return hf_tok
 
 
+@dataclass(frozen=True)
+class ModelShape:
+    """The shape of `build_tiny_model`'s model, one place for its defaults: `prepare` takes it
+    whole and records it in its manifest, field by field."""
+
+    hidden_size: int = 128
+    num_layers: int = 4
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    intermediate_size: int = 384
+    max_positions: int = 256
+    arch: str = "qwen2"
+
+    def halved(self) -> ModelShape:
+        """Half the width and depth with the head size kept (vLLM's CPU attention needs it)."""
+        heads = max(self.num_heads // 2, 1)
+        return replace(
+            self,
+            hidden_size=self.hidden_size * heads // self.num_heads,
+            num_layers=max(self.num_layers // 2, 1),
+            num_heads=heads,
+            num_kv_heads=max(self.num_kv_heads // 2, 1),
+            intermediate_size=self.intermediate_size // 2,
+        )
+
+
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast,
     out_dir: str | Path,
+    shape: ModelShape = ModelShape(),
     *,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 384,
-    max_positions: int = 256,
     seed: int = 0,
-    arch: str = "qwen2",
 ) -> Path:
-    """Randomly initialise a small causal LM for `tokenizer` and save it with the tokenizer.
+    """Randomly initialise a small causal LM of `shape` for `tokenizer` and save it with the
+    tokenizer.
 
     The folder (safetensors weights, config, generation config, tokenizer) loads with
     `AutoModelForCausalLM.from_pretrained` like any hub model. Input and output embeddings are
@@ -381,17 +403,17 @@ def build_tiny_model(
 
     from treadle.models.loading import count_parameters, save_tokenizer
 
-    if arch not in ARCHS:
-        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
+    if shape.arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {shape.arch!r}")
     config = AutoConfig.for_model(
-        arch,
+        shape.arch,
         vocab_size=len(tokenizer),
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
-        max_position_embeddings=max_positions,
+        hidden_size=shape.hidden_size,
+        num_hidden_layers=shape.num_layers,
+        num_attention_heads=shape.num_heads,
+        num_key_value_heads=shape.num_kv_heads,
+        intermediate_size=shape.intermediate_size,
+        max_position_embeddings=shape.max_positions,
         tie_word_embeddings=True,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
@@ -403,7 +425,7 @@ def build_tiny_model(
     out = Path(out_dir)
     model.save_pretrained(out, safe_serialization=True)
     save_tokenizer(tokenizer, out)
-    logger.info("built %s model with %d parameters in %s", arch, count_parameters(model), out)
+    logger.info("built %s model with %d parameters in %s", shape.arch, count_parameters(model), out)
     return out
 
 
@@ -420,29 +442,14 @@ def prepare(
     max_value: int = 99,
     ops: str = OPS,
     vocab_size: int = 320,
-    hidden_size: int = 128,
-    num_layers: int = 4,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 384,
-    max_positions: int = 256,
-    arch: str = "qwen2",
+    shape: ModelShape = ModelShape(),
 ) -> dict[str, Path]:
     """Build data splits, a tokenizer trained on the train split and initial models: the
-    paths of train, test, pairs_train, pairs_test (`write_pairs`), model (`out_dir/model_init`),
-    model_small (smaller, same tokenizer) and manifest. When `out_dir/prepare.json` records the
-    same arguments and all the files exist, nothing is rebuilt; the manifest is written last,
-    so an interrupted run is rebuilt next time."""
+    paths of train, test, pairs_train, pairs_test (`write_pairs`), model (`out_dir/model_init`,
+    of `shape`), model_small (smaller, same tokenizer) and manifest. When `out_dir/prepare.json`
+    records the same arguments and all the files exist, nothing is rebuilt; the manifest is
+    written last, so an interrupted run is rebuilt next time."""
     gen = {"min_value": min_value, "max_value": max_value, "ops": ops}
-    model: dict[str, Any] = {  # build_tiny_model's shape
-        "hidden_size": hidden_size,
-        "num_layers": num_layers,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "intermediate_size": intermediate_size,
-        "max_positions": max_positions,
-        "arch": arch,
-    }
     manifest = {
         "task": "arithmetic",
         "format": PREPARE_FORMAT,
@@ -451,7 +458,7 @@ def prepare(
         "n_test": n_test,
         "vocab_size": vocab_size,
         **gen,
-        **model,
+        **asdict(shape),
     }
     out = Path(out_dir)
     paths = _task_paths(out)
@@ -463,14 +470,14 @@ def prepare(
         write_pairs(out, seed=seed)
         shutil.rmtree(paths["model"], ignore_errors=True)
         tokenizer = build_tokenizer(_corpus(paths["train"]), paths["model"], vocab_size=vocab_size)
-        build_tiny_model(tokenizer, paths["model"], seed=seed, **model)
+        build_tiny_model(tokenizer, paths["model"], shape, seed=seed)
         shutil.rmtree(paths["model_small"], ignore_errors=True)
         write_manifest(paths["manifest"], manifest)
-    _small_student(paths, model, seed)  # (also for a task prepared before it existed)
+    _small_student(paths, shape, seed)  # (also for a task prepared before it existed)
     return paths
 
 
-def _small_student(paths: dict[str, Path], model: dict[str, Any], seed: int) -> None:
+def _small_student(paths: dict[str, Path], shape: ModelShape, seed: int) -> None:
     """``model_small``: the initial model at half the width and depth (head size kept, so
     vLLM's CPU attention runs it), with the same tokenizer: a smaller student to distil into
     (``examples/distill``). Built when missing, also in a task prepared before it existed."""
@@ -479,18 +486,9 @@ def _small_student(paths: dict[str, Path], model: dict[str, Any], seed: int) -> 
     from transformers import PreTrainedTokenizerFast
 
     tokenizer = PreTrainedTokenizerFast.from_pretrained(paths["model"])
-    heads = max(model["num_heads"] // 2, 1)
-    shape = {
-        **model,
-        "hidden_size": model["hidden_size"] * heads // model["num_heads"],
-        "num_layers": max(model["num_layers"] // 2, 1),
-        "num_heads": heads,
-        "num_kv_heads": max(model["num_kv_heads"] // 2, 1),
-        "intermediate_size": model["intermediate_size"] // 2,
-    }
     tmp = paths["model_small"].with_name("model_small.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    build_tiny_model(tokenizer, tmp, seed=seed, **shape)
+    build_tiny_model(tokenizer, tmp, shape.halved(), seed=seed)
     tmp.replace(paths["model_small"])
 
 
