@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Annotated, Any, TypeVar, get_args
+from typing import Annotated, Any, Literal, TypeVar, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
@@ -32,6 +32,7 @@ def _kinds(annotation: Any) -> set[Any]:
 
 Key = Annotated[str, Field(min_length=1)]  # a column name, a path: never empty
 Beta = Annotated[float, Field(ge=0, lt=1)]
+Placement = Literal["colocated", "split"]  # a role beside the actor's ranks, or apart
 
 
 def gpu_memory_field(default: float) -> Any:
@@ -43,6 +44,29 @@ def gpu_memory_field(default: float) -> Any:
         description="On CUDA: fraction of GPU memory the vllm engine may take; for the hf "
         "engine, the fraction this process may hold while generating (a batch that needs "
         "more is generated in chunks). No effect on CPU.",
+    )
+
+
+def kv_cache_field() -> Any:
+    """An inference engine's ``kv_cache_gib`` (the rollout's, a frozen model's)."""
+    return Field(1.0, gt=0, description="vllm engine on CPU: KV cache size, GiB.")
+
+
+def own_pool_placement_field() -> Any:
+    """The ``placement`` of a model trained beside the actor (the critic, PRIME's PRM)."""
+    return Field(
+        "colocated",
+        description="'colocated': on the actor's bundles, taking turns; 'split': its own pool.",
+    )
+
+
+def eval_task_field() -> Any:
+    """A preference trainer's ``eval_task`` (dpo's, kto's)."""
+    return Field(
+        False,
+        description="Also evaluate the validation sets (data.val_files as the set val, "
+        "data.val_sets; the eval section's sampling, each set's reward; the rows need "
+        "data.answer_key): eval/<set>/accuracy, ...",
     )
 
 

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
-
 from pydantic import Field
 
 from treadle.config.actor import LrScheduleName
-from treadle.config.base import Section
+from treadle.config.base import Placement, Section, own_pool_placement_field
 
 
 class CriticConfig(Section):
@@ -22,10 +20,7 @@ class CriticConfig(Section):
         None,
         description="Critic start model (causal LM or value-model folder); null = model.path.",
     )
-    placement: Literal["colocated", "split"] = Field(
-        "colocated",
-        description="'colocated': on the actor's bundles, taking turns; 'split': its own pool.",
-    )
+    placement: Placement = own_pool_placement_field()
     world_size: int | None = Field(
         None,
         gt=0,

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from treadle.config.base import Section
+from treadle.config.base import Section, eval_task_field
 
 DPO_KNOBS = ("label_smoothing", "discopop_tau", "simpo_gamma", "f_divergence", "f_alpha")
 """``dpo`` settings that only some losses read (the ``knobs`` of their registration)."""
@@ -56,9 +56,4 @@ class DPOConfig(Section):
         description="Weight of the chosen responses' token-mean NLL added to the loss "
         "(RPO, arXiv 2404.19733); 0: the preference loss alone (orpo includes it at 1).",
     )
-    eval_task: bool = Field(
-        False,
-        description="Also evaluate the validation sets (data.val_files as the set val, "
-        "data.val_sets; the eval section's sampling, each set's reward; the rows need "
-        "data.answer_key): eval/<set>/accuracy, ...",
-    )
+    eval_task: bool = eval_task_field()

@@ -8,7 +8,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from treadle.config.base import Section, gpu_memory_field
+from treadle.config.base import Placement, Section, gpu_memory_field, kv_cache_field
 
 
 class FrozenModelConfig(Section):
@@ -28,7 +28,7 @@ class FrozenModelConfig(Section):
     dtype: Literal["float32", "bfloat16"] | None = Field(
         None, description="Weight dtype of the {role} engine (null: model.dtype)."
     )
-    placement: Literal["colocated", "split"] = Field(
+    placement: Placement = Field(
         "colocated",
         description="'colocated': a {role} engine in each actor rank's process, taking turns "
         "with training; 'split': {key}.replicas Ray actors in a resource pool of their own "
@@ -48,7 +48,7 @@ class FrozenModelConfig(Section):
     micro_batch_size: int = Field(
         32, gt=0, description="hf engine: sequences per scoring forward / generate call."
     )
-    kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache, GiB.")
+    kv_cache_gib: float = kv_cache_field()
     gpu_memory_utilization: float = gpu_memory_field(0.3)
 
     @classmethod

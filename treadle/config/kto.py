@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from treadle.config.base import Section
+from treadle.config.base import Section, eval_task_field
 
 
 class KTOConfig(Section):
@@ -32,9 +32,4 @@ class KTOConfig(Section):
         description="Weight of the desirable completions' token-mean NLL added to the loss "
         "(as dpo.nll_coef; not in TRL's KTO); 0: the KTO loss alone.",
     )
-    eval_task: bool = Field(
-        False,
-        description="Also evaluate the validation sets (data.val_files as the set val, "
-        "data.val_sets; the eval section's sampling, each set's reward; the rows need "
-        "data.answer_key): eval/<set>/accuracy, ...",
-    )
+    eval_task: bool = eval_task_field()

@@ -6,7 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
-from treadle.config.base import Section
+from treadle.config.base import Placement, Section, own_pool_placement_field
 
 
 class PrimeConfig(Section):
@@ -57,10 +57,7 @@ class PrimeConfig(Section):
     micro_batch_size: int | None = Field(
         None, gt=0, description="Samples per PRM forward/backward per rank; null = actor's."
     )
-    placement: Literal["colocated", "split"] = Field(
-        "colocated",
-        description="'colocated': on the actor's bundles, taking turns; 'split': its own pool.",
-    )
+    placement: Placement = own_pool_placement_field()
     world_size: int | None = Field(
         None, gt=0, description="PRM ranks (FSDP2 shards); null = actor.world_size."
     )

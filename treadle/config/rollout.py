@@ -6,7 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import Field, field_validator
 
-from treadle.config.base import Key, Section, defaults, gpu_memory_field
+from treadle.config.base import (
+    Key,
+    Placement,
+    Section,
+    defaults,
+    gpu_memory_field,
+    kv_cache_field,
+)
 from treadle.config.endpoint import EndpointConfig
 
 
@@ -36,9 +43,9 @@ class RolloutConfig(Section):
     weight_sync_bucket_mb: float = Field(
         64, gt=0, description="vllm engine: size of one weight-sync message, MiB."
     )
-    kv_cache_gib: float = Field(1.0, gt=0, description="vllm engine on CPU: KV cache size, GiB.")
+    kv_cache_gib: float = kv_cache_field()
     gpu_memory_utilization: float = gpu_memory_field(0.5)
-    placement: Literal["colocated", "split"] = Field(
+    placement: Placement = Field(
         "colocated",
         description="'colocated': one replica in every actor rank's process, on its devices, "
         "sleeping while the actor trains, weights synced in memory; 'split': rollout.replicas "
