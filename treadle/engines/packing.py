@@ -91,19 +91,11 @@ def balanced_order(lengths: Sequence[int], parts: int) -> list[int]:
     """A permutation after which ``parts`` contiguous equal chunks have similar token sums.
 
     Greedy: the longest remaining sample goes to the lightest part that still has room
-    (every part holds ``len(lengths) // parts`` samples, as the data-parallel dispatch needs).
+    (every part holds ``len(lengths) // parts`` samples, as the data-parallel dispatch needs):
+    :func:`balanced_group_order` with every sample a group of its own.
     """
     n = len(lengths)
-    if n % parts:
-        raise ValueError(f"{n} samples cannot be cut into {parts} equal parts")
-    size = n // parts
-    members: list[list[int]] = [[] for _ in range(parts)]
-    loads = [0] * parts
-    for i in sorted(range(n), key=lambda i: -lengths[i]):
-        p = min((p for p in range(parts) if len(members[p]) < size), key=lambda p: loads[p])
-        members[p].append(i)
-        loads[p] += lengths[i]
-    return [i for part in members for i in sorted(part)]
+    return balanced_group_order([[i] for i in range(n)], lengths, [0] * n, parts)
 
 
 def balanced_group_order(
