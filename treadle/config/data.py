@@ -11,6 +11,7 @@ from treadle.config.base import Key, Section, defaults
 
 _SET_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 AnswerFormat = Literal["answer_tag", "last_line", "full"]
+RowSource = Literal["files", "reasoning_gym"]  # where rows come from (data, a validation set)
 
 
 class GymDataset(Section):
@@ -110,7 +111,7 @@ class ValSetConfig(Section):
         description="Its files (JSONL, Parquet, save_to_disk folders), read with the data "
         "section's columns and templating; a data_source column reports each source apart.",
     )
-    source: Literal["files", "reasoning_gym"] = Field(
+    source: RowSource = Field(
         "files",
         description="Where its rows come from: files, or reasoning_gym (the held-out rows of "
         "its own reasoning_gym settings: val_size rows from val_seed).",
@@ -148,7 +149,7 @@ VAL = "val"  # the name of the set of data.val_files (and of reasoning-gym's hel
 
 
 class DataConfig(Section):
-    source: Literal["files", "reasoning_gym"] = Field(
+    source: RowSource = Field(
         "files",
         description="Where rows come from: files (data.train_files, data.val_files) or "
         "reasoning_gym (data.reasoning_gym: its procedural datasets, unchanged).",
