@@ -144,6 +144,27 @@ def test_the_examples_exact_score_drops_the_partial_credit():
     assert list(got) == [1.0, 0.0, 0.0]
 
 
+def test_the_examples_close_score_gives_a_wrong_number_credit_by_its_distance():
+    rows = [r.row for r in gym_records(spec(answer_format="full"), "train")[:5]]
+    truths = [int(r["answer"]) for r in rows]
+    responses = [
+        str(truths[0]),  # right: 1.0
+        str(truths[1] + 1),  # off by 1: 0.5 x (1 - 1 / max(|truth|, 1))
+        str(truths[2]) + "0",  # a digit added: ten times the truth, nothing
+        "nonsense",  # no number: nothing
+        str(-truths[4]) if truths[4] else "1",  # the sign flipped (partial credit there)
+    ]
+    with Scorer("examples/reasoning_gym/close.py:close_score", num_workers=0) as close:
+        got = close([r["question"] for r in rows], responses, [r["answer"] for r in rows], rows)
+    assert list(got) == [
+        1.0,
+        pytest.approx(0.5 * max(0.0, 1 - 1 / max(abs(truths[1]), 1))),
+        0.0,
+        0.0,
+        0.0,
+    ]
+
+
 def test_reward_on_rows_without_metadata_says_what_it_needs():
     with pytest.raises(ValueError, match=r"use data\.source=reasoning_gym"):
         compute_score(["1"], ["q"], ["1"], [{}])
