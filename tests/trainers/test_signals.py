@@ -356,3 +356,35 @@ def test_a_ctrl_c_that_lands_in_a_del_still_stops_the_command(tmp_path):
         check=False, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert (proc.returncode, proc.stderr) == (130, "treadle: stopped by Ctrl-C\n")
+
+
+def test_a_stop_a_library_turned_into_its_own_error_still_stops_the_run(tiny_task, tmp_path):
+    """vLLM's tokenizer pool turns a Ctrl-C that lands in it into an UnboundLocalError (its
+    ``finally`` reads the variable the interrupt left unset); the failed samples then made the
+    run end as an error (exit 2) instead of a stop. With the signal noted, it is the stop."""
+    import signal
+
+    import tiny_runs
+
+    from treadle.config import load_config
+    from treadle.runtime import errors
+    from treadle.trainers.base import Trainer
+
+    class Interrupted(Trainer):
+        def run_step(self, step: int) -> dict[str, float]:
+            errors.note_signal(signal.SIGINT)  # what the handler does where the signal lands
+            raise UnboundLocalError("cannot access local variable 'tok'")
+
+        def close(self) -> None:
+            self.lock.release()
+
+    trainer = Interrupted(load_config(None, tiny_runs.overrides(tiny_task, tmp_path / "run")))
+    try:
+        with pytest.raises(errors.Stopped) as stopped:
+            trainer.fit()
+    finally:
+        errors.clear_signals()
+    assert stopped.value.exit_code == 130
+    assert str(stopped.value) == (
+        "stopped by Ctrl-C during step 1; there is no checkpoint yet: the same command starts over"
+    )

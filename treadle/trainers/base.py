@@ -27,6 +27,7 @@ from treadle.runtime.errors import (
     Stopped,
     WorkerDied,
     raise_if_signalled,
+    signalled,
     stop_cause,
     stop_line,
     whereabouts,
@@ -143,9 +144,12 @@ class Trainer(Launch):
             except KeyboardInterrupt as e:
                 how, code = stop_cause(e)
                 raise Stopped(stop_line(how), code) from None
-            except (WorkerDied, RolloutError) as e:  # a process of the run is gone
-                raise type(e)(f"step {self.at_step}: {e}; {resume_hint(self.cfg)}") from None
             except Exception as e:
+                if signalled():  # the stop, turned into another error where it landed
+                    how, code = stop_cause()  # (vLLM's tokenizer pool: an UnboundLocalError)
+                    raise Stopped(stop_line(how), code) from None
+                if isinstance(e, (WorkerDied, RolloutError)):  # a process of the run is gone
+                    raise type(e)(f"step {self.at_step}: {e}; {resume_hint(self.cfg)}") from None
                 died = self.dead_peer(e)
                 if died is None:
                     raise
