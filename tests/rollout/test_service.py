@@ -8,6 +8,7 @@ and vLLM engines on the tiny model.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 
 import pytest
@@ -320,3 +321,30 @@ def test_duplicate_request_ids_in_flight_are_refused(hf_server):
     with pytest.raises(ValueError, match="request id 'dup' is already in flight"):
         _serve(server, [Request("dup", p, SAMPLE), Request("dup", p, SAMPLE)])
     assert server.in_flight == 0
+
+
+def test_a_stop_an_engine_turned_into_its_own_error_still_unwinds_the_server():
+    """vLLM's tokenizer pool turns a Ctrl-C that lands in it into an UnboundLocalError: the
+    requests in flight fail, and with the signal noted the pump raises the stop, which unwinds
+    the loop (`treadle serve` served on until the grace ran out)."""
+    import signal
+
+    from treadle.runtime import errors
+
+    class Interrupted(ThreeStepEngine):
+        def step(self) -> list[Finished]:
+            errors.note_signal(signal.SIGINT)  # what the handler does where the signal lands
+            raise UnboundLocalError("cannot access local variable 'tok'")
+
+    server = RolloutServer(Interrupted(), "rollout replica 0")
+
+    async def ask() -> None:
+        with contextlib.suppress(RuntimeError):  # "engine failed: ...", if it is answered first
+            await server.generate([Request("r0", (1, 2), SAMPLE)])
+        await asyncio.wait_for(asyncio.Event().wait(), 60)  # as `treadle serve` waits: the stop
+
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            asyncio.run(ask())
+    finally:
+        errors.clear_signals()

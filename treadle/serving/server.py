@@ -57,6 +57,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import inspect
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -64,6 +65,7 @@ from dataclasses import dataclass, field
 import torch
 
 from treadle.engines.inference import Finished, RolloutEngine, SamplingParams, Scored
+from treadle.runtime.errors import raise_if_signalled
 
 
 @dataclass(frozen=True)
@@ -284,6 +286,11 @@ class RolloutServer:
                     g.future.set_exception(RuntimeError(f"{self.name}: engine failed: {e}"))
             if not isinstance(e, Exception):
                 raise
+            # The stop, turned into another error where it landed (vLLM's tokenizer pool: an
+            # UnboundLocalError), still unwinds the command (`treadle serve` served on). Only
+            # the main thread takes a signal's exception; a client loop's own thread must not.
+            if threading.current_thread() is threading.main_thread():
+                raise_if_signalled()
         finally:
             self._become_idle()
 
