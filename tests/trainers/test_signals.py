@@ -320,12 +320,16 @@ sys.exit(cli.main())
 def test_a_coroutine_the_stop_left_unawaited_says_nothing_after_the_stop_line(tmp_path):
     """Python warns of a coroutine never awaited when the stop's traceback lets go of it, after
     the stop line (a request in flight in `treadle serve` once did): not once stopped."""
-    (tmp_path / "unawaited.py").write_text(_UNAWAITED)
+    assert _ran(tmp_path / "unawaited.py", _UNAWAITED) == (130, "treadle: stopped by Ctrl-C\n")
+
+
+def _ran(script: Path, text: str) -> tuple[int, str]:
+    """``text`` written to ``script`` and run: its exit code and stderr."""
+    script.write_text(text)
     proc = subprocess.run(
-        [sys.executable, str(tmp_path / "unawaited.py")],
-        check=False, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert (proc.returncode, proc.stderr) == (130, "treadle: stopped by Ctrl-C\n")
+        [sys.executable, str(script)], check=False, capture_output=True, text=True, timeout=120
+    )
+    return proc.returncode, proc.stderr
 
 
 _IN_A_DEL = """
@@ -350,12 +354,7 @@ def test_a_ctrl_c_that_lands_in_a_del_still_stops_the_command(tmp_path):
     """In CI, `treadle serve`'s Ctrl-C landed in an asyncio transport's ``__del__``, where
     Python prints the exception and drops it: the command served on until the grace ended.
     The stop thread sends the signal again."""
-    (tmp_path / "in_a_del.py").write_text(_IN_A_DEL)
-    proc = subprocess.run(
-        [sys.executable, str(tmp_path / "in_a_del.py")],
-        check=False, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert (proc.returncode, proc.stderr) == (130, "treadle: stopped by Ctrl-C\n")
+    assert _ran(tmp_path / "in_a_del.py", _IN_A_DEL) == (130, "treadle: stopped by Ctrl-C\n")
 
 
 def test_a_stop_a_library_turned_into_its_own_error_still_stops_the_run(tiny_task, tmp_path):
