@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from treadle.data.gym import compute_score, extract_answer
+from treadle.data.gym import answer_of, compute_score
 
 
 def _number(text: str | None) -> float | None:
@@ -35,7 +35,7 @@ def close_score(
     formats = answer_format or [None] * len(completions)
     scores = []
     for score, response, truth, how in zip(exact, completions, answer, formats, strict=True):
-        got, want = _number(extract_answer(response, how or "answer_tag")), _number(truth)
+        got, want = _number(answer_of(response, {"answer_format": how})), _number(truth)
         if score >= 1.0:
             scores.append(1.0)
         elif got is None or want is None:
