@@ -114,6 +114,14 @@ class Scored:
     topk_log_probs: list[list[float]]  # their log-probs ([] per position when top_k == 0)
 
 
+def check_one_sample(params: SamplingParams) -> None:
+    """ValueError unless ``params`` asks for one response: ``add_request`` queues one sample,
+    which ``step`` returns as one :class:`Finished` under its request id (a group of ``n`` is
+    ``n`` requests)."""
+    if params.n != 1:
+        raise ValueError(f"a request samples one response, got n={params.n}")
+
+
 def check_score_args(sequences: list[list[int]], starts: list[int], top_k: int) -> None:
     """ValueError unless every start is within its sequence (>= 1: the first token has no
     log-prob) and ``top_k >= 0``."""
@@ -398,8 +406,7 @@ class HFRolloutEngine:
         params: SamplingParams,
         pixel_values: torch.Tensor | None = None,
     ) -> None:
-        if params.n != 1:
-            raise ValueError(f"a request samples one response, got n={params.n}")
+        check_one_sample(params)
         self._pending.append((request_id, list(prompt), params, pixel_values))
 
     def step(self) -> list[Finished]:

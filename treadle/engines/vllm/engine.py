@@ -50,6 +50,7 @@ from treadle.engines.inference import (
     RolloutOutput,
     SamplingParams,
     Scored,
+    check_one_sample,
     check_score_args,
 )
 from treadle.engines.vllm.outputs import score_in_queue, stop_reason, take_output
@@ -143,8 +144,7 @@ class VLLMRolloutEngine:
         :mod:`treadle.engines.vllm.pictures`)."""
         from vllm.inputs import TokensPrompt
 
-        if params.n != 1:
-            raise ValueError(f"a request samples one response, got n={params.n}")
+        check_one_sample(params)
         self._check_weights()
         self._warn_truncated_logprobs(params)
         from vllm.sampling_params import RequestOutputKind
