@@ -70,11 +70,7 @@ class ReasoningGymConfig(Section):
 
     @model_validator(mode="after")
     def _seeds_apart(self) -> ReasoningGymConfig:
-        names = [d.name for d in self.datasets]
-        if len(set(names)) != len(names):
-            raise ValueError(
-                f"data.reasoning_gym.datasets names a dataset twice ({names}): give each once"
-            )
+        _each_once(self.datasets, "data.reasoning_gym.datasets")
         span = len(self.datasets) + 1
         train, val = self.streams("train"), self.streams("val")
         if self.val_size and train.start < val.stop and val.start < train.stop:
@@ -94,12 +90,16 @@ class GymSetConfig(ReasoningGymConfig):
 
     @model_validator(mode="after")
     def _seeds_apart(self) -> GymSetConfig:
-        names = [d.name for d in self.datasets]
-        if len(set(names)) != len(names):
-            raise ValueError(
-                f"reasoning_gym.datasets names a dataset twice ({names}): give each once"
-            )
+        _each_once(self.datasets, "reasoning_gym.datasets")
         return self
+
+
+def _each_once(datasets: list[GymDataset], key: str) -> None:
+    """The rule the data section's mix and a validation set's share: each dataset named once
+    (``key``: the list, as the message names it)."""
+    names = [d.name for d in datasets]
+    if len(set(names)) != len(names):
+        raise ValueError(f"{key} names a dataset twice ({names}): give each once")
 
 
 class ValSetConfig(Section):
