@@ -124,3 +124,17 @@ def test_a_judge_or_a_curriculum_says_train() -> None:
     assert infer_kind(cfg) == ("train", "it sets reward.judge.model_path=/judge and 1 more")
     cfg = load_config("examples/arithmetic/sft.yaml", ["data.sampler=pass_rate"])
     assert infer_kind(cfg) == ("train", "it sets data.sampler=pass_rate")
+
+
+def test_train_on_a_config_for_another_command_says_so() -> None:
+    """`treadle train` on an SFT config runs RL (the config has every setting RL needs), so its
+    first line says which command the config looks like it is for; an RL config gets none."""
+    from treadle.cli.commands import another_command
+    from treadle.config import load_config
+
+    sft = load_config("examples/reasoning_gym/sft.yaml", [])
+    assert another_command(sft, "train") == (
+        "treadle: note: this config looks like one for `treadle sft` (no RL setting, and "
+        "reasoning-gym's rows, with their answers to learn); `treadle train` runs it as asked"
+    )
+    assert another_command(load_config("examples/reasoning_gym/grpo.yaml", []), "train") is None

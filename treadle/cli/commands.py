@@ -75,8 +75,28 @@ def cmd_check(args: argparse.Namespace) -> None:
     print(f"ok: ready for `treadle {kind}`")
 
 
+def another_command(cfg: Any, command: str) -> str | None:
+    """A line for a config that ``treadle check`` takes for another command than ``command``
+    (:mod:`treadle.check.kind`), or None. An SFT config has every setting RL needs, so
+    `treadle train examples/reasoning_gym/sft.yaml` would otherwise run RL without a word."""
+    from treadle.check.kind import infer_kind
+
+    try:
+        kind, why = infer_kind(cfg)
+    except TreadleError:  # (a config of two commands' settings: check has passed it for this one)
+        return None
+    if kind == command:
+        return None
+    return (
+        f"treadle: note: this config looks like one for `treadle {kind}` ({why}); "
+        f"`treadle {command}` runs it as asked"
+    )
+
+
 def cmd_train(args: argparse.Namespace) -> None:
     cfg = _config(args)
+    if note := another_command(cfg, "train"):
+        print(note, flush=True)
     from treadle.trainers.rl import train
 
     print_accuracies(train(cfg))
