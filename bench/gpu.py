@@ -3,6 +3,7 @@
     python bench/gpu.py                      # both workloads, on the GPU
     python bench/gpu.py --workloads smollm2 --steps 3 --warmup 1
     python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
+    python bench/gpu.py --cache static       # treadle's hf engine on a static KV cache
 
 Prints, per workload, each side's step time (median of `--steps` after `--warmup`), its
 generation and training time, generated tokens/s and peak memory, then the ratio lines last:
@@ -27,7 +28,9 @@ over all samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's defau
 row computed (treadle `actor.skip_zero_advantage=false`). TRL generates the step's samples in
 one `generate` call; treadle's hf engine in one too (`rollout.micro_batch_size` = the step's
 samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room) and syncs the
-weights into it after the update. The rewards differ (TRL's last-number check, treadle's length
+weights into it after the update (`--cache static`: on a static KV cache, whose decoding step
+transformers compiles on a GPU: `rollout.cache_implementation=static`; TRL's side is the same
+in either). The rewards differ (TRL's last-number check, treadle's length
 rule) and change only the advantages' values, not the work.
 
 Measured per step: step (TRL: `on_step_begin` to `on_step_end`; treadle: `timing/step`),
@@ -222,6 +225,7 @@ def treadle_overrides(args: argparse.Namespace, wl: Workload, paths: dict[str, P
         "data.shuffle=false",
         f"data.max_prompt_length={args.prompt_tokens}",
         "rollout.engine=hf",
+        f"rollout.cache_implementation={args.cache}",
         f"rollout.n={wl.n}",
         "rollout.temperature=1.0",
         f"rollout.max_new_tokens={wl.new_tokens}",
@@ -325,6 +329,7 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
         f"--prompt-tokens={args.prompt_tokens}",
         f"--micro-tokens={args.micro_tokens}",
         f"--device={args.device}",
+        f"--cache={args.cache}",
         *(f for f in common_flags(args, wl) if not f.startswith(("--n=", "--new-tokens="))),
     ]
     out: dict[str, Any] = {}
@@ -408,8 +413,8 @@ def header(args: argparse.Namespace) -> list[str]:
         f"{versions}; {precision}; median of {args.steps} steps after {args.warmup} warm-up",
         "TRL: GRPOTrainer's defaults (loss dapo, beta 0, gradient checkpointing), one generate "
         "call and one forward/backward over the step's samples",
-        f"treadle: local backend, hf engine (one generate call), micro-batches of <= "
-        f"{args.micro_tokens} tokens, gradient checkpointing "
+        f"treadle: local backend, hf engine (one generate call, {args.cache} KV cache), "
+        f"micro-batches of <= {args.micro_tokens} tokens, gradient checkpointing "
         f"{'on' if args.device == 'cuda' else 'off'}, weight sync every step",
     ]
 
@@ -428,6 +433,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-tokens", type=int, default=16384, help="treadle's tokens a fwd/bwd")
     p.add_argument("--threads", type=int, default=None, help="torch threads (GPU: up to 8)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument(
+        "--cache", choices=["dynamic", "static"], default="dynamic", help="treadle's KV cache"
+    )
     p.add_argument("--workdir", default=str(ROOT / "runs" / "gpu_bench"))
     p.add_argument("--side", choices=["treadle"], help=argparse.SUPPRESS)
     p.add_argument("--side-out", help=argparse.SUPPRESS)

@@ -94,9 +94,16 @@ def test_summary_and_ratio_lines(bench):
     ]
 
 
-def test_the_tiny_flag_and_the_workload_list(bench):
+def test_the_tiny_flag_and_the_workload_list(bench, tmp_path):
     args = bench.parse_args(["--tiny", "--device", "cpu"])
-    assert (args.workloads, args.prompt_tokens) == (["tiny"], 8)
+    assert (args.workloads, args.prompt_tokens, args.cache) == (["tiny"], 8, "dynamic")
+    static = bench.parse_args(
+        ["--tiny", "--device", "cpu", "--cache", "static", "--workdir", str(tmp_path)]
+    )
+    paths = bench.workload_paths(static, "tiny")
+    assert "rollout.cache_implementation=static" in bench.treadle_overrides(
+        static, bench.WORKLOADS["tiny"], paths
+    )
     assert bench.parse_args(["--device", "cpu"]).workloads == ["smollm2", "1.4b"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--workloads", "smollm2,7b", "--device", "cpu"])

@@ -156,6 +156,7 @@ BAD_FIELDS = {
     "rollout.top_k": ["0", "-2", "1.5"],
     "rollout.max_new_tokens": ["0", "-8"],
     "rollout.micro_batch_size": ["0"],
+    "rollout.cache_implementation": ["compiled"],
     "rollout.weight_sync_bucket_mb": ["0", "inf"],
     "rollout.kv_cache_gib": ["-1", "nan"],
     "rollout.gpu_memory_utilization": ["0", "1.1", "nan"],
@@ -356,6 +357,10 @@ CROSS_FIELD = [
     (
         ["rollout.tensor_parallel_size=2", "rollout.engine=vllm"],
         r"rollout\.tensor_parallel_size=2 needs rollout\.placement=split",
+    ),
+    (
+        ["rollout.cache_implementation=static", "rollout.engine=vllm"],
+        r"rollout\.cache_implementation=static is the hf engine's .*set rollout\.engine=hf",
     ),
 ]
 

@@ -131,6 +131,51 @@ def test_a_batch_over_the_budget_is_generated_in_chunks(model_and_tok, monkeypat
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(n=2, temperature=0.0, max_new_tokens=8),
+        SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5),
+    ],
+)
+def test_a_static_cache_generates_what_the_dynamic_one_does(model_and_tok, params):
+    """``cache="static"``: the same tokens and log-probs (greedy, and sampled under one seed),
+    from a static cache whose prompt width is rounded up to 64 columns."""
+    model, tok = model_and_tok
+    ps = prompts(tok)
+    dynamic = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id)
+    static = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache="static")
+    seen: list[tuple[int, str | None]] = []
+    generate = model.generate
+
+    def recording(*args, **kwargs):
+        seen.append((kwargs["input_ids"].shape[1], kwargs.get("cache_implementation")))
+        return generate(*args, **kwargs)
+
+    model.generate = recording
+    try:
+        want, got = dynamic.generate(ps, params), static.generate(ps, params)
+    finally:
+        del model.generate
+    assert seen == [(max(len(p) for p in ps), None), (64, "static")]
+    assert got.token_ids == want.token_ids
+    assert got.stop_reasons == want.stop_reasons
+    for a, b in zip(got.log_probs, want.log_probs, strict=True):
+        torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+def test_rollout_cache_implementation_reaches_the_engine(tiny_task):
+    from treadle.config import load_config
+    from treadle.serving.replica import make_engine
+
+    path = str(tiny_task["model"])
+    for cache in ("dynamic", "static"):
+        cfg = load_config(None, [f"model.path={path}", f"rollout.cache_implementation={cache}"])
+        engine = make_engine(cfg, path, torch.device("cpu"))
+        assert isinstance(engine, HFRolloutEngine)
+        assert engine.cache == cache
+
+
 def test_sequence_bytes_of_the_1_4b_workload_by_hand():
     """Qwen2.5-1.5B's shape (28 layers, 2 key/value heads of 128, hidden 1536, MLP 8960) with
     SmolLM2's vocabulary (49,152), bf16, 64 prompt + 256 new tokens."""

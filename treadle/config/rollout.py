@@ -40,6 +40,12 @@ class RolloutConfig(Section):
         description="hf engine: sequences per generate call at most (on CUDA fewer when "
         "gpu_memory_utilization leaves room for fewer).",
     )
+    cache_implementation: Literal["dynamic", "static"] = Field(
+        "dynamic",
+        description="hf engine: generate's KV cache. static preallocates it (the prompt width "
+        "rounded up to 64, plus max_new_tokens); on a GPU transformers then compiles the "
+        "decoding step (torch.compile, CUDA graphs), again for a new batch size or cache length.",
+    )
     weight_sync_bucket_mb: float = Field(
         64, gt=0, description="vllm engine: size of one weight-sync message, MiB."
     )

@@ -24,9 +24,13 @@ generation requests in flight: the transformers engine does not touch them; vLLM
 in-flight requests produce meanwhile for the next ``step``.
 
 The transformers engine is the debugging engine, the fallback and, on a GPU without vLLM, the
-rollout: plain ``generate`` with a KV cache on a left-padded batch. Log-probs are taken from
-the raw logits divided by the temperature (the policy the actor trains), not from the
-top-p/top-k-filtered scores.
+rollout: plain ``generate`` with a KV cache on a left-padded batch. ``cache="static"``
+(``rollout.cache_implementation``, TRL's setting of that name) preallocates the cache for the
+prompt width, rounded up to a multiple of :data:`STATIC_WIDTH`, plus ``max_new_tokens``; on a
+GPU transformers then compiles the decoding step (``torch.compile``, CUDA graphs), once for
+each batch size and cache length it meets, which the rounding keeps few.
+Log-probs are taken from the raw logits divided by the temperature (the policy the actor
+trains), not from the top-p/top-k-filtered scores.
 ``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
 response (every response runs to ``max_new_tokens``, for benchmarks); stop tokens still do.
 ``SamplingParams.top_logprobs = k`` also returns, per sampled token, the k most likely ids of
@@ -52,7 +56,7 @@ import dataclasses
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
@@ -218,6 +222,11 @@ class SampledLogProbs(LogitsProcessor):
         return torch.stack([v for v, _ in self.tops], 1), torch.stack([i for _, i in self.tops], 1)
 
 
+STATIC_WIDTH = 64  # a static cache's prompt width is a multiple of it (fewer shapes to compile)
+
+Cache = Literal["dynamic", "static"]
+
+
 def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> int:
     """Device memory one sequence takes while it is generated: its KV cache over ``prompt +
     new`` positions, a decoding step's full-vocabulary scores (the float32 logits, the
@@ -263,7 +272,8 @@ class HFRolloutEngine:
 
     ``micro_batch_size``: sequences a ``generate`` call takes at most; ``gpu_memory_utilization``
     (CUDA): the fraction of the device's memory the process may hold while generating, which
-    may make the chunks smaller (see the module docstring)."""
+    may make the chunks smaller; ``cache``: ``generate``'s KV cache (see the module
+    docstring)."""
 
     def __init__(
         self,
@@ -272,19 +282,21 @@ class HFRolloutEngine:
         pad_token_id: int,
         micro_batch_size: int = 64,
         gpu_memory_utilization: float = 0.5,
+        cache: Cache = "dynamic",
     ) -> None:
         self.model: Any = model.eval()  # a transformers model with .generate
         self.eos = list(eos_token_ids)
         self.pad = pad_token_id
         self.micro_batch_size = micro_batch_size
         self.gpu_memory_utilization = gpu_memory_utilization
+        self.cache = cache
         self.params = dict(self.model.named_parameters())
         self._pending: list[tuple[str, list[int], SamplingParams, torch.Tensor | None]] = []
 
     def chunk(self, prompts: list[list[int]], params: SamplingParams) -> int:
         """Sequences of ``prompts`` one ``generate`` call takes (see :func:`chunk_size`)."""
         param = next(self.model.parameters())
-        longest = max((len(p) for p in prompts), default=1)
+        longest = self._width(prompts)
         per = sequence_bytes(self.model.config, param.dtype, longest, params.max_new_tokens)
         budget = generation_budget(param.device, self.gpu_memory_utilization)
         return chunk_size(budget, per, self.micro_batch_size)
@@ -316,7 +328,7 @@ class HFRolloutEngine:
         pictures: list[torch.Tensor | None],
     ) -> None:
         device = next(self.model.parameters()).device
-        width = max(len(p) for p in prompts)
+        width = self._width(prompts)
         ids = torch.full((len(prompts), width), self.pad, dtype=torch.long)
         mask = torch.zeros_like(ids)
         for i, p in enumerate(prompts):
@@ -333,6 +345,7 @@ class HFRolloutEngine:
             eos_token_id=stops or None,  # None: no stopping, not the model's default EOS
             pad_token_id=self.pad,
             logits_processor=processors,
+            **({"cache_implementation": "static"} if self.cache == "static" else {}),
             **_sampling(params),
             **images,
         )
@@ -349,6 +362,14 @@ class HFRolloutEngine:
             if top is not None:
                 out.top_log_probs.append(top[0][k, :length].tolist())
                 out.top_ids.append(top[1][k, :length].tolist())
+
+    def _width(self, prompts: list[list[int]]) -> int:
+        """The left-padded batch's width: its longest prompt, rounded up to a multiple of
+        :data:`STATIC_WIDTH` for a static cache."""
+        longest = max((len(p) for p in prompts), default=1)
+        if self.cache == "static":
+            return -(-longest // STATIC_WIDTH) * STATIC_WIDTH
+        return longest
 
     @torch.no_grad()
     def score(self, sequences: list[list[int]], starts: list[int], top_k: int) -> list[Scored]:

@@ -45,7 +45,7 @@ import torch
 
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
-from treadle.engines.inference import HFRolloutEngine, RolloutEngine
+from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine
 from treadle.models.folders import model_config
 from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.runtime.errors import ConfigError
@@ -75,6 +75,7 @@ class RoleEngine:
     tokenizer: str | None  # the folder whose tokenizer gives EOS and padding (None: the model's)
     key: str  # the config key of its weights, for errors
     extra: dict[str, Any]
+    cache: Cache = "dynamic"  # the hf engine's KV cache (rollout.cache_implementation)
 
 
 def judge_length(cfg: Config, path: str) -> int:
@@ -108,7 +109,15 @@ def role_engine(cfg: Config, role: Role, path: str) -> RoleEngine:
     extra = {"tensor_parallel_size": tp} if tp > 1 else {}
     dtype = r.dtype or cfg.model.dtype
     return RoleEngine(
-        r.engine, dtype, r.micro_batch_size, _memory(r), length, tokenizer, "model.path", extra
+        r.engine,
+        dtype,
+        r.micro_batch_size,
+        _memory(r),
+        length,
+        tokenizer,
+        "model.path",
+        extra,
+        r.cache_implementation,
     )
 
 
@@ -150,6 +159,7 @@ def make_engine(
         pad_token_id=pad,
         micro_batch_size=s.micro_batch_size,
         gpu_memory_utilization=s.memory["gpu_memory_utilization"],
+        cache=s.cache,
     )
 
 

@@ -57,6 +57,11 @@ def check_rollout(
             f"rollout.tensor_parallel_size={tp} needs rollout.placement=split (a colocated "
             "replica lives in one actor rank's process, on its one device); on CPU set it to 1"
         )
+    if rollout.cache_implementation == "static" and rollout.engine != "hf":
+        yield (
+            "rollout.cache_implementation=static is the hf engine's (vLLM pages its own KV "
+            "cache): set rollout.engine=hf or drop it"
+        )
     if rollout.placement == "colocated":
         if rollout.replicas is not None and rollout.replicas != actor.world_size:
             yield (
