@@ -27,8 +27,8 @@ The transformers engine is the debugging engine, the fallback and, on a GPU with
 rollout: plain ``generate`` with a KV cache on a left-padded batch. ``cache="static"``
 (``rollout.cache_implementation``, TRL's setting of that name) preallocates the cache for the
 prompt width, rounded up to a multiple of :data:`STATIC_WIDTH`, plus ``max_new_tokens``; on a
-GPU transformers then compiles the decoding step (``torch.compile``, CUDA graphs), once for
-each batch size and cache length it meets, which the rounding keeps few.
+GPU transformers then compiles the decoding step (``torch.compile``, CUDA graphs), again for
+each new batch size or cache length, which the rounding keeps few.
 Log-probs are taken from the raw logits divided by the temperature (the policy the actor
 trains), not from the top-p/top-k-filtered scores.
 ``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
