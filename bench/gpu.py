@@ -3,7 +3,7 @@
     python bench/gpu.py                      # both workloads, on the GPU
     python bench/gpu.py --workloads smollm2 --steps 3 --warmup 1
     python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
-    python bench/gpu.py --cache static       # treadle's hf engine on a static KV cache
+    python bench/gpu.py --cache dynamic,static   # treadle's hf engine on each KV cache
 
 Prints, per workload, each side's step time (median of `--steps` after `--warmup`), its
 generation and training time, generated tokens/s and peak memory, then the ratio lines last:
@@ -28,9 +28,10 @@ over all samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's defau
 row computed (treadle `actor.skip_zero_advantage=false`). TRL generates the step's samples in
 one `generate` call; treadle's hf engine in one too (`rollout.micro_batch_size` = the step's
 samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room) and syncs the
-weights into it after the update (`--cache static`: on a static KV cache, whose decoding step
-transformers compiles on a GPU: `rollout.cache_implementation=static`; TRL's side is the same
-in either). The rewards differ (TRL's last-number check, treadle's length
+weights into it after the update. `--cache dynamic,static` runs treadle's side once on each
+KV cache (`rollout.cache_implementation`; static: preallocated, its decoding step compiled by
+transformers on a GPU) against one TRL run, a table and ratio lines for each (`<workload>
+static` in the ratio lines). The rewards differ (TRL's last-number check, treadle's length
 rule) and change only the advantages' values, not the work.
 
 Measured per step: step (TRL: `on_step_begin` to `on_step_end`; treadle: `timing/step`),
@@ -211,8 +212,11 @@ def write_prompts(wl: Workload, path: Path, prompt_tokens: int) -> Path:
 # ----------------------------------------------------------------------------- the two sides
 
 
-def treadle_overrides(args: argparse.Namespace, wl: Workload, paths: dict[str, Path]) -> list[str]:
-    """treadle's run of the workload: the local backend, the hf engine (see the docstring)."""
+def treadle_overrides(
+    args: argparse.Namespace, wl: Workload, paths: dict[str, Path], cache: str
+) -> list[str]:
+    """treadle's run of the workload: the local backend, the hf engine on ``cache`` (see the
+    docstring)."""
     rows, gpu = wl.prompts * wl.n, args.device == "cuda"
     return [
         f"model.path={paths['model']}",
@@ -225,7 +229,7 @@ def treadle_overrides(args: argparse.Namespace, wl: Workload, paths: dict[str, P
         "data.shuffle=false",
         f"data.max_prompt_length={args.prompt_tokens}",
         "rollout.engine=hf",
-        f"rollout.cache_implementation={args.cache}",
+        f"rollout.cache_implementation={cache}",
         f"rollout.n={wl.n}",
         "rollout.temperature=1.0",
         f"rollout.max_new_tokens={wl.new_tokens}",
@@ -269,9 +273,10 @@ def treadle_side(args: argparse.Namespace) -> None:
     import torch
 
     torch.set_num_threads(args.threads)
-    wl = WORKLOADS[args.workload]
+    wl, cache = WORKLOADS[args.workload], args.caches[0]
     paths = workload_paths(args, args.workload)
-    steps = base.treadle_steps(treadle_overrides(args, wl, paths), paths["run"], wl.n)
+    paths["run"] = paths["folder"] / f"treadle_run_{cache}"
+    steps = base.treadle_steps(treadle_overrides(args, wl, paths, cache), paths["run"], wl.n)
     Path(args.side_out).write_text(json.dumps({"steps": steps}), encoding="utf-8")
 
 
@@ -304,7 +309,8 @@ def common_flags(args: argparse.Namespace, wl: Workload) -> list[str]:
 
 
 def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """Both sides of workload ``name``: each one's step records and process peak RSS."""
+    """Both sides of workload ``name`` (treadle's once per ``--cache``, as ``treadle_<cache>``):
+    each one's step records and process peak RSS."""
     wl, paths = WORKLOADS[name], workload_paths(args, name)
     build_model(wl, paths["model"], args.prompt_tokens)
     write_prompts(wl, paths["prompts"], args.prompt_tokens)
@@ -319,21 +325,24 @@ def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
         f"--device={args.device}",
         *common_flags(args, wl),
     ]
-    ours = [
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--side=treadle",
-        f"--workload={name}",
-        f"--side-out={folder / 'treadle.json'}",
-        f"--workdir={args.workdir}",
-        f"--prompt-tokens={args.prompt_tokens}",
-        f"--micro-tokens={args.micro_tokens}",
-        f"--device={args.device}",
-        f"--cache={args.cache}",
-        *(f for f in common_flags(args, wl) if not f.startswith(("--n=", "--new-tokens="))),
-    ]
+    ours = {
+        f"treadle_{cache}": [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--side=treadle",
+            f"--workload={name}",
+            f"--side-out={folder / f'treadle_{cache}.json'}",
+            f"--workdir={args.workdir}",
+            f"--prompt-tokens={args.prompt_tokens}",
+            f"--micro-tokens={args.micro_tokens}",
+            f"--device={args.device}",
+            f"--cache={cache}",
+            *(f for f in common_flags(args, wl) if not f.startswith(("--n=", "--new-tokens="))),
+        ]
+        for cache in args.caches
+    }
     out: dict[str, Any] = {}
-    for side, command in (("trl", trl), ("treadle", ours)):
+    for side, command in {"trl": trl, **ours}.items():
         print(f"{name}: {side} (log: {folder / side}.log)", flush=True)
         memory = run_side(command, folder / f"{side}.log", args.threads)
         out[side] = {**json.loads((folder / f"{side}.json").read_text()), "memory": memory}
@@ -366,24 +375,30 @@ def summary(side: dict[str, Any], phases: Any, keys: tuple[str, str], warmup: in
 
 
 def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> list[str]:
-    """The printed lines: the header, a table per workload, the ratio lines last."""
+    """The printed lines: the header, a table per workload and KV cache, the ratio lines last
+    (a workload's name alone for one cache, ``<workload> <cache>`` for several)."""
     lines = header(args)
     columns = GPU_COLUMNS if args.device == "cuda" else CPU_COLUMNS
     results = {}
     for name, sides in measured.items():
         wl = WORKLOADS[name]
         trl = summary(sides["trl"], base.trl_phases, TRL_MEMORY, args.warmup)
-        ours = summary(sides["treadle"], base.treadle_phases, TREADLE_MEMORY, args.warmup)
-        results[name] = (trl, ours)
         lines += [
             "",
             f"{name}: {wl.title}; {wl.prompts} prompts x {wl.n} samples x {wl.new_tokens} new "
             f"tokens, prompts of {args.prompt_tokens} tokens",
-            *base.format_table(trl, ours, columns),
-            base.trl_breakdown(sides["trl"]["steps"], args.warmup),
-            base.treadle_breakdown(sides["treadle"]["steps"], args.warmup),
-            *base.workload_warnings(trl, ours),
         ]
+        for cache in args.caches:
+            side = sides[f"treadle_{cache}"]
+            ours = summary(side, base.treadle_phases, TREADLE_MEMORY, args.warmup)
+            results[name if len(args.caches) == 1 else f"{name} {cache}"] = (trl, ours)
+            lines += [
+                f"treadle on the {cache} KV cache:",
+                *base.format_table(trl, ours, columns),
+                base.treadle_breakdown(side["steps"], args.warmup),
+                *base.workload_warnings(trl, ours),
+            ]
+        lines.append(base.trl_breakdown(sides["trl"]["steps"], args.warmup))
     return [*lines, "", *base.ratio_lines(results, RATIOS)]
 
 
@@ -413,7 +428,7 @@ def header(args: argparse.Namespace) -> list[str]:
         f"{versions}; {precision}; median of {args.steps} steps after {args.warmup} warm-up",
         "TRL: GRPOTrainer's defaults (loss dapo, beta 0, gradient checkpointing), one generate "
         "call and one forward/backward over the step's samples",
-        f"treadle: local backend, hf engine (one generate call, {args.cache} KV cache), "
+        f"treadle: local backend, hf engine (one generate call), "
         f"micro-batches of <= {args.micro_tokens} tokens, gradient checkpointing "
         f"{'on' if args.device == 'cuda' else 'off'}, weight sync every step",
     ]
@@ -433,9 +448,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-tokens", type=int, default=16384, help="treadle's tokens a fwd/bwd")
     p.add_argument("--threads", type=int, default=None, help="torch threads (GPU: up to 8)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument(
-        "--cache", choices=["dynamic", "static"], default="dynamic", help="treadle's KV cache"
-    )
+    p.add_argument("--cache", default="dynamic", help="treadle's KV caches: dynamic,static")
     p.add_argument("--workdir", default=str(ROOT / "runs" / "gpu_bench"))
     p.add_argument("--side", choices=["treadle"], help=argparse.SUPPRESS)
     p.add_argument("--side-out", help=argparse.SUPPRESS)
@@ -448,6 +461,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = [w for w in args.workloads if w not in WORKLOADS]
     if unknown or not args.workloads:
         p.error(f"--workloads: unknown {unknown}; choose from smollm2, 1.4b (or --tiny)")
+    args.caches = [c.strip() for c in args.cache.split(",")]
+    if not set(args.caches) <= {"dynamic", "static"} or len(set(args.caches)) < len(args.caches):
+        p.error(f"--cache: {args.cache!r}; give dynamic, static or dynamic,static")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
     if args.prompt_tokens is None:

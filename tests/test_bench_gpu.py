@@ -94,16 +94,49 @@ def test_summary_and_ratio_lines(bench):
     ]
 
 
-def test_the_tiny_flag_and_the_workload_list(bench, tmp_path):
+def test_the_tiny_flag_the_workloads_and_the_caches(bench, tmp_path):
     args = bench.parse_args(["--tiny", "--device", "cpu"])
-    assert (args.workloads, args.prompt_tokens, args.cache) == (["tiny"], 8, "dynamic")
-    static = bench.parse_args(
-        ["--tiny", "--device", "cpu", "--cache", "static", "--workdir", str(tmp_path)]
+    assert (args.workloads, args.prompt_tokens, args.caches) == (["tiny"], 8, ["dynamic"])
+    both = bench.parse_args(
+        ["--tiny", "--device", "cpu", "--cache", "dynamic,static", "--workdir", str(tmp_path)]
     )
-    paths = bench.workload_paths(static, "tiny")
+    assert both.caches == ["dynamic", "static"]
+    paths = bench.workload_paths(both, "tiny")
     assert "rollout.cache_implementation=static" in bench.treadle_overrides(
-        static, bench.WORKLOADS["tiny"], paths
+        both, bench.WORKLOADS["tiny"], paths, "static"
     )
     assert bench.parse_args(["--device", "cpu"]).workloads == ["smollm2", "1.4b"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--workloads", "smollm2,7b", "--device", "cpu"])
+    for bad in ("compiled", "static,static"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--cache", bad, "--device", "cpu"])
+
+
+def test_one_trl_run_against_each_cache(bench):
+    """``--cache dynamic,static``: a table for each cache against the one TRL run, and ratio
+    lines named by workload and cache."""
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--cache", "dynamic,static"])
+    args.steps, args.warmup = 1, 0
+
+    def run(step: float, **phases: float) -> dict:
+        record = {"step": step, "generated_tokens": 8.0, "prompt_tokens": 16.0, **phases}
+        return {"steps": [record], "memory": {"peak_rss": 2 * GIB}}
+
+    trl = run(4.0, generate=2.0, prepare=2.5)
+    measured = {
+        "tiny": {
+            "trl": trl,
+            "treadle_dynamic": run(2.0, generate=1.0, update_actor=0.8),
+            "treadle_static": run(1.0, generate=0.25, update_actor=0.6),
+        }
+    }
+    lines = bench.report(args, measured)
+    assert lines[-4:] == [
+        "ratio step_time treadle/trl tiny dynamic: 0.50",
+        "ratio step_time treadle/trl tiny static: 0.25",
+        "ratio peak_memory treadle/trl tiny dynamic: 1.00",
+        "ratio peak_memory treadle/trl tiny static: 1.00",
+    ]
+    titles = [line for line in lines if line.startswith("treadle on the")]
+    assert titles == ["treadle on the dynamic KV cache:", "treadle on the static KV cache:"]
