@@ -428,7 +428,7 @@ def header(args: argparse.Namespace) -> list[str]:
         f"{versions}; {precision}; median of {args.steps} steps after {args.warmup} warm-up",
         "TRL: GRPOTrainer's defaults (loss dapo, beta 0, gradient checkpointing), one generate "
         "call and one forward/backward over the step's samples",
-        f"treadle: local backend, hf engine (one generate call), "
+        "treadle: local backend, hf engine (one generate call), "
         f"micro-batches of <= {args.micro_tokens} tokens, gradient checkpointing "
         f"{'on' if args.device == 'cuda' else 'off'}, weight sync every step",
     ]

@@ -3,7 +3,7 @@
 #   tests   tests/gpu and tests/engines/test_cuda.py          (~5 min budget)
 #   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic, and static
 #           with its decoding step compiled) against one TRL run    (~8 min budget)
-#   all     both
+#   all     both, one after the other (more than one 10-minute call of the lent machine)
 # Before the call, on the CPU machine, from the repository root (9.6 MB with the source):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
