@@ -27,7 +27,8 @@ fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 540 python3 bench/gpu.py --cache dynamic,static --workdir /tmp/gpu_bench 2>&1 \
     | tee "$out/bench.txt"
-  for log in /tmp/gpu_bench/*/*.log; do  # each side's log, by workload
+  # each side's log and step records, by workload (the records come back after a timeout too)
+  for log in /tmp/gpu_bench/*/*.log /tmp/gpu_bench/*/*.json; do
     [ -f "$log" ] && cp "$log" "$out/$(basename "$(dirname "$log")")-$(basename "$log")"
   done
 fi
