@@ -247,7 +247,7 @@ def treadle_overrides(
         f"actor.gradient_checkpointing={str(gpu).lower()}",
         "actor.skip_zero_advantage=false",  # equal work: TRL computes every row
         "trainer.backend=local",
-        f"trainer.output_dir={paths['run']}",
+        f"trainer.output_dir={run_folder(paths, cache)}",
         f"trainer.total_steps={args.warmup + args.steps}",
         "trainer.resume=false",
         "trainer.progress=false",
@@ -264,8 +264,12 @@ def workload_paths(args: argparse.Namespace, name: str) -> dict[str, Path]:
         "model": folder / "model",
         "prompts": folder / "prompts.jsonl",
         "reward": reward,
-        "run": folder / "treadle_run",
     }
+
+
+def run_folder(paths: dict[str, Path], cache: str) -> Path:
+    """The folder of treadle's run of a workload on ``cache``."""
+    return paths["folder"] / f"treadle_run_{cache}"
 
 
 def treadle_side(args: argparse.Namespace) -> None:
@@ -275,8 +279,8 @@ def treadle_side(args: argparse.Namespace) -> None:
     torch.set_num_threads(args.threads)
     wl, cache = WORKLOADS[args.workload], args.caches[0]
     paths = workload_paths(args, args.workload)
-    paths["run"] = paths["folder"] / f"treadle_run_{cache}"
-    steps = base.treadle_steps(treadle_overrides(args, wl, paths, cache), paths["run"], wl.n)
+    overrides = treadle_overrides(args, wl, paths, cache)
+    steps = base.treadle_steps(overrides, run_folder(paths, cache), wl.n)
     Path(args.side_out).write_text(json.dumps({"steps": steps}), encoding="utf-8")
 
 
