@@ -26,6 +26,7 @@ from treadle.data.gym import (
 from treadle.models.loading import load_tokenizer
 from treadle.rewards import Scorer
 from treadle.runtime.errors import ConfigError
+from treadle.runtime.plugins import load_callable
 from treadle.tracking.tracker import read_metrics
 from treadle.trainers.datasets import config_prompts, config_sft
 
@@ -248,6 +249,54 @@ def test_shots_are_the_first_training_rows_as_chat_turns_before_each_question(ti
     assert mask.index(1) == len(train[5]["prompt_ids"])  # no loss on the shots' answers
     target = [t for t, m in zip(sft.rows[5]["input_ids"], mask, strict=True) if m]
     assert tok.decode(target).startswith(str(train[5]["row"]["answer"]))
+
+
+STEPS = "examples/reasoning_gym/steps.py:steps"
+
+
+def test_reasoning_writes_the_working_before_the_answer_in_targets_and_shots():
+    rows = gym_records(spec(answer_format="last_line", reasoning=STEPS, shots=1), "train")
+    for record in rows:
+        row = record.row
+        *working, last = row["solution"].split("\n")
+        assert last == row["answer"] and working, row["solution"]
+        assert working[-1].endswith(f" = {row['answer']}")  # the last step's result
+    assert rows[1].row["prompt"][1] == {"role": "assistant", "content": rows[0].row["solution"]}
+    tagged = gym_records(spec(answer_format="answer_tag", reasoning=STEPS), "val")[0].row
+    assert tagged["solution"].endswith(f"\n<answer>{tagged['answer']}</answer>")
+
+
+@pytest.mark.parametrize("name", ["basic_arithmetic", "chain_sum", "products"])
+def test_the_examples_steps_compute_each_tasks_answer(name):
+    from reasoning_gym.factory import create_dataset
+
+    steps = load_callable(STEPS, "data.reasoning_gym.reasoning")
+    entries = create_dataset(name, size=300, seed=7, **ARITHMETIC)
+    for entry in entries:
+        assert steps(entry).splitlines()[-1].split(" = ")[-1] == entry["answer"], entry
+
+
+def test_the_examples_steps_by_hand():
+    steps = load_callable(STEPS, "data.reasoning_gym.reasoning")
+    written = steps({"metadata": {"expression": "-( -33 / 11 + 4 * -5 )"}})
+    assert written == "-33 / 11 = -3\n4 * -5 = -20\n-3 + -20 = -23\n-(-23) = 23"
+    with pytest.raises(ValueError, match="not an arithmetic expression"):
+        steps({"metadata": {"expression": "2 ** 3"}})
+
+
+def test_reasoning_needs_a_format_with_room_for_it_and_text_back(tmp_path: Path):
+    with pytest.raises(ValueError, match="answer_format=full reads the whole response"):
+        spec(answer_format="full", reasoning=STEPS)
+    bad = tmp_path / "bad.py"
+    bad.write_text("def working(entry):\n    return len(entry['question'])\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"data.reasoning_gym.reasoning: .*bad.py:working returned int for "
+        r"data.reasoning_gym \(train\) row 1; it must return the working as text \(str\)",
+    ):
+        gym_records(spec(answer_format="last_line", reasoning=f"{bad}:working"), "train")
+    with pytest.raises(ConfigError, match=r"data\.reasoning_gym\.reasoning: .* has no function"):
+        gym_records(spec(answer_format="last_line", reasoning=f"{bad}:steps"), "train")
 
 
 # --- treadle check ---------------------------------------------------------------------------

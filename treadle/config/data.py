@@ -60,6 +60,14 @@ class ReasoningGymConfig(Section):
         "question and its answer in answer_format, from the first rows of seed (the same for "
         "every question). Teaches a base model the answer format without SFT.",
     )
+    reasoning: str | None = Field(
+        None,
+        description="A function (path/to/file.py:name or module:name) that writes the "
+        "working before the answer in SFT targets and shots: called with reasoning-gym's "
+        "entry (question, answer, metadata), it returns text, and the target is that text, "
+        "a new line, then the answer in answer_format. Needs answer_format answer_tag or "
+        "last_line. None: the answer alone.",
+    )
 
     def streams(self, split: Literal["train", "val"]) -> range:
         """The seeds of the random streams the rows of ``split`` use (see ``val_seed``)."""
@@ -71,6 +79,12 @@ class ReasoningGymConfig(Section):
     @model_validator(mode="after")
     def _seeds_apart(self) -> ReasoningGymConfig:
         _each_once(self.datasets, "data.reasoning_gym.datasets")
+        if self.reasoning and self.answer_format == "full":
+            raise ValueError(
+                "data.reasoning_gym.reasoning writes working before the answer, but "
+                "answer_format=full reads the whole response as the answer: set answer_format "
+                "to last_line or answer_tag"
+            )
         span = len(self.datasets) + 1
         train, val = self.streams("train"), self.streams("val")
         if self.val_size and train.start < val.stop and val.start < train.stop:

@@ -5,7 +5,8 @@
 the training rows with ``data.reasoning_gym.seed``, the held-out rows with ``val_seed``. Each
 row is reasoning-gym's entry as it made it (``question``, ``answer``, ``metadata``) plus two
 columns of ours: ``answer_format`` (how the model is asked to answer, so the reward reads the
-answer the same way) and ``solution`` (the answer written in that format: the SFT target);
+answer the same way) and ``solution`` (the SFT target: the answer written in that format,
+after the working that ``reasoning``, a function of the user's, writes when set);
 with ``shots`` a third, ``prompt``: the worked examples as chat turns, then the question. The
 rows then go through the same prompt pipeline as a file's rows (``question``, or ``prompt``, is
 the prompt, ``answer`` the ground truth, the whole row kept in ``row``), so nothing downstream
@@ -58,7 +59,8 @@ def gym_records(spec: ReasoningGymConfig, split: Split, key: str = KEY) -> list[
     bad dataset name or config."""
     size, seed = (spec.size, spec.seed) if split == "train" else (spec.val_size, spec.val_seed)
     dataset = _composite(spec, size, seed, key)
-    shown = _shots(spec, key)
+    target = _target_writer(spec, key)
+    shown = _shots(spec, key, target)
     records = []
     for i in range(size):
         entry = dataset[i]
@@ -67,7 +69,7 @@ def gym_records(spec: ReasoningGymConfig, split: Split, key: str = KEY) -> list[
             "answer": entry["answer"],
             "metadata": entry["metadata"],
             "answer_format": spec.answer_format,
-            "solution": format_answer(str(entry["answer"]), spec.answer_format),
+            "solution": target(entry, f"{key} ({split}) row {i + 1}"),
         }
         if shown:
             row["prompt"] = [*shown, {"role": "user", "content": entry["question"]}]
@@ -75,18 +77,44 @@ def gym_records(spec: ReasoningGymConfig, split: Split, key: str = KEY) -> list[
     return records
 
 
-def _shots(spec: ReasoningGymConfig, key: str) -> list[dict[str, str]]:
+Target = Callable[[Mapping[str, Any], str], str]
+
+
+def _target_writer(spec: ReasoningGymConfig, key: str) -> Target:
+    """What writes an entry's SFT target: the answer in ``answer_format``, after the working
+    ``spec.reasoning`` writes when set. Its second argument names the row in errors."""
+    if not spec.reasoning:
+        return lambda entry, _where: format_answer(str(entry["answer"]), spec.answer_format)
+    from treadle.runtime.plugins import load_callable
+
+    where_key = f"{key}.reasoning"
+    working = load_callable(spec.reasoning, where_key)
+
+    def target(entry: Mapping[str, Any], where: str) -> str:
+        text = working(dict(entry))
+        if not isinstance(text, str):
+            raise ConfigError(
+                f"{where_key}: {spec.reasoning} returned {type(text).__name__} for {where}; "
+                "it must return the working as text (str)"
+            )
+        answer = format_answer(str(entry["answer"]), spec.answer_format)
+        return f"{text.rstrip()}\n{answer}" if text.strip() else answer
+
+    return target
+
+
+def _shots(spec: ReasoningGymConfig, key: str, target: Target) -> list[dict[str, str]]:
     """The ``shots`` worked examples as chat turns: the first rows of ``seed`` (reasoning-gym
-    draws entry i from its own seeds, so they are the training rows' first ones)."""
+    draws entry i from its own seeds, so they are the training rows' first ones), each
+    answered as an SFT target is written."""
     if not spec.shots:
         return []
     examples = _composite(spec, spec.shots, spec.seed, key)
     turns = []
     for i in range(spec.shots):
-        answer = format_answer(str(examples[i]["answer"]), spec.answer_format)
         turns += [
             {"role": "user", "content": examples[i]["question"]},
-            {"role": "assistant", "content": answer},
+            {"role": "assistant", "content": target(examples[i], f"{key} shot {i + 1}")},
         ]
     return turns
 
