@@ -26,6 +26,7 @@ KINDS = {
     "examples/preference/orpo.yaml": "dpo",
     "examples/preference/simpo.yaml": "dpo",
     "examples/reasoning_gym/sft.yaml": "sft",
+    "examples/reasoning_gym/sft_steps.yaml": "sft",
     "examples/shapes/sft.yaml": "sft",
     "examples/smollm2/sft_arithmetic.yaml": "sft",
 }
@@ -37,7 +38,9 @@ GYM = ["data.max_prompt_length=512", "data.reasoning_gym.size=64", "data.reasoni
 OVERRIDES = {
     "examples/reasoning_gym/grpo.yaml": GYM,
     "examples/reasoning_gym/grpo_base.yaml": GYM,
+    "examples/reasoning_gym/grpo_steps.yaml": GYM,
     "examples/reasoning_gym/sft.yaml": GYM,
+    "examples/reasoning_gym/sft_steps.yaml": GYM,
     "examples/shapes/sft.yaml": ["data.batch_size=16"],
     "examples/tools/grpo_calculator.yaml": ["data.max_prompt_length=1536"],
 }
@@ -66,6 +69,7 @@ def demo_root(tiny_task, teacher_model, shapes_task, tmp_path_factory):  # type:
         "runs/arithmetic/sft/final_model": tiny_task["model"],
         "runs/arithmetic/grpo/final_model": teacher_model,
         "runs/reasoning_gym/sft/final_model": chat,
+        "runs/reasoning_gym/sft_steps/final_model": chat,
         "runs/shapes/sft/final_model": shapes_task["model"],
         "runs/smollm2/sft/final_model": chat,
         ".cache/treadle/models/smollm2-135m-instruct": chat,
