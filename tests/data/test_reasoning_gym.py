@@ -295,6 +295,13 @@ def test_reasoning_needs_a_format_with_room_for_it_and_text_back(tmp_path: Path)
         r"data.reasoning_gym \(train\) row 1; it must return the working as text \(str\)",
     ):
         gym_records(spec(answer_format="last_line", reasoning=f"{bad}:working"), "train")
+    legs = spec(datasets=[{"name": "leg_counting"}], answer_format="last_line", reasoning=STEPS)
+    with pytest.raises(
+        ConfigError,
+        match=r"data\.reasoning_gym\.reasoning: .*steps.py:steps raised KeyError for "
+        r"data\.reasoning_gym \(train\) row 1: 'expression'",
+    ):
+        gym_records(legs, "train")
     with pytest.raises(ConfigError, match=r"data\.reasoning_gym\.reasoning: .* has no function"):
         gym_records(spec(answer_format="last_line", reasoning=f"{bad}:steps"), "train")
 

@@ -91,7 +91,12 @@ def _target_writer(spec: ReasoningGymConfig, key: str) -> Target:
     working = load_callable(spec.reasoning, where_key)
 
     def target(entry: Mapping[str, Any], where: str) -> str:
-        text = working(dict(entry))
+        try:
+            text = working(dict(entry))
+        except Exception as e:  # the user's function: name it and the row
+            raise ConfigError(
+                f"{where_key}: {spec.reasoning} raised {type(e).__name__} for {where}: {e}"
+            ) from e
         if not isinstance(text, str):
             raise ConfigError(
                 f"{where_key}: {spec.reasoning} returned {type(text).__name__} for {where}; "
