@@ -83,14 +83,15 @@ Target = Callable[[Mapping[str, Any], str], str]
 def _target_writer(spec: ReasoningGymConfig, key: str) -> Target:
     """What writes an entry's SFT target: the answer in ``answer_format``, after the working
     ``spec.reasoning`` writes when set. Its second argument names the row in errors."""
-    if not spec.reasoning:
-        return lambda entry, _where: format_answer(str(entry["answer"]), spec.answer_format)
     from treadle.runtime.plugins import load_callable
 
     where_key = f"{key}.reasoning"
-    working = load_callable(spec.reasoning, where_key)
+    working = load_callable(spec.reasoning, where_key) if spec.reasoning else None
 
     def target(entry: Mapping[str, Any], where: str) -> str:
+        answer = format_answer(str(entry["answer"]), spec.answer_format)
+        if working is None:
+            return answer
         try:
             text = working(dict(entry))
         except Exception as e:  # the user's function: name it and the row
@@ -102,7 +103,6 @@ def _target_writer(spec: ReasoningGymConfig, key: str) -> Target:
                 f"{where_key}: {spec.reasoning} returned {type(text).__name__} for {where}; "
                 "it must return the working as text (str)"
             )
-        answer = format_answer(str(entry["answer"]), spec.answer_format)
         return f"{text.rstrip()}\n{answer}" if text.strip() else answer
 
     return target
