@@ -35,6 +35,31 @@ def test_auto_computes_in_bf16_only_where_native(monkeypatch, native):
     }
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_rollout_dtype_auto_is_bfloat16_only_where_native(monkeypatch, native):
+    from treadle.serving.replica import role_engine
+
+    monkeypatch.setattr(precision, "native_bf16", lambda: native)
+    got = {
+        (asked, model): role_engine(
+            load_config(None, [f"rollout.dtype={asked}", f"model.dtype={model}"]), "rollout", "m"
+        ).dtype
+        for asked in ("null", "float32", "bfloat16", "auto")
+        for model in ("float32", "bfloat16")
+    }
+    auto = "bfloat16" if native else "float32"
+    assert got == {
+        ("null", "float32"): "float32",
+        ("null", "bfloat16"): "bfloat16",
+        ("float32", "float32"): "float32",
+        ("float32", "bfloat16"): "float32",
+        ("bfloat16", "float32"): "bfloat16",
+        ("bfloat16", "bfloat16"): "bfloat16",
+        ("auto", "float32"): auto,
+        ("auto", "bfloat16"): "bfloat16",
+    }
+
+
 def test_warning_names_each_bf16_setting_and_its_fix(monkeypatch):
     monkeypatch.setattr(precision, "cpu_native_bf16", lambda: False)
     monkeypatch.setattr(precision, "Path", _NoDriver)

@@ -19,9 +19,10 @@ from treadle.config.endpoint import EndpointConfig
 
 class RolloutConfig(Section):
     engine: Literal["hf", "vllm"] = Field("hf", description="Inference engine for generation.")
-    dtype: Literal["float32", "bfloat16"] | None = Field(
+    dtype: Literal["float32", "bfloat16", "auto"] | None = Field(
         None,
-        description="Weight dtype of the rollout engine (null: model.dtype). bfloat16 generates "
+        description="Weight dtype of the rollout engine (null: model.dtype; auto: bfloat16 where "
+        "it is native, as actor.mixed_precision=auto, else model.dtype). bfloat16 generates "
         "faster on CPUs with AVX-512 BF16 and on GPUs; the train/rollout log-prob mismatch it "
         "adds is logged (rollout/logprob_diff_*) and algorithm.rollout_correction corrects for it.",
     )

@@ -1,4 +1,5 @@
-"""Whether bfloat16 is native here, for ``actor.mixed_precision: auto`` and ``treadle check``.
+"""Whether bfloat16 is native here, for ``actor.mixed_precision: auto``, ``rollout.dtype: auto``
+and ``treadle check``.
 
 bfloat16 matrix products are native on a CUDA GPU that has them and on x86 CPUs with AVX-512
 BF16 or AMX (or an Arm CPU with its BF16 extension). Elsewhere torch emulates them: on a 2-core
@@ -63,3 +64,11 @@ def emulated_bf16(settings: dict[str, str]) -> str | None:
 def compute_bf16(mixed_precision: str) -> bool:
     """Whether ``actor.mixed_precision`` computes in bfloat16 here (``auto``: where native)."""
     return mixed_precision == "bf16" or (mixed_precision == "auto" and native_bf16())
+
+
+def rollout_dtype(asked: str | None, model_dtype: str) -> str:
+    """The rollout engine's weight dtype: ``rollout.dtype``, or ``model.dtype`` when it is null;
+    ``auto`` is bfloat16 where it is native here, else ``model.dtype``."""
+    if asked == "auto":
+        return "bfloat16" if native_bf16() else model_dtype
+    return asked or model_dtype

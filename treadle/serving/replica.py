@@ -49,6 +49,7 @@ from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine
 from treadle.models.folders import model_config
 from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.runtime.errors import ConfigError
+from treadle.runtime.precision import rollout_dtype
 from treadle.serving.server import (
     Request,
     Response,
@@ -107,10 +108,9 @@ def role_engine(cfg: Config, role: Role, path: str) -> RoleEngine:
     r = cfg.rollout
     tp = r.tensor_parallel_size
     extra = {"tensor_parallel_size": tp} if tp > 1 else {}
-    dtype = r.dtype or cfg.model.dtype
     return RoleEngine(
         r.engine,
-        dtype,
+        rollout_dtype(r.dtype, cfg.model.dtype),
         r.micro_batch_size,
         _memory(r),
         length,

@@ -64,6 +64,7 @@ from treadle.engines.weights import CastTensors, weight_buckets
 from treadle.models.checkpoint import read_state
 from treadle.models.loading import apply_lora
 from treadle.protocol import Batch
+from treadle.runtime.precision import rollout_dtype
 from treadle.serving.replica import ServesJudge, ServesRollout, ServesTeacher, make_engine
 from treadle.serving.server import RolloutServer
 from treadle.serving.weight_sync import WeightSyncGroup
@@ -163,7 +164,7 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
         place; vLLM's cuts them into safetensors buckets). Split: rank 0 broadcasts them in
         buckets."""
         r = self.cfg.rollout
-        dtype = getattr(torch, r.dtype or self.cfg.model.dtype)
+        dtype = getattr(torch, rollout_dtype(r.dtype, self.cfg.model.dtype))
         tied = bool(getattr(self.engine.module.lm.config, "tie_word_embeddings", False))
         skip = frozenset({"lm_head.weight"} if tied else ())
         if self.server is not None:
