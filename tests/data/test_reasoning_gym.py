@@ -289,14 +289,14 @@ def test_the_examples_step_credit_gives_the_worked_answer_every_step(name):
     from reasoning_gym.factory import create_dataset
 
     steps = load_callable(STEPS, "data.reasoning_gym.reasoning")
-    right = load_callable("examples/reasoning_gym/step_credit.py:steps_right", "test")
+    right = load_callable("examples/reasoning_gym/steps.py:steps_right", "test")
     for entry in create_dataset(name, size=300, seed=7, **ARITHMETIC):
         worked = f"{steps(entry)}\n{entry['answer']}"
         assert right(worked, entry["metadata"]["expression"]) == 1.0, entry
 
 
 def test_the_examples_step_credit_by_hand():
-    right = load_callable("examples/reasoning_gym/step_credit.py:steps_right", "test")
+    right = load_callable("examples/reasoning_gym/steps.py:steps_right", "test")
     expression = "-( -19 - ( 43 - -46 ) )"  # 3 steps: 43 - -46, -19 - 89, the negation
     assert right("43 - -46 = 89\n-19 - 89 = -108\n-(-108) = 108\n108", expression) == 1.0
     assert right("43 - -46 = 89\n-19 - 89 = -118\n-(-118) = 118\n118", expression) == 1 / 3
@@ -306,7 +306,7 @@ def test_the_examples_step_credit_by_hand():
     assert right("108", expression) == 0.0  # no working
     rows = [{"source_dataset": "basic_arithmetic", "expression": expression}] * 3
     responses = ["43 - -46 = 89\n-19 - 89 = -108\n-(-108) = 108\n108", "43 - -46 = 89\n7", "0"]
-    score = load_callable("examples/reasoning_gym/step_credit.py:step_credit", "test")
+    score = load_callable("examples/reasoning_gym/steps.py:step_credit", "test")
     got = score(responses, ["q"] * 3, ["108"] * 3, rows, ["last_line"] * 3)
     assert got == [1.0, pytest.approx(0.5 / 3), 0.0]
 
