@@ -1,6 +1,6 @@
 """The README and the guides cannot drift from the code: what they show is checked against it.
 
-Reads README.md, docs/*.md and the examples' READMEs; runs nothing (the site's own build, links
+Reads README.md, docs/*.md and the examples' pages; runs nothing (the site's own build, links
 and anchors included, is `make docs`, which `make test` runs first):
 
 - every command in a shell code block: ``make X`` is a Makefile target; a ``treadle`` command
@@ -43,7 +43,7 @@ from treadle.runtime.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
-PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("examples/*/README.md"))]
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("examples/*/*.md"))]
 SHELL = {"bash", "sh", "shell", "console"}
 FIRST_SCREEN = 40
 FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.M | re.S)
