@@ -4,12 +4,12 @@
 #   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic, and static
 #           with its decoding step compiled) against one TRL run    (~8 min budget)
 #   all     both, one after the other (more than one 10-minute call of the lent machine)
-# Before the call, on the CPU machine, from the repository root (9.6 MB with the source):
+# Before the call, on the CPU machine, from the repository root (~10 MB with the source):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
-#     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess trl==1.16.0
+#     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess xxhash cloudpickle trl==1.16.0
 # and give the run tool carry=[".whl"]. What it prints goes to $OUT (tests.txt, bench.txt).
 set -u
 what=${1:-all}
