@@ -90,16 +90,14 @@ def test_a_command_mixes_no_host_and_device_tensors(name, tiny_task, teacher_mod
 # (/work/shared/GPU.md): the local backend with the hf engine must run every command without it.
 NOT_ON_THE_IMAGE = ("ray", "vllm", "plotly", "openai", "gguf", "reasoning_gym")
 
+# None in sys.modules: an import raises ModuleNotFoundError and importlib.util.find_spec says
+# None, as for a package that is not installed (libraries probe with find_spec).
 _WITHOUT = """
-import importlib.abc, json, sys
+import importlib.util, json, sys
 
-class Missing(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path, target=None):
-        if name.split(".")[0] in {missing}:
-            raise ModuleNotFoundError(f"No module named {{name!r}}", name=name)
-
-sys.meta_path.insert(0, Missing())
 for name in {missing}:
+    sys.modules[name] = None
+    assert importlib.util.find_spec(name) is None, name
     try:
         __import__(name)
     except ModuleNotFoundError:
