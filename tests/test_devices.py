@@ -114,7 +114,7 @@ def test_every_command_runs_without_the_packages_the_gpu_image_lacks(
     commands = [
         argv(name, tiny_task, tmp_path / name, teacher=teacher_model, steps=1) for name in CASES
     ]
-    code = _WITHOUT.format(missing=repr(set(NOT_ON_THE_IMAGE)))
+    code = _WITHOUT.format(missing=repr(NOT_ON_THE_IMAGE))
     paths = [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     done = subprocess.run(
