@@ -4,10 +4,15 @@
     python bench/gpu.py --workloads smollm2 --steps 3 --warmup 1
     python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
     python bench/gpu.py --cache dynamic,static   # treadle's hf engine on each KV cache
+    python bench/gpu.py --deadline-s 330     # what fits in 330 s (a lent GPU's minutes)
 
 Prints, per workload, each side's step time (median of `--steps` after `--warmup`), its
 generation and training time, generated tokens/s and peak memory, then the ratio lines last:
 `ratio step_time treadle/trl <workload>: <r>` for every workload, then `ratio peak_memory ...`.
+The sides run one at a time: every workload's TRL run and treadle's on the first `--cache`,
+then treadle's on the other caches. One that fails, or is still running at `--deadline-s`
+(killed then, and the later ones not started), is named in the report with its reason, the
+others' numbers still printed; the script then exits with 1.
 
 The workloads (`WORKLOADS`): SmolLM2-135M's shape, 8 prompts x 4 samples x 64 new tokens; a
 1.39 B model of Qwen2.5-1.5B's shape with SmolLM2's vocabulary (49,152), 32 x 8 x 256; `tiny`
@@ -55,6 +60,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from datetime import date
@@ -284,18 +290,36 @@ def treadle_side(args: argparse.Namespace) -> None:
     Path(args.side_out).write_text(json.dumps({"steps": steps}), encoding="utf-8")
 
 
-def run_side(command: list[str], log: Path, threads: int) -> dict[str, float]:
-    """Run one side to its end, its output to ``log``: its wall time and peak RSS (``wait4``)."""
+class SideFailed(Exception):
+    """A side that did not finish (it failed, or ran past ``--deadline-s``): the reason."""
+
+
+def run_side(
+    command: list[str], log: Path, threads: int, timeout: float | None = None
+) -> dict[str, float]:
+    """Run one side to its end, its output to ``log``: its wall time and peak RSS (``wait4``).
+    A side still running after ``timeout`` seconds is killed; a failed or killed one raises
+    :class:`SideFailed` with its log's last lines."""
     env = base.side_env(threads, None)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     start = time.perf_counter()
     with log.open("w") as out:
         proc = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+        killed = threading.Event()
+
+        def kill() -> None:
+            killed.set()
+            proc.kill()
+
+        timer = threading.Timer(timeout if timeout is not None else 1e9, kill)
+        timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode != 0:
+        timer.cancel()
+    code = os.waitstatus_to_exitcode(status)
+    if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
-        sys.exit(f"{Path(command[1]).name} failed ({proc.returncode}); {log}:\n{tail}")
+        why = "killed at --deadline-s" if killed.is_set() else f"exit {code}"
+        raise SideFailed(f"{why}; {log}:\n{tail}")
     return {"wall_s": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024.0}
 
 
@@ -312,45 +336,69 @@ def common_flags(args: argparse.Namespace, wl: Workload) -> list[str]:
     ]
 
 
-def measure(args: argparse.Namespace, name: str) -> dict[str, Any]:
-    """Both sides of workload ``name`` (treadle's once per ``--cache``, as ``treadle_<cache>``):
-    each one's step records and process peak RSS."""
+def side_command(args: argparse.Namespace, name: str, side: str) -> list[str]:
+    """The command of one side of workload ``name``: ``trl`` or ``treadle_<cache>``."""
     wl, paths = WORKLOADS[name], workload_paths(args, name)
-    build_model(wl, paths["model"], args.prompt_tokens)
-    write_prompts(wl, paths["prompts"], args.prompt_tokens)
-    folder = paths["folder"]
-    trl = [
-        sys.executable,
-        str(BENCH / "grpo_trl_side.py"),
-        f"--model={paths['model']}",
-        f"--prompts={paths['prompts']}",
-        f"--out={folder / 'trl.json'}",
-        f"--workdir={folder}",
-        f"--device={args.device}",
-        *common_flags(args, wl),
-    ]
-    ours = {
-        f"treadle_{cache}": [
+    if side == "trl":
+        return [
             sys.executable,
-            str(Path(__file__).resolve()),
-            "--side=treadle",
-            f"--workload={name}",
-            f"--side-out={folder / f'treadle_{cache}.json'}",
-            f"--workdir={args.workdir}",
-            f"--prompt-tokens={args.prompt_tokens}",
-            f"--micro-tokens={args.micro_tokens}",
+            str(BENCH / "grpo_trl_side.py"),
+            f"--model={paths['model']}",
+            f"--prompts={paths['prompts']}",
+            f"--out={paths['folder'] / 'trl.json'}",
+            f"--workdir={paths['folder']}",
             f"--device={args.device}",
-            f"--cache={cache}",
-            *(f for f in common_flags(args, wl) if not f.startswith(("--n=", "--new-tokens="))),
+            *common_flags(args, wl),
         ]
-        for cache in args.caches
-    }
-    out: dict[str, Any] = {}
-    for side, command in {"trl": trl, **ours}.items():
-        print(f"{name}: {side} (log: {folder / side}.log)", flush=True)
-        memory = run_side(command, folder / f"{side}.log", args.threads)
-        out[side] = {**json.loads((folder / f"{side}.json").read_text()), "memory": memory}
-    return out
+    return [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--side=treadle",
+        f"--workload={name}",
+        f"--side-out={paths['folder'] / f'{side}.json'}",
+        f"--workdir={args.workdir}",
+        f"--prompt-tokens={args.prompt_tokens}",
+        f"--micro-tokens={args.micro_tokens}",
+        f"--device={args.device}",
+        f"--cache={side.removeprefix('treadle_')}",
+        *(f for f in common_flags(args, wl) if not f.startswith(("--n=", "--new-tokens="))),
+    ]
+
+
+def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The ``(workload, side)`` runs in the order they are measured: every workload's TRL run
+    and treadle's on the first ``--cache``, then treadle's on the others (so a deadline cuts the
+    comparisons that matter least)."""
+    first = [
+        (name, side) for name in args.workloads for side in ("trl", f"treadle_{args.caches[0]}")
+    ]
+    rest = [(name, f"treadle_{cache}") for cache in args.caches[1:] for name in args.workloads]
+    return first + rest
+
+
+def measure(args: argparse.Namespace, deadline: float | None = None) -> dict[str, dict[str, Any]]:
+    """Every side of :func:`plan`: its step records and process peak RSS, or ``{"failed":
+    reason}`` (it failed, or ``deadline``, a ``time.perf_counter()``, came first)."""
+    measured: dict[str, dict[str, Any]] = {name: {} for name in args.workloads}
+    for name, side in plan(args):
+        left = None if deadline is None else deadline - time.perf_counter()
+        if left is not None and left <= 0:
+            measured[name][side] = {"failed": "not started: --deadline-s had passed"}
+            continue
+        wl, paths = WORKLOADS[name], workload_paths(args, name)
+        build_model(wl, paths["model"], args.prompt_tokens)
+        write_prompts(wl, paths["prompts"], args.prompt_tokens)
+        log = paths["folder"] / f"{side}.log"
+        print(f"{name}: {side} (log: {log})", flush=True)
+        try:
+            memory = run_side(side_command(args, name, side), log, args.threads, left)
+        except SideFailed as failed:
+            print(f"{name}: {side} failed: {failed}", flush=True)
+            measured[name][side] = {"failed": str(failed).splitlines()[0]}
+            continue
+        record = json.loads((paths["folder"] / f"{side}.json").read_text())
+        measured[name][side] = {**record, "memory": memory}
+    return measured
 
 
 # ----------------------------------------------------------------------------- the report
@@ -380,29 +428,43 @@ def summary(side: dict[str, Any], phases: Any, keys: tuple[str, str], warmup: in
 
 def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> list[str]:
     """The printed lines: the header, a table per workload and KV cache, the ratio lines last
-    (a workload's name alone for one cache, ``<workload> <cache>`` for several)."""
+    (a workload's name alone for one cache, ``<workload> <cache>`` for several). A side that
+    did not finish is named with its reason, and a ratio needs both sides."""
     lines = header(args)
     columns = GPU_COLUMNS if args.device == "cuda" else CPU_COLUMNS
     results = {}
     for name, sides in measured.items():
         wl = WORKLOADS[name]
-        trl = summary(sides["trl"], base.trl_phases, TRL_MEMORY, args.warmup)
         lines += [
             "",
             f"{name}: {wl.title}; {wl.prompts} prompts x {wl.n} samples x {wl.new_tokens} new "
             f"tokens, prompts of {args.prompt_tokens} tokens",
         ]
+        trl = None
+        if "failed" in sides["trl"]:
+            lines.append(f"TRL: not measured ({sides['trl']['failed']})")
+        else:
+            trl = summary(sides["trl"], base.trl_phases, TRL_MEMORY, args.warmup)
         for cache in args.caches:
             side = sides[f"treadle_{cache}"]
+            if "failed" in side:
+                lines.append(f"treadle on the {cache} KV cache: not measured ({side['failed']})")
+                continue
             ours = summary(side, base.treadle_phases, TREADLE_MEMORY, args.warmup)
-            results[name if len(args.caches) == 1 else f"{name} {cache}"] = (trl, ours)
-            lines += [
-                f"treadle on the {cache} KV cache:",
-                *base.format_table(trl, ours, columns),
-                base.treadle_breakdown(side["steps"], args.warmup),
-                *base.workload_warnings(trl, ours),
-            ]
-        lines.append(base.trl_breakdown(sides["trl"]["steps"], args.warmup))
+            lines.append(f"treadle on the {cache} KV cache:")
+            if trl is None:
+                lines.append(
+                    ", ".join(f"{title} {fmt.format(ours[key])}" for title, key, fmt in columns)
+                )
+            else:
+                results[name if len(args.caches) == 1 else f"{name} {cache}"] = (trl, ours)
+                lines += [
+                    *base.format_table(trl, ours, columns),
+                    *base.workload_warnings(trl, ours),
+                ]
+            lines.append(base.treadle_breakdown(side["steps"], args.warmup))
+        if trl is not None:
+            lines.append(base.trl_breakdown(sides["trl"]["steps"], args.warmup))
     return [*lines, "", *base.ratio_lines(results, RATIOS)]
 
 
@@ -454,6 +516,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--cache", default="dynamic", help="treadle's KV caches: dynamic,static")
     p.add_argument("--workdir", default=str(ROOT / "runs" / "gpu_bench"))
+    p.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="seconds for the whole run: a side still running then is killed, later ones are "
+        "not started, and the report shows what was measured",
+    )
     p.add_argument("--side", choices=["treadle"], help=argparse.SUPPRESS)
     p.add_argument("--side-out", help=argparse.SUPPRESS)
     p.add_argument("--workload", help=argparse.SUPPRESS)
@@ -470,6 +539,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--cache: {args.cache!r}; give dynamic, static or dynamic,static")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
+    if args.deadline_s is not None and args.deadline_s <= 0:
+        p.error(f"--deadline-s must be above 0, not {args.deadline_s}")
     if args.prompt_tokens is None:
         args.prompt_tokens = 8 if args.tiny else 64
     if args.device == "auto":
@@ -490,9 +561,12 @@ def main() -> None:
         treadle_side(args)
         return
     start = time.perf_counter()
-    measured = {name: measure(args, name) for name in args.workloads}
+    deadline = None if args.deadline_s is None else start + args.deadline_s
+    measured = measure(args, deadline)
     print("\n".join(report(args, measured)))
     print(f"(the whole benchmark: {time.perf_counter() - start:.0f} s)")
+    if any("failed" in side for sides in measured.values() for side in sides.values()):
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -140,3 +140,83 @@ def test_one_trl_run_against_each_cache(bench):
     ]
     titles = [line for line in lines if line.startswith("treadle on the")]
     assert titles == ["treadle on the dynamic KV cache:", "treadle on the static KV cache:"]
+
+
+def test_the_sides_run_in_order_of_what_matters_most(bench):
+    """Every workload's TRL run and treadle's first cache, then treadle's other caches."""
+    args = bench.parse_args(["--device", "cpu", "--cache", "dynamic,static"])
+    assert bench.plan(args) == [
+        ("smollm2", "trl"),
+        ("smollm2", "treadle_dynamic"),
+        ("1.4b", "trl"),
+        ("1.4b", "treadle_dynamic"),
+        ("smollm2", "treadle_static"),
+        ("1.4b", "treadle_static"),
+    ]
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--device", "cpu", "--deadline-s", "0"])
+
+
+def test_a_side_past_the_deadline_is_killed_and_a_failed_one_named(bench, tmp_path):
+    import sys
+    import time
+
+    log = tmp_path / "side.log"
+    start = time.perf_counter()
+    sleeper = [sys.executable, "-c", "import time; print('started', flush=True); time.sleep(600)"]
+    with pytest.raises(bench.SideFailed, match="killed at --deadline-s") as killed:
+        bench.run_side(sleeper, log, 1, timeout=2.0)
+    assert time.perf_counter() - start < 300  # the kill came, not the sleep's end
+    assert "started" in str(killed.value)  # the log's tail
+    failing = [sys.executable, "-c", "print('no cuda here'); raise SystemExit(3)"]
+    with pytest.raises(bench.SideFailed, match=r"^exit 3; .*\n.*no cuda here"):
+        bench.run_side(failing, log, 1)
+    ok = bench.run_side([sys.executable, "-c", "pass"], log, 1, timeout=300)
+    assert ok["wall_s"] > 0 and ok["peak_rss"] > 0
+
+
+def test_no_side_starts_after_the_deadline(bench, tmp_path):
+    import time
+
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--workdir", str(tmp_path)])
+    measured = bench.measure(args, deadline=time.perf_counter() - 1)
+    reason = "not started: --deadline-s had passed"
+    assert measured == {"tiny": {"trl": {"failed": reason}, "treadle_dynamic": {"failed": reason}}}
+    assert not (tmp_path / "tiny" / "model").exists()  # nothing built for it either
+
+
+def test_the_report_names_what_did_not_finish_and_rates_only_pairs(bench):
+    args = bench.parse_args(
+        ["--device", "cpu", "--workloads", "smollm2,1.4b", "--cache", "dynamic,static"]
+    )
+    args.steps, args.warmup = 1, 0
+
+    def run(step: float, **phases: float) -> dict:
+        record = {"step": step, "generated_tokens": 8.0, "prompt_tokens": 16.0, **phases}
+        return {"steps": [record], "memory": {"peak_rss": 2 * GIB}}
+
+    measured = {
+        "smollm2": {
+            "trl": run(4.0, generate=2.0, prepare=2.5),
+            "treadle_dynamic": run(2.0, generate=1.0, update_actor=0.8),
+            "treadle_static": {"failed": "exit 1"},
+        },
+        "1.4b": {
+            "trl": {"failed": "killed at --deadline-s"},
+            "treadle_dynamic": run(3.0, generate=2.0, update_actor=0.8),
+            "treadle_static": {"failed": "not started: --deadline-s had passed"},
+        },
+    }
+    lines = bench.report(args, measured)
+    assert "treadle on the static KV cache: not measured (exit 1)" in lines
+    assert "TRL: not measured (killed at --deadline-s)" in lines
+    assert (
+        "treadle on the static KV cache: not measured (not started: --deadline-s had passed)"
+        in lines
+    )
+    alone = lines[lines.index("TRL: not measured (killed at --deadline-s)") + 2]
+    assert alone.startswith("step s 3.00, ") and alone.endswith("peak RSS GiB 2.00")
+    assert lines[-2:] == [
+        "ratio step_time treadle/trl smollm2 dynamic: 0.50",
+        "ratio peak_memory treadle/trl smollm2 dynamic: 1.00",
+    ]
