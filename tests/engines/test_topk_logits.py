@@ -74,7 +74,9 @@ def test_only_the_inputs_are_kept_for_backward():
     assert any(t.shape == (6, 1000) for t in naive_saved)  # the check sees what it looks for
     saved = _saved_for_backward(lambda: linear_topk_logits(h, ids, LMHead(w, 1.0, 2)))
     assert saved, "the checkpointed chunks save their inputs"
-    assert all(t.untyped_storage().data_ptr() in storages for t in saved), [t.shape for t in saved]
+    # (torch 2.11's checkpoint also saves empty tensors, which hold no memory)
+    held = [t for t in saved if t.numel()]
+    assert all(t.untyped_storage().data_ptr() in storages for t in held), [t.shape for t in held]
 
 
 def test_no_rows_give_an_empty_result_on_the_graph():
