@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (/work/shared/GPU.md): the wheels it lacks, then
-#   tests   tests/gpu and tests/engines/test_cuda.py                      (240 s at most)
+#   tests   tests/gpu and tests/engines/test_cuda.py, a line a test     (240 s at most)
 #   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic, then static with
 #           its decoding step compiled) against one TRL run, within --deadline-s
 #   all     both, one after the other, in 575 s: tests, then bench with the time left
@@ -25,7 +25,7 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider -rfE --durations=20 \
+  timeout 240 python3 -m pytest -v -p no:cacheprovider -rfE --durations=20 \
     tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
