@@ -1,6 +1,7 @@
 """The transformers engine's generation: the sampled tokens' log-probs equal a teacher-forced
 forward of the same sequence, no decoding step's full-vocabulary scores outlive the next step,
-and a batch bigger than the memory budget is generated in chunks."""
+a batch bigger than the memory budget is generated in chunks, and a static KV cache, its
+decoding step compiled or not, answers as the dynamic one."""
 
 from __future__ import annotations
 
@@ -162,6 +163,43 @@ def test_a_static_cache_generates_what_the_dynamic_one_does(model_and_tok, param
     assert got.stop_reasons == want.stop_reasons
     for a, b in zip(got.log_probs, want.log_probs, strict=True):
         torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow  # inductor compiles the decoding step (~10 s)
+def test_a_compiled_static_cache_reads_weights_updated_in_place(tiny_task):
+    """What a GPU does with ``cache="static"``, forced on the CPU (transformers'
+    ``CompileConfig._compile_all_devices``, meant for tests): the decoding step compiled, its
+    answers are the dynamic cache's, also after the weight sync copies new weights in place (a
+    compiled step that kept the old ones would answer otherwise: the weights move a lot)."""
+    from transformers.generation.configuration_utils import CompileConfig
+
+    path = str(tiny_task["model"])
+    model, tok = load_causal_lm(path, torch.float32).eval(), load_tokenizer(path)
+    config = CompileConfig()
+    config._compile_all_devices = True
+    model.generation_config.compile_config = config
+    ps, params = prompts(tok), SamplingParams(n=2, temperature=0.0, max_new_tokens=8)
+    engines = {
+        c: HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache=c)
+        for c in ("dynamic", "static")
+    }
+    answers = []
+    for update in range(2):
+        if update:
+            g = torch.Generator().manual_seed(1)
+            engines["dynamic"].update_weights(
+                (n, p.detach() + 0.5 * torch.randn(p.shape, generator=g))
+                for n, p in model.named_parameters()
+            )
+        want = engines["dynamic"].generate(ps, params)
+        for _ in range(2):  # the second call reuses the compiled step
+            got = engines["static"].generate(ps, params)
+            assert got.token_ids == want.token_ids, update
+            for a, b in zip(got.log_probs, want.log_probs, strict=True):
+                torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=1e-4, rtol=0)
+        answers.append(want.token_ids)
+    assert hasattr(model, "_compiled_call")  # it did compile
+    assert answers[0] != answers[1]  # the update changed the answers
 
 
 def test_rollout_cache_implementation_reaches_the_engine(tiny_task):
