@@ -311,10 +311,12 @@ def run_side(
             killed.set()
             proc.kill()
 
-        timer = threading.Timer(timeout if timeout is not None else 1e9, kill)
-        timer.start()
+        timer = None if timeout is None else threading.Timer(timeout, kill)
+        if timer is not None:
+            timer.start()
         _, status, usage = os.wait4(proc.pid, 0)
-        timer.cancel()
+        if timer is not None:
+            timer.cancel()
     code = os.waitstatus_to_exitcode(status)
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
