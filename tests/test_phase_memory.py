@@ -80,3 +80,40 @@ def test_a_phase_that_fails_still_logs_its_peak(monkeypatch, phase):
         raise RuntimeError("out of memory")
     assert m["perf/max_memory_allocated_gib/generate"] == 3.0
     assert tracker._PEAKS.stack == []  # the next phase starts clean
+
+
+def test_a_ray_workers_update_reports_its_own_peak(monkeypatch):
+    """A Ray worker's methods that return metrics (``Collect.MEAN``: the updates) add their
+    peak, named by the method, since the driver's phase timers cannot see a worker's device;
+    other methods, and any method without a GPU, return what they return."""
+    from treadle.controller.groups.dispatch import Collect, Dispatch, method_spec, register
+    from treadle.controller.groups.worker import Worker, guarded
+
+    cuda = FakeCuda()
+
+    class Toy(Worker):
+        def __init__(self) -> None:  # (no process group: the wrapper is what is tested)
+            pass
+
+        @register(Dispatch.DP, Collect.MEAN)
+        def update_actor(self, peak: float) -> dict[str, float]:
+            cuda.hold(peak, peak + 1)
+            cuda.hold(1, peak + 1)
+            return {"actor/loss": 0.5}
+
+        @register(Dispatch.ALL, Collect.RANK0)
+        def settings(self) -> dict[str, float]:
+            cuda.hold(9, 9)
+            return {"lr": 1e-6}
+
+    worker = guarded(Toy)()
+    assert worker.update_actor(6) == {"actor/loss": 0.5}  # this CPU: no GPU, no peaks
+    monkeypatch.setattr(tracker, "device_memory", lambda: cuda)
+    cuda.hold(2, 3)  # the weights
+    assert worker.update_actor(6) == {
+        "actor/loss": 0.5,
+        "perf/max_memory_allocated_gib/update_actor": 6.0,
+        "perf/max_memory_reserved_gib/update_actor": 7.0,
+    }
+    assert worker.settings() == {"lr": 1e-6}
+    assert method_spec(type(worker).update_actor) == method_spec(Toy.update_actor)

@@ -332,3 +332,22 @@ def test_a_gpu_run_has_its_peak_memory_panel_and_summary(tmp_path):
     assert main(["report", str(tmp_path)]) == 0
     page = (tmp_path / "report.html").read_text()
     assert "<th>peak device memory</th><td>5.00 GiB (6.50 GiB reserved)</td>" in page
+
+
+def test_ray_workers_peaks_make_the_summary_s_peak(tmp_path):
+    """With Ray workers only their updates report peaks (no step's): the summary shows the
+    highest of them."""
+    records = [
+        {
+            "step": s,
+            "perf/max_memory_allocated_gib/update_actor": 4.0 + s,
+            "perf/max_memory_reserved_gib/update_actor": 7.0,
+            "perf/max_memory_allocated_gib/update_critic": 3.0,
+            "perf/max_memory_reserved_gib/update_critic": 8.0,
+        }
+        for s in (1, 2)
+    ]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    assert "<th>peak device memory</th><td>6.00 GiB (8.00 GiB reserved)</td>" in page

@@ -56,6 +56,12 @@ def test_ranks_of_a_parallel_group_get_the_same_shard_and_one_answers():
     assert collect_results(Collect.RANK0, [1, 1, 2, 2], collects) == 1
 
 
+def test_the_ranks_metrics_are_averaged_and_their_peaks_the_highest():
+    peak = "perf/max_memory_allocated_gib/update_actor"
+    results = [{"actor/loss": 1.0, peak: 5.0}, {"actor/loss": 2.0, peak: 7.5}]
+    assert collect_results(Collect.MEAN, results) == {"actor/loss": 1.5, peak: 7.5}
+
+
 def test_a_layout_gives_each_rank_its_shard():
     layout = Layout(world_size=6, tp=3)
     assert layout.dp == 2 and layout.group_size == 3

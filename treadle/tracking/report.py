@@ -56,14 +56,14 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Response length", ("response/*length*",)),
     ("Clip fraction", ("*/clip_frac", "*/*clipfrac")),
     ("Throughput", ("throughput/*",)),
-    # a run on a GPU (local backend): each phase's peak and the step's (tracking.tracker)
+    # a run on a GPU: each phase's peak and the step's, or a Ray worker's update's (tracker)
     ("Peak device memory (GiB)", ("perf/max_memory_*",)),
 )
 # Timings that are not a phase of a step: the step's total (its unnamed rest is drawn as
 # "other") and the one-off start-up time (shown in the summary); evaluation is timed after the
 # step, outside ``timing/step``.
 STEP_TIME, STARTUP_TIME, AFTER_STEP = "timing/step", "timing/startup", ("timing/eval",)
-MEMORY = ("perf/max_memory_allocated_gib", "perf/max_memory_reserved_gib")  # the step's peaks
+MEMORY = ("perf/max_memory_allocated_gib", "perf/max_memory_reserved_gib")  # peaks' names begin
 EVAL_FILE, CHECKPOINT_EVAL = "eval.jsonl", " (treadle eval)"  # its series: <name> (treadle eval)
 MAX_SAMPLES = 200  # the newest ones: a long run logs thousands
 
@@ -392,8 +392,10 @@ def _summary(series: Series, config: dict[str, Any] | None) -> str:
         rows.append(("start-up", f"{series[STARTUP_TIME][1][0]:.1f} s"))
     if STEP_TIME in series:
         rows.append(("time in steps", f"{sum(series[STEP_TIME][1]):.1f} s"))
-    if all(name in series for name in MEMORY):
-        allocated, reserved = (max(series[name][1]) for name in MEMORY)
+    # the step's peaks (local backend) or, with Ray workers, those of their updates
+    peaks = [[max(v) for k, (_, v) in series.items() if k.startswith(name)] for name in MEMORY]
+    if all(peaks):
+        allocated, reserved = (max(p) for p in peaks)
         rows.append(("peak device memory", f"{allocated:.2f} GiB ({reserved:.2f} GiB reserved)"))
     for name in ("reward/mean", *accuracy_keys(series), "eval/pair_accuracy"):
         if name in series:

@@ -9,10 +9,14 @@ device memory in GiB, as verl's ``perf/max_memory_*`` (``torch.cuda.max_memory_a
 ``max_memory_reserved``, their peaks reset as each phase begins):
 ``perf/max_memory_allocated_gib/<phase>``, ``perf/max_memory_reserved_gib/<phase>``, and the
 step's (the highest of its phases) ``perf/max_memory_allocated_gib`` and
-``perf/max_memory_reserved_gib``. On a CPU, and in a driver whose workers are Ray actors (it
-holds no device memory), there are none: a CPU process's resident memory has no peak that can
-be reset per phase. Phases that overlap (the asynchronous modes' generation beside the update)
-share the device, so each one's peak counts the other's work in its window.
+``perf/max_memory_reserved_gib``. A driver whose workers are Ray actors holds no device
+memory: there each worker method that returns metrics (the updates: ``update_actor``,
+``update_critic``, ``train_sft``, ...) reports its own peak on its ranks, the highest of them,
+as ``perf/max_memory_*_gib/<method>`` (as verl's actor update reports its peak); the step's
+keys and the other phases' are the local backend's. On a CPU there are none: a CPU process's
+resident memory has no peak that can be reset per phase. Phases that overlap (the
+asynchronous modes' generation beside the update) share the device, so each one's peak counts
+the other's work in its window.
 
 Messages. Unless ``trainer.verbose``, the console shows treadle's own lines only: the driver's
 loggers of Ray, vLLM, torch, transformers and the trackers, and Python warnings, go to
@@ -46,17 +50,28 @@ def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
     """Add the wall time of the block to ``metrics['timing/<name>']``, and on a CUDA GPU its
     peak device memory to ``perf/max_memory_*_gib`` (see the module docstring)."""
     start = time.perf_counter()
-    cuda = device_memory()
-    if cuda is not None:
-        _PEAKS.begin(cuda)
     try:
-        yield
+        with peak_memory(metrics, name):
+            yield
     finally:
         metrics[f"timing/{name}"] = metrics.get(f"timing/{name}", 0.0) + (
             time.perf_counter() - start
         )
-        if cuda is not None:
-            _PEAKS.end(cuda, metrics, name)
+
+
+@contextmanager
+def peak_memory(metrics: dict[str, float], name: str, step: bool = True) -> Iterator[None]:
+    """On a CUDA GPU, the block's peak device memory to ``metrics``: ``perf/max_memory_*_gib/
+    <name>`` and, with ``step``, the step's ``perf/max_memory_*_gib``; nothing elsewhere."""
+    cuda = device_memory()
+    if cuda is None:
+        yield
+        return
+    _PEAKS.begin(cuda)
+    try:
+        yield
+    finally:
+        _PEAKS.end(cuda, metrics, name, step)
 
 
 MEMORY_METRICS = ("perf/max_memory_allocated_gib", "perf/max_memory_reserved_gib")
@@ -86,14 +101,15 @@ class _PhasePeaks(threading.local):
         cuda.reset_peak_memory_stats()
         self.stack.append([0, 0])
 
-    def end(self, cuda: Any, metrics: dict[str, float], name: str) -> None:
+    def end(self, cuda: Any, metrics: dict[str, float], name: str, step: bool = True) -> None:
         peaks = self.stack.pop() if self.stack else [0, 0]
         self._fold(peaks, _now(cuda))
         if self.stack:
             self._fold(self.stack[-1], peaks)
         for key, value in zip(MEMORY_METRICS, peaks, strict=True):
             gib = value / (1 << 30)
-            for k in (f"{key}/{name}", key):  # the phase's (the most of its calls), the step's
+            # the phase's (the most of its calls), the step's
+            for k in (f"{key}/{name}", key) if step else (f"{key}/{name}",):
                 metrics[k] = max(metrics.get(k, 0.0), gib)
 
     @staticmethod

@@ -45,10 +45,11 @@ class Collect(enum.Enum):
     # CONCAT, MEAN and LIST take one result per data-parallel rank (the first rank of each
     # tensor- or sequence-parallel group answers for it), in rank order
     CONCAT = "concat"  # Batch results concatenated
-    MEAN = "mean"  # dicts of numbers averaged
+    MEAN = "mean"  # dicts of numbers averaged (those named PEAKS: their highest)
     LIST = "list"  # the results as a list
 
 
+PEAKS = "perf/max_memory_"  # metrics a rank's peak: Collect.MEAN takes the highest
 _ATTR = "_treadle_dispatch"
 
 
@@ -170,7 +171,12 @@ def collect_results(
         results = [r for r, keep in zip(results, collects, strict=True) if keep]
     if mode is Collect.CONCAT:
         return Batch.concat(results)
-    if mode is Collect.MEAN:
+    if mode is Collect.MEAN:  # a peak (device memory) is the highest of the ranks'
         keys = results[0].keys()
-        return {k: sum(float(r[k]) for r in results) / len(results) for k in keys}
+        return {
+            k: max(float(r[k]) for r in results)
+            if k.startswith(PEAKS)
+            else sum(float(r[k]) for r in results) / len(results)
+            for k in keys
+        }
     return results

@@ -16,6 +16,7 @@ binds it again), and a group whose rendezvous is 127.0.0.1 listens on loopback o
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import random
 import socket
@@ -25,9 +26,9 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from treadle.controller.groups.dispatch import Collect, Dispatch, register
+from treadle.controller.groups.dispatch import Collect, Dispatch, method_spec, register
 from treadle.runtime.errors import TreadleError
-from treadle.tracking.tracker import redirect_output
+from treadle.tracking.tracker import peak_memory, redirect_output
 
 
 def free_port() -> int:
@@ -144,6 +145,8 @@ def guarded(cls: type[Worker]) -> type[Worker]:
 
     Ray reports an exception in an actor's ``__init__`` only as "the actor died"; kept and
     raised from a method call, it reaches the driver as itself (config key, file, row...).
+    Its methods that return metrics (``Collect.MEAN``) add their peak device memory to them on
+    a GPU (:func:`_reporting_peak_memory`).
     """
 
     class Guarded(cls):  # type: ignore[valid-type,misc]
@@ -163,5 +166,24 @@ def guarded(cls: type[Worker]) -> type[Worker]:
             if self._treadle_init_error is not None:
                 raise self._treadle_init_error
 
+    for name in dir(cls):
+        spec = method_spec(getattr(cls, name))
+        if spec is not None and spec.collect is Collect.MEAN:
+            setattr(Guarded, name, _reporting_peak_memory(getattr(cls, name), name))
     Guarded.__name__ = Guarded.__qualname__ = cls.__name__
     return Guarded
+
+
+def _reporting_peak_memory(method: Any, name: str) -> Any:
+    """``method`` (one that returns metrics) with its peak device memory added to them, on a
+    GPU: in a Ray worker, which the driver's phase timers cannot see
+    (:mod:`treadle.tracking.tracker`)."""
+
+    @functools.wraps(method)
+    def reporting(self: Worker, *args: Any, **kwargs: Any) -> dict[str, float]:
+        peaks: dict[str, float] = {}
+        with peak_memory(peaks, name, step=False):
+            metrics = method(self, *args, **kwargs)
+        return {**metrics, **peaks}
+
+    return reporting
