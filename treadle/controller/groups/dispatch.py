@@ -49,7 +49,7 @@ class Collect(enum.Enum):
     LIST = "list"  # the results as a list
 
 
-PEAKS = "perf/max_memory_"  # metrics a rank's peak: Collect.MEAN takes the highest
+PEAKS = "perf/max_memory_"  # metrics that hold a rank's peak: MEAN takes the highest
 _ATTR = "_treadle_dispatch"
 
 
@@ -171,7 +171,7 @@ def collect_results(
         results = [r for r, keep in zip(results, collects, strict=True) if keep]
     if mode is Collect.CONCAT:
         return Batch.concat(results)
-    if mode is Collect.MEAN:  # a peak (device memory) is the highest of the ranks'
+    if mode is Collect.MEAN:
         keys = results[0].keys()
         return {
             k: max(float(r[k]) for r in results)
