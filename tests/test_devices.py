@@ -4,6 +4,8 @@
 places that CPU torch tells apart, and fails an op that mixes them as CUDA would. On 8781f41,
 `treadle train` failed on an H200 at step 1's actor update (``algorithms/inputs.py
 valid_only``: "cuda:0 and cpu"); under the double, the same run fails at the same line here.
+A worker method whose result holds a device tensor fails too: from a Ray worker on a GPU it
+would reach a driver without one.
 The runs are those of ``tests/gpu/`` (``tests/command_runs.py``), one step each; they also run
 without the packages the GPU machine's image lacks (Ray, vLLM, ...), as they must run there.
 """
@@ -15,6 +17,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +25,9 @@ from command_runs import CASES, argv
 from device_double import DeviceMixError, TwoDevices, place
 
 from treadle.cli import main
+from treadle.controller.groups import group
+from treadle.controller.groups.dispatch import collect_results
+from treadle.protocol import Batch
 from treadle.tracking.tracker import read_metrics
 
 # ---------------------------------------------------------------- the double itself
@@ -70,18 +76,58 @@ def test_the_double_lets_through_what_cuda_allows():
     "name",
     [pytest.param(n, marks=[] if n == "grpo" else [pytest.mark.slow]) for n in CASES],
 )
-def test_a_command_mixes_no_host_and_device_tensors(name, tiny_task, teacher_model, tmp_path):
+def test_a_command_mixes_no_host_and_device_tensors(
+    name, tiny_task, teacher_model, tmp_path, monkeypatch
+):
     """One step of the command under the double: it ends with 0 and logs its metrics; a mixed
-    op anywhere (driver, worker, engine, the libraries' own code) fails it."""
+    op anywhere (driver, worker, engine, the libraries' own code) fails it, and so does a worker
+    method whose result holds a device tensor (from a Ray worker on a GPU, it would reach a
+    driver that has none: torch cannot unpickle a CUDA tensor there)."""
     out = tmp_path / "run"
     mode = TwoDevices()
+    returned: list[str] = []
+
+    def checking(collect, results, collects=None):
+        returned.extend(where for r in results for where in device_tensors(r))
+        return collect_results(collect, results, collects)
+
+    monkeypatch.setattr(group, "collect_results", checking)
     with mode:
         code = main(argv(name, tiny_task, out, teacher=teacher_model))
     assert mode.errors == [], mode.errors[0]
     assert code == 0
     assert mode.ops > 1000  # the double saw the run
+    assert returned == [], f"a worker returns device tensors: {returned}"
     if CASES[name].command != "eval":
         assert [m["step"] for m in read_metrics(out)] == [1]
+
+
+def device_tensors(value: Any, path: str = "") -> list[str]:
+    """Where ``value`` (a worker method's result: a Batch, a dict, a list) holds a device
+    tensor, by field."""
+    if isinstance(value, torch.Tensor):
+        return [path.rstrip("/") or "the result"] if place(value) == "device" else []
+    if isinstance(value, Batch):
+        items: dict[Any, Any] = {**value.tensors, **value.meta}
+    elif isinstance(value, dict):
+        items = value
+    elif isinstance(value, (list, tuple)):
+        items = dict(enumerate(value))
+    else:
+        return []
+    return [where for k, v in items.items() for where in device_tensors(v, f"{path}{k}/")]
+
+
+def test_device_tensors_finds_them_by_field():
+    layer = torch.nn.Linear(2, 2)
+    with TwoDevices():
+        on_device = layer(torch.ones(1, 2).to("cpu"))
+        result = Batch.from_dict(
+            tensors={"values": on_device.detach().cpu(), "logp": on_device.detach()},
+            meta={"stats": [torch.ones(1), {"norm": on_device.detach()}]},
+        )
+        assert device_tensors(result) == ["logp", "stats/1/norm"]
+        assert device_tensors({"actor/loss": 0.5}) == []
 
 
 # ---------------------------------------------------------------- the GPU machine's image
