@@ -12,7 +12,8 @@ generation and training time, generated tokens/s and peak memory, then the ratio
 The sides run one at a time: every workload's TRL run and treadle's on the first `--cache`,
 then treadle's on the other caches. One that fails, or is still running at `--deadline-s`
 (killed then, and the later ones not started), is named in the report with its reason, the
-others' numbers still printed; the script then exits with 1.
+others' numbers still printed; a killed one that had finished more than `--warmup` steps is
+measured on those, and the report says where it was cut. The script then exits with 1.
 
 The workloads (`WORKLOADS`): SmolLM2-135M's shape, 8 prompts x 4 samples x 64 new tokens; a
 1.39 B model of Qwen2.5-1.5B's shape with SmolLM2's vocabulary (49,152), 32 x 8 x 256; `tiny`
@@ -58,6 +59,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import threading
@@ -291,7 +293,12 @@ def treadle_side(args: argparse.Namespace) -> None:
 
 
 class SideFailed(Exception):
-    """A side that did not finish (it failed, or ran past ``--deadline-s``): the reason."""
+    """A side that did not finish (it failed, or ran past ``--deadline-s``: ``killed``): the
+    reason, and its wall time and peak RSS as :func:`run_side` returns them."""
+
+    def __init__(self, reason: str, killed: bool, memory: dict[str, float]) -> None:
+        super().__init__(reason)
+        self.killed, self.memory = killed, memory
 
 
 def run_side(
@@ -318,11 +325,12 @@ def run_side(
         if timer is not None:
             timer.cancel()
     code = os.waitstatus_to_exitcode(status)
+    memory = {"wall_s": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024.0}
     if code != 0:
         tail = "\n".join(log.read_text(errors="replace").splitlines()[-30:])
         why = "killed at --deadline-s" if killed.is_set() else f"exit {code}"
-        raise SideFailed(f"{why}; {log}:\n{tail}")
-    return {"wall_s": time.perf_counter() - start, "peak_rss": usage.ru_maxrss * 1024.0}
+        raise SideFailed(f"{why}; {log}:\n{tail}", killed.is_set(), memory)
+    return memory
 
 
 def common_flags(args: argparse.Namespace, wl: Workload) -> list[str]:
@@ -390,17 +398,41 @@ def measure(args: argparse.Namespace, deadline: float | None = None) -> dict[str
         wl, paths = WORKLOADS[name], workload_paths(args, name)
         build_model(wl, paths["model"], args.prompt_tokens)
         write_prompts(wl, paths["prompts"], args.prompt_tokens)
+        (paths["folder"] / f"{side}.json").unlink(missing_ok=True)  # (an earlier run's)
+        if side != "trl":
+            shutil.rmtree(run_folder(paths, side.removeprefix("treadle_")), ignore_errors=True)
         log = paths["folder"] / f"{side}.log"
         print(f"{name}: {side} (log: {log})", flush=True)
         try:
             memory = run_side(side_command(args, name, side), log, args.threads, left)
         except SideFailed as failed:
             print(f"{name}: {side} failed: {failed}", flush=True)
-            measured[name][side] = {"failed": str(failed).splitlines()[0]}
+            steps = finished_steps(args, name, side) if failed.killed else []
+            if len(steps) > args.warmup:  # enough for a median: kept, and said
+                cut = f"cut at --deadline-s after {len(steps)} of {args.warmup + args.steps} steps"
+                measured[name][side] = {"steps": steps, "memory": failed.memory, "cut": cut}
+            else:
+                measured[name][side] = {"failed": str(failed).splitlines()[0]}
             continue
         record = json.loads((paths["folder"] / f"{side}.json").read_text())
         measured[name][side] = {**record, "memory": memory}
     return measured
+
+
+def finished_steps(args: argparse.Namespace, name: str, side: str) -> list[dict[str, Any]]:
+    """The step records of a side stopped before its end: TRL's from its output file (written
+    after every step), treadle's from its run's ``metrics.jsonl`` (every step once logged)."""
+    wl, paths = WORKLOADS[name], workload_paths(args, name)
+    if side == "trl":
+        out = paths["folder"] / "trl.json"
+        return list(json.loads(out.read_text())["steps"]) if out.is_file() else []
+    from treadle.tracking.tracker import read_metrics
+
+    run = run_folder(paths, side.removeprefix("treadle_"))
+    if not (run / "metrics.jsonl").is_file():
+        return []
+    samples = wl.prompts * wl.n  # every prompt is --prompt-tokens tokens (write_prompts)
+    return base.step_records(read_metrics(run), samples, samples * args.prompt_tokens)
 
 
 # ----------------------------------------------------------------------------- the report
@@ -447,13 +479,16 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
             lines.append(f"TRL: not measured ({sides['trl']['failed']})")
         else:
             trl = summary(sides["trl"], base.trl_phases, TRL_MEMORY, args.warmup)
+            if "cut" in sides["trl"]:
+                lines.append(f"TRL: {sides['trl']['cut']}")
         for cache in args.caches:
             side = sides[f"treadle_{cache}"]
             if "failed" in side:
                 lines.append(f"treadle on the {cache} KV cache: not measured ({side['failed']})")
                 continue
             ours = summary(side, base.treadle_phases, TREADLE_MEMORY, args.warmup)
-            lines.append(f"treadle on the {cache} KV cache:")
+            cut = f" ({side['cut']})" if "cut" in side else ""
+            lines.append(f"treadle on the {cache} KV cache{cut}:")
             if trl is None:
                 lines.append(
                     ", ".join(f"{title} {fmt.format(ours[key])}" for title, key, fmt in columns)
@@ -567,7 +602,9 @@ def main() -> None:
     measured = measure(args, deadline)
     print("\n".join(report(args, measured)))
     print(f"(the whole benchmark: {time.perf_counter() - start:.0f} s)")
-    if any("failed" in side for sides in measured.values() for side in sides.values()):
+    if any(
+        {"failed", "cut"} & side.keys() for sides in measured.values() for side in sides.values()
+    ):
         sys.exit(1)
 
 

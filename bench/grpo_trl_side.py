@@ -87,12 +87,14 @@ class TimedGRPOTrainer(GRPOTrainer):
 
 
 class StepTimer(TrainerCallback):
-    """One record per optimizer step: its wall time and the trainer's phase sums."""
+    """One record per optimizer step: its wall time and the trainer's phase sums; the records
+    so far written to ``out`` after every step (a run stopped early keeps its steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, out: Path) -> None:
         self.trainer: TimedGRPOTrainer | None = None
         self.records: list[dict[str, float]] = []
         self.start = 0.0
+        self.out = out
 
     def on_step_begin(self, args, state, control, **kwargs):  # type: ignore[no-untyped-def]
         assert self.trainer is not None
@@ -111,6 +113,7 @@ class StepTimer(TrainerCallback):
                 "max_memory_reserved": float(torch.cuda.max_memory_reserved()),
             }
         self.records.append({"step": step, **self.trainer.phase, **memory})
+        self.out.write_text(json.dumps({"steps": self.records}))
 
 
 def main() -> None:
@@ -154,7 +157,7 @@ def main() -> None:
         disable_tqdm=True,
         seed=args.seed,
     )
-    timer = StepTimer()
+    timer = StepTimer(Path(args.out))
     trainer = TimedGRPOTrainer(
         model=args.model,
         reward_funcs=final_number_reward,

@@ -418,11 +418,20 @@ def treadle_steps(overrides: list[str], run_dir: Path, n: int) -> list[dict[str,
     finally:
         trainer.actors.close()
     prompt_tokens = sum(len(row["prompt_ids"]) for row in trainer.train_ds.rows) * n
+    return step_records(read_metrics(run_dir), cfg.data.batch_size * n, prompt_tokens)
+
+
+def step_records(
+    metrics: list[dict[str, float]], samples: int, prompt_tokens: float
+) -> list[dict[str, float]]:
+    """A treadle run's logged steps (``metrics.jsonl``) as step records: each step's
+    ``timing/*`` without the prefix, its ``perf/*`` metrics, and its prompt and generated
+    tokens (``samples`` a step)."""
     steps = []
-    for m in read_metrics(run_dir):
+    for m in metrics:
         record = {k.removeprefix("timing/"): v for k, v in m.items() if k.startswith("timing/")}
         record |= {k: v for k, v in m.items() if k.startswith("perf/")}
-        record["generated_tokens"] = m["response/length_mean"] * cfg.data.batch_size * n
+        record["generated_tokens"] = m["response/length_mean"] * samples
         record["prompt_tokens"] = prompt_tokens
         steps.append(record)
     return steps

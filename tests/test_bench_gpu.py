@@ -168,9 +168,11 @@ def test_a_side_past_the_deadline_is_killed_and_a_failed_one_named(bench, tmp_pa
         bench.run_side(sleeper, log, 1, timeout=2.0)
     assert time.perf_counter() - start < 300  # the kill came, not the sleep's end
     assert "started" in str(killed.value)  # the log's tail
+    assert killed.value.killed and killed.value.memory["wall_s"] >= 2.0
     failing = [sys.executable, "-c", "print('no cuda here'); raise SystemExit(3)"]
-    with pytest.raises(bench.SideFailed, match=r"^exit 3; .*\n.*no cuda here"):
+    with pytest.raises(bench.SideFailed, match=r"^exit 3; .*\n.*no cuda here") as failed:
         bench.run_side(failing, log, 1)
+    assert not failed.value.killed
     ok = bench.run_side([sys.executable, "-c", "pass"], log, 1, timeout=300)
     assert ok["wall_s"] > 0 and ok["peak_rss"] > 0
 
@@ -220,3 +222,46 @@ def test_the_report_names_what_did_not_finish_and_rates_only_pairs(bench):
         "ratio step_time treadle/trl smollm2 dynamic: 0.50",
         "ratio peak_memory treadle/trl smollm2 dynamic: 1.00",
     ]
+
+
+def test_a_side_cut_at_the_deadline_keeps_the_steps_it_finished(bench, tmp_path):
+    """TRL's side writes its steps so far after every step, treadle's run logs each step: what
+    a side killed at the deadline had finished is read back, and the report says it was cut."""
+    import json
+
+    args = bench.parse_args(["--tiny", "--device", "cpu", "--workdir", str(tmp_path)])
+    args.steps, args.warmup = 2, 1
+    paths = bench.workload_paths(args, "tiny")
+    assert bench.finished_steps(args, "tiny", "trl") == []  # nothing written yet
+    assert bench.finished_steps(args, "tiny", "treadle_dynamic") == []
+    trl = [{"step": 3.0, "generate": 1.0, "prepare": 1.5}, {"step": 2.0, "generate": 1.0}]
+    (paths["folder"] / "trl.json").write_text(json.dumps({"steps": trl}))
+    assert bench.finished_steps(args, "tiny", "trl") == trl
+    run = bench.run_folder(paths, "dynamic")
+    run.mkdir(parents=True)
+    logged = [
+        {"step": 1, "timing/step": 2.5, "timing/generate": 1.0, "response/length_mean": 4.0},
+        {"step": 2, "timing/step": 1.5, "timing/generate": 0.5, "response/length_mean": 3.0},
+    ]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
+    wl = bench.WORKLOADS["tiny"]  # 2 prompts x 2 samples, prompts of 8 tokens
+    assert bench.finished_steps(args, "tiny", "treadle_dynamic") == [
+        {"step": 2.5, "generate": 1.0, "generated_tokens": 16.0, "prompt_tokens": 32.0},
+        {"step": 1.5, "generate": 0.5, "generated_tokens": 12.0, "prompt_tokens": 32.0},
+    ]
+    assert wl.prompts * wl.n * args.prompt_tokens == 32
+
+    def record(step: float) -> dict:
+        return {"step": step, "generate": 1.0, "generated_tokens": 8.0, "prompt_tokens": 16.0}
+
+    cut = "cut at --deadline-s after 2 of 3 steps"
+    memory = {"peak_rss": GIB}
+    measured = {
+        "tiny": {
+            "trl": {"steps": [{**record(s), "prepare": 2.0} for s in (9, 4, 4)], "memory": memory},
+            "treadle_dynamic": {"steps": [record(9), record(2)], "memory": memory, "cut": cut},
+        }
+    }
+    lines = bench.report(args, measured)
+    assert f"treadle on the dynamic KV cache ({cut}):" in lines
+    assert lines[-2] == "ratio step_time treadle/trl tiny: 0.50"  # its measured step: 2 s

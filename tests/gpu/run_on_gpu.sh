@@ -6,7 +6,8 @@
 #   all     both, one after the other, in 575 s: tests, then bench with the time left
 # A session is lent 15 minutes of device time, the machine's start (1-2 min) included, and one
 # call runs 10 minutes at most: so call `all` once, with timeout_s=600, and give the machine
-# back after it. What does not fit is named in bench.txt ("not measured (...)"), not lost.
+# back after it. A side cut by the deadline keeps the steps it finished ("cut at ..."), and
+# one that did not start is named in bench.txt ("not measured (...)").
 # Before the call, on the CPU machine, from the repository root (~10 MB with the source):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
