@@ -10,6 +10,16 @@ from bench_scripts import bench_script
 GIB = float(1 << 30)
 
 
+def record(step: float, **phases: float) -> dict:
+    """A side's step record: ``step`` seconds, 8 tokens generated from 16."""
+    return {"step": step, "generated_tokens": 8.0, "prompt_tokens": 16.0, **phases}
+
+
+def side(step: float, **phases: float) -> dict:
+    """A side measured on one step (after no warm-up), 2 GiB peak RSS."""
+    return {"steps": [record(step, **phases)], "memory": {"peak_rss": 2 * GIB}}
+
+
 @pytest.fixture(scope="module")
 def bench():
     with bench_script("gpu") as module:
@@ -119,16 +129,12 @@ def test_one_trl_run_against_each_cache(bench):
     args = bench.parse_args(["--tiny", "--device", "cpu", "--cache", "dynamic,static"])
     args.steps, args.warmup = 1, 0
 
-    def run(step: float, **phases: float) -> dict:
-        record = {"step": step, "generated_tokens": 8.0, "prompt_tokens": 16.0, **phases}
-        return {"steps": [record], "memory": {"peak_rss": 2 * GIB}}
-
-    trl = run(4.0, generate=2.0, prepare=2.5)
+    trl = side(4.0, generate=2.0, prepare=2.5)
     measured = {
         "tiny": {
             "trl": trl,
-            "treadle_dynamic": run(2.0, generate=1.0, update_actor=0.8),
-            "treadle_static": run(1.0, generate=0.25, update_actor=0.6),
+            "treadle_dynamic": side(2.0, generate=1.0, update_actor=0.8),
+            "treadle_static": side(1.0, generate=0.25, update_actor=0.6),
         }
     }
     lines = bench.report(args, measured)
@@ -193,19 +199,15 @@ def test_the_report_names_what_did_not_finish_and_rates_only_pairs(bench):
     )
     args.steps, args.warmup = 1, 0
 
-    def run(step: float, **phases: float) -> dict:
-        record = {"step": step, "generated_tokens": 8.0, "prompt_tokens": 16.0, **phases}
-        return {"steps": [record], "memory": {"peak_rss": 2 * GIB}}
-
     measured = {
         "smollm2": {
-            "trl": run(4.0, generate=2.0, prepare=2.5),
-            "treadle_dynamic": run(2.0, generate=1.0, update_actor=0.8),
+            "trl": side(4.0, generate=2.0, prepare=2.5),
+            "treadle_dynamic": side(2.0, generate=1.0, update_actor=0.8),
             "treadle_static": {"failed": "exit 1"},
         },
         "1.4b": {
             "trl": {"failed": "killed at --deadline-s"},
-            "treadle_dynamic": run(3.0, generate=2.0, update_actor=0.8),
+            "treadle_dynamic": side(3.0, generate=2.0, update_actor=0.8),
             "treadle_static": {"failed": "not started: --deadline-s had passed"},
         },
     }
@@ -251,15 +253,14 @@ def test_a_side_cut_at_the_deadline_keeps_the_steps_it_finished(bench, tmp_path)
     ]
     assert wl.prompts * wl.n * args.prompt_tokens == 32
 
-    def record(step: float) -> dict:
-        return {"step": step, "generate": 1.0, "generated_tokens": 8.0, "prompt_tokens": 16.0}
-
     cut = "cut at --deadline-s after 2 of 3 steps"
+    trl = [record(s, generate=1.0, prepare=2.0) for s in (9, 4, 4)]
+    ours = [record(s, generate=1.0) for s in (9, 2)]
     memory = {"peak_rss": GIB}
     measured = {
         "tiny": {
-            "trl": {"steps": [{**record(s), "prepare": 2.0} for s in (9, 4, 4)], "memory": memory},
-            "treadle_dynamic": {"steps": [record(9), record(2)], "memory": memory, "cut": cut},
+            "trl": {"steps": trl, "memory": memory},
+            "treadle_dynamic": {"steps": ours, "memory": memory, "cut": cut},
         }
     }
     lines = bench.report(args, measured)
