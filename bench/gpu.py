@@ -226,6 +226,7 @@ def treadle_overrides(
     """treadle's run of the workload: the local backend, the hf engine on ``cache`` (see the
     docstring)."""
     rows, gpu = wl.prompts * wl.n, args.device == "cuda"
+    profiled = int(cache in args.profile)  # one more step, profiled, not measured
     return [
         f"model.path={paths['model']}",
         "model.dtype=float32",
@@ -256,7 +257,8 @@ def treadle_overrides(
         "actor.skip_zero_advantage=false",  # equal work: TRL computes every row
         "trainer.backend=local",
         f"trainer.output_dir={run_folder(paths, cache)}",
-        f"trainer.total_steps={args.warmup + args.steps}",
+        f"trainer.total_steps={args.warmup + args.steps + profiled}",
+        *([f"trainer.profile_steps=[{args.warmup + args.steps + 1}]"] if profiled else []),
         "trainer.resume=false",
         "trainer.progress=false",
     ]
@@ -289,6 +291,7 @@ def treadle_side(args: argparse.Namespace) -> None:
     paths = workload_paths(args, args.workload)
     overrides = treadle_overrides(args, wl, paths, cache)
     steps = base.treadle_steps(overrides, run_folder(paths, cache), wl.n)
+    steps = steps[: args.warmup + args.steps]  # (a profiled step after them is not measured)
     Path(args.side_out).write_text(json.dumps({"steps": steps}), encoding="utf-8")
 
 
@@ -360,6 +363,7 @@ def side_command(args: argparse.Namespace, name: str, side: str) -> list[str]:
             f"--device={args.device}",
             *common_flags(args, wl),
         ]
+    cache = side.removeprefix("treadle_")
     return [
         sys.executable,
         str(Path(__file__).resolve()),
@@ -370,7 +374,8 @@ def side_command(args: argparse.Namespace, name: str, side: str) -> list[str]:
         f"--prompt-tokens={args.prompt_tokens}",
         f"--micro-tokens={args.micro_tokens}",
         f"--device={args.device}",
-        f"--cache={side.removeprefix('treadle_')}",
+        f"--cache={cache}",
+        f"--profile={cache if cache in args.profile else ''}",
         *(f for f in common_flags(args, wl) if not f.startswith(("--n=", "--new-tokens="))),
     ]
 
@@ -432,7 +437,8 @@ def finished_steps(args: argparse.Namespace, name: str, side: str) -> list[dict[
     if not (run / "metrics.jsonl").is_file():
         return []
     samples = wl.prompts * wl.n  # every prompt is --prompt-tokens tokens (write_prompts)
-    return base.step_records(read_metrics(run), samples, samples * args.prompt_tokens)
+    steps = base.step_records(read_metrics(run), samples, samples * args.prompt_tokens)
+    return steps[: args.warmup + args.steps]
 
 
 # ----------------------------------------------------------------------------- the report
@@ -500,9 +506,20 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
                     *base.workload_warnings(trl, ours),
                 ]
             lines.append(base.treadle_breakdown(side["steps"], args.warmup))
+            table = profile_table(args, name, cache)
+            if table is not None:
+                lines.append(f"its step {args.warmup + args.steps + 1}, profiled: {table}")
         if trl is not None:
             lines.append(base.trl_breakdown(sides["trl"]["steps"], args.warmup))
     return [*lines, "", *base.ratio_lines(results, RATIOS)]
+
+
+def profile_table(args: argparse.Namespace, name: str, cache: str) -> Path | None:
+    """The table of the profiled step of treadle's side on ``cache`` (``--profile``), if it
+    was written."""
+    step = args.warmup + args.steps + 1
+    table = run_folder(workload_paths(args, name), cache) / f"profile/step_{step}/driver.txt"
+    return table if cache in args.profile and table.is_file() else None
 
 
 TRL_MEMORY = ("max_memory_allocated", "max_memory_reserved")
@@ -552,6 +569,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads (GPU: up to 8)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
     p.add_argument("--cache", default="dynamic", help="treadle's KV caches: dynamic,static")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="KV caches (dynamic,static) whose treadle sides run one more step, profiled "
+        "(trainer.profile_steps) and left out of the measurement",
+    )
     p.add_argument("--workdir", default=str(ROOT / "runs" / "gpu_bench"))
     p.add_argument(
         "--deadline-s",
@@ -574,6 +597,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.caches = [c.strip() for c in args.cache.split(",")]
     if not set(args.caches) <= {"dynamic", "static"} or len(set(args.caches)) < len(args.caches):
         p.error(f"--cache: {args.cache!r}; give dynamic, static or dynamic,static")
+    args.profile = [c.strip() for c in args.profile.split(",") if c.strip()]
+    if not set(args.profile) <= set(args.caches):
+        p.error(f"--profile: {args.profile} are not among --cache {args.caches}")
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
     if args.deadline_s is not None and args.deadline_s <= 0:

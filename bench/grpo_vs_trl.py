@@ -403,7 +403,8 @@ def treadle_steps(overrides: list[str], run_dir: Path, n: int) -> list[dict[str,
     """The RL steps of the config ``overrides`` make (into ``run_dir``), one record a step: its
     ``timing/*`` without the prefix, its ``perf/*`` metrics, and the prompt and generated tokens.
 
-    The loop is `Trainer.fit` without its final checkpoint (TRL's side saves none either)."""
+    The loop is `Trainer.fit` without its final checkpoint (TRL's side saves none either); a
+    step ``trainer.profile_steps`` names is profiled as there."""
     from treadle.config import load_config
     from treadle.tracking.tracker import Tracker, read_metrics
     from treadle.trainers.rl import RLTrainer
@@ -414,7 +415,9 @@ def treadle_steps(overrides: list[str], run_dir: Path, n: int) -> list[dict[str,
     try:
         with Tracker(trainer.out, total, 0, show_progress=False) as tracker:
             for step in range(1, total + 1):
-                tracker.log(step, trainer.run_step(step))
+                with trainer.profiled(step):
+                    metrics = trainer.run_step(step)
+                tracker.log(step, metrics)
     finally:
         trainer.actors.close()
     prompt_tokens = sum(len(row["prompt_ids"]) for row in trainer.train_ds.rows) * n

@@ -266,3 +266,41 @@ def test_a_side_cut_at_the_deadline_keeps_the_steps_it_finished(bench, tmp_path)
     lines = bench.report(args, measured)
     assert f"treadle on the dynamic KV cache ({cut}):" in lines
     assert lines[-2] == "ratio step_time treadle/trl tiny: 0.50"  # its measured step: 2 s
+
+
+def test_a_profiled_step_comes_after_the_measured_ones_and_is_not_measured(bench, tmp_path):
+    """``--profile dynamic``: treadle's side on that cache runs one more step, profiled
+    (``trainer.profile_steps``); its record is dropped, and the report names its table."""
+    import json
+
+    flags = ["--tiny", "--device", "cpu", "--workdir", str(tmp_path), "--steps", "2"]
+    args = bench.parse_args([*flags, "--cache", "dynamic,static", "--profile", "dynamic"])
+    wl, paths = bench.WORKLOADS["tiny"], bench.workload_paths(args, "tiny")
+    dynamic = bench.treadle_overrides(args, wl, paths, "dynamic")
+    assert "trainer.total_steps=4" in dynamic and "trainer.profile_steps=[4]" in dynamic
+    static = bench.treadle_overrides(args, wl, paths, "static")
+    assert "trainer.total_steps=3" in static
+    assert not any(o.startswith("trainer.profile_steps") for o in static)
+    assert "--profile=dynamic" in bench.side_command(args, "tiny", "treadle_dynamic")
+    assert "--profile=" in bench.side_command(args, "tiny", "treadle_static")
+    with pytest.raises(SystemExit):
+        bench.parse_args([*flags, "--profile", "static"])  # not among --cache
+
+    run = bench.run_folder(paths, "dynamic")
+    (run / "profile/step_4").mkdir(parents=True)
+    logged = [{"step": k, "timing/step": 1.0, "response/length_mean": 4.0} for k in (1, 2, 3, 4)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
+    assert len(bench.finished_steps(args, "tiny", "treadle_dynamic")) == 3  # not step 4
+    memory = {"peak_rss": GIB}
+    measured = {
+        "tiny": {
+            "trl": {"steps": [record(2.0, generate=1.0, prepare=1.5)] * 3, "memory": memory},
+            "treadle_dynamic": {"steps": [record(1.0, generate=0.5)] * 3, "memory": memory},
+            "treadle_static": {"failed": "not started: --deadline-s had passed"},
+        }
+    }
+    table = run / "profile/step_4/driver.txt"
+    said = f"its step 4, profiled: {table}"
+    assert said not in bench.report(args, measured)  # no table written: nothing said
+    table.write_text("driver: ...")
+    assert said in bench.report(args, measured)

@@ -35,6 +35,7 @@ OWN = re.compile(
             r"  writes to .+",
             r"step \d+/\d+  .+",
             r"final model: .+",
+            r"profile of step \d+: .+",
             r"report: treadle report .+",
             r"held-out (pair )?accuracy: \d+\.\d%",
             r"started vLLM engine for .+ in \d+\.\d s",
@@ -98,8 +99,10 @@ def test_commands_print_treadle_lines_only(tiny_task, teacher_model, tmp_path):
     distill = ["distill", "examples/distill/on_policy.yaml", *model, "rollout.n=2"]
     distill += [f"teacher.model_path={teacher_model}", f"data.train_files=[{t['train']}]"]
     pairs = [f"data.train_files=[{t['pairs_train']}]", f"data.val_files=[{t['pairs_test']}]"]
+    sft_data = [f"data.train_files=[{t['train']}]"]
     commands = [
-        ["sft", "examples/arithmetic/sft.yaml", *model, f"data.train_files=[{t['train']}]"],
+        # its step profiled: kineto's lines (on stderr) go to the log
+        ["sft", "examples/arithmetic/sft.yaml", *model, *sft_data, "trainer.profile_steps=[1]"],
         ["dpo", "examples/arithmetic/dpo.yaml", *model, *pairs, "rollout.max_new_tokens=48"],
         [*distill, f"trainer.output_dir={tmp_path / 'distill'}"],
         ["check", *distill[1:], f"trainer.output_dir={tmp_path / 'check'}"],
@@ -112,6 +115,8 @@ def test_commands_print_treadle_lines_only(tiny_task, teacher_model, tmp_path):
         assert _not_own(out[name]) == [], everything[-5000:]
         assert _not_own(err[name]) == [], everything[-5000:]
     assert out["sft"][-1].startswith("held-out accuracy: ")
+    assert f"profile of step 1: {tmp_path / 'sft/profile/step_1'}" in out["sft"]
+    assert "treadle/update_actor" in (tmp_path / "sft/profile/step_1/driver.txt").read_text()
     assert out["dpo"][-2].startswith("held-out pair accuracy: ")
     assert out["distill"][0].startswith("treadle: distillation (reverse_kl) from ")
     assert (

@@ -2,7 +2,8 @@
 # One call on the lent GPU machine (/work/shared/GPU.md): the wheels it lacks, then
 #   tests   tests/gpu and tests/engines/test_cuda.py, a line a test     (240 s at most)
 #   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic, then static with
-#           its decoding step compiled) against one TRL run, within --deadline-s
+#           its decoding step compiled) against one TRL run, within --deadline-s; treadle's
+#           side on the dynamic cache profiles one more step (trainer.profile_steps)
 #   all     both, one after the other, in 575 s: tests, then bench with the time left
 # A session is lent 15 minutes of device time, the machine's start (1-2 min) included, and one
 # call runs 10 minutes at most: so call `all` once, with timeout_s=600, and give the machine
@@ -15,7 +16,7 @@
 #     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
 #     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess xxhash cloudpickle trl==1.16.0
 # and give the run tool carry=[".whl"]. What it prints goes to $OUT: gpu.txt, tests.txt,
-# bench.txt and sides.tgz (each side's log and step records).
+# bench.txt, sides.tgz (each side's log, step records and profile table) and traces.tar.
 set -u
 what=${1:-all}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
@@ -33,8 +34,13 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   # all: what is left of 575 s (the call's 600 less the copying back); bench alone: 540 s
   left=540
   [ "$what" = all ] && left=$(( 575 - SECONDS ))
-  python3 bench/gpu.py --cache dynamic,static --steps 2 --warmup 1 --deadline-s "$left" \
-    --workdir /tmp/gpu_bench 2>&1 | tee "$out/bench.txt"
-  # each side's log and step records, by workload, in one file (8 files at most come back)
-  (cd /tmp/gpu_bench && tar czf "$out/sides.tgz" */*.log */*.json)
+  python3 bench/gpu.py --cache dynamic,static --profile dynamic --steps 2 --warmup 1 \
+    --deadline-s "$left" --workdir /tmp/gpu_bench 2>&1 | tee "$out/bench.txt"
+  # each side's log, step records and profile table, by workload, in one file (8 files at most
+  # come back, 16 MiB each); the profiles' traces in another, the 1.4b one left out if too big
+  cd /tmp/gpu_bench
+  tar czf "$out/sides.tgz" */*.log */*.json */treadle_run_*/profile/*/*.txt
+  tar cf "$out/traces.tar" */treadle_run_*/profile/*/*.json.gz
+  [ "$(stat -c %s "$out/traces.tar")" -le 16000000 ] ||
+    tar cf "$out/traces.tar" smollm2/treadle_run_*/profile/*/*.json.gz
 fi

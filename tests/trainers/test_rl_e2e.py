@@ -58,6 +58,15 @@ def weights(folder) -> dict[str, torch.Tensor]:
     return load_file(str(folder / "model.safetensors"))
 
 
+def profiled(out) -> dict[str, set[str]]:
+    """The profiled steps' folders, each with the processes that wrote a trace and a table."""
+    found: dict[str, set[str]] = {}
+    for trace in sorted(out.glob("profile/step_*/*.json.gz")):
+        assert trace.with_name(trace.name.removesuffix(".json.gz") + ".txt").is_file()
+        found.setdefault(trace.parent.name, set()).add(trace.name.removesuffix(".json.gz"))
+    return found
+
+
 def check_run(task, out, steps: int) -> list[dict]:
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
@@ -80,8 +89,14 @@ def check_run(task, out, steps: int) -> list[dict]:
 def test_grpo_ray_two_ranks_then_resume(tiny_task, ray_session, length_reward, tmp_path):
     out = tmp_path / "run"
     ray2 = ("actor.world_size=2", f"reward.function={length_reward}")
-    train(grpo_config(tiny_task, out, *ray2))
+    train(grpo_config(tiny_task, out, *ray2, "trainer.profile_steps=[2]"))
     check_run(tiny_task, out, 2)
+    # the profiled step: the driver's own part, and each rank's methods
+    assert profiled(out) == {"step_2": {"driver", "actor-rank0", "actor-rank1"}}
+    for rank in (0, 1):
+        table = (out / f"profile/step_2/actor-rank{rank}.txt").read_text()
+        # the method's range, and the colocated engine's steps
+        assert "treadle/actor.update_actor" in table and "treadle/engine_step" in table
     assert not list((out / "checkpoints").glob("*.tmp"))
     # The same command with more steps resumes from step 2 instead of starting over.
     train(grpo_config(tiny_task, out, *ray2, "trainer.total_steps=3"))
@@ -102,7 +117,12 @@ def test_grpo_local_backend_resume_is_deterministic(tiny_task, length_reward, tm
         "algorithm.kl_horizon=20",
         f"reward.function={length_reward}",
     )
-    train(grpo_config(tiny_task, straight, *local, "trainer.total_steps=3"))
+    # the straight run's step 2 profiled: the same numbers
+    train(
+        grpo_config(
+            tiny_task, straight, *local, "trainer.total_steps=3", "trainer.profile_steps=[2]"
+        )
+    )
     train(grpo_config(tiny_task, resumed, *local, "trainer.total_steps=2"))
     train(grpo_config(tiny_task, resumed, *local, "trainer.total_steps=3"))
     a, b = check_run(tiny_task, straight, 3), check_run(tiny_task, resumed, 3)
@@ -128,6 +148,11 @@ def test_grpo_local_backend_resume_is_deterministic(tiny_task, length_reward, tm
         assert cur["actor/reward_kl_coef"] == pytest.approx(want, rel=1e-6)
     assert a[-1]["actor/reward_kl_coef"] != 0.05
     assert 0.0 <= a[-1]["eval/val/accuracy"] <= 1.0
+    # one process: the driver's profile holds the whole step (generation and the update)
+    assert profiled(straight) == {"step_2": {"driver"}} and not profiled(resumed)
+    table = (straight / "profile/step_2/driver.txt").read_text()
+    phases = ("generate", "engine_step", "reward", "update_actor")
+    assert all(f"treadle/{p}" in table for p in phases)
     wa, wb = weights(straight / "final_model"), weights(resumed / "final_model")
     for k in wa:
         torch.testing.assert_close(wb[k], wa[k], rtol=1e-5, atol=1e-6)

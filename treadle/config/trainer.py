@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from treadle.config.base import Key, Section
 
@@ -106,6 +106,13 @@ class TrainerConfig(Section):
         "tables (0: never).",
     )
     log_samples: int = Field(4, ge=1, description="Samples written each time they are due.")
+    profile_steps: list[Annotated[int, Field(gt=0)]] = Field(
+        default_factory=list,
+        description="Steps whose work torch.profiler records, in the driver's process and "
+        "(on Ray) each training rank's: <output_dir>/profile/step_<n>/<process>.json.gz, a "
+        "trace to open in Perfetto (ui.perfetto.dev), and <process>.txt, the operators that "
+        "took the most time. A profiled step runs slower; leave it out of timings.",
+    )
     verbose: bool = Field(
         False,
         description="Show Ray's, vLLM's and torch's messages on the console; otherwise they go "
@@ -118,6 +125,16 @@ class TrainerConfig(Section):
         """``~`` is the user's home, for the run as for ``treadle check`` (which created the
         directory it names: a run that kept ``~`` wrote to ``./~``)."""
         return os.path.expanduser(value)
+
+    @model_validator(mode="after")
+    def _profile_steps_in_the_run(self) -> TrainerConfig:
+        late = [s for s in self.profile_steps if self.epochs is None and s > self.total_steps]
+        if late:
+            raise ValueError(
+                f"trainer.profile_steps names step {late[0]}, after the run's last "
+                f"(trainer.total_steps={self.total_steps}): name steps 1 to {self.total_steps}"
+            )
+        return self
 
     @field_validator("keep_best")
     @classmethod

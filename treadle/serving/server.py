@@ -66,6 +66,7 @@ import torch
 
 from treadle.engines.inference import Finished, RolloutEngine, SamplingParams, Scored
 from treadle.runtime.errors import raise_if_signalled
+from treadle.tracking.profiler import phase
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,9 @@ class RolloutServer:
                 while self._arrived:
                     self._add(self._arrived.pop(0))
                 if self._groups:
-                    for finished in self.engine.step():  # blocks the loop for one step
+                    with phase("engine_step"):  # blocks the loop for one step
+                        done = self.engine.step()
+                    for finished in done:
                         self._answer(finished)
                 await asyncio.sleep(0)  # let new requests arrive
         except BaseException as e:  # answer everyone: nobody waits forever on a dead engine

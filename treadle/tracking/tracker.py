@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from treadle.tracking.profiler import phase
 from treadle.tracking.sinks import ConsoleLogger, open_loggers
 
 log = logging.getLogger("treadle")
@@ -48,10 +49,11 @@ log = logging.getLogger("treadle")
 @contextmanager
 def timed(metrics: dict[str, float], name: str) -> Iterator[None]:
     """Add the wall time of the block to ``metrics['timing/<name>']``, and on a CUDA GPU its
-    peak device memory to ``perf/max_memory_*_gib`` (see the module docstring)."""
+    peak device memory to ``perf/max_memory_*_gib`` (see the module docstring); in a profiled
+    step it is the range ``treadle/<name>`` (:mod:`treadle.tracking.profiler`)."""
     start = time.perf_counter()
     try:
-        with peak_memory(metrics, name):
+        with peak_memory(metrics, name), phase(name):
             yield
     finally:
         metrics[f"timing/{name}"] = metrics.get(f"timing/{name}", 0.0) + (
@@ -419,11 +421,11 @@ def _put_env(values: dict[str, str | None]) -> dict[str, str | None]:
 
 @contextmanager
 def quiet_start() -> Iterator[None]:
-    """While the workers (or an engine) start: this process's stdout and stderr (file
-    descriptors, so C++ warnings and progress bars of an in-process vLLM or torch too) to the
-    command's log file, unless it has none (verbose). Put back before anything is raised to the
-    caller, and the loggers routed again (a library imported meanwhile may have added its own
-    console handler)."""
+    """While the workers (or an engine) start, or a profiler starts and stops (kineto's lines):
+    this process's stdout and stderr (file descriptors, so C++ warnings and progress bars of an
+    in-process vLLM or torch too) to the command's log file, unless it has none (verbose).
+    Put back before anything is raised to the caller, and the loggers routed again (a library
+    imported meanwhile may have added its own console handler)."""
     path = log_file()
     if path is None:
         yield

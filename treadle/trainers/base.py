@@ -34,8 +34,9 @@ from treadle.runtime.errors import (
 )
 from treadle.runtime.faults import failpoint
 from treadle.serving.client import RolloutError
+from treadle.tracking.profiler import StepProfile
 from treadle.tracking.sinks import ConsoleLogger, check_loggers
-from treadle.tracking.tracker import Tracker
+from treadle.tracking.tracker import Tracker, quiet_start
 from treadle.trainers.evaluation import ValSet, close_sets, make_scorer
 from treadle.trainers.launch import Launch
 from treadle.trainers.run_dir import prepare_run_dir, resume_hint, save_checkpoint
@@ -182,7 +183,8 @@ class Trainer(Launch):
         for step in range(self.start + 1, self.total + 1):
             self.at_step = step
             failpoint("begin", step)
-            metrics = {**self.run_step(step), **started}
+            with self.profiled(step):
+                metrics = {**self.run_step(step), **started}
             raise_if_signalled()  # one whose exception was lost in the step
             started = {}
             last = step == self.total
@@ -191,6 +193,8 @@ class Trainer(Launch):
             wait = last or (saving and t.keep_best is not None)
             held.add((step, metrics, self.samples), wait)
             self.samples = []
+            if step in t.profile_steps and self.console is not None:
+                self.console.print(f"profile of step {step}: {self.profile_folder(step)}")
             failpoint("step", step)
             if not all(math.isfinite(v) for v in metrics.values()):
                 raise FloatingPointError(f"step {step}: a metric is not finite: {metrics}")
@@ -198,6 +202,41 @@ class Trainer(Launch):
                 self.save(step, metrics, last)
                 failpoint("sealed", step)
         return metrics
+
+    @contextlib.contextmanager
+    def profiled(self, step: int) -> Iterator[None]:
+        """The step under torch.profiler when ``trainer.profile_steps`` names it
+        (:mod:`treadle.tracking.profiler`): the driver's process and, on Ray, every rank of the
+        training groups. A step that fails stops the profiles and still writes the driver's."""
+        if step not in self.cfg.trainer.profile_steps:
+            yield
+            return
+        folder = self.profile_folder(step)
+        groups = []
+        if self.cfg.trainer.backend == "ray" and hasattr(self, "group"):
+            groups = list({id(g): g for g in [self.group, *self.side.values()]}.values())
+        for group in groups:
+            group.start_profile(str(folder))
+        driver = StepProfile(folder, "driver")
+        with quiet_start():  # kineto's lines on stderr: to the run's log
+            driver.start()
+
+        def stop() -> None:
+            with quiet_start():
+                driver.stop()
+            for group in groups:
+                group.stop_profile()
+
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):  # the step's own error is the one to raise
+                stop()
+            raise
+        stop()
+
+    def profile_folder(self, step: int) -> Path:
+        return self.out / "profile" / f"step_{step}"
 
     def save(self, step: int, metrics: dict[str, float], last: bool) -> None:
         """Checkpoint ``step`` (:func:`~treadle.trainers.run_dir.save_checkpoint`)."""

@@ -20,6 +20,7 @@ import functools
 import os
 import random
 import socket
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -28,6 +29,7 @@ import torch.distributed as dist
 
 from treadle.controller.groups.dispatch import Collect, Dispatch, method_spec, register
 from treadle.runtime.errors import TreadleError
+from treadle.tracking.profiler import StepProfile, phase
 from treadle.tracking.tracker import peak_memory, redirect_output
 
 
@@ -133,6 +135,19 @@ class Worker:
         """``(dp_rank, collects)``: read by the :class:`WorkerGroup` once, after start-up."""
         return self.dp_rank, self.collects
 
+    @register(Dispatch.ALL, Collect.LIST)
+    def start_profile(self, folder: str) -> None:
+        """Profile this rank's work until :meth:`stop_profile` (``trainer.profile_steps``)."""
+        name = f"{(self.role or type(self).__name__).replace(' ', '_')}-rank{self.rank}"
+        self._profile: StepProfile | None = StepProfile(Path(folder), name)
+        self._profile.start()
+
+    @register(Dispatch.ALL, Collect.LIST)
+    def stop_profile(self) -> list[str]:
+        """Stop the profile :meth:`start_profile` began; the files it wrote (none if none)."""
+        profile, self._profile = getattr(self, "_profile", None), None
+        return [str(p) for p in profile.stop()] if profile is not None else []
+
     @register(Dispatch.ALL, Collect.RANK0)
     def startup_seconds(self) -> dict[str, float]:
         """Seconds each part of rank 0's construction took, where the class keeps them
@@ -145,8 +160,9 @@ def guarded(cls: type[Worker]) -> type[Worker]:
 
     Ray reports an exception in an actor's ``__init__`` only as "the actor died"; kept and
     raised from a method call, it reaches the driver as itself (config key, file, row...).
-    Its methods that return metrics (``Collect.MEAN``) add their peak device memory to them on
-    a GPU (:func:`_reporting_peak_memory`).
+    Its registered methods are ranges ``treadle/<role>.<method>`` of a profile
+    (:func:`treadle.tracking.profiler.phase`), and those that return metrics (``Collect.MEAN``)
+    add their peak device memory to them on a GPU (:func:`_observed`).
     """
 
     class Guarded(cls):  # type: ignore[valid-type,misc]
@@ -166,24 +182,29 @@ def guarded(cls: type[Worker]) -> type[Worker]:
             if self._treadle_init_error is not None:
                 raise self._treadle_init_error
 
+    role = (getattr(cls, "role", "") or cls.__name__).replace(" ", "_")
     for name in dir(cls):
         spec = method_spec(getattr(cls, name))
-        if spec is not None and spec.collect is Collect.MEAN:
-            setattr(Guarded, name, _reporting_peak_memory(getattr(cls, name), name))
+        if spec is not None:
+            method = _observed(getattr(cls, name), name, spec.collect is Collect.MEAN, role)
+            setattr(Guarded, name, method)
     Guarded.__name__ = Guarded.__qualname__ = cls.__name__
     return Guarded
 
 
-def _reporting_peak_memory(method: Any, name: str) -> Any:
-    """``method`` (one that returns metrics) with its peak device memory added to them, on a
-    GPU: in a Ray worker, which the driver's phase timers cannot see
-    (:mod:`treadle.tracking.tracker`)."""
+def _observed(method: Any, name: str, metrics: bool, role: str) -> Any:
+    """``method`` as the range ``treadle/<role>.<name>`` of a profile under way, and, when it
+    returns ``metrics``, with its peak device memory added to them on a GPU: in a Ray worker,
+    which the driver's phase timers cannot see (:mod:`treadle.tracking.tracker`)."""
 
     @functools.wraps(method)
-    def reporting(self: Worker, *args: Any, **kwargs: Any) -> dict[str, float]:
+    def observed(self: Worker, *args: Any, **kwargs: Any) -> Any:
         peaks: dict[str, float] = {}
-        with peak_memory(peaks, name, step=False):
-            metrics = method(self, *args, **kwargs)
-        return {**metrics, **peaks}
+        with (
+            phase(f"{role}.{name}"),
+            peak_memory(peaks, name, step=False) if metrics else nullcontext(),
+        ):
+            result = method(self, *args, **kwargs)
+        return {**result, **peaks} if metrics else result
 
-    return reporting
+    return observed
