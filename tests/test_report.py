@@ -351,3 +351,32 @@ def test_ray_workers_peaks_make_the_summary_s_peak(tmp_path):
     assert main(["report", str(tmp_path)]) == 0
     page = (tmp_path / "report.html").read_text()
     assert "<th>peak device memory</th><td>6.00 GiB (8.00 GiB reserved)</td>" in page
+
+
+def test_profiled_steps_are_linked_with_the_driver_s_ranges(tmp_path):
+    """`trainer.profile_steps` left tables and traces under profile/: the page links each
+    process's, steps in order (10 after 2), and shows the driver's ranges."""
+    import torch
+
+    from treadle.tracking.profiler import StepProfile, phase
+
+    records = [{"step": s, "reward/mean": 0.5} for s in range(1, 11)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    for step, process in ((10, "driver"), (2, "actor-rank0"), (2, "driver")):
+        profile = StepProfile(tmp_path / f"profile/step_{step}", process)
+        profile.start()
+        with phase(f"generate_{step}"):
+            torch.ones(8) + 1
+        profile.stop()
+    assert main(["report", str(tmp_path)]) == 0
+    page = (tmp_path / "report.html").read_text()
+    section = page.split("<h2>Profiled steps</h2>")[1].split("<h2>")[0]
+    assert section.index("<h3>step 2</h3>") < section.index("<h3>step 10</h3>")
+    step2 = section.split("<h3>step 10</h3>")[0]
+    assert step2.index('<a href="profile/step_2/driver.txt">driver</a>') < step2.index(
+        '<a href="profile/step_2/actor-rank0.txt">actor-rank0</a>'
+    )  # the driver first
+    assert '(<a href="profile/step_2/actor-rank0.json.gz">trace</a>)' in step2
+    shown = step2.split("<pre>")[1].split("</pre>")[0]
+    assert shown.startswith("driver: ") and "treadle/generate_2 " in shown
+    assert "the CPU:" not in shown  # the ranges only

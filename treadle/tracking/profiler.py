@@ -175,6 +175,12 @@ def _device_lines(device: list[Span], busy: int, seconds: float) -> list[str]:
     ]
 
 
+def ranges_part(table: str) -> str:
+    """The first line and the ranges of a table :meth:`StepProfile.stop` wrote (the report
+    shows them)."""
+    return "\n\n".join(table.split("\n\n")[:2]).rstrip("\n")
+
+
 def _own_times(cpu: dict[int, list[Span]]) -> tuple[Counter[str], Counter[str], Counter[str]]:
     """Each name's own time (less the spans nested in it on its thread), total time and calls."""
     own: Counter[str] = Counter()

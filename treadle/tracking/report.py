@@ -34,6 +34,7 @@ from collections.abc import Iterable
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import plotly.graph_objects as go
 import yaml
@@ -42,6 +43,7 @@ from plotly.subplots import make_subplots
 
 from treadle.runtime.errors import TreadleError
 from treadle.tracking.learning import STDERR, Series, learning_section
+from treadle.tracking.profiler import ranges_part
 from treadle.tracking.sinks import accuracy_keys
 
 # (title, the metric names it plots as fnmatch patterns); a series goes to the first panel that
@@ -374,6 +376,7 @@ def _page(
 <div class="plots">
 {"".join(plots)}
 </div>
+{_profiles(run)}
 {_samples_table(samples)}
 {_config_table(config)}
 </body></html>
@@ -403,6 +406,32 @@ def _summary(series: Series, config: dict[str, Any] | None) -> str:
             rows.append((f"last {name}", f"{value:.4g} (step {step:g})"))
     body = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>" for k, v in rows)
     return f'<table class="summary">{body}</table>'
+
+
+def _profiles(run: Path) -> str:
+    """The profiled steps (``trainer.profile_steps``): each process's table and trace, linked,
+    and the ranges of the driver's table."""
+    folders = sorted(run.glob("profile/step_*/"), key=lambda f: int(f.name.split("_")[1]))
+    if not folders:
+        return ""
+    parts = [
+        "<h2>Profiled steps</h2><p>trainer.profile_steps: for each process, a table (the "
+        "ranges below, then the kernels and operators of the most time) and a trace to open "
+        'in <a href="https://ui.perfetto.dev">Perfetto</a>.</p>'
+    ]
+    for folder in folders:
+        tables = sorted(folder.glob("*.txt"), key=lambda t: (t.stem != "driver", t.stem))
+        links = ", ".join(
+            f'<a href="{quote(t.relative_to(run).as_posix())}">{html.escape(t.stem)}</a> '
+            f'(<a href="{quote(t.with_suffix(".json.gz").relative_to(run).as_posix())}">trace</a>)'
+            for t in tables
+        )
+        shown = ranges_part(tables[0].read_text(encoding="utf-8")) if tables else ""
+        parts.append(
+            f"<h3>{html.escape(folder.name.replace('_', ' '))}</h3><p>{links}</p>"
+            f"<pre>{html.escape(shown)}</pre>"
+        )
+    return "".join(parts)
 
 
 def _samples_table(samples: list[dict[str, Any]]) -> str:
