@@ -414,7 +414,9 @@ def measure(args: argparse.Namespace, deadline: float | None = None) -> dict[str
             print(f"{name}: {side} failed: {failed}", flush=True)
             steps = finished_steps(args, name, side) if failed.killed else []
             if len(steps) > args.warmup:  # enough for a median: kept, and said
-                cut = f"cut at --deadline-s after {len(steps)} of {args.warmup + args.steps} steps"
+                total = args.warmup + args.steps
+                done = f"all {total}" if len(steps) == total else f"{len(steps)} of {total}"
+                cut = f"cut at --deadline-s after {done} steps"
                 measured[name][side] = {"steps": steps, "memory": failed.memory, "cut": cut}
             else:
                 measured[name][side] = {"failed": str(failed).splitlines()[0]}
