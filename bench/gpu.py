@@ -5,9 +5,12 @@
     python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
     python bench/gpu.py --cache dynamic,static   # treadle's hf engine on each KV cache
     python bench/gpu.py --deadline-s 330     # what fits in 330 s (a lent GPU's minutes)
+    python bench/gpu.py --profile dynamic    # + one step profiled (trainer.profile_steps)
 
 Prints, per workload, each side's step time (median of `--steps` after `--warmup`), its
-generation and training time, generated tokens/s and peak memory, then the ratio lines last:
+generation and training time, generated tokens/s and peak memory, the update's model FLOPs
+(:func:`update_flops`) and each side's TFLOP/s in its training time (on an H100/H200/A100/L40S
+also the share of its bf16 peak: MFU), then the ratio lines last:
 `ratio step_time treadle/trl <workload>: <r>` for every workload, then `ratio peak_memory ...`.
 The sides run one at a time: every workload's TRL run and treadle's on the first `--cache`,
 then treadle's on the other caches. One that fails, or is still running at `--deadline-s`
@@ -489,12 +492,14 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
             trl = summary(sides["trl"], base.trl_phases, TRL_MEMORY, args.warmup)
             if "cut" in sides["trl"]:
                 lines.append(f"TRL: {sides['trl']['cut']}")
+        treadle: dict[str, dict | None] = {}
         for cache in args.caches:
             side = sides[f"treadle_{cache}"]
             if "failed" in side:
                 lines.append(f"treadle on the {cache} KV cache: not measured ({side['failed']})")
                 continue
             ours = summary(side, base.treadle_phases, TREADLE_MEMORY, args.warmup)
+            treadle[f"treadle {cache}"] = ours
             cut = f" ({side['cut']})" if "cut" in side else ""
             lines.append(f"treadle on the {cache} KV cache{cut}:")
             if trl is None:
@@ -513,7 +518,57 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
                 lines.append(f"its step {args.warmup + args.steps + 1}, profiled: {table}")
         if trl is not None:
             lines.append(base.trl_breakdown(sides["trl"]["steps"], args.warmup))
+        lines.append(flops_line(args, name, {"TRL": trl, **treadle}))
     return [*lines, "", *base.ratio_lines(results, RATIOS)]
+
+
+# bf16 dense peaks (vendors' data sheets), by a word of the device's name
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1}
+
+
+def update_flops(wl: Workload, prompt_tokens: int) -> float:
+    """The model FLOPs of a step's update (PaLM's count, as verl's MFU): 6 x the parameters
+    that multiply (the tied head once) x the tokens, plus attention's 12 x layers x width x
+    each sequence's squared length; norms and biases left out, recomputation not counted."""
+    s = wl.shape
+    h, layers, heads, vocab = (
+        s["hidden_size"],
+        s["num_hidden_layers"],
+        s["num_attention_heads"],
+        s["vocab_size"],
+    )
+    kv = s["num_key_value_heads"] * (h // heads)
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * s["intermediate_size"]
+    matmul = layers * per_layer + vocab * h
+    rows, length = wl.prompts * wl.n, prompt_tokens + wl.new_tokens
+    return 6.0 * matmul * rows * length + 12.0 * layers * h * rows * length**2
+
+
+def flops_line(args: argparse.Namespace, name: str, sides: dict[str, dict | None]) -> str:
+    """The update's model FLOPs and each measured side's rate in its training time, and on a
+    known GPU the share of its bf16 peak (MFU)."""
+    flops = update_flops(WORKLOADS[name], args.prompt_tokens)
+    peak = device_peak(args)
+    rates = []
+    for side, summary in sides.items():
+        if summary is None or summary["training"] <= 0:
+            continue
+        rate = flops / summary["training"] / 1e12
+        share = f" ({rate / peak:.0%} MFU)" if peak else ""
+        rates.append(f"{side} {rate:.3g}{share}")
+    where = f" of the device's {peak:.0f} bf16 TFLOP/s" if peak else ""
+    head = f"update: {flops / 1e12:.3g} TFLOP a step; TFLOP/s in training{where}: "
+    return head + ", ".join(rates)
+
+
+def device_peak(args: argparse.Namespace) -> float | None:
+    """The GPU's bf16 dense TFLOP/s from :data:`PEAK_TFLOPS`; None on a CPU or another GPU."""
+    if args.device != "cuda":
+        return None
+    import torch
+
+    device = torch.cuda.get_device_name(0)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
 
 
 def profile_table(args: argparse.Namespace, name: str, cache: str) -> Path | None:

@@ -304,3 +304,26 @@ def test_a_profiled_step_comes_after_the_measured_ones_and_is_not_measured(bench
     assert said not in bench.report(args, measured)  # no table written: nothing said
     table.write_text("driver: ...")
     assert said in bench.report(args, measured)
+
+
+def test_the_update_s_model_flops_and_each_side_s_share_of_the_gpu_s_peak(bench, monkeypatch):
+    """PaLM's count, as verl's MFU: the tiny workload by hand (2 layers of width 64, 32 for
+    K and V, MLP 128, 512 words; 4 rows of 8 + 4 tokens), then the 1.4b one's rates."""
+    per_layer = 2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128  # 36,864
+    matmul = 2 * per_layer + 512 * 64  # 106,496: the tied head once
+    want = 6 * matmul * 4 * 12 + 12 * 2 * 64 * 4 * 12**2  # 30,670,848 + 884,736
+    assert bench.update_flops(bench.WORKLOADS["tiny"], 8) == want == 31_555_584
+
+    import torch
+
+    args = bench.parse_args(["--device", "cpu"])  # no peak on a CPU: rates only
+    sides = {"TRL": {"training": 7.0}, "treadle dynamic": {"training": 2.0}, "x": None}
+    assert bench.flops_line(args, "1.4b", sides) == (
+        "update: 695 TFLOP a step; TFLOP/s in training: TRL 99.2, treadle dynamic 347"
+    )
+    args.device = "cuda"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda i=0: "NVIDIA H200")
+    assert bench.flops_line(args, "1.4b", sides) == (
+        "update: 695 TFLOP a step; TFLOP/s in training of the device's 989 bf16 TFLOP/s: "
+        "TRL 99.2 (10% MFU), treadle dynamic 347 (35% MFU)"
+    )
