@@ -71,6 +71,36 @@ def test_sampled_log_probs_equal_a_teacher_forced_forward(model_and_tok, params)
             assert logits.argmax(-1).tolist() == tokens
 
 
+def test_a_draw_is_from_the_processed_scores_softmax():
+    """GumbelSample: the argmax of the scores plus its noise is a draw from their softmax (the
+    Gumbel-max trick): each id's frequency over 40,000 draws within 4 standard errors of its
+    probability, and an id filtered out (-inf) never drawn."""
+    probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0], dtype=torch.float64)
+    scores = probs.log().float().expand(40_000, -1).clone()
+    torch.manual_seed(0)
+    drawn = inference.GumbelSample()(None, scores).argmax(-1)
+    freq = torch.bincount(drawn, minlength=6).double() / 40_000
+    se = (probs * (1 - probs) / 40_000).sqrt()
+    assert ((freq - probs).abs() <= 4 * se).all(), (freq, probs)
+    assert freq[5] == 0 and freq[0] == pytest.approx(0.5, abs=0.02)
+
+
+def test_sampling_keeps_only_what_top_k_leaves(model_and_tok):
+    """Temperature and top-k come before the draw: top-k 1 samples what greedy decoding picks,
+    and a seed gives the same samples twice."""
+    model, tok = model_and_tok
+    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id)
+    greedy = engine.generate(prompts(tok), SamplingParams(temperature=0.0, max_new_tokens=8))
+    top1 = SamplingParams(n=2, temperature=1.3, top_k=1, max_new_tokens=8, seed=5)
+    sampled = engine.generate(prompts(tok), top1)
+    assert sampled.token_ids == [t for t in greedy.token_ids for _ in range(2)]
+    wide = SamplingParams(n=2, temperature=1.3, max_new_tokens=8, seed=5)
+    assert (
+        engine.generate(prompts(tok), wide).token_ids
+        == engine.generate(prompts(tok), wide).token_ids
+    )
+
+
 def test_no_step_s_full_vocabulary_scores_outlive_the_next_step(model_and_tok):
     """At every decoding step, the tensors alive with the vocabulary as last dimension are as
     few as at the first: ``output_logits`` kept one more a step (and stacked them all)."""

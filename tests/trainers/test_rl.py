@@ -113,7 +113,9 @@ def test_mask_truncated_drops_cut_responses_from_the_loss(tiny_task, parity_rewa
         tmp_path,
         parity_reward,
         "algorithm.mask_truncated=true",
-        "rollout.max_new_tokens=3",
+        # the tiny model ends a response at a step with p ~ 0.004: of 64 responses of up to 12
+        # tokens ~3 finish (none: p ~ 0.05), the rest are cut
+        "data.batch_size=16",
     )
     seen: list[Batch] = []
     update = t.group.update_actor
@@ -184,14 +186,12 @@ def test_on_policy_update_without_the_old_log_prob_pass_is_the_same(
     (m_pass, w_pass), (m_fused, w_fused) = runs["pass"], runs["fused"]
     assert "timing/old_log_probs" in m_pass[0] and "timing/old_log_probs" not in m_fused[0]
     for a, b in zip(m_pass, m_fused, strict=True):
-        for key in (
-            "actor/pg_loss",
-            "actor/grad_norm",
-            "rollout/logprob_diff_mean",
-            "rollout/logprob_diff_max",
-            "rollout/is_ratio_mean",
-        ):
+        for key in ("actor/pg_loss", "actor/grad_norm", "rollout/is_ratio_mean"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        # the mismatch is float32 rounding (two forwards of the same weights, batched apart):
+        # equal to a unit in the last place of log-probs down to -16 (9.5e-7 at -8)
+        for key in ("rollout/logprob_diff_mean", "rollout/logprob_diff_max"):
+            assert b[key] == pytest.approx(a[key], abs=2e-6), key
     for k in w_pass:
         torch.testing.assert_close(w_fused[k], w_pass[k], rtol=1e-5, atol=1e-6)
 

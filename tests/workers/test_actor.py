@@ -123,9 +123,17 @@ def test_on_policy_losses_have_ppos_gradient(rig):
         m = rig.run(policy_loss=name, **extra)
         assert norm(m) == pytest.approx(ppo, rel=1e-5), name
         assert m["actor/clip_frac"] == 0.0, name
-    seq_ppo = norm(rig.run(policy_loss="ppo", loss_agg_mode="seq-mean-token-mean"))
-    gmpo = rig.run(policy_loss="geo_mean", loss_agg_mode="seq-mean-token-mean")
-    assert norm(gmpo) == pytest.approx(seq_ppo, rel=1e-5) and seq_ppo != pytest.approx(ppo)
+    # responses of different lengths (every other one ends after 5 tokens), where a sequence
+    # mean weighs tokens unlike the token mean
+    varied = rig.batch.select(list(range(len(rig.batch))))  # a copy
+    mask = varied["response_mask"].clone()
+    mask[::2, 5:] = 0
+    varied["response_mask"] = mask
+    token_ppo = norm(rig.run(varied, policy_loss="ppo"))
+    seq_ppo = norm(rig.run(varied, policy_loss="ppo", loss_agg_mode="seq-mean-token-mean"))
+    gmpo = rig.run(varied, policy_loss="geo_mean", loss_agg_mode="seq-mean-token-mean")
+    assert norm(gmpo) == pytest.approx(seq_ppo, rel=1e-5)
+    assert seq_ppo != pytest.approx(token_ppo, rel=1e-3)
 
 
 def test_token_sum_and_loss_scale_factor(rig):

@@ -30,7 +30,9 @@ prompt width, rounded up to a multiple of :data:`STATIC_WIDTH`, plus ``max_new_t
 GPU transformers then compiles the decoding step (``torch.compile``, CUDA graphs), again for
 each new batch size or cache length, which the rounding keeps few.
 Log-probs are taken from the raw logits divided by the temperature (the policy the actor
-trains), not from the top-p/top-k-filtered scores.
+trains), not from the top-p/top-k-filtered scores. A token is drawn by the Gumbel-max trick
+(:class:`GumbelSample`, the last processor: ``generate`` then takes the argmax), the law of
+``generate``'s own softmax and multinomial at less cost on a CPU.
 ``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
 response (every response runs to ``max_new_tokens``, for benchmarks); stop tokens still do.
 ``SamplingParams.top_logprobs = k`` also returns, per sampled token, the k most likely ids of
@@ -222,6 +224,19 @@ class SampledLogProbs(LogitsProcessor):
         return torch.stack([v for v, _ in self.tops], 1), torch.stack([i for _, i in self.tops], 1)
 
 
+class GumbelSample(LogitsProcessor):
+    """The last processor of a sampled generation: the processed scores (temperature, top-k,
+    top-p applied) plus Gumbel noise, ``-log(-log(u))``, whose argmax (``generate``'s greedy
+    pick) is a draw from their softmax: the law of ``generate``'s own sampling. On a CPU it
+    costs less: ``torch.rand`` takes 6 ms for 32 x 49,152 scores on 2 cores where
+    ``torch.multinomial`` (its ``exponential_``) takes 30, and no softmax is taken (a
+    generation of SmolLM2's shape, 32 rows x 32 tokens: 7% faster)."""
+
+    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
+        noise = torch.rand_like(scores, dtype=torch.float32)
+        return scores.float() - noise.log_().neg_().log_()  # type: ignore[return-value]
+
+
 STATIC_WIDTH = 64  # a static cache's prompt width is a multiple of it (fewer shapes to compile)
 
 Cache = Literal["dynamic", "static"]
@@ -346,7 +361,7 @@ class HFRolloutEngine:
             pad_token_id=self.pad,
             logits_processor=processors,
             **({"cache_implementation": "static"} if self.cache == "static" else {}),
-            **_sampling(params),
+            **NEUTRAL,
             **images,
         )
         sequences = gen if isinstance(gen, torch.Tensor) else gen.sequences
@@ -486,7 +501,8 @@ class HFRolloutEngine:
 
 def _processors(params: SamplingParams) -> tuple[SampledLogProbs, LogitsProcessorList]:
     """The recorder of the sampled tokens' log-probs first, then temperature, top-k and top-p
-    in transformers' order (``generate`` itself is given neutral values and adds none)."""
+    in transformers' order, then the draw (:class:`GumbelSample`); ``generate`` itself is
+    given neutral values (:data:`NEUTRAL`) and adds none."""
     greedy = params.temperature == 0
     record = SampledLogProbs(1.0 if greedy else params.temperature, params.top_logprobs)
     processors: list[LogitsProcessor] = [record]
@@ -497,12 +513,10 @@ def _processors(params: SamplingParams) -> tuple[SampledLogProbs, LogitsProcesso
             processors.append(TopKLogitsWarper(params.top_k))
         if params.top_p < 1.0:
             processors.append(TopPLogitsWarper(params.top_p))
+        processors.append(GumbelSample())
     return record, LogitsProcessorList(processors)
 
 
-def _sampling(params: SamplingParams) -> dict[str, Any]:
-    """``generate``'s own sampling arguments: neutral, so that it adds no warper of its own
-    (the model's generation config may name some) and those of :func:`_processors` apply."""
-    if params.temperature == 0:
-        return {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
-    return {"do_sample": True, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+# ``generate``'s own sampling arguments: greedy (the processors draw the token), and no warper
+# of its own (the model's generation config may name some)
+NEUTRAL: dict[str, Any] = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
