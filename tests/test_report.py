@@ -368,10 +368,12 @@ def test_profiled_steps_are_linked_with_the_driver_s_ranges(tmp_path):
         with phase(f"generate_{step}"):
             torch.ones(8) + 1
         profile.stop()
+    (tmp_path / "profile/step_notes").mkdir()  # not a step's: left out
     assert main(["report", str(tmp_path)]) == 0
     page = (tmp_path / "report.html").read_text()
     section = page.split("<h2>Profiled steps</h2>")[1].split("<h2>")[0]
     assert section.index("<h3>step 2</h3>") < section.index("<h3>step 10</h3>")
+    assert "step notes" not in section
     step2 = section.split("<h3>step 10</h3>")[0]
     assert step2.index('<a href="profile/step_2/driver.txt">driver</a>') < step2.index(
         '<a href="profile/step_2/actor-rank0.txt">actor-rank0</a>'

@@ -411,7 +411,8 @@ def _summary(series: Series, config: dict[str, Any] | None) -> str:
 def _profiles(run: Path) -> str:
     """The profiled steps (``trainer.profile_steps``): each process's table and trace, linked,
     and the ranges of the driver's table."""
-    folders = sorted(run.glob("profile/step_*/"), key=lambda f: int(f.name.split("_")[1]))
+    steps = {f: f.name.removeprefix("step_") for f in run.glob("profile/step_*/")}
+    folders = sorted((f for f, n in steps.items() if n.isdigit()), key=lambda f: int(steps[f]))
     if not folders:
         return ""
     parts = [
