@@ -13,10 +13,11 @@ generation and training time, generated tokens/s and peak memory, the update's m
 also the share of its bf16 peak: MFU), then the ratio lines last:
 `ratio step_time treadle/trl <workload>: <r>` for every workload, then `ratio peak_memory ...`.
 The sides run one at a time: every workload's TRL run and treadle's on the first `--cache`,
-then treadle's on the other caches. One that fails, or is still running at `--deadline-s`
-(killed then, and the later ones not started), is named in the report with its reason, the
-others' numbers still printed; a killed one that had finished more than `--warmup` steps is
-measured on those, and the report says where it was cut. The script then exits with 1.
+then treadle's on the other caches, the workload of the most decoding steps first. One that
+fails, or is still running at `--deadline-s` (killed then, and the later ones not started), is
+named in the report with its reason, the others' numbers still printed; a killed one that had
+finished more than `--warmup` steps is measured on those, and the report says where it was
+cut. The script then exits with 1.
 
 The workloads (`WORKLOADS`): SmolLM2-135M's shape, 8 prompts x 4 samples x 64 new tokens; a
 1.39 B model of Qwen2.5-1.5B's shape with SmolLM2's vocabulary (49,152), 32 x 8 x 256; `tiny`
@@ -385,12 +386,14 @@ def side_command(args: argparse.Namespace, name: str, side: str) -> list[str]:
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The ``(workload, side)`` runs in the order they are measured: every workload's TRL run
-    and treadle's on the first ``--cache``, then treadle's on the others (so a deadline cuts the
-    comparisons that matter least)."""
+    and treadle's on the first ``--cache``, then treadle's on the others, the workload of the
+    most decoding steps first (where a KV cache matters most), so that a deadline cuts the
+    comparisons that matter least."""
     first = [
         (name, side) for name in args.workloads for side in ("trl", f"treadle_{args.caches[0]}")
     ]
-    rest = [(name, f"treadle_{cache}") for cache in args.caches[1:] for name in args.workloads]
+    longest = sorted(args.workloads, key=lambda name: -WORKLOADS[name].new_tokens)
+    rest = [(name, f"treadle_{cache}") for cache in args.caches[1:] for name in longest]
     return first + rest
 
 
