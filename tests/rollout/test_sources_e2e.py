@@ -61,8 +61,18 @@ def test_async_with_no_staleness_trains_exactly_what_sync_trains(
     for mode in ("sync", "async"):
         out = tmp_path / mode
         extra = [f"trainer.mode={mode}", "async.max_staleness=0", "rollout.engine=hf"]
+        if mode == "sync":  # its step 2 profiled, the split replica's process too
+            extra.append("trainer.profile_steps=[2]")
         RLTrainer(load_config(None, _overrides(tiny_task, out, length_reward, *extra))).fit()
         runs[mode] = _metrics(out)
+    step = tmp_path / "sync/profile/step_2"
+    assert sorted(p.name for p in step.iterdir()) == [
+        f"{name}.{kind}"
+        for name in ("actor-rank0", "driver", "rollout-replica-0")
+        for kind in ("json.gz", "txt")
+    ]
+    assert "treadle/engine_step" in (step / "rollout-replica-0.txt").read_text()
+    assert "treadle/engine_step" not in (step / "actor-rank0.txt").read_text()  # split
     keys = ("reward/mean", "response/length_mean", "generated_tokens", "rollout/weight_version")
     for sync, async_ in zip(runs["sync"], runs["async"], strict=True):
         assert {k: sync.get(k) for k in keys} == {k: async_.get(k) for k in keys}

@@ -109,7 +109,8 @@ class TrainerConfig(Section):
     profile_steps: list[Annotated[int, Field(gt=0)]] = Field(
         default_factory=list,
         description="Steps whose work torch.profiler records, in the driver's process and "
-        "(on Ray) each training rank's: <output_dir>/profile/step_<n>/<process>.json.gz, a "
+        "(on Ray) each training rank's and split rollout replica's: "
+        "<output_dir>/profile/step_<n>/<process>.json.gz, a "
         "trace to open in Perfetto (ui.perfetto.dev), and <process>.txt, the operators that "
         "took the most time. A profiled step runs slower; leave it out of timings.",
     )

@@ -31,6 +31,8 @@ rollout_score      list of ScoreRequest                        list of ScoreResp
 join_weight_sync   address, port, group rank, group size       (the group is made)
 receive_weights    version, interrupt                          (weights loaded, version set)
 busy_seconds       nothing                                     seconds with requests in flight
+start_profile      a folder                                    (its process profiled)
+stop_profile       nothing                                     the profile's files
 describe           nothing                                     name, node id and address, pid
 =================  ==========================================  ================================
 """
@@ -58,6 +60,7 @@ from treadle.serving.server import (
     ScoreResponse,
 )
 from treadle.serving.weight_sync import WeightSyncGroup
+from treadle.tracking import profiler
 
 Role = Literal["rollout", "teacher", "judge"]
 
@@ -296,6 +299,15 @@ class RolloutReplica(ServesRollout):
         self.server.update_weights(
             lambda engine: engine.load_payloads(sync.receive()), version, interrupt=interrupt
         )
+
+    def start_profile(self, folder: str) -> None:
+        """Profile this replica's process until :meth:`stop_profile` (``trainer.profile_steps``;
+        an in-process vLLM engine's work included)."""
+        profiler.begin(folder, self.name.replace(" ", "-"))
+
+    def stop_profile(self) -> list[str]:
+        """Stop the profile :meth:`start_profile` began; the files it wrote."""
+        return profiler.end()
 
     def busy_seconds(self) -> float:
         """Seconds the engine has had requests in flight since the replica started."""

@@ -11,11 +11,12 @@ Files, under ``<output_dir>/profile/step_<n>/``:
   operators by their own time.
 
 ``<process>`` is ``driver`` and, on Ray, ``<role>-rank<r>`` for each rank of the training
-groups. With the local backend the driver's files hold the whole step: generation, scoring and
-the updates run in its process. On Ray the driver's hold its own part (rewards, advantages,
-waiting on the ranks) and each rank's its methods, a colocated rollout engine's generation
-included; a split rollout replica is not profiled (vLLM has a profiler of its own,
-``VLLM_TORCH_PROFILER_DIR``).
+groups and ``rollout-replica-<i>`` for each split rollout replica. With the local backend the
+driver's files hold the whole step: generation, scoring and the updates run in its process.
+On Ray the driver's hold its own part (rewards, advantages, waiting on the ranks), each rank's
+its methods (a colocated rollout engine's generation included) and each replica's its
+generation (vLLM runs in the replica's process). The split pools of a teacher or an LLM judge
+are not profiled.
 
 In the trace and the table, ``treadle/<phase>`` is a phase of the step
 (:func:`treadle.tracking.tracker.timed`: ``generate``, ``update_actor``, ...),
@@ -207,6 +208,17 @@ def _own_times(cpu: dict[int, list[Span]]) -> tuple[Counter[str], Counter[str], 
 
 
 _active: StepProfile | None = None
+
+
+def begin(folder: str, name: str) -> None:
+    """Profile this process (a worker's rank, a rollout replica) as ``name`` until :func:`end`."""
+    StepProfile(Path(folder), name).start()
+
+
+def end() -> list[str]:
+    """Stop the profile under way in this process and write its files; their paths (none if
+    none is under way)."""
+    return [str(p) for p in _active.stop()] if _active is not None else []
 
 
 @contextmanager

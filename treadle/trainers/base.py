@@ -207,14 +207,17 @@ class Trainer(Launch):
     def profiled(self, step: int) -> Iterator[None]:
         """The step under torch.profiler when ``trainer.profile_steps`` names it
         (:mod:`treadle.tracking.profiler`): the driver's process and, on Ray, every rank of the
-        training groups. A step that fails stops the profiles and still writes the driver's."""
+        training groups and every split rollout replica. A step that fails stops the profiles
+        and still writes the driver's."""
         if step not in self.cfg.trainer.profile_steps:
             yield
             return
         folder = self.profile_folder(step)
-        groups = []
+        groups: list[WorkerGroup | Rollout] = []
         if self.cfg.trainer.backend == "ray" and hasattr(self, "group"):
             groups = list({id(g): g for g in [self.group, *self.side.values()]}.values())
+            if hasattr(self, "rollout"):
+                groups.append(self.rollout)  # its split replicas
         for group in groups:
             group.start_profile(str(folder))
         driver = StepProfile(folder, "driver")

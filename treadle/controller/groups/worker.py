@@ -29,7 +29,8 @@ import torch.distributed as dist
 
 from treadle.controller.groups.dispatch import Collect, Dispatch, method_spec, register
 from treadle.runtime.errors import TreadleError
-from treadle.tracking.profiler import StepProfile, phase
+from treadle.tracking import profiler
+from treadle.tracking.profiler import phase
 from treadle.tracking.tracker import peak_memory, redirect_output
 
 
@@ -138,15 +139,14 @@ class Worker:
     @register(Dispatch.ALL, Collect.LIST)
     def start_profile(self, folder: str) -> None:
         """Profile this rank's work until :meth:`stop_profile` (``trainer.profile_steps``)."""
-        name = f"{(self.role or type(self).__name__).replace(' ', '_')}-rank{self.rank}"
-        self._profile: StepProfile | None = StepProfile(Path(folder), name)
-        self._profile.start()
+        profiler.begin(
+            folder, f"{(self.role or type(self).__name__).replace(' ', '_')}-rank{self.rank}"
+        )
 
     @register(Dispatch.ALL, Collect.LIST)
     def stop_profile(self) -> list[str]:
-        """Stop the profile :meth:`start_profile` began; the files it wrote (none if none)."""
-        profile, self._profile = getattr(self, "_profile", None), None
-        return [str(p) for p in profile.stop()] if profile is not None else []
+        """Stop the profile :meth:`start_profile` began; the files it wrote."""
+        return profiler.end()
 
     @register(Dispatch.ALL, Collect.RANK0)
     def startup_seconds(self) -> dict[str, float]:

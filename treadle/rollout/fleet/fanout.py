@@ -186,6 +186,22 @@ class Rollout:
         self.version = version
         return {"rollout/weight_sync_bytes": float(sent)}
 
+    def start_profile(self, folder: str) -> None:
+        """Profile every split replica's process until :meth:`stop_profile`
+        (``trainer.profile_steps``; colocated replicas are the actor's ranks, profiled as
+        such)."""
+        import ray
+
+        ray.get([r.start_profile.remote(folder) for r in self.replicas])
+
+    def stop_profile(self) -> list[str]:
+        """Stop the split replicas' profiles; the files they wrote."""
+        import ray
+
+        return [
+            p for paths in ray.get([r.stop_profile.remote() for r in self.replicas]) for p in paths
+        ]
+
     def busy_seconds(self) -> list[float | None]:
         """Per split replica, the seconds its engine has had requests in flight (None: the
         replica died, its restart is the rollout's to make)."""
