@@ -1,11 +1,13 @@
 """A profiled step on the GPU (``trainer.profile_steps``): the table adds the device's kernels
-and, for each ``treadle/`` range, the device's work that began in it."""
+and, for each ``treadle/`` range, the device's work that began in it; in a GRPO run too."""
 
 from __future__ import annotations
 
 import torch
-from gpu_runs import GPU
+from command_runs import argv
+from gpu_runs import GPU, PRECISIONS
 
+from treadle.cli import main
 from treadle.tracking.profiler import StepProfile, phase
 
 pytestmark = GPU
@@ -34,3 +36,17 @@ def test_the_table_shows_the_device_work_of_each_range(tmp_path):
     assert generate[3] == "0.000" and generate[4] == "0%"
     kernels = text.split("the device:")[1].split("the CPU:")[0]
     assert "gemm" in kernels.lower() or "cutlass" in kernels.lower() or "sm90" in kernels
+
+
+def test_a_profiled_grpo_step_shows_its_phases_device_work(tiny_task, teacher_model, tmp_path):
+    """``trainer.profile_steps`` in a GRPO run on the GPU (local backend, bf16 mixed): the
+    driver's table has the kernels, and the generation and the update each began device
+    work."""
+    out = tmp_path / "run"
+    extra = (*PRECISIONS["bf16_mixed"], "trainer.profile_steps=[2]")
+    assert main(argv("grpo", tiny_task, out, *extra, teacher=teacher_model, steps=2)) == 0
+    text = (out / "profile/step_2/driver.txt").read_text()
+    assert "profiled on the cuda" in text and "the device: the 30 kernels" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines() if line.strip()}
+    for name in ("treadle/generate", "treadle/update_actor", "treadle/engine_step"):
+        assert float(rows[name][3]) > 0, rows[name]  # device seconds begun in the range
