@@ -517,8 +517,12 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
                 ]
             lines.append(base.treadle_breakdown(side["steps"], args.warmup))
             table = profile_table(args, name, cache)
-            if table is not None:
+            if table is not None:  # its path, then its ranges (bench.txt always comes back)
+                from treadle.tracking.profiler import ranges_part
+
                 lines.append(f"its step {args.warmup + args.steps + 1}, profiled: {table}")
+                ranges = ranges_part(table.read_text(encoding="utf-8")).splitlines()[2:]
+                lines += [f"  {line}" for line in ranges]
         if trl is not None:
             lines.append(base.trl_breakdown(sides["trl"]["steps"], args.warmup))
         lines.append(flops_line(args, name, {"TRL": trl, **treadle}))

@@ -303,8 +303,17 @@ def test_a_profiled_step_comes_after_the_measured_ones_and_is_not_measured(bench
     table = run / "profile/step_4/driver.txt"
     said = f"its step 4, profiled: {table}"
     assert said not in bench.report(args, measured)  # no table written: nothing said
-    table.write_text("driver: ...")
-    assert said in bench.report(args, measured)
+    table.write_text(
+        "driver: 1.2 s profiled on the cpu; the trace: driver.json.gz\n\n"
+        "range      calls    wall s\ntreadle/generate     1     0.500\n\nthe CPU: ...\n"
+    )
+    lines = bench.report(args, measured)
+    at = lines.index(said)  # then the table's ranges, indented: bench.txt always comes back
+    assert lines[at + 1 : at + 3] == [
+        "  range      calls    wall s",
+        "  treadle/generate     1     0.500",
+    ]
+    assert lines[at + 3] != "  the CPU: ..."
 
 
 def test_the_update_s_model_flops_and_each_side_s_share_of_the_gpu_s_peak(bench, monkeypatch):
