@@ -34,7 +34,7 @@ from treadle.runtime.errors import (
 )
 from treadle.runtime.faults import failpoint
 from treadle.serving.client import RolloutError
-from treadle.tracking.profiler import StepProfile
+from treadle.tracking import profiler
 from treadle.tracking.sinks import ConsoleLogger, check_loggers
 from treadle.tracking.tracker import Tracker, quiet_start
 from treadle.trainers.evaluation import ValSet, close_sets, make_scorer
@@ -220,13 +220,12 @@ class Trainer(Launch):
                 groups.append(self.rollout)  # its split replicas
         for group in groups:
             group.start_profile(str(folder))
-        driver = StepProfile(folder, "driver")
         with quiet_start():  # kineto's lines on stderr: to the run's log
-            driver.start()
+            profiler.begin(str(folder), "driver")
 
         def stop() -> None:
             with quiet_start():
-                driver.stop()
+                profiler.end()
             for group in groups:
                 group.stop_profile()
 
