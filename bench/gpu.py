@@ -230,7 +230,7 @@ def treadle_overrides(
     """treadle's run of the workload: the local backend, the hf engine on ``cache`` (see the
     docstring)."""
     rows, gpu = wl.prompts * wl.n, args.device == "cuda"
-    profiled = int(cache in args.profile)  # one more step, profiled, not measured
+    profiled = cache in args.profile  # one more step, profiled, not measured
     return [
         f"model.path={paths['model']}",
         "model.dtype=float32",
@@ -261,8 +261,8 @@ def treadle_overrides(
         "actor.skip_zero_advantage=false",  # equal work: TRL computes every row
         "trainer.backend=local",
         f"trainer.output_dir={run_folder(paths, cache)}",
-        f"trainer.total_steps={args.warmup + args.steps + profiled}",
-        *([f"trainer.profile_steps=[{args.warmup + args.steps + 1}]"] if profiled else []),
+        f"trainer.total_steps={profiled_step(args) if profiled else args.warmup + args.steps}",
+        *([f"trainer.profile_steps=[{profiled_step(args)}]"] if profiled else []),
         "trainer.resume=false",
         "trainer.progress=false",
     ]
@@ -520,7 +520,7 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
             if table is not None:  # its path, then its ranges (bench.txt always comes back)
                 from treadle.tracking.profiler import ranges_part
 
-                lines.append(f"its step {args.warmup + args.steps + 1}, profiled: {table}")
+                lines.append(f"its step {profiled_step(args)}, profiled: {table}")
                 ranges = ranges_part(table.read_text(encoding="utf-8")).splitlines()[2:]
                 lines += [f"  {line}" for line in ranges]
         if trl is not None:
@@ -578,11 +578,16 @@ def device_peak(args: argparse.Namespace) -> float | None:
     return next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
 
 
+def profiled_step(args: argparse.Namespace) -> int:
+    """The step ``--profile`` adds after the warm-up and measured ones."""
+    return args.warmup + args.steps + 1
+
+
 def profile_table(args: argparse.Namespace, name: str, cache: str) -> Path | None:
     """The table of the profiled step of treadle's side on ``cache`` (``--profile``), if it
     was written."""
-    step = args.warmup + args.steps + 1
-    table = run_folder(workload_paths(args, name), cache) / f"profile/step_{step}/driver.txt"
+    folder = run_folder(workload_paths(args, name), cache)
+    table = folder / f"profile/step_{profiled_step(args)}/driver.txt"
     return table if cache in args.profile and table.is_file() else None
 
 

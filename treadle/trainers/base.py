@@ -172,8 +172,11 @@ class Trainer(Launch):
         # Ray's task error begins "ray::<Class>.<method>() (pid=..."
         call = re.search(r"ray::\w+\.(\w+)\(\)", str(error))
         when = f"during {call.group(1) if call else 'a step'}"
-        groups = {id(g): g for g in [self.group, *self.side.values()]}
-        return next(filter(None, (g.find_dead(when) for g in groups.values())), None)
+        return next(filter(None, (g.find_dead(when) for g in self.worker_groups())), None)
+
+    def worker_groups(self) -> list[WorkerGroup]:
+        """The run's worker groups, each once (a side role may share the actor's group)."""
+        return list({id(g): g for g in [self.group, *self.side.values()]}.values())
 
     def run_steps(self, held: HeldRecords) -> dict[str, float]:
         """The steps after ``start``, each logged and checkpointed as the config says; the last
@@ -215,7 +218,7 @@ class Trainer(Launch):
         folder = self.profile_folder(step)
         groups: list[WorkerGroup | Rollout] = []
         if self.cfg.trainer.backend == "ray" and hasattr(self, "group"):
-            groups = list({id(g): g for g in [self.group, *self.side.values()]}.values())
+            groups = [*self.worker_groups()]
             if hasattr(self, "rollout"):
                 groups.append(self.rollout)  # its split replicas
         for group in groups:

@@ -139,9 +139,7 @@ class Worker:
     @register(Dispatch.ALL, Collect.LIST)
     def start_profile(self, folder: str) -> None:
         """Profile this rank's work until :meth:`stop_profile` (``trainer.profile_steps``)."""
-        profiler.begin(
-            folder, f"{(self.role or type(self).__name__).replace(' ', '_')}-rank{self.rank}"
-        )
+        profiler.begin(folder, f"{role_name(type(self))}-rank{self.rank}")
 
     @register(Dispatch.ALL, Collect.LIST)
     def stop_profile(self) -> list[str]:
@@ -167,7 +165,7 @@ def guarded(cls: type[Worker]) -> type[Worker]:
 
     class Guarded(cls):  # type: ignore[valid-type,misc]
         def __init__(self, *args: Any, **kwargs: Any) -> None:
-            redirect_output(getattr(cls, "role", "") or cls.__name__)  # to <output_dir>/logs/
+            redirect_output(role_name(cls))  # to <output_dir>/logs/
             self._treadle_init_error: TreadleError | None = None
             try:
                 if "config" in kwargs:  # names the worker resolves may be a plug-in's
@@ -182,7 +180,7 @@ def guarded(cls: type[Worker]) -> type[Worker]:
             if self._treadle_init_error is not None:
                 raise self._treadle_init_error
 
-    role = (getattr(cls, "role", "") or cls.__name__).replace(" ", "_")
+    role = role_name(cls)
     for name in dir(cls):
         spec = method_spec(getattr(cls, name))
         if spec is not None:
@@ -190,6 +188,12 @@ def guarded(cls: type[Worker]) -> type[Worker]:
             setattr(Guarded, name, method)
     Guarded.__name__ = Guarded.__qualname__ = cls.__name__
     return Guarded
+
+
+def role_name(cls: type) -> str:
+    """A worker class's ``role`` (a guarded class need not be a :class:`Worker`: a rollout
+    replica), or its name when it has none; spaces as ``_`` (it names files)."""
+    return (getattr(cls, "role", "") or cls.__name__).replace(" ", "_")
 
 
 def _observed(method: Any, name: str, metrics: bool, role: str) -> Any:
