@@ -3,7 +3,7 @@
     python bench/gpu.py                      # both workloads, on the GPU
     python bench/gpu.py --workloads smollm2 --steps 3 --warmup 1
     python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
-    python bench/gpu.py --cache dynamic,static   # treadle's hf engine on each KV cache
+    python bench/gpu.py --cache dynamic,paged,static   # treadle's hf engine on each KV cache
     python bench/gpu.py --deadline-s 330     # what fits in 330 s (a lent GPU's minutes)
     python bench/gpu.py --profile dynamic    # + one step profiled (trainer.profile_steps)
 
@@ -13,7 +13,8 @@ generation and training time, generated tokens/s and peak memory, the update's m
 also the share of its bf16 peak: MFU), then the ratio lines last:
 `ratio step_time treadle/trl <workload>: <r>` for every workload, then `ratio peak_memory ...`.
 The sides run one at a time: every workload's TRL run and treadle's on the first `--cache`,
-then treadle's on the other caches, the workload of the most decoding steps first. One that
+then treadle's on the other caches in their order, the workload of the most decoding steps
+first. One that
 fails, or is still running at `--deadline-s` (killed then, and the later ones not started), is
 named in the report with its reason, the others' numbers still printed; a killed one that had
 finished more than `--warmup` steps is measured on those, and the report says where it was
@@ -38,10 +39,11 @@ over all samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's defau
 row computed (treadle `actor.skip_zero_advantage=false`). TRL generates the step's samples in
 one `generate` call; treadle's hf engine in one too (`rollout.micro_batch_size` = the step's
 samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room) and syncs the
-weights into it after the update. `--cache dynamic,static` runs treadle's side once on each
-KV cache (`rollout.cache_implementation`; static: preallocated, its decoding step compiled by
-transformers on a GPU) against one TRL run, a table and ratio lines for each (`<workload>
-static` in the ratio lines). The rewards differ (TRL's last-number check, treadle's length
+weights into it after the update. `--cache dynamic,paged,static` runs treadle's side once on
+each KV cache (`rollout.cache_implementation`; static: preallocated, its decoding step compiled
+by transformers on a GPU; paged: transformers' continuous batching, CUDA graphs on a GPU)
+against one TRL run, a table and ratio lines for each (`<workload> static` in the ratio
+lines). The rewards differ (TRL's last-number check, treadle's length
 rule) and change only the advantages' values, not the work.
 
 Measured per step: step (TRL: `on_step_begin` to `on_step_end`; treadle: `timing/step`),
@@ -83,6 +85,7 @@ GIB = float(1 << 30)
 # treadle's length rule: rewards that vary within a group (TRL's side has its own)
 REWARD = "def score(prompt, response, ground_truth):\n    return (len(response) % 7) / 6\n"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
+CACHES = ("dynamic", "static", "paged")  # rollout.cache_implementation's values
 
 
 @dataclass(frozen=True)
@@ -393,7 +396,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, str]]:
         (name, side) for name in args.workloads for side in ("trl", f"treadle_{args.caches[0]}")
     ]
     longest = sorted(args.workloads, key=lambda name: -WORKLOADS[name].new_tokens)
-    rest = [(name, f"treadle_{cache}") for cache in args.caches[1:] for name in longest]
+    rest = [(name, f"treadle_{cache}") for name in longest for cache in args.caches[1:]]
     return first + rest
 
 
@@ -637,11 +640,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-tokens", type=int, default=16384, help="treadle's tokens a fwd/bwd")
     p.add_argument("--threads", type=int, default=None, help="torch threads (GPU: up to 8)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
-    p.add_argument("--cache", default="dynamic", help="treadle's KV caches: dynamic,static")
+    p.add_argument(
+        "--cache", default="dynamic", help="treadle's KV caches, of dynamic, static and paged"
+    )
     p.add_argument(
         "--profile",
         default="",
-        help="KV caches (dynamic,static) whose treadle sides run one more step, profiled "
+        help="KV caches (of --cache) whose treadle sides run one more step, profiled "
         "(trainer.profile_steps) and left out of the measurement",
     )
     p.add_argument("--workdir", default=str(ROOT / "runs" / "gpu_bench"))
@@ -664,8 +669,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.workloads:
         p.error(f"--workloads: unknown {unknown}; choose from smollm2, 1.4b (or --tiny)")
     args.caches = [c.strip() for c in args.cache.split(",")]
-    if not set(args.caches) <= {"dynamic", "static"} or len(set(args.caches)) < len(args.caches):
-        p.error(f"--cache: {args.cache!r}; give dynamic, static or dynamic,static")
+    if not set(args.caches) <= set(CACHES) or len(set(args.caches)) < len(args.caches):
+        p.error(f"--cache: {args.cache!r}; give some of {', '.join(CACHES)}, each once")
     args.profile = [c.strip() for c in args.profile.split(",") if c.strip()]
     if not set(args.profile) <= set(args.caches):
         p.error(f"--profile: {args.profile} are not among --cache {args.caches}")

@@ -118,6 +118,7 @@ def test_the_tiny_flag_the_workloads_and_the_caches(bench, tmp_path):
     assert bench.parse_args(["--device", "cpu"]).workloads == ["smollm2", "1.4b"]
     with pytest.raises(SystemExit):
         bench.parse_args(["--workloads", "smollm2,7b", "--device", "cpu"])
+    assert bench.parse_args(["--cache", "paged", "--device", "cpu"]).caches == ["paged"]
     for bad in ("compiled", "static,static"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--cache", bad, "--device", "cpu"])
@@ -149,15 +150,17 @@ def test_one_trl_run_against_each_cache(bench):
 
 
 def test_the_sides_run_in_order_of_what_matters_most(bench):
-    """Every workload's TRL run and treadle's first cache, then treadle's other caches, the
-    1.4b workload's first (256 decoding steps a sample against 64)."""
-    args = bench.parse_args(["--device", "cpu", "--cache", "dynamic,static"])
+    """Every workload's TRL run and treadle's first cache, then treadle's other caches in
+    their order, the 1.4b workload's first (256 decoding steps a sample against 64)."""
+    args = bench.parse_args(["--device", "cpu", "--cache", "dynamic,paged,static"])
     assert bench.plan(args) == [
         ("smollm2", "trl"),
         ("smollm2", "treadle_dynamic"),
         ("1.4b", "trl"),
         ("1.4b", "treadle_dynamic"),
+        ("1.4b", "treadle_paged"),
         ("1.4b", "treadle_static"),
+        ("smollm2", "treadle_paged"),
         ("smollm2", "treadle_static"),
     ]
     with pytest.raises(SystemExit):

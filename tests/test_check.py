@@ -362,6 +362,10 @@ CROSS_FIELD = [
         ["rollout.cache_implementation=static", "rollout.engine=vllm"],
         r"rollout\.cache_implementation=static is the hf engine's .*set rollout\.engine=hf",
     ),
+    (
+        ["rollout.cache_implementation=paged", "rollout.engine=vllm"],
+        r"rollout\.cache_implementation=paged is the hf engine's .*set rollout\.engine=hf",
+    ),
 ]
 
 

@@ -190,6 +190,11 @@ def test_treadle_check_names_an_images_column_for_a_text_only_model(
             r"actor\.sequence_parallel_size=2: model\.path is a vision-language model; its "
             r"layers are trained data parallel only",
         ),
+        (
+            "rollout.cache_implementation=paged",
+            r"rollout\.cache_implementation=paged: model\.path is a vision-language model; "
+            r"transformers' continuous batching takes no pictures",
+        ),
     ],
 )
 def test_what_a_vision_language_model_does_not_go_with(

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from static_cache import static_answers_as_dynamic
+from kv_caches import answers_as_dynamic
 from transformers import AutoConfig
 
 from treadle.engines import inference
@@ -209,7 +209,8 @@ def test_a_compiled_static_cache_reads_weights_updated_in_place(tiny_task):
     config = CompileConfig()
     config._compile_all_devices = True
     model.generation_config.compile_config = config
-    before, after = static_answers_as_dynamic(model, load_tokenizer(path), scale=0.5, atol=1e-4)
+    tok = load_tokenizer(path)
+    before, after = answers_as_dynamic(model, tok, "static", scale=0.5, atol=1e-4)
     assert hasattr(model, "_compiled_call")  # it did compile
     assert before != after  # the update changed the answers
 
@@ -219,7 +220,7 @@ def test_rollout_cache_implementation_reaches_the_engine(tiny_task):
     from treadle.serving.replica import make_engine
 
     path = str(tiny_task["model"])
-    for cache in ("dynamic", "static"):
+    for cache in ("dynamic", "static", "paged"):
         cfg = load_config(None, [f"model.path={path}", f"rollout.cache_implementation={cache}"])
         engine = make_engine(cfg, path, torch.device("cpu"))
         assert isinstance(engine, HFRolloutEngine)

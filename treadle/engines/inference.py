@@ -28,9 +28,13 @@ rollout: plain ``generate`` with a KV cache on a left-padded batch. ``cache="sta
 (``rollout.cache_implementation``, TRL's setting of that name) preallocates the cache for the
 prompt width, rounded up to a multiple of :data:`STATIC_WIDTH`, plus ``max_new_tokens``; on a
 GPU transformers then compiles the decoding step (``torch.compile``, CUDA graphs), again for
-each new batch size or cache length, which the rounding keeps few.
+each new batch size or cache length, which the rounding keeps few. ``cache="paged"`` hands the
+batch to transformers' continuous batching (``generate_batch``) on its paged cache: sequences
+are scheduled one by one, a finished one's pages go to a waiting one, and on a GPU its steps run
+as CUDA graphs (:meth:`HFRolloutEngine._generate_paged`).
 Log-probs are taken from the raw logits divided by the temperature (the policy the actor
-trains), not from the top-p/top-k-filtered scores. A token is drawn by the Gumbel-max trick
+trains), not from the top-p/top-k-filtered scores (except on the paged cache: there, as
+vLLM's, they are the filtered ones'). A token is drawn by the Gumbel-max trick
 (:class:`GumbelSample`, the last processor: ``generate`` then takes the argmax), the law of
 ``generate``'s own softmax and multinomial at less cost on a CPU.
 ``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
@@ -239,7 +243,8 @@ class GumbelSample(LogitsProcessor):
 
 STATIC_WIDTH = 64  # a static cache's prompt width is a multiple of it (fewer shapes to compile)
 
-Cache = Literal["dynamic", "static"]
+Cache = Literal["dynamic", "static", "paged"]
+PAGE = 256  # tokens a block of transformers' paged cache holds (its default)
 
 
 def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> int:
@@ -280,6 +285,27 @@ def chunk_size(budget: int | None, per_sequence: int, most: int) -> int:
     if budget is None:
         return most
     return max(1, min(most, budget // max(per_sequence, 1)))
+
+
+def paged_size(
+    device: torch.device, longest: int, new: int, together: int, utilization: float
+) -> dict[str, Any]:
+    """The size of transformers' paged cache for sequences of at most ``longest`` prompt and
+    ``new`` generated tokens, ``together`` of them decoded at a time. On CUDA: what
+    ``utilization`` leaves (:func:`generation_budget`), given as the share of the free memory
+    transformers sizes its cache and batch from. On a CPU (where transformers would take 90% of
+    the machine's memory): pages of :data:`PAGE` tokens for ``together`` whole sequences, their
+    prompts prefilled 2,048 tokens a forward (a whole prompt if longer)."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # transformers counts torch's cached blocks as taken
+        budget = generation_budget(device, utilization) or 0
+        free = torch.cuda.mem_get_info(device)[0]
+        return {"max_memory_percent": max(min(budget / max(free, 1), 1.0), 1e-6)}
+    pages = -(-(longest + new) // PAGE)
+    return {
+        "num_blocks": together * pages,
+        "max_batch_tokens": min(together * longest, max(2048, longest)),
+    }
 
 
 class HFRolloutEngine:
@@ -328,6 +354,14 @@ class HFRolloutEngine:
         expanded = [p for p in prompts for _ in range(params.n)]
         pictures = [x for x in pixel_values or [None] * len(prompts) for _ in range(params.n)]
         out = RolloutOutput()
+        if self.cache == "paged":
+            if any(x is not None for x in pictures):
+                raise ValueError(
+                    "rollout.cache_implementation=paged generates from text prompts only; a "
+                    "vision-language model's pictures need dynamic or static"
+                )
+            self._generate_paged(expanded, params, out)
+            return out
         torch.manual_seed(params.seed)
         size = self.chunk(expanded, params)
         for start in range(0, len(expanded), size):
@@ -377,6 +411,69 @@ class HFRolloutEngine:
             if top is not None:
                 out.top_log_probs.append(top[0][k, :length].tolist())
                 out.top_ids.append(top[1][k, :length].tolist())
+
+    def _generate_paged(
+        self, prompts: list[list[int]], params: SamplingParams, out: RolloutOutput
+    ) -> None:
+        """transformers' continuous batching (``generate_batch``) on its paged KV cache: each
+        sequence is scheduled on its own, prefill and decoding of different sequences share a
+        forward, and a finished sequence's pages go to a waiting one. Its log-probs are those
+        of the processed scores (``return_logprobs``): ``log_softmax(logits / T)`` without
+        top-k/top-p, the truncated distribution's with them, as vLLM's (``top_logprobs``: none)."""
+        from transformers import GenerationConfig
+
+        greedy = params.temperature == 0
+        stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
+        config = GenerationConfig(
+            do_sample=not greedy,
+            temperature=None if greedy else params.temperature,
+            top_k=params.top_k if params.top_k > 0 and not greedy else None,
+            top_p=params.top_p if params.top_p < 1 and not greedy else None,
+            max_new_tokens=params.max_new_tokens,
+            eos_token_id=stops or -1,  # -1: nothing ends a sequence but its length
+            pad_token_id=self.pad,
+        )
+        results = list(
+            self.model.generate_batch(
+                prompts,
+                generation_config=config,
+                continuous_batching_config=self._paged_config(prompts, params),
+                progress_bar=False,
+            ).values()
+        )
+        failed = [r.error for r in results if r.error is not None]
+        if len(results) != len(prompts) or failed:
+            raise RuntimeError(
+                f"the paged KV cache's generation (transformers' generate_batch) returned "
+                f"{len(results) - len(failed)} of {len(prompts)} sequences"
+                + (f": {failed[0]}" if failed else "; transformers logged why")
+            )
+        for prompt, result in zip(prompts, results, strict=True):
+            assert result.prompt_ids == prompt, "generate_batch answered out of order"
+            row, logps = result.generated_tokens, result.logprobs
+            end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
+            length = end if end is not None else len(row)
+            out.token_ids.append(row[:length])
+            out.log_probs.append(logps[:length])
+            out.stop_reasons.append("stop" if end is not None else "length")
+
+    def _paged_config(self, prompts: list[list[int]], params: SamplingParams) -> Any:
+        """transformers' ``ContinuousBatchingConfig``: log-probs returned, ``params.seed``
+        seeding the draws, at most ``micro_batch_size`` sequences decoded together, the cache
+        sized by :func:`paged_size`."""
+        from transformers.generation import ContinuousBatchingConfig
+
+        together = min(len(prompts), self.micro_batch_size)
+        size = paged_size(
+            next(self.model.parameters()).device,
+            max(len(p) for p in prompts),
+            params.max_new_tokens,
+            together,
+            self.gpu_memory_utilization,
+        )
+        return ContinuousBatchingConfig(
+            return_logprobs=True, seed=params.seed, max_requests_per_batch=together, **size
+        )
 
     def _width(self, prompts: list[list[int]]) -> int:
         """The left-padded batch's width: its longest prompt, rounded up to a multiple of

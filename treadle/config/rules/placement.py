@@ -57,10 +57,10 @@ def check_rollout(
             f"rollout.tensor_parallel_size={tp} needs rollout.placement=split (a colocated "
             "replica lives in one actor rank's process, on its one device); on CPU set it to 1"
         )
-    if rollout.cache_implementation == "static" and rollout.engine != "hf":
+    if rollout.cache_implementation != "dynamic" and rollout.engine != "hf":
         yield (
-            "rollout.cache_implementation=static is the hf engine's (vLLM pages its own KV "
-            "cache): set rollout.engine=hf or drop it"
+            f"rollout.cache_implementation={rollout.cache_implementation} is the hf engine's "
+            "(vLLM pages its own KV cache): set rollout.engine=hf or drop it"
         )
     if rollout.placement == "colocated":
         if rollout.replicas is not None and rollout.replicas != actor.world_size:

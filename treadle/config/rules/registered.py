@@ -89,7 +89,8 @@ def _vision_config(path: str) -> bool:
 def vision_language_problems(cfg: Sections, kind: Kind) -> list[str]:
     """What a vision-language ``model.path`` (its config.json has a ``vision_config``) does not
     go with: pictures reach the actor, its reference and either rollout engine (transformers,
-    vLLM); value models, LoRA and the pair/example readers take none."""
+    vLLM; not the hf engine's paged cache); value models, LoRA and the pair/example readers
+    take none."""
     if not _vision_config(cfg.model.path):
         return []
     vlm = "model.path is a vision-language model"
@@ -109,6 +110,11 @@ def vision_language_problems(cfg: Sections, kind: Kind) -> list[str]:
         )
     if kind in ("dpo", "kto", "rm", "distill"):
         problems.append(f"treadle {kind}: {vlm}; images go with train, sft and eval only")
+    if cfg.rollout.cache_implementation == "paged":
+        problems.append(
+            f"rollout.cache_implementation=paged: {vlm}; transformers' continuous batching "
+            "takes no pictures: use dynamic or static"
+        )
     return problems
 
 

@@ -1,24 +1,26 @@
-"""The hf engine's static KV cache against its dynamic one, before and after the weights are
-copied in place as the weight sync does: checked on the CPU with the decoding step compiled by
-force (``tests/engines/test_hf_generate.py``) and on a GPU, CUDA graphs and all
-(``tests/gpu/test_static_cache_gpu.py``)."""
+"""The hf engine's static and paged KV caches against its dynamic one, before and after the
+weights are copied in place as the weight sync does: checked on the CPU (the static cache's
+decoding step compiled by force, ``tests/engines/test_hf_generate.py``) and on a GPU, CUDA
+graphs and all (``tests/gpu/test_kv_caches_gpu.py``)."""
 
 from __future__ import annotations
 
 import torch
 
-from treadle.engines.inference import HFRolloutEngine, SamplingParams
+from treadle.engines.inference import Cache, HFRolloutEngine, SamplingParams
 
 
-def static_answers_as_dynamic(model, tok, scale: float, atol: float) -> list[list[list[int]]]:
-    """Greedy answers of both caches to four prompts, twice each from the static one (the
-    second call runs the compiled step), before and after ``scale`` x noise is added to every
-    weight in place; the dynamic cache's answers, before and after."""
+def answers_as_dynamic(
+    model, tok, cache: Cache, scale: float, atol: float
+) -> list[list[list[int]]]:
+    """Greedy answers of the dynamic cache and of ``cache`` to four prompts, twice each from
+    ``cache`` (the static cache's second call runs the compiled step), before and after ``scale``
+    x noise is added to every weight in place; the dynamic cache's answers, before and after."""
     ps = [tok(t)["input_ids"] for t in ("1+2=", "13+4= ", "7 + 8 =", "20+20=40 ; 3+3=")]
     params = SamplingParams(n=2, temperature=0.0, max_new_tokens=8, ignore_eos=True)
     engines = {
         c: HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache=c)
-        for c in ("dynamic", "static")
+        for c in ("dynamic", cache)
     }
     answers = []
     for update in range(2):
@@ -30,7 +32,7 @@ def static_answers_as_dynamic(model, tok, scale: float, atol: float) -> list[lis
             )
         want = engines["dynamic"].generate(ps, params)
         for _ in range(2):
-            got = engines["static"].generate(ps, params)
+            got = engines[cache].generate(ps, params)
             assert got.token_ids == want.token_ids, update
             for a, b in zip(got.log_probs, want.log_probs, strict=True):
                 torch.testing.assert_close(torch.tensor(a), torch.tensor(b), atol=atol, rtol=0)
