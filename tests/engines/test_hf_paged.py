@@ -11,7 +11,7 @@ from kv_caches import answers_as_dynamic
 from test_hf_generate import forward_log_probs, prompts
 
 from treadle.engines import inference
-from treadle.engines.inference import HFRolloutEngine, SamplingParams, paged_size
+from treadle.engines.inference import HFRolloutEngine, SamplingParams, kv_bytes, paged_size
 from treadle.models.loading import load_causal_lm, load_tokenizer
 
 
@@ -106,20 +106,40 @@ def test_pictures_are_refused_by_name(model_and_tok):
 
 
 def test_paged_size_by_hand(monkeypatch):
-    cpu = torch.device("cpu")
+    cpu, per = torch.device("cpu"), 1000  # bytes a token
     # 40 + 300 tokens take 2 pages of 256; 8 sequences at a time; their prompts in a forward
-    assert paged_size(cpu, 40, 300, 8, 0.5) == {"num_blocks": 16, "max_batch_tokens": 320}
+    assert paged_size(per, cpu, 40, 300, 8, 0.5) == {"num_blocks": 16, "max_batch_tokens": 320}
     # 64 prompts of 100: 2,048 prompt tokens a forward; a 3,000-token prompt whole
-    assert paged_size(cpu, 100, 20, 64, 0.5)["max_batch_tokens"] == 2048
-    assert paged_size(cpu, 3000, 20, 8, 0.5) == {"num_blocks": 96, "max_batch_tokens": 3000}
+    assert paged_size(per, cpu, 100, 20, 64, 0.5)["max_batch_tokens"] == 2048
+    assert paged_size(per, cpu, 3000, 20, 8, 0.5) == {"num_blocks": 96, "max_batch_tokens": 3000}
     # CUDA: 0.5 of 100 GiB less 30 held (20 GiB budget) is 0.4 of the 50 GiB free
-    gib = 1 << 30
+    gib, cuda = 1 << 30, torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (50 * gib, 100 * gib))
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device: 30 * gib)
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device: 30 * gib)
-    got = paged_size(torch.device("cuda"), 40, 300, 8, 0.5)
-    assert got == {"max_memory_percent": pytest.approx(0.4)}
+    got = paged_size(per, cuda, 40, 300, 8, 0.5)
+    share = {"max_memory_percent": pytest.approx(0.4)}
+    assert got == {**share, "num_blocks": 16, "max_batch_tokens": 320}
+    # 64 prompts of 200: 8,192 prompt tokens a forward on CUDA
+    assert paged_size(per, cuda, 200, 20, 64, 0.5)["max_batch_tokens"] == 8192
+    # pages over a quarter of the budget (16 x 256 tokens of 1.4 MB: 5.3 GiB): transformers
+    # fills it
+    assert paged_size(1_400_000, cuda, 40, 300, 8, 0.5) == share
     # nothing left: the smallest share, which transformers refuses by its sizes
     monkeypatch.setattr(inference, "generation_budget", lambda device, u: 0)
-    assert paged_size(torch.device("cuda"), 40, 300, 8, 0.5)["max_memory_percent"] == 1e-6
+    assert paged_size(per, cuda, 40, 300, 8, 0.5) == {"max_memory_percent": 1e-6}
+
+
+def test_kv_bytes_of_the_1_4b_workload_by_hand():
+    """28 layers, 2 key/value heads of 128, bf16: K and V of a token."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(
+        "qwen2",
+        hidden_size=1536,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+    )
+    assert kv_bytes(config, torch.bfloat16) == 2 * 28 * 2 * 128 * 2 == 28_672

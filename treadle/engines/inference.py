@@ -245,6 +245,17 @@ STATIC_WIDTH = 64  # a static cache's prompt width is a multiple of it (fewer sh
 
 Cache = Literal["dynamic", "static", "paged"]
 PAGE = 256  # tokens a block of transformers' paged cache holds (its default)
+PREFILL = {False: 2048, True: 8192}  # prompt tokens a paged forward takes, on a CPU / CUDA
+
+
+def kv_bytes(config: Any, dtype: torch.dtype) -> int:
+    """Bytes one token's keys and values take in a KV cache, over all layers. ``config``: the
+    model's (its text part for a vision-language one)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
 
 
 def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> int:
@@ -255,11 +266,8 @@ def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> in
     kept one layer at a time). ``config``: the model's (its text part for a vision-language
     one)."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
     width = dtype.itemsize
-    kv = 2 * text.num_hidden_layers * kv_heads * head_dim * (prompt + new) * width
+    kv = kv_bytes(config, dtype) * (prompt + new)
     scores = 4 * text.vocab_size * 4
     intermediate = getattr(text, "intermediate_size", 4 * text.hidden_size)
     prefill = prompt * (4 * text.hidden_size + 3 * intermediate) * width
@@ -288,24 +296,35 @@ def chunk_size(budget: int | None, per_sequence: int, most: int) -> int:
 
 
 def paged_size(
-    device: torch.device, longest: int, new: int, together: int, utilization: float
+    per_token: int,
+    device: torch.device,
+    longest: int,
+    new: int,
+    together: int,
+    utilization: float,
 ) -> dict[str, Any]:
     """The size of transformers' paged cache for sequences of at most ``longest`` prompt and
-    ``new`` generated tokens, ``together`` of them decoded at a time. On CUDA: what
-    ``utilization`` leaves (:func:`generation_budget`), given as the share of the free memory
-    transformers sizes its cache and batch from. On a CPU (where transformers would take 90% of
-    the machine's memory): pages of :data:`PAGE` tokens for ``together`` whole sequences, their
-    prompts prefilled 2,048 tokens a forward (a whole prompt if longer)."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # transformers counts torch's cached blocks as taken
-        budget = generation_budget(device, utilization) or 0
-        free = torch.cuda.mem_get_info(device)[0]
-        return {"max_memory_percent": max(min(budget / max(free, 1), 1.0), 1e-6)}
-    pages = -(-(longest + new) // PAGE)
-    return {
-        "num_blocks": together * pages,
-        "max_batch_tokens": min(together * longest, max(2048, longest)),
+    ``new`` generated tokens, ``together`` of them decoded at a time, ``per_token`` bytes a
+    token (:func:`kv_bytes`): pages of :data:`PAGE` tokens for ``together`` whole sequences,
+    their prompts prefilled :data:`PREFILL` tokens a forward (a whole prompt if longer). On
+    CUDA, within what ``utilization`` leaves (:func:`generation_budget`), given as the share of
+    the free memory transformers sizes its cache and batch from; where those pages would take
+    over a quarter of it, transformers fills it instead (the sequences then wait for pages).
+    On a CPU (where transformers would take 90% of the machine's memory) the pages alone."""
+    cuda = device.type == "cuda"
+    pages = {
+        "num_blocks": together * -(-(longest + new) // PAGE),
+        "max_batch_tokens": min(together * longest, max(PREFILL[cuda], longest)),
     }
+    if not cuda:
+        return pages
+    torch.cuda.empty_cache()  # transformers counts torch's cached blocks as taken
+    budget = generation_budget(device, utilization) or 0
+    free = torch.cuda.mem_get_info(device)[0]
+    share = {"max_memory_percent": max(min(budget / max(free, 1), 1.0), 1e-6)}
+    if 4 * pages["num_blocks"] * PAGE * per_token <= budget:
+        return {**share, **pages}
+    return share
 
 
 class HFRolloutEngine:
@@ -464,8 +483,10 @@ class HFRolloutEngine:
         from transformers.generation import ContinuousBatchingConfig
 
         together = min(len(prompts), self.micro_batch_size)
+        param = next(self.model.parameters())
         size = paged_size(
-            next(self.model.parameters()).device,
+            kv_bytes(self.model.config, param.dtype),
+            param.device,
             max(len(p) for p in prompts),
             params.max_new_tokens,
             together,
