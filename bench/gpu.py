@@ -533,25 +533,20 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
 
 
 # bf16 dense peaks (vendors' data sheets), by a word of the device's name
-PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1}
-
-
 def update_flops(wl: Workload, prompt_tokens: int) -> float:
-    """The model FLOPs of a step's update (PaLM's count, as verl's MFU): 6 x the parameters
-    that multiply (the tied head once) x the tokens, plus attention's 12 x layers x width x
-    each sequence's squared length; norms and biases left out, recomputation not counted."""
-    s = wl.shape
-    h, layers, heads, vocab = (
-        s["hidden_size"],
-        s["num_hidden_layers"],
-        s["num_attention_heads"],
-        s["vocab_size"],
-    )
-    kv = s["num_key_value_heads"] * (h // heads)
-    per_layer = 2 * h * h + 2 * h * kv + 3 * h * s["intermediate_size"]
-    matmul = layers * per_layer + vocab * h
+    """The model FLOPs of a step's update: treadle's count (PaLM's, as verl's MFU:
+    :mod:`treadle.engines.flops`, which its runs log as ``perf/tflops/actor``) over the
+    step's rows of ``prompt_tokens + new_tokens`` tokens."""
+    from transformers import AutoConfig
+
+    from treadle.engines.flops import update_flops as count
+
     rows, length = wl.prompts * wl.n, prompt_tokens + wl.new_tokens
-    return 6.0 * matmul * rows * length + 12.0 * layers * h * rows * length**2
+    flops = count(
+        AutoConfig.for_model(wl.architecture, **wl.shape), rows * length, rows * length**2
+    )
+    assert flops is not None, wl.title  # (a dense shape)
+    return flops
 
 
 def flops_line(args: argparse.Namespace, name: str, sides: dict[str, dict | None]) -> str:
@@ -572,13 +567,15 @@ def flops_line(args: argparse.Namespace, name: str, sides: dict[str, dict | None
 
 
 def device_peak(args: argparse.Namespace) -> float | None:
-    """The GPU's bf16 dense TFLOP/s from :data:`PEAK_TFLOPS`; None on a CPU or another GPU."""
+    """The GPU's bf16 dense TFLOP/s (:data:`treadle.engines.flops.PEAK_TFLOPS`); None on a CPU
+    or another GPU."""
     if args.device != "cuda":
         return None
     import torch
 
-    device = torch.cuda.get_device_name(0)
-    return next((v for k, v in PEAK_TFLOPS.items() if k in device), None)
+    from treadle.engines.flops import peak_tflops
+
+    return peak_tflops(torch.device("cuda", 0))
 
 
 def profiled_step(args: argparse.Namespace) -> int:

@@ -74,6 +74,7 @@ def test_sft_local_lowers_loss_and_exports(tiny_task, tmp_path, capsys):
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == list(range(1, 13))
     assert metrics[-1]["sft/loss"] < 0.7 * metrics[0]["sft/loss"]
+    assert all(m["perf/tflops/sft"] > 0 for m in metrics)  # the update's model FLOP rate
     assert (out / "final_model" / "model.safetensors").is_file()
     assert (out / "checkpoints" / "step_12" / "optimizer.safetensors").is_file()
     assert "held-out accuracy:" in capsys.readouterr().out

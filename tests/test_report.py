@@ -334,6 +334,31 @@ def test_a_gpu_run_has_its_peak_memory_panel_and_summary(tmp_path):
     assert "<th>peak device memory</th><td>5.00 GiB (6.50 GiB reserved)</td>" in page
 
 
+def test_the_updates_flop_rates_have_their_panels():
+    """``perf/tflops/<role>`` on any device, ``perf/mfu/<role>`` on a GPU of known peak: one
+    panel each, not the rest's."""
+    records = [
+        {
+            "step": s,
+            "timing/step": 1.0,
+            "perf/tflops/actor": 300.0 + s,
+            "perf/tflops/critic": 200.0,
+            "perf/mfu/actor": (300.0 + s) / 989.4,
+            "perf/max_memory_allocated_gib": 5.0,
+        }
+        for s in (1, 2)
+    ]
+    figs = dict(figures(numeric_series(records)))
+    rates = figs["Training TFLOP/s a device"].data
+    assert [t.name for t in rates] == ["perf/tflops/actor", "perf/tflops/critic"]
+    assert list(rates[0].y) == [301.0, 302.0]
+    (mfu,) = figs["MFU (share of the GPU's bf16 peak)"].data
+    assert mfu.name == "perf/mfu/actor" and list(mfu.y) == pytest.approx([301 / 989.4, 302 / 989.4])
+    assert [t.name for t in figs["Peak device memory (GiB)"].data] == [
+        "perf/max_memory_allocated_gib"
+    ]
+
+
 def test_ray_workers_peaks_make_the_summary_s_peak(tmp_path):
     """With Ray workers only their updates report peaks (no step's): the summary shows the
     highest of them."""

@@ -115,6 +115,24 @@ class GradWorker(Worker):
         metrics = self.engine.train_step(mb, nothing_to_learn)
         return metrics, before, self._weights(), adam, state()
 
+    @register(Dispatch.ALL, Collect.RANK0)
+    def timed_step(self, batch: Batch, micro: int) -> dict[str, float]:
+        """``train_step`` in micro-batches of ``micro`` rows, each loss with a gradient-free
+        forward beside (a reference's, say), on a clock that says 2 s went by."""
+        from treadle.engines import fsdp
+
+        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            with torch.no_grad():
+                self._nll(mb)
+            return self._nll(mb)
+
+        clock = iter([10.0, 12.0])
+        real, fsdp.perf_counter = fsdp.perf_counter, lambda: next(clock)
+        try:
+            return self.engine.train_step(batch.split(micro), loss_fn, prefix="x/")
+        finally:
+            fsdp.perf_counter = real
+
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:
         with torch.no_grad():
@@ -237,13 +255,42 @@ def test_train_step_sums_micro_batches_into_one_optimizer_step(tiny_task):
         finally:
             group.shutdown()
     (whole, grads_a), (parts, grads_b) = runs
-    assert set(parts) == {"nll", "tokens", "x/grad_norm", "x/lr", "x/update_ratio"}
+    assert set(parts) == {
+        "nll",
+        "tokens",
+        "x/grad_norm",
+        "x/lr",
+        "x/update_ratio",
+        "perf/tflops/x",  # (no perf/mfu/x: a CPU has no known peak)
+    }
     assert parts["tokens"] == whole["tokens"] == float(batch["rmask"].sum())
     assert parts["nll"] == pytest.approx(whole["nll"], rel=1e-6)
     assert parts["x/grad_norm"] == pytest.approx(whole["x/grad_norm"], rel=1e-5)
     assert whole["x/grad_norm"] > 0 and whole["x/lr"] == pytest.approx(1e-3)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5)
+
+
+def test_train_step_rates_the_model_flops_of_its_forwards(tiny_task):
+    """``perf/tflops/<role>``: the rows the step's graph-building forwards took (the batch's
+    lengths 9, 8, 10, 10, in one micro-batch or four; the gradient-free forward beside each
+    not counted), by treadle's count, over the step's 2 s."""
+    from transformers import AutoConfig
+
+    from treadle.engines.flops import update_flops
+
+    path = str(tiny_task["model"])
+    batch = make_batch(vocab=100)
+    assert batch["attention_mask"].sum(-1).tolist() == [9, 8, 10, 10]
+    want = update_flops(AutoConfig.from_pretrained(path), 37, 81 + 64 + 100 + 100) / 2 / 1e12
+    group = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs={"model_path": path})
+    try:
+        for micro in (4, 1):
+            got = group.timed_step(batch, micro)
+            assert got["perf/tflops/x"] == pytest.approx(want, rel=1e-12)
+            assert "perf/mfu/x" not in got
+    finally:
+        group.shutdown()
 
 
 @pytest.mark.parametrize("decay", [0.0, 5.0])  # 5: lr·wd as large as the Adam step

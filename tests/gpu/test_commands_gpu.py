@@ -15,6 +15,7 @@ from gpu_runs import GPU, PRECISIONS
 from safetensors.torch import load_file
 
 from treadle.cli import main
+from treadle.engines.flops import peak_tflops
 from treadle.tracking.tracker import read_metrics
 
 pytestmark = GPU
@@ -43,8 +44,11 @@ def test_a_command_runs_two_steps_on_the_gpu(
         return
     metrics = read_metrics(out)
     assert [m["step"] for m in metrics] == [1, 2]
+    known_peak = peak_tflops(torch.device("cuda")) is not None
     for m in metrics:
         assert m["perf/max_memory_allocated_gib"] > 0  # it ran on the GPU
+        rates = {k: v for k, v in m.items() if k.startswith("perf/mfu/")}
+        assert bool(rates) == known_peak and all(0 < v < 1 for v in rates.values()), rates
         assert m["perf/max_memory_reserved_gib"] >= m["perf/max_memory_allocated_gib"]
         losses = {k: v for k, v in m.items() if k.endswith(("loss", "grad_norm", "/kl", "jsd"))}
         assert losses and all(math.isfinite(v) for v in losses.values()), losses

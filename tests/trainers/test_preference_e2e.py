@@ -281,7 +281,8 @@ def test_kto_two_ranks_match_one(tiny_task, ray_session) -> None:  # type: ignor
     assert batch["labels"].tolist() == [1, 1, 1, 0, 1, 1, 0, 0]  # ranks get 3:1 and 2:2
     assert one["kto/kl"] > 0.1  # the moved policy: a real reference point
     for key, value in one.items():
-        assert two[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+        if not key.startswith("perf/"):  # (rates: timed)
+            assert two[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
 
 
 def test_kto_from_python_takes_a_dataset_in_trls_unpaired_format(tiny_task, tmp_path) -> None:  # type: ignore[no-untyped-def]

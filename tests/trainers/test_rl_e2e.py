@@ -28,6 +28,7 @@ REQUIRED = {
     "timing/generate",
     "timing/update_actor",
     "throughput/tokens_per_s",
+    "perf/tflops/actor",  # the update's model FLOP rate (local, or the Ray ranks' mean)
 }
 
 
@@ -75,6 +76,7 @@ def check_run(task, out, steps: int) -> list[dict]:
         assert 0.0 < m["reward/mean"] < 1.0
         assert 1.0 <= m["response/length_mean"] <= 16.0
         assert m["actor/grad_norm"] > 0
+        assert m["perf/tflops/actor"] > 0 and "perf/mfu/actor" not in m  # (a CPU: no peak)
     assert (out / "config.yaml").is_file()
     assert (out / f"checkpoints/step_{steps}/state.json").is_file()
     assert json.loads((out / f"checkpoints/step_{steps}/state.json").read_text())["step"] == steps

@@ -56,7 +56,8 @@ def step(engine: TrainEngine, vocab: int) -> dict[str, float]:
         return -logp.mean(), {}
 
     micro = Batch.from_dict(tensors={"input_ids": ids, "attention_mask": mask})
-    return engine.train_step([micro], loss)
+    out = engine.train_step([micro], loss)
+    return {k: v for k, v in out.items() if not k.startswith("perf/")}  # (rates: timed)
 
 
 def full(engine: TrainEngine) -> dict[str, torch.Tensor]:

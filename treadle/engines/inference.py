@@ -101,6 +101,16 @@ class RolloutOutput:
     top_ids: list[list[list[int]]] = field(default_factory=list)  # params.top_logprobs > 0
     top_log_probs: list[list[list[float]]] = field(default_factory=list)
 
+    def add(self, tokens: list[int], log_probs: list[float], stops: list[int]) -> int:
+        """One generated sequence, cut after its first token of ``stops`` (``"stop"``) or
+        whole (``"length"``); returns the length kept."""
+        end = next((i + 1 for i, t in enumerate(tokens) if t in stops), None)
+        length = end if end is not None else len(tokens)
+        self.token_ids.append(tokens[:length])
+        self.log_probs.append(log_probs[:length])
+        self.stop_reasons.append("stop" if end is not None else "length")
+        return length
+
 
 @dataclass(frozen=True)
 class Finished:
@@ -422,11 +432,7 @@ class HFRolloutEngine:
         top = record.top()
         seqs = sequences[:, width:].cpu()
         for k, (row, lp) in enumerate(zip(seqs.tolist(), logps.tolist(), strict=True)):
-            end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
-            length = end if end is not None else len(row)
-            out.token_ids.append(row[:length])
-            out.log_probs.append(lp[:length])
-            out.stop_reasons.append("stop" if end is not None else "length")
+            length = out.add(row, lp, stops)
             if top is not None:
                 out.top_log_probs.append(top[0][k, :length].tolist())
                 out.top_ids.append(top[1][k, :length].tolist())
@@ -441,6 +447,8 @@ class HFRolloutEngine:
         top-k/top-p, the truncated distribution's with them, as vLLM's (``top_logprobs``: none)."""
         from transformers import GenerationConfig
 
+        if not prompts:
+            return
         greedy = params.temperature == 0
         stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
         config = GenerationConfig(
@@ -469,12 +477,7 @@ class HFRolloutEngine:
             )
         for prompt, result in zip(prompts, results, strict=True):
             assert result.prompt_ids == prompt, "generate_batch answered out of order"
-            row, logps = result.generated_tokens, result.logprobs
-            end = next((i + 1 for i, t in enumerate(row) if t in stops), None)
-            length = end if end is not None else len(row)
-            out.token_ids.append(row[:length])
-            out.log_probs.append(logps[:length])
-            out.stop_reasons.append("stop" if end is not None else "length")
+            out.add(result.generated_tokens, result.logprobs, stops)
 
     def _paged_config(self, prompts: list[list[int]], params: SamplingParams) -> Any:
         """transformers' ``ContinuousBatchingConfig``: log-probs returned, ``params.seed``

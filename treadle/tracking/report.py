@@ -58,6 +58,9 @@ PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Response length", ("response/*length*",)),
     ("Clip fraction", ("*/clip_frac", "*/*clipfrac")),
     ("Throughput", ("throughput/*",)),
+    # each update's model FLOPs over its time, a device's (treadle.engines.flops)
+    ("Training TFLOP/s a device", ("perf/tflops/*",)),
+    ("MFU (share of the GPU's bf16 peak)", ("perf/mfu/*",)),
     # a run on a GPU: each phase's peak and the step's, or a Ray worker's update's (tracker)
     ("Peak device memory (GiB)", ("perf/max_memory_*",)),
 )

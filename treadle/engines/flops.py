@@ -1,0 +1,85 @@
+"""The model FLOPs of a training update and a GPU's peak: the MFU verl logs (``perf/mfu/actor``).
+
+A forward and backward over a sequence of ``s`` tokens costs PaLM's count (Chowdhery et al.
+2022, appendix B; verl's ``FlopsCounter``): 6 x the parameters that multiply (each decoder
+layer's projections and MLP, and the LM head once, tied or not; the embedding is a lookup) x
+``s``, plus attention's scores and weighted sum, 12 x layers x the query width x ``s``².
+Norms, biases and the softmax are left out, and so is what gradient checkpointing computes
+again: these are the FLOPs the model needs, not the ones the device ran. A value model's head
+(one output) counts as a vocabulary of 1.
+
+The training engine counts the rows of every forward that builds a graph
+(:class:`~treadle.engines.fsdp.TrainEngine`), so each PPO epoch counts, and a prompt several
+rows share (``actor.share_prompts``) counts once a row, as in verl.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+# bf16 dense tensor-core TFLOP/s (no sparsity), by a part of the name CUDA gives the device
+PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1}
+
+
+def _text(config: Any) -> Any:
+    """The language model's part of a model's config (a vision-language model's text part)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def matmul_params(config: Any, head_outputs: int | None = None) -> int | None:
+    """Parameters that multiply a token's activations: per layer the query, key, value and
+    output projections and the gated MLP's three matrices, plus the head (``head_outputs``
+    wide, default the vocabulary). None for a shape this count does not describe (a mixture
+    of experts, or a config without these sizes)."""
+    text = _text(config)
+    if getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None):
+        return None
+    try:
+        h, layers, heads = text.hidden_size, text.num_hidden_layers, text.num_attention_heads
+        mlp = text.intermediate_size
+        vocab = text.vocab_size if head_outputs is None else head_outputs
+    except AttributeError:
+        return None
+    head_dim = getattr(text, "head_dim", None) or h // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    q, kv = heads * head_dim, kv_heads * head_dim
+    per_layer = 2 * h * q + 2 * h * kv + 3 * h * mlp
+    return int(layers * per_layer + vocab * h)
+
+
+def update_flops(
+    config: Any, tokens: float, squares: float, head_outputs: int | None = None
+) -> float | None:
+    """A forward and backward over sequences of ``tokens`` tokens in all, ``squares`` the sum
+    of their squared lengths (see the module docstring); None where :func:`matmul_params` is."""
+    params = matmul_params(config, head_outputs)
+    if params is None:
+        return None
+    text = _text(config)
+    q = text.num_attention_heads * (
+        getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    )
+    return 6.0 * params * tokens + 12.0 * text.num_hidden_layers * q * squares
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    """The bf16 dense TFLOP/s of a GPU named in :data:`PEAK_TFLOPS`; None on a CPU or another
+    GPU."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((v for k, v in PEAK_TFLOPS.items() if k in name), None)
+
+
+def speed_metrics(role: str, flops: float, seconds: float, peak: float | None) -> dict[str, float]:
+    """``perf/tflops/<role>``: model TFLOP/s this device reached over ``seconds``; and where
+    its ``peak`` is known, ``perf/mfu/<role>``, that rate's share of it."""
+    if seconds <= 0:
+        return {}
+    rate = flops / seconds / 1e12
+    out = {f"perf/tflops/{role}": rate}
+    if peak:
+        out[f"perf/mfu/{role}"] = rate / peak
+    return out
