@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (/work/shared/GPU.md): the wheels it lacks, then
-#   tests   tests/gpu and tests/engines/test_cuda.py, a line a test     (240 s at most)
+#   tests   tests/gpu and tests/engines/test_cuda.py, a line a test, in 4 processes (240 s at
+#           most)
 #   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic; then paged, with
 #           transformers' continuous batching; then static, its decoding step compiled) against
 #           one TRL run, within --deadline-s; treadle's side on the dynamic cache profiles one
@@ -15,7 +16,8 @@
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
-#     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess xxhash cloudpickle trl==1.16.0
+#     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess xxhash cloudpickle trl==1.16.0 \
+#     pytest-xdist==3.8.0 execnet==2.1.2
 # and give the run tool carry=[".whl"]. What it prints goes to $OUT: gpu.txt, tests.txt,
 # bench.txt, sides.tgz (each side's log, step records and profile table) and traces.tar.
 set -u
@@ -28,8 +30,11 @@ out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout 240 python3 -m pytest -v -p no:cacheprovider -rfE --durations=20 \
-    tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
+  # 4 test processes share the GPU (tiny models; 16 cores), where pytest-xdist came along
+  workers=()
+  python3 -c "import xdist" 2>/dev/null && workers=(-n 4 --dist load)
+  OMP_NUM_THREADS=4 timeout 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
+    --durations=20 tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # all: what is left of 575 s (the call's 600 less the copying back); bench alone: 540 s
