@@ -3,7 +3,7 @@
     python bench/gpu.py                      # both workloads, on the GPU
     python bench/gpu.py --workloads smollm2 --steps 3 --warmup 1
     python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
-    python bench/gpu.py --cache dynamic,paged,static   # treadle's hf engine on each KV cache
+    python bench/gpu.py --cache dynamic,static,paged   # treadle's hf engine on each KV cache
     python bench/gpu.py --deadline-s 330     # what fits in 330 s (a lent GPU's minutes)
     python bench/gpu.py --profile dynamic    # + one step profiled (trainer.profile_steps)
 
@@ -39,9 +39,9 @@ over all samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's defau
 row computed (treadle `actor.skip_zero_advantage=false`). TRL generates the step's samples in
 one `generate` call; treadle's hf engine in one too (`rollout.micro_batch_size` = the step's
 samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room) and syncs the
-weights into it after the update. `--cache dynamic,paged,static` runs treadle's side once on
+weights into it after the update. `--cache dynamic,static,paged` runs treadle's side once on
 each KV cache (`rollout.cache_implementation`; static: preallocated, its decoding step compiled
-by transformers on a GPU; paged: transformers' continuous batching, CUDA graphs on a GPU)
+by transformers on a GPU; paged: transformers' continuous batching)
 against one TRL run, a table and ratio lines for each (`<workload> static` in the ratio
 lines). The rewards differ (TRL's last-number check, treadle's length
 rule) and change only the advantages' values, not the work.

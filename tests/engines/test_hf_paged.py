@@ -98,6 +98,56 @@ def test_a_paged_cache_reads_weights_updated_in_place(tiny_task):
     assert before != after  # the update changed the answers
 
 
+def test_the_sequences_of_the_pages_are_decoded_together(model_and_tok):
+    """8 sequences of one page each, ``micro_batch_size`` 8: one forward a token, every
+    sequence in it (transformers' 15% safety margin, kept, makes 5.17 decode 7 of them, then the
+    last one alone: 16 forwards)."""
+    model, tok = model_and_tok
+    engine = HFRolloutEngine(
+        model, [tok.eos_token_id], tok.pad_token_id, micro_batch_size=8, cache="paged"
+    )
+    forwards: list[int] = []
+    forward = model.forward
+
+    def counting(*args, **kwargs):
+        forwards.append(1)
+        return forward(*args, **kwargs)
+
+    model.forward = counting
+    try:
+        params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, ignore_eos=True, seed=1)
+        out = engine.generate(prompts(tok), params)
+    finally:
+        del model.forward
+    assert [len(t) for t in out.token_ids] == [8] * 8
+    assert len(forwards) == 8
+
+
+def test_pages_transformers_finds_too_big_leave_it_the_budget(model_and_tok, monkeypatch):
+    """On CUDA, where the pages and transformers' activations do not fit the budget
+    (``MemoryError`` from its own count), the cache is sized by transformers to the budget."""
+    model, tok = model_and_tok
+    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache="paged")
+    pages = {"num_blocks": 8, "max_batch_tokens": 64}
+    monkeypatch.setattr(inference, "paged_size", lambda *a: {"max_memory_percent": 0.4, **pages})
+    seen = []
+
+    def init(config, cb, hints):
+        seen.append((cb.num_blocks, cb.max_memory_percent, cb.safety_margin))
+        if cb.num_blocks is not None:
+            raise MemoryError("Memory footprint 9 is more than available memory 8")
+        return "a manager"
+
+    monkeypatch.setattr(model, "init_continuous_batching", init, raising=False)
+    got = engine._paged_manager(None, prompts(tok), SamplingParams(), None)
+    assert got == "a manager"
+    assert seen[0] == (8, 0.4, 0.0) and seen[1][:2] == (None, 0.4)
+    # on a CPU (no share of a budget) transformers' error is the answer
+    monkeypatch.setattr(inference, "paged_size", lambda *a: pages)
+    with pytest.raises(MemoryError, match="more than available"):
+        engine._paged_manager(None, prompts(tok), SamplingParams(), None)
+
+
 def test_pictures_are_refused_by_name(model_and_tok):
     model, tok = model_and_tok
     engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache="paged")
@@ -123,9 +173,8 @@ def test_paged_size_by_hand(monkeypatch):
     assert got == {**share, "num_blocks": 16, "max_batch_tokens": 320}
     # 64 prompts of 200: 8,192 prompt tokens a forward on CUDA
     assert paged_size(per, cuda, 200, 20, 64, 0.5)["max_batch_tokens"] == 8192
-    # pages over a quarter of the budget (16 x 256 tokens of 1.4 MB: 5.3 GiB): transformers
-    # fills it
-    assert paged_size(1_400_000, cuda, 40, 300, 8, 0.5) == share
+    # pages over the budget (16 x 256 tokens of 5.5 MB: 21 GiB): transformers fills it
+    assert paged_size(5_500_000, cuda, 40, 300, 8, 0.5) == share
     # nothing left: the smallest share, which transformers refuses by its sizes
     monkeypatch.setattr(inference, "generation_budget", lambda device, u: 0)
     assert paged_size(per, cuda, 40, 300, 8, 0.5) == {"max_memory_percent": 1e-6}

@@ -2,10 +2,11 @@
 # One call on the lent GPU machine (/work/shared/GPU.md): the wheels it lacks, then
 #   tests   tests/gpu and tests/engines/test_cuda.py, a line a test, in 4 processes (240 s at
 #           most)
-#   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic; then paged, with
-#           transformers' continuous batching; then static, its decoding step compiled) against
-#           one TRL run, within --deadline-s; treadle's side on the dynamic cache profiles one
-#           more step (trainer.profile_steps)
+#   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic; then static, its
+#           decoding step compiled; then paged, transformers' continuous batching, last: without
+#           flash-attn its attention spans the whole batch) against one TRL run, within
+#           --deadline-s; treadle's side on the dynamic cache profiles one more step
+#           (trainer.profile_steps)
 #   all     both, one after the other, in 575 s: tests, then bench with the time left
 # A session is lent 15 minutes of device time, the machine's start (1-2 min) included, and one
 # call runs 10 minutes at most: so call `all` once, with timeout_s=600, and give the machine
@@ -40,7 +41,7 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   # all: what is left of 575 s (the call's 600 less the copying back); bench alone: 540 s
   left=540
   [ "$what" = all ] && left=$(( 575 - SECONDS ))
-  python3 bench/gpu.py --cache dynamic,paged,static --profile dynamic --steps 2 --warmup 1 \
+  python3 bench/gpu.py --cache dynamic,static,paged --profile dynamic --steps 2 --warmup 1 \
     --deadline-s "$left" --workdir /tmp/gpu_bench 2>&1 | tee "$out/bench.txt"
   # each side's log, step records and profile table, by workload, in one file (8 files at most
   # come back, 16 MiB each); the profiles' traces in another, the 1.4b one left out if too big

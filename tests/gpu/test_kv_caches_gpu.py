@@ -1,7 +1,7 @@
 """The hf engine's static and paged KV caches on the GPU (``rollout.cache_implementation``):
-there transformers compiles the static cache's decoding step and runs the paged cache's steps as
-CUDA graphs, and the answers are still the dynamic cache's, before and after the weights change
-in place (a compiled step or a captured graph must read the new weights)."""
+there transformers compiles the static cache's decoding step (CUDA graphs), and runs the paged
+one on CUDA kernels of its own, and the answers are still the dynamic cache's, before and after
+the weights change in place (a compiled step must read the new weights)."""
 
 from __future__ import annotations
 

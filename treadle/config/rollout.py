@@ -46,9 +46,9 @@ class RolloutConfig(Section):
         description="hf engine: generate's KV cache. static preallocates it (the prompt width "
         "rounded up to 64, plus max_new_tokens); on a GPU transformers then compiles the "
         "decoding step (torch.compile, CUDA graphs), again for a new batch size or cache length. "
-        "paged: transformers' continuous batching (generate_batch) on a paged cache, CUDA "
-        "graphs on a GPU; text prompts only, and with top_k/top_p its log-probs are of the "
-        "truncated distribution (as vLLM's).",
+        "paged: transformers' continuous batching on a paged cache (fast with flash-attn "
+        "installed; without it its attention spans every sequence in flight); text prompts "
+        "only, and with top_k/top_p its log-probs are of the truncated distribution (as vLLM's).",
     )
     weight_sync_bucket_mb: float = Field(
         64, gt=0, description="vllm engine: size of one weight-sync message, MiB."

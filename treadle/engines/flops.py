@@ -6,7 +6,8 @@ layer's projections and MLP, and the LM head once, tied or not; the embedding is
 ``s``, plus attention's scores and weighted sum, 12 x layers x the query width x ``s``².
 Norms, biases and the softmax are left out, and so is what gradient checkpointing computes
 again: these are the FLOPs the model needs, not the ones the device ran. A value model's head
-(one output) counts as a vocabulary of 1.
+(one output) counts as a vocabulary of 1. As in verl, the head counts on every token, though
+treadle's computes logits at the response tokens only, and LoRA counts as full training.
 
 The training engine counts the rows of every forward that builds a graph
 (:class:`~treadle.engines.fsdp.TrainEngine`), so each PPO epoch counts, and a prompt several
@@ -34,7 +35,8 @@ def matmul_params(config: Any, head_outputs: int | None = None) -> int | None:
     wide, default the vocabulary). None for a shape this count does not describe (a mixture
     of experts, or a config without these sizes)."""
     text = _text(config)
-    if getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None):
+    experts = ("num_local_experts", "num_experts", "n_routed_experts")
+    if any(getattr(text, key, None) for key in experts):
         return None
     try:
         h, layers, heads = text.hidden_size, text.num_hidden_layers, text.num_attention_heads

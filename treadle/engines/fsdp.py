@@ -366,15 +366,18 @@ class TrainEngine:
         """
         sums: dict[str, float] = defaultdict(float)
         self._work, start = [], perf_counter()
-        for i, micro in enumerate(micros):
-            self.module.set_requires_gradient_sync(i == len(micros) - 1)
-            loss, metrics = loss_fn(micro.to(self.device))
-            loss.backward()
-            for k, v in metrics.items():
-                sums[k] += v
-        stepped = {prefix + k: v for k, v in self.step().items()}  # (its grad norm syncs)
-        speed = self._speed(prefix.rstrip("/") or self.section, perf_counter() - start)
-        return {**sums, **stepped, **speed}
+        try:
+            for i, micro in enumerate(micros):
+                self.module.set_requires_gradient_sync(i == len(micros) - 1)
+                loss, metrics = loss_fn(micro.to(self.device))
+                loss.backward()
+                for k, v in metrics.items():
+                    sums[k] += v
+            stepped = {prefix + k: v for k, v in self.step().items()}  # (its grad norm syncs)
+        finally:
+            work, self._work = self._work, None
+        role = prefix.rstrip("/") or self.section
+        return {**sums, **stepped, **self._speed(role, work, perf_counter() - start)}
 
     def _count(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """A forward of :meth:`train_step` that builds a graph: its rows' token count and the
@@ -382,18 +385,20 @@ class TrainEngine:
         if self._work is None or not torch.is_grad_enabled():
             return
         request = args[0] if args else None
+        mask: torch.Tensor | None
         if isinstance(request, LogProbRequest):
             mask = request.attention_mask
         else:  # a value head's (input_ids, attention_mask, num_labels)
-            mask = args[1] if len(args) > 1 else kwargs["attention_mask"]
-        lengths = mask.sum(-1)
+            mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        if mask is None:
+            return
+        lengths = mask.long().sum(-1)
         self._work.append(torch.stack([lengths.sum(), (lengths * lengths).sum()]))
 
-    def _speed(self, role: str, seconds: float) -> dict[str, float]:
+    def _speed(self, role: str, work: list[torch.Tensor], seconds: float) -> dict[str, float]:
         """``perf/tflops/<role>`` and, on a GPU of known peak, ``perf/mfu/<role>`` of the
-        forwards :meth:`_count` saw (:mod:`treadle.engines.flops`), this rank's share of
-        them where a tensor- or sequence-parallel group splits each row."""
-        work, self._work = self._work, None
+        forwards :meth:`_count` saw (``work``; :mod:`treadle.engines.flops`), this rank's share
+        of them where a tensor- or sequence-parallel group splits each row."""
         if not work:
             return {}
         tokens, squares = torch.stack(work).sum(0).tolist()

@@ -29,9 +29,11 @@ rollout: plain ``generate`` with a KV cache on a left-padded batch. ``cache="sta
 prompt width, rounded up to a multiple of :data:`STATIC_WIDTH`, plus ``max_new_tokens``; on a
 GPU transformers then compiles the decoding step (``torch.compile``, CUDA graphs), again for
 each new batch size or cache length, which the rounding keeps few. ``cache="paged"`` hands the
-batch to transformers' continuous batching (``generate_batch``) on its paged cache: sequences
-are scheduled one by one, a finished one's pages go to a waiting one, and on a GPU its steps run
-as CUDA graphs (:meth:`HFRolloutEngine._generate_paged`).
+batch to transformers' continuous batching on its paged cache: sequences are scheduled one by
+one, and a finished one's pages go to a waiting one (:meth:`HFRolloutEngine._generate_paged`).
+With flash attention (flash-attn installed) transformers runs it on varlen kernels and CUDA
+graphs; without, on sdpa with a mask over every sequence in flight (a decoding step attends
+from each of B sequences to all B sequences' tokens: B times the work), no graphs.
 Log-probs are taken from the raw logits divided by the temperature (the policy the actor
 trains), not from the top-p/top-k-filtered scores (except on the paged cache: there, as
 vLLM's, they are the filtered ones'). A token is drawn by the Gumbel-max trick
@@ -319,8 +321,8 @@ def paged_size(
     their prompts prefilled :data:`PREFILL` tokens a forward (a whole prompt if longer). On
     CUDA, within what ``utilization`` leaves (:func:`generation_budget`), given as the share of
     the free memory transformers sizes its cache and batch from; where those pages would take
-    over a quarter of it, transformers fills it instead (the sequences then wait for pages).
-    On a CPU (where transformers would take 90% of the machine's memory) the pages alone."""
+    more than it, transformers fills it instead (the sequences then wait for pages). On a CPU
+    (where transformers would take 90% of the machine's memory) the pages alone."""
     cuda = device.type == "cuda"
     pages = {
         "num_blocks": together * -(-(longest + new) // PAGE),
@@ -332,7 +334,7 @@ def paged_size(
     budget = generation_budget(device, utilization) or 0
     free = torch.cuda.mem_get_info(device)[0]
     share = {"max_memory_percent": max(min(budget / max(free, 1), 1.0), 1e-6)}
-    if 4 * pages["num_blocks"] * PAGE * per_token <= budget:
+    if pages["num_blocks"] * PAGE * per_token <= budget:
         return {**share, **pages}
     return share
 
@@ -440,12 +442,16 @@ class HFRolloutEngine:
     def _generate_paged(
         self, prompts: list[list[int]], params: SamplingParams, out: RolloutOutput
     ) -> None:
-        """transformers' continuous batching (``generate_batch``) on its paged KV cache: each
-        sequence is scheduled on its own, prefill and decoding of different sequences share a
-        forward, and a finished sequence's pages go to a waiting one. Its log-probs are those
-        of the processed scores (``return_logprobs``): ``log_softmax(logits / T)`` without
-        top-k/top-p, the truncated distribution's with them, as vLLM's (``top_logprobs``: none)."""
+        """transformers' continuous batching on its paged KV cache: each sequence is scheduled
+        on its own, prompts and decoding steps of different sequences share a forward, and a
+        finished sequence's pages go to a waiting one. Every request is queued before the
+        manager's thread starts (``generate_batch`` queues them while it runs, so its first
+        batches, and the draws, would follow thread timing): the same seed draws the same
+        tokens. Its log-probs are those of the processed scores (``return_logprobs``):
+        ``log_softmax(logits / T)`` without top-k/top-p, the truncated distribution's with
+        them, as vLLM's (``top_logprobs``: none)."""
         from transformers import GenerationConfig
+        from transformers.generation.continuous_batching.utils import WorkloadHints
 
         if not prompts:
             return
@@ -460,33 +466,55 @@ class HFRolloutEngine:
             eos_token_id=stops or -1,  # -1: nothing ends a sequence but its length
             pad_token_id=self.pad,
         )
-        results = list(
-            self.model.generate_batch(
-                prompts,
-                generation_config=config,
-                continuous_batching_config=self._paged_config(prompts, params),
-                progress_bar=False,
-            ).values()
-        )
-        failed = [r.error for r in results if r.error is not None]
-        if len(results) != len(prompts) or failed:
+        hints = WorkloadHints(max(map(len, prompts)), params.max_new_tokens, len(prompts))
+        manager = self._paged_manager(config, prompts, params, hints)
+        try:
+            if not manager.warmed_up:
+                manager.warmup()  # (its CUDA graphs, where it captures them)
+            ids = manager.add_requests(inputs=prompts, max_new_tokens=params.max_new_tokens)
+            manager.start()
+            results: dict[str, Any] = {}
+            while len(results) < len(ids):
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+                elif result is None and not manager.is_running():
+                    break  # its thread ended (transformers logged why)
+        finally:
+            manager.stop(block=True, timeout=30)
+            manager.destroy()
+        failed = [r.error for r in results.values() if r.error is not None]
+        if len(results) < len(ids) or failed:
             raise RuntimeError(
-                f"the paged KV cache's generation (transformers' generate_batch) returned "
-                f"{len(results) - len(failed)} of {len(prompts)} sequences"
+                f"the paged KV cache's generation (transformers' continuous batching) returned "
+                f"{len(results) - len(failed)} of {len(ids)} sequences"
                 + (f": {failed[0]}" if failed else "; transformers logged why")
             )
-        for prompt, result in zip(prompts, results, strict=True):
-            assert result.prompt_ids == prompt, "generate_batch answered out of order"
-            out.add(result.generated_tokens, result.logprobs, stops)
+        for rid, prompt in zip(ids, prompts, strict=True):
+            if results[rid].prompt_ids != prompt:
+                raise RuntimeError(f"continuous batching answered {rid} for another prompt")
+            out.add(results[rid].generated_tokens, results[rid].logprobs, stops)
 
-    def _paged_config(self, prompts: list[list[int]], params: SamplingParams) -> Any:
-        """transformers' ``ContinuousBatchingConfig``: log-probs returned, ``params.seed``
+    def _paged_manager(
+        self, config: Any, prompts: list[list[int]], params: SamplingParams, hints: Any
+    ) -> Any:
+        """transformers' continuous-batching manager: log-probs returned, ``params.seed``
         seeding the draws, at most ``micro_batch_size`` sequences decoded together, the cache
-        sized by :func:`paged_size`."""
+        sized by :func:`paged_size`. Pages for exactly those sequences come with no safety
+        margin (transformers holds back 15% of the pages from new prompts otherwise, and the
+        last sequences would wait for a second round); where transformers finds they do not fit
+        with its batch's activations, it sizes the cache itself to the budget."""
         from transformers.generation import ContinuousBatchingConfig
+        from transformers.utils import is_flash_attn_2_available
 
-        together = min(len(prompts), self.micro_batch_size)
         param = next(self.model.parameters())
+        if param.dtype == torch.float32 and is_flash_attn_2_available():
+            raise ValueError(
+                "rollout.cache_implementation=paged: transformers switches a paged cache to "
+                "flash attention (installed here), which does not take float32: set "
+                "rollout.dtype=bfloat16"
+            )
+        together = min(len(prompts), self.micro_batch_size)
         size = paged_size(
             kv_bytes(self.model.config, param.dtype),
             param.device,
@@ -495,9 +523,25 @@ class HFRolloutEngine:
             together,
             self.gpu_memory_utilization,
         )
-        return ContinuousBatchingConfig(
-            return_logprobs=True, seed=params.seed, max_requests_per_batch=together, **size
-        )
+        common: dict[str, Any] = {
+            "return_logprobs": True,
+            "seed": params.seed,
+            "max_requests_per_batch": together,
+            # (no tensor-parallel rollout model here: leave NCCL's environment alone)
+            "disable_nccl_graph_mixing": False,
+        }
+        sized = {**size, "safety_margin": 0.0} if "num_blocks" in size else size
+        try:
+            return self.model.init_continuous_batching(
+                config, ContinuousBatchingConfig(**common, **sized), hints
+            )
+        except MemoryError:
+            if "num_blocks" not in size or "max_memory_percent" not in size:  # (a CPU's: none)
+                raise
+            share = {"max_memory_percent": size["max_memory_percent"]}
+            return self.model.init_continuous_batching(
+                config, ContinuousBatchingConfig(**common, **share), hints
+            )
 
     def _width(self, prompts: list[list[int]]) -> int:
         """The left-padded batch's width: its longest prompt, rounded up to a multiple of
