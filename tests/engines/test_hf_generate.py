@@ -14,13 +14,14 @@ from kv_caches import answers_as_dynamic
 from transformers import AutoConfig
 
 from treadle.engines import inference
-from treadle.engines.inference import (
-    HFRolloutEngine,
-    SamplingParams,
+from treadle.engines.generation_memory import (
     chunk_size,
     generation_budget,
+    kv_bytes,
     sequence_bytes,
 )
+from treadle.engines.inference import HFRolloutEngine, SamplingParams
+from treadle.engines.sampling import GumbelSample
 from treadle.models.loading import load_causal_lm, load_tokenizer
 
 
@@ -78,7 +79,7 @@ def test_a_draw_is_from_the_processed_scores_softmax():
     probs = torch.tensor([0.5, 0.2, 0.15, 0.1, 0.05, 0.0], dtype=torch.float64)
     scores = probs.log().float().expand(40_000, -1).clone()
     torch.manual_seed(0)
-    drawn = inference.GumbelSample()(None, scores).argmax(-1)
+    drawn = GumbelSample()(None, scores).argmax(-1)
     freq = torch.bincount(drawn, minlength=6).double() / 40_000
     se = (probs * (1 - probs) / 40_000).sqrt()
     assert ((freq - probs).abs() <= 4 * se).all(), (freq, probs)
@@ -239,6 +240,7 @@ def test_sequence_bytes_of_the_1_4b_workload_by_hand():
         num_attention_heads=12,
         num_key_value_heads=2,
     )
+    assert kv_bytes(config, torch.bfloat16) == 2 * 28 * 2 * 128 * 2  # K and V of a token
     kv = 2 * 28 * 2 * 128 * (64 + 256) * 2  # K and V, layers, heads, head size, tokens, bytes
     scores = 4 * 49152 * 4  # four float32 copies of a step's scores
     prefill = 64 * (4 * 1536 + 3 * 8960) * 2

@@ -10,8 +10,9 @@ import torch
 from kv_caches import answers_as_dynamic
 from test_hf_generate import forward_log_probs, prompts
 
-from treadle.engines import inference
-from treadle.engines.inference import HFRolloutEngine, SamplingParams, kv_bytes, paged_size
+from treadle.engines import generation_memory, inference
+from treadle.engines.generation_memory import paged_size
+from treadle.engines.inference import HFRolloutEngine, SamplingParams
 from treadle.models.loading import load_causal_lm, load_tokenizer
 
 
@@ -176,19 +177,5 @@ def test_paged_size_by_hand(monkeypatch):
     # pages over the budget (16 x 256 tokens of 5.5 MB: 21 GiB): transformers fills it
     assert paged_size(5_500_000, cuda, 40, 300, 8, 0.5) == share
     # nothing left: the smallest share, which transformers refuses by its sizes
-    monkeypatch.setattr(inference, "generation_budget", lambda device, u: 0)
+    monkeypatch.setattr(generation_memory, "generation_budget", lambda device, u: 0)
     assert paged_size(per, cuda, 40, 300, 8, 0.5) == {"max_memory_percent": 1e-6}
-
-
-def test_kv_bytes_of_the_1_4b_workload_by_hand():
-    """28 layers, 2 key/value heads of 128, bf16: K and V of a token."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.for_model(
-        "qwen2",
-        hidden_size=1536,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-    )
-    assert kv_bytes(config, torch.bfloat16) == 2 * 28 * 2 * 128 * 2 == 28_672

@@ -37,25 +37,27 @@ from each of B sequences to all B sequences' tokens: B times the work), no graph
 Log-probs are taken from the raw logits divided by the temperature (the policy the actor
 trains), not from the top-p/top-k-filtered scores (except on the paged cache: there, as
 vLLM's, they are the filtered ones'). A token is drawn by the Gumbel-max trick
-(:class:`GumbelSample`, the last processor: ``generate`` then takes the argmax), the law of
-``generate``'s own softmax and multinomial at less cost on a CPU.
+(:class:`~treadle.engines.sampling.GumbelSample`, the last processor: ``generate`` then takes
+the argmax), the law of ``generate``'s own softmax and multinomial at less cost on a CPU.
 ``SamplingParams.ignore_eos`` means what vLLM's option of that name means: EOS does not end a
 response (every response runs to ``max_new_tokens``, for benchmarks); stop tokens still do.
 ``SamplingParams.top_logprobs = k`` also returns, per sampled token, the k most likely ids of
 that position and their log-probs, from the same distribution (the OpenAI endpoint's
 ``top_logprobs``); an engine that does not give them returns empty lists.
 
-Memory follows the work, not the tokens generated. A decoding step's full-vocabulary scores
-live only until the next step: :class:`SampledLogProbs`, the first of the logits processors,
-keeps that step's log-softmax until the next step shows which token was sampled and keeps the
-``[B]`` log-probs of it (``generate``'s ``output_logits`` kept every step's ``[B, V]`` and a
-float32 copy of them all: 139 GB on an H200 for 256 sequences of 256 tokens at a vocabulary of
-49,152). A batch is generated in chunks: at most ``micro_batch_size`` sequences a ``generate``
-call and, on CUDA, as many as the KV cache, the per-step scores and the prompt's forward of
-each (:func:`sequence_bytes`) fit in the memory ``gpu_memory_utilization`` leaves
-(:func:`generation_budget`: that fraction of the device's memory, less what this process's
-tensors hold already, the actor's weights and optimizer among them when colocated, and never
-more than is free). On CPU, ``micro_batch_size`` alone sets the chunks.
+Memory follows the work, not the tokens generated. A decoding step's full-vocabulary scores live
+only until the next step: :class:`~treadle.engines.sampling.SampledLogProbs`, the first of the
+logits processors, keeps that step's log-softmax until the next step shows which token was
+sampled and keeps the ``[B]`` log-probs of it (``generate``'s ``output_logits`` kept every
+step's ``[B, V]`` and a float32 copy of them all: 139 GB on an H200 for 256 sequences of 256
+tokens at a vocabulary of 49,152). A batch is generated in chunks: at most ``micro_batch_size``
+sequences a ``generate`` call and, on CUDA, as many as the KV cache, the per-step scores and the
+prompt's forward of each (:func:`~treadle.engines.generation_memory.sequence_bytes`) fit in the
+memory ``gpu_memory_utilization`` leaves
+(:func:`~treadle.engines.generation_memory.generation_budget`: that fraction of the device's
+memory, less what this process's tensors hold already, the actor's weights and optimizer among
+them when colocated, and never more than is free). On CPU, ``micro_batch_size`` alone sets the
+chunks.
 """
 
 from __future__ import annotations
@@ -69,15 +71,16 @@ from typing import Any, Literal, Protocol
 import torch
 from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
 
 from treadle.data.images import stack_pixels
+from treadle.engines.generation_memory import (
+    chunk_size,
+    generation_budget,
+    kv_bytes,
+    paged_size,
+    sequence_bytes,
+)
+from treadle.engines.sampling import NEUTRAL, processors
 
 
 @dataclass(frozen=True)
@@ -195,148 +198,9 @@ class RolloutEngine(Protocol):
     def wake(self) -> None: ...
 
 
-class SampledLogProbs(LogitsProcessor):
-    """The log-prob of each sampled token, from the raw scores of its step divided by the
-    temperature, without keeping a step's full-vocabulary scores past the next step.
-
-    ``generate`` calls it at each step with the sequences so far and the step's raw scores
-    (it comes first among the processors): it gathers the previous step's log-softmax at the
-    token that step sampled (now the sequences' last) and keeps this step's until the next.
-    :meth:`finish` gathers the last step's from the final sequences. With ``top_k`` (the
-    request's ``top_logprobs``) it keeps each step's ``top_k`` most likely ids and log-probs
-    too, ``[B, top_k]`` a step."""
-
-    def __init__(self, temperature: float, top_k: int = 0) -> None:
-        self.temperature, self.top_k = temperature, top_k
-        self.steps: list[torch.Tensor] = []  # [B] per decoding step
-        self.tops: list[tuple[torch.Tensor, torch.Tensor]] = []  # (values, ids) [B, k] a step
-        self._last: torch.Tensor | None = None  # the last step's log-softmax [B, V]
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        self._take(input_ids[:, -1])
-        self._last = torch.log_softmax(scores.float() / self.temperature, -1)
-        if self.top_k:
-            self.tops.append(tuple(self._last.topk(self.top_k, -1)))  # type: ignore[arg-type]
-        return scores
-
-    def _take(self, tokens: torch.Tensor) -> None:
-        if self._last is not None:
-            self.steps.append(self._last.gather(-1, tokens[:, None]).squeeze(-1))
-            self._last = None
-
-    def finish(self, sequences: torch.Tensor) -> torch.Tensor:
-        """``[B, steps]``: each step's sampled token's log-prob (``sequences`` ``[B, P + steps]``,
-        ``generate``'s output)."""
-        self._take(sequences[:, -1])
-        if not self.steps:
-            return sequences.new_zeros((sequences.shape[0], 0), dtype=torch.float32)
-        return torch.stack(self.steps, 1)
-
-    def top(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """``([B, steps, k] log-probs, [B, steps, k] ids)`` of the steps' most likely ids, or
-        None when ``top_k`` is 0."""
-        if not self.top_k or not self.tops:
-            return None
-        return torch.stack([v for v, _ in self.tops], 1), torch.stack([i for _, i in self.tops], 1)
-
-
-class GumbelSample(LogitsProcessor):
-    """The last processor of a sampled generation: the processed scores (temperature, top-k,
-    top-p applied) plus Gumbel noise, ``-log(-log(u))``, whose argmax (``generate``'s greedy
-    pick) is a draw from their softmax: the law of ``generate``'s own sampling. On a CPU it
-    costs less: ``torch.rand`` takes 6 ms for 32 x 49,152 scores on 2 cores where
-    ``torch.multinomial`` (its ``exponential_``) takes 30, and no softmax is taken (a
-    generation of SmolLM2's shape, 32 rows x 32 tokens: 7% faster)."""
-
-    def __call__(self, input_ids: torch.LongTensor, scores: torch.FloatTensor) -> torch.FloatTensor:
-        noise = torch.rand_like(scores, dtype=torch.float32)
-        return scores.float() - noise.log_().neg_().log_()  # type: ignore[return-value]
-
-
 STATIC_WIDTH = 64  # a static cache's prompt width is a multiple of it (fewer shapes to compile)
 
 Cache = Literal["dynamic", "static", "paged"]
-PAGE = 256  # tokens a block of transformers' paged cache holds (its default)
-PREFILL = {False: 2048, True: 8192}  # prompt tokens a paged forward takes, on a CPU / CUDA
-
-
-def kv_bytes(config: Any, dtype: torch.dtype) -> int:
-    """Bytes one token's keys and values take in a KV cache, over all layers. ``config``: the
-    model's (its text part for a vision-language one)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
-
-
-def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> int:
-    """Device memory one sequence takes while it is generated: its KV cache over ``prompt +
-    new`` positions, a decoding step's full-vocabulary scores (the float32 logits, the
-    processed scores, the sampling probabilities and :class:`SampledLogProbs`' log-softmax: 4
-    copies) and its prompt's forward (a decoder layer's activations at every prompt position,
-    kept one layer at a time). ``config``: the model's (its text part for a vision-language
-    one)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    width = dtype.itemsize
-    kv = kv_bytes(config, dtype) * (prompt + new)
-    scores = 4 * text.vocab_size * 4
-    intermediate = getattr(text, "intermediate_size", 4 * text.hidden_size)
-    prefill = prompt * (4 * text.hidden_size + 3 * intermediate) * width
-    return int(kv + scores + prefill)
-
-
-def generation_budget(device: torch.device, utilization: float) -> int | None:
-    """Bytes a ``generate`` call may take on ``device``: ``utilization`` of its memory less what
-    this process's tensors hold, and no more than the driver reports free (plus what torch's
-    cache holds unused); None on a CPU (no bound but ``micro_batch_size``)."""
-    if device.type != "cuda":
-        return None
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    cached = torch.cuda.memory_reserved(device) - allocated
-    return max(0, min(int(utilization * total) - allocated, free + cached))
-
-
-def chunk_size(budget: int | None, per_sequence: int, most: int) -> int:
-    """Sequences a ``generate`` call takes: ``most`` (``micro_batch_size``), fewer when the
-    ``budget`` holds fewer (at least one: a single sequence that does not fit fails in torch,
-    with its allocation's size)."""
-    if budget is None:
-        return most
-    return max(1, min(most, budget // max(per_sequence, 1)))
-
-
-def paged_size(
-    per_token: int,
-    device: torch.device,
-    longest: int,
-    new: int,
-    together: int,
-    utilization: float,
-) -> dict[str, Any]:
-    """The size of transformers' paged cache for sequences of at most ``longest`` prompt and
-    ``new`` generated tokens, ``together`` of them decoded at a time, ``per_token`` bytes a
-    token (:func:`kv_bytes`): pages of :data:`PAGE` tokens for ``together`` whole sequences,
-    their prompts prefilled :data:`PREFILL` tokens a forward (a whole prompt if longer). On
-    CUDA, within what ``utilization`` leaves (:func:`generation_budget`), given as the share of
-    the free memory transformers sizes its cache and batch from; where those pages would take
-    more than it, transformers fills it instead (the sequences then wait for pages). On a CPU
-    (where transformers would take 90% of the machine's memory) the pages alone."""
-    cuda = device.type == "cuda"
-    pages = {
-        "num_blocks": together * -(-(longest + new) // PAGE),
-        "max_batch_tokens": min(together * longest, max(PREFILL[cuda], longest)),
-    }
-    if not cuda:
-        return pages
-    torch.cuda.empty_cache()  # transformers counts torch's cached blocks as taken
-    budget = generation_budget(device, utilization) or 0
-    free = torch.cuda.mem_get_info(device)[0]
-    share = {"max_memory_percent": max(min(budget / max(free, 1), 1.0), 1e-6)}
-    if pages["num_blocks"] * PAGE * per_token <= budget:
-        return {**share, **pages}
-    return share
 
 
 class HFRolloutEngine:
@@ -417,14 +281,16 @@ class HFRolloutEngine:
         stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
         stacked = stack_pixels(pictures)  # zero pictures pad a row; Idefics3 drops them
         images = {} if stacked is None else {"pixel_values": stacked.to(device)}
-        record, processors = _processors(params)
+        record, chain = processors(
+            params.temperature, params.top_k, params.top_p, params.top_logprobs
+        )
         gen = self.model.generate(
             input_ids=ids.to(device),
             attention_mask=mask.to(device),
             max_new_tokens=params.max_new_tokens,
             eos_token_id=stops or None,  # None: no stopping, not the model's default EOS
             pad_token_id=self.pad,
-            logits_processor=processors,
+            logits_processor=chain,
             **({"cache_implementation": "static"} if self.cache == "static" else {}),
             **NEUTRAL,
             **images,
@@ -662,26 +528,3 @@ class HFRolloutEngine:
 
     def wake(self) -> None:
         """See :meth:`sleep`."""
-
-
-def _processors(params: SamplingParams) -> tuple[SampledLogProbs, LogitsProcessorList]:
-    """The recorder of the sampled tokens' log-probs first, then temperature, top-k and top-p
-    in transformers' order, then the draw (:class:`GumbelSample`); ``generate`` itself is
-    given neutral values (:data:`NEUTRAL`) and adds none."""
-    greedy = params.temperature == 0
-    record = SampledLogProbs(1.0 if greedy else params.temperature, params.top_logprobs)
-    processors: list[LogitsProcessor] = [record]
-    if not greedy:
-        if params.temperature != 1.0:
-            processors.append(TemperatureLogitsWarper(params.temperature))
-        if params.top_k > 0:
-            processors.append(TopKLogitsWarper(params.top_k))
-        if params.top_p < 1.0:
-            processors.append(TopPLogitsWarper(params.top_p))
-        processors.append(GumbelSample())
-    return record, LogitsProcessorList(processors)
-
-
-# ``generate``'s own sampling arguments: greedy (the processors draw the token), and no warper
-# of its own (the model's generation config may name some)
-NEUTRAL: dict[str, Any] = {"do_sample": False, "temperature": None, "top_p": None, "top_k": None}
