@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -30,6 +32,19 @@ def make_batch(vocab: int, n: int = 4, prompt: int = 5, response: int = 6) -> Ba
             "rmask": rmask,
         }
     )
+
+
+@contextlib.contextmanager
+def two_seconds() -> Iterator[None]:
+    """The training engine's clock says 2 s go by in its ``train_step``."""
+    from treadle.engines import fsdp
+
+    clock = iter([10.0, 12.0])
+    real, fsdp.perf_counter = fsdp.perf_counter, lambda: next(clock)
+    try:
+        yield
+    finally:
+        fsdp.perf_counter = real
 
 
 class GradWorker(Worker):
@@ -119,19 +134,14 @@ class GradWorker(Worker):
     def timed_step(self, batch: Batch, micro: int) -> dict[str, float]:
         """``train_step`` in micro-batches of ``micro`` rows, each loss with a gradient-free
         forward beside (a reference's, say), on a clock that says 2 s went by."""
-        from treadle.engines import fsdp
 
         def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
             with torch.no_grad():
                 self._nll(mb)
             return self._nll(mb)
 
-        clock = iter([10.0, 12.0])
-        real, fsdp.perf_counter = fsdp.perf_counter, lambda: next(clock)
-        try:
+        with two_seconds():
             return self.engine.train_step(batch.split(micro), loss_fn, prefix="x/")
-        finally:
-            fsdp.perf_counter = real
 
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
-from test_fsdp import make_batch
+from test_fsdp import make_batch, two_seconds
 
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.fsdp import TrainEngine
@@ -36,6 +37,17 @@ class ValueWorker(Worker):
             loss.backward()
             self.engine.step()
         return float(loss)
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def timed_step(self, batch: Batch) -> dict[str, float]:
+        """One ``train_step`` of a value loss, on a clock that says 2 s went by."""
+
+        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            v = self.engine.module(mb["input_ids"], mb["attention_mask"], 6)
+            return ((v - 1.0) ** 2 * mb["rmask"]).sum() / mb["rmask"].sum(), {}
+
+        with two_seconds():
+            return self.engine.train_step(batch.split(2), loss_fn, prefix="critic/")
 
     @register(Dispatch.ALL, Collect.RANK0)
     def save(self, out: str) -> None:
@@ -82,3 +94,22 @@ def test_last_token_values_padded_and_packed_equal_a_plain_forward(tiny_task):
         for row_tokens in (None, 16):
             got = last_token_values(ValueHead(model, row_tokens), ids, mask)
             torch.testing.assert_close(got, torch.stack(want), atol=1e-5, rtol=1e-5)
+
+
+def test_a_value_model_s_update_rate_counts_a_one_output_head(tiny_task):
+    """``perf/tflops/critic``: the batch's rows (9, 8, 10, 10 tokens, two micro-batches) by
+    treadle's count with a head of one output, not the vocabulary, over 2 s."""
+    from transformers import AutoConfig
+
+    from treadle.engines.flops import update_flops
+
+    path = str(tiny_task["model"])
+    group = WorkerGroup(ValueWorker, world_size=1, backend="local", kwargs={"model_path": path})
+    try:
+        got = group.timed_step(make_batch(vocab=100))
+    finally:
+        group.shutdown()
+    config = AutoConfig.from_pretrained(path)
+    want = update_flops(config, 37, 345, head_outputs=1) / 2 / 1e12
+    assert got["perf/tflops/critic"] == pytest.approx(want, rel=1e-12)
+    assert want < update_flops(config, 37, 345) / 2 / 1e12
