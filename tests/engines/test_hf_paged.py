@@ -179,3 +179,22 @@ def test_paged_size_by_hand(monkeypatch):
     # nothing left: the smallest share, which transformers refuses by its sizes
     monkeypatch.setattr(generation_memory, "generation_budget", lambda device, u: 0)
     assert paged_size(per, cuda, 40, 300, 8, 0.5) == {"max_memory_percent": 1e-6}
+
+
+def test_a_failed_call_leaves_the_model_s_attention_as_it_was(model_and_tok, monkeypatch):
+    """A manager that fails before its thread starts does not restore the attention it
+    switched (5.17 switches sdpa to paged sdpa as it is made; its ``stop`` then returns early):
+    the engine does. The stand-in switches it to eager."""
+    model, tok = model_and_tok
+    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache="paged")
+    before = model.config._attn_implementation
+    from transformers.generation.continuous_batching import continuous_api
+
+    def refuse(self, *args, **kwargs):
+        self.model.set_attn_implementation("eager")
+        raise RuntimeError("the queue is closed")
+
+    monkeypatch.setattr(continuous_api.ContinuousBatchingManager, "add_requests", refuse)
+    with pytest.raises(RuntimeError, match="the queue is closed"):
+        engine.generate(prompts(tok), SamplingParams(max_new_tokens=4))
+    assert model.config._attn_implementation == before == "sdpa"

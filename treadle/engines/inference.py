@@ -333,6 +333,7 @@ class HFRolloutEngine:
             pad_token_id=self.pad,
         )
         hints = WorkloadHints(max(map(len, prompts)), params.max_new_tokens, len(prompts))
+        attention = self.model.config._attn_implementation  # the manager switches it to paged
         manager = self._paged_manager(config, prompts, params, hints)
         try:
             if not manager.warmed_up:
@@ -349,6 +350,8 @@ class HFRolloutEngine:
         finally:
             manager.stop(block=True, timeout=30)
             manager.destroy()
+            if self.model.config._attn_implementation != attention:  # (a manager never started)
+                self.model.set_attn_implementation(attention)
         failed = [r.error for r in results.values() if r.error is not None]
         if len(results) < len(ids) or failed:
             raise RuntimeError(
