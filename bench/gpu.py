@@ -10,15 +10,14 @@
 Prints, per workload, each side's step time (median of `--steps` after `--warmup`), its
 generation and training time, generated tokens/s and peak memory, the update's model FLOPs
 (:func:`update_flops`) and each side's TFLOP/s in its training time (on an H100/H200/A100/L40S
-also the share of its bf16 peak: MFU), then the ratio lines last:
-`ratio step_time treadle/trl <workload>: <r>` for every workload, then `ratio peak_memory ...`.
-The sides run one at a time: every workload's TRL run and treadle's on the first `--cache`,
-then treadle's on the other caches in their order, the workload of the most decoding steps
-first. One that
-fails, or is still running at `--deadline-s` (killed then, and the later ones not started), is
-named in the report with its reason, the others' numbers still printed; a killed one that had
-finished more than `--warmup` steps is measured on those, and the report says where it was
-cut. The script then exits with 1.
+also the share of its bf16 peak: MFU), then the ratio lines last: `ratio step_time treadle/trl
+<workload>: <r>` for every workload, then `ratio peak_memory ...`. The sides run one at a time:
+every workload's TRL run and treadle's on the first `--cache`, then treadle's on the other
+caches in their order, the workload of the most decoding steps first. One that fails, or is
+still running at `--deadline-s` (killed then, and the later ones not started), is named in the
+report with its reason, the others' numbers still printed; a killed one that had finished more
+than `--warmup` steps is measured on those, and the report says where it was cut. The script
+then exits with 1.
 
 The workloads (`WORKLOADS`): SmolLM2-135M's shape, 8 prompts x 4 samples x 64 new tokens; a
 1.39 B model of Qwen2.5-1.5B's shape with SmolLM2's vocabulary (49,152), 32 x 8 x 256; `tiny`
@@ -32,19 +31,18 @@ that of real weights. Every prompt is `--prompt-tokens` random words, the same o
 Both sides, each in a process of its own, one after the other (`bench/grpo_vs_trl.py`'s
 comparison, whose helpers this reuses, on a GPU): float32 weights and AdamW, bf16 mixed
 precision on a GPU (TRL's `bf16` autocast; treadle `actor.mixed_precision=bf16` and a bfloat16
-hf rollout engine, `rollout.dtype=bfloat16`), float32 on a CPU; GRPO advantages, token-mean
-loss (TRL's `loss_type="dapo"`), no KL and no reference (TRL's `beta=0`), one optimizer step
-over all samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's default; treadle
+hf rollout engine, `rollout.dtype=bfloat16`), float32 on a CPU; GRPO advantages, token-mean loss
+(TRL's `loss_type="dapo"`), no KL and no reference (TRL's `beta=0`), one optimizer step over all
+samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's default; treadle
 `actor.gradient_checkpointing=true`, micro-batches of at most `--micro-tokens` tokens), every
 row computed (treadle `actor.skip_zero_advantage=false`). TRL generates the step's samples in
 one `generate` call; treadle's hf engine in one too (`rollout.micro_batch_size` = the step's
 samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room) and syncs the
 weights into it after the update. `--cache dynamic,static,paged` runs treadle's side once on
 each KV cache (`rollout.cache_implementation`; static: preallocated, its decoding step compiled
-by transformers on a GPU; paged: transformers' continuous batching)
-against one TRL run, a table and ratio lines for each (`<workload> static` in the ratio
-lines). The rewards differ (TRL's last-number check, treadle's length
-rule) and change only the advantages' values, not the work.
+by transformers on a GPU; paged: transformers' continuous batching) against one TRL run, a table
+and ratio lines for each (`<workload> static` in the ratio lines). The rewards differ (TRL's
+last-number check, treadle's length rule) and change only the advantages' values, not the work.
 
 Measured per step: step (TRL: `on_step_begin` to `on_step_end`; treadle: `timing/step`),
 generation (TRL's `_generate_single_turn`; treadle `timing/generate`), training (TRL: the step
@@ -532,7 +530,6 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
     return [*lines, "", *base.ratio_lines(results, RATIOS)]
 
 
-# bf16 dense peaks (vendors' data sheets), by a word of the device's name
 def update_flops(wl: Workload, prompt_tokens: int) -> float:
     """The model FLOPs of a step's update: treadle's count (PaLM's, as verl's MFU:
     :mod:`treadle.engines.flops`, which its runs log as ``perf/tflops/actor``) over the
