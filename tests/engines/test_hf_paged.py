@@ -10,9 +10,9 @@ import torch
 from kv_caches import answers_as_dynamic
 from test_hf_generate import forward_log_probs, prompts
 
-from treadle.engines import generation_memory, inference
-from treadle.engines.generation_memory import paged_size
+from treadle.engines import paged
 from treadle.engines.inference import HFRolloutEngine, SamplingParams
+from treadle.engines.paged import paged_manager, paged_size
 from treadle.models.loading import load_causal_lm, load_tokenizer
 
 
@@ -128,9 +128,8 @@ def test_pages_transformers_finds_too_big_leave_it_the_budget(model_and_tok, mon
     """On CUDA, where the pages and transformers' activations do not fit the budget
     (``MemoryError`` from its own count), the cache is sized by transformers to the budget."""
     model, tok = model_and_tok
-    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache="paged")
     pages = {"num_blocks": 8, "max_batch_tokens": 64}
-    monkeypatch.setattr(inference, "paged_size", lambda *a: {"max_memory_percent": 0.4, **pages})
+    monkeypatch.setattr(paged, "paged_size", lambda *a: {"max_memory_percent": 0.4, **pages})
     seen = []
 
     def init(config, cb, hints):
@@ -140,13 +139,13 @@ def test_pages_transformers_finds_too_big_leave_it_the_budget(model_and_tok, mon
         return "a manager"
 
     monkeypatch.setattr(model, "init_continuous_batching", init, raising=False)
-    got = engine._paged_manager(None, prompts(tok), SamplingParams(), None)
+    got = paged_manager(model, None, prompts(tok), SamplingParams(), None, 64, 0.5)
     assert got == "a manager"
     assert seen[0] == (8, 0.4, 0.0) and seen[1][:2] == (None, 0.4)
     # on a CPU (no share of a budget) transformers' error is the answer
-    monkeypatch.setattr(inference, "paged_size", lambda *a: pages)
+    monkeypatch.setattr(paged, "paged_size", lambda *a: pages)
     with pytest.raises(MemoryError, match="more than available"):
-        engine._paged_manager(None, prompts(tok), SamplingParams(), None)
+        paged_manager(model, None, prompts(tok), SamplingParams(), None, 64, 0.5)
 
 
 def test_pictures_are_refused_by_name(model_and_tok):
@@ -177,7 +176,7 @@ def test_paged_size_by_hand(monkeypatch):
     # pages over the budget (16 x 256 tokens of 5.5 MB: 21 GiB): transformers fills it
     assert paged_size(5_500_000, cuda, 40, 300, 8, 0.5) == share
     # nothing left: the smallest share, which transformers refuses by its sizes
-    monkeypatch.setattr(generation_memory, "generation_budget", lambda device, u: 0)
+    monkeypatch.setattr(paged, "generation_budget", lambda device, u: 0)
     assert paged_size(per, cuda, 40, 300, 8, 0.5) == {"max_memory_percent": 1e-6}
 
 

@@ -1,16 +1,12 @@
 """Device memory of a generation in the transformers engine (:mod:`treadle.engines.inference`):
-what one sequence takes, what ``rollout.gpu_memory_utilization`` leaves on CUDA, how many
-sequences a ``generate`` call takes, and the size of transformers' paged cache
-(``rollout.cache_implementation=paged``)."""
+what one sequence takes, what ``rollout.gpu_memory_utilization`` leaves on CUDA, and how many
+sequences a ``generate`` call takes (the paged cache's size: :mod:`treadle.engines.paged`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
-
-PAGE = 256  # tokens a block of transformers' paged cache holds (its default)
-PREFILL = {False: 2048, True: 8192}  # prompt tokens a paged forward takes, on a CPU / CUDA
 
 
 def kv_bytes(config: Any, dtype: torch.dtype) -> int:
@@ -59,35 +55,3 @@ def chunk_size(budget: int | None, per_sequence: int, most: int) -> int:
     if budget is None:
         return most
     return max(1, min(most, budget // max(per_sequence, 1)))
-
-
-def paged_size(
-    per_token: int,
-    device: torch.device,
-    longest: int,
-    new: int,
-    together: int,
-    utilization: float,
-) -> dict[str, Any]:
-    """The size of transformers' paged cache for sequences of at most ``longest`` prompt and
-    ``new`` generated tokens, ``together`` of them decoded at a time, ``per_token`` bytes a
-    token (:func:`kv_bytes`): pages of :data:`PAGE` tokens for ``together`` whole sequences,
-    their prompts prefilled :data:`PREFILL` tokens a forward (a whole prompt if longer). On
-    CUDA, within what ``utilization`` leaves (:func:`generation_budget`), given as the share of
-    the free memory transformers sizes its cache and batch from; where those pages would take
-    more than it, transformers fills it instead (the sequences then wait for pages). On a CPU
-    (where transformers would take 90% of the machine's memory) the pages alone."""
-    cuda = device.type == "cuda"
-    pages = {
-        "num_blocks": together * -(-(longest + new) // PAGE),
-        "max_batch_tokens": min(together * longest, max(PREFILL[cuda], longest)),
-    }
-    if not cuda:
-        return pages
-    torch.cuda.empty_cache()  # transformers counts torch's cached blocks as taken
-    budget = generation_budget(device, utilization) or 0
-    free = torch.cuda.mem_get_info(device)[0]
-    share = {"max_memory_percent": max(min(budget / max(free, 1), 1.0), 1e-6)}
-    if pages["num_blocks"] * PAGE * per_token <= budget:
-        return {**share, **pages}
-    return share

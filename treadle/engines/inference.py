@@ -30,7 +30,7 @@ prompt width, rounded up to a multiple of :data:`STATIC_WIDTH`, plus ``max_new_t
 GPU transformers then compiles the decoding step (``torch.compile``, CUDA graphs), again for
 each new batch size or cache length, which the rounding keeps few. ``cache="paged"`` hands the
 batch to transformers' continuous batching on its paged cache: sequences are scheduled one by
-one, and a finished one's pages go to a waiting one (:meth:`HFRolloutEngine._generate_paged`).
+one, and a finished one's pages go to a waiting one (:mod:`treadle.engines.paged`).
 With flash attention (flash-attn installed) transformers runs it on varlen kernels and CUDA
 graphs; without, on sdpa with a mask over every sequence in flight (a decoding step attends
 from each of B sequences to all B sequences' tokens: B times the work), no graphs.
@@ -73,13 +73,8 @@ from safetensors.torch import load as load_safetensors_bytes
 from torch import nn
 
 from treadle.data.images import stack_pixels
-from treadle.engines.generation_memory import (
-    chunk_size,
-    generation_budget,
-    kv_bytes,
-    paged_size,
-    sequence_bytes,
-)
+from treadle.engines.generation_memory import chunk_size, generation_budget, sequence_bytes
+from treadle.engines.paged import generate_paged
 from treadle.engines.sampling import NEUTRAL, processors
 
 
@@ -255,7 +250,17 @@ class HFRolloutEngine:
                     "rollout.cache_implementation=paged generates from text prompts only; a "
                     "vision-language model's pictures need dynamic or static"
                 )
-            self._generate_paged(expanded, params, out)
+            stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
+            for tokens, logps in generate_paged(
+                self.model,
+                expanded,
+                params,
+                stops,
+                self.pad,
+                self.micro_batch_size,
+                self.gpu_memory_utilization,
+            ):
+                out.add(tokens, logps, stops)
             return out
         torch.manual_seed(params.seed)
         size = self.chunk(expanded, params)
@@ -304,113 +309,6 @@ class HFRolloutEngine:
             if top is not None:
                 out.top_log_probs.append(top[0][k, :length].tolist())
                 out.top_ids.append(top[1][k, :length].tolist())
-
-    def _generate_paged(
-        self, prompts: list[list[int]], params: SamplingParams, out: RolloutOutput
-    ) -> None:
-        """transformers' continuous batching on its paged KV cache: each sequence is scheduled
-        on its own, prompts and decoding steps of different sequences share a forward, and a
-        finished sequence's pages go to a waiting one. Every request is queued before the
-        manager's thread starts (``generate_batch`` queues them while it runs, so its first
-        batches, and the draws, would follow thread timing): the same seed draws the same
-        tokens. Its log-probs are those of the processed scores (``return_logprobs``):
-        ``log_softmax(logits / T)`` without top-k/top-p, the truncated distribution's with
-        them, as vLLM's (``top_logprobs``: none)."""
-        from transformers import GenerationConfig
-        from transformers.generation.continuous_batching.utils import WorkloadHints
-
-        if not prompts:
-            return
-        greedy = params.temperature == 0
-        stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
-        config = GenerationConfig(
-            do_sample=not greedy,
-            temperature=None if greedy else params.temperature,
-            top_k=params.top_k if params.top_k > 0 and not greedy else None,
-            top_p=params.top_p if params.top_p < 1 and not greedy else None,
-            max_new_tokens=params.max_new_tokens,
-            eos_token_id=stops or -1,  # -1: nothing ends a sequence but its length
-            pad_token_id=self.pad,
-        )
-        hints = WorkloadHints(max(map(len, prompts)), params.max_new_tokens, len(prompts))
-        attention = self.model.config._attn_implementation  # the manager switches it to paged
-        manager = self._paged_manager(config, prompts, params, hints)
-        try:
-            if not manager.warmed_up:
-                manager.warmup()  # (its CUDA graphs, where it captures them)
-            ids = manager.add_requests(inputs=prompts, max_new_tokens=params.max_new_tokens)
-            manager.start()
-            results: dict[str, Any] = {}
-            while len(results) < len(ids):
-                result = manager.get_result(timeout=1)
-                if result is not None and result.is_finished():
-                    results[result.request_id] = result
-                elif result is None and not manager.is_running():
-                    break  # its thread ended (transformers logged why)
-        finally:
-            manager.stop(block=True, timeout=30)
-            manager.destroy()
-            if self.model.config._attn_implementation != attention:  # (a manager never started)
-                self.model.set_attn_implementation(attention)
-        failed = [r.error for r in results.values() if r.error is not None]
-        if len(results) < len(ids) or failed:
-            raise RuntimeError(
-                f"the paged KV cache's generation (transformers' continuous batching) returned "
-                f"{len(results) - len(failed)} of {len(ids)} sequences"
-                + (f": {failed[0]}" if failed else "; transformers logged why")
-            )
-        for rid, prompt in zip(ids, prompts, strict=True):
-            if results[rid].prompt_ids != prompt:
-                raise RuntimeError(f"continuous batching answered {rid} for another prompt")
-            out.add(results[rid].generated_tokens, results[rid].logprobs, stops)
-
-    def _paged_manager(
-        self, config: Any, prompts: list[list[int]], params: SamplingParams, hints: Any
-    ) -> Any:
-        """transformers' continuous-batching manager: log-probs returned, ``params.seed``
-        seeding the draws, at most ``micro_batch_size`` sequences decoded together, the cache
-        sized by :func:`paged_size`. Pages for exactly those sequences come with no safety
-        margin (transformers holds back 15% of the pages from new prompts otherwise, and the
-        last sequences would wait for a second round); where transformers finds they do not fit
-        with its batch's activations, it sizes the cache itself to the budget."""
-        from transformers.generation import ContinuousBatchingConfig
-        from transformers.utils import is_flash_attn_2_available
-
-        param = next(self.model.parameters())
-        if param.dtype == torch.float32 and is_flash_attn_2_available():
-            raise ValueError(
-                "rollout.cache_implementation=paged: transformers switches a paged cache to "
-                "flash attention (installed here), which does not take float32: set "
-                "rollout.dtype=bfloat16"
-            )
-        together = min(len(prompts), self.micro_batch_size)
-        size = paged_size(
-            kv_bytes(self.model.config, param.dtype),
-            param.device,
-            max(len(p) for p in prompts),
-            params.max_new_tokens,
-            together,
-            self.gpu_memory_utilization,
-        )
-        common: dict[str, Any] = {
-            "return_logprobs": True,
-            "seed": params.seed,
-            "max_requests_per_batch": together,
-            # (no tensor-parallel rollout model here: leave NCCL's environment alone)
-            "disable_nccl_graph_mixing": False,
-        }
-        sized = {**size, "safety_margin": 0.0} if "num_blocks" in size else size
-        try:
-            return self.model.init_continuous_batching(
-                config, ContinuousBatchingConfig(**common, **sized), hints
-            )
-        except MemoryError:
-            if "num_blocks" not in size or "max_memory_percent" not in size:  # (a CPU's: none)
-                raise
-            share = {"max_memory_percent": size["max_memory_percent"]}
-            return self.model.init_continuous_batching(
-                config, ContinuousBatchingConfig(**common, **share), hints
-            )
 
     def _width(self, prompts: list[list[int]]) -> int:
         """The left-padded batch's width: its longest prompt, rounded up to a multiple of
