@@ -37,14 +37,14 @@ def make_batch(vocab: int, n: int = 4, prompt: int = 5, response: int = 6) -> Ba
 @contextlib.contextmanager
 def two_seconds() -> Iterator[None]:
     """The training engine's clock says 2 s go by in its ``train_step``."""
-    from treadle.engines import fsdp
+    from treadle.engines import flops
 
     clock = iter([10.0, 12.0])
-    real, fsdp.perf_counter = fsdp.perf_counter, lambda: next(clock)
+    real, flops.perf_counter = flops.perf_counter, lambda: next(clock)
     try:
         yield
     finally:
-        fsdp.perf_counter = real
+        flops.perf_counter = real
 
 
 class GradWorker(Worker):

@@ -46,7 +46,6 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from time import perf_counter
 from typing import Any
 
 import torch
@@ -58,7 +57,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
 
 from treadle.engines.attention import use_cpu_float32_backward
-from treadle.engines.flops import peak_tflops, speed_metrics, update_flops
+from treadle.engines.flops import UpdateRate
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
 from treadle.engines.parallel import Meshes, parallelize
@@ -270,12 +269,7 @@ class TrainEngine:
         self.tensor_parallel = meshes is not None and meshes.tp_mesh is not None
         dp_mesh = meshes.dp_mesh if meshes is not None else None
         self.module: Any = shard_model(lm, root, compute_dtype, dp_mesh)
-        self.section = section
-        # ranks that split one row's work (tensor or sequence parallel): each counts its share
-        self.row_split = meshes.layout.group_size if meshes is not None else 1
-        # each training forward's [tokens, sum of squared lengths] while train_step runs
-        self._work: list[torch.Tensor] | None = None
-        self.module.register_forward_pre_hook(self._count, with_kwargs=True)
+        self.rate = UpdateRate(self.module, section, meshes.layout.group_size if meshes else 1)
         self.lora = is_lora(lm)
         self.adapters_off = False  # set on the reference view of a LoRA actor
         self.grad_clip = grad_clip
@@ -293,8 +287,7 @@ class TrainEngine:
 
     @property
     def device(self) -> torch.device:
-        """The device the caller put the model on, where :meth:`train_step` puts each
-        micro-batch."""
+        """Where the caller put the model, and :meth:`train_step` puts each micro-batch."""
         return next(iter(self.module.parameters())).device
 
     def forward(self, request: LogProbRequest) -> LogProbOutput:
@@ -360,53 +353,18 @@ class TrainEngine:
         seam too); a micro-batch is moved when its turn comes, so the device holds one.
         Gradients are reduced across ranks after the last micro-batch only. Returns the
         metrics summed over micro-batches plus ``<prefix>grad_norm`` and ``<prefix>lr`` of
-        :meth:`step`, and the step's model FLOP rate on this rank, ``perf/tflops/<role>``
-        (``perf/mfu/<role>`` too on a GPU of known peak; the role: ``prefix`` without its
-        slash, else the engine's config section; :mod:`treadle.engines.flops`).
+        :meth:`step`, and its model FLOP rate (:class:`~treadle.engines.flops.UpdateRate`).
         """
         sums: dict[str, float] = defaultdict(float)
-        self._work, start = [], perf_counter()
-        try:
+        with self.rate.measure(prefix) as speed:
             for i, micro in enumerate(micros):
                 self.module.set_requires_gradient_sync(i == len(micros) - 1)
                 loss, metrics = loss_fn(micro.to(self.device))
                 loss.backward()
                 for k, v in metrics.items():
                     sums[k] += v
-            stepped = {prefix + k: v for k, v in self.step().items()}  # (its grad norm syncs)
-        finally:
-            work, self._work = self._work, None
-        role = prefix.rstrip("/") or self.section
-        return {**sums, **stepped, **self._speed(role, work, perf_counter() - start)}
-
-    def _count(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """A forward of :meth:`train_step` that builds a graph: its rows' token count and the
-        sum of their squared lengths, kept on the device (read once, after the step)."""
-        if self._work is None or not torch.is_grad_enabled():
-            return
-        request = args[0] if args else None
-        mask: torch.Tensor | None
-        if isinstance(request, LogProbRequest):
-            mask = request.attention_mask
-        else:  # a value head's (input_ids, attention_mask, num_labels)
-            mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
-        if mask is None:
-            return
-        lengths = mask.long().sum(-1)
-        self._work.append(torch.stack([lengths.sum(), (lengths * lengths).sum()]))
-
-    def _speed(self, role: str, work: list[torch.Tensor], seconds: float) -> dict[str, float]:
-        """``perf/tflops/<role>`` and, on a GPU of known peak, ``perf/mfu/<role>`` of the
-        forwards :meth:`_count` saw (``work``; :mod:`treadle.engines.flops`), this rank's share
-        of them where a tensor- or sequence-parallel group splits each row."""
-        if not work:
-            return {}
-        tokens, squares = torch.stack(work).sum(0).tolist()
-        head = None if isinstance(self.module, LogProbHead) else 1  # a value head: 1 output
-        flops = update_flops(self.module.lm.config, tokens, squares, head)
-        if flops is None:
-            return {}
-        return speed_metrics(role, flops / self.row_split, seconds, peak_tflops(self.device))
+            sums.update({prefix + k: v for k, v in self.step().items()})  # (its norm syncs)
+        return {**sums, **speed}
 
     def step(self) -> dict[str, float]:
         """Clip, step, zero. Returns the pre-clip gradient norm, the learning rate and the
