@@ -111,8 +111,9 @@ class TrainerConfig(Section):
         description="Steps whose work torch.profiler records, in the driver's process and "
         "(on Ray) each training rank's and split rollout replica's: "
         "<output_dir>/profile/step_<n>/<process>.json.gz, a "
-        "trace to open in Perfetto (ui.perfetto.dev), and <process>.txt, the operators that "
-        "took the most time. A profiled step runs slower; leave it out of timings.",
+        "trace to open in Perfetto (ui.perfetto.dev), and <process>.txt, a table of the "
+        "step's treadle/ ranges, the device's kernels and the CPU's operators by time. A "
+        "profiled step runs slower; leave it out of timings.",
     )
     verbose: bool = Field(
         False,
