@@ -348,3 +348,28 @@ def test_a_stop_an_engine_turned_into_its_own_error_still_unwinds_the_server():
             asyncio.run(ask())
     finally:
         errors.clear_signals()
+
+
+def test_a_stop_signal_in_a_task_as_the_client_closes_still_closes_it(monkeypatch):
+    """A Ctrl-C that lands in a request's task before the first ``cancel_all`` has run leaves
+    that one pending: the retry must not be cancelled by it (the serve test caught
+    "CancelledError" from ``close``, exit 1 instead of 130)."""
+    from treadle.serving import client as client_module
+
+    monkeypatch.setattr(client_module, "signalled", lambda: True)
+    client = RolloutClient([RecordingReplica("a")])
+    loop = client._loop
+    stepped: list[str] = []
+
+    async def interrupted() -> None:  # ready before close's first task: it steps first
+        stepped.append("interrupted")
+        raise KeyboardInterrupt
+
+    async def in_flight() -> None:
+        await asyncio.Event().wait()
+
+    waiting = loop.create_task(in_flight())
+    loop.create_task(interrupted())
+    client.close()
+    assert stepped == ["interrupted"]
+    assert waiting.cancelled() and loop.is_closed()

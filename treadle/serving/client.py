@@ -271,8 +271,9 @@ class RolloutClient:
         if self._loop.is_closed():
             return
         while True:
+            closing = cancel_all()
             try:
-                self.run(cancel_all())
+                self.run(closing)
                 break
             except KeyboardInterrupt:
                 # A Ctrl-C that landed inside a task stays in it and is raised again when the
@@ -280,6 +281,11 @@ class RolloutClient:
                 if not signalled():
                     raise
                 self._loop.set_exception_handler(lambda loop, context: None)  # what they hold
+                # this try's task, if the Ctrl-C came before it ran, would cancel the next one
+                # (in this thread's loop: a background loop has run it meanwhile)
+                for task in asyncio.all_tasks(self._loop) if self._thread is None else ():
+                    if task.get_coro() is closing:
+                        task.cancel()
         if self._thread is not None:
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(timeout=30)
