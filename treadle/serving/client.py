@@ -171,6 +171,14 @@ def _remember(sessions: OrderedDict[str, int], session: str, index: int) -> None
         sessions.popitem(last=False)
 
 
+async def _cancel_all() -> None:
+    """Cancel every other task of the running loop and wait for them to end."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 class RolloutClient:
     """Routes requests over ``replicas``; see the module docstring."""
 
@@ -261,17 +269,10 @@ class RolloutClient:
 
     def close(self) -> None:
         """Cancel what is still in flight and stop the loop."""
-
-        async def cancel_all() -> None:
-            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
         if self._loop.is_closed():
             return
         while True:
-            closing = cancel_all()
+            closing = _cancel_all()
             try:
                 self.run(closing)
                 break
