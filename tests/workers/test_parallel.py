@@ -8,6 +8,7 @@ local mode. The workers below only capture the gradients their optimizer step ap
 
 from __future__ import annotations
 
+import itertools
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
@@ -31,7 +32,11 @@ LAYOUTS = {
 
 
 def capture_grads(worker, run):
-    """``run()``'s result and the full gradients of ``worker.engine``'s optimizer step."""
+    """``run()``'s result and the full gradients of ``worker.engine``'s optimizer step, each
+    ``train_step`` timed by a clock on which it lasts 2 s (its ``perf/tflops/<role>`` then
+    depends on the FLOPs counted alone)."""
+    from treadle.engines import flops
+
     grads: dict[str, torch.Tensor] = {}
     engine = worker.engine
     step = engine.step
@@ -43,10 +48,13 @@ def capture_grads(worker, run):
         return step()
 
     engine.step = capture
+    clock = itertools.cycle([10.0, 12.0])
+    real, flops.perf_counter = flops.perf_counter, lambda: next(clock)
     try:
         return run(), grads
     finally:
         del engine.step
+        flops.perf_counter = real
 
 
 def layout_facts(worker) -> dict[str, object]:
@@ -235,3 +243,8 @@ def test_two_ranks_match_one_rank(layout, two_ranks, one_rank):
     actor_keys = ("actor/pg_loss", "actor/kl", "actor/entropy", "actor/grad_norm")
     assert_same_update(got["actor"], one_rank["actor"], actor_keys)
     assert_same_update(got["critic"], one_rank["critic"], ("critic/vf_loss", "critic/grad_norm"))
+    # each of the group's 2 ranks does half the rows' model FLOPs, in the same (stubbed) 2 s
+    for role in ("actor", "critic"):
+        [(metrics, _)], [(want, _)] = got[role], one_rank[role]
+        key = f"perf/tflops/{role}"
+        assert want[key] > 0 and metrics[key] == pytest.approx(want[key] / 2, rel=1e-12)
