@@ -76,6 +76,57 @@ def test_the_table_counts_own_time_and_the_device_work_in_each_range():
     assert cpu_rows[3] == ["10.000", "10.000", "1", "aten::copy_"]
 
 
+class Event:
+    """A kineto event as ``spans`` reads it; ``activity``: torch 2.13's ``activity_type()``
+    (None: torch 2.11's event, which has no such method)."""
+
+    def __init__(self, name, device, activity=None, annotation=False, start=0):
+        self._name, self._device, self._annotation, self._start = name, device, annotation, start
+        if activity is not None:
+            self.activity_type = lambda: activity
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._start
+
+    def end_ns(self):
+        return self._start + 5
+
+    def device_type(self):
+        return self._device
+
+    def is_async(self):
+        return False
+
+    def is_user_annotation(self):
+        return self._annotation
+
+    def start_thread_id(self):
+        return 7
+
+
+@pytest.mark.parametrize("torch_211", [True, False])
+def test_the_device_s_spans_are_its_kernels_not_its_copies_of_the_ranges(torch_211):
+    cuda, cpu_type = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+    def event(name, device, activity, annotation=False):
+        return Event(name, device, None if torch_211 else activity, annotation)
+
+    got_cpu, got_device = profiler.spans(
+        [
+            event("treadle/generate", cpu_type, "user_annotation", annotation=True),
+            event("aten::mm", cpu_type, "cpu_op"),
+            event("gemm", cuda, "kernel"),
+            event("Memcpy HtoD", cuda, "gpu_memcpy"),
+            event("treadle/generate", cuda, "gpu_user_annotation", annotation=True),
+        ]
+    )
+    assert got_cpu == {7: [(0, 5, "treadle/generate"), (0, 5, "aten::mm")]}
+    assert got_device == [(0, 5, "gemm"), (0, 5, "Memcpy HtoD")]
+
+
 def test_outside_a_profiled_step_a_phase_is_no_range(tmp_path):
     assert profiler._active is None
     cpu = [torch.profiler.ProfilerActivity.CPU]

@@ -110,9 +110,17 @@ def spans(events: Iterable[Any]) -> tuple[dict[int, list[Span]], list[Span]]:
         if e.device_type() == torch.autograd.DeviceType.CPU:
             if not e.is_async():
                 cpu[e.start_thread_id()].append(span)
-        elif not e.is_user_annotation() and "annotation" not in e.activity_type():
+        elif not e.is_user_annotation() and "annotation" not in _activity(e):
             device.append(span)
     return cpu, device
+
+
+def _activity(event: Any) -> str:
+    """The kineto activity's name (``gpu_user_annotation``: the device's copy of a range); ""
+    where torch does not give it (2.11's events have no ``activity_type``: their ranges'
+    copies are the ``is_user_annotation`` ones)."""
+    activity = getattr(event, "activity_type", None)
+    return activity() if activity is not None else ""
 
 
 def summary(cpu: dict[int, list[Span]], device: list[Span], seconds: float) -> list[str]:
