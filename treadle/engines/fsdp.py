@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.utils._pytree import tree_map_only
 
 from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.flops import UpdateRate
@@ -76,13 +77,16 @@ def shard_model(
     """Apply FSDP2: one unit per decoder layer of ``lm``, ``root`` (a head wrapping it) as root.
 
     ``compute_dtype`` (e.g. bfloat16): decoder layers compute in it from parameters kept in
-    their own dtype (the optimizer's), gradients reduced in float32. The root (embeddings,
+    their own dtype (the optimizer's), their inputs cast to it (:func:`cast_inputs`), gradients
+    reduced in float32. The root (embeddings,
     final norm, heads) keeps the parameter dtype; :class:`LogProbHead` casts the LM head for
     its matrix products only, and value heads read full-precision weights. ``mesh``: the
     data-parallel device mesh to shard over (default: every rank).
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
+        if compute_dtype is not None:
+            layer.register_forward_pre_hook(cast_inputs(compute_dtype), with_kwargs=True)
         fully_shard(
             layer,
             mesh=mesh,
@@ -90,6 +94,21 @@ def shard_model(
         )
     fully_shard(root, mesh=mesh)
     return root
+
+
+def cast_inputs(dtype: torch.dtype) -> Callable[..., Any]:
+    """A forward pre-hook that casts a module's floating-point tensor arguments to ``dtype``:
+    what FSDP2's ``cast_forward_inputs`` does, again where torch 2.11 skips it, in a layer that
+    activation checkpointing re-runs in the backward (its float32 rotary tables then met bf16
+    values: "Expected query, key, and value to have the same dtype"; torch 2.13 casts there)."""
+
+    def cast(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(dtype) if tensor.is_floating_point() else tensor
+
+    def hook(module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+    return hook
 
 
 def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> torch.Tensor:
