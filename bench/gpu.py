@@ -15,9 +15,9 @@ also the share of its bf16 peak: MFU), then the ratio lines last: `ratio step_ti
 every workload's TRL run and treadle's on the first `--cache`, then treadle's on the other
 caches in their order, the workload of the most decoding steps first. One that fails, or is
 still running at `--deadline-s` (killed then, and the later ones not started), is named in the
-report with its reason, the others' numbers still printed; a killed one that had finished more
-than `--warmup` steps is measured on those, and the report says where it was cut. The script
-then exits with 1.
+report with its reason, the others' numbers still printed; one killed or failed after more
+than `--warmup` steps (in the profiled step after them, say) is measured on those, and the
+report says where and why it stopped. The script then exits with 1.
 
 The workloads (`WORKLOADS`): SmolLM2-135M's shape, 8 prompts x 4 samples x 64 new tokens; a
 1.39 B model of Qwen2.5-1.5B's shape with SmolLM2's vocabulary (49,152), 32 x 8 x 256; `tiny`
@@ -419,14 +419,18 @@ def measure(args: argparse.Namespace, deadline: float | None = None) -> dict[str
             memory = run_side(side_command(args, name, side), log, args.threads, left)
         except SideFailed as failed:
             print(f"{name}: {side} failed: {failed}", flush=True)
-            steps = finished_steps(args, name, side) if failed.killed else []
+            steps, reason = (
+                finished_steps(args, name, side),
+                str(failed).splitlines()[0].rstrip(":"),
+            )
             if len(steps) > args.warmup:  # enough for a median: kept, and said
                 total = args.warmup + args.steps
                 done = f"all {total}" if len(steps) == total else f"{len(steps)} of {total}"
-                cut = f"cut at --deadline-s after {done} steps"
+                why = "cut at --deadline-s" if failed.killed else f"stopped ({reason})"
+                cut = f"{why} after {done} steps"
                 measured[name][side] = {"steps": steps, "memory": failed.memory, "cut": cut}
             else:
-                measured[name][side] = {"failed": str(failed).splitlines()[0]}
+                measured[name][side] = {"failed": reason}
             continue
         record = json.loads((paths["folder"] / f"{side}.json").read_text())
         measured[name][side] = {**record, "memory": memory}

@@ -272,6 +272,39 @@ def test_a_side_cut_at_the_deadline_keeps_the_steps_it_finished(bench, tmp_path)
     assert lines[-2] == "ratio step_time treadle/trl tiny: 0.50"  # its measured step: 2 s
 
 
+def test_a_side_that_fails_after_its_measured_steps_keeps_them(bench, tmp_path, monkeypatch):
+    """treadle's side fails in the profiled step after its 3 measured ones (say): those are
+    read back from its run and measured, and the report says why the side stopped; TRL's side
+    failing in its first step is named as not measured."""
+    import json
+
+    flags = ["--tiny", "--device", "cpu", "--workdir", str(tmp_path), "--steps", "2"]
+    args = bench.parse_args([*flags, "--profile", "dynamic"])
+    paths = bench.workload_paths(args, "tiny")
+    logged = [
+        {"step": k, "timing/step": s, "timing/generate": 1.0, "response/length_mean": 4.0}
+        for k, s in ((1, 9.0), (2, 2.0), (3, 4.0))
+    ]
+
+    def run_side(command, log, threads, timeout=None):
+        if "--side=treadle" in command:  # its run logged 3 steps, then the 4th failed
+            run = bench.run_folder(paths, "dynamic")
+            run.mkdir(parents=True)
+            (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in logged))
+        raise bench.SideFailed(f"exit 1; {log}:\nAttributeError: ...", False, {"peak_rss": GIB})
+
+    monkeypatch.setattr(bench, "run_side", run_side)
+    measured = bench.measure(args)["tiny"]
+    assert measured["trl"] == {"failed": f"exit 1; {paths['folder'] / 'trl.log'}"}
+    ours = measured["treadle_dynamic"]
+    assert [s["step"] for s in ours["steps"]] == [9.0, 2.0, 4.0]
+    log = paths["folder"] / "treadle_dynamic.log"
+    assert ours["cut"] == f"stopped (exit 1; {log}) after all 3 steps"
+    assert f"treadle on the dynamic KV cache ({ours['cut']}):" in bench.report(
+        args, {"tiny": measured}
+    )
+
+
 def test_a_profiled_step_comes_after_the_measured_ones_and_is_not_measured(bench, tmp_path):
     """``--profile dynamic``: treadle's side on that cache runs one more step, profiled
     (``trainer.profile_steps``); its record is dropped, and the report names its table."""
