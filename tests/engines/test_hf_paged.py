@@ -126,26 +126,59 @@ def test_the_sequences_of_the_pages_are_decoded_together(model_and_tok):
 
 def test_pages_transformers_finds_too_big_leave_it_the_budget(model_and_tok, monkeypatch):
     """On CUDA, where the pages and transformers' activations do not fit the budget
-    (``MemoryError`` from its own count), the cache is sized by transformers to the budget."""
+    (``MemoryError`` from its own count, as its warm-up makes the cache: transformers 5.17 and
+    5.19), the failed manager is destroyed and the cache sized by transformers to the budget."""
     model, tok = model_and_tok
     pages = {"num_blocks": 8, "max_batch_tokens": 64}
     monkeypatch.setattr(paged, "paged_size", lambda *a: {"max_memory_percent": 0.4, **pages})
-    seen = []
+    seen, made = [], []
+
+    class Manager:
+        def __init__(self, cb):
+            self.cb, self.warmed_up, self.destroyed = cb, False, False
+
+        def warmup(self):
+            if self.cb.num_blocks is not None:
+                raise MemoryError("Memory footprint 9 is more than available memory 8")
+            self.warmed_up = True
+
+        def destroy(self):
+            self.destroyed = True
 
     def init(config, cb, hints):
         seen.append((cb.num_blocks, cb.max_memory_percent, cb.safety_margin))
-        if cb.num_blocks is not None:
-            raise MemoryError("Memory footprint 9 is more than available memory 8")
-        return "a manager"
+        made.append(Manager(cb))
+        return made[-1]
 
     monkeypatch.setattr(model, "init_continuous_batching", init, raising=False)
     got = paged_manager(model, None, prompts(tok), SamplingParams(), None, 64, 0.5)
-    assert got == "a manager"
+    assert got is made[1] and got.warmed_up and not got.destroyed and made[0].destroyed
     assert seen[0] == (8, 0.4, 0.0) and seen[1][:2] == (None, 0.4)
     # on a CPU (no share of a budget) transformers' error is the answer
     monkeypatch.setattr(paged, "paged_size", lambda *a: pages)
     with pytest.raises(MemoryError, match="more than available"):
         paged_manager(model, None, prompts(tok), SamplingParams(), None, 64, 0.5)
+
+
+def test_transformers_own_memory_error_leads_to_the_budget_s_cache(model_and_tok, monkeypatch):
+    """The same with transformers' real count: pages it finds too many for the memory (here
+    2% of the machine's) raise as its warm-up makes the cache, and the sequences are then
+    generated from the cache transformers sizes to that share."""
+    model, tok = model_and_tok
+    many = {"max_memory_percent": 0.02, "num_blocks": 10**9, "max_batch_tokens": 64}
+    monkeypatch.setattr(paged, "paged_size", lambda *a: many)
+    seen = []
+    init = model.init_continuous_batching
+
+    def counted(config, cb, hints):
+        seen.append(cb.num_blocks)
+        return init(config, cb, hints)
+
+    monkeypatch.setattr(model, "init_continuous_batching", counted)
+    engine = HFRolloutEngine(model, [tok.eos_token_id], tok.pad_token_id, cache="paged")
+    out = engine.generate(prompts(tok)[:2], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert seen == [10**9, None] and [len(t) for t in out.token_ids] == [4, 4]
+    assert model.config._attn_implementation == "sdpa"
 
 
 def test_pictures_are_refused_by_name(model_and_tok):

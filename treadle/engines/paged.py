@@ -58,10 +58,11 @@ def generate_paged(
     config = generation_config(params, stops, pad)
     hints = WorkloadHints(max(map(len, prompts)), params.max_new_tokens, len(prompts))
     attention = model.config._attn_implementation  # the manager switches it to paged
-    manager = paged_manager(model, config, prompts, params, hints, micro_batch_size, utilization)
+    manager = None
     try:
-        if not manager.warmed_up:
-            manager.warmup()  # (its CUDA graphs, where it captures them)
+        manager = paged_manager(
+            model, config, prompts, params, hints, micro_batch_size, utilization
+        )
         ids = manager.add_requests(inputs=prompts, max_new_tokens=params.max_new_tokens)
         manager.start()
         results: dict[str, Any] = {}
@@ -72,8 +73,9 @@ def generate_paged(
             elif result is None and not manager.is_running():
                 break  # its thread ended (transformers logged why)
     finally:
-        manager.stop(block=True, timeout=30)
-        manager.destroy()
+        if manager is not None:
+            manager.stop(block=True, timeout=30)
+            manager.destroy()
         if model.config._attn_implementation != attention:  # (a manager never started)
             model.set_attn_implementation(attention)
     failed = [r.error for r in results.values() if r.error is not None]
@@ -115,12 +117,14 @@ def paged_manager(
     micro_batch_size: int,
     utilization: float,
 ) -> Any:
-    """transformers' continuous-batching manager: log-probs returned, ``params.seed``
-    seeding the draws, at most ``micro_batch_size`` sequences decoded together, the cache
-    sized by :func:`paged_size`. Pages for exactly those sequences come with no safety
-    margin (transformers holds back 15% of the pages from new prompts otherwise, and the
-    last sequences would wait for a second round); where transformers finds they do not fit
-    with its batch's activations, it sizes the cache itself to the budget."""
+    """transformers' continuous-batching manager, warmed up (its cache made; its CUDA graphs
+    captured, where it captures them): log-probs returned, ``params.seed`` seeding the draws,
+    at most ``micro_batch_size`` sequences decoded together, the cache sized by
+    :func:`paged_size`. Pages for exactly those sequences come with no safety margin
+    (transformers holds back 15% of the pages from new prompts otherwise, and the last
+    sequences would wait for a second round); where transformers finds they do not fit with
+    its batch's activations (a ``MemoryError`` as the warm-up makes the cache), it sizes the
+    cache itself to the budget."""
     from transformers.generation import ContinuousBatchingConfig
     from transformers.utils import is_flash_attn_2_available
 
@@ -147,18 +151,25 @@ def paged_manager(
         # (no tensor-parallel rollout model here: leave NCCL's environment alone)
         "disable_nccl_graph_mixing": False,
     }
-    sized = {**size, "safety_margin": 0.0} if "num_blocks" in size else size
-    try:
-        return model.init_continuous_batching(
-            config, ContinuousBatchingConfig(**common, **sized), hints
+
+    def warmed(sizes: dict[str, Any]) -> Any:
+        manager = model.init_continuous_batching(
+            config, ContinuousBatchingConfig(**common, **sizes), hints
         )
+        try:
+            if not manager.warmed_up:
+                manager.warmup()
+        except BaseException:
+            manager.destroy()
+            raise
+        return manager
+
+    try:
+        return warmed({**size, "safety_margin": 0.0} if "num_blocks" in size else size)
     except MemoryError:
         if "num_blocks" not in size or "max_memory_percent" not in size:  # (a CPU's: none)
             raise
-        share = {"max_memory_percent": size["max_memory_percent"]}
-        return model.init_continuous_batching(
-            config, ContinuousBatchingConfig(**common, **share), hints
-        )
+        return warmed({"max_memory_percent": size["max_memory_percent"]})
 
 
 def paged_size(
