@@ -30,6 +30,10 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+# what torch.compile's triton needs to build its launchers (the static KV cache's compiled step)
+python3 -c "import os, sysconfig; h = sysconfig.get_paths()['include'] + '/Python.h'
+print('Python.h:', h if os.path.exists(h) else 'missing')" | tee -a "$out/gpu.txt"
+echo "C compiler: $(command -v cc gcc | head -1)" | tee -a "$out/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   # 4 test processes share the GPU (tiny models; 16 cores), where pytest-xdist came along
   workers=()
