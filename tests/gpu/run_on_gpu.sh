@@ -38,7 +38,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   # 4 test processes share the GPU (tiny models; 16 cores), where pytest-xdist came along
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 4 --dist load)
-  OMP_NUM_THREADS=4 timeout 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
+  # (cuBLAS's fixed workspaces: the resume test's two runs may then give equal numbers)
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=4 timeout 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
     --durations=20 tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
