@@ -31,10 +31,11 @@ that of real weights. Every prompt is `--prompt-tokens` random words, the same o
 Both sides, each in a process of its own, one after the other (`bench/grpo_vs_trl.py`'s
 comparison, whose helpers this reuses, on a GPU): float32 weights and AdamW, bf16 mixed
 precision on a GPU (TRL's `bf16` autocast; treadle `actor.mixed_precision=bf16` and a bfloat16
-hf rollout engine, `rollout.dtype=bfloat16`), float32 on a CPU; GRPO advantages, token-mean loss
+hf rollout engine, `rollout.dtype=bfloat16`), float32 on a CPU (`--precision bf16` there: the
+GPU's settings, a dry run of what the GPU will run); GRPO advantages, token-mean loss
 (TRL's `loss_type="dapo"`), no KL and no reference (TRL's `beta=0`), one optimizer step over all
-samples a step, lr 1e-6, gradient checkpointing on the GPU (TRL's default; treadle
-`actor.gradient_checkpointing=true`, micro-batches of at most `--micro-tokens` tokens), every
+samples a step, lr 1e-6, gradient checkpointing with bf16 (TRL's default; treadle
+`actor.gradient_checkpointing=true`), micro-batches of at most `--micro-tokens` tokens, every
 row computed (treadle `actor.skip_zero_advantage=false`). TRL generates the step's samples in
 one `generate` call; treadle's hf engine in one too (`rollout.micro_batch_size` = the step's
 samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room) and syncs the
@@ -230,13 +231,13 @@ def treadle_overrides(
 ) -> list[str]:
     """treadle's run of the workload: the local backend, the hf engine on ``cache`` (see the
     docstring)."""
-    rows, gpu = wl.prompts * wl.n, args.device == "cuda"
+    rows, bf16 = wl.prompts * wl.n, args.precision == "bf16"
     profiled = cache in args.profile  # one more step, profiled, not measured
     return [
         f"model.path={paths['model']}",
         "model.dtype=float32",
-        f"rollout.dtype={'bfloat16' if gpu else 'float32'}",
-        f"actor.mixed_precision={'bf16' if gpu else 'none'}",
+        f"rollout.dtype={'bfloat16' if bf16 else 'float32'}",
+        f"actor.mixed_precision={'bf16' if bf16 else 'none'}",
         f"data.train_files=[{paths['prompts']}]",
         "data.val_files=[]",
         f"data.batch_size={wl.prompts}",
@@ -258,7 +259,7 @@ def treadle_overrides(
         f"actor.ppo_mini_batch_size={rows}",
         f"actor.micro_batch_size={rows}",
         f"actor.max_tokens_per_micro_batch={args.micro_tokens}",
-        f"actor.gradient_checkpointing={str(gpu).lower()}",
+        f"actor.gradient_checkpointing={str(bf16).lower()}",
         "actor.skip_zero_advantage=false",  # equal work: TRL computes every row
         "trainer.backend=local",
         f"trainer.output_dir={run_folder(paths, cache)}",
@@ -342,7 +343,7 @@ def run_side(
 
 
 def common_flags(args: argparse.Namespace, wl: Workload) -> list[str]:
-    dtype = "bfloat16" if args.device == "cuda" else "float32"
+    dtype = "bfloat16" if args.precision == "bf16" else "float32"
     return [
         f"--n={wl.n}",
         f"--new-tokens={wl.new_tokens}",
@@ -611,7 +612,7 @@ def header(args: argparse.Namespace) -> list[str]:
             else f"device: {platform.processor() or 'CPU'}"
         )
     versions = ", ".join(f"{p} {version(p)}" for p in ("torch", "transformers", "trl"))
-    precision = "bf16 mixed precision" if args.device == "cuda" else "float32"
+    precision = "bf16 mixed precision" if args.precision == "bf16" else "float32"
     return [
         f"date: {date.today().isoformat()}",
         machine,
@@ -620,7 +621,7 @@ def header(args: argparse.Namespace) -> list[str]:
         "call and one forward/backward over the step's samples",
         "treadle: local backend, hf engine (one generate call), "
         f"micro-batches of <= {args.micro_tokens} tokens, gradient checkpointing "
-        f"{'on' if args.device == 'cuda' else 'off'}, weight sync every step",
+        f"{'on' if args.precision == 'bf16' else 'off'}, weight sync every step",
     ]
 
 
@@ -638,6 +639,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-tokens", type=int, default=16384, help="treadle's tokens a fwd/bwd")
     p.add_argument("--threads", type=int, default=None, help="torch threads (GPU: up to 8)")
     p.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto")
+    p.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "float32"],
+        default="auto",
+        help="bf16: bf16 mixed precision and gradient checkpointing on both sides (auto: on a "
+        "GPU; float32 on a CPU). bf16 on a CPU runs the GPU's settings there, a dry run",
+    )
     p.add_argument(
         "--cache", default="dynamic", help="treadle's KV caches, of dynamic, static and paged"
     )
@@ -682,6 +690,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         import torch
 
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.precision == "auto":
+        args.precision = "bf16" if args.device == "cuda" else "float32"
     if args.threads is None:
         cores = os.cpu_count() or 1
         args.threads = (

@@ -124,6 +124,25 @@ def test_the_tiny_flag_the_workloads_and_the_caches(bench, tmp_path):
             bench.parse_args(["--cache", bad, "--device", "cpu"])
 
 
+def test_the_gpu_s_precision_on_a_cpu(bench, tmp_path):
+    """``--precision``: bf16 mixed precision and gradient checkpointing on both sides on a GPU
+    (auto) or where asked (a CPU's dry run of the GPU's settings); float32 on a CPU."""
+    flags = ["--tiny", "--device", "cpu", "--workdir", str(tmp_path)]
+    gpu_keys = {
+        "rollout.dtype=bfloat16",
+        "actor.mixed_precision=bf16",
+        "actor.gradient_checkpointing=true",
+    }
+    for precision, want in (("auto", "float32"), ("float32", "float32"), ("bf16", "bf16")):
+        args = bench.parse_args([*flags, "--precision", precision])
+        assert args.precision == want
+        wl, paths = bench.WORKLOADS["tiny"], bench.workload_paths(args, "tiny")
+        keys = set(bench.treadle_overrides(args, wl, paths, "dynamic"))
+        assert (gpu_keys <= keys) == (want == "bf16")
+        dtype = "bfloat16" if want == "bf16" else "float32"
+        assert f"--dtype={dtype}" in bench.side_command(args, "tiny", "trl")
+
+
 def test_one_trl_run_against_each_cache(bench):
     """``--cache dynamic,static``: a table for each cache against the one TRL run, and ratio
     lines named by workload and cache."""

@@ -21,6 +21,10 @@
 #     pytest-xdist==3.8.0 execnet==2.1.2
 # and give the run tool carry=[".whl"]. What it prints goes to $OUT: gpu.txt, tests.txt,
 # bench.txt, sides.tgz (each side's log, step records and profile table) and traces.tar.
+# A dry run of the bench's GPU settings on the CPU, with the image's torch and transformers
+# in front (PYTHONPATH) where they are unpacked:
+#   python bench/gpu.py --tiny --device cpu --precision bf16 --cache dynamic,static,paged \
+#     --profile dynamic --steps 2 --warmup 1 --workdir /tmp/dry
 set -u
 what=${1:-all}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
