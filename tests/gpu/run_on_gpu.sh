@@ -10,15 +10,17 @@
 #   all     both, one after the other, in 575 s: tests, then bench with the time left
 # A session is lent 15 minutes of device time, the machine's start (1-2 min) included, and one
 # call runs 10 minutes at most: so call `all` once, with timeout_s=600, and give the machine
-# back after it. A side cut by the deadline keeps the steps it finished ("cut at ..."), and
-# one that did not start is named in bench.txt ("not measured (...)").
-# Before the call, on the CPU machine, from the repository root (~10 MB with the source):
+# back after it. A side cut by the deadline, or failed after its measured steps, keeps the
+# steps it finished ("cut at ...", "stopped (...)"), and one that did not start is named in
+# bench.txt ("not measured (...)").
+# Before the call, on the CPU machine, from the repository root (~11 MB with the source; peft
+# travels too, the version the CPU suite runs, so the LoRA cases do not meet the image's own):
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
 #     -d .whl pydantic==2.14.4 pydantic_core==2.50.5 annotated-types typing-inspection \
 #     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess xxhash cloudpickle trl==1.16.0 \
-#     pytest-xdist==3.8.0 execnet==2.1.2
+#     pytest-xdist==3.8.0 execnet==2.1.2 peft==0.21.2
 # and give the run tool carry=[".whl"]. What it prints goes to $OUT: gpu.txt, tests.txt,
 # bench.txt, sides.tgz (each side's log, step records and profile table) and traces.tar.
 # A dry run of the bench's GPU settings on the CPU, with the image's torch and transformers
