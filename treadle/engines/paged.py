@@ -151,25 +151,26 @@ def paged_manager(
         # (no tensor-parallel rollout model here: leave NCCL's environment alone)
         "disable_nccl_graph_mixing": False,
     }
-
-    def warmed(sizes: dict[str, Any]) -> Any:
-        manager = model.init_continuous_batching(
-            config, ContinuousBatchingConfig(**common, **sizes), hints
-        )
-        try:
-            if not manager.warmed_up:
-                manager.warmup()
-        except BaseException:
-            manager.destroy()
-            raise
-        return manager
-
+    pages = {**size, "safety_margin": 0.0} if "num_blocks" in size else size
     try:
-        return warmed({**size, "safety_margin": 0.0} if "num_blocks" in size else size)
+        return warmed_manager(model, config, ContinuousBatchingConfig(**common, **pages), hints)
     except MemoryError:
         if "num_blocks" not in size or "max_memory_percent" not in size:  # (a CPU's: none)
             raise
-        return warmed({"max_memory_percent": size["max_memory_percent"]})
+        share = ContinuousBatchingConfig(**common, max_memory_percent=size["max_memory_percent"])
+        return warmed_manager(model, config, share, hints)
+
+
+def warmed_manager(model: Any, config: Any, batching: Any, hints: Any) -> Any:
+    """A continuous-batching manager of ``batching``, warmed up (a failed one destroyed)."""
+    manager = model.init_continuous_batching(config, batching, hints)
+    try:
+        if not manager.warmed_up:
+            manager.warmup()
+    except BaseException:
+        manager.destroy()
+        raise
+    return manager
 
 
 def paged_size(
