@@ -78,10 +78,10 @@ def shard_model(
 
     ``compute_dtype`` (e.g. bfloat16): decoder layers compute in it from parameters kept in
     their own dtype (the optimizer's), their inputs cast to it (:func:`cast_inputs`), gradients
-    reduced in float32. The root (embeddings,
-    final norm, heads) keeps the parameter dtype; :class:`LogProbHead` casts the LM head for
-    its matrix products only, and value heads read full-precision weights. ``mesh``: the
-    data-parallel device mesh to shard over (default: every rank).
+    reduced in float32. The root (embeddings, final norm, heads) keeps the parameter dtype;
+    :class:`LogProbHead` casts the LM head for its matrix products only, and value heads read
+    full-precision weights. ``mesh``: the data-parallel device mesh to shard over (default:
+    every rank).
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
