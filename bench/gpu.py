@@ -420,10 +420,8 @@ def measure(args: argparse.Namespace, deadline: float | None = None) -> dict[str
             memory = run_side(side_command(args, name, side), log, args.threads, left)
         except SideFailed as failed:
             print(f"{name}: {side} failed: {failed}", flush=True)
-            steps, reason = (
-                finished_steps(args, name, side),
-                str(failed).splitlines()[0].rstrip(":"),
-            )
+            steps = finished_steps(args, name, side)
+            reason = str(failed).splitlines()[0].rstrip(":")
             if len(steps) > args.warmup:  # enough for a median: kept, and said
                 total = args.warmup + args.steps
                 done = f"all {total}" if len(steps) == total else f"{len(steps)} of {total}"
