@@ -35,7 +35,8 @@ export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFOR
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$out/gpu.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode --format=csv |
+  tee "$out/gpu.txt"
 # what torch.compile's triton needs to build its launchers (the static KV cache's compiled step)
 python3 -c "import os, sysconfig; h = sysconfig.get_paths()['include'] + '/Python.h'
 print('Python.h:', h if os.path.exists(h) else 'missing')" | tee -a "$out/gpu.txt"
@@ -45,7 +46,7 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   workers=()
   python3 -c "import xdist" 2>/dev/null && workers=(-n 4 --dist load)
   # (cuBLAS's fixed workspaces: the resume test's two runs may then give equal numbers)
-  CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=4 timeout 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
+  CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=4 timeout -k 15 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
     --durations=20 tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
