@@ -42,9 +42,11 @@ python3 -c "import os, sysconfig; h = sysconfig.get_paths()['include'] + '/Pytho
 print('Python.h:', h if os.path.exists(h) else 'missing')" | tee -a "$out/gpu.txt"
 echo "C compiler: $(command -v cc gcc | head -1)" | tee -a "$out/gpu.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  # 4 test processes share the GPU (tiny models; 16 cores), where pytest-xdist came along
+  # 4 test processes share the GPU (tiny models; 16 cores), where pytest-xdist came along and
+  # the GPU takes several processes (its compute mode is Default, not exclusive)
   workers=()
-  python3 -c "import xdist" 2>/dev/null && workers=(-n 4 --dist load)
+  mode=$(nvidia-smi --query-gpu=compute_mode --format=csv,noheader | head -1)
+  [ "$mode" = Default ] && python3 -c "import xdist" 2>/dev/null && workers=(-n 4 --dist load)
   # (cuBLAS's fixed workspaces: the resume test's two runs may then give equal numbers)
   CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=4 timeout -k 15 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
     --durations=20 tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
