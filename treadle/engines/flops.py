@@ -25,14 +25,10 @@ import torch
 from torch import nn
 
 from treadle.engines.heads import LogProbHead, LogProbRequest
+from treadle.engines.shapes import heads, text_config
 
 # bf16 dense tensor-core TFLOP/s (no sparsity), by a part of the name CUDA gives the device
 PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0, "L40S": 362.1}
-
-
-def _text(config: Any) -> Any:
-    """The language model's part of a model's config (a vision-language model's text part)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def matmul_params(config: Any, head_outputs: int | None = None) -> int | None:
@@ -40,19 +36,17 @@ def matmul_params(config: Any, head_outputs: int | None = None) -> int | None:
     output projections and the gated MLP's three matrices, plus the head (``head_outputs``
     wide, default the vocabulary). None for a shape this count does not describe (a mixture
     of experts, or a config without these sizes)."""
-    text = _text(config)
+    text = text_config(config)
     experts = ("num_local_experts", "num_experts", "n_routed_experts")
     if any(getattr(text, key, None) for key in experts):
         return None
     try:
-        h, layers, heads = text.hidden_size, text.num_hidden_layers, text.num_attention_heads
-        mlp = text.intermediate_size
+        h, layers, mlp = text.hidden_size, text.num_hidden_layers, text.intermediate_size
         vocab = text.vocab_size if head_outputs is None else head_outputs
+        query, kv_heads, width = heads(text)
     except AttributeError:
         return None
-    head_dim = getattr(text, "head_dim", None) or h // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    q, kv = heads * head_dim, kv_heads * head_dim
+    q, kv = query * width, kv_heads * width
     per_layer = 2 * h * q + 2 * h * kv + 3 * h * mlp
     return int(layers * per_layer + vocab * h)
 
@@ -65,11 +59,9 @@ def update_flops(
     params = matmul_params(config, head_outputs)
     if params is None:
         return None
-    text = _text(config)
-    q = text.num_attention_heads * (
-        getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-    )
-    return 6.0 * params * tokens + 12.0 * text.num_hidden_layers * q * squares
+    text = text_config(config)
+    query, _, width = heads(text)
+    return 6.0 * params * tokens + 12.0 * text.num_hidden_layers * query * width * squares
 
 
 def peak_tflops(device: torch.device) -> float | None:

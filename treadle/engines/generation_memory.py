@@ -8,15 +8,15 @@ from typing import Any
 
 import torch
 
+from treadle.engines.shapes import heads, text_config
+
 
 def kv_bytes(config: Any, dtype: torch.dtype) -> int:
     """Bytes one token's keys and values take in a KV cache, over all layers. ``config``: the
     model's (its text part for a vision-language one)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    heads = text.num_attention_heads
-    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    return 2 * text.num_hidden_layers * kv_heads * head_dim * dtype.itemsize
+    text = text_config(config)
+    _, kv_heads, width = heads(text)
+    return 2 * text.num_hidden_layers * kv_heads * width * dtype.itemsize
 
 
 def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> int:
@@ -25,9 +25,8 @@ def sequence_bytes(config: Any, dtype: torch.dtype, prompt: int, new: int) -> in
     processed scores, the sampling probabilities and the log-softmax
     :class:`~treadle.engines.sampling.SampledLogProbs` keeps: 4 copies) and its prompt's
     forward (a decoder layer's activations at every prompt position, kept one layer at a
-    time). ``config``: the model's (its text part for a vision-language
-    one)."""
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    time). ``config``: the model's (its text part for a vision-language one)."""
+    text = text_config(config)
     width = dtype.itemsize
     kv = kv_bytes(config, dtype) * (prompt + new)
     scores = 4 * text.vocab_size * 4

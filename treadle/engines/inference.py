@@ -244,13 +244,14 @@ class HFRolloutEngine:
         expanded = [p for p in prompts for _ in range(params.n)]
         pictures = [x for x in pixel_values or [None] * len(prompts) for _ in range(params.n)]
         out = RolloutOutput()
+        # what ends a response (ignore_eos: its stop tokens alone)
+        stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
         if self.cache == "paged":
             if any(x is not None for x in pictures):
                 raise ValueError(
                     "rollout.cache_implementation=paged generates from text prompts only; a "
                     "vision-language model's pictures need dynamic or static"
                 )
-            stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
             for tokens, logps in generate_paged(
                 self.model,
                 expanded,
@@ -266,13 +267,14 @@ class HFRolloutEngine:
         size = self.chunk(expanded, params)
         for start in range(0, len(expanded), size):
             end = start + size
-            self._generate_chunk(expanded[start:end], params, out, pictures[start:end])
+            self._generate_chunk(expanded[start:end], params, stops, out, pictures[start:end])
         return out
 
     def _generate_chunk(
         self,
         prompts: list[list[int]],
         params: SamplingParams,
+        stops: list[int],
         out: RolloutOutput,
         pictures: list[torch.Tensor | None],
     ) -> None:
@@ -283,7 +285,6 @@ class HFRolloutEngine:
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.tensor(p)
             mask[i, width - len(p) :] = 1
-        stops = ([] if params.ignore_eos else self.eos) + list(params.stop_token_ids)
         stacked = stack_pixels(pictures)  # zero pictures pad a row; Idefics3 drops them
         images = {} if stacked is None else {"pixel_values": stacked.to(device)}
         record, chain = processors(
