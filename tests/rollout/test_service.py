@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 
@@ -189,6 +190,38 @@ def test_a_batch_into_an_idle_server_is_reproducible_and_leaves_the_host_rng(hf_
     b = _serve(server, [Request(f"b{i}", p, SAMPLE) for i, p in enumerate(prompts)])
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
     assert [r.log_probs for r in a] == [r.log_probs for r in b]
+
+
+class NumpySeededEngine:
+    """A test double sampling as vLLM's CUDA model runner does: each request's seed drawn from
+    numpy's global RNG when it is added, its one token a function of that seed."""
+
+    def __init__(self) -> None:
+        self.running: dict[str, int] = {}
+
+    def add_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams, pixel_values=None
+    ) -> None:
+        self.running[request_id] = int(np.random.randint(0, 1 << 30))
+
+    def step(self) -> list[Finished]:
+        done = [Finished(rid, [t], [-1.0], "length") for rid, t in self.running.items()]
+        self.running.clear()
+        return done
+
+
+def test_a_batch_is_reproducible_where_vllm_draws_request_seeds_from_numpy():
+    server = RolloutServer(NumpySeededEngine(), "rollout replica 0")
+    np.random.seed(123)
+    host = np.random.get_state()
+    a = _serve(server, [Request(f"a{i}", (1, 2), SAMPLE) for i in range(4)])
+    assert np.array_equal(np.random.get_state()[1], host[1])  # the host's stream did not move
+    np.random.seed(456)
+    b = _serve(server, [Request(f"b{i}", (1, 2), SAMPLE) for i in range(4)])
+    assert [r.token_ids for r in a] == [r.token_ids for r in b]
+    other = RolloutServer(NumpySeededEngine(), "rollout replica 1", index=1)
+    c = _serve(other, [Request(f"c{i}", (1, 2), SAMPLE) for i in range(4)])
+    assert [r.token_ids for r in c] != [r.token_ids for r in a]  # replicas draw apart
 
 
 def test_versions_rise_with_weight_updates(hf_server, tiny_task):

@@ -110,7 +110,10 @@ def role_engine(cfg: Config, role: Role, path: str) -> RoleEngine:
         )
     r = cfg.rollout
     tp = r.tensor_parallel_size
-    extra = {"tensor_parallel_size": tp} if tp > 1 else {}
+    # vLLM's default executor for tp > 1 inside a Ray placement group is its Ray one, which
+    # takes a GPU a bundle and refuses our one bundle of tp GPUs (vllm/v1/executor/
+    # ray_utils.py); its multiprocessing executor runs the tp workers on this actor's GPUs.
+    extra = {"tensor_parallel_size": tp, "distributed_executor_backend": "mp"} if tp > 1 else {}
     return RoleEngine(
         r.engine,
         rollout_dtype(r.dtype, cfg.model.dtype),

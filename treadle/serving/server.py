@@ -22,11 +22,12 @@ Choices:
   3.8-4.1 s on the tiny demo), so no thread of its own.
 - **Requests that arrive together are added together**: a list submitted in one call enters the
   engine before its next step, so the driver's synchronous batch is batched exactly as before.
-- **Sampling noise.** vLLM draws it from the global torch RNG (per-request seeds crash vLLM 0.32
-  on CPU, see :mod:`treadle.engines.vllm`). When the engine goes from idle to busy the
-  server saves the RNG state and seeds it from the first request's ``params.seed`` and the
-  replica's index (replicas must not draw the same noise); when it is idle again the state is
-  put back. A batch submitted at once into an idle replica is therefore
+- **Sampling noise.** vLLM draws it from the global torch RNG on CPU and from per-request seeds
+  drawn from numpy's global RNG on CUDA (per-request seeds of our own crash vLLM 0.32 on CPU,
+  see :mod:`treadle.engines.vllm`). When the engine goes from idle to busy the server saves
+  both RNGs' states and seeds them from the first request's ``params.seed`` and the replica's
+  index (replicas must not draw the same noise); when it is idle again the states are put
+  back. A batch submitted at once into an idle replica is therefore
   sampled reproducibly (resume stays bit-identical), and the host process's own random stream
   (the actor's, when colocated) does not move. Requests that overlap others are sampled
   correctly but not reproducibly, as in any serving engine.
@@ -61,12 +62,16 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from treadle.engines.inference import Finished, RolloutEngine, SamplingParams, Scored
 from treadle.runtime.errors import raise_if_signalled
 from treadle.tracking.profiler import phase
+
+HostRng = tuple[Any, list[torch.Tensor]]  # numpy's state; torch's (CPU, then each CUDA device)
 
 
 @dataclass(frozen=True)
@@ -166,7 +171,7 @@ class RolloutServer:
         self._requests: dict[str, Request] = {}  # request id -> the request, while in flight
         self._progress: dict[str, _Progress] = {}  # paused by a weight update, then resumed
         self._pump: asyncio.Task | None = None
-        self._rng: list[torch.Tensor] | None = None  # the host's RNG states while busy
+        self._rng: HostRng | None = None  # the host's RNG states while busy
         self._busy = 0.0
         self._busy_since: float | None = None
 
@@ -312,7 +317,9 @@ class RolloutServer:
             return
         if self._rng is None:  # idle -> busy: seed the sampling noise, keep the host's stream
             self._rng = _rng_state()
-            torch.manual_seed(group.requests[0].params.seed * 9973 + self.index)
+            seed = group.requests[0].params.seed * 9973 + self.index
+            torch.manual_seed(seed)
+            np.random.seed(seed % (1 << 32))  # numpy takes 32-bit seeds
             if self.sleep_when_idle:
                 self.engine.wake()
             self._busy_since = time.perf_counter()
@@ -370,12 +377,14 @@ def takes_json_schema(engine: RolloutEngine) -> bool:
     return "json_schema" in inspect.signature(engine.add_request).parameters
 
 
-def _rng_state() -> list[torch.Tensor]:
+def _rng_state() -> HostRng:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return [torch.random.get_rng_state(), *cuda]
+    return np.random.get_state(), [torch.random.get_rng_state(), *cuda]
 
 
-def _set_rng_state(state: list[torch.Tensor]) -> None:
-    torch.random.set_rng_state(state[0])
-    if len(state) > 1:
-        torch.cuda.set_rng_state_all(state[1:])
+def _set_rng_state(state: HostRng) -> None:
+    numpy_state, torch_states = state
+    np.random.set_state(numpy_state)
+    torch.random.set_rng_state(torch_states[0])
+    if len(torch_states) > 1:
+        torch.cuda.set_rng_state_all(torch_states[1:])

@@ -4,16 +4,19 @@ Batch ``generate`` (the synchronous case), the request queue the rollout server 
 (``add_request``, ``step``, ``abort``), ``score`` (the teacher's), weight updates and sleep,
 over the one engine of the process (:mod:`.slot`). Choices:
 
-- **Seeding.** vLLM's sampler draws its noise from the global torch RNG (one draw per batch
-  row and step) unless a request carries its own `seed`. Per-request seeds crash vLLM 0.32 on
-  CPU as soon as a seeded request's prefill is split over two steps (chunked prefill, e.g.
-  128 prompts of 40 tokens against the 4,096-token step budget): it rewinds the request's
-  generator with `set_offset`, which CPU generators lack. So `generate` runs under
-  `torch.random.fork_rng`, seeded with `params.seed`: a rollout is reproducible from
-  `params.seed` (same prompts, same engine), and the caller's random stream does not move.
-  The draws follow the engine's steps, which depend on what the prefix cache holds (a cached
-  prefix is not prefilled again), so `generate` starts from an empty prefix cache, as every
-  rollout after a weight update does anyway.
+- **Seeding.** On CPU vLLM's sampler (its V1 model runner) draws its noise from the global
+  torch RNG (one draw per batch row and step) unless a request carries its own `seed`.
+  Per-request seeds crash vLLM 0.32 on CPU as soon as a seeded request's prefill is split over
+  two steps (chunked prefill, e.g. 128 prompts of 40 tokens against the 4,096-token step
+  budget): it rewinds the request's generator with `set_offset`, which CPU generators lack. On
+  CUDA vLLM 0.32 runs its V2 model runner (the default wherever Triton is), which gives each
+  request without a `seed` one drawn from numpy's global RNG when it is added
+  (`v1/worker/gpu/sample/states.py`) and hashes its noise from that seed and the position. So
+  `generate` runs with both RNGs forked and seeded with `params.seed`: a rollout is
+  reproducible from `params.seed` (same prompts, same engine), and the caller's random
+  streams do not move. On CPU the draws follow the engine's steps, which depend on what the
+  prefix cache holds (a cached prefix is not prefilled again), so `generate` starts from an
+  empty prefix cache, as every rollout after a weight update does anyway.
 - **Log-probs of the policy that trains.** `logprobs_mode="processed_logprobs"` returns
   `log_softmax(logits / T)` of each sampled token (`log_softmax(logits)` when greedy), as
   `HFRolloutEngine` does. With top-p < 1 or top-k > 0 vLLM renormalises over the kept tokens
@@ -43,6 +46,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from treadle.engines.inference import (
@@ -57,6 +61,7 @@ from treadle.engines.vllm.outputs import score_in_queue, stop_reason, take_outpu
 from treadle.engines.vllm.pictures import PictureLayout, picture_prompt
 from treadle.engines.vllm.slot import (
     EngineSettings,
+    awake,
     engine_for,
     forget_old_outputs,
     reload_folder,
@@ -266,28 +271,24 @@ class VLLMRolloutEngine:
     def load_payloads(self, payloads: Iterable[bytes]) -> None:
         """Load safetensors buckets (`weight_buckets`) into the live engine as one reload."""
         live = self._live
-        resleep = live.asleep
-        if resleep:  # on CUDA the weights' memory is released while asleep
-            self.wake()
-        live.llm.collective_rpc("treadle_begin_weight_update")
-        live.weights_ok = False
-        missing: list[str] = []
-        try:
-            for payload in payloads:  # a tied model's lm_head.weight must not be in them
-                live.llm.collective_rpc("treadle_load_weight_bucket", args=(payload,))
-        finally:
-            # Closing the reload puts back the layers the stream never reached; after an
-            # error, half-loaded layers stay wrong, so weights_ok stays False.
-            missing = live.llm.collective_rpc("treadle_finish_weight_update")[0]
-        forget_old_outputs(live)
-        if missing:
-            raise ValueError(
-                f"update_weights: the stream left {len(missing)} vLLM parameters unset "
-                f"(e.g. {missing[:3]}); pass the model's full state"
-            )
-        live.weights_ok = True
-        if resleep:
-            self.sleep()
+        with awake(live):  # on CUDA the weights' memory is released while asleep
+            live.llm.collective_rpc("treadle_begin_weight_update")
+            live.weights_ok = False
+            missing: list[str] = []
+            try:
+                for payload in payloads:  # a tied model's lm_head.weight must not be in them
+                    live.llm.collective_rpc("treadle_load_weight_bucket", args=(payload,))
+            finally:
+                # Closing the reload puts back the layers the stream never reached; after an
+                # error, half-loaded layers stay wrong, so weights_ok stays False.
+                missing = live.llm.collective_rpc("treadle_finish_weight_update")[0]
+            forget_old_outputs(live)
+            if missing:
+                raise ValueError(
+                    f"update_weights: the stream left {len(missing)} vLLM parameters unset "
+                    f"(e.g. {missing[:3]}); pass the model's full state"
+                )
+            live.weights_ok = True
 
     def reload_from_folder(self) -> None:
         """Load the weights of the engine's model folder again (what it started with)."""
@@ -321,11 +322,17 @@ class VLLMRolloutEngine:
 
 @contextlib.contextmanager
 def _seeded_rng(seed: int) -> Iterator[None]:
-    """The global torch RNG seeded with `seed` inside, the caller's stream untouched outside."""
+    """The global torch (CPU and CUDA) and numpy RNGs seeded with `seed` inside, the caller's
+    streams untouched outside (which one vLLM samples from: see "Seeding")."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+    numpy_state = np.random.get_state()
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        yield
+        np.random.seed(seed % (1 << 32))  # numpy takes 32-bit seeds
+        try:
+            yield
+        finally:
+            np.random.set_state(numpy_state)
 
 
 def _held_to(request_params: Any, json_schema: str | None) -> Any:

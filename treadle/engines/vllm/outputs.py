@@ -16,9 +16,11 @@ through the same queue. Choices:
   it back). So scoring is correct at any point between two steps, and in-flight generation
   advances (batched with the scoring) meanwhile. vLLM computes prompt log-probs from the raw
   logits, `log_softmax` in float32, whatever `logprobs_mode` says ("prompt tokens skip
-  sampling processors", `gpu_model_runner._get_prompt_logprobs_dict`), and never reads the
-  prefix cache for such a request (`skip_reading_prefix_cache`); the top-k needs an engine
-  started with `max_logprobs >= top_k` (vLLM's default is 20).
+  sampling processors", `gpu_model_runner._get_prompt_logprobs_dict`; on CUDA its V2 model
+  runner's `PromptLogprobsWorker` does the same), and never reads the prefix cache for such a
+  request (`skip_reading_prefix_cache`); the top-k needs an engine started with
+  `max_logprobs >= top_k` (vLLM's default is 20). A scoring request carries a seed of its own,
+  never used (it is greedy), so that vLLM's CUDA runner draws none from numpy's global RNG.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def score_in_queue(
     params = VLLMSamplingParams(
         max_tokens=1,
         temperature=0.0,
+        seed=0,  # unused (greedy); else vLLM's CUDA runner draws one from numpy's global RNG
         prompt_logprobs=top_k,
         flat_logprobs=True,
         detokenize=False,

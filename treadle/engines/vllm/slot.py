@@ -121,10 +121,26 @@ def engine_for(settings: EngineSettings) -> LiveEngine:
 
 def reload_folder(live: LiveEngine) -> None:
     """Load the engine's model folder's weights again (what it started with)."""
-    live.weights_ok = False
-    live.llm.collective_rpc("treadle_reload_from_disk")
-    forget_old_outputs(live)
-    live.weights_ok = True
+    with awake(live):
+        live.weights_ok = False
+        live.llm.collective_rpc("treadle_reload_from_disk")
+        forget_old_outputs(live)
+        live.weights_ok = True
+
+
+@contextlib.contextmanager
+def awake(live: LiveEngine) -> Iterator[None]:
+    """The engine awake inside, for a weight reload: asleep (CUDA, level 1) its weights are
+    not mapped in device memory, so a reload would write to memory it released. A sleeping
+    engine goes back to sleep after a reload that succeeded."""
+    asleep = live.asleep
+    if asleep:
+        live.llm.wake_up()
+        live.asleep = False
+    yield
+    if asleep:
+        live.llm.sleep(level=1)
+        live.asleep = True
 
 
 def forget_old_outputs(live: LiveEngine) -> None:
