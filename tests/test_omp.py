@@ -15,11 +15,11 @@ from treadle.runtime.omp import openmp_env
 def test_ten_thousand_rounds_unless_the_process_says_otherwise(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert openmp_env() == {"GOMP_SPINCOUNT": "10000"}
-    env = ray_env(2)
+    env = ray_env(2, 0.0)
     assert env["GOMP_SPINCOUNT"] == "10000" and env["OMP_NUM_THREADS"] == "2"
     monkeypatch.setenv("GOMP_SPINCOUNT", "300000")  # a user's own setting is kept
     assert openmp_env() == {"GOMP_SPINCOUNT": "300000"}
-    assert ray_env(1)["GOMP_SPINCOUNT"] == "300000"
+    assert ray_env(1, 1.0)["GOMP_SPINCOUNT"] == "300000"
 
 
 def test_the_command_line_sets_it_before_anything_else(monkeypatch, tmp_path, capsys):

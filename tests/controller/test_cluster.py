@@ -96,6 +96,30 @@ def test_num_cpus_within_the_cluster(fake_ray):
         cluster.total_cpus(config("trainer.ray_address=h:1", "trainer.num_cpus=4"))
 
 
+@pytest.mark.parametrize(
+    ("driver", "cluster_gpus", "ranks_get"), [(False, 8.0, 1.0), (False, 0, 0.0)]
+)
+def test_the_clusters_gpus_decide_a_ranks_not_the_drivers(
+    fake_ray, monkeypatch, driver, cluster_gpus, ranks_get
+):
+    """A driver on a CPU-only head node of a GPU cluster: its ranks get a GPU each (placed with
+    none, each would see every GPU of its node and take GPU 0)."""
+    from treadle.controller import Placement
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: driver)
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0, "GPU": cluster_gpus})
+    cfg = config("trainer.ray_address=h:1")
+    assert Placement.plan(cfg).gpus_per_rank == ranks_get
+
+
+def test_a_driver_with_a_gpu_on_a_cluster_without_one_is_an_error(fake_ray, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    with pytest.raises(ConfigError, match=r"no GPU resource.*CUDA_VISIBLE_DEVICES="):
+        cluster.use_gpus(config("trainer.ray_address=h:1"))
+    # in-process, the driver's own GPU is the rank's
+    assert cluster.use_gpus(load_config(None, ["model.path=unused", "trainer.backend=local"]))
+
+
 def test_auth_refusal_is_one_line(fake_ray, monkeypatch):
     def refused(**kw):
         try:

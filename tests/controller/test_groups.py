@@ -387,3 +387,37 @@ def test_a_peer_lost_in_a_rollout_is_the_dead_rank_on_the_drivers_line():
     assert trainer.dead_peer(RuntimeError("No space left on device")) is None
     trainer.side = {}
     assert trainer.dead_peer(lost) is None  # no rank found dead: the error stands
+
+
+# ---------------------------------------------------------------- GPUs of a rank
+
+
+@pytest.mark.parametrize(
+    ("noset", "visible", "ids", "index"),
+    [
+        ("", None, [0], 0),  # Ray's default: CUDA_VISIBLE_DEVICES is the rank's one GPU
+        ("1", None, [3], 3),  # every GPU of the node visible: the id is the index
+        ("1", "4,5,6,7", ["6"], 2),  # ids among a visible list the node was started with
+        ("true", "0,1", [], 0),  # no GPU given (a driver's process)
+    ],
+)
+def test_a_rank_takes_the_gpu_ray_gave_it(monkeypatch, noset, visible, ids, index):
+    from treadle.controller.groups import worker
+
+    fake = types.SimpleNamespace(is_initialized=lambda: True, get_gpu_ids=lambda: ids)
+    monkeypatch.setitem(__import__("sys").modules, "ray", fake)
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", noset)
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert worker.gpu_index() == index
+
+
+def test_a_process_given_no_gpu_sees_none():
+    """Ray 2.60 leaves every GPU of its node visible to an actor with num_gpus=0 (measured with
+    declared GPUs: CUDA_VISIBLE_DEVICES unset there); the run hides them itself."""
+    from treadle.controller import ray_env
+
+    assert ray_env(1, 0.0)["CUDA_VISIBLE_DEVICES"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in ray_env(1, 0.5)  # Ray sets it to the bundle's GPU

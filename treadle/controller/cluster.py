@@ -82,6 +82,35 @@ def total_cpus(cfg: Config) -> float:
     return float(wanted or have)
 
 
+def use_gpus(cfg: Config) -> bool:
+    """Whether the run's ranks and split rollout replicas get GPUs (Ray bundles with GPUs).
+
+    In-process, or on a cluster this run starts (whose GPUs are this machine's): whether this
+    process sees one. On a joined cluster: whether the cluster has any, not whether the driver
+    does: a driver on a CPU-only head node sees none while the workers' nodes have them, and
+    its ranks, placed with no GPU, would each see every GPU of their node (Ray 2.60 leaves
+    ``CUDA_VISIBLE_DEVICES`` alone for an actor with ``num_gpus=0``) and all take GPU 0. A
+    driver that sees a GPU on a cluster with none is an error: its ranks would train on CPU."""
+    import torch
+
+    here = torch.cuda.is_available()
+    joined = ray_address(cfg) if cfg.trainer.backend == "ray" else None
+    if joined is None:
+        return here
+    import ray
+
+    ensure_ray(cfg)
+    gpus = float(ray.cluster_resources().get("GPU", 0.0))
+    if here and not gpus:
+        raise ConfigError(
+            f"the driver sees a CUDA GPU but the Ray cluster at {joined[0]} ({joined[1]}) has "
+            "no GPU resource, so every rank would train on CPU: start the nodes' Ray with their "
+            "GPUs (`ray start --num-gpus=N`), or hide the GPU from the driver "
+            "(CUDA_VISIBLE_DEVICES=) to train on CPU"
+        )
+    return gpus > 0
+
+
 # The background start: its "ready" event, its "seconds" and the "error" it raised, if any.
 _early: dict[str, Any] = {}
 

@@ -11,6 +11,8 @@
 
 Choices:
 
+- **GPUs: one a rank where the cluster has them** (:func:`~.cluster.use_gpus`: the Ray
+  cluster's GPUs decide, not the driver's, which may sit on a CPU-only head node).
 - **One bundle size.** The training side's CPUs (the run's, ``trainer.num_cpus`` or the
   machine's or the joined cluster's, less a split rollout pool's) are divided equally over the
   actor's ranks and every split role's ranks; without split roles or a split rollout, all the
@@ -31,10 +33,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from treadle.config import Config
-from treadle.controller.cluster import ensure_ray, total_cpus
+from treadle.controller.cluster import ensure_ray, total_cpus, use_gpus
 from treadle.controller.groups.group import WorkerGroup
 from treadle.controller.groups.pool import ResourcePool
 from treadle.controller.groups.worker import Worker
@@ -49,7 +49,7 @@ class Placement:
     backend: str  # "local": every group in this process; "ray": pools of bundles
     world_size: int  # the actors' ranks: bundles of their pool
     cpus_per_rank: float  # a bundle's CPUs, the actors' pool's and every split role's
-    gpus_per_rank: float  # a bundle's GPUs: 1 on a GPU machine, else 0
+    gpus_per_rank: float  # a bundle's GPUs: 1 where the cluster has GPUs (use_gpus), else 0
     total_cpus: float  # the run's CPUs (what a local-backend process may use)
     colocated: int = 1  # groups on the actors' bundles, the actors' included
     threads_per_rank: int | None = None  # trainer.threads_per_rank; None: a bundle's CPUs
@@ -66,7 +66,7 @@ class Placement:
             backend=cfg.trainer.backend,
             world_size=cfg.actor.world_size,
             cpus_per_rank=(total - reserved_cpus) / ranks,
-            gpus_per_rank=1.0 if torch.cuda.is_available() else 0.0,
+            gpus_per_rank=1.0 if use_gpus(cfg) else 0.0,
             total_cpus=total,
             colocated=colocated,
             threads_per_rank=cfg.trainer.threads_per_rank,
@@ -91,9 +91,15 @@ def rank_threads(cfg: Config, cpus_per_rank: float) -> int:
     return cfg.trainer.threads_per_rank or max(1, int(cpus_per_rank))
 
 
-def ray_env(threads: int) -> dict[str, str]:
-    """The environment of a Ray worker process with ``threads`` threads."""
+def ray_env(threads: int, gpus: float) -> dict[str, str]:
+    """The environment of a Ray worker process with ``threads`` threads and ``gpus`` GPUs.
+
+    One given no GPU sees none (``CUDA_VISIBLE_DEVICES`` empty): Ray 2.60 no longer hides a
+    node's GPUs from an actor with ``num_gpus=0`` (``RAY_ACCEL_ENV_VAR_OVERRIDE_ON_ZERO``),
+    and torch there would take GPU 0 of its node, beside the ranks Ray placed on it."""
+    hidden = {} if gpus else {"CUDA_VISIBLE_DEVICES": ""}
     env = {
+        **hidden,
         **openmp_env(),
         "OMP_NUM_THREADS": str(threads),
         "TOKENIZERS_PARALLELISM": "false",
@@ -199,7 +205,7 @@ def _ray_group(
         backend="ray",
         pool=pool,
         kwargs={**kwargs, "threads": threads},
-        env=ray_env(threads),
+        env=ray_env(threads, pool.gpus_per_rank * share),
         share=share,
         wait=wait,
     )

@@ -14,7 +14,9 @@ nothing is unpickled on arrival.
   GPU, as verl, slime and OpenRLHF do. It is not the default group, so the actor's FSDP group and
   vLLM's own are untouched. Rank 0 broadcasts each bucket as a length, then the bytes; a length
   of 0 ends the update. Every actor rank walks the stream (gathering a full tensor is a
-  collective of the FSDP group); only rank 0 sends.
+  collective of the FSDP group); only rank 0 sends. On NCCL each bucket's bytes go from rank
+  0's host to its GPU and from each replica's GPU to its host (the engine loads bytes); a
+  replica that dies mid-sync is not survived there (:func:`_nccl_group`).
 
 Each update carries a version number, chosen by the driver (the step whose update it is); the
 replica stamps every response with the version of the weights that produced it.
@@ -58,17 +60,17 @@ class WeightSyncGroup:
         self._store = store  # the master's server lives as long as this object
         self.group: Any
         if self.device.type == "cuda":
-            self.group = dist.ProcessGroupNCCL(
-                prefixed, rank, world_size, dist.ProcessGroupNCCL.Options()
-            )
+            self.group = _nccl_group(prefixed, rank, world_size, timeout)
         else:
             self.group = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
 
     def _broadcast(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cuda":
-            tensor = tensor.to(self.device)
+        """``tensor`` (on this member's device) broadcast from rank 0, done: on NCCL the host
+        waits for it too (one bucket in flight, its memory given back before the next)."""
         self.group.broadcast(tensor, 0).wait()
-        return tensor.cpu()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        return tensor
 
     def send(self, payloads: Iterable[bytes]) -> int:
         """Rank 0: broadcast every payload, then the end mark; returns the bytes sent.
@@ -80,10 +82,10 @@ class WeightSyncGroup:
         try:
             for payload in stream:
                 data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-                self._broadcast(torch.tensor([len(payload)], dtype=torch.int64))
-                self._broadcast(data)
+                self._broadcast(self._length(len(payload)))
+                self._broadcast(data.to(self.device))
                 total += len(payload)
-            self._broadcast(torch.tensor([_END], dtype=torch.int64))
+            self._broadcast(self._length(_END))
         except RuntimeError:
             for _ in stream:
                 pass
@@ -91,9 +93,27 @@ class WeightSyncGroup:
         return total
 
     def receive(self) -> Iterator[bytes]:
-        """Ranks 1..R: the payloads rank 0 sends, until its end mark."""
+        """Ranks 1..R: the payloads rank 0 sends, until its end mark (received on the
+        device, then brought to the host once)."""
         while True:
-            size = int(self._broadcast(torch.zeros(1, dtype=torch.int64)))
+            size = int(self._broadcast(self._length(0)))
             if size == _END:
                 return
-            yield self._broadcast(torch.empty(size, dtype=torch.uint8)).numpy().tobytes()
+            data = torch.empty(size, dtype=torch.uint8, device=self.device)
+            yield self._broadcast(data).cpu().numpy().tobytes()
+
+    def _length(self, n: int) -> torch.Tensor:
+        return torch.tensor([n], dtype=torch.int64, device=self.device)
+
+
+def _nccl_group(store: dist.Store, rank: int, world_size: int, timeout: datetime.timedelta) -> Any:
+    """The NCCL backend of the group, with ``timeout`` (a plain ``Options()`` has torch's own
+    10 minutes, whatever ``timeout_s`` says).
+
+    Unlike gloo's, an NCCL broadcast does not fail promptly when a member dies: the others
+    wait until ``timeout``, and then torch's watchdog takes their processes down (its default;
+    the actor's rank 0 with them), so the restarts of :mod:`treadle.rollout.fleet.restarts`
+    are not reached on GPUs (docs/findings.md, 2026-11-30)."""
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    return dist.ProcessGroupNCCL(store, rank, world_size, options)

@@ -20,6 +20,7 @@ import functools
 import os
 import random
 import socket
+import sys
 from contextlib import nullcontext
 from pathlib import Path
 from typing import Any, ClassVar
@@ -64,6 +65,22 @@ def _ephemeral_start() -> int:
 def device_type() -> str:
     """'cuda' when a GPU is visible to this process, else 'cpu'. Asked once, used everywhere."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def gpu_index() -> int:
+    """The index, among the GPUs this process sees, of the one Ray gave it: 0 where Ray set
+    ``CUDA_VISIBLE_DEVICES`` to it (its default, fractional shares included); under
+    ``RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES``, where every GPU of the node stays visible,
+    the place of its id (``ray.get_gpu_ids()``) among them. 0 outside a Ray worker."""
+    ray = sys.modules.get("ray")  # (not imported here: the local backend runs without Ray)
+    noset = os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "")
+    if ray is None or noset.lower() not in ("1", "true") or not ray.is_initialized():
+        return 0
+    ids = sorted(str(i) for i in ray.get_gpu_ids())
+    if not ids:
+        return 0
+    visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]
+    return visible.index(ids[0]) if ids[0] in visible else int(ids[0])
 
 
 def tcp_store(
@@ -118,7 +135,7 @@ class Worker:
             MASTER_PORT=str(master_port),
         )
         if self.device.type == "cuda":
-            torch.cuda.set_device(0)  # Ray gives each rank exactly one visible GPU
+            torch.cuda.set_device(gpu_index())  # the one GPU Ray gave this rank
         # Only a group this worker made is its to destroy (an in-process vLLM may make one).
         self.owns_process_group = not dist.is_initialized()
         if self.owns_process_group:

@@ -21,7 +21,8 @@ while the live replicas may wait in their receive for good (gloo tells a member 
 another's death; measured, FINDINGS). So every replica that has not loaded the whole update a
 few seconds after the failure is restarted with the dead one (:meth:`Restarter.replace_broken`,
 each a restart), the group is made again and the update sent once more; a second death in
-the same sync stops the run.
+the same sync stops the run. That is gloo's case: on NCCL the actor's rank 0 waits for the
+group's timeout instead, and torch then ends its process (:mod:`treadle.serving.weight_sync`).
 
 The restarter reads and calls the rollout through :class:`Fleet`, what it needs of
 :class:`~treadle.rollout.fleet.fanout.Rollout`, so that this module sits below the rollout's

@@ -3,7 +3,8 @@
 ``rollout.placement=split`` gives the rollout ``rollout.replicas``
 :class:`~treadle.serving.replica.RolloutReplica` actors in a placement group of their own,
 ``rollout.num_cpus`` CPUs (default: half the run's) divided equally,
-``rollout.tensor_parallel_size`` GPUs each on GPU machines. On a Ray cluster the pool goes
+``rollout.tensor_parallel_size`` GPUs each where the Ray cluster has GPUs
+(:func:`~treadle.controller.cluster.use_gpus`). On a Ray cluster the pool goes
 wherever it fits, another node included. Choices:
 
 - The pool is reserved before the actor's, so that replicas pinned to nodes
@@ -20,11 +21,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
 from treadle.config import Config
 from treadle.controller import ResourcePool, guarded, rank_threads, ray_env, ray_get
-from treadle.controller.cluster import ensure_ray, total_cpus
+from treadle.controller.cluster import ensure_ray, total_cpus, use_gpus
 from treadle.runtime.errors import ConfigError
 from treadle.serving.replica import Role, RolloutReplica
 
@@ -48,7 +47,7 @@ def reserve_rollout_pool(cfg: Config) -> ResourcePool | None:
             f"rollout.num_cpus={cpus:g} leaves nothing of the run's {total:g} CPUs for the "
             "actor: give the rollout pool fewer CPUs or the run more (trainer.num_cpus)"
         )
-    gpus = float(r.tensor_parallel_size) if torch.cuda.is_available() else 0.0
+    gpus = float(r.tensor_parallel_size) if use_gpus(cfg) else 0.0
     if not gpus and r.tensor_parallel_size > 1:
         raise ConfigError(
             f"rollout.tensor_parallel_size={r.tensor_parallel_size} needs GPUs; on CPU a "
@@ -129,7 +128,7 @@ def start_replica(
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             pool.pg, placement_group_bundle_index=index
         ),
-        runtime_env={"env_vars": ray_env(threads)},
+        runtime_env={"env_vars": ray_env(threads, gpus)},
     ).remote(index, config=cfg, model_path=path, version=version, threads=threads, role=role)
 
 
