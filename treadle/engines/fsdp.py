@@ -81,7 +81,9 @@ def shard_model(
     reduced in float32. The root (embeddings, final norm, heads) keeps the parameter dtype;
     :class:`LogProbHead` casts the LM head for its matrix products only, and value heads read
     full-precision weights. ``mesh``: the data-parallel device mesh to shard over (default:
-    every rank).
+    every rank). ``lm`` may be on the host: each ``fully_shard`` moves its unit's parameters
+    and buffers to the mesh's device before it shards them, so the device holds one unit's
+    full tensors at a time, never the whole model.
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
