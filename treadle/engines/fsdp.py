@@ -220,6 +220,23 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
     )
 
 
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random state for a checkpoint: the CPU generator's (``torch``) and, on a
+    GPU, the GPU's (``cuda``), which a GPU's dropout (LoRA's among them) draws from."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore :func:`rng_state`'s ``state``; its GPU part where both it and a GPU are here
+    (a checkpoint saved on a CPU resumes on a GPU, and the other way round)."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def adamw(
     params: list[nn.Parameter],
     lr: float,
@@ -447,7 +464,7 @@ class TrainEngine:
             save_optimizer(self.module, self.optimizer, self.scheduler, out, rank)
         elif rank == 0:
             save_schedule(self.scheduler, out)
-        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{rank}.safetensors"))
+        save_file(rng_state(), str(out / f"rng_rank{rank}.safetensors"))
         dist.barrier()
 
     def load_checkpoint(self, out: Path, rank: int) -> None:
@@ -467,7 +484,7 @@ class TrainEngine:
                 f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
                 "resume with the same actor.world_size, or set trainer.resume=false"
             )
-        torch.set_rng_state(load_file(str(rng))["torch"])
+        set_rng_state(load_file(str(rng)))
 
     def load_weights(self, out: Path) -> None:
         """The model weights of the checkpoint ``out`` (``model/``; LoRA: ``adapter/``), not its
