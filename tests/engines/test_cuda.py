@@ -75,7 +75,7 @@ def reference(model_dir, ids, rmask, topk, teacher, beta, temperature):
 class GKDWorker(Worker):
     def __init__(self, rank, world_size, addr, port, *, model_path, compute_dtype=None):
         super().__init__(rank, world_size, addr, port)
-        lm = load(model_path).to(self.device)
+        lm = load(model_path)  # on the host, as workers hand it over: FSDP2 moves it
         self.engine = TrainEngine(
             lm,
             chunk_size=4,
@@ -104,6 +104,14 @@ class GKDWorker(Worker):
         )
 
     @register(Dispatch.ALL, Collect.RANK0)
+    def where(self) -> tuple[list[str], bool]:
+        """The device types of the engine's parameters and buffers (the rotary tables among
+        them), and whether its LM head is still its input embedding (tied)."""
+        root, lm = self.engine.module, self.engine.module.lm
+        places = {t.device.type for t in (*root.parameters(), *root.buffers())}
+        return sorted(places), lm.get_output_embeddings().weight is lm.get_input_embeddings().weight
+
+    @register(Dispatch.ALL, Collect.RANK0)
     def lrs(self, steps: int) -> list[float]:
         return [self.engine.step()["lr"] for _ in range(steps)]
 
@@ -119,6 +127,8 @@ def test_gkd_top_k_loss_and_gradient_on_cuda(model_dir, compute_dtype):
         kwargs={"model_path": str(model_dir), "compute_dtype": compute_dtype},
     )
     try:
+        # built from a model on the host (RoleWorker.load_lm): fully_shard moved every tensor
+        assert group.where() == (["cuda"], True)
         loss, grad, where = group.loss_and_head_grad(ids, rmask, topk, teacher, 0.3, 0.8)
         assert where == "cuda"
         tol = 1e-4 if compute_dtype is None else 3e-2

@@ -357,3 +357,30 @@ def test_a_step_whose_gradient_is_zero_moves_nothing(tiny_task):
     assert len(adam) == len(adam_after) == len(before)
     for s, t in zip(adam, adam_after, strict=True):  # the step count and the moments as they were
         assert s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s)
+
+
+def test_a_checkpoint_s_rng_state_holds_the_gpu_s(monkeypatch, tmp_path):
+    """On a GPU dropout (LoRA's) draws from the GPU's generator: a checkpoint keeps its state
+    beside the CPU's, and a resume restores it (a stand-in GPU here); a checkpoint without it
+    (saved on a CPU) restores the CPU's alone."""
+    from safetensors.torch import load_file, save_file
+
+    from treadle.engines.fsdp import rng_state, set_rng_state
+
+    gpu = {"state": torch.arange(16, dtype=torch.uint8)}
+
+    def get_gpu_state() -> torch.Tensor:
+        return gpu["state"].clone()
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get_gpu_state)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: gpu.update(state=s.clone()))
+    save_file(rng_state(), str(tmp_path / "rng.safetensors"))
+    cpu = torch.get_rng_state()
+    torch.rand(3)
+    gpu["state"] = torch.zeros(16, dtype=torch.uint8)
+    set_rng_state(load_file(str(tmp_path / "rng.safetensors")))
+    assert torch.equal(torch.get_rng_state(), cpu)
+    assert torch.equal(gpu["state"], torch.arange(16, dtype=torch.uint8))
+    set_rng_state({"torch": cpu})  # a CPU's checkpoint: the GPU's state is left as it is
+    assert torch.equal(gpu["state"], torch.arange(16, dtype=torch.uint8))

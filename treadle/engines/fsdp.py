@@ -81,7 +81,9 @@ def shard_model(
     reduced in float32. The root (embeddings, final norm, heads) keeps the parameter dtype;
     :class:`LogProbHead` casts the LM head for its matrix products only, and value heads read
     full-precision weights. ``mesh``: the data-parallel device mesh to shard over (default:
-    every rank).
+    every rank). ``lm`` may be on the host: each ``fully_shard`` moves its unit's parameters
+    and buffers to the mesh's device before it shards them, so the device holds one unit's
+    full tensors at a time, never the whole model.
     """
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
     for layer in lm.get_decoder().layers:
@@ -216,6 +218,23 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
     set_model_state_dict(
         module, state, options=StateDictOptions(full_state_dict=True, strict=False)
     )
+
+
+def rng_state() -> dict[str, torch.Tensor]:
+    """This process's random state for a checkpoint: the CPU generator's (``torch``) and, on a
+    GPU, the GPU's (``cuda``), which a GPU's dropout (LoRA's among them) draws from."""
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore :func:`rng_state`'s ``state``; its GPU part where both it and a GPU are here
+    (a checkpoint saved on a CPU resumes on a GPU, and the other way round)."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
 
 
 def adamw(
@@ -445,7 +464,7 @@ class TrainEngine:
             save_optimizer(self.module, self.optimizer, self.scheduler, out, rank)
         elif rank == 0:
             save_schedule(self.scheduler, out)
-        save_file({"torch": torch.get_rng_state()}, str(out / f"rng_rank{rank}.safetensors"))
+        save_file(rng_state(), str(out / f"rng_rank{rank}.safetensors"))
         dist.barrier()
 
     def load_checkpoint(self, out: Path, rank: int) -> None:
@@ -465,7 +484,7 @@ class TrainEngine:
                 f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
                 "resume with the same actor.world_size, or set trainer.resume=false"
             )
-        torch.set_rng_state(load_file(str(rng))["torch"])
+        set_rng_state(load_file(str(rng)))
 
     def load_weights(self, out: Path) -> None:
         """The model weights of the checkpoint ``out`` (``model/``; LoRA: ``adapter/``), not its

@@ -88,10 +88,13 @@ class RoleWorker(Worker):
 
     def load_lm(self, path: str, key: str = "model.path") -> nn.Module:
         """The causal LM at ``path`` (``key``: the config key that named it, for an error) in
-        ``model.dtype``, on this worker's device."""
+        ``model.dtype``, on the host: FSDP2 moves it to this worker's device one unit (decoder
+        layer) at a time as it shards it (:func:`~treadle.engines.fsdp.shard_model`), so no
+        rank's device holds the whole model (moved whole first, a float32 7B model takes 28 GB
+        of every rank's GPU at start-up, whatever the rank count)."""
         m = self.cfg.model
         model: nn.Module = load_causal_lm(path, m.dtype, key=key, allow_download=m.allow_download)
-        return model.to(self.device)
+        return model
 
 
 class TrainingWorker(RoleWorker):

@@ -82,17 +82,15 @@ def train_engine(model: nn.Module, **options: Any) -> TrainEngine:
     return TrainEngine(model, **options)
 
 
-def value_engine(
-    cfg: Config, path: str, key: str, device: torch.device, trainable: bool, **opt: Any
-) -> TrainEngine:
+def value_engine(cfg: Config, path: str, key: str, trainable: bool, **opt: Any) -> TrainEngine:
     """A value model (critic, reward model) as a training engine; ``opt``: optimizer settings
-    (and the engine's ``meshes`` and ``section`` of a parallel layout)."""
+    (and the engine's ``meshes`` and ``section`` of a parallel layout). The model goes to the
+    engine on the host: FSDP2 moves it to the device unit by unit
+    (:meth:`~treadle.workers.base.RoleWorker.load_lm` says why)."""
     model: nn.Module = load_value_model(
         path, cfg.model.dtype, key=key, allow_download=cfg.model.allow_download
     )
-    return train_engine(
-        model.to(device), **engine_options(cfg), trainable=trainable, head=ValueHead, **opt
-    )
+    return train_engine(model, **engine_options(cfg), trainable=trainable, head=ValueHead, **opt)
 
 
 def global_sums(*values: float, group: Any = None) -> list[float]:

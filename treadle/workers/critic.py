@@ -60,7 +60,6 @@ class CriticWorker(TrainingWorker):
             config,
             critic_path,
             "critic.model_path",
-            self.device,
             trainable=True,
             lr=c.lr,
             weight_decay=c.weight_decay,

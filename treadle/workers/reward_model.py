@@ -55,7 +55,7 @@ class RewardModelWorker(RoleWorker):
     def setup(self) -> None:
         config = self.cfg
         path = config.reward.model_path or ""
-        self.engine = value_engine(config, path, "reward.model_path", self.device, False)
+        self.engine = value_engine(config, path, "reward.model_path", False)
 
     @register(
         Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("rm_scores",)
@@ -90,7 +90,7 @@ class RewardTrainerWorker(TrainingWorker):
             )
         self.tokenizer = self.load_tokenizer(model_path)
         opt = actor_optimizer(config, optimizer_steps)
-        self.engine = value_engine(config, model_path, "model.path", self.device, True, **opt)
+        self.engine = value_engine(config, model_path, "model.path", True, **opt)
 
     def _scores(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask, _, _ = pair_sequences(mb, self.device)
