@@ -18,9 +18,9 @@ An op's result takes its operands' place (``x.new_zeros``, ``torch.zeros_like(x)
 a host tensor reports its device as ``cpu:0`` (a device that is not the worker's ``cpu``), so
 ``torch.arange(n, device=x.device)`` follows ``x`` here as on a GPU. As CUDA does, a 0-dim
 host tensor may take part in a device op (a CPU scalar), an op indexing a device tensor may take
-host indices, and ``.to``/``copy_`` move between the places; ``.numpy()`` of a device tensor
-fails (as on CUDA). Spell a move to the host ``.cpu()``: ``.to("cpu")`` names the worker's
-device here.
+host indices, and ``.to``/``copy_``/``.data =`` move between the places; ``.numpy()`` of a
+device tensor fails (as on CUDA). Spell a move to the host ``.cpu()``: ``.to("cpu")`` names the
+worker's device here.
 
 What it cannot see: ops run inside a library call it let through (their operands were checked
 at the call), autograd's backward (it runs the forward's ops again on the same places), and
@@ -143,6 +143,10 @@ class TwoDevices(TorchFunctionMode):
             raise self._fail(f"{_name(func)}() of a device tensor (on CUDA: a TypeError)")
         if func in _MOVES:
             return self._copy(func, args, kwargs)
+        if func == torch.Tensor.data.__set__:  # t.data = u: t is now where u is (FSDP2 moves so)
+            func(*args, **kwargs)
+            _mark(args[0], place(args[1]))
+            return None
         operands = [*_tensors(args), *_tensors(kwargs)]
         where = self._result_place(func, args, kwargs, operands)
         out = func(*args, **kwargs)

@@ -67,6 +67,8 @@ def test_the_double_lets_through_what_cuda_allows():
         assert place(back) == "host" and place(y) == "device"  # a new tensor, not y
         assert back.numpy().shape == (4, 2)
         assert place(x.to("cpu")) == "device" and place(x) == "host"  # x itself stays
+        x.data = x.to("cpu")  # how FSDP2 moves a module's states to its device
+        assert place(x) == "device" and place(x + y[:, :1]) == "device"
 
 
 # ---------------------------------------------------------------- every command

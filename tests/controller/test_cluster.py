@@ -120,6 +120,21 @@ def test_a_driver_with_a_gpu_on_a_cluster_without_one_is_an_error(fake_ray, monk
     assert cluster.use_gpus(load_config(None, ["model.path=unused", "trainer.backend=local"]))
 
 
+def test_a_split_teacher_takes_the_clusters_gpus_and_vllm_needs_one(fake_ray, monkeypatch):
+    from treadle.rollout import frozen
+
+    monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
+    pools: list[tuple] = []
+    monkeypatch.setattr(frozen, "ResourcePool", lambda *a: pools.append(a))
+    split = ["trainer.ray_address=h:1", "teacher.model_path=t", "teacher.placement=split"]
+    cfg = config(*split, "teacher.gpus_per_replica=1")  # a driver without a GPU, the cluster's
+    frozen.reserve_frozen_pool(cfg, cfg.teacher)
+    assert pools == [(1, 1.0, 1.0)]
+    cfg = config(*split, "teacher.engine=vllm")
+    with pytest.raises(ConfigError, match=r"teacher.engine=vllm .* teacher.gpus_per_replica > 0"):
+        frozen.reserve_frozen_pool(cfg, cfg.teacher)
+
+
 def test_auth_refusal_is_one_line(fake_ray, monkeypatch):
     def refused(**kw):
         try:

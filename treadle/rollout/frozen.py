@@ -23,13 +23,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from treadle.config import Config
 from treadle.config.frozen import FrozenModelConfig
 from treadle.controller import ResourcePool, WorkerGroup
-from treadle.controller.cluster import ensure_ray
+from treadle.controller.cluster import ensure_ray, use_gpus
 from treadle.rollout.fleet import Agents, Restarter, Rollout, kill_replicas, start_replicas
+from treadle.runtime.errors import ConfigError
 from treadle.serving.client import LocalReplica, RayReplica, ReplicaHandle, RolloutClient
 from treadle.serving.replica import Role
 
@@ -46,7 +45,14 @@ def reserve_frozen_pool(cfg: Config, section: FrozenModelConfig) -> ResourcePool
     if section.placement == "colocated":
         return None
     ensure_ray(cfg)
-    gpus = section.gpus_per_replica if torch.cuda.is_available() else 0.0
+    on_gpus = use_gpus(cfg)
+    gpus = section.gpus_per_replica if on_gpus else 0.0
+    if on_gpus and not gpus and section.engine == "vllm":
+        raise ConfigError(
+            f"{section.key}.engine=vllm on a cluster with GPUs needs {section.key}."
+            "gpus_per_replica > 0 (a replica given no GPU sees none, and vLLM's CUDA build "
+            "does not run on a CPU)"
+        )
     return ResourcePool(section.replicas or 1, section.cpus_per_replica, gpus)
 
 

@@ -47,6 +47,7 @@ import torch
 
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
+from treadle.controller.groups.worker import gpu_index
 from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine
 from treadle.models.folders import model_config
 from treadle.models.loading import load_causal_lm, load_tokenizer
@@ -275,6 +276,8 @@ class RolloutReplica(ServesRollout):
         torch.set_num_threads(threads)
         self.name = f"{role} replica {index}"
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if device.type == "cuda":
+            torch.cuda.set_device(gpu_index())  # the GPU Ray gave this replica (its first)
         engine = make_engine(config, model_path, device, role)
         self.server = RolloutServer(engine, self.name, index=index, version=version)
         self.sync: WeightSyncGroup | None = None
