@@ -143,6 +143,19 @@ class GradWorker(Worker):
         with two_seconds():
             return self.engine.train_step(batch.split(micro), loss_fn, prefix="x/")
 
+    @register(Dispatch.ALL, Collect.RANK0)
+    def reduced_before_each_micro_batch(self, batch: Batch) -> list[bool]:
+        """A ``train_step`` in micro-batches of one row: whether the parameters held a reduced
+        (sharded) gradient as each began."""
+        seen: list[bool] = []
+
+        def loss_fn(mb: Batch) -> tuple[torch.Tensor, dict[str, float]]:
+            seen.append(any(p.grad is not None for p in self.engine.module.parameters()))
+            return self._nll(mb)
+
+        self.engine.train_step(batch.split(1), loss_fn)
+        return seen
+
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:
         with torch.no_grad():
@@ -282,6 +295,26 @@ def test_train_step_sums_micro_batches_into_one_optimizer_step(tiny_task):
     assert whole["x/grad_norm"] > 0 and whole["x/lr"] == pytest.approx(1e-3)
     for name in grads_a:
         torch.testing.assert_close(grads_b[name], grads_a[name], atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+def test_gradients_are_reduced_after_the_last_micro_batch_or_after_each(tiny_task, defer):
+    """actor.defer_gradient_sync: FSDP2 reduces (and shards) the gradients once, after the
+    last micro-batch, or after every one; the step's gradient is the same either way."""
+    kwargs = {"model_path": str(tiny_task["model"]), "defer_gradient_sync": defer}
+    batch = make_batch(vocab=100)
+
+    def run(call: str, *args):
+        group = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs=kwargs)
+        try:
+            return getattr(group, call)(batch, *args)
+        finally:
+            group.shutdown()
+
+    assert run("reduced_before_each_micro_batch") == [False] + [not defer] * (len(batch) - 1)
+    (_, whole), (_, parts) = run("train_step_grads", 4), run("train_step_grads", 1)
+    for name in whole:
+        torch.testing.assert_close(parts[name], whole[name], atol=1e-6, rtol=1e-5)
 
 
 def test_train_step_rates_the_model_flops_of_its_forwards(tiny_task):

@@ -97,6 +97,14 @@ class ActorConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute decoder activations in backward (less memory, ~1/3 slower)."
     )
+    defer_gradient_sync: bool = Field(
+        True,
+        description="Reduce-scatter the gradients across data-parallel ranks once an "
+        "optimizer step, after its last micro-batch (one collective; until then each rank "
+        "holds the whole model's gradients in float32). false: after every micro-batch, "
+        "gradients sharded throughout (the memory to train a model near the GPUs' size; "
+        "verl's use_no_sync_for_gradient_accumulation=false). Every training engine's.",
+    )
     recompute_old_log_probs: bool | None = Field(
         None,
         description="Compute the policy's log-probs before the update in a pass of their own "

@@ -284,6 +284,7 @@ class TrainEngine:
         head: Callable[..., nn.Module] | None = None,
         meshes: Meshes | None = None,
         section: str = "actor",
+        defer_gradient_sync: bool = True,
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
         if gradient_checkpointing and trainable:
@@ -311,6 +312,7 @@ class TrainEngine:
         self.lora = is_lora(lm)
         self.adapters_off = False  # set on the reference view of a LoRA actor
         self.grad_clip = grad_clip
+        self.defer_gradient_sync = defer_gradient_sync
         self.params: list[nn.Parameter] = []
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -389,14 +391,16 @@ class TrainEngine:
         the one place where the driver's batch (on the CPU, by design) crosses to the device,
         so no loss moves its inputs field by field (verl and torchtitan move theirs at one
         seam too); a micro-batch is moved when its turn comes, so the device holds one.
-        Gradients are reduced across ranks after the last micro-batch only. Returns the
+        Gradients are reduced across ranks after the last micro-batch only, or after each
+        unless ``defer_gradient_sync`` (``actor.defer_gradient_sync``). Returns the
         metrics summed over micro-batches plus ``<prefix>grad_norm`` and ``<prefix>lr`` of
         :meth:`step`, and its model FLOP rate (:class:`~treadle.engines.flops.UpdateRate`).
         """
         sums: dict[str, float] = defaultdict(float)
         with self.rate.measure(prefix) as speed:
             for i, micro in enumerate(micros):
-                self.module.set_requires_gradient_sync(i == len(micros) - 1)
+                last = i == len(micros) - 1
+                self.module.set_requires_gradient_sync(last or not self.defer_gradient_sync)
                 loss, metrics = loss_fn(micro.to(self.device))
                 loss.backward()
                 for k, v in metrics.items():

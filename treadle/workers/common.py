@@ -40,13 +40,15 @@ if TYPE_CHECKING:  # imported where an engine is built: the driver does not need
 def engine_options(cfg: Config) -> dict[str, Any]:
     """How every training engine (actor, reference, critic, reward model) runs its forward:
     packed without padding (``actor.remove_padding``), a shared prompt computed once
-    (``actor.share_prompts``), in ``actor.mixed_precision``."""
+    (``actor.share_prompts``), in ``actor.mixed_precision``; and when its update reduces the
+    gradients (``actor.defer_gradient_sync``)."""
     a = cfg.actor
     return {
         "chunk_size": a.logprob_chunk_size,
         "row_tokens": a.pack_row_tokens if a.remove_padding else None,
         "share_prompts": a.shares_prompts(),
         "compute_dtype": torch.bfloat16 if compute_bf16(a.mixed_precision) else None,
+        "defer_gradient_sync": a.defer_gradient_sync,
     }
 
 
