@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -143,6 +144,47 @@ class GradWorker(Worker):
         with two_seconds():
             return self.engine.train_step(batch.split(micro), loss_fn, prefix="x/")
 
+    @register(Dispatch.ALL, Collect.LIST)
+    def optimizer_round_trip(self, folder: str) -> tuple[bool, int]:
+        """The optimizer state saved, emptied and loaded again: whether this rank's shards came
+        back as they were, and how many times this rank read the saved file."""
+        from treadle.engines import state
+
+        e, reads, read = self.engine, [], state.load_file
+        shards = lambda: [  # noqa: E731
+            {k: getattr(v, "to_local", v.clone)().clone() for k, v in e.optimizer.state[p].items()}
+            for p in e.params
+        ]
+        state.save_optimizer(e.module, e.optimizer, e.scheduler, Path(folder), self.rank)
+        dist.barrier()
+        before = shards()
+        e.optimizer.state.clear()
+        state.load_file = lambda *a: reads.append(a) or read(*a)
+        try:
+            state.load_optimizer(e.module, e.optimizer, e.scheduler, Path(folder))
+        finally:
+            state.load_file = read
+        same = all(
+            b.keys() == a.keys() and all(torch.equal(b[k], a[k]) for k in b)
+            for b, a in zip(before, shards(), strict=True)
+        )
+        return same and len(before) > 0, len(reads)
+
+    @register(Dispatch.ALL, Collect.LIST)
+    def load_a_damaged_optimizer(self, folder: str) -> str:
+        """``optimizer.safetensors`` cut short: what ``load_optimizer`` raises on this rank."""
+        from treadle.engines import state
+
+        file = Path(folder) / "optimizer.safetensors"
+        if self.rank == 0:
+            file.write_bytes(file.read_bytes()[:100])
+        dist.barrier()
+        try:
+            state.load_optimizer(self.engine.module, self.engine.optimizer, None, Path(folder))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
     @register(Dispatch.ALL, Collect.RANK0)
     def reduced_before_each_micro_batch(self, batch: Batch) -> list[bool]:
         """A ``train_step`` in micro-batches of one row: whether the parameters held a reduced
@@ -196,7 +238,7 @@ def test_chunked_log_probs_equal_naive_forward(tiny_task):
 
 
 @pytest.mark.slow
-def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
+def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session, tmp_path):
     from ray import cloudpickle
 
     from treadle.controller import ResourcePool
@@ -219,6 +261,12 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session):
         group.ready()
         results = group.loss_and_grads(batch)
         ratio2, _, _ = group.step_weights(batch, 5.0)
+        # resuming: rank 0 alone reads the optimizer's file, each rank gets its shards back
+        assert group.optimizer_round_trip(str(tmp_path)) == [(True, 1), (True, 0)]
+        # a file rank 0 cannot read fails every rank (rank 1 would wait for its broadcast)
+        first, second = group.load_a_damaged_optimizer(str(tmp_path))
+        assert first.startswith("SafetensorError") and "rank 0 could not read" not in first
+        assert second == f"CheckpointError: rank 0 could not read the checkpoint: {first}"
     finally:
         group.shutdown()
         pool.remove()

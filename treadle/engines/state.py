@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LambdaLR
+
+from treadle.models.checkpoint import CheckpointError
 
 log = logging.getLogger("treadle")
 
@@ -53,7 +56,12 @@ def save_schedule(scheduler: LambdaLR, path: Path) -> None:
 
 
 def load_optimizer(module: Any, optimizer: Optimizer, scheduler: LambdaLR, path: Path) -> None:
-    """What :func:`save_optimizer` (or :func:`save_schedule`) wrote, into the sharded optimizer."""
+    """What :func:`save_optimizer` (or :func:`save_schedule`) wrote, into the sharded optimizer.
+
+    Rank 0 alone reads ``optimizer.safetensors`` (two float32 copies of the model) and
+    broadcasts it a tensor at a time, each rank keeping its shard: every rank reading it
+    would hold the whole file in host memory at once (8 ranks of a node resuming a 7B model:
+    ~450 GB)."""
     meta = json.loads((path / "optimizer.json").read_text())
     if not (path / "optimizer.safetensors").is_file():
         log.warning(
@@ -63,18 +71,42 @@ def load_optimizer(module: Any, optimizer: Optimizer, scheduler: LambdaLR, path:
         )
         _load_scheduler(scheduler, meta)
         return
-    tensors = load_file(str(path / "optimizer.safetensors"))
+    osd = rank0_reads(lambda: _full_optimizer_state(path, meta))
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_optimizer_state_dict(module, optimizer, osd, options=options)
+    _load_scheduler(scheduler, meta)
+    dist.barrier()
+
+
+def _full_optimizer_state(path: Path, meta: dict[str, Any]) -> dict[str, Any]:
     state: dict[str, dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
+    for key, value in load_file(str(path / "optimizer.safetensors")).items():
         fqn, _, name = key.rpartition("::")
         state.setdefault(fqn, {})[name] = value
     for group in meta["param_groups"]:
         if isinstance(group.get("betas"), list):
             group["betas"] = tuple(group["betas"])
-    osd = {"state": state, "param_groups": meta["param_groups"]}
-    set_optimizer_state_dict(module, optimizer, osd, options=StateDictOptions(full_state_dict=True))
-    _load_scheduler(scheduler, meta)
-    dist.barrier()
+    return {"state": state, "param_groups": meta["param_groups"]}
+
+
+def rank0_reads(read: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``read()`` on rank 0 (``{}`` on the others, for a ``broadcast_from_rank0`` load); an
+    error there is raised on every rank, which would otherwise wait for rank 0's broadcast
+    until the group's timeout."""
+    value: dict[str, Any] = {}
+    error: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            value = read()
+        except Exception as e:  # raised below, on every rank
+            error = e
+    said = [None if error is None else f"{type(error).__name__}: {error}"]
+    dist.broadcast_object_list(said, src=0)
+    if error is not None:
+        raise error
+    if said[0] is not None:
+        raise CheckpointError(f"rank 0 could not read the checkpoint: {said[0]}")
+    return value
 
 
 def _load_scheduler(scheduler: LambdaLR, meta: dict[str, Any]) -> None:
