@@ -229,6 +229,17 @@ def rng_state() -> dict[str, torch.Tensor]:
     return state
 
 
+def load_rng_state(out: Path, rank: int) -> None:
+    """This rank's random state from the checkpoint ``out`` (:func:`set_rng_state`)."""
+    rng = out / f"rng_rank{rank}.safetensors"
+    if not rng.is_file():
+        raise CheckpointError(
+            f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
+            "resume with the same actor.world_size, or set trainer.resume=false"
+        )
+    set_rng_state(load_file(str(rng)))
+
+
 def set_rng_state(state: dict[str, torch.Tensor]) -> None:
     """Restore :func:`rng_state`'s ``state``; its GPU part where both it and a GPU are here
     (a checkpoint saved on a CPU resumes on a GPU, and the other way round)."""
@@ -482,13 +493,7 @@ class TrainEngine:
                 "actor.lora.rank, or set trainer.resume=false"
             )
         self.load_optimizer(out)
-        rng = out / f"rng_rank{rank}.safetensors"
-        if not rng.is_file():
-            raise CheckpointError(
-                f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
-                "resume with the same actor.world_size, or set trainer.resume=false"
-            )
-        set_rng_state(load_file(str(rng)))
+        load_rng_state(out, rank)
 
     def load_weights(self, out: Path) -> None:
         """The model weights of the checkpoint ``out`` (``model/``; LoRA: ``adapter/``), not its
