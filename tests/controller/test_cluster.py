@@ -120,7 +120,7 @@ def test_a_driver_with_a_gpu_on_a_cluster_without_one_is_an_error(fake_ray, monk
     assert cluster.use_gpus(load_config(None, ["model.path=unused", "trainer.backend=local"]))
 
 
-def test_a_split_teacher_takes_the_clusters_gpus_and_vllm_needs_one(fake_ray, monkeypatch):
+def test_a_split_teacher_takes_the_clusters_gpus_and_vllm_needs_one(fake_ray, monkeypatch, caplog):
     from treadle.rollout import frozen
 
     monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
@@ -133,6 +133,14 @@ def test_a_split_teacher_takes_the_clusters_gpus_and_vllm_needs_one(fake_ray, mo
     cfg = config(*split, "teacher.engine=vllm")
     with pytest.raises(ConfigError, match=r"teacher.engine=vllm .* teacher.gpus_per_replica > 0"):
         frozen.reserve_frozen_pool(cfg, cfg.teacher)
+    cfg = config(*split)  # the hf engine, no GPU asked for: it runs, on CPUs, and says so
+    with caplog.at_level("WARNING", logger="treadle"):
+        frozen.reserve_frozen_pool(cfg, cfg.teacher)
+    assert pools[-1] == (1, 1.0, 0.0)
+    assert (
+        "teacher.gpus_per_replica=0 on a cluster with GPUs: the teacher replicas run on CPUs"
+        in (caplog.text)
+    )
 
 
 def test_auth_refusal_is_one_line(fake_ray, monkeypatch):

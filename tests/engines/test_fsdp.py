@@ -145,9 +145,11 @@ class GradWorker(Worker):
             return self.engine.train_step(batch.split(micro), loss_fn, prefix="x/")
 
     @register(Dispatch.ALL, Collect.LIST)
-    def optimizer_round_trip(self, folder: str) -> tuple[bool, int]:
-        """The optimizer state saved, emptied and loaded again: whether this rank's shards came
-        back as they were, and how many times this rank read the saved file."""
+    def optimizer_round_trip(self, folder: str, unstepped: int = 0) -> tuple[bool, int, bool]:
+        """The optimizer state saved, emptied and loaded again, the first ``unstepped``
+        parameters' state dropped before the save (parameters that never had a gradient):
+        whether this rank's other shards came back as they were, how many times this rank read
+        the saved file, and whether the dropped ones came back fresh (moments of 0)."""
         from treadle.engines import state
 
         e, reads, read = self.engine, [], state.load_file
@@ -155,20 +157,24 @@ class GradWorker(Worker):
             {k: getattr(v, "to_local", v.clone)().clone() for k, v in e.optimizer.state[p].items()}
             for p in e.params
         ]
+        for p in e.params[:unstepped]:
+            del e.optimizer.state[p]
         state.save_optimizer(e.module, e.optimizer, e.scheduler, Path(folder), self.rank)
         dist.barrier()
-        before = shards()
+        before = shards()[unstepped:]
         e.optimizer.state.clear()
         state.load_file = lambda *a: reads.append(a) or read(*a)
         try:
             state.load_optimizer(e.module, e.optimizer, e.scheduler, Path(folder))
         finally:
             state.load_file = read
+        after = shards()
         same = all(
             b.keys() == a.keys() and all(torch.equal(b[k], a[k]) for k in b)
-            for b, a in zip(before, shards(), strict=True)
+            for b, a in zip(before, after[unstepped:], strict=True)
         )
-        return same and len(before) > 0, len(reads)
+        fresh = all(not a[k].any() for a in after[:unstepped] for k in ("exp_avg", "exp_avg_sq"))
+        return same and len(before) > 0, len(reads), fresh
 
     @register(Dispatch.ALL, Collect.LIST)
     def load_a_damaged_optimizer(self, folder: str) -> str:
@@ -262,7 +268,7 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session, tmp_path):
         results = group.loss_and_grads(batch)
         ratio2, _, _ = group.step_weights(batch, 5.0)
         # resuming: rank 0 alone reads the optimizer's file, each rank gets its shards back
-        assert group.optimizer_round_trip(str(tmp_path)) == [(True, 1), (True, 0)]
+        assert group.optimizer_round_trip(str(tmp_path)) == [(True, 1, True), (True, 0, True)]
         # a file rank 0 cannot read fails every rank (rank 1 would wait for its broadcast)
         first, second = group.load_a_damaged_optimizer(str(tmp_path))
         assert first.startswith("SafetensorError") and "rank 0 could not read" not in first
@@ -363,6 +369,19 @@ def test_gradients_are_reduced_after_the_last_micro_batch_or_after_each(tiny_tas
     (_, whole), (_, parts) = run("train_step_grads", 4), run("train_step_grads", 1)
     for name in whole:
         torch.testing.assert_close(parts[name], whole[name], atol=1e-6, rtol=1e-5)
+
+
+def test_a_parameter_without_optimizer_state_resumes_with_a_fresh_one(tiny_task, tmp_path):
+    """A trainable parameter that never had a gradient (a vision tower trained on text alone)
+    has no AdamW state to save; resuming gives it a fresh one, the others theirs, instead of
+    torch's strict refusal (raised on rank 0 alone, the others left in its broadcast)."""
+    kwargs = {"model_path": str(tiny_task["model"])}
+    group = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs=kwargs)
+    try:
+        group.step_weights(make_batch(vocab=100), 0.0)  # two steps: AdamW's state
+        assert group.optimizer_round_trip(str(tmp_path), 2) == [(True, 1, True)]
+    finally:
+        group.shutdown()
 
 
 def test_train_step_rates_the_model_flops_of_its_forwards(tiny_task):

@@ -164,3 +164,16 @@ def test_a_tensor_parallel_replica_runs_vllms_multiprocessing_executor():
         "tensor_parallel_size": 2,
         "distributed_executor_backend": "mp",
     }
+
+
+def test_vllm_under_ray_s_noset_flag_is_refused_by_name(monkeypatch):
+    """Under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES a process sees every GPU of its node
+    and vLLM takes GPU 0 whichever Ray gave it (its executor's local rank 0)."""
+    from treadle.engines.vllm import slot
+    from treadle.runtime.errors import ConfigError
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # (_start sets it; restored after)
+    monkeypatch.setenv("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "1")
+    with pytest.raises(ConfigError, match=r"rollout.engine=vllm does not run under RAY_EXP"):
+        slot._start(SETTINGS)

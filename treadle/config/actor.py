@@ -101,7 +101,8 @@ class ActorConfig(Section):
         True,
         description="Reduce-scatter the gradients across data-parallel ranks once an "
         "optimizer step, after its last micro-batch (one collective; until then each rank "
-        "holds the whole model's gradients in float32). false: after every micro-batch, "
+        "holds the whole model's gradients, in float32 with float32 weights or mixed "
+        "precision). false: after every micro-batch, "
         "gradients sharded throughout (the memory to train a model near the GPUs' size; "
         "verl's use_no_sync_for_gradient_accumulation=false). Every training engine's.",
     )

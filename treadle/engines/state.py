@@ -72,7 +72,10 @@ def load_optimizer(module: Any, optimizer: Optimizer, scheduler: LambdaLR, path:
         _load_scheduler(scheduler, meta)
         return
     osd = rank0_reads(lambda: _full_optimizer_state(path, meta))
-    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    # not strict: a trainable parameter that never had a gradient (a vision tower on text
+    # alone) has no saved state and keeps a fresh one; strict, torch raises on rank 0 alone
+    # (the only rank holding the state), while the others wait in its broadcast.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
     set_optimizer_state_dict(module, optimizer, osd, options=options)
     _load_scheduler(scheduler, meta)
     dist.barrier()

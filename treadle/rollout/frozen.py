@@ -21,6 +21,7 @@ Either way the result is a :class:`~treadle.rollout.fleet.Rollout` over those re
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from treadle.config import Config
@@ -31,6 +32,8 @@ from treadle.rollout.fleet import Agents, Restarter, Rollout, kill_replicas, sta
 from treadle.runtime.errors import ConfigError
 from treadle.serving.client import LocalReplica, RayReplica, ReplicaHandle, RolloutClient
 from treadle.serving.replica import Role
+
+log = logging.getLogger("treadle")
 
 
 def frozen_cpus(section: FrozenModelConfig) -> float:
@@ -52,6 +55,12 @@ def reserve_frozen_pool(cfg: Config, section: FrozenModelConfig) -> ResourcePool
             f"{section.key}.engine=vllm on a cluster with GPUs needs {section.key}."
             "gpus_per_replica > 0 (a replica given no GPU sees none, and vLLM's CUDA build "
             "does not run on a CPU)"
+        )
+    if on_gpus and not gpus:
+        log.warning(
+            "%s.gpus_per_replica=0 on a cluster with GPUs: the %s replicas run on CPUs",
+            section.key,
+            section.role,
         )
     return ResourcePool(section.replicas or 1, section.cpus_per_replica, gpus)
 

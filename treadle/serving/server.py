@@ -28,9 +28,11 @@ Choices:
   both RNGs' states and seeds them from the first request's ``params.seed`` and the replica's
   index (replicas must not draw the same noise); when it is idle again the states are put
   back. A batch submitted at once into an idle replica is therefore
-  sampled reproducibly (resume stays bit-identical), and the host process's own random stream
-  (the actor's, when colocated) does not move. Requests that overlap others are sampled
-  correctly but not reproducibly, as in any serving engine.
+  sampled reproducibly (resume stays bit-identical; not by a vLLM replica of
+  ``rollout.tensor_parallel_size > 1`` on CUDA, whose sampler is in vLLM's worker processes),
+  and the host process's own random stream (the actor's, when colocated) does not move.
+  Requests that overlap others are sampled correctly but not reproducibly, as in any serving
+  engine.
 - **Weights change between requests, or pause them.** :meth:`update_weights` refuses while a
   request is in flight (the synchronous trainer syncs between rollouts), loads, and sets the
   version. With ``interrupt=True`` (partial rollouts, ``async.partial_rollout``) it pauses what

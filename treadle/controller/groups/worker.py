@@ -76,7 +76,7 @@ def gpu_index() -> int:
     noset = os.environ.get("RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES", "")
     if ray is None or noset.lower() not in ("1", "true") or not ray.is_initialized():
         return 0
-    ids = sorted(str(i) for i in ray.get_gpu_ids())
+    ids = [str(i) for i in ray.get_gpu_ids()]  # (in Ray's order: the first is the rank's)
     if not ids:
         return 0
     visible = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")]

@@ -14,7 +14,9 @@ over the one engine of the process (:mod:`.slot`). Choices:
   (`v1/worker/gpu/sample/states.py`) and hashes its noise from that seed and the position. So
   `generate` runs with both RNGs forked and seeded with `params.seed`: a rollout is
   reproducible from `params.seed` (same prompts, same engine), and the caller's random
-  streams do not move. On CPU the draws follow the engine's steps, which depend on what the
+  streams do not move. Not with `rollout.tensor_parallel_size > 1` on CUDA: the model runner
+  then lives in vLLM's worker processes, whose numpy streams are not this process's. On CPU
+  the draws follow the engine's steps, which depend on what the
   prefix cache holds (a cached prefix is not prefilled again), so `generate` starts from an
   empty prefix cache, as every rollout after a weight update does anyway.
 - **Log-probs of the policy that trains.** `logprobs_mode="processed_logprobs"` returns

@@ -61,6 +61,7 @@ _EXTENSION_CLS = f"{TreadleWorkerExtension.__module__}.{TreadleWorkerExtension._
 # KV-cache block size on CPU, unless `block_size` is given (see "Prefix caching on CPU").
 CPU_BLOCK_SIZE = 32
 _FALLBACK_HINT = "rollout.engine=hf works without vLLM"
+_NOSET = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"  # Ray leaves every GPU of a node visible
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,12 @@ def _start(settings: EngineSettings) -> LiveEngine:
         cuda = torch.cuda.is_available()
         if not cuda:
             _check_cpu_head_size(settings.model_path)
+        elif os.environ.get(_NOSET, "").lower() in ("1", "true"):
+            raise ConfigError(
+                f"rollout.engine=vllm does not run under {_NOSET}: vLLM puts its engine on "
+                "GPU 0 of every process that sees all of its node's GPUs (whichever GPU Ray "
+                f"gave it); unset {_NOSET}, or use rollout.engine=hf"
+            )
         options: dict[str, Any] = {
             "dtype": settings.dtype,
             "enforce_eager": not cuda,  # compiling costs minutes on CPU and gains little
