@@ -177,6 +177,42 @@ class GradWorker(Worker):
         return same and len(before) > 0, len(reads), fresh
 
     @register(Dispatch.ALL, Collect.LIST)
+    def weights_round_trip(self, folder: str) -> tuple[bool, int]:
+        """The weights written by rank 0 as a model folder's safetensors, moved away, then
+        loaded back (as evaluating a checkpoint does): whether this rank's shards are as they
+        were, and how many files this rank read."""
+        from safetensors.torch import save_file
+
+        from treadle.engines import fsdp
+
+        e, reads, read = self.engine, [], fsdp.load_file
+        full = {name: t.clone() for name, t in fsdp.full_tensors(e.module)}
+        if self.rank == 0:
+            save_file(full, str(Path(folder) / "model.safetensors"))
+        dist.barrier()
+        shards = lambda: [p.to_local().clone() for p in e.module.parameters()]  # noqa: E731
+        before = shards()
+        with torch.no_grad():
+            for p in e.module.parameters():
+                p.add_(1.0)
+        fsdp.load_file = lambda *a: reads.append(a) or read(*a)
+        try:
+            fsdp.load_full_weights(e.module, Path(folder))
+        finally:
+            fsdp.load_file = read
+        return all(torch.equal(b, a) for b, a in zip(before, shards(), strict=True)), len(reads)
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def weights_load_error(self, folder: str) -> str:
+        from treadle.engines import fsdp
+
+        try:
+            fsdp.load_full_weights(self.engine.module, Path(folder))
+        except Exception as e:
+            return f"{type(e).__name__}: {e}"
+        return "no error"
+
+    @register(Dispatch.ALL, Collect.LIST)
     def load_a_damaged_optimizer(self, folder: str) -> str:
         """``optimizer.safetensors`` cut short: what ``load_optimizer`` raises on this rank."""
         from treadle.engines import state
@@ -269,6 +305,9 @@ def test_fsdp_two_ranks_match_one_process(tiny_task, ray_session, tmp_path):
         ratio2, _, _ = group.step_weights(batch, 5.0)
         # resuming: rank 0 alone reads the optimizer's file, each rank gets its shards back
         assert group.optimizer_round_trip(str(tmp_path)) == [(True, 1, True), (True, 0, True)]
+        weights = tmp_path / "weights"
+        weights.mkdir()
+        assert group.weights_round_trip(str(weights)) == [(True, 1), (True, 0)]
         # a file rank 0 cannot read fails every rank (rank 1 would wait for its broadcast)
         first, second = group.load_a_damaged_optimizer(str(tmp_path))
         assert first.startswith("SafetensorError") and "rank 0 could not read" not in first
@@ -382,6 +421,27 @@ def test_a_parameter_without_optimizer_state_resumes_with_a_fresh_one(tiny_task,
         assert group.optimizer_round_trip(str(tmp_path), 2) == [(True, 1, True)]
     finally:
         group.shutdown()
+
+
+def test_weights_that_are_not_the_model_s_are_refused_by_name(tiny_task, tmp_path):
+    from safetensors.torch import save_file
+
+    group = WorkerGroup(
+        GradWorker, world_size=1, backend="local", kwargs={"model_path": str(tiny_task["model"])}
+    )
+    try:
+        assert group.weights_load_error(str(tmp_path)) == (
+            f"CheckpointError: {tmp_path} holds no *.safetensors weights"
+        )
+        save_file(
+            {"model.norm.weight": torch.ones(3), "extra.bias": torch.ones(1)},
+            str(tmp_path / "m.safetensors"),
+        )
+        error = group.weights_load_error(str(tmp_path))
+    finally:
+        group.shutdown()
+    assert error.startswith(f"CheckpointError: {tmp_path} does not hold this model's weights")
+    assert "unknown: ['lm.extra.bias']" in error and error.endswith("is it the run's model?")
 
 
 def test_train_step_rates_the_model_flops_of_its_forwards(tiny_task):

@@ -63,7 +63,7 @@ from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
-from treadle.engines.state import load_optimizer, save_optimizer, save_schedule
+from treadle.engines.state import load_optimizer, rank0_reads, save_optimizer, save_schedule
 from treadle.models.checkpoint import CheckpointError
 from treadle.models.loading import ADAPTER_DIR, save_adapter, save_hf_folder
 from treadle.protocol import Batch
@@ -197,27 +197,32 @@ def full_tensors(
 
 def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> None:
     """The weights of the HF folder ``folder`` (its ``*.safetensors``) into the sharded
-    ``module`` (every rank reads the files). A tensor the module lacks, or a parameter the
-    folder lacks (but a tied output embedding, stored once), is a CheckpointError."""
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise CheckpointError(f"{folder} holds no *.safetensors weights")
-    state: dict[str, Any] = {}  # (set_model_state_dict's value type)
-    for f in files:
-        state.update({prefix + k: v for k, v in load_file(str(f)).items()})
+    ``module``. Rank 0 alone reads the files and sends them a tensor at a time, each rank
+    keeping its shard (every rank reading them held the whole model in host memory at once).
+    A tensor the module lacks, or a parameter the folder lacks (but a tied output embedding,
+    stored once), is a CheckpointError, on every rank."""
     names = set(module.state_dict())
     lm = getattr(module, prefix.rstrip("."), None)
     tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
-    missing = names - set(state) - ({f"{prefix}lm_head.weight"} if tied else set())
-    unknown = set(state) - names
-    if missing or unknown:
-        raise CheckpointError(
-            f"{folder} does not hold this model's weights (missing: "
-            f"{sorted(missing)[:3]}, unknown: {sorted(unknown)[:3]}): is it the run's model?"
-        )
-    set_model_state_dict(
-        module, state, options=StateDictOptions(full_state_dict=True, strict=False)
-    )
+
+    def read() -> dict[str, Any]:  # (set_model_state_dict's value type)
+        files = sorted(folder.glob("*.safetensors"))
+        if not files:
+            raise CheckpointError(f"{folder} holds no *.safetensors weights")
+        state: dict[str, Any] = {}
+        for f in files:
+            state.update({prefix + k: v for k, v in load_file(str(f)).items()})
+        missing = names - set(state) - ({f"{prefix}lm_head.weight"} if tied else set())
+        unknown = set(state) - names
+        if missing or unknown:
+            raise CheckpointError(
+                f"{folder} does not hold this model's weights (missing: "
+                f"{sorted(missing)[:3]}, unknown: {sorted(unknown)[:3]}): is it the run's model?"
+            )
+        return state
+
+    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=True)
+    set_model_state_dict(module, rank0_reads(read), options=options)
 
 
 def rng_state() -> dict[str, torch.Tensor]:
