@@ -752,6 +752,20 @@ def test_output_dir_below_a_file(env, capsys) -> None:  # type: ignore[no-untype
     assert_bad(result, r"trainer\.output_dir: cannot create .*: '.*train\.jsonl' is a file")
 
 
+def test_an_output_dir_made_by_another_process_meanwhile_is_no_error(tmp_path) -> None:
+    """Two checks (or a check and a run) of one config at once: the other makes the directory
+    between this check's look and its trial mkdir, which then meets it; it is kept."""
+    from treadle.check.output import _try_creating
+
+    out = tmp_path / "runs" / "a"
+    out.mkdir(parents=True)  # (made by the other process)
+    _try_creating(out, tmp_path)
+    assert out.is_dir()
+    fresh = tmp_path / "new" / "b"
+    _try_creating(fresh, tmp_path)  # made and removed again, its parent with it
+    assert not (tmp_path / "new").exists()
+
+
 @pytest.mark.parametrize("where", ["/proc", "a name too long"])
 def test_output_dir_that_cannot_be_created_is_found(env, capsys, where) -> None:  # type: ignore[no-untyped-def]
     """/proc's permissions let root write, yet nothing can be made there: the check passed,

@@ -56,16 +56,22 @@ def check_output_dir(cfg: Config, kind: Kind, summary: list[str]) -> None:
 
 def _try_creating(out: Path, parent: Path) -> None:
     """Create ``out`` as the run will (``mkdir(parents=True)``) and remove what was created:
-    some directories refuse what their permissions allow (``/proc``, ``/sys``)."""
+    some directories refuse what their permissions allow (``/proc``, ``/sys``). One another
+    process made meanwhile (a run, a check beside this one) can be created, and is not this
+    check's to remove."""
     made = [out, *[p for p in out.parents if parent in p.parents]]  # deepest first
+    error: OSError | None = None
     try:
         out.mkdir(parents=True)
+    except FileExistsError:
+        return
     except OSError as e:
-        raise _cannot_create(out, e) from None
-    finally:
-        for directory in made:
-            with contextlib.suppress(OSError):  # (not made, or written to meanwhile: kept)
-                directory.rmdir()
+        error = e
+    for directory in made:
+        with contextlib.suppress(OSError):  # (not made, or written to meanwhile: kept)
+            directory.rmdir()
+    if error is not None:
+        raise _cannot_create(out, error)
 
 
 def _cannot_create(out: Path, error: OSError) -> ConfigError:
