@@ -80,7 +80,8 @@ def first_checks(env, tmp_path_factory):
     started together at the first test's start (one core each: their imports overlap)."""
     procs = {}
     for kind in KINDS:
-        args = [env["config"], f"--kind={kind}"]
+        run = tmp_path_factory.mktemp(f"run-{kind}") / "run"  # (not one directory's probes)
+        args = [env["config"], f"--kind={kind}", f"trainer.output_dir={run}"]
         if kind == "dpo":
             args += [f"data.train_files=[{env['pairs']}]", f"data.val_files=[{env['pairs']}]"]
         cache = {"TREADLE_CHECK_CACHE": str(tmp_path_factory.mktemp(f"cache-{kind}"))}
