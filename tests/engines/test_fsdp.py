@@ -6,6 +6,7 @@ import contextlib
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +47,18 @@ def two_seconds() -> Iterator[None]:
         yield
     finally:
         flops.perf_counter = real
+
+
+@contextlib.contextmanager
+def counted_reads(module: Any) -> Iterator[list[tuple]]:
+    """``module``'s ``load_file`` counting its calls: the files this rank read."""
+    reads: list[tuple] = []
+    read = module.load_file
+    module.load_file = lambda *a: reads.append(a) or read(*a)
+    try:
+        yield reads
+    finally:
+        module.load_file = read
 
 
 class GradWorker(Worker):
@@ -152,7 +165,7 @@ class GradWorker(Worker):
         the saved file, and whether the dropped ones came back fresh (moments of 0)."""
         from treadle.engines import state
 
-        e, reads, read = self.engine, [], state.load_file
+        e = self.engine
         shards = lambda: [  # noqa: E731
             {k: getattr(v, "to_local", v.clone)().clone() for k, v in e.optimizer.state[p].items()}
             for p in e.params
@@ -163,11 +176,8 @@ class GradWorker(Worker):
         dist.barrier()
         before = shards()[unstepped:]
         e.optimizer.state.clear()
-        state.load_file = lambda *a: reads.append(a) or read(*a)
-        try:
+        with counted_reads(state) as reads:
             state.load_optimizer(e.module, e.optimizer, e.scheduler, Path(folder))
-        finally:
-            state.load_file = read
         after = shards()
         same = all(
             b.keys() == a.keys() and all(torch.equal(b[k], a[k]) for k in b)
@@ -185,7 +195,7 @@ class GradWorker(Worker):
 
         from treadle.engines import fsdp
 
-        e, reads, read = self.engine, [], fsdp.load_file
+        e = self.engine
         full = {name: t.clone() for name, t in fsdp.full_tensors(e.module)}
         if self.rank == 0:
             save_file(full, str(Path(folder) / "model.safetensors"))
@@ -195,11 +205,8 @@ class GradWorker(Worker):
         with torch.no_grad():
             for p in e.module.parameters():
                 p.add_(1.0)
-        fsdp.load_file = lambda *a: reads.append(a) or read(*a)
-        try:
+        with counted_reads(fsdp) as reads:
             fsdp.load_full_weights(e.module, Path(folder))
-        finally:
-            fsdp.load_file = read
         return all(torch.equal(b, a) for b, a in zip(before, shards(), strict=True)), len(reads)
 
     @register(Dispatch.ALL, Collect.RANK0)

@@ -201,9 +201,6 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
     keeping its shard (every rank reading them held the whole model in host memory at once).
     A tensor the module lacks, or a parameter the folder lacks (but a tied output embedding,
     stored once), is a CheckpointError, on every rank."""
-    names = set(module.state_dict())
-    lm = getattr(module, prefix.rstrip("."), None)
-    tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
 
     def read() -> dict[str, Any]:  # (set_model_state_dict's value type)
         files = sorted(folder.glob("*.safetensors"))
@@ -212,6 +209,9 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
         state: dict[str, Any] = {}
         for f in files:
             state.update({prefix + k: v for k, v in load_file(str(f)).items()})
+        names = set(module.state_dict())
+        lm = getattr(module, prefix.rstrip("."), None)
+        tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
         missing = names - set(state) - ({f"{prefix}lm_head.weight"} if tied else set())
         unknown = set(state) - names
         if missing or unknown:

@@ -66,7 +66,9 @@ from treadle.engines.vllm.slot import (
     awake,
     engine_for,
     forget_old_outputs,
+    put_to_sleep,
     reload_folder,
+    wake_up,
 )
 from treadle.engines.weights import weight_buckets
 from treadle.models.loading import resolve_model_path
@@ -303,18 +305,14 @@ class VLLMRolloutEngine:
         if not torch.cuda.is_available():
             self._log_no_sleep()
             return
-        if not self._live.asleep:
-            self.llm.sleep(level=1)
-            self._live.asleep = True
+        put_to_sleep(self._live)
 
     def wake(self) -> None:
         """Undo :meth:`sleep`."""
         if not torch.cuda.is_available():
             self._log_no_sleep()
             return
-        if self._live.asleep:
-            self.llm.wake_up()
-            self._live.asleep = False
+        wake_up(self._live)
 
     def _log_no_sleep(self) -> None:
         if "sleep" not in self._live.warned:

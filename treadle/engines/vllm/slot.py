@@ -129,19 +129,30 @@ def reload_folder(live: LiveEngine) -> None:
         live.weights_ok = True
 
 
+def put_to_sleep(live: LiveEngine) -> None:
+    """Free the engine's weights and KV cache (vLLM's sleep level 1; CUDA only)."""
+    if not live.asleep:
+        live.llm.sleep(level=1)
+        live.asleep = True
+
+
+def wake_up(live: LiveEngine) -> None:
+    """Undo :func:`put_to_sleep`."""
+    if live.asleep:
+        live.llm.wake_up()
+        live.asleep = False
+
+
 @contextlib.contextmanager
 def awake(live: LiveEngine) -> Iterator[None]:
     """The engine awake inside, for a weight reload: asleep (CUDA, level 1) its weights are
     not mapped in device memory, so a reload would write to memory it released. A sleeping
     engine goes back to sleep after a reload that succeeded."""
     asleep = live.asleep
-    if asleep:
-        live.llm.wake_up()
-        live.asleep = False
+    wake_up(live)
     yield
     if asleep:
-        live.llm.sleep(level=1)
-        live.asleep = True
+        put_to_sleep(live)
 
 
 def forget_old_outputs(live: LiveEngine) -> None:
