@@ -247,6 +247,25 @@ class GradWorker(Worker):
         self.engine.train_step(batch.split(1), loss_fn)
         return seen
 
+    @register(Dispatch.ALL, Collect.RANK0)
+    def gathered(self) -> tuple[list[str], int, int, bool]:
+        """``full_tensors``' names, the sharded tensors it gathered, the model's distinct
+        parameters, and whether the embedding it yields is the output head's weight."""
+        from torch.distributed.tensor import DTensor
+
+        from treadle.engines import fsdp
+
+        gathers: list[torch.Size] = []
+        real = DTensor.full_tensor
+        DTensor.full_tensor = lambda t, *a, **k: gathers.append(t.shape) or real(t, *a, **k)  # type: ignore[method-assign]
+        try:
+            full = dict(fsdp.full_tensors(self.engine.module))
+        finally:
+            DTensor.full_tensor = real  # type: ignore[method-assign]
+        head = self.engine.module.lm.lm_head.weight.full_tensor()
+        tied = torch.equal(full["model.embed_tokens.weight"], head)
+        return list(full), len(gathers), len(list(self.engine.module.parameters())), tied
+
     @register(Dispatch.DP, Collect.CONCAT)
     def log_probs(self, batch: Batch) -> Batch:
         with torch.no_grad():
@@ -415,6 +434,20 @@ def test_gradients_are_reduced_after_the_last_micro_batch_or_after_each(tiny_tas
     (_, whole), (_, parts) = run("train_step_grads", 4), run("train_step_grads", 1)
     for name in whole:
         torch.testing.assert_close(parts[name], whole[name], atol=1e-6, rtol=1e-5)
+
+
+def test_a_tied_output_embedding_is_gathered_once(tiny_task):
+    """The tiny model ties its output head to its embedding: the state dict lists the one
+    parameter twice, and ``full_tensors`` (a weight sync, a save) gathers and yields it once,
+    as the embedding; every other parameter once too."""
+    kwargs = {"model_path": str(tiny_task["model"])}
+    group = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs=kwargs)
+    try:
+        names, gathers, params, tied = group.gathered()
+    finally:
+        group.shutdown()
+    assert tied and "model.embed_tokens.weight" in names and "lm_head.weight" not in names
+    assert len(set(names)) == len(names) == gathers == params
 
 
 def test_a_parameter_without_optimizer_state_resumes_with_a_fresh_one(tiny_task, tmp_path):

@@ -187,12 +187,20 @@ def full_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) one parameter/buffer at a time; all ranks must iterate.
 
-    ``only``: the names (before removing ``prefix``) to yield; the others are not gathered."""
-    for name, tensor in module.state_dict().items():
-        if only is not None and not only(name):
+    ``only``: the names (before removing ``prefix``) to yield; the others are not gathered. A
+    tensor under two names (a tied output embedding: ``lm_head.weight`` is the embedding's
+    parameter) is gathered and yielded once, under its first name: the state dict lists it
+    twice, and a weight sync or a save gathered the embedding twice."""
+    seen: set[int] = set()
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in seen or (only is not None and not only(name)):
             continue
-        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-        yield name.removeprefix(prefix), full.detach()
+        seen.add(id(tensor))
+        local = tensor.detach()
+        yield (
+            name.removeprefix(prefix),
+            local.full_tensor() if isinstance(local, DTensor) else local,
+        )
 
 
 def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> None:
