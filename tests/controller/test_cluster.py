@@ -103,13 +103,16 @@ def test_the_clusters_gpus_decide_a_ranks_not_the_drivers(
     fake_ray, monkeypatch, driver, cluster_gpus, ranks_get
 ):
     """A driver on a CPU-only head node of a GPU cluster: its ranks get a GPU each (placed with
-    none, each would see every GPU of its node and take GPU 0)."""
+    none, each would see every GPU of its node and take GPU 0), and the headline says so."""
     from treadle.controller import Placement
+    from treadle.trainers.launch import start_lines
 
     monkeypatch.setattr("torch.cuda.is_available", lambda: driver)
     monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0, "GPU": cluster_gpus})
     cfg = config("trainer.ray_address=h:1")
     assert Placement.plan(cfg).gpus_per_rank == ranks_get
+    headline = start_lines(cfg, Path("out"), "GRPO", (0, 5), None)[0]
+    assert headline.endswith(f"on Ray, 1 {'GPU' if ranks_get else 'CPU'} rank(s)")
 
 
 def test_a_driver_with_a_gpu_on_a_cluster_without_one_is_an_error(fake_ray, monkeypatch):

@@ -24,11 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from treadle.config import Config
 from treadle.config.recorded import Change, changes
 from treadle.controller import Actors, Placement, WorkerGroup
+from treadle.controller.cluster import use_gpus
 from treadle.data import PromptSampler
 from treadle.models import checkpoint as ckpt
 from treadle.rollout.fleet import Rollout, Spawned, spawn_rollout, start_rollout
@@ -44,9 +43,11 @@ log = logging.getLogger("treadle")
 
 
 def _on_ray(cfg: Config) -> str:
-    """Where the headline says a Ray run trains: its actor ranks, device and parallel layout."""
+    """Where the headline says a Ray run trains: its actor ranks, device (the cluster's, as
+    :func:`~treadle.controller.cluster.use_gpus` places them: a driver on a CPU-only head node
+    of a GPU cluster sees none) and parallel layout."""
     a = cfg.actor
-    device = "GPU" if torch.cuda.is_available() else "CPU"
+    device = "GPU" if use_gpus(cfg) else "CPU"
     split = (("tensor", a.tensor_parallel_size), ("sequence", a.sequence_parallel_size))
     layout = "".join(f" ({kind} parallel {n})" for kind, n in split if n > 1)
     return f"on Ray, {a.world_size} {device} rank(s){layout}"
