@@ -1,10 +1,12 @@
 """What the vLLM engine does differently on CUDA, checked on the CPU with stand-ins for vLLM's
 `LLM` (no engine starts here):
 
-- vLLM 0.32's CUDA model runner (V2) samples with a seed per request, drawn from numpy's
-  global RNG when a request without one is added (`vllm/v1/worker/gpu/sample/states.py`), not
-  from the torch RNG the CPU runner draws from: `generate` seeds numpy too, and a scoring
-  request carries a seed;
+- vLLM 0.32's CUDA model runner (V2) hashes each request's sampling noise from the request's
+  seed, and draws a seed from numpy's global RNG for a request without one, in the model
+  runner's process (vLLM's worker process under tensor parallelism)
+  (`vllm/v1/worker/gpu/sample/states.py`): on CUDA every request of treadle's carries its own
+  seed, drawn from the torch RNG `params.seed` (or the rollout server) seeded, and a scoring
+  request carries one too; on CPU, where per-request seeds crash vLLM 0.32, none does;
 - asleep (sleep mode, CUDA only) the weights are not in device memory: a reload wakes the
   engine first and puts it back to sleep after;
 - a split replica of ``rollout.tensor_parallel_size`` GPUs starts vLLM's multiprocessing
@@ -18,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from treadle.config import load_config
 from treadle.engines.inference import SamplingParams
@@ -28,20 +31,28 @@ from treadle.serving.replica import role_engine
 SETTINGS = EngineSettings("m", "bfloat16", 0, 64, 1.0, 0.5)
 
 
+def v2_seed(params: Any) -> int:
+    """The seed vLLM's V2 model runner samples a request with: its own, or one from numpy."""
+    if params.seed is not None:
+        return int(params.seed)
+    return int(np.random.randint(np.iinfo(np.int64).min, np.iinfo(np.int64).max))
+
+
 class CudaLikeLLM:
     """Records the calls a weight reload makes; `generate` samples as vLLM's V2 model runner
-    does: each request's seed drawn from numpy's global RNG when it is added, its token a
-    function of that seed."""
+    does: a request's token a function of its seed (:func:`v2_seed`), the seeds given."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
+        self.seeds: list[int | None] = []
         self.llm_engine = SimpleNamespace(reset_encoder_cache=lambda: self.calls.append("enc"))
 
     def generate(self, prompts: list[Any], params: Any, use_tqdm: bool) -> list[Any]:
+        each = params if isinstance(params, list) else [params] * len(prompts)
         out = []
-        for _ in prompts:
-            seed = np.random.randint(np.iinfo(np.int64).min, np.iinfo(np.int64).max)
-            token = int(seed % 1000)
+        for p in each:
+            self.seeds.append(p.seed)
+            token = v2_seed(p) % 1000
             sample = SimpleNamespace(
                 index=0,
                 token_ids=[token],
@@ -65,25 +76,67 @@ class CudaLikeLLM:
         return [[]]  # treadle_finish_weight_update: no parameter left unset
 
 
-def engine_on(llm: CudaLikeLLM, asleep: bool = False) -> VLLMRolloutEngine:
+def engine_on(llm: CudaLikeLLM, asleep: bool = False, cuda: bool = True) -> VLLMRolloutEngine:
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
-    engine._live = LiveEngine(SETTINGS, llm, tied_embeddings=False, start_seconds=0.0)
+    engine._live = LiveEngine(SETTINGS, llm, False, 0.0, seeds_requests=cuda)
     engine._live.asleep = asleep
     return engine
 
 
 @pytest.mark.slow  # imports vLLM (~7 s) for its SamplingParams
-def test_generate_seeds_the_numpy_rng_the_cuda_runner_draws_request_seeds_from():
-    engine = engine_on(CudaLikeLLM())
-    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=1, seed=7)
+def test_on_cuda_each_prompt_s_request_carries_a_seed_drawn_from_params_seed():
+    llm = CudaLikeLLM()
+    engine = engine_on(llm)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=1, seed=7)
+    prompts = [[1, 2], [3, 4], [5]]
     np.random.seed(123)
-    host = np.random.get_state()
-    a = engine.generate([[1, 2], [3, 4], [5]], params)
-    assert np.array_equal(np.random.get_state()[1], host[1])  # the host's stream did not move
-    np.random.seed(456)  # another host state: the same rollout
-    assert engine.generate([[1, 2], [3, 4], [5]], params).token_ids == a.token_ids
-    other = engine.generate([[1, 2], [3, 4], [5]], SamplingParams(n=1, max_new_tokens=1, seed=8))
+    torch.manual_seed(123)
+    host, torch_host = np.random.get_state(), torch.random.get_rng_state()
+    a = engine.generate(prompts, params)
+    assert np.array_equal(np.random.get_state()[1], host[1])  # no seed drawn from numpy
+    assert torch.equal(torch.random.get_rng_state(), torch_host)  # the host's stream kept
+    seeds = llm.seeds[:]
+    assert len(set(seeds)) == 3 and all(0 <= s < 1 << 62 for s in seeds)  # (+ n - 1: int64)
+    np.random.seed(456)  # other host states: the same rollout
+    torch.manual_seed(456)
+    assert engine.generate(prompts, params).token_ids == a.token_ids
+    other = engine.generate(prompts, SamplingParams(n=4, max_new_tokens=1, seed=8))
     assert other.token_ids != a.token_ids
+    # on CPU no request carries a seed (vLLM 0.32's CPU runner crashes on them)
+    llm.seeds.clear()
+    engine_on(llm, cuda=False).generate(prompts, params)
+    assert llm.seeds == [None] * 3
+
+
+class RecordingQueue:
+    """`llm_engine` taking requests: the seeds they carry."""
+
+    def __init__(self) -> None:
+        self.seeds: list[int | None] = []
+
+    def add_request(self, request_id: str, prompt: Any, params: Any) -> None:
+        self.seeds.append(params.seed)
+
+
+@pytest.mark.slow  # imports vLLM (~7 s) for its SamplingParams
+@pytest.mark.parametrize("cuda", [True, False])
+def test_a_queued_request_carries_a_seed_from_the_torch_rng_on_cuda_only(cuda):
+    """The rollout server seeds the torch RNG when it goes busy: the same requests get the same
+    seeds (vLLM's V2 runner would otherwise draw them from numpy in its own process)."""
+    llm = CudaLikeLLM()
+    llm.llm_engine = RecordingQueue()  # type: ignore[assignment]
+    engine = engine_on(llm, cuda=cuda)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=1, seed=7)
+    for _ in range(2):
+        torch.manual_seed(5)
+        engine.add_request("a", [1, 2], params)
+        engine.add_request("b", [1, 2], params)
+    seeds = llm.llm_engine.seeds
+    if cuda:
+        torch.manual_seed(5)
+        assert seeds == torch.randint(0, 1 << 62, (2,)).tolist() * 2 and seeds[0] != seeds[1]
+    else:
+        assert seeds == [None] * 4
 
 
 class CudaLikeQueue:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import dataclasses
 
-import numpy as np
 import pytest
 import torch
 
@@ -192,9 +191,9 @@ def test_a_batch_into_an_idle_server_is_reproducible_and_leaves_the_host_rng(hf_
     assert [r.log_probs for r in a] == [r.log_probs for r in b]
 
 
-class NumpySeededEngine:
-    """A test double sampling as vLLM's CUDA model runner does: each request's seed drawn from
-    numpy's global RNG when it is added, its one token a function of that seed."""
+class SeedPerRequestEngine:
+    """A test double sampling as treadle's vLLM engine does on CUDA: each request's seed drawn
+    from the global torch RNG when it is added, its one token a function of that seed."""
 
     def __init__(self) -> None:
         self.running: dict[str, int] = {}
@@ -202,7 +201,7 @@ class NumpySeededEngine:
     def add_request(
         self, request_id: str, prompt: list[int], params: SamplingParams, pixel_values=None
     ) -> None:
-        self.running[request_id] = int(np.random.randint(0, 1 << 30))
+        self.running[request_id] = int(torch.randint(0, 1 << 30, ()))
 
     def step(self) -> list[Finished]:
         done = [Finished(rid, [t], [-1.0], "length") for rid, t in self.running.items()]
@@ -210,16 +209,17 @@ class NumpySeededEngine:
         return done
 
 
-def test_a_batch_is_reproducible_where_vllm_draws_request_seeds_from_numpy():
-    server = RolloutServer(NumpySeededEngine(), "rollout replica 0")
-    np.random.seed(123)
-    host = np.random.get_state()
+def test_a_batch_of_requests_seeded_one_by_one_is_reproducible_and_replicas_draw_apart():
+    server = RolloutServer(SeedPerRequestEngine(), "rollout replica 0")
+    torch.manual_seed(123)
+    host = torch.random.get_rng_state()
     a = _serve(server, [Request(f"a{i}", (1, 2), SAMPLE) for i in range(4)])
-    assert np.array_equal(np.random.get_state()[1], host[1])  # the host's stream did not move
-    np.random.seed(456)
+    assert torch.equal(torch.random.get_rng_state(), host)  # the host's stream did not move
+    assert len({r.token_ids[0] for r in a}) == 4
+    torch.manual_seed(456)
     b = _serve(server, [Request(f"b{i}", (1, 2), SAMPLE) for i in range(4)])
     assert [r.token_ids for r in a] == [r.token_ids for r in b]
-    other = RolloutServer(NumpySeededEngine(), "rollout replica 1", index=1)
+    other = RolloutServer(SeedPerRequestEngine(), "rollout replica 1", index=1)
     c = _serve(other, [Request(f"c{i}", (1, 2), SAMPLE) for i in range(4)])
     assert [r.token_ids for r in c] != [r.token_ids for r in a]  # replicas draw apart
 

@@ -22,17 +22,15 @@ Choices:
   3.8-4.1 s on the tiny demo), so no thread of its own.
 - **Requests that arrive together are added together**: a list submitted in one call enters the
   engine before its next step, so the driver's synchronous batch is batched exactly as before.
-- **Sampling noise.** vLLM draws it from the global torch RNG on CPU and from per-request seeds
-  drawn from numpy's global RNG on CUDA (per-request seeds of our own crash vLLM 0.32 on CPU,
-  see :mod:`treadle.engines.vllm`). When the engine goes from idle to busy the server saves
-  both RNGs' states and seeds them from the first request's ``params.seed`` and the replica's
-  index (replicas must not draw the same noise); when it is idle again the states are put
-  back. A batch submitted at once into an idle replica is therefore
-  sampled reproducibly (resume stays bit-identical; not by a vLLM replica of
-  ``rollout.tensor_parallel_size > 1`` on CUDA, whose sampler is in vLLM's worker processes),
-  and the host process's own random stream (the actor's, when colocated) does not move.
-  Requests that overlap others are sampled correctly but not reproducibly, as in any serving
-  engine.
+- **Sampling noise.** vLLM draws it from the global torch RNG on CPU; on CUDA treadle's vLLM
+  engine gives each request a seed of its own, drawn from that RNG (see
+  :mod:`treadle.engines.vllm`); the transformers engine draws from it too. When the engine goes
+  from idle to busy the server saves the RNG's states and seeds it from the first request's
+  ``params.seed`` and the replica's index (replicas must not draw the same noise); when it is
+  idle again the states are put back. A batch submitted at once into an idle replica is
+  therefore sampled reproducibly (resume stays bit-identical), and the host process's own
+  random stream (the actor's, when colocated) does not move. Requests that overlap others are
+  sampled correctly but not reproducibly, as in any serving engine.
 - **Weights change between requests, or pause them.** :meth:`update_weights` refuses while a
   request is in flight (the synchronous trainer syncs between rollouts), loads, and sets the
   version. With ``interrupt=True`` (partial rollouts, ``async.partial_rollout``) it pauses what
@@ -64,16 +62,14 @@ import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
 
-import numpy as np
 import torch
 
 from treadle.engines.inference import Finished, RolloutEngine, SamplingParams, Scored
 from treadle.runtime.errors import raise_if_signalled
 from treadle.tracking.profiler import phase
 
-HostRng = tuple[Any, list[torch.Tensor]]  # numpy's state; torch's (CPU, then each CUDA device)
+HostRng = list[torch.Tensor]  # torch's RNG states: the CPU's, then each CUDA device's
 
 
 @dataclass(frozen=True)
@@ -319,9 +315,7 @@ class RolloutServer:
             return
         if self._rng is None:  # idle -> busy: seed the sampling noise, keep the host's stream
             self._rng = _rng_state()
-            seed = group.requests[0].params.seed * 9973 + self.index
-            torch.manual_seed(seed)
-            np.random.seed(seed % (1 << 32))  # numpy takes 32-bit seeds
+            torch.manual_seed(group.requests[0].params.seed * 9973 + self.index)
             if self.sleep_when_idle:
                 self.engine.wake()
             self._busy_since = time.perf_counter()
@@ -381,12 +375,10 @@ def takes_json_schema(engine: RolloutEngine) -> bool:
 
 def _rng_state() -> HostRng:
     cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
-    return np.random.get_state(), [torch.random.get_rng_state(), *cuda]
+    return [torch.random.get_rng_state(), *cuda]
 
 
 def _set_rng_state(state: HostRng) -> None:
-    numpy_state, torch_states = state
-    np.random.set_state(numpy_state)
-    torch.random.set_rng_state(torch_states[0])
-    if len(torch_states) > 1:
-        torch.cuda.set_rng_state_all(torch_states[1:])
+    torch.random.set_rng_state(state[0])
+    if len(state) > 1:
+        torch.cuda.set_rng_state_all(state[1:])

@@ -8,15 +8,18 @@ over the one engine of the process (:mod:`.slot`). Choices:
   torch RNG (one draw per batch row and step) unless a request carries its own `seed`.
   Per-request seeds crash vLLM 0.32 on CPU as soon as a seeded request's prefill is split over
   two steps (chunked prefill, e.g. 128 prompts of 40 tokens against the 4,096-token step
-  budget): it rewinds the request's generator with `set_offset`, which CPU generators lack. On
-  CUDA vLLM 0.32 runs its V2 model runner (the default wherever Triton is), which gives each
-  request without a `seed` one drawn from numpy's global RNG when it is added
-  (`v1/worker/gpu/sample/states.py`) and hashes its noise from that seed and the position. So
-  `generate` runs with both RNGs forked and seeded with `params.seed`: a rollout is
-  reproducible from `params.seed` (same prompts, same engine), and the caller's random
-  streams do not move. Not with `rollout.tensor_parallel_size > 1` on CUDA: the model runner
-  then lives in vLLM's worker processes, whose numpy streams are not this process's. On CPU
-  the draws follow the engine's steps, which depend on what the
+  budget): it rewinds the request's generator with `set_offset`, which CPU generators lack. So
+  on CPU `generate` runs with the torch RNG forked and seeded with `params.seed`. On CUDA vLLM
+  0.32 runs its V2 model runner (the default wherever Triton is), which hashes each request's
+  noise from the request's seed and the token's position, and draws a seed from numpy's
+  global RNG for a request without one (`v1/worker/gpu/sample/states.py`): in the model
+  runner's process, which is vLLM's worker process when `rollout.tensor_parallel_size > 1`.
+  So on CUDA every request carries a seed of its own: `generate` draws one per prompt from
+  the RNG seeded with `params.seed` (vLLM gives a prompt's `n` samples `seed + index`), and
+  :meth:`~VLLMRolloutEngine.add_request` one from the global torch RNG, which the rollout
+  server seeds (:mod:`treadle.serving.server`). Either way a rollout is reproducible from
+  `params.seed` (same prompts, same engine), and the caller's random streams do not move. On
+  CPU the draws follow the engine's steps, which depend on what the
   prefix cache holds (a cached prefix is not prefilled again), so `generate` starts from an
   empty prefix cache, as every rollout after a weight update does anyway.
 - **Log-probs of the policy that trains.** `logprobs_mode="processed_logprobs"` returns
@@ -48,7 +51,6 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from treadle.engines.inference import (
@@ -158,7 +160,8 @@ class VLLMRolloutEngine:
         self._warn_truncated_logprobs(params)
         from vllm.sampling_params import RequestOutputKind
 
-        request_params = _held_to(self._request_params(params), json_schema)
+        seed = _request_seeds(1)[0] if self._live.seeds_requests else None  # see "Seeding"
+        request_params = _held_to(self._request_params(params, seed), json_schema)
         request_params.output_kind = RequestOutputKind.DELTA  # each step: the new tokens only
         if pixel_values is None:
             engine_prompt = TokensPrompt(prompt_token_ids=list(prompt))
@@ -214,10 +217,13 @@ class VLLMRolloutEngine:
         request = dataclasses.replace(params, n=params.n // copies)
         self.llm.reset_prefix_cache()  # reproducible steps: see "Seeding" in the module doc
         with _seeded_rng(params.seed):
+            each = (  # one seed a prompt on CUDA: see "Seeding"
+                [self._request_params(request, s) for s in _request_seeds(len(prompts))]
+                if self._live.seeds_requests
+                else self._request_params(request)
+            )
             results = self.llm.generate(
-                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts],
-                self._request_params(request),
-                use_tqdm=False,
+                [TokensPrompt(prompt_token_ids=list(p)) for p in prompts], each, use_tqdm=False
             )
         for result in results:
             for sample in sorted(result.outputs, key=lambda c: c.index):
@@ -230,15 +236,14 @@ class VLLMRolloutEngine:
                     out.stop_reasons.append(reason)
         return out
 
-    def _request_params(self, params: SamplingParams) -> Any:
-        """vLLM's sampling parameters for every prompt of a call."""
+    def _request_params(self, params: SamplingParams, seed: int | None = None) -> Any:
+        """vLLM's sampling parameters of a request (``seed``: its own, on CUDA only)."""
         from vllm import SamplingParams as VLLMSamplingParams
 
-        return VLLMSamplingParams(**self._sampling_kwargs(params))
+        return VLLMSamplingParams(**self._sampling_kwargs(params), seed=seed)
 
     def _sampling_kwargs(self, params: SamplingParams) -> dict[str, Any]:
-        """Keyword arguments of `vllm.SamplingParams` (a subclass may add some)."""
-        # No per-request `seed`: see the module docstring.
+        """Keyword arguments of `vllm.SamplingParams` but the seed (a subclass may add some)."""
         return {
             "n": params.n,
             "temperature": params.temperature,
@@ -322,17 +327,18 @@ class VLLMRolloutEngine:
 
 @contextlib.contextmanager
 def _seeded_rng(seed: int) -> Iterator[None]:
-    """The global torch (CPU and CUDA) and numpy RNGs seeded with `seed` inside, the caller's
-    streams untouched outside (which one vLLM samples from: see "Seeding")."""
+    """The global torch RNG (CPU and CUDA) seeded with `seed` inside, the caller's stream
+    untouched outside (what vLLM samples from: see "Seeding")."""
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    numpy_state = np.random.get_state()
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
-        np.random.seed(seed % (1 << 32))  # numpy takes 32-bit seeds
-        try:
-            yield
-        finally:
-            np.random.set_state(numpy_state)
+        yield
+
+
+def _request_seeds(count: int) -> list[int]:
+    """``count`` requests' own sampling seeds, drawn from the global torch RNG (below 2**62:
+    vLLM gives a request's ``n`` samples ``seed + index``, an int64)."""
+    return torch.randint(0, 1 << 62, (count,)).tolist()
 
 
 def _held_to(request_params: Any, json_schema: str | None) -> Any:

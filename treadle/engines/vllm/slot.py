@@ -85,6 +85,8 @@ class LiveEngine:
     llm: Any  # vllm.LLM
     tied_embeddings: bool
     start_seconds: float
+    # on CUDA each request carries its own sampling seed (see "Seeding" in treadle.engines.vllm)
+    seeds_requests: bool = False
     asleep: bool = False
     weights_ok: bool = True  # False after a weight update that failed part-way
     pictures: PictureLayout | None = None  # a vision-language model's, on its first picture
@@ -234,7 +236,7 @@ def _start(settings: EngineSettings) -> LiveEngine:
     _quiet_benign_reload_warnings()
     seconds = time.perf_counter() - start
     logger.info("started vLLM engine for %s in %.1f s", settings.model_path, seconds)
-    return LiveEngine(settings=settings, llm=llm, tied_embeddings=tied, start_seconds=seconds)
+    return LiveEngine(settings, llm, tied, seconds, seeds_requests=cuda)
 
 
 def _check_cpu_head_size(model_path: str) -> None:
