@@ -15,8 +15,10 @@ micro-batches: the controller gives them the same shard of a batch
   the packed rows (:func:`~treadle.engines.packing.pack`) are cut along their width, each rank
   runs the decoder on its slice; inside attention an all-to-all turns the sequence-sharded
   ``[b, heads, s/sp, d]`` queries, keys and values (rotary embeddings already applied with
-  the slice's own positions) into head-sharded ``[b, heads/sp, s, d]``, attention runs over the
-  whole row with its block-diagonal causal mask, and a second all-to-all turns the output back.
+  the slice's own positions) into head-sharded ``[b, heads/sp, s, d]``, attention runs over
+  each packed sequence of the row on its own (causal, no mask: flash kernels may run, and no
+  ``s x s`` mask grows with the row; :func:`segment_attention`), and a second all-to-all
+  turns the output back.
   The final hidden states are all-gathered (:func:`gather_sequence`) so the heads see the whole
   row. FSDP2 shards over all ranks; a rank's decoder gradients hold only its slice's share,
   so the gather's backward scales them by ``sp`` (FSDP averages over ``sp`` too).
@@ -188,20 +190,75 @@ def sequence_to_heads(x: torch.Tensor, group: Any) -> torch.Tensor:
     return got.permute(1, 2, 0, 3, 4).reshape(b, s // sp, sp * h, d)
 
 
+Segments = list[list[tuple[int, int]]]
+"""Per packed row, the ``(start, end)`` of each sequence in it, in order, covering the row."""
+
+
 def ulysses_attention(
     module: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     attention_mask: torch.Tensor | None,
+    sequence_segments: Segments | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' sdpa attention (:func:`~treadle.engines.attention.sdpa_attention`) over
-    the whole row, reached by two all-to-alls."""
+    """:func:`segment_attention` over the whole row, reached by two all-to-alls.
+    ``sequence_segments``: the packed sequences of each row, passed down by
+    :func:`sequence_parallel_forward` (transformers hands a forward's extra keyword arguments
+    to the attention; it drops a mask it does not build itself for an attention it does not
+    know, Llama's forward among others)."""
+    if sequence_segments is None:
+        raise RuntimeError(
+            "sequence-parallel attention runs on packed rows: call the decoder through "
+            "treadle.engines.parallel.sequence_parallel_forward"
+        )
     group = module.sequence_group
     q, k, v = (heads_to_sequence(t, group) for t in (query, key, value))
-    out, _ = sdpa_attention(module, q, k, v, attention_mask, **kwargs)
+    out = segment_attention(module, q, k, v, sequence_segments, **kwargs)
     return sequence_to_heads(out, group), None
+
+
+def packed_segments(position_ids: torch.Tensor) -> Segments:
+    """The sequences of packed rows ``[rows, s]``: each starts where its position is 0 (the
+    first at 0 whatever its position; filler continues the last, as :func:`pack` lays it)."""
+    width = position_ids.shape[1]
+    starts = position_ids == 0
+    starts[:, 0] = True
+    out = []
+    for row in starts.tolist():
+        begin = [i for i, first in enumerate(row) if first]
+        out.append(list(zip(begin, [*begin[1:], width], strict=True)))
+    return out
+
+
+def segment_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    segments: Segments,
+    **kwargs: Any,
+) -> torch.Tensor:
+    """Causal sdpa attention (:func:`~treadle.engines.attention.sdpa_attention`) within each
+    packed sequence of ``[b, heads, s, d]`` rows, ``[b, s, heads, d]`` out: what the rows'
+    block-diagonal causal mask gives, computed on the blocks alone. Rows laid out alike
+    (one long sequence each, say) go through each call together."""
+    if all(row == segments[0] for row in segments):
+        parts = [
+            sdpa_attention(
+                module, query[:, :, a:e], key[:, :, a:e], value[:, :, a:e], None, **kwargs
+            )[0]
+            for a, e in segments[0]
+        ]
+        return torch.cat(parts, 1)
+    rows = [
+        segment_attention(
+            module, query[r : r + 1], key[r : r + 1], value[r : r + 1], [row], **kwargs
+        )
+        for r, row in enumerate(segments)
+    ]
+    return torch.cat(rows, 0)
 
 
 def _register_ulysses() -> None:
@@ -235,34 +292,23 @@ def gather_sequence(x: torch.Tensor, group: Any) -> torch.Tensor:
     return _GatherSequence.apply(x, group)
 
 
-def block_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
-    """``[rows, 1, s, s]`` bool: causal attention within each packed sequence (a sequence
-    starts where the position is 0), as transformers builds it for packed rows."""
-    seq = (position_ids == 0).long().cumsum(-1)
-    same = seq[:, :, None] == seq[:, None, :]
-    s = position_ids.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=position_ids.device).tril()
-    return (same & causal)[:, None]
-
-
 def sequence_parallel_forward(
     decoder: nn.Module, input_ids: torch.Tensor, position_ids: torch.Tensor, group: Any
 ) -> torch.Tensor:
     """The decoder's last hidden states ``[rows, width, H]`` of packed rows, each rank running
-    its slice of the width (padded to a multiple of the group size with one-token sequences)."""
+    its slice of the width (padded to a multiple of the group size)."""
     sp, rank = dist.get_world_size(group), dist.get_rank(group)
     width = input_ids.shape[1]
     pad = -width % sp
-    if pad:
+    if pad:  # filler continuing each row's last sequence, as pack's
         input_ids = nn.functional.pad(input_ids, (0, pad))
-        position_ids = nn.functional.pad(position_ids, (0, pad))  # position 0: sequences of one
-    mask = block_causal_mask(position_ids)
-    masks = {"full_attention": mask, "sliding_attention": mask}
+        more = torch.arange(1, pad + 1, device=position_ids.device)
+        position_ids = torch.cat([position_ids, position_ids[:, -1:] + more], 1)
     local = slice(rank * (width + pad) // sp, (rank + 1) * (width + pad) // sp)
     hidden = decoder(
         input_ids=input_ids[:, local],
         position_ids=position_ids[:, local],
-        attention_mask=masks,
         use_cache=False,
+        sequence_segments=packed_segments(position_ids),
     ).last_hidden_state
     return gather_sequence(hidden, group)[:, :width]

@@ -1,0 +1,92 @@
+"""Ulysses attention on packed rows: each packed sequence attends within itself, for every
+architecture, forward and backward, against the decoder's own packed forward (transformers'
+block-diagonal mask from the position ids). One rank in this process (a sequence-parallel
+group of one: the all-to-alls are identities, the attention is what is tested);
+``tests/workers/test_parallel.py`` runs two ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from treadle.engines import parallel
+
+# three packed rows: two sequences; one; a sequence of one token, then two more
+POSITIONS = torch.tensor(
+    [
+        [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6],
+        [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        [0, 0, 1, 2, 0, 1, 2, 3, 4, 5, 6],
+    ]
+)
+
+
+@pytest.fixture
+def sp_group():
+    """A one-rank gloo group in this process, and a sequence-parallel group of it."""
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", rank=0, world_size=1, store=dist.HashStore())
+    yield dist.new_group([0])
+    if made:
+        dist.destroy_process_group()
+
+
+def test_the_sequences_of_packed_rows():
+    assert parallel.packed_segments(POSITIONS) == [
+        [(0, 4), (4, 11)],
+        [(0, 11)],
+        [(0, 1), (1, 4), (4, 11)],
+    ]
+    # filler goes on counting the last sequence; a row starts a sequence whatever its position
+    assert parallel.packed_segments(torch.tensor([[0, 1, 2, 3, 4], [5, 6, 0, 1, 2]])) == [
+        [(0, 5)],
+        [(0, 2), (2, 5)],
+    ]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_each_packed_sequence_attends_within_itself(sp_group, arch):
+    """Llama's forward drops a mask it did not build for an attention it does not know: the
+    block-diagonal mask treadle passed then never reached the attention, and a row's second
+    sequence attended to the first."""
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
+    torch.manual_seed(0)
+    lm = model_cls(config)
+    ids = torch.randint(0, 64, POSITIONS.shape)
+
+    def run(forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        lm.zero_grad()
+        hidden = forward()
+        (hidden * torch.linspace(-1, 1, hidden.shape[-1])).sum().backward()
+        grads = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+        return hidden.detach(), grads
+
+    want, want_grads = run(
+        lambda: lm.model(input_ids=ids, position_ids=POSITIONS, use_cache=False).last_hidden_state
+    )
+    parallel._register_ulysses()
+    lm.set_attn_implementation(parallel.ULYSSES)
+    for layer in lm.model.layers:
+        layer.self_attn.sequence_group = sp_group
+    got, grads = run(lambda: parallel.sequence_parallel_forward(lm.model, ids, POSITIONS, sp_group))
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == want_grads.keys()
+    for name, g in want_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
+    with pytest.raises(RuntimeError, match="sequence-parallel attention runs on packed rows"):
+        lm.model(input_ids=ids, position_ids=POSITIONS, use_cache=False)
