@@ -26,3 +26,27 @@ def tiny_model(out: str | Path, tokenizer_from: str | Path, seed: int = 0, **cha
     shape = replace(TINY_SHAPE, **{"max_positions": 128, **changes})
     tokenizer = load_tokenizer(tokenizer_from)  # a fast tokenizer, typed as their base class
     return build_tiny_model(tokenizer, out, shape, seed=seed)  # type: ignore[arg-type]
+
+
+def random_lm(arch: str = "llama", attn: str = "sdpa") -> Any:
+    """An in-memory causal LM of ``arch`` ("llama" or "qwen2") with random weights (seed 0): 2
+    layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32."""
+    import torch
+    import transformers
+
+    config_cls, model_cls = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[arch]
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation=attn,
+    )
+    torch.manual_seed(0)
+    return model_cls(config).float()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from tiny_models import random_lm
 
 from treadle.engines import parallel
 
@@ -51,22 +52,7 @@ def test_each_packed_sequence_attends_within_itself(sp_group, arch):
     """Llama's forward drops a mask it did not build for an attention it does not know: the
     block-diagonal mask treadle passed then never reached the attention, and a row's second
     sequence attended to the first."""
-    import transformers
-
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[arch]
-    config = config_cls(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    torch.manual_seed(0)
-    lm = model_cls(config)
+    lm = random_lm(arch)
     ids = torch.randint(0, 64, POSITIONS.shape)
 
     def run(forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -5,27 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import random_lm
 
 from treadle.engines.heads import LogProbHead, LogProbRequest, can_share_prompts
 from treadle.engines.packing import label_positions, pack, pack_shared, prompt_groups
 from treadle.protocol import Batch
-
-
-def tiny_llama(attn: str = "sdpa"):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attn,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(config).float()
 
 
 def grouped_batch() -> Batch:
@@ -168,7 +152,7 @@ def test_shared_log_probs_and_gradients_equal_the_padded_and_packed_ones(attn, r
     rmask = batch["response_mask"].bool()
     results = {}
     for name in ("shared", "packed", "padded"):
-        lm = tiny_llama(attn)
+        lm = random_lm("llama", attn)
         assert can_share_prompts(lm.config)
         if name == "padded":
             logp = padded_log_probs(lm, ids, mask, 4) * rmask
