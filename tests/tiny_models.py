@@ -28,9 +28,10 @@ def tiny_model(out: str | Path, tokenizer_from: str | Path, seed: int = 0, **cha
     return build_tiny_model(tokenizer, out, shape, seed=seed)  # type: ignore[arg-type]
 
 
-def random_lm(arch: str = "llama", attn: str = "sdpa") -> Any:
+def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
     """An in-memory causal LM of ``arch`` ("llama" or "qwen2") with random weights (seed 0): 2
-    layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32."""
+    layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32; ``changes``: more
+    config keys."""
     import torch
     import transformers
 
@@ -47,6 +48,7 @@ def random_lm(arch: str = "llama", attn: str = "sdpa") -> Any:
         num_key_value_heads=2,
         max_position_embeddings=64,
         attn_implementation=attn,
+        **changes,
     )
     torch.manual_seed(0)
     return model_cls(config).float()

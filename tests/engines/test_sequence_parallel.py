@@ -47,12 +47,18 @@ def test_the_sequences_of_packed_rows():
     ]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_each_packed_sequence_attends_within_itself(sp_group, arch):
+# Qwen2 with its second layer's attention in a sliding window of 3 positions
+SLIDING = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
+
+
+@pytest.mark.parametrize(("arch", "changes"), [("llama", {}), ("qwen2", {}), ("qwen2", SLIDING)])
+def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
     """Llama's forward drops a mask it did not build for an attention it does not know: the
     block-diagonal mask treadle passed then never reached the attention, and a row's second
-    sequence attended to the first."""
-    lm = random_lm(arch)
+    sequence attended to the first. A sliding window holds each sequence to it."""
+    lm = random_lm(arch, **changes)
+    if changes:
+        assert lm.config.layer_types == ["full_attention", "sliding_attention"]
     ids = torch.randint(0, 64, POSITIONS.shape)
 
     def run(forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

@@ -243,11 +243,19 @@ def segment_attention(
     """Causal sdpa attention (:func:`~treadle.engines.attention.sdpa_attention`) within each
     packed sequence of ``[b, heads, s, d]`` rows, ``[b, s, heads, d]`` out: what the rows'
     block-diagonal causal mask gives, computed on the blocks alone. Rows laid out alike
-    (one long sequence each, say) go through each call together."""
+    (one long sequence each, say) go through each call together. A sliding-window layer's
+    ``sliding_window`` (Qwen2's attention passes it) holds each sequence longer than the window
+    to it, with a mask of that sequence alone."""
+    window = kwargs.get("sliding_window")
     if all(row == segments[0] for row in segments):
         parts = [
             sdpa_attention(
-                module, query[:, :, a:e], key[:, :, a:e], value[:, :, a:e], None, **kwargs
+                module,
+                query[:, :, a:e],
+                key[:, :, a:e],
+                value[:, :, a:e],
+                _window_mask(e - a, window, query.device),
+                **kwargs,
             )[0]
             for a, e in segments[0]
         ]
@@ -259,6 +267,16 @@ def segment_attention(
         for r, row in enumerate(segments)
     ]
     return torch.cat(rows, 0)
+
+
+def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
+    """``[length, length]`` bool: causal attention within ``window`` positions (a key more than
+    ``window - 1`` before the query is not seen, as transformers' sliding window); None where
+    plain causal attention is the same."""
+    if window is None or length <= window:
+        return None
+    i = torch.arange(length, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - window)
 
 
 def _register_ulysses() -> None:
