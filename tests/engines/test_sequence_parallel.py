@@ -82,3 +82,36 @@ def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
     with pytest.raises(RuntimeError, match="sequence-parallel attention runs on packed rows"):
         lm.model(input_ids=ids, position_ids=POSITIONS, use_cache=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_per_sequence_attention_on_a_gpu_in_bf16(arch):
+    """The attention of sequence parallelism without its all-to-alls (one rank has nothing to
+    exchange): causal sdpa on slices of each row (flash attention's path where it takes them),
+    in bfloat16 on the GPU, against the decoder's own packed forward there; forward and the
+    gradients of the attention projections, to bf16's rounding."""
+    from transformers import AttentionInterface
+
+    def segments_only(module, query, key, value, attention_mask, sequence_segments, **kwargs):
+        return parallel.segment_attention(
+            module, query, key, value, sequence_segments, **kwargs
+        ), None
+
+    AttentionInterface.register("treadle_segments_only", segments_only)
+    lm = random_lm(arch).to("cuda", torch.bfloat16)
+    ids, positions = torch.randint(0, 64, POSITIONS.shape).cuda(), POSITIONS.cuda()
+
+    def run(**kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        lm.zero_grad()
+        hidden = lm.model(input_ids=ids, position_ids=positions, use_cache=False, **kwargs)
+        (hidden.last_hidden_state.float() * torch.linspace(-1, 1, 32).cuda()).sum().backward()
+        q = lm.model.layers[0].self_attn.q_proj.weight.grad
+        return hidden.last_hidden_state.detach().float(), q.float()
+
+    want, want_q = run()
+    lm.set_attn_implementation("treadle_segments_only")
+    got, got_q = run(sequence_segments=parallel.packed_segments(POSITIONS))
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(got_q, want_q, rtol=3e-2, atol=3e-2 * float(want_q.abs().max()))

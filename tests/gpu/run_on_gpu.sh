@@ -49,7 +49,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   [ "$mode" = Default ] && python3 -c "import xdist" 2>/dev/null && workers=(-n 4 --dist load)
   # (cuBLAS's fixed workspaces: the resume test's two runs may then give equal numbers)
   CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=4 timeout -k 15 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
-    --durations=20 tests/gpu tests/engines/test_cuda.py 2>&1 | tee "$out/tests.txt"
+    --durations=20 tests/gpu tests/engines/test_cuda.py tests/engines/test_sequence_parallel.py \
+    2>&1 | tee "$out/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # all: what is left of 575 s (the call's 600 less the copying back); bench alone: 540 s
