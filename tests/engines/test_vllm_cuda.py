@@ -25,7 +25,12 @@ import torch
 from treadle.config import load_config
 from treadle.engines.inference import SamplingParams
 from treadle.engines.vllm import VLLMRolloutEngine
-from treadle.engines.vllm.slot import EngineSettings, LiveEngine, reload_folder
+from treadle.engines.vllm.slot import (
+    EngineSettings,
+    LiveEngine,
+    reload_folder,
+    takes_request_seeds,
+)
 from treadle.serving.replica import role_engine
 
 SETTINGS = EngineSettings("m", "bfloat16", 0, 64, 1.0, 0.5)
@@ -106,6 +111,16 @@ def test_on_cuda_each_prompt_s_request_carries_a_seed_drawn_from_params_seed():
     llm.seeds.clear()
     engine_on(llm, cuda=False).generate(prompts, params)
     assert llm.seeds == [None] * 3
+
+
+@pytest.mark.parametrize(
+    ("cuda", "v2", "seeds"), [(True, True, True), (True, False, False), (False, False, False)]
+)
+def test_requests_carry_seeds_under_the_cuda_v2_runner_only(cuda, v2, seeds):
+    llm = SimpleNamespace(
+        llm_engine=SimpleNamespace(vllm_config=SimpleNamespace(use_v2_model_runner=v2))
+    )
+    assert takes_request_seeds(llm, cuda) is seeds
 
 
 class RecordingQueue:

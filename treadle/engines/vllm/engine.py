@@ -14,11 +14,14 @@ over the one engine of the process (:mod:`.slot`). Choices:
   noise from the request's seed and the token's position, and draws a seed from numpy's
   global RNG for a request without one (`v1/worker/gpu/sample/states.py`): in the model
   runner's process, which is vLLM's worker process when `rollout.tensor_parallel_size > 1`.
-  So on CUDA every request carries a seed of its own: `generate` draws one per prompt from
+  So under V2 every request carries a seed of its own: `generate` draws one per prompt from
   the RNG seeded with `params.seed` (vLLM gives a prompt's `n` samples `seed + index`), and
   :meth:`~VLLMRolloutEngine.add_request` one from the global torch RNG, which the rollout
   server seeds (:mod:`treadle.serving.server`). Either way a rollout is reproducible from
-  `params.seed` (same prompts, same engine), and the caller's random streams do not move. On
+  `params.seed` (same prompts, same engine), and the caller's random streams do not move.
+  Where CUDA runs the V1 runner (`VLLM_USE_V2_MODEL_RUNNER=0`, a feature V2 lacks) requests
+  carry no seed, as on CPU (V1 samples seeded requests one by one): it draws from the torch
+  RNG as on CPU, seeded here, which its worker processes under tensor parallelism are not. On
   CPU the draws follow the engine's steps, which depend on what the
   prefix cache holds (a cached prefix is not prefilled again), so `generate` starts from an
   empty prefix cache, as every rollout after a weight update does anyway.
@@ -217,7 +220,7 @@ class VLLMRolloutEngine:
         request = dataclasses.replace(params, n=params.n // copies)
         self.llm.reset_prefix_cache()  # reproducible steps: see "Seeding" in the module doc
         with _seeded_rng(params.seed):
-            each = (  # one seed a prompt on CUDA: see "Seeding"
+            each = (  # one seed a prompt under CUDA's V2 runner: see "Seeding"
                 [self._request_params(request, s) for s in _request_seeds(len(prompts))]
                 if self._live.seeds_requests
                 else self._request_params(request)
@@ -237,7 +240,7 @@ class VLLMRolloutEngine:
         return out
 
     def _request_params(self, params: SamplingParams, seed: int | None = None) -> Any:
-        """vLLM's sampling parameters of a request (``seed``: its own, on CUDA only)."""
+        """vLLM's sampling parameters of a request (``seed``: its own, under V2 on CUDA)."""
         from vllm import SamplingParams as VLLMSamplingParams
 
         return VLLMSamplingParams(**self._sampling_kwargs(params), seed=seed)

@@ -85,7 +85,7 @@ class LiveEngine:
     llm: Any  # vllm.LLM
     tied_embeddings: bool
     start_seconds: float
-    # on CUDA each request carries its own sampling seed (see "Seeding" in treadle.engines.vllm)
+    # each request carries its own sampling seed (CUDA's V2 runner: "Seeding" in .engine)
     seeds_requests: bool = False
     asleep: bool = False
     weights_ok: bool = True  # False after a weight update that failed part-way
@@ -236,7 +236,14 @@ def _start(settings: EngineSettings) -> LiveEngine:
     _quiet_benign_reload_warnings()
     seconds = time.perf_counter() - start
     logger.info("started vLLM engine for %s in %.1f s", settings.model_path, seconds)
-    return LiveEngine(settings, llm, tied, seconds, seeds_requests=cuda)
+    return LiveEngine(settings, llm, tied, seconds, seeds_requests=takes_request_seeds(llm, cuda))
+
+
+def takes_request_seeds(llm: Any, cuda: bool) -> bool:
+    """Whether ``llm``'s requests carry seeds of their own ("Seeding" in :mod:`.engine`): on
+    CUDA under vLLM's V2 model runner (they cost nothing there), not under V1 (it samples
+    seeded rows one by one) nor on CPU (they crash it)."""
+    return cuda and bool(getattr(llm.llm_engine.vllm_config, "use_v2_model_runner", False))
 
 
 def _check_cpu_head_size(model_path: str) -> None:
