@@ -80,7 +80,7 @@ def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
-    with pytest.raises(RuntimeError, match="sequence-parallel attention runs on packed rows"):
+    with pytest.raises(RuntimeError, match="sequence-parallel attention got no sequence_segments"):
         lm.model(input_ids=ids, position_ids=POSITIONS, use_cache=False)
 
 

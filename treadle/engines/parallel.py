@@ -17,8 +17,9 @@ micro-batches: the controller gives them the same shard of a batch
   ``[b, heads, s/sp, d]`` queries, keys and values (rotary embeddings already applied with
   the slice's own positions) into head-sharded ``[b, heads/sp, s, d]``, attention runs over
   each packed sequence of the row on its own (causal, no mask: flash kernels may run, and no
-  ``s x s`` mask grows with the row; :func:`segment_attention`), and a second all-to-all
-  turns the output back.
+  ``s x s`` mask grows with the row; a sequence longer than a layer's sliding window gets a
+  banded mask of its own length; :func:`segment_attention`), and a second all-to-all turns
+  the output back.
   The final hidden states are all-gathered (:func:`gather_sequence`) so the heads see the whole
   row. FSDP2 shards over all ranks; a rank's decoder gradients hold only its slice's share,
   so the gather's backward scales them by ``sp`` (FSDP averages over ``sp`` too).
@@ -210,8 +211,9 @@ def ulysses_attention(
     know, Llama's forward among others)."""
     if sequence_segments is None:
         raise RuntimeError(
-            "sequence-parallel attention runs on packed rows: call the decoder through "
-            "treadle.engines.parallel.sequence_parallel_forward"
+            "sequence-parallel attention got no sequence_segments: it runs on packed rows "
+            "through treadle.engines.parallel.sequence_parallel_forward, and needs a model "
+            "whose layers pass their forward's keyword arguments on to the attention"
         )
     group = module.sequence_group
     q, k, v = (heads_to_sequence(t, group) for t in (query, key, value))
@@ -222,14 +224,13 @@ def ulysses_attention(
 def packed_segments(position_ids: torch.Tensor) -> Segments:
     """The sequences of packed rows ``[rows, s]``: each starts where its position is 0 (the
     first at 0 whatever its position; filler continues the last, as :func:`pack` lays it)."""
-    width = position_ids.shape[1]
+    rows, width = position_ids.shape
     starts = position_ids == 0
     starts[:, 0] = True
-    out = []
-    for row in starts.tolist():
-        begin = [i for i, first in enumerate(row) if first]
-        out.append(list(zip(begin, [*begin[1:], width], strict=True)))
-    return out
+    begin: list[list[int]] = [[] for _ in range(rows)]
+    for r, i in starts.nonzero().tolist():
+        begin[r].append(i)
+    return [list(zip(b, [*b[1:], width], strict=True)) for b in begin]
 
 
 def segment_attention(
@@ -245,28 +246,20 @@ def segment_attention(
     block-diagonal causal mask gives, computed on the blocks alone. Rows laid out alike
     (one long sequence each, say) go through each call together. A sliding-window layer's
     ``sliding_window`` (Qwen2's attention passes it) holds each sequence longer than the window
-    to it, with a mask of that sequence alone."""
+    to it, with a mask of that sequence alone. The rows and sequences are cut with ``split``,
+    whose backward is one concatenation (a slice's backward writes a zero tensor of the whole
+    input: per sequence, the row's size)."""
     window = kwargs.get("sliding_window")
-    if all(row == segments[0] for row in segments):
-        parts = [
-            sdpa_attention(
-                module,
-                query[:, :, a:e],
-                key[:, :, a:e],
-                value[:, :, a:e],
-                _window_mask(e - a, window, query.device),
-                **kwargs,
-            )[0]
-            for a, e in segments[0]
-        ]
-        return torch.cat(parts, 1)
-    rows = [
-        segment_attention(
-            module, query[r : r + 1], key[r : r + 1], value[r : r + 1], [row], **kwargs
-        )
-        for r, row in enumerate(segments)
+    if any(row != segments[0] for row in segments):
+        rows = zip(query.split(1), key.split(1), value.split(1), segments, strict=True)
+        return torch.cat([segment_attention(module, *r[:3], [r[3]], **kwargs) for r in rows], 0)
+    lengths = [e - a for a, e in segments[0]]
+    qs, ks, vs = (t.split(lengths, 2) for t in (query, key, value))
+    parts = [
+        sdpa_attention(module, q, k, v, _window_mask(n, window, query.device), **kwargs)[0]
+        for q, k, v, n in zip(qs, ks, vs, lengths, strict=True)
     ]
-    return torch.cat(rows, 0)
+    return torch.cat(parts, 1)
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:
