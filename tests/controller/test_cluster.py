@@ -103,7 +103,7 @@ def test_the_clusters_gpus_decide_a_ranks_not_the_drivers(
     fake_ray, monkeypatch, driver, cluster_gpus, ranks_get
 ):
     """A driver on a CPU-only head node of a GPU cluster: its ranks get a GPU each (placed with
-    none, each would see every GPU of its node and take GPU 0), and the headline says so."""
+    none, each would see every GPU of its node and take GPU 0)."""
     from treadle.controller import Placement
     from treadle.trainers.launch import start_lines
 
@@ -111,8 +111,22 @@ def test_the_clusters_gpus_decide_a_ranks_not_the_drivers(
     monkeypatch.setattr("ray.cluster_resources", lambda: {"CPU": 2.0, "GPU": cluster_gpus})
     cfg = config("trainer.ray_address=h:1")
     assert Placement.plan(cfg).gpus_per_rank == ranks_get
+    # the headline names the cluster, not the driver's device, and does not wait for Ray
+    fake_ray.clear()
     headline = start_lines(cfg, Path("out"), "GRPO", (0, 5), None)[0]
-    assert headline.endswith(f"on Ray, 1 {'GPU' if ranks_get else 'CPU'} rank(s)")
+    assert headline.endswith("on the Ray cluster at h:1, 1 rank(s)") and not fake_ray
+
+
+@pytest.mark.parametrize("gpu", [True, False])
+def test_the_headline_of_a_cluster_this_run_starts_names_this_machine_s_device(
+    fake_ray, monkeypatch, gpu
+):
+    from treadle.trainers.launch import start_lines
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: gpu)
+    cfg = config("actor.world_size=2", "actor.sequence_parallel_size=2")
+    headline = start_lines(cfg, Path("out"), "GRPO", (0, 5), None)[0]
+    assert headline.endswith(f"on Ray, 2 {'GPU' if gpu else 'CPU'} rank(s) (sequence parallel 2)")
 
 
 def test_a_driver_with_a_gpu_on_a_cluster_without_one_is_an_error(fake_ray, monkeypatch):

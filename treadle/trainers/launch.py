@@ -27,7 +27,7 @@ from typing import Any
 from treadle.config import Config
 from treadle.config.recorded import Change, changes
 from treadle.controller import Actors, Placement, WorkerGroup
-from treadle.controller.cluster import use_gpus
+from treadle.controller.cluster import ray_address, use_gpus
 from treadle.data import PromptSampler
 from treadle.models import checkpoint as ckpt
 from treadle.rollout.fleet import Rollout, Spawned, spawn_rollout, start_rollout
@@ -43,13 +43,17 @@ log = logging.getLogger("treadle")
 
 
 def _on_ray(cfg: Config) -> str:
-    """Where the headline says a Ray run trains: its actor ranks, device (the cluster's, as
-    :func:`~treadle.controller.cluster.use_gpus` places them: a driver on a CPU-only head node
-    of a GPU cluster sees none) and parallel layout."""
+    """Where the headline says a Ray run trains: its actor ranks, their device and parallel
+    layout. On a cluster it joins, the cluster's address instead of the device: the driver's
+    own device says nothing of the cluster's (a CPU-only head node of a GPU cluster), and
+    asking the cluster would hold the headline until Ray has joined."""
     a = cfg.actor
-    device = "GPU" if use_gpus(cfg) else "CPU"
     split = (("tensor", a.tensor_parallel_size), ("sequence", a.sequence_parallel_size))
     layout = "".join(f" ({kind} parallel {n})" for kind, n in split if n > 1)
+    joined = ray_address(cfg)
+    if joined is not None:
+        return f"on the Ray cluster at {joined[0]}, {a.world_size} rank(s){layout}"
+    device = "GPU" if use_gpus(cfg) else "CPU"  # (this machine's)
     return f"on Ray, {a.world_size} {device} rank(s){layout}"
 
 
