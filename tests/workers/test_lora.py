@@ -157,6 +157,28 @@ def test_bad_lora_values_are_one_line_naming_the_key(override, message):
     assert len(str(e.value).splitlines()) == 1
 
 
+def test_an_adapter_on_a_tied_output_head_is_refused_by_name(tiny_task):
+    """The tiny model ties its head to its embedding: the head's weight is gathered once, as
+    the embedding, so an adapter on it could not be merged (it was dropped in silence)."""
+    model = load_causal_lm(tiny_task["model"])
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    with pytest.raises(ConfigError, match=r"target_modules: 'lm_head' is the output head, which"):
+        apply_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]), "m")
+
+
+def test_adapters_whose_base_weight_never_comes_are_an_error():
+    from treadle.engines.lora import merged_lora
+
+    prefix = "base_model.model."
+    state = [
+        (f"{prefix}lm_head.lora_A.default.weight", torch.ones(2, 3)),
+        (f"{prefix}lm_head.lora_B.default.weight", torch.ones(3, 2)),
+        (f"{prefix}model.norm.weight", torch.ones(3)),
+    ]
+    with pytest.raises(RuntimeError, match=r"without their base weight: \['lm_head'\]"):
+        list(merged_lora(iter(state), {"lm_head": 2.0}))
+
+
 def test_an_unknown_target_module_names_the_key_and_the_model_layers(tiny_task):
     model = load_causal_lm(tiny_task["model"])
     lora = LoraConfig(rank=4, target_modules=["q_proj", "qkv"])

@@ -300,6 +300,17 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
                 f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not a linear "
                 f"layer of the model (its linear layers: {', '.join(known)}; or 'all-linear')"
             )
+        lm: Any = model
+        head = lm.get_output_embeddings()
+        if head is not None and head.weight is lm.get_input_embeddings().weight:
+            tied = next(t for t, m in model.named_modules() if m is head).rsplit(".", 1)[-1]
+            if tied in targets:
+                raise ConfigError(
+                    f"actor.lora.target_modules: '{tied}' is the output head, which this model "
+                    "ties to its input embedding (tie_word_embeddings): its adapter could not "
+                    "be merged into the one weight the rollout and the saved model keep; "
+                    "leave it out"
+                )
     elif targets != "all-linear":
         raise ConfigError(
             f"actor.lora.target_modules: '{targets}' is neither 'all-linear' nor a list of "
