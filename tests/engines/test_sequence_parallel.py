@@ -1,8 +1,9 @@
 """Ulysses attention on packed rows: each packed sequence attends within itself, for every
 architecture, forward and backward, against the decoder's own packed forward (transformers'
-block-diagonal mask from the position ids). One rank in this process (a sequence-parallel
-group of one: the all-to-alls are identities, the attention is what is tested);
-``tests/workers/test_parallel.py`` runs two ranks."""
+block-diagonal mask from the position ids): one rank in this process (a sequence-parallel
+group of one: the all-to-alls are identities, the attention is what is tested), and two
+ranks of their own processes (the all-to-alls, the padding of an odd width);
+``tests/workers/test_parallel.py`` runs the workers' two ranks."""
 
 from __future__ import annotations
 
@@ -51,15 +52,11 @@ def test_the_sequences_of_packed_rows():
 SLIDING = {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 1}
 
 
-@pytest.mark.parametrize(("arch", "changes"), [("llama", {}), ("qwen2", {}), ("qwen2", SLIDING)])
-def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
-    """Llama's forward drops a mask it did not build for an attention it does not know: the
-    block-diagonal mask treadle passed then never reached the attention, and a row's second
-    sequence attended to the first. A sliding window holds each sequence to it."""
-    lm = random_lm(arch, **changes)
-    if changes:
-        assert lm.config.layer_types == ["full_attention", "sliding_attention"]
-    ids = torch.randint(0, 64, POSITIONS.shape)
+def packed_and_parallel(lm, ids: torch.Tensor, group) -> tuple:
+    """The decoder's own packed forward of ``ids`` at POSITIONS, then
+    :func:`~treadle.engines.parallel.sequence_parallel_forward` over ``group``: each one's
+    hidden states and gradients (of a weighted sum), the parallel ones averaged over the group
+    as FSDP2 does (a rank's own are its slice's share, times the group size)."""
 
     def run(forward) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         lm.zero_grad()
@@ -74,14 +71,61 @@ def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
     parallel._register_ulysses()
     lm.set_attn_implementation(parallel.ULYSSES)
     for layer in lm.model.layers:
-        layer.self_attn.sequence_group = sp_group
-    got, grads = run(lambda: parallel.sequence_parallel_forward(lm.model, ids, POSITIONS, sp_group))
+        layer.self_attn.sequence_group = group
+    got, grads = run(lambda: parallel.sequence_parallel_forward(lm.model, ids, POSITIONS, group))
+    for g in grads.values():
+        dist.all_reduce(g, group=group)
+        g.div_(dist.get_world_size(group))
+    return want, got, want_grads, grads
+
+
+def assert_same(want, got, want_grads, grads) -> None:
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize(("arch", "changes"), [("llama", {}), ("qwen2", {}), ("qwen2", SLIDING)])
+def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
+    """Llama's forward drops a mask it did not build for an attention it does not know: the
+    block-diagonal mask treadle passed then never reached the attention, and a row's second
+    sequence attended to the first. A sliding window holds each sequence to it."""
+    lm = random_lm(arch, **changes)
+    if changes:
+        assert lm.config.layer_types == ["full_attention", "sliding_attention"]
+    ids = torch.randint(0, 64, POSITIONS.shape)
+    assert_same(*packed_and_parallel(lm, ids, sp_group))
     with pytest.raises(RuntimeError, match="sequence-parallel attention got no sequence_segments"):
         lm.model(input_ids=ids, position_ids=POSITIONS, use_cache=False)
+
+
+def _rank(rank: int, store: str, out: str) -> None:
+    """One of two ranks of :func:`test_two_ranks_split_an_odd_width`; rank 0 saves the four."""
+    dist.init_process_group("gloo", rank=rank, world_size=2, store=dist.FileStore(store, 2))
+    torch.set_num_threads(1)
+    ids = torch.randint(0, 64, POSITIONS.shape, generator=torch.Generator().manual_seed(1))
+    result = packed_and_parallel(random_lm("llama"), ids, dist.group.WORLD)
+    if rank == 0:
+        torch.save(result, out)
+    dist.destroy_process_group()
+
+
+def test_two_ranks_split_an_odd_width(tmp_path):
+    """Two gloo ranks of a Llama, each a slice of the 11-wide rows (padded to 12): the
+    all-to-alls, the padding and the gather against the decoder's own packed forward."""
+    import multiprocessing
+
+    spawn = multiprocessing.get_context("spawn")
+    out = tmp_path / "result.pt"
+    args = (str(tmp_path / "store"), str(out))
+    ranks = [spawn.Process(target=_rank, args=(r, *args)) for r in range(2)]
+    for p in ranks:
+        p.start()
+    for p in ranks:
+        p.join(timeout=300)
+    assert [p.exitcode for p in ranks] == [0, 0]
+    assert_same(*torch.load(out))
 
 
 @pytest.mark.gpu
