@@ -139,7 +139,8 @@ class ActorConfig(Section):
         "sequence gets its own row). Attention is computed over whole rows (block-diagonal "
         "mask), so its cost per token grows with the width; one long row loses to padding on "
         "CPU. Narrower rows, down to the longest sequence, are used when cheaper: each row "
-        "position weighted by 3 x hidden size + the width.",
+        "position weighted by 3 x hidden size + the width. (Sequence parallel attends within "
+        "each sequence alone: there the width costs no attention.)",
     )
     share_prompts: bool = Field(
         True,
