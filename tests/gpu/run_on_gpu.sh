@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One call on the lent GPU machine (/work/shared/GPU.md): the wheels it lacks, then
-#   tests   tests/gpu and tests/engines/test_cuda.py, a line a test, in 4 processes (240 s at
-#           most)
+#   tests   tests/gpu, tests/engines/test_cuda.py and test_sequence_parallel.py, a line a
+#           test, in 4 processes (240 s at most); then bench/sp_attention.py (60 s at most)
 #   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic; then static, its
 #           decoding step compiled; then paged, transformers' continuous batching, last: without
 #           flash-attn its attention spans the whole batch) against one TRL run, within
@@ -51,6 +51,8 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
   CUBLAS_WORKSPACE_CONFIG=:4096:8 OMP_NUM_THREADS=4 timeout -k 15 240 python3 -m pytest -v ${workers[@]+"${workers[@]}"} -p no:cacheprovider -rfE \
     --durations=20 tests/gpu tests/engines/test_cuda.py tests/engines/test_sequence_parallel.py \
     2>&1 | tee "$out/tests.txt"
+  # sequence parallelism's attention: masked, per sequence, varlen (about 10 s)
+  timeout -k 5 60 python3 bench/sp_attention.py 2>&1 | tee -a "$out/tests.txt"
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   # all: what is left of 575 s (the call's 600 less the copying back); bench alone: 540 s
