@@ -157,13 +157,16 @@ def test_bad_lora_values_are_one_line_naming_the_key(override, message):
     assert len(str(e.value).splitlines()) == 1
 
 
-def test_an_adapter_on_a_tied_output_head_is_refused_by_name(tiny_task):
-    """The tiny model ties its head to its embedding: the head's weight is gathered once, as
-    the embedding, so an adapter on it could not be merged (it was dropped in silence)."""
+def test_an_adapter_on_the_output_head_is_refused_by_name(tiny_task):
+    """Log-probs come from the head's weight (chunked), past an adapter on it: it never
+    trained, in silence (and the tiny model's head is its embedding, gathered once). The config
+    refuses ``lm_head``; the model's own head under another name is refused at start-up."""
+    with pytest.raises(ConfigError, match=r"target_modules: 'lm_head' is the output head, whose"):
+        load_config(None, ["actor.lora.rank=4", "actor.lora.target_modules=[q_proj, lm_head]"])
     model = load_causal_lm(tiny_task["model"])
-    assert model.lm_head.weight is model.get_input_embeddings().weight
-    with pytest.raises(ConfigError, match=r"target_modules: 'lm_head' is the output head, which"):
-        apply_lora(model, LoraConfig(rank=4, target_modules=["q_proj", "lm_head"]), "m")
+    lora = LoraConfig.model_construct(rank=4, alpha=8.0, dropout=0.0, target_modules=["lm_head"])
+    with pytest.raises(ConfigError, match=r"^actor\.lora\.target_modules: 'lm_head' is the output"):
+        apply_lora(model, lora, "m")
 
 
 def test_adapters_whose_base_weight_never_comes_are_an_error():

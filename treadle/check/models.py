@@ -170,7 +170,7 @@ def _check_lora_targets(cfg: Config, kind: Kind, folder: str) -> None:
     if not files:
         return
     last = {name.rsplit(".", 1)[-1] for file in files for name in _matrices(file, "model.path")}
-    known = last | {"lm_head"}  # (a head tied to the embeddings is not in the weights)
+    known = last - {"lm_head"}  # (the output head: refused by the config, LoraConfig)
     unknown = [t for t in targets if t not in known]
     if unknown:
         linear = ", ".join(sorted(known - set(EMBEDDINGS)))

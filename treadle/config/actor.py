@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from treadle.config.base import Beta, Key, Section, defaults
+from treadle.models.folders import lora_head_refused
 
 LrScheduleName = Literal["constant", "linear", "cosine"]
 """What the lr does after the warm-up (:class:`~treadle.engines.schedule.LrSchedule`)."""
@@ -28,12 +29,14 @@ class LoraConfig(Section):
         "all-linear",
         description="Modules that get adapters: 'all-linear' (every linear layer of the "
         "decoder, not the LM head, as peft names it) or a list of module names "
-        "(q_proj, v_proj...), checked against the model at start-up.",
+        "(q_proj, v_proj...), checked against the model at start-up; not the LM head.",
     )
 
     @field_validator("target_modules")
     @classmethod
     def _targets(cls, value: str | list[str]) -> str | list[str]:
+        if isinstance(value, list) and "lm_head" in value:
+            raise ValueError(lora_head_refused("lm_head"))
         if isinstance(value, str) and value != "all-linear":
             raise ValueError(f"{value!r} is neither 'all-linear' nor a list of module names")
         if isinstance(value, list) and not value:

@@ -65,7 +65,7 @@ def merged_lora(
             w, a, b = got["W"], got["A"], got["B"]
             delta = (b.float() @ a.float()) * scalings[layer]
             yield f"{layer}.weight", (w.float() + delta).to(w.dtype)
-    if pending:  # (apply_lora refuses an adapter on a tied head, whose W is the embedding)
+    if pending:  # (apply_lora refuses an adapter on the output head: tied, its W is the embedding)
         raise RuntimeError(f"LoRA adapters without their base weight: {sorted(pending)}")
 
 

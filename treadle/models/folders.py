@@ -22,6 +22,15 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 _HUB_ID_RE = re.compile(r"^[\w.-]+/[\w.-]+$")
 
 
+def lora_head_refused(name: str) -> str:
+    """Why ``actor.lora.target_modules`` may not name the output head ``name`` (after the key)."""
+    return (
+        f"'{name}' is the output head, whose log-probs treadle computes from its weight in "
+        "chunks, so an adapter on it would never train (and a head tied to the input embedding "
+        "has no weight of its own to merge it into): leave it out, as 'all-linear' does"
+    )
+
+
 def _hub_id(path: str | Path, key: str, allow_download: bool) -> str:
     """``path``, which is no local folder, as a hub id to download; ConfigError if it is none
     or downloads are off."""

@@ -13,7 +13,7 @@ import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -24,6 +24,7 @@ from treadle.models.folders import (  # the folder helpers (no torch), for calle
     check_config_file,
     is_vision_language,
     load_tokenizer,  # noqa: F401
+    lora_head_refused,
     model_config,  # noqa: F401
     resolve_model_path,
     shared_vocabulary,  # noqa: F401
@@ -284,7 +285,8 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
     """``model`` with peft LoRA adapters as ``lora`` (an ``actor.lora`` section) says.
 
     Only the adapters require gradients. A listed target module must be the last name of
-    one of the model's linear layers (checked here, naming the key). The adapter records
+    one of the model's linear layers other than the output head (checked here, naming the
+    key). The adapter records
     ``base_path`` (absolute) as its base model, so an exported adapter loads with
     ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is 0) is drawn from
     ``seed``, whatever the global RNG went through before, which it leaves as it was.
@@ -300,17 +302,11 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
                 f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not a linear "
                 f"layer of the model (its linear layers: {', '.join(known)}; or 'all-linear')"
             )
-        lm: Any = model
-        head = lm.get_output_embeddings()
-        if head is not None and head.weight is lm.get_input_embeddings().weight:
-            tied = next(t for t, m in model.named_modules() if m is head).rsplit(".", 1)[-1]
-            if tied in targets:
-                raise ConfigError(
-                    f"actor.lora.target_modules: '{tied}' is the output head, which this model "
-                    "ties to its input embedding (tie_word_embeddings): its adapter could not "
-                    "be merged into the one weight the rollout and the saved model keep; "
-                    "leave it out"
-                )
+        head = cast(Any, model).get_output_embeddings()
+        named = next((t for t, m in model.named_modules() if m is head), None)
+        if named is not None and named.rsplit(".", 1)[-1] in targets:
+            head_name = named.rsplit(".", 1)[-1]
+            raise ConfigError(f"actor.lora.target_modules: {lora_head_refused(head_name)}")
     elif targets != "all-linear":
         raise ConfigError(
             f"actor.lora.target_modules: '{targets}' is neither 'all-linear' nor a list of "
