@@ -28,8 +28,9 @@ class LoraConfig(Section):
     target_modules: str | list[Key] = Field(
         "all-linear",
         description="Modules that get adapters: 'all-linear' (every linear layer of the "
-        "decoder, not the LM head, as peft names it) or a list of module names "
-        "(q_proj, v_proj...), checked against the model at start-up; not the LM head.",
+        "decoder, as peft names it) or a list of module names (q_proj, v_proj...), checked "
+        "against the model at start-up. Never the LM head: treadle computes log-probs from its "
+        "weight, past an adapter.",
     )
 
     @field_validator("target_modules")
