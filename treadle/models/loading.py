@@ -286,27 +286,26 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
 
     Only the adapters require gradients. A listed target module must be the last name of
     one of the model's linear layers other than the output head (checked here, naming the
-    key). The adapter records
-    ``base_path`` (absolute) as its base model, so an exported adapter loads with
-    ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is 0) is drawn from
-    ``seed``, whatever the global RNG went through before, which it leaves as it was.
+    key). The adapter records ``base_path`` (absolute) as its base model, so an exported
+    adapter loads with ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is
+    0) is drawn from ``seed``, whatever the global RNG went through before, which it leaves as
+    it was.
     """
     from peft import LoraConfig, get_peft_model
 
     targets = lora.target_modules
     if not isinstance(targets, str):
-        known = linear_module_names(model)
+        head = cast(Any, model).get_output_embeddings()
+        head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), "")
+        if head_name in targets:
+            raise ConfigError(f"actor.lora.target_modules: {lora_head_refused(head_name)}")
+        known = [n for n in linear_module_names(model) if n != head_name]
         unknown = [t for t in targets if t not in known]
         if unknown:
             raise ConfigError(
                 f"actor.lora.target_modules: {', '.join(map(repr, unknown))} is not a linear "
                 f"layer of the model (its linear layers: {', '.join(known)}; or 'all-linear')"
             )
-        head = cast(Any, model).get_output_embeddings()
-        named = next((t for t, m in model.named_modules() if m is head), None)
-        if named is not None and named.rsplit(".", 1)[-1] in targets:
-            head_name = named.rsplit(".", 1)[-1]
-            raise ConfigError(f"actor.lora.target_modules: {lora_head_refused(head_name)}")
     elif targets != "all-linear":
         raise ConfigError(
             f"actor.lora.target_modules: '{targets}' is neither 'all-linear' nor a list of "
