@@ -10,7 +10,8 @@ hidden states that predict selected label tokens, so no head compute is spent on
 the request names what to compute beside the log-probs and entropy (``Σ_v π(v)²``, the whole
 log-softmax, a term against another model's distribution, the logits at given ids), the
 output carries those fields and ``None`` for the others. The chunked float32 arithmetic is
-:mod:`treadle.engines.lm_head`.
+:mod:`treadle.engines.lm_head`; what a model's forward does to its logits beyond
+``hidden @ W.T`` (a scale, a soft-cap) it does too (:func:`logit_transform`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from treadle.engines.packing import (
 )
 from treadle.engines.parallel import sequence_parallel_forward
 from treadle.engines.pictures import picture_embeddings, picture_tokens
+from treadle.runtime.errors import ConfigError
 
 
 def response_hidden(
@@ -270,6 +272,24 @@ class LogProbOutput:
     topk_logits: torch.Tensor | None = None
 
 
+def logit_transform(config: Any) -> tuple[float, float | None]:
+    """``(scale, softcap)``: what the model's own forward does to ``hidden @ W.T`` before its
+    logits are returned, which the chunked head must do too (vLLM and the transformers engine
+    sample from the model's logits): times Cohere's ``logit_scale``, divided by Granite's
+    ``logits_scaling`` (a scale: folded into the temperature), Gemma 2's
+    ``final_logit_softcapping`` (``c tanh(z / c)``)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    scale = float(getattr(text, "logit_scale", None) or 1.0)
+    scale /= float(getattr(text, "logits_scaling", None) or 1.0)
+    softcap = getattr(text, "final_logit_softcapping", None)
+    if softcap is not None and scale != 1.0:
+        raise ConfigError(
+            f"model.path: a {text.model_type} model both scales and soft-caps its logits, "
+            "which treadle's LM head does not do"
+        )
+    return scale, softcap
+
+
 class LogProbHead(HeadRoot):
     """The FSDP2 root of a causal LM: a :class:`LogProbRequest` in, a :class:`LogProbOutput` out.
 
@@ -295,7 +315,8 @@ class LogProbHead(HeadRoot):
         )
         labels = req.input_ids[:, -req.num_labels :][where]
         weight = self.lm.get_output_embeddings().weight
-        head = LMHead(weight, req.temperature, self.chunk_size, self.compute_dtype)
+        scale, softcap = logit_transform(self.lm.config)
+        head = LMHead(weight, req.temperature / scale, self.chunk_size, self.compute_dtype, softcap)
         if req.sum_pi_squared:  # no gradients: the old policy's pass
             stats = linear_token_stats(hidden, labels, head)
             return LogProbOutput(*(scatter_labels(x, where) for x in stats))

@@ -41,8 +41,12 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 
-def _logits(h: torch.Tensor, w: torch.Tensor, temperature: float) -> torch.Tensor:
+def _logits(
+    h: torch.Tensor, w: torch.Tensor, temperature: float, softcap: float | None = None
+) -> torch.Tensor:
     z = (h.to(w.dtype) @ w.t()).to(torch.promote_types(w.dtype, torch.float32))
+    if softcap is not None:  # the model's own final logit soft-capping (Gemma 2): c tanh(z / c)
+        z = z.div_(softcap).tanh_().mul_(softcap)
     return z.div_(temperature) if temperature != 1.0 else z
 
 
@@ -69,6 +73,7 @@ class _LinearLogProbs(torch.autograd.Function):
         temperature: float,
         chunk_size: int,
         compute_dtype: torch.dtype | None,
+        softcap: float | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         w = weight.to(compute_dtype) if compute_dtype is not None else weight
         n = hidden.shape[0]
@@ -77,12 +82,13 @@ class _LinearLogProbs(torch.autograd.Function):
         entropy = torch.empty_like(logp)
         lse = torch.empty_like(logp)
         for s in range(0, n, chunk_size):
-            z = _logits(hidden[s : s + chunk_size], w, temperature)
+            z = _logits(hidden[s : s + chunk_size], w, temperature, softcap)
             sl = slice(s, s + chunk_size)
             logp[sl], entropy[sl], lse[sl], _ = _chunk_stats(z, labels[sl], sum_squares=False)
         # The cast weight is kept (not cast again in backward): half the float32 head's size.
         ctx.save_for_backward(hidden, w, labels, lse, entropy)
         ctx.temperature, ctx.chunk_size, ctx.weight_dtype = temperature, chunk_size, weight.dtype
+        ctx.softcap = softcap
         ctx.set_materialize_grads(False)
         return logp, entropy
 
@@ -91,9 +97,9 @@ class _LinearLogProbs(torch.autograd.Function):
         ctx: Any, g_logp: torch.Tensor | None, g_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         if g_logp is None and g_entropy is None:
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         hidden, w, labels, lse, entropy = ctx.saved_tensors
-        t, chunk = ctx.temperature, ctx.chunk_size
+        t, chunk, cap = ctx.temperature, ctx.chunk_size, ctx.softcap
         gl = None if g_logp is None else g_logp[:, None] / t  # d/dlogits = d/dz / T
         ge = None if g_entropy is None else g_entropy[:, None] / t
         grad_h = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
@@ -101,7 +107,10 @@ class _LinearLogProbs(torch.autograd.Function):
         grad_w = torch.zeros_like(w, dtype=acc) if ctx.needs_input_grad[1] else None
         for s in range(0, hidden.shape[0], chunk):
             h, sl = hidden[s : s + chunk], slice(s, s + chunk)
-            logp_all = _logits(h, w, t).sub_(lse[sl, None])
+            z = _logits(h, w, t, cap)
+            # soft-capped: d(c tanh(u / c))/du = 1 - tanh², tanh = z T / c
+            slope = None if cap is None else z.mul(t / cap).square_().neg_().add_(1.0)
+            logp_all = z.sub_(lse[sl, None])
             p = logp_all.exp()
             # grad = -p (g_logp + g_H (log p + H)) + g_logp 1[v = y], all over T.
             if ge is not None:
@@ -112,6 +121,8 @@ class _LinearLogProbs(torch.autograd.Function):
                 grad = p.mul_(-gl[sl])
             if gl is not None:
                 grad.scatter_add_(-1, labels[sl, None], gl[sl])
+            if slope is not None:
+                grad.mul_(slope)
             grad = grad.to(w.dtype)
             if grad_h is not None:
                 grad_h[s : s + chunk] = grad @ w
@@ -120,19 +131,22 @@ class _LinearLogProbs(torch.autograd.Function):
             elif grad_w is not None:
                 grad_w += grad.t() @ h.to(w.dtype)
         grad_w = grad_w.to(ctx.weight_dtype) if grad_w is not None else None
-        return grad_h, grad_w, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None
 
 
 @dataclass(frozen=True)
 class LMHead:
     """The LM head as the functions below use it: its weight ``[V, H]``, the temperature the
-    logits are divided by, how many label tokens a chunk holds, and the dtype of its matrix
-    products (``None``: the weight's own; bfloat16 under mixed precision)."""
+    logits are divided by, how many label tokens a chunk holds, the dtype of its matrix
+    products (``None``: the weight's own; bfloat16 under mixed precision), and the model's
+    final logit soft-capping (Gemma 2's ``final_logit_softcapping``: ``c tanh(z / c)`` before
+    the temperature; ``None``: none)."""
 
     weight: torch.Tensor
     temperature: float = 1.0
     chunk_size: int = 512
     compute_dtype: torch.dtype | None = None
+    softcap: float | None = None
 
     def cast(self) -> torch.Tensor:
         """The weight in ``compute_dtype`` (a differentiable cast)."""
@@ -153,7 +167,13 @@ def linear_log_probs(
     differentiate with respect to ``hidden`` and the weight.
     """
     out: tuple[torch.Tensor, torch.Tensor] = _LinearLogProbs.apply(
-        hidden, head.weight, labels, head.temperature, head.chunk_size, head.compute_dtype
+        hidden,
+        head.weight,
+        labels,
+        head.temperature,
+        head.chunk_size,
+        head.compute_dtype,
+        head.softcap,
     )
     return out
 
@@ -169,7 +189,7 @@ def linear_token_stats(
     out = [hidden.new_empty(0, dtype=torch.float32)] * 3
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for s in head.chunks(hidden.shape[0]):
-        z = _logits(hidden[s : s + size], w, head.temperature)
+        z = _logits(hidden[s : s + size], w, head.temperature, head.softcap)
         logp, entropy, _, squares = _chunk_stats(z, labels[s : s + size], sum_squares=True)
         assert squares is not None
         parts.append((logp, entropy, squares))
@@ -185,7 +205,7 @@ def full_log_softmax(hidden: torch.Tensor, head: LMHead) -> torch.Tensor:
     micro-batch."""
     w, size = head.cast(), head.chunk_size
     parts = [
-        torch.log_softmax(_logits(hidden[s : s + size], w, head.temperature), dim=-1)
+        torch.log_softmax(_logits(hidden[s : s + size], w, head.temperature, head.softcap), dim=-1)
         for s in head.chunks(hidden.shape[0])
     ]
     if not parts:
@@ -209,7 +229,7 @@ def full_vocab_term(
     w, size = head.cast(), head.chunk_size
 
     def chunk_term(h: torch.Tensor, w_: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-        return fn(torch.log_softmax(_logits(h, w_, head.temperature), dim=-1), o)
+        return fn(torch.log_softmax(_logits(h, w_, head.temperature, head.softcap), dim=-1), o)
 
     parts = [
         checkpoint(chunk_term, hidden[s : s + size], w, other[s : s + size], use_reentrant=False)
@@ -235,6 +255,8 @@ def linear_topk_logits(hidden: torch.Tensor, ids: torch.Tensor, head: LMHead) ->
     def chunk_logits(h: torch.Tensor, w: torch.Tensor, i: torch.Tensor) -> torch.Tensor:
         rows = F.embedding(i, w).to(acc)  # [n, K, H]: the head's rows at the ids
         z = torch.bmm(rows, h.to(acc)[:, :, None])[..., 0]
+        if head.softcap is not None:
+            z = torch.tanh(z / head.softcap) * head.softcap
         return z / head.temperature if head.temperature != 1.0 else z
 
     size = head.chunk_size

@@ -1,0 +1,86 @@
+"""The chunked LM head does what the model's own forward does to ``hidden @ W.T``: Gemma 2's
+final logit soft-capping, Cohere's logit scale, Granite's logits scaling (a Llama for the
+plain case). The rollout (vLLM, the transformers engine) samples from the model's logits, so a
+head that skipped them trained on other log-probs than the ones sampled, in silence.
+Log-probs, entropy, a teacher's top-k logits and the gradients of a weighted sum of them,
+against the model's forward (``.logits``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from treadle.engines.heads import LogProbHead, LogProbRequest, logit_transform
+
+CASES = {
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "gemma2": (
+        transformers.Gemma2Config,
+        transformers.Gemma2ForCausalLM,
+        {"final_logit_softcapping": 2.0, "attn_logit_softcapping": None, "head_dim": 8},
+    ),
+    "cohere": (transformers.CohereConfig, transformers.CohereForCausalLM, {"logit_scale": 0.5}),
+    "granite": (
+        transformers.GraniteConfig,
+        transformers.GraniteForCausalLM,
+        {"logits_scaling": 4.0},
+    ),
+}
+
+
+def model(arch: str):
+    config_cls, model_cls, changes = CASES[arch]
+    config = config_cls(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        **changes,
+    )
+    torch.manual_seed(0)
+    return model_cls(config).float()
+
+
+@pytest.mark.parametrize("arch", list(CASES))
+def test_the_head_s_log_probs_are_the_model_s(arch):
+    lm = model(arch)
+    scale, softcap = logit_transform(lm.config)
+    assert (scale, softcap) == {
+        "llama": (1.0, None),
+        "gemma2": (1.0, 2.0),
+        "cohere": (0.5, None),
+        "granite": (0.25, None),
+    }[arch]
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (3, 9), generator=g)
+    mask = torch.ones_like(ids)
+    topk = torch.randint(0, 64, (3, 5, 4), generator=g)
+    t, weights = 0.7, torch.randn(3, 5, generator=g)
+
+    def ours() -> tuple[torch.Tensor, ...]:
+        out = LogProbHead(lm, chunk_size=4)(LogProbRequest(ids, mask, 5, t, topk_ids=topk))
+        return out.log_probs, out.entropy, out.topk_logits.view(3, 5, 4)
+
+    def theirs() -> tuple[torch.Tensor, ...]:
+        z = lm(input_ids=ids).logits[:, -6:-1] / t
+        logp = torch.log_softmax(z, -1)
+        entropy = -(logp.exp() * logp).sum(-1)
+        return logp.gather(-1, ids[:, -5:, None])[..., 0], entropy, z.gather(-1, topk)
+
+    results = []
+    for run in (ours, theirs):
+        lm.zero_grad()
+        logp, entropy, top = run()
+        ((logp + 0.3 * entropy) * weights).sum().add(top.sum() * 0.01).backward()
+        grads = {n: p.grad.clone() for n, p in lm.named_parameters() if p.grad is not None}
+        results.append((logp.detach(), entropy.detach(), top.detach(), grads))
+    (logp, entropy, top, grads), (want_logp, want_entropy, want_top, want_grads) = results
+    torch.testing.assert_close(logp, want_logp, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(entropy, want_entropy, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(top, want_top, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
