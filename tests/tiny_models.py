@@ -29,16 +29,16 @@ def tiny_model(out: str | Path, tokenizer_from: str | Path, seed: int = 0, **cha
 
 
 def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
-    """An in-memory causal LM of ``arch`` ("llama" or "qwen2") with random weights (seed 0): 2
-    layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32; ``changes``: more
-    config keys."""
+    """An in-memory causal LM of ``arch`` (llama, qwen2, gemma2, cohere or granite) with random
+    weights (seed 0): 2 layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64,
+    float32; ``changes``: more config keys."""
     import torch
     import transformers
 
-    config_cls, model_cls = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[arch]
+    name = {"llama": "Llama", "qwen2": "Qwen2", "gemma2": "Gemma2", "cohere": "Cohere"}
+    name["granite"] = "Granite"
+    config_cls = getattr(transformers, f"{name[arch]}Config")
+    model_cls = getattr(transformers, f"{name[arch]}ForCausalLM")
     config = config_cls(
         vocab_size=64,
         hidden_size=32,
