@@ -308,6 +308,7 @@ class LogProbHead(HeadRoot):
         super().__init__(lm, row_tokens)
         self.chunk_size = chunk_size
         self.compute_dtype = compute_dtype
+        self.logit_scale, self.softcap = logit_transform(lm.config)
 
     def forward(self, req: LogProbRequest) -> LogProbOutput:
         hidden, where = self.hidden(
@@ -315,8 +316,8 @@ class LogProbHead(HeadRoot):
         )
         labels = req.input_ids[:, -req.num_labels :][where]
         weight = self.lm.get_output_embeddings().weight
-        scale, softcap = logit_transform(self.lm.config)
-        head = LMHead(weight, req.temperature / scale, self.chunk_size, self.compute_dtype, softcap)
+        temperature = req.temperature / self.logit_scale
+        head = LMHead(weight, temperature, self.chunk_size, self.compute_dtype, self.softcap)
         if req.sum_pi_squared:  # no gradients: the old policy's pass
             stats = linear_token_stats(hidden, labels, head)
             return LogProbOutput(*(scatter_labels(x, where) for x in stats))
