@@ -28,27 +28,71 @@ def tiny_model(out: str | Path, tokenizer_from: str | Path, seed: int = 0, **cha
     return build_tiny_model(tokenizer, out, shape, seed=seed)  # type: ignore[arg-type]
 
 
+# A mixture of experts' own keys, by architecture: 4 experts of which 2 a token.
+MOE_KEYS: dict[str, dict[str, Any]] = {
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 32,
+    },
+}
+
+
 def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
-    """An in-memory causal LM of ``arch`` (llama, qwen2, gemma2, cohere or granite) with random
-    weights (seed 0): 2 layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64,
-    float32; ``changes``: more config keys."""
+    """An in-memory causal LM of ``arch`` (llama, qwen2, gemma2, cohere, granite, or a mixture
+    of experts: mixtral, qwen3_moe, qwen2_moe) with random weights (seed 0): 2 layers of 4
+    heads (2 key/value heads) of 8, a vocabulary of 64, float32; ``changes``: more config
+    keys."""
     import torch
     import transformers
 
     name = {"llama": "Llama", "qwen2": "Qwen2", "gemma2": "Gemma2", "cohere": "Cohere"}
-    name["granite"] = "Granite"
+    name |= {"granite": "Granite", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
+    name["qwen2_moe"] = "Qwen2Moe"
+    changes = {**MOE_KEYS.get(arch, {}), **changes}
     config_cls = getattr(transformers, f"{name[arch]}Config")
     model_cls = getattr(transformers, f"{name[arch]}ForCausalLM")
-    config = config_cls(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation=attn,
-        **changes,
-    )
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
+    sizes |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    sizes["max_position_embeddings"] = 64
+    config = config_cls(attn_implementation=attn, **{**sizes, **changes})
     torch.manual_seed(0)
     return model_cls(config).float()
+
+
+def tiny_moe(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtral") -> Path:
+    """A tiny mixture of experts of ``arch`` (`MOE_KEYS`) with `TINY_SHAPE`'s attention (head
+    size 32, for vLLM's CPU attention) and 128 positions, random weights (seed 0), tied
+    embeddings, with the tokenizer of the model folder ``tokenizer_from``, saved to ``out``
+    by ``save_pretrained`` (its experts one tensor per expert, as a hub checkpoint's)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from treadle.models.loading import load_tokenizer, save_tokenizer
+
+    tokenizer = load_tokenizer(tokenizer_from)
+    config = AutoConfig.for_model(
+        arch,
+        vocab_size=len(tokenizer),
+        hidden_size=TINY_SHAPE.hidden_size,
+        intermediate_size=TINY_SHAPE.intermediate_size,
+        num_hidden_layers=TINY_SHAPE.num_layers,
+        num_attention_heads=TINY_SHAPE.num_heads,
+        num_key_value_heads=TINY_SHAPE.num_kv_heads,
+        head_dim=TINY_SHAPE.hidden_size // TINY_SHAPE.num_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **MOE_KEYS[arch],
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.save_pretrained(out)
+    save_tokenizer(tokenizer, out)
+    return Path(out)

@@ -210,6 +210,27 @@ class GradWorker(Worker):
         return all(torch.equal(b, a) for b, a in zip(before, shards(), strict=True)), len(reads)
 
     @register(Dispatch.ALL, Collect.RANK0)
+    def saved_and_loaded_back(self, folder: str) -> tuple[list[str], bool]:
+        """The names ``full_state(as_saved=True)`` sends vLLM, and whether the weights written
+        as a checkpoint's model folder, loaded back over changed weights, are as they were."""
+        from treadle.engines import fsdp
+        from treadle.models.loading import save_hf_folder
+
+        e = self.engine
+        sent = [name for name, _ in e.full_state(as_saved=True)]
+        if self.rank == 0:
+            state = {name: t.clone() for name, t in e.full_state()}
+            save_hf_folder(state, e.module.lm.config, None, Path(folder))
+        dist.barrier()
+        before = [p.to_local().clone() for p in e.module.parameters()]
+        with torch.no_grad():
+            for p in e.module.parameters():
+                p.add_(1.0)
+        fsdp.load_full_weights(e.module, Path(folder))
+        after = [p.to_local() for p in e.module.parameters()]
+        return sent, all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
+
+    @register(Dispatch.ALL, Collect.RANK0)
     def weights_load_error(self, folder: str) -> str:
         from treadle.engines import fsdp
 
@@ -482,6 +503,26 @@ def test_weights_that_are_not_the_model_s_are_refused_by_name(tiny_task, tmp_pat
         group.shutdown()
     assert error.startswith(f"CheckpointError: {tmp_path} does not hold this model's weights")
     assert "unknown: ['lm.extra.bias']" in error and error.endswith("is it the run's model?")
+
+
+def test_a_mixture_of_experts_goes_out_as_its_files_and_loads_back(tiny_task, tmp_path):
+    """transformers 5 holds a Mixtral's experts fused (and ``block_sparse_moe`` as ``mlp``):
+    the weights vLLM is sent are named as the model's files, and a checkpoint's folder loads
+    back into the engine (raw names, it was refused as not the run's model)."""
+    from safetensors.torch import load_file
+    from tiny_models import tiny_moe
+
+    folder = tiny_moe(tmp_path / "moe", tiny_task["model"])
+    group = WorkerGroup(
+        GradWorker, world_size=1, backend="local", kwargs={"model_path": str(folder)}
+    )
+    try:
+        sent, same = group.saved_and_loaded_back(str(tmp_path / "checkpoint"))
+    finally:
+        group.shutdown()
+    assert sorted(sent) == sorted(load_file(str(folder / "model.safetensors")))
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in sent
+    assert same
 
 
 def test_train_step_rates_the_model_flops_of_its_forwards(tiny_task):

@@ -28,7 +28,8 @@ class LoraConfig(Section):
     target_modules: str | list[Key] = Field(
         "all-linear",
         description="Modules that get adapters: 'all-linear' (every linear layer of the "
-        "decoder, as peft names it) or a list of module names (q_proj, v_proj...), checked "
+        "decoder, as peft names it; of a mixture of experts, not its experts, whose fused "
+        "weights are not linear layers) or a list of module names (q_proj, v_proj...), checked "
         "against the model at start-up. Never the LM head: treadle computes log-probs from its "
         "weight, past an adapter.",
     )

@@ -65,7 +65,14 @@ from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, rank0_reads, save_optimizer, save_schedule
 from treadle.models.checkpoint import CheckpointError
-from treadle.models.loading import ADAPTER_DIR, save_adapter, save_hf_folder
+from treadle.models.loading import (
+    ADAPTER_DIR,
+    checkpoint_format,
+    has_weight_conversions,
+    load_causal_lm,
+    save_adapter,
+    save_hf_folder,
+)
 from treadle.protocol import Batch
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.faults import failpoint
@@ -206,19 +213,27 @@ def full_tensors(
 def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> None:
     """The weights of the HF folder ``folder`` (its ``*.safetensors``) into the sharded
     ``module``. Rank 0 alone reads the files and sends them a tensor at a time, each rank
-    keeping its shard (every rank reading them held the whole model in host memory at once).
+    keeping its shard (every rank reading them held the whole model in host memory at once);
+    a model whose files differ from its parameters (a mixture of experts' fused experts, see
+    `checkpoint_format`) is read through transformers, which converts them.
     A tensor the module lacks, or a parameter the folder lacks (but a tied output embedding,
     stored once), is a CheckpointError, on every rank."""
+
+    lm = getattr(module, prefix.rstrip("."), None)
 
     def read() -> dict[str, Any]:  # (set_model_state_dict's value type)
         files = sorted(folder.glob("*.safetensors"))
         if not files:
             raise CheckpointError(f"{folder} holds no *.safetensors weights")
         state: dict[str, Any] = {}
-        for f in files:
-            state.update({prefix + k: v for k, v in load_file(str(f)).items()})
+        if has_weight_conversions(lm):  # the files' names and layout are not the model's
+            dtype = next(iter(module.parameters())).dtype
+            loaded = load_causal_lm(folder, dtype, key=f"the checkpoint {folder}")
+            state.update({prefix + k: v for k, v in loaded.state_dict().items()})
+        else:
+            for f in files:
+                state.update({prefix + k: v for k, v in load_file(str(f)).items()})
         names = set(module.state_dict())
-        lm = getattr(module, prefix.rstrip("."), None)
         tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
         missing = names - set(state) - ({f"{prefix}lm_head.weight"} if tied else set())
         unknown = set(state) - names
@@ -455,11 +470,15 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": float(lr), "update_ratio": ratio}
 
-    def full_state(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's full tensors under its HF names (LoRA: merged into the base weights)."""
+    def full_state(self, as_saved: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """The model's full tensors under its HF names (LoRA: merged into the base weights);
+        ``as_saved``: named and laid out as ``save_pretrained`` writes them, which is what vLLM
+        loads (`checkpoint_format`: a mixture of experts' fused experts, one per expert)."""
+        lm = self.module.lm
+        state = full_tensors(self.module)
         if self.lora:
-            return merged_lora(full_tensors(self.module), lora_scalings(self.module.lm))
-        return full_tensors(self.module)
+            state, lm = merged_lora(state, lora_scalings(lm)), lm.get_base_model()
+        return checkpoint_format(lm, state) if as_saved else state
 
     # -------------------------------------------------------------- checkpoint
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -264,6 +264,63 @@ def save_hf_folder(
     return out
 
 
+def has_weight_conversions(model: Any) -> bool:
+    """Whether ``model``'s parameters are named or laid out otherwise than its files."""
+    return bool(_weight_conversions(model))
+
+
+def _weight_conversions(model: Any) -> list[Any]:
+    """The conversions between ``model``'s checkpoint files and its parameters that
+    ``save_pretrained`` reverses (transformers 5's `revert_weight_conversion`): none for a
+    dense LM; for a mixture of experts, its experts fused into one tensor a layer. A
+    ``PrefixChange`` alone (a model built, not loaded) changes nothing a save writes."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:  # transformers 4: parameters are named and laid out as in the files
+        return []
+    found = getattr(model, "_weight_conversions", None)  # what from_pretrained applied
+    if found is None:
+        found = get_model_conversion_mapping(model, add_legacy=False)
+        found = [c for c in found if not isinstance(c, PrefixChange)]
+    return list(found)
+
+
+def _layer_of(name: str) -> str:
+    """The decoder layer (``model.layers.3``) a tensor belongs to, or else its module."""
+    parts = name.split(".")
+    index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+    return ".".join(parts[: index + 1] if index is not None else parts[:-1])
+
+
+def checkpoint_format(
+    model: Any, named: Iterable[tuple[str, torch.Tensor]]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``named``, ``model``'s own ``(name, tensor)`` pairs, as ``save_pretrained`` writes them:
+    what an engine that loads the model's files (vLLM) is sent in a weight update.
+
+    transformers 5 holds some weights otherwise than its files do: a mixture of experts'
+    experts fused into two 3-D tensors a layer (``mlp.experts.gate_up_proj``, where the files
+    hold ``mlp.experts.<i>.gate_proj.weight`` and ``up_proj``), Mixtral's ``block_sparse_moe``
+    renamed ``mlp``. The pairs go through transformers' own reversal a layer at a time (a
+    layer's tensors are consecutive in a state dict, and no conversion spans two layers), so
+    one layer's full tensors are held at most. A model without conversions (Llama, Qwen2 and
+    the other dense LMs) passes its pairs through untouched."""
+    if not has_weight_conversions(model):
+        yield from named
+        return
+    from transformers.core_model_loading import revert_weight_conversion
+
+    group: dict[str, torch.Tensor] = {}
+    for name, tensor in named:
+        if group and _layer_of(name) != _layer_of(next(iter(group))):
+            yield from revert_weight_conversion(model, group).items()
+            group = {}
+        group[name] = tensor
+    if group:
+        yield from revert_weight_conversion(model, group).items()
+
+
 def count_parameters(model: torch.nn.Module, *, trainable_only: bool = False) -> int:
     """Number of parameters, tied ones counted once."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)
@@ -294,12 +351,12 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
     from peft import LoraConfig, get_peft_model
 
     targets = lora.target_modules
+    head = cast(Any, model).get_output_embeddings()
+    head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), "")
+    known = [n for n in linear_module_names(model) if n != head_name]
     if not isinstance(targets, str):
-        head = cast(Any, model).get_output_embeddings()
-        head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), "")
         if head_name in targets:
             raise ConfigError(f"actor.lora.target_modules: {lora_head_refused(head_name)}")
-        known = [n for n in linear_module_names(model) if n != head_name]
         unknown = [t for t in targets if t not in known]
         if unknown:
             raise ConfigError(
@@ -311,11 +368,16 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
             f"actor.lora.target_modules: '{targets}' is neither 'all-linear' nor a list of "
             "module names"
         )
+    modules = targets if isinstance(targets, str) else list(targets)
+    if modules == "all-linear" and has_weight_conversions(model):
+        # a mixture of experts: its linear layers by name, for peft's 'all-linear' also gives
+        # its fused experts (3-D parameters) adapters, which `merged_lora` cannot merge
+        modules = known
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
         lora_dropout=lora.dropout,
-        target_modules=targets if isinstance(targets, str) else list(targets),
+        target_modules=modules,
         task_type="CAUSAL_LM",
     )
     with torch.random.fork_rng(devices=[]):

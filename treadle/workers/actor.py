@@ -162,15 +162,17 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
         rank hands them, cast to the rollout's dtype where they are (on the device), to its own
         replica's engine, one tensor at a time (the hf engine copies each into its weights in
         place; vLLM's cuts them into safetensors buckets). Split: rank 0 broadcasts them in
-        buckets. A tied output head goes once, as the embedding (``full_tensors``)."""
+        buckets. A tied output head goes once, as the embedding (``full_tensors``). vLLM gets
+        them as the model's files hold them (``full_state(as_saved=True)``)."""
         r = self.cfg.rollout
         dtype = getattr(torch, rollout_dtype(r.dtype, self.cfg.model.dtype))
+        as_saved = r.engine == "vllm"  # vLLM loads the files' format; the hf engine is the model
         if self.server is not None:
-            tensors = CastTensors(self.engine.full_state(), dtype)
+            tensors = CastTensors(self.engine.full_state(as_saved), dtype)
             self.server.update_weights(tensors, version)
             return tensors.bytes
         bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
-        buckets = weight_buckets(self.engine.full_state(), bucket, dtype)
+        buckets = weight_buckets(self.engine.full_state(as_saved), bucket, dtype)
         if self.weight_sync is not None:
             return self.weight_sync.send(buckets)
         for _ in self.engine.full_state():  # ranks > 0 of split: join the gathers only

@@ -17,6 +17,8 @@ vLLM builds its worker class with this one mixed in (``worker_extension_cls``, n
   `gate_up_proj`) straddle two buckets gets processed half-loaded. So the worker extension
   below (`TreadleWorkerExtension`, mixed into vLLM's worker) opens one reload, loads every
   bucket into it, and closes it; parameters the stream did not cover are an error.
+- **A mixture of experts on CPU.** vLLM's CPU experts repack their weights after the first
+  load only; the reload is made to repack them too (`_prepack_cpu_experts_on_reload`).
 - **Tied embeddings.** With `tie_word_embeddings` the LM head shares the embedding's weight,
   but on CPU it computes with its own repacked copy, made when the model was loaded; a reload
   that fills the embedding leaves the head computing with the old weights. After the reload
@@ -51,8 +53,10 @@ class TreadleWorkerExtension:
         )
 
         self._treadle_loaded: set[str] = set()
+        model = self.model_runner.get_model()
+        _prepack_cpu_experts_on_reload(model)
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
-            initialize_layerwise_reload(self.model_runner.get_model())
+            initialize_layerwise_reload(model)
 
     def treadle_load_weight_bucket(self, payload: bytes) -> None:
         from vllm.config import set_current_vllm_config
@@ -90,6 +94,37 @@ class TreadleWorkerExtension:
             loaded = self.model_runner.get_model().load_weights(weights)
         self._treadle_loaded.update(loaded or ())
         self.treadle_finish_weight_update()
+
+
+def _prepack_cpu_experts_on_reload(model: torch.nn.Module) -> None:
+    """Make a reload repack a mixture of experts' weights on CPU, as the first load does.
+
+    vLLM 0.32's CPU experts (`CPUUnquantizedExperts`) prepack ``w13_weight`` and ``w2_weight``
+    for their kernel in ``process_weights_after_loading``, which
+    ``UnquantizedFusedMoEMethod._setup_kernel`` calls on the first load only. On a reload (a
+    weight update) it copies the new weights in unpacked, and the kernel reads them as packed:
+    a Qwen3-MoE's log-probs were off by up to 0.03 after a sync of the very weights it held.
+    So each such layer's processing is followed by the experts' own, once per layer (later
+    calls find it wrapped). CUDA's experts keep the checkpoint layout and are left alone."""
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    except ImportError:  # a vLLM without them
+        return
+    for layer in model.modules():
+        method: Any = getattr(layer, "quant_method", None)
+        experts = getattr(getattr(method, "moe_kernel", None), "fused_experts", None)
+        if not isinstance(experts, CPUUnquantizedExperts) or "treadle_prepack" in vars(method):
+            continue
+        process = method.process_weights_after_loading
+
+        def process_and_prepack(
+            layer: torch.nn.Module, process: Any = process, experts: Any = experts
+        ) -> None:
+            process(layer)  # the fresh layer's weights, in the checkpoint's layout
+            experts.process_weights_after_loading(layer)  # packed, then copied into place
+
+        method.process_weights_after_loading = process_and_prepack
+        method.treadle_prepack = True
 
 
 def _retie_lm_head(model: torch.nn.Module) -> None:
