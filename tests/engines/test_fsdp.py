@@ -211,22 +211,17 @@ class GradWorker(Worker):
 
     @register(Dispatch.ALL, Collect.RANK0)
     def saved_and_loaded_back(self, folder: str) -> tuple[list[str], bool]:
-        """The names ``full_state(as_saved=True)`` sends vLLM, and whether the weights written
-        as a checkpoint's model folder, loaded back over changed weights, are as they were."""
-        from treadle.engines import fsdp
-        from treadle.models.loading import save_hf_folder
-
+        """The names ``full_state(as_saved=True)`` sends vLLM, and whether the weights of a
+        checkpoint, loaded back over changed weights (as ``treadle eval`` does), are as they
+        were."""
         e = self.engine
         sent = [name for name, _ in e.full_state(as_saved=True)]
-        if self.rank == 0:
-            state = {name: t.clone() for name, t in e.full_state()}
-            save_hf_folder(state, e.module.lm.config, None, Path(folder))
-        dist.barrier()
+        e.save_checkpoint(Path(folder), self.rank, None, with_optimizer=False)
         before = [p.to_local().clone() for p in e.module.parameters()]
         with torch.no_grad():
             for p in e.module.parameters():
                 p.add_(1.0)
-        fsdp.load_full_weights(e.module, Path(folder))
+        e.load_weights(Path(folder))
         after = [p.to_local() for p in e.module.parameters()]
         return sent, all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
 
