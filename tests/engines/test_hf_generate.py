@@ -254,3 +254,32 @@ def test_sequence_bytes_of_the_1_4b_workload_by_hand():
 
 def test_the_budget_is_only_on_cuda():
     assert generation_budget(torch.device("cpu"), 0.5) is None
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "paged"])
+def test_the_hf_engine_stops_where_the_model_s_generation_config_says(tiny_task, tmp_path, cache):
+    """Gemma's instruct models end a turn with ``<end_of_turn>``, not their tokenizer's EOS:
+    their generation_config.json lists both, and vLLM and transformers' ``generate`` stop at
+    either. A folder whose generation config also names the token a seeded sample reaches at
+    its k-th step ends there, through the engine a run builds (it ran to its length)."""
+    import json
+    import shutil
+
+    from treadle.config import load_config
+    from treadle.serving.replica import make_engine
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_task["model"], folder)
+    cfg = load_config(None, [f"model.path={folder}", f"rollout.cache_implementation={cache}"])
+    prompt = load_tokenizer(folder)("3 + 4 =")["input_ids"]
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    tokens = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], sampled)
+    free = tokens.token_ids[0]
+    k = next(i for i in range(1, len(free)) if free[i] not in free[:i])  # a first occurrence
+    config_file = folder / "generation_config.json"
+    config = json.loads(config_file.read_text())
+    config["eos_token_id"] = [config["eos_token_id"], free[k]]
+    config_file.write_text(json.dumps(config))
+    out = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], sampled)
+    assert (tokens.stop_reasons, len(free)) == (["length"], 12)
+    assert out.token_ids[0] == free[: k + 1] and out.stop_reasons == ["stop"]

@@ -48,7 +48,7 @@ import torch
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
 from treadle.controller.groups.worker import gpu_index
-from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine
+from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine, stop_token_ids
 from treadle.models.folders import model_config
 from treadle.models.loading import load_causal_lm, load_tokenizer
 from treadle.runtime.errors import ConfigError
@@ -157,9 +157,9 @@ def make_engine(
             **s.extra,
         )
     tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
-    eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
-    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     model: Any = load_causal_lm(path, s.dtype, key=s.key, allow_download=cfg.model.allow_download)
+    eos = stop_token_ids(tok.eos_token_id, model.generation_config)
+    pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     return HFRolloutEngine(
         model.to(device),
         eos_token_ids=eos,
