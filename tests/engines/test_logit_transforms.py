@@ -62,3 +62,44 @@ def test_the_head_s_log_probs_are_the_model_s(arch):
     assert grads.keys() == want_grads.keys()
     for name, grad in want_grads.items():
         torch.testing.assert_close(grads[name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_a_gemma_2_loads_with_the_attention_that_soft_caps_its_scores(tmp_path):
+    """Gemma 2 also soft-caps its attention scores (``attn_logit_softcapping``), which
+    transformers' sdpa attention, its default, drops and vLLM applies: ``load_causal_lm``
+    (every model treadle loads) loads it with eager attention, whose logits are the model's
+    (here with a soft-cap of 1 and large scores, where it shows)."""
+    from treadle.models.loading import load_causal_lm
+
+    lm = random_lm("gemma2", attn="eager", attn_logit_softcapping=1.0, head_dim=8)
+    with torch.no_grad():
+        for layer in lm.model.layers:
+            layer.self_attn.q_proj.weight.mul_(40.0)
+            layer.self_attn.k_proj.weight.mul_(40.0)
+    lm.save_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = lm(ids).logits
+        loaded = load_causal_lm(tmp_path)
+        got = loaded(ids).logits
+        dropped = load_causal_lm(tmp_path, attn_implementation="sdpa")(ids).logits
+    assert loaded.config._attn_implementation == "eager"
+    torch.testing.assert_close(got, want)
+    assert (dropped - want).abs().max() > 0.1  # what sdpa gives: the soft-cap left out
+
+
+def test_sequence_parallel_refuses_a_model_that_soft_caps_attention_scores():
+    """Sequence parallel's attention (torch's sdpa on each sequence) has no soft-cap."""
+    from treadle.config.rules import parallel_model_problems
+
+    gemma = {"num_attention_heads": 8, "num_key_value_heads": 4, "attn_logit_softcapping": 50.0}
+    assert list(parallel_model_problems("critic", 1, 2, gemma)) == [
+        "critic.sequence_parallel_size=2: the model soft-caps its attention scores "
+        "(attn_logit_softcapping=50.0, as Gemma 2), which sequence parallel's attention does "
+        "not: set it to 1"
+    ]
+    assert list(parallel_model_problems("critic", 2, 1, gemma)) == []
+    assert (
+        list(parallel_model_problems("critic", 1, 2, {**gemma, "attn_logit_softcapping": None}))
+        == []
+    )

@@ -54,6 +54,8 @@ def _from_pretrained(
     """``auto.from_pretrained`` of the folder ``resolved`` and its loading info (for
     :func:`_check_weights_match`: weights of another shape are loaded as mismatched, not
     raised); a folder that does not load is a ``ConfigError`` that begins with ``failed``."""
+    if "attn_implementation" not in kwargs and _soft_caps_attention(resolved):
+        kwargs["attn_implementation"] = "eager"
     try:
         loaded: Any = auto.from_pretrained(
             resolved,
@@ -66,6 +68,18 @@ def _from_pretrained(
         raise ConfigError(f"{failed}: {e}") from e
     model, info = loaded
     return model, info
+
+
+def _soft_caps_attention(folder: str) -> bool:
+    """Whether the model of ``folder`` soft-caps its attention scores (Gemma 2's
+    ``attn_logit_softcapping``, 50). transformers' sdpa attention, which it loads such a model
+    with by default, drops the soft-cap; its eager attention applies it, as vLLM does. So
+    treadle loads such a model with eager attention: its forwards (the actor's, the hf
+    engine's) are then the model's own."""
+    file = Path(folder) / "config.json"
+    config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
+    text = config.get("text_config") or config
+    return text.get("attn_logit_softcapping") is not None
 
 
 def load_causal_lm(

@@ -136,7 +136,8 @@ def parallel_model_problems(
 ) -> Iterator[str]:
     """The model's shape (its ``config.json``) allows ``section``'s layout: tensor parallel
     divides the attention heads, the key/value heads and the MLP width, sequence parallel
-    the heads and key/value heads. Read by ``treadle check`` and by the engine at start-up."""
+    the heads and key/value heads and is not asked to soft-cap attention scores. Read by
+    ``treadle check`` and by the engine at start-up."""
     heads = model_config.get("num_attention_heads")
     shape = {
         "num_attention_heads": heads,
@@ -154,6 +155,13 @@ def parallel_model_problems(
                     f"{section}.{key}={size} must divide the model's {name}={value}: "
                     "choose a divisor of it"
                 )
+    softcap = model_config.get("attn_logit_softcapping")
+    if sp > 1 and softcap is not None:
+        yield (
+            f"{section}.sequence_parallel_size={sp}: the model soft-caps its attention scores "
+            f"(attn_logit_softcapping={softcap}, as Gemma 2), which sequence parallel's "
+            "attention does not: set it to 1"
+        )
 
 
 def model_problems(cfg: Sections, model_config: dict[str, Any]) -> Iterator[str]:
