@@ -247,6 +247,25 @@ def test_lora_targets_the_model_does_not_have(env, capsys, overrides, pattern) -
     assert_bad(result, pattern, lines=1)
 
 
+@pytest.mark.parametrize("target", ["w1", "gate"])
+def test_lora_targets_a_mixture_of_experts_keeps_fused(env, capsys, tmp_path, target) -> None:  # type: ignore[no-untyped-def]
+    """A Mixtral's files hold a matrix an expert (``experts.0.w1``) and a router (``gate``);
+    transformers 5 holds the experts fused and the router as a module of its own, so neither
+    is a linear layer to the run's peft (which refused them after start-up)."""
+    from tiny_models import tiny_moe
+
+    folder = tiny_moe(tmp_path / "moe", env["model"])
+    result = check(
+        env, capsys, f"model.path={folder}", "actor.lora.rank=4",
+        f"actor.lora.target_modules=[q_proj, {target}]",
+    )  # fmt: skip
+    pattern = (
+        rf"^treadle: error: actor\.lora\.target_modules: '{target}' is not a linear layer of "
+        r"the model \(its linear layers: k_proj, o_proj, q_proj, v_proj; or 'all-linear'\)$"
+    )
+    assert_bad(result, pattern, lines=1)
+
+
 def test_lora_targets_the_model_has(env, capsys) -> None:  # type: ignore[no-untyped-def]
     targets = "actor.lora.target_modules=[q_proj, v_proj]"
     code, _, err = check(env, capsys, "actor.lora.rank=4", targets)

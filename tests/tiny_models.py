@@ -42,17 +42,18 @@ MOE_KEYS: dict[str, dict[str, Any]] = {
 
 
 def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
-    """An in-memory causal LM of ``arch`` (llama, qwen2, gemma2, cohere, granite, or a mixture
-    of experts: mixtral, qwen3_moe, qwen2_moe) with random weights (seed 0): 2 layers of 4
-    heads (2 key/value heads) of 8, a vocabulary of 64, float32; ``changes``: more config
+    """An in-memory causal LM of ``arch`` (llama, qwen2, qwen3, gemma2, cohere, granite, or a
+    mixture of experts: mixtral, qwen3_moe, qwen2_moe) with random weights (seed 0): 2 layers
+    of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32; ``changes``: more config
     keys."""
     import torch
     import transformers
 
-    name = {"llama": "Llama", "qwen2": "Qwen2", "gemma2": "Gemma2", "cohere": "Cohere"}
-    name |= {"granite": "Granite", "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
-    name["qwen2_moe"] = "Qwen2Moe"
-    changes = {**MOE_KEYS.get(arch, {}), **changes}
+    name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+    name |= {"cohere": "Cohere", "granite": "Granite", "mixtral": "Mixtral"}
+    name |= {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe"}
+    head = {"head_dim": 8} if arch.startswith("qwen3") else {}  # (Qwen3's own default: 128)
+    changes = {**MOE_KEYS.get(arch, {}), **head, **changes}
     config_cls = getattr(transformers, f"{name[arch]}Config")
     model_cls = getattr(transformers, f"{name[arch]}ForCausalLM")
     sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}

@@ -86,11 +86,15 @@ def assert_same(want, got, want_grads, grads) -> None:
         torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5, msg=name)
 
 
-@pytest.mark.parametrize(("arch", "changes"), [("llama", {}), ("qwen2", {}), ("qwen2", SLIDING)])
+@pytest.mark.parametrize(
+    ("arch", "changes"),
+    [("llama", {}), ("qwen2", {}), ("qwen2", SLIDING), ("qwen3", {}), ("mixtral", {})],
+)
 def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
     """Llama's forward drops a mask it did not build for an attention it does not know: the
     block-diagonal mask treadle passed then never reached the attention, and a row's second
-    sequence attended to the first. A sliding window holds each sequence to it."""
+    sequence attended to the first. A sliding window holds each sequence to it. (Qwen3
+    normalises each head's queries and keys; a mixture of experts routes each token.)"""
     lm = random_lm(arch, **changes)
     if changes:
         assert lm.config.layer_types == ["full_attention", "sliding_attention"]

@@ -19,6 +19,7 @@ second check of unchanged folders imports no transformers.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -155,6 +156,7 @@ def _matrices(file: Path, key: str) -> list[str]:
 
 
 EMBEDDINGS = ("embed_tokens", "wte", "wpe", "word_embeddings", "position_embeddings")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
 
 
 def _check_lora_targets(cfg: Config, kind: Kind, folder: str) -> None:
@@ -169,7 +171,13 @@ def _check_lora_targets(cfg: Config, kind: Kind, folder: str) -> None:
         return
     if not files:
         return
-    last = {name.rsplit(".", 1)[-1] for file in files for name in _matrices(file, "model.path")}
+    # (a mixture of experts' matrices, one an expert in the files, are fused 3-D weights in
+    # transformers 5, and its router, the `gate` beside them, a module of its own: neither is
+    # a linear layer, and `apply_lora` refuses them)
+    matrices = [name for file in files for name in _matrices(file, "model.path")]
+    routers = {f"{name.split('.experts.')[0]}.gate" for name in matrices if _EXPERT.search(name)}
+    linear = [name for name in matrices if not _EXPERT.search(name) and name not in routers]
+    last = {name.rsplit(".", 1)[-1] for name in linear}
     known = last - {"lm_head"}  # (the output head: refused by the config, LoraConfig)
     unknown = [t for t in targets if t not in known]
     if unknown:
