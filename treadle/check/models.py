@@ -176,8 +176,8 @@ def _check_lora_targets(cfg: Config, kind: Kind, folder: str) -> None:
     # a linear layer, and `apply_lora` refuses them)
     matrices = [name for file in files for name in _matrices(file, "model.path")]
     routers = {f"{name.split('.experts.')[0]}.gate" for name in matrices if _EXPERT.search(name)}
-    linear = [name for name in matrices if not _EXPERT.search(name) and name not in routers]
-    last = {name.rsplit(".", 1)[-1] for name in linear}
+    layers = [name for name in matrices if not _EXPERT.search(name) and name not in routers]
+    last = {name.rsplit(".", 1)[-1] for name in layers}
     known = last - {"lm_head"}  # (the output head: refused by the config, LoraConfig)
     unknown = [t for t in targets if t not in known]
     if unknown:
