@@ -283,3 +283,18 @@ def test_the_hf_engine_stops_where_the_model_s_generation_config_says(tiny_task,
     out = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], sampled)
     assert (tokens.stop_reasons, len(free)) == (["length"], 12)
     assert out.token_ids[0] == free[: k + 1] and out.stop_reasons == ["stop"]
+
+
+@pytest.mark.parametrize(
+    ("eos", "config_eos", "stops"),
+    [(2, None, [2]), (2, 2, [2]), (2, [7, 2, 9], [2, 7, 9]), (None, 7, [7]), (None, None, [])],
+)
+def test_stop_token_ids_are_the_tokenizer_s_eos_then_the_generation_config_s(
+    eos, config_eos, stops
+):
+    from types import SimpleNamespace
+
+    from treadle.engines.inference import stop_token_ids
+
+    assert stop_token_ids(eos, SimpleNamespace(eos_token_id=config_eos)) == stops
+    assert stop_token_ids(eos, None) == ([eos] if eos is not None else [])

@@ -88,6 +88,21 @@ def test_a_gemma_2_loads_with_the_attention_that_soft_caps_its_scores(tmp_path):
     assert (dropped - want).abs().max() > 0.1  # what sdpa gives: the soft-cap left out
 
 
+def test_the_paged_cache_refuses_a_model_that_soft_caps_attention_scores(tiny_task, tmp_path):
+    """transformers' paged attention has no soft-cap either."""
+    from treadle.config import load_config
+    from treadle.models.loading import load_tokenizer, save_tokenizer
+    from treadle.runtime.errors import ConfigError
+    from treadle.serving.replica import make_engine
+
+    lm = random_lm("gemma2", attn_logit_softcapping=50.0, head_dim=8)
+    lm.save_pretrained(tmp_path)
+    save_tokenizer(load_tokenizer(tiny_task["model"]), tmp_path)
+    cfg = load_config(None, [f"model.path={tmp_path}", "rollout.cache_implementation=paged"])
+    with pytest.raises(ConfigError, match=r"^rollout\.cache_implementation=paged: transformers'"):
+        make_engine(cfg, str(tmp_path), torch.device("cpu"))
+
+
 def test_sequence_parallel_refuses_a_model_that_soft_caps_attention_scores():
     """Sequence parallel's attention (torch's sdpa on each sequence) has no soft-cap."""
     from treadle.config.rules import parallel_model_problems

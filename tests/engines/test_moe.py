@@ -15,6 +15,7 @@ from tiny_models import random_lm
 from treadle.config.actor import LoraConfig
 from treadle.engines.lora import lora_scalings, merged_lora
 from treadle.models.loading import apply_lora, checkpoint_format, has_weight_conversions
+from treadle.runtime.errors import ConfigError
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
@@ -85,3 +86,23 @@ def test_a_dense_model_keeps_peft_s_all_linear(tmp_path):
     lora = apply_lora(model, LoraConfig(rank=4, alpha=8), tmp_path)
     adapted = {name for name, m in lora.get_base_model().named_modules() if hasattr(m, "lora_A")}
     assert adapted == linear - {"lm_head"} and len(adapted) == 14
+
+
+def test_lora_keeps_off_the_experts_peft_would_move_a_dense_mlp_s_names_onto(tmp_path):
+    """peft moves ``gate_proj``, ``up_proj`` and ``down_proj`` onto a Qwen3-MoE's fused experts
+    (its names for a transformers 4 model's expert layers), those of a dense MLP layer too
+    (``mlp_only_layers``): 'all-linear' leaves them out, a list naming them is refused."""
+    lm = random_lm("qwen3_moe", mlp_only_layers=[0])
+    lora = apply_lora(lm, LoraConfig(rank=4, alpha=8), tmp_path)
+    adapted = {name.rsplit(".", 1)[-1] for name, m in lora.named_modules() if hasattr(m, "lora_A")}
+    assert adapted == {"q_proj", "k_proj", "v_proj", "o_proj"}
+    assert not [m for m in lora.modules() if type(m).__name__ == "ParamWrapper"]
+    listed = LoraConfig(rank=4, target_modules=["q_proj", "gate_proj", "up_proj"])
+    with pytest.raises(ConfigError) as e:
+        apply_lora(random_lm("qwen3_moe", mlp_only_layers=[0]), listed, tmp_path)
+    assert str(e.value) == (
+        "actor.lora.target_modules: 'gate_proj', 'up_proj': on this mixture of experts peft "
+        "puts such adapters on its fused experts, which treadle cannot merge into the "
+        "rollout's weights: leave it out (its other linear layers: k_proj, o_proj, q_proj, "
+        "v_proj), or use 'all-linear'"
+    )

@@ -64,6 +64,7 @@ from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalin
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, rank0_reads, save_optimizer, save_schedule
+from treadle.engines.weights import CastTensors
 from treadle.models.checkpoint import CheckpointError
 from treadle.models.loading import (
     ADAPTER_DIR,
@@ -226,9 +227,12 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
         if not files:
             raise CheckpointError(f"{folder} holds no *.safetensors weights")
         state: dict[str, Any] = {}
-        if has_weight_conversions(lm):  # the files' names and layout are not the model's
+        if lm is not None and has_weight_conversions(lm):  # the files are not as the model
             dtype = next(iter(module.parameters())).dtype
-            loaded = load_causal_lm(folder, dtype, key=f"the checkpoint {folder}")
+            try:
+                loaded = load_causal_lm(folder, dtype, key=str(folder))
+            except ConfigError as e:
+                raise CheckpointError(f"{e}: is it the run's model?") from None
             state.update({prefix + k: v for k, v in loaded.state_dict().items()})
         else:
             for f in files:
@@ -470,14 +474,19 @@ class TrainEngine:
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": float(lr), "update_ratio": ratio}
 
-    def full_state(self, as_saved: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    def full_state(
+        self, dtype: torch.dtype | None = None, as_saved: bool = False
+    ) -> Iterator[tuple[str, torch.Tensor]]:
         """The model's full tensors under its HF names (LoRA: merged into the base weights);
-        ``as_saved``: named and laid out as ``save_pretrained`` writes them, which is what vLLM
-        loads (`checkpoint_format`: a mixture of experts' fused experts, one per expert)."""
+        ``dtype``: floats cast to it as each is gathered; ``as_saved``: then named and laid out
+        as ``save_pretrained`` writes them, which is what vLLM loads (`checkpoint_format`: a
+        mixture of experts' fused experts, one per expert, a layer held at a time)."""
         lm = self.module.lm
-        state = full_tensors(self.module)
+        state: Iterator[tuple[str, torch.Tensor]] = full_tensors(self.module)
         if self.lora:
             state, lm = merged_lora(state, lora_scalings(lm)), lm.get_base_model()
+        if dtype is not None:
+            state = iter(CastTensors(state, dtype))
         return checkpoint_format(lm, state) if as_saved else state
 
     # -------------------------------------------------------------- checkpoint

@@ -54,8 +54,6 @@ def _from_pretrained(
     """``auto.from_pretrained`` of the folder ``resolved`` and its loading info (for
     :func:`_check_weights_match`: weights of another shape are loaded as mismatched, not
     raised); a folder that does not load is a ``ConfigError`` that begins with ``failed``."""
-    if "attn_implementation" not in kwargs and _soft_caps_attention(resolved):
-        kwargs["attn_implementation"] = "eager"
     try:
         loaded: Any = auto.from_pretrained(
             resolved,
@@ -67,19 +65,19 @@ def _from_pretrained(
     except (OSError, ValueError) as e:
         raise ConfigError(f"{failed}: {e}") from e
     model, info = loaded
+    if "attn_implementation" not in kwargs and soft_caps_attention(model.config):
+        model.set_attn_implementation("eager")  # (see soft_caps_attention)
     return model, info
 
 
-def _soft_caps_attention(folder: str) -> bool:
-    """Whether the model of ``folder`` soft-caps its attention scores (Gemma 2's
+def soft_caps_attention(config: Any) -> bool:
+    """Whether a model of ``config`` soft-caps its attention scores (Gemma 2's
     ``attn_logit_softcapping``, 50). transformers' sdpa attention, which it loads such a model
-    with by default, drops the soft-cap; its eager attention applies it, as vLLM does. So
-    treadle loads such a model with eager attention: its forwards (the actor's, the hf
-    engine's) are then the model's own."""
-    file = Path(folder) / "config.json"
-    config = json.loads(file.read_text(encoding="utf-8")) if file.is_file() else {}
-    text = config.get("text_config") or config
-    return text.get("attn_logit_softcapping") is not None
+    with by default, drops the soft-cap (so does its paged attention); its eager attention
+    applies it, as vLLM does. So treadle switches such a model to eager attention once loaded:
+    its forwards (the actor's, the hf engine's) are then the model's own."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return getattr(text, "attn_logit_softcapping", None) is not None
 
 
 def load_causal_lm(
@@ -352,6 +350,24 @@ def linear_module_names(model: torch.nn.Module) -> list[str]:
     return sorted(names)
 
 
+def _moved_onto_experts(model: torch.nn.Module, names: list[str]) -> set[str]:
+    """The ``names`` peft moves onto a transformers 5 mixture of experts' fused experts (3-D
+    parameters, ``target_parameters``), as it does with the names of a transformers 4 model's
+    expert layers (``gate_proj``, ``up_proj``, ``down_proj`` on Qwen3-MoE, also those of its
+    dense layers): peft's own 'all-linear' moves them all. Adapters there `merged_lora` cannot
+    merge for the rollout."""
+    try:
+        from peft import LoraConfig
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # a peft before transformers 5 moves nothing
+        return set()
+    trial = LoraConfig(target_modules=list(names), task_type="CAUSAL_LM")
+    convert_peft_config_for_transformers(trial, model=model, conversions=None)
+    if not trial.target_parameters:
+        return set()
+    return set(names) - set(trial.target_modules or ())
+
+
 def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: int = 0) -> Any:
     """``model`` with peft LoRA adapters as ``lora`` (an ``actor.lora`` section) says.
 
@@ -383,10 +399,17 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
             "module names"
         )
     modules = targets if isinstance(targets, str) else list(targets)
-    if modules == "all-linear" and has_weight_conversions(model):
-        # a mixture of experts: its linear layers by name, for peft's 'all-linear' also gives
-        # its fused experts (3-D parameters) adapters, which `merged_lora` cannot merge
-        modules = known
+    if has_weight_conversions(model):  # a mixture of experts: peft may target its experts
+        experts = _moved_onto_experts(model, known)
+        if modules == "all-linear":  # its linear layers by name, but those
+            modules = [name for name in known if name not in experts]
+        elif moved := sorted(experts.intersection(modules)):
+            raise ConfigError(
+                f"actor.lora.target_modules: {', '.join(map(repr, moved))}: on this mixture of "
+                "experts peft puts such adapters on its fused experts, which treadle cannot "
+                "merge into the rollout's weights: leave it out (its other linear layers: "
+                f"{', '.join(n for n in known if n not in experts)}), or use 'all-linear'"
+            )
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,

@@ -50,7 +50,7 @@ from treadle.controller import Collect, Dispatch, register
 from treadle.controller.groups.worker import gpu_index
 from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine, stop_token_ids
 from treadle.models.folders import model_config
-from treadle.models.loading import load_causal_lm, load_tokenizer
+from treadle.models.loading import load_causal_lm, load_tokenizer, soft_caps_attention
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.precision import rollout_dtype
 from treadle.serving.server import (
@@ -158,6 +158,12 @@ def make_engine(
         )
     tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
     model: Any = load_causal_lm(path, s.dtype, key=s.key, allow_download=cfg.model.allow_download)
+    if s.cache == "paged" and soft_caps_attention(model.config):
+        raise ConfigError(
+            "rollout.cache_implementation=paged: transformers' paged attention drops the "
+            "soft-cap this model puts on its attention scores (attn_logit_softcapping, as "
+            "Gemma 2), which vLLM and the other caches apply: use dynamic or static"
+        )
     eos = stop_token_ids(tok.eos_token_id, model.generation_config)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     return HFRolloutEngine(

@@ -168,11 +168,11 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
         dtype = getattr(torch, rollout_dtype(r.dtype, self.cfg.model.dtype))
         as_saved = r.engine == "vllm"  # vLLM loads the files' format; the hf engine is the model
         if self.server is not None:
-            tensors = CastTensors(self.engine.full_state(as_saved), dtype)
+            tensors = CastTensors(self.engine.full_state(dtype, as_saved))  # (counts the bytes)
             self.server.update_weights(tensors, version)
             return tensors.bytes
         bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
-        buckets = weight_buckets(self.engine.full_state(as_saved), bucket, dtype)
+        buckets = weight_buckets(self.engine.full_state(dtype, as_saved), bucket, dtype)
         if self.weight_sync is not None:
             return self.weight_sync.send(buckets)
         for _ in self.engine.full_state():  # ranks > 0 of split: join the gathers only

@@ -118,10 +118,11 @@ def _prepack_cpu_experts_on_reload(model: torch.nn.Module) -> None:
         process = method.process_weights_after_loading
 
         def process_and_prepack(
-            layer: torch.nn.Module, process: Any = process, experts: Any = experts
+            layer: torch.nn.Module, process: Any = process, method: Any = method
         ) -> None:
             process(layer)  # the fresh layer's weights, in the checkpoint's layout
-            experts.process_weights_after_loading(layer)  # packed, then copied into place
+            # packed (by the kernel the processing left), then copied into place
+            method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
         method.process_weights_after_loading = process_and_prepack
         method.treadle_prepack = True
