@@ -401,7 +401,7 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
     modules = targets if isinstance(targets, str) else list(targets)
     if has_weight_conversions(model):  # a mixture of experts: peft may target its experts
         experts = _moved_onto_experts(model, known)
-        if modules == "all-linear":  # its linear layers by name, but those
+        if modules == "all-linear":  # its linear layers by name, less those
             modules = [name for name in known if name not in experts]
         elif moved := sorted(experts.intersection(modules)):
             raise ConfigError(
