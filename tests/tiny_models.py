@@ -66,34 +66,13 @@ def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
 
 def tiny_moe(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtral") -> Path:
     """A tiny mixture of experts of ``arch`` (`MOE_KEYS`) with `TINY_SHAPE`'s attention (head
-    size 32, for vLLM's CPU attention) and 128 positions, random weights (seed 0), tied
-    embeddings, with the tokenizer of the model folder ``tokenizer_from``, saved to ``out``
-    by ``save_pretrained`` (its experts one tensor per expert, as a hub checkpoint's)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    size 32, for vLLM's CPU attention) and 128 positions, random weights (seed 0), with the
+    tokenizer of the model folder ``tokenizer_from``, saved to ``out`` by ``save_pretrained``
+    (its experts one tensor per expert, as a hub checkpoint's)."""
+    from treadle.models.loading import load_tokenizer
+    from treadle.tasks.arithmetic import build_tiny_model
 
-    from treadle.models.loading import load_tokenizer, save_tokenizer
-
-    tokenizer = load_tokenizer(tokenizer_from)
-    config = AutoConfig.for_model(
-        arch,
-        vocab_size=len(tokenizer),
-        hidden_size=TINY_SHAPE.hidden_size,
-        intermediate_size=TINY_SHAPE.intermediate_size,
-        num_hidden_layers=TINY_SHAPE.num_layers,
-        num_attention_heads=TINY_SHAPE.num_heads,
-        num_key_value_heads=TINY_SHAPE.num_kv_heads,
-        head_dim=TINY_SHAPE.hidden_size // TINY_SHAPE.num_heads,
-        max_position_embeddings=128,
-        tie_word_embeddings=True,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        **MOE_KEYS[arch],
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(out)
-    save_tokenizer(tokenizer, out)
-    return Path(out)
+    shape = replace(TINY_SHAPE, arch=arch, max_positions=128)
+    head = TINY_SHAPE.hidden_size // TINY_SHAPE.num_heads
+    tokenizer = load_tokenizer(tokenizer_from)  # a fast tokenizer, typed as their base class
+    return build_tiny_model(tokenizer, out, shape, head_dim=head, **MOE_KEYS[arch])  # type: ignore[arg-type]
