@@ -211,6 +211,26 @@ def full_tensors(
         )
 
 
+Named = tuple[str, torch.Tensor]
+
+
+def model_tensors(
+    module: nn.Module, lora: bool, dtype: torch.dtype | None = None, as_saved: bool = False
+) -> Iterator[Named]:
+    """The full tensors of the model ``module`` holds as ``.lm``, under its HF names (``lora``:
+    merged into the base weights); ``dtype``: floats cast to it as each is gathered;
+    ``as_saved``: then named and laid out as ``save_pretrained`` writes them, which is what
+    vLLM loads (`checkpoint_format`: a mixture of experts' fused experts, one per expert, a
+    layer held at a time)."""
+    lm: Any = module.lm
+    state: Iterator[Named] = full_tensors(module)
+    if lora:
+        state, lm = merged_lora(state, lora_scalings(lm)), lm.get_base_model()
+    if dtype is not None:
+        state = iter(CastTensors(state, dtype))
+    return checkpoint_format(lm, state) if as_saved else state
+
+
 def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> None:
     """The weights of the HF folder ``folder`` (its ``*.safetensors``) into the sharded
     ``module``. Rank 0 alone reads the files and sends them a tensor at a time, each rank
@@ -476,18 +496,9 @@ class TrainEngine:
 
     def full_state(
         self, dtype: torch.dtype | None = None, as_saved: bool = False
-    ) -> Iterator[tuple[str, torch.Tensor]]:
-        """The model's full tensors under its HF names (LoRA: merged into the base weights);
-        ``dtype``: floats cast to it as each is gathered; ``as_saved``: then named and laid out
-        as ``save_pretrained`` writes them, which is what vLLM loads (`checkpoint_format`: a
-        mixture of experts' fused experts, one per expert, a layer held at a time)."""
-        lm = self.module.lm
-        state: Iterator[tuple[str, torch.Tensor]] = full_tensors(self.module)
-        if self.lora:
-            state, lm = merged_lora(state, lora_scalings(lm)), lm.get_base_model()
-        if dtype is not None:
-            state = iter(CastTensors(state, dtype))
-        return checkpoint_format(lm, state) if as_saved else state
+    ) -> Iterator[Named]:
+        """:func:`model_tensors` of this engine's model."""
+        return model_tensors(self.module, self.lora, dtype, as_saved)
 
     # -------------------------------------------------------------- checkpoint
 

@@ -368,19 +368,11 @@ def _moved_onto_experts(model: torch.nn.Module, names: list[str]) -> set[str]:
     return set(names) - set(trial.target_modules or ())
 
 
-def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: int = 0) -> Any:
-    """``model`` with peft LoRA adapters as ``lora`` (an ``actor.lora`` section) says.
-
-    Only the adapters require gradients. A listed target module must be the last name of
-    one of the model's linear layers other than the output head (checked here, naming the
-    key). The adapter records ``base_path`` (absolute) as its base model, so an exported
-    adapter loads with ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is
-    0) is drawn from ``seed``, whatever the global RNG went through before, which it leaves as
-    it was.
-    """
-    from peft import LoraConfig, get_peft_model
-
-    targets = lora.target_modules
+def _lora_modules(model: torch.nn.Module, targets: str | list[str]) -> str | list[str]:
+    """``actor.lora.target_modules`` as peft is to get them, checked against ``model`` (a
+    ConfigError naming the key): listed names must be its linear layers, not its output head.
+    On a mixture of experts, names peft would move onto its fused experts are refused, and
+    'all-linear' becomes the list of its other linear layers."""
     head = cast(Any, model).get_output_embeddings()
     head_name = next((n.rsplit(".", 1)[-1] for n, m in model.named_modules() if m is head), "")
     known = [n for n in linear_module_names(model) if n != head_name]
@@ -410,6 +402,22 @@ def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: i
                 "merge into the rollout's weights: leave it out (its other linear layers: "
                 f"{', '.join(n for n in known if n not in experts)}), or use 'all-linear'"
             )
+    return modules
+
+
+def apply_lora(model: torch.nn.Module, lora: Any, base_path: str | Path, seed: int = 0) -> Any:
+    """``model`` with peft LoRA adapters as ``lora`` (an ``actor.lora`` section) says.
+
+    Only the adapters require gradients. A listed target module must be the last name of
+    one of the model's linear layers other than the output head (checked here, naming the
+    key). The adapter records ``base_path`` (absolute) as its base model, so an exported
+    adapter loads with ``PeftModel.from_pretrained`` on it. The adapters' random start (A; B is
+    0) is drawn from ``seed``, whatever the global RNG went through before, which it leaves as
+    it was.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    modules = _lora_modules(model, lora.target_modules)
     config = LoraConfig(
         r=lora.rank,
         lora_alpha=lora.alpha,
