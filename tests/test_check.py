@@ -648,7 +648,11 @@ def test_chat_template_that_fails_names_the_file(env, capsys) -> None:  # type: 
     folder = Path(model_copy(env, "badtemplate"))
     (folder / "chat_template.jinja").write_text("{{ raise_exception('no system role') }}")
     result = check(env, capsys, f"model.tokenizer_path={folder}", "data.val_files=[]")
-    assert_bad(result, r"data\.train_files: .*train\.jsonl: TemplateError: no system role")
+    assert_bad(
+        result,
+        r"data\.train_files: .*train\.jsonl row 1: the chat template refuses field 'prompt': "
+        "no system role",
+    )
 
 
 # --- the reward function -----------------------------------------------------------------------

@@ -76,3 +76,35 @@ def tiny_moe(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtral")
     head = TINY_SHAPE.hidden_size // TINY_SHAPE.num_heads
     tokenizer = load_tokenizer(tokenizer_from)  # a fast tokenizer, typed as their base class
     return build_tiny_model(tokenizer, out, shape, head_dim=head, **MOE_KEYS[arch])  # type: ignore[arg-type]
+
+
+# Gemma 2's chat template as its tokenizer_config.json holds it: no system role, user and model
+# turns alternating, each closed by <end_of_turn> (not the tokenizer's EOS, <eos>).
+GEMMA2_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% if (message['role'] == 'assistant') %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
+)
+
+
+def gemma_style(tokenizer: Any) -> Any:
+    """A copy of ``tokenizer`` with Gemma 2's chat template and special tokens (<bos>, <eos>,
+    <start_of_turn>, <end_of_turn>), for the chat-rendering tests (ids past a tiny model's
+    vocabulary: no model reads them)."""
+    import copy
+
+    tok = copy.deepcopy(tokenizer)
+    specials = ["<start_of_turn>", "<end_of_turn>"]
+    tok.add_special_tokens(
+        {"bos_token": "<bos>", "eos_token": "<eos>", "additional_special_tokens": specials}
+    )
+    tok.chat_template = GEMMA2_TEMPLATE
+    return tok

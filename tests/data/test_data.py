@@ -10,6 +10,8 @@ from typing import Any
 import pandas as pd
 import pytest
 import torch
+from jinja2 import TemplateError
+from tiny_models import gemma_style
 
 from treadle.data import (
     ResumableSampler,
@@ -19,6 +21,7 @@ from treadle.data import (
     load_prompt_dataset,
     load_sft_dataset,
 )
+from treadle.data.templating import end_of_turn, render
 from treadle.models.loading import load_tokenizer
 from treadle.runtime.errors import DataError
 from treadle.tasks import arithmetic as ar
@@ -190,6 +193,45 @@ def test_sft_messages_train_on_assistant_turns_only(tok, tmp_path: Path):  # typ
     no_reply = write_jsonl(tmp_path / "bad.jsonl", [{"messages": messages[:2]}])
     with pytest.raises(DataError, match="row 1: 'messages' has no assistant turn"):
         load_sft_dataset([no_reply], tok, TextOptions(max_length=128))
+
+
+def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_token(
+    tok, tmp_path: Path
+):  # type: ignore[no-untyped-def]
+    """Gemma 2's template: the system message goes before the first user message's text (the
+    template raises on a system role), and each model turn is trained to end with
+    <end_of_turn>, the token the template closes it with, not the tokenizer's <eos>."""
+    gemma = gemma_style(tok)
+    assert end_of_turn(tok) == (tok.eos_token_id, "<|im_end|>")  # ChatML: its EOS
+    end = gemma.convert_tokens_to_ids("<end_of_turn>")
+    assert end_of_turn(gemma) == (end, "<end_of_turn>") and end != gemma.eos_token_id
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "What is 1+2?"},
+        {"role": "assistant", "content": "Answer: 3"},
+        {"role": "user", "content": "And 3+4?"},
+        {"role": "assistant", "content": "Answer: 7"},
+    ]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
+    row = load_sft_dataset([path], gemma, TextOptions(max_length=128))[0]
+    assert gemma.decode(row["input_ids"]) == (
+        "<bos><start_of_turn>user\nBe brief.\n\nWhat is 1+2?<end_of_turn>\n"
+        "<start_of_turn>model\nAnswer: 3<end_of_turn>\n"
+        "<start_of_turn>user\nAnd 3+4?<end_of_turn>\n"
+        "<start_of_turn>model\nAnswer: 7<end_of_turn>"
+    )
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert gemma.decode(target) == "Answer: 3<end_of_turn>Answer: 7<end_of_turn>"
+    # A refusal that is not about the system message is the template's own, and a data row's
+    # names its file, row and field.
+    two_users = [messages[1], messages[3]]
+    with pytest.raises(TemplateError, match="Conversation roles must alternate"):
+        render(gemma, [messages[0], *two_users], generation=True)
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": two_users}])
+    with pytest.raises(
+        DataError, match=r"bad\.jsonl row 1: the chat template refuses field 'prompt': Conversation"
+    ):
+        load(gemma, [bad])
 
 
 def test_sft_errors_and_length_filter(tok, tmp_path: Path):  # type: ignore[no-untyped-def]

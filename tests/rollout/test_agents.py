@@ -11,6 +11,7 @@ import time
 
 import pytest
 import torch
+from tiny_models import gemma_style
 
 from treadle.agents.loops import (
     AgentLoopError,
@@ -24,6 +25,7 @@ from treadle.agents.registry import load_agent_loop
 from treadle.agents.tools import Tool, Toolbox, ToolCall, parse_tool_calls, tool_schema
 from treadle.agents.trajectory import Trajectory
 from treadle.data import HERMES_TOOLS_PROMPT, tool_messages
+from treadle.data.templating import end_of_turn, render
 from treadle.engines.inference import SamplingParams
 from treadle.runtime.errors import ConfigError
 from treadle.serving.client import RolloutClient
@@ -153,11 +155,13 @@ def test_schemas_go_into_the_system_message_without_template_support(tiny_task):
 
 
 class ScriptedReplica:
-    """Answers each request with the next scripted text (+ EOS), log-prob -0.25 per token."""
+    """Answers each request with the next scripted text (+ the template's end-of-turn token,
+    the tokenizer's EOS on ChatML), log-prob -0.25 per token."""
 
     def __init__(self, tok, script: list[str], eos: bool = True) -> None:
         self.name, self.tok, self.script = "scripted", tok, list(script)
         self.eos = eos  # False: every turn is cut by its length
+        self.end = end_of_turn(tok)[0]
         self.calls: list[list[Request]] = []
 
     async def generate(self, requests: list[Request]) -> list[Response]:
@@ -166,19 +170,22 @@ class ScriptedReplica:
         for r in requests:
             text = self.script.pop(0)
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
-            ids = [*ids, self.tok.eos_token_id] if self.eos else ids
+            ids = [*ids, self.end] if self.eos else ids
             ids = ids[: r.params.max_new_tokens]
             stop = "length" if len(ids) == r.params.max_new_tokens or not self.eos else "stop"
             out.append(Response(r.request_id, ids, [-0.25] * len(ids), stop, 3, self.name))
         return out
 
 
-def run_loop(tok, script, loop=tool_loop, limits=None, copies=1, samples=None, eos=True):
+def run_loop(
+    tok, script, loop=tool_loop, limits=None, copies=1, samples=None, eos=True, max_new_tokens=120
+):
     replica = ScriptedReplica(tok, script, eos)
     client = RolloutClient([replica])
-    prompt = tok("<|im_start|>user\nWhat is 2+40?<|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    question = [{"role": "user", "content": "What is 2+40?"}]
+    prompt = tok(render(tok, question, generation=True), add_special_tokens=False)["input_ids"]
     samples = samples or [Sample("u:1", prompt, "What is 2+40?", "42", {})]
-    params = SamplingParams(n=copies, max_new_tokens=120)
+    params = SamplingParams(n=copies, max_new_tokens=max_new_tokens)
     limits = limits or Limits(4, 600, 32)
     runs = client.run(
         run_agents(
@@ -224,6 +231,44 @@ def test_tool_loop_loss_mask_token_by_token(tok):
     second = replica.calls[1][0]
     assert list(second.prompt_ids) == t.prompt_ids + turn1 + between
     assert second.session_id == replica.calls[0][0].session_id
+
+
+def test_a_turns_tool_results_go_back_in_one_user_message_without_a_tool_role(tok):
+    calls = (
+        '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>\n'
+        '<tool_call>{"name": "add", "arguments": {"a": 3, "b": 4}}</tool_call>'
+    )
+    (t,), _ = run_loop(tok, [calls, "Answer: 42"], max_new_tokens=300)
+    assert t.info["tool_calls"] == 2
+    # as Qwen2.5's template renders consecutive tool messages: one user turn, a block each
+    assert (
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n42\n</tool_response>\n"
+        "<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    ) in tok.decode(t.token_ids)
+
+
+def test_the_tool_loop_on_gemmas_template(tok):
+    """Gemma 2's template takes no system message, alternates user and model turns, and closes
+    a turn with <end_of_turn>, not its EOS: the loop's tokens are the template's own rendering
+    of the conversation, the newline after <end_of_turn> included."""
+    gemma = gemma_style(tok)
+    call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>'
+    (t,), replica = run_loop(gemma, [call, call, "Answer: 42"])
+    assert (t.turns, t.stop_reason, t.info["tool_calls"]) == (3, "stop", 2)
+    result = {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
+    conversation = [
+        {"role": "user", "content": "What is 2+40?"},
+        {"role": "assistant", "content": call},
+        result,
+        {"role": "assistant", "content": call},
+        result,
+        {"role": "assistant", "content": "Answer: 42"},
+    ]
+    rendered = render(gemma, conversation, generation=False)
+    assert gemma.decode(t.all_token_ids) == rendered.removesuffix("\n")
+    # the last turn continued the conversation exactly, and ended at <end_of_turn>
+    answer = [*gemma.encode("Answer: 42", add_special_tokens=False), end_of_turn(gemma)[0]]
+    assert t.all_token_ids == [*replica.calls[2][0].prompt_ids, *answer]
 
 
 def test_tool_errors_go_back_to_the_model_and_turns_are_bounded(tok):

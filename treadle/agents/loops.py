@@ -32,10 +32,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from treadle.agents.tools import Toolbox, parse_tool_calls, result_message
+from treadle.agents.tools import Toolbox, parse_tool_calls, result_messages
 from treadle.agents.trajectory import Trajectory
+from treadle.data.templating import end_of_turn, render
 from treadle.engines.inference import SamplingParams
 from treadle.runtime.errors import TreadleError
 from treadle.serving.client import RolloutClient, RolloutError
@@ -151,13 +153,14 @@ class AgentClient:
         self, messages: list[dict[str, Any]], after: Sequence[int] = ()
     ) -> list[int]:
         """Tokens of chat ``messages`` appended to a conversation, then the header of the
-        model's next turn. ``after``: the model's last turn; if it ended with its end-of-turn
-        token, the template's text that follows that token (ChatML's newline) comes first."""
+        model's next turn. ``after``: the model's last turn; if it ended with the template's
+        end-of-turn token, the template's text that follows that token (ChatML's newline)
+        comes first."""
         tok = self.tokenizer
-        base_ids, after_eos = _base_conversation(tok)
-        full_ids = _encode(tok, _render(tok, [*_BASE, *messages], generation=True))
-        tail = after_eos if after and after[-1] == tok.eos_token_id else []
-        return tail + full_ids[len(base_ids) :]
+        base = _base_conversation(tok)
+        full_ids = _encode(tok, render(tok, [*base.messages, *messages], generation=True))
+        tail = base.after_end if after and after[-1] == base.end_id else []
+        return tail + full_ids[len(base.ids) :]
 
     def remaining(self, trajectory: Trajectory) -> int:
         """Tokens of the trajectory's budget still free."""
@@ -167,27 +170,45 @@ class AgentClient:
         return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
 
-_BASE = ({"role": "system", "content": "x"}, {"role": "user", "content": "x"})
+@dataclass(frozen=True)
+class _Base:
+    """A short conversation that appended messages are cut from: its messages, its tokens,
+    the template's end-of-turn token and the tokens the template writes after it."""
+
+    messages: tuple[dict[str, str], ...]
+    ids: list[int]
+    end_id: int
+    after_end: list[int]
+
+
+# Tried in turn: the first whose tokens start every longer conversation (Gemma 2's template
+# takes no system message and alternates user and model turns, so it takes the second).
+_BASES = (
+    ({"role": "system", "content": "x"}, {"role": "user", "content": "x"}),
+    ({"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}),
+)
 
 
 @functools.lru_cache(maxsize=8)
-def _base_conversation(tok: PreTrainedTokenizerBase) -> tuple[list[int], list[int]]:
-    """The tokens of a short conversation that appended messages are cut from, and what the
-    template writes after its last end-of-turn token (rendered once per tokenizer)."""
-    base_ids = _encode(tok, _render(tok, list(_BASE), generation=False))
-    eos = tok.eos_token_id
-    if eos not in base_ids:
-        return base_ids, []
-    last = len(base_ids) - 1 - base_ids[::-1].index(eos)
-    return base_ids, base_ids[last + 1 :]
-
-
-def _render(
-    tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]], *, generation: bool
-) -> str:
-    text = tok.apply_chat_template(messages, add_generation_prompt=generation, tokenize=False)
-    assert isinstance(text, str)
-    return text
+def _base_conversation(tok: PreTrainedTokenizerBase) -> _Base:
+    """The base conversation for this tokenizer's template (rendered once per tokenizer)."""
+    end_id = end_of_turn(tok)[0]
+    for messages in _BASES:
+        try:
+            ids = _encode(tok, render(tok, list(messages), generation=False))
+            longer = [*messages, {"role": "user", "content": "y"}]
+            longer_ids = _encode(tok, render(tok, longer, generation=True))
+        except TemplateError:
+            continue
+        if longer_ids[: len(ids)] != ids:
+            continue
+        last = len(ids) - 1 - ids[::-1].index(end_id) if end_id in ids else len(ids) - 1
+        return _Base(messages, ids, end_id, ids[last + 1 :])
+    raise AgentLoopError(
+        "the tokenizer's chat template renders no conversation whose tokens start its "
+        "continuations (tried a system and a user message, then a user and an assistant "
+        "message), so an agent loop cannot append tool results or observations to a turn"
+    )
 
 
 def _encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -231,7 +252,7 @@ async def tool_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Traj
         calls += len(results)
         errors += sum(r.error for r in results)
         seconds += sum(r.seconds for r in results)
-        messages = [result_message(client.tokenizer, _cut(client, r.content)) for r in results]
+        messages = result_messages(client.tokenizer, [_cut(client, r.content) for r in results])
         ids = client.encode_messages(messages, after=response.token_ids)
         if len(ids) >= client.remaining(t):  # no room left for the model to read and answer
             t.stop_reason = "length"

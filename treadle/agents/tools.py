@@ -10,8 +10,9 @@ a chat template with tool support gets the schemas through ``tools=``; for a tem
 (SmolLM2's, plain ChatML), the Hermes instructions used by Qwen2.5 and NousResearch's Hermes
 models go into the system message. A call is a ``<tool_call>{"name": ..., "arguments":
 {...}}</tool_call>`` block in the model's text (:func:`parse_tool_calls`); its result goes
-back as a ``tool`` message, or, without tool support in the template, as a user message
-wrapped in ``<tool_response>`` tags (what Qwen2.5's template renders a tool message as).
+back as a ``tool`` message, or, without tool support in the template, wrapped in
+``<tool_response>`` tags, a turn's results together in one user message (what Qwen2.5's
+template renders its tool messages as).
 
 Calls never crash a rollout (:meth:`Toolbox.call`): malformed JSON, an unknown tool, wrong
 arguments, an exception or a call over ``rollout.tool_timeout_s`` each become an ``Error: ...``
@@ -184,8 +185,13 @@ def _parse_call(body: str) -> ToolCall:
 # ----------------------------------------------------------------------------- chat rendering
 
 
-def result_message(tokenizer: PreTrainedTokenizerBase, content: str) -> dict[str, str]:
-    """A tool result as a chat message (see the module docstring)."""
+def result_messages(
+    tokenizer: PreTrainedTokenizerBase, contents: list[str]
+) -> list[dict[str, str]]:
+    """A turn's tool results as chat messages (see the module docstring): one ``tool``
+    message each, or one user message holding them all, as Qwen2.5's template renders
+    consecutive tool messages (a template that alternates user and model turns takes it)."""
     if supports_tools(tokenizer):
-        return {"role": "tool", "content": content}
-    return {"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"}
+        return [{"role": "tool", "content": c} for c in contents]
+    blocks = "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in contents)
+    return [{"role": "user", "content": blocks}]

@@ -23,12 +23,12 @@ from treadle.data.templating import (
     check_template,
     encode_prompt,
     encode_response,
-    eos_token,
+    end_of_turn,
     pad_or_eos_id,
     prompt_ids,
     prompt_messages,
     prompt_text,
-    render,
+    render_row,
     response_ids,
     special_strings,
 )
@@ -107,16 +107,18 @@ def _sft_messages(
     tokenizer: PreTrainedTokenizerBase,
     options: TextOptions,
 ) -> tuple[list[int], list[int]]:
-    """Multi-turn: every assistant turn (content + EOS) is a target, everything else context.
+    """Multi-turn: every assistant turn (content + end-of-turn token) is a target,
+    everything else context.
 
     The template must render a conversation as a prefix of its continuations, and an assistant
-    turn as its content followed by the EOS token (ChatML, Llama 3 and most templates do).
+    turn as its content followed by its end-of-turn token (:func:`end_of_turn`: ChatML's
+    ``<|im_end|>``, Gemma's ``<end_of_turn>``), as most templates do.
     """
     messages_key, allow_special = options.messages_key, options.allow_special_tokens
     messages = prompt_messages(
         record, messages_key, require(record, messages_key, "messages"), options.system_prompt
     )
-    eos_id, eos_text = eos_token(tokenizer)
+    end_id, end_text = end_of_turn(tokenizer)
     specials = special_strings(tokenizer)
     ids: list[int] = []
     mask: list[int] = []
@@ -127,7 +129,7 @@ def _sft_messages(
             continue
         if i == 0:
             raise DataError(f"{record.where}: '{messages_key}' starts with an assistant turn")
-        context = render(tokenizer, messages[:i], generation=True)
+        context = render_row(record, messages_key, tokenizer, messages[:i], generation=True)
         if not context.startswith(done):
             raise _template_error(record)
         context_ids = encode_prompt(
@@ -139,12 +141,13 @@ def _sft_messages(
             specials=specials,
         )
         content_ids = encode_response(tokenizer, message["content"], allow_special=allow_special)
-        turn_ids = [*content_ids, eos_id]
+        turn_ids = [*content_ids, end_id]
         ids += context_ids + turn_ids
         mask += [0] * len(context_ids) + [1] * len(turn_ids)
-        done = context + message["content"] + eos_text
+        done = context + message["content"] + end_text
         first = i + 1
-        if not render(tokenizer, messages[: i + 1], generation=False).startswith(done):
+        turns = render_row(record, messages_key, tokenizer, messages[: i + 1], generation=False)
+        if not turns.startswith(done):
             raise _template_error(record)
     if not any(mask):
         raise DataError(f"{record.where}: '{messages_key}' has no assistant turn to train on")
@@ -154,8 +157,8 @@ def _sft_messages(
 def _template_error(record: Record) -> DataError:
     return DataError(
         f"{record.where}: the chat template does not render the conversation as a prefix of "
-        "its continuations with assistant turns as content + EOS, which multi-turn SFT needs; "
-        "use prompt/response columns instead"
+        "its continuations with assistant turns as content + end-of-turn token, which "
+        "multi-turn SFT needs; use prompt/response columns instead"
     )
 
 

@@ -13,11 +13,13 @@ the whole text), so their ids do not change.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Sequence
 from typing import Any
 
+from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
@@ -101,19 +103,92 @@ def prompt_messages(
 
 def render(
     tokenizer: PreTrainedTokenizerBase,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     generation: bool,
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
+    """The chat template's text of ``messages``. A template that refuses a system message
+    (Gemma 2's raises) gets it at the start of the first user message, as Gemma 3's own
+    template writes it."""
     kwargs: dict[str, Any] = {}
     if tools:
         messages, kwargs = tool_messages(tokenizer, messages, tools)
+    try:
+        return _apply(tokenizer, messages, generation, kwargs)
+    except TemplateError:
+        folded = _system_folded(messages)
+        if folded is None:
+            raise
+    return _apply(tokenizer, folded, generation, kwargs)  # its error, if any, is what is left
+
+
+def render_row(
+    record: Record,
+    key: str,
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    *,
+    generation: bool,
+    tools: list[dict[str, Any]] | None = None,
+) -> str:
+    """:func:`render` for a data row: a template that refuses it names the file, row and field."""
+    try:
+        return render(tokenizer, messages, generation=generation, tools=tools)
+    except TemplateError as e:
+        raise DataError(f"{record.where}: the chat template refuses field '{key}': {e}") from e
+
+
+def _apply(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    generation: bool,
+    kwargs: dict[str, Any],
+) -> str:
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation, tokenize=False, **kwargs
     )
     assert isinstance(text, str)
     return text
+
+
+def _system_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """``messages`` with a leading system message put before the first user message's text;
+    None where there is no such pair to fold."""
+    if len(messages) < 2 or messages[0]["role"] != "system" or messages[1]["role"] != "user":
+        return None
+    system, user = messages[0]["content"], messages[1]["content"]
+    if not (isinstance(system, str) and isinstance(user, str)):
+        return None
+    return [{**messages[1], "content": f"{system}\n\n{user}"}, *messages[2:]]
+
+
+_PROBE = "treadle-probe"
+
+
+def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
+    """The token the chat template closes an assistant turn with (ChatML's ``<|im_end|>``,
+    Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``), found by rendering one; the
+    tokenizer's EOS where the template writes no special token after the turn's text."""
+    template = tokenizer.chat_template
+    found = _end_of_turn(tokenizer, template) if isinstance(template, str) else None
+    return found if found is not None else eos_token(tokenizer)
+
+
+@functools.lru_cache(maxsize=8)
+def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> tuple[int, str] | None:
+    turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
+    try:
+        text = render(tokenizer, turn, generation=False)
+    except TemplateError:
+        return None
+    after = text[text.rfind(_PROBE) + len(_PROBE) :]
+    specials = special_strings(tokenizer)
+    match = re.search("|".join(re.escape(s) for s in specials), after) if specials else None
+    if match is None:
+        return None
+    token_id = tokenizer.convert_tokens_to_ids(match.group())
+    return (token_id, match.group()) if isinstance(token_id, int) else None
 
 
 def prompt_text(
@@ -138,7 +213,7 @@ def prompt_text(
         roles = ", ".join(m["role"] for m in messages)
         raise DataError(f"{record.where}: field '{key}' has no user message (its roles: {roles})")
     shown = value if isinstance(value, str) else users[-1]
-    text = render(tokenizer, messages, generation=True, tools=tools)
+    text = render_row(record, key, tokenizer, messages, generation=True, tools=tools)
     return shown, text, [m["content"] for m in messages]
 
 
