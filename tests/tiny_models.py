@@ -78,8 +78,9 @@ def tiny_moe(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtral")
     return build_tiny_model(tokenizer, out, shape, head_dim=head, **MOE_KEYS[arch])  # type: ignore[arg-type]
 
 
-# Gemma 2's chat template as its tokenizer_config.json holds it: no system role, user and model
-# turns alternating, each closed by <end_of_turn> (not the tokenizer's EOS, <eos>).
+# Two chat templates as their models' tokenizer_config.json hold them, with turns of their own.
+# Gemma 2's: no system role, user and model turns alternating, each closed by <end_of_turn>
+# (not the tokenizer's EOS, <eos>).
 GEMMA2_TEMPLATE = (
     "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
     "{{ raise_exception('System role not supported') }}{% endif %}"
@@ -93,18 +94,45 @@ GEMMA2_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{'<start_of_turn>model\\n'}}{% endif %}"
 )
+# Phi-3.5-mini's: each turn closed by <|end|>, and a conversation that does not go on to the
+# model's turn ends with the EOS, <|endoftext|>.
+PHI3_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and message['content'] %}"
+    "{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}"
+    "{% elif message['role'] == 'user' %}{{'<|user|>\\n' + message['content'] + '<|end|>\\n'}}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{'<|assistant|>\\n' + message['content'] + '<|end|>\\n'}}"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
+)
+CHAT_STYLES: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2": (
+        GEMMA2_TEMPLATE,
+        {
+            "bos_token": "<bos>",
+            "eos_token": "<eos>",
+            "additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"],
+        },
+    ),
+    "phi3": (
+        PHI3_TEMPLATE,
+        {
+            "eos_token": "<|endoftext|>",
+            "additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
+        },
+    ),
+}
 
 
-def gemma_style(tokenizer: Any) -> Any:
-    """A copy of ``tokenizer`` with Gemma 2's chat template and special tokens (<bos>, <eos>,
-    <start_of_turn>, <end_of_turn>), for the chat-rendering tests (ids past a tiny model's
-    vocabulary: no model reads them)."""
+def chat_style(tokenizer: Any, family: str) -> Any:
+    """A copy of ``tokenizer`` with ``family``'s chat template and special tokens
+    (`CHAT_STYLES`), for the chat-rendering tests (ids past a tiny model's vocabulary: no model
+    reads them)."""
     import copy
 
+    template, specials = CHAT_STYLES[family]
     tok = copy.deepcopy(tokenizer)
-    specials = ["<start_of_turn>", "<end_of_turn>"]
-    tok.add_special_tokens(
-        {"bos_token": "<bos>", "eos_token": "<eos>", "additional_special_tokens": specials}
-    )
-    tok.chat_template = GEMMA2_TEMPLATE
+    tok.add_special_tokens(specials)
+    tok.chat_template = template
     return tok

@@ -11,7 +11,7 @@ import pandas as pd
 import pytest
 import torch
 from jinja2 import TemplateError
-from tiny_models import gemma_style
+from tiny_models import chat_style
 
 from treadle.data import (
     ResumableSampler,
@@ -200,8 +200,9 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
 ):  # type: ignore[no-untyped-def]
     """Gemma 2's template: the system message goes before the first user message's text (the
     template raises on a system role), and each model turn is trained to end with
-    <end_of_turn>, the token the template closes it with, not the tokenizer's <eos>."""
-    gemma = gemma_style(tok)
+    <end_of_turn>, the token the template closes it with, not the tokenizer's <eos> (and
+    Phi-3's with <|end|>)."""
+    gemma = chat_style(tok, "gemma2")
     assert end_of_turn(tok) == (tok.eos_token_id, "<|im_end|>")  # ChatML: its EOS
     end = gemma.convert_tokens_to_ids("<end_of_turn>")
     assert end_of_turn(gemma) == (end, "<end_of_turn>") and end != gemma.eos_token_id
@@ -222,6 +223,11 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
     )
     target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
     assert gemma.decode(target) == "Answer: 3<end_of_turn>Answer: 7<end_of_turn>"
+    # Phi-3's closes a turn with <|end|> and a finished conversation with its EOS
+    phi3 = chat_style(tok, "phi3")
+    row = load_sft_dataset([path], phi3, TextOptions(max_length=128))[0]
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert phi3.decode(target) == "Answer: 3<|end|>Answer: 7<|end|>"
     # A refusal that is not about the system message is the template's own, and a data row's
     # names its file, row and field.
     two_users = [messages[1], messages[3]]

@@ -11,7 +11,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import gemma_style
+from tiny_models import chat_style
 
 from treadle.agents.loops import (
     AgentLoopError,
@@ -247,13 +247,17 @@ def test_a_turns_tool_results_go_back_in_one_user_message_without_a_tool_role(to
     ) in tok.decode(t.token_ids)
 
 
-def test_the_tool_loop_on_gemmas_template(tok):
+@pytest.mark.parametrize("family", ["gemma2", "phi3"])
+def test_the_tool_loop_on_templates_with_turns_of_their_own(tok, family):
     """Gemma 2's template takes no system message, alternates user and model turns, and closes
-    a turn with <end_of_turn>, not its EOS: the loop's tokens are the template's own rendering
-    of the conversation, the newline after <end_of_turn> included."""
-    gemma = gemma_style(tok)
+    a turn with <end_of_turn>, not its EOS; Phi-3's closes one with <|end|> and ends a finished
+    conversation with its EOS. The loop's tokens are the template's own rendering of the
+    conversation, the newline after the end of a turn included."""
+    styled = chat_style(tok, family)
+    end_id, end = end_of_turn(styled)
+    assert end == {"gemma2": "<end_of_turn>", "phi3": "<|end|>"}[family]
     call = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>'
-    (t,), replica = run_loop(gemma, [call, call, "Answer: 42"])
+    (t,), replica = run_loop(styled, [call, call, "Answer: 42"])
     assert (t.turns, t.stop_reason, t.info["tool_calls"]) == (3, "stop", 2)
     result = {"role": "user", "content": "<tool_response>\n42\n</tool_response>"}
     conversation = [
@@ -264,10 +268,10 @@ def test_the_tool_loop_on_gemmas_template(tok):
         result,
         {"role": "assistant", "content": "Answer: 42"},
     ]
-    rendered = render(gemma, conversation, generation=False)
-    assert gemma.decode(t.all_token_ids) == rendered.removesuffix("\n")
-    # the last turn continued the conversation exactly, and ended at <end_of_turn>
-    answer = [*gemma.encode("Answer: 42", add_special_tokens=False), end_of_turn(gemma)[0]]
+    rendered = render(styled, conversation, generation=False)
+    assert styled.decode(t.all_token_ids) == rendered[: rendered.rindex(end) + len(end)]
+    # the last turn continued the conversation exactly, and ended at the end of its turn
+    answer = [*styled.encode("Answer: 42", add_special_tokens=False), end_id]
     assert t.all_token_ids == [*replica.calls[2][0].prompt_ids, *answer]
 
 

@@ -159,6 +159,12 @@ class AgentClient:
         tok = self.tokenizer
         base = _base_conversation(tok)
         full_ids = _encode(tok, render(tok, [*base.messages, *messages], generation=True))
+        if full_ids[: len(base.ids)] != base.ids:
+            raise AgentLoopError(
+                "the chat template renders the start of a conversation differently once these "
+                f"messages follow it (roles {[m.get('role') for m in messages]}), so they "
+                "cannot be appended to the model's turn token for token"
+            )
         tail = base.after_end if after and after[-1] == base.end_id else []
         return tail + full_ids[len(base.ids) :]
 
@@ -172,8 +178,9 @@ class AgentClient:
 
 @dataclass(frozen=True)
 class _Base:
-    """A short conversation that appended messages are cut from: its messages, its tokens,
-    the template's end-of-turn token and the tokens the template writes after it."""
+    """A short conversation that appended messages are cut from: its messages, the tokens
+    every longer conversation starts with, the template's end-of-turn token and the tokens
+    the template writes after it before the next turn."""
 
     messages: tuple[dict[str, str], ...]
     ids: list[int]
@@ -181,8 +188,8 @@ class _Base:
     after_end: list[int]
 
 
-# Tried in turn: the first whose tokens start every longer conversation (Gemma 2's template
-# takes no system message and alternates user and model turns, so it takes the second).
+# Tried in turn (Gemma 2's template takes no system message and alternates user and model
+# turns, so it takes the second).
 _BASES = (
     ({"role": "system", "content": "x"}, {"role": "user", "content": "x"}),
     ({"role": "user", "content": "x"}, {"role": "assistant", "content": "x"}),
@@ -191,7 +198,10 @@ _BASES = (
 
 @functools.lru_cache(maxsize=8)
 def _base_conversation(tok: PreTrainedTokenizerBase) -> _Base:
-    """The base conversation for this tokenizer's template (rendered once per tokenizer)."""
+    """The first base conversation the template renders, and goes on from, up to its last
+    end-of-turn token at least (rendered once per tokenizer). Its tokens are those it shares
+    with a longer conversation: Phi-3's template ends a conversation that does not go on
+    with its EOS."""
     end_id = end_of_turn(tok)[0]
     for messages in _BASES:
         try:
@@ -200,14 +210,18 @@ def _base_conversation(tok: PreTrainedTokenizerBase) -> _Base:
             longer_ids = _encode(tok, render(tok, longer, generation=True))
         except TemplateError:
             continue
-        if longer_ids[: len(ids)] != ids:
-            continue
-        last = len(ids) - 1 - ids[::-1].index(end_id) if end_id in ids else len(ids) - 1
-        return _Base(messages, ids, end_id, ids[last + 1 :])
+        shared = 0
+        while shared < min(len(ids), len(longer_ids)) and ids[shared] == longer_ids[shared]:
+            shared += 1
+        if end_id in ids[:shared]:
+            last = shared - 1 - ids[:shared][::-1].index(end_id)
+            return _Base(messages, ids[:shared], end_id, ids[last + 1 : shared])
+        if shared == len(ids):  # a template that writes no end-of-turn token
+            return _Base(messages, ids, end_id, [])
     raise AgentLoopError(
-        "the tokenizer's chat template renders no conversation whose tokens start its "
-        "continuations (tried a system and a user message, then a user and an assistant "
-        "message), so an agent loop cannot append tool results or observations to a turn"
+        "the tokenizer's chat template renders no conversation that a longer one starts with "
+        "(tried a system and a user message, then a user and an assistant message), so an "
+        "agent loop cannot append tool results or observations to a turn"
     )
 
 
