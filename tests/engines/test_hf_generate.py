@@ -5,6 +5,7 @@ decoding step compiled or not, answers as the dynamic one."""
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import math
 
@@ -285,6 +286,39 @@ def test_the_hf_engine_stops_where_the_model_s_generation_config_says(tiny_task,
     assert out.token_ids[0] == free[: k + 1] and out.stop_reasons == ["stop"]
 
 
+def test_the_engine_stops_where_the_chat_template_closes_a_turn(tiny_task, tmp_path):
+    """A base model's EOS and generation config may say ``<|endoftext|>`` while the chat
+    template it is trained with closes a turn with ``<|im_end|>`` (Qwen2.5's base models): a
+    response stops there too. A tokenizer whose template closes a turn with the token a seeded
+    sample reaches at its k-th step ends the response there."""
+    import shutil
+
+    from treadle.config import load_config
+    from treadle.data.templating import end_of_turn
+    from treadle.models.loading import save_tokenizer
+    from treadle.serving.replica import make_engine
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_task["model"], folder)
+    cfg = load_config(None, [f"model.path={folder}"])
+    tok = load_tokenizer(folder)
+    prompt = tok("3 + 4 =")["input_ids"]
+    sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    free = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], sampled)
+    ids = free.token_ids[0]
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i] and ids[i] != 0)
+    token = tok.convert_ids_to_tokens(ids[k])
+    tok.add_special_tokens({"additional_special_tokens": [token]})  # its id stays
+    tok.chat_template = "{% for m in messages %}{{ m['content'] + '" + token + "' }}{% endfor %}"
+    assert end_of_turn(tok) == (ids[k], token) and tok.eos_token_id != ids[k]
+    save_tokenizer(tok, folder)
+    out = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], sampled)
+    assert out.token_ids[0] == ids[: k + 1] and out.stop_reasons == ["stop"]
+    ignoring = dataclasses.replace(sampled, ignore_eos=True)
+    again = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], ignoring)
+    assert again.token_ids[0] == ids  # (rollout.ignore_eos: every response to its length)
+
+
 @pytest.mark.parametrize(
     ("eos", "config_eos", "stops"),
     [(2, None, [2]), (2, 2, [2]), (2, [7, 2, 9], [2, 7, 9]), (None, 7, [7]), (None, None, [])],
@@ -298,3 +332,19 @@ def test_stop_token_ids_are_the_tokenizer_s_eos_then_the_generation_config_s(
 
     assert stop_token_ids(eos, SimpleNamespace(eos_token_id=config_eos)) == stops
     assert stop_token_ids(eos, None) == ([eos] if eos is not None else [])
+    # then the template's end of turn, once
+    assert stop_token_ids(eos, SimpleNamespace(eos_token_id=config_eos), 5) == [*stops, 5]
+    assert stop_token_ids(eos, SimpleNamespace(eos_token_id=config_eos), 7) == (
+        stops if 7 in stops else [*stops, 7]
+    )
+
+
+def test_a_vllm_request_stops_at_the_template_s_end_of_turn_unless_it_ignores_eos():
+    from treadle.engines.vllm import VLLMRolloutEngine
+
+    engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)  # its requests' settings alone
+    engine.turn_stops = [7]
+    kwargs = engine._sampling_kwargs(SamplingParams(stop_token_ids=(3,)))
+    assert kwargs["stop_token_ids"] == [3, 7]
+    kwargs = engine._sampling_kwargs(SamplingParams(stop_token_ids=(3,), ignore_eos=True))
+    assert (kwargs["stop_token_ids"], kwargs["ignore_eos"]) == ([3], True)

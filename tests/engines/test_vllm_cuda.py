@@ -85,6 +85,7 @@ def engine_on(llm: CudaLikeLLM, asleep: bool = False, cuda: bool = True) -> VLLM
     engine = VLLMRolloutEngine.__new__(VLLMRolloutEngine)
     engine._live = LiveEngine(SETTINGS, llm, False, 0.0, seeds_requests=cuda)
     engine._live.asleep = asleep
+    engine.turn_stops = []
     return engine
 
 

@@ -170,9 +170,15 @@ def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
     """The token the chat template closes an assistant turn with (ChatML's ``<|im_end|>``,
     Gemma's ``<end_of_turn>``, Llama 3's ``<|eot_id|>``), found by rendering one; the
     tokenizer's EOS where the template writes no special token after the turn's text."""
-    template = tokenizer.chat_template
-    found = _end_of_turn(tokenizer, template) if isinstance(template, str) else None
+    found = template_end_of_turn(tokenizer)
     return found if found is not None else eos_token(tokenizer)
+
+
+def template_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str] | None:
+    """:func:`end_of_turn` without the EOS fallback: None without a template or where it
+    writes no special token after a turn's text."""
+    template = tokenizer.chat_template
+    return _end_of_turn(tokenizer, template) if isinstance(template, str) else None
 
 
 @functools.lru_cache(maxsize=8)
@@ -180,7 +186,7 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> tuple[int
     turn = [{"role": "user", "content": "x"}, {"role": "assistant", "content": _PROBE}]
     try:
         text = render(tokenizer, turn, generation=False)
-    except TemplateError:
+    except Exception:  # a probe: a template that wants more than two plain turns shows nothing
         return None
     after = text[text.rfind(_PROBE) + len(_PROBE) :]
     specials = special_strings(tokenizer)

@@ -78,13 +78,17 @@ from treadle.engines.paged import generate_paged
 from treadle.engines.sampling import NEUTRAL, processors
 
 
-def stop_token_ids(eos_token_id: int | None, generation_config: Any) -> list[int]:
+def stop_token_ids(
+    eos_token_id: int | None, generation_config: Any, end_of_turn: int | None = None
+) -> list[int]:
     """What ends a response: the tokenizer's EOS, then the ids of the model's generation
     config's ``eos_token_id`` (one or a list: Gemma's ``<end_of_turn>``, Phi-3's ``<|end|>``,
     Llama 3.1's ``<|eom_id|>``, none of them its tokenizer's EOS), where vLLM
-    (``SamplingParams.update_from_generation_config``) and transformers' ``generate`` stop."""
+    (``SamplingParams.update_from_generation_config``) and transformers' ``generate`` stop,
+    then ``end_of_turn``, the token the chat template closes a turn with (ChatML's
+    ``<|im_end|>`` on a base model whose EOS and generation config say ``<|endoftext|>``)."""
     more = getattr(generation_config, "eos_token_id", None)
-    ids = [eos_token_id, *(more if isinstance(more, list) else [more])]
+    ids = [eos_token_id, *(more if isinstance(more, list) else [more]), end_of_turn]
     return list(dict.fromkeys(i for i in ids if i is not None))
 
 

@@ -48,6 +48,7 @@ import torch
 from treadle.config import Config
 from treadle.controller import Collect, Dispatch, register
 from treadle.controller.groups.worker import gpu_index
+from treadle.data.templating import template_end_of_turn
 from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine, stop_token_ids
 from treadle.models.folders import model_config
 from treadle.models.loading import load_causal_lm, load_tokenizer, soft_caps_attention
@@ -143,6 +144,8 @@ def make_engine(
     says: ``rollout.engine`` with the ``rollout`` section's settings, ``teacher.engine`` with
     the ``teacher`` section's, ``reward.judge.engine`` with the judge's."""
     s = role_engine(cfg, role, path)
+    tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
+    turn = template_end_of_turn(tok)
     if s.engine == "vllm":
         from treadle.engines.vllm import VLLMRolloutEngine
 
@@ -153,10 +156,10 @@ def make_engine(
             max_model_len=s.max_model_len,
             bucket_mb=cfg.rollout.weight_sync_bucket_mb,
             allow_download=cfg.model.allow_download,
+            end_of_turn=turn[0] if turn else None,
             **s.memory,
             **s.extra,
         )
-    tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
     model: Any = load_causal_lm(path, s.dtype, key=s.key, allow_download=cfg.model.allow_download)
     if s.cache == "paged" and soft_caps_attention(model.config):
         raise ConfigError(
@@ -164,7 +167,7 @@ def make_engine(
             "soft-cap this model puts on its attention scores (attn_logit_softcapping, as "
             "Gemma 2), which vLLM and the other caches apply: use dynamic or static"
         )
-    eos = stop_token_ids(tok.eos_token_id, model.generation_config)
+    eos = stop_token_ids(tok.eos_token_id, model.generation_config, turn[0] if turn else None)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     return HFRolloutEngine(
         model.to(device),

@@ -89,8 +89,10 @@ class VLLMRolloutEngine:
     seed (sampling seeds come from `SamplingParams.seed`); `max_model_len` bounds prompt plus
     response tokens; `bucket_mb` is the size of one weight-sync message; `kv_cache_gib` sizes
     the KV cache on CPU (`VLLM_CPU_KVCACHE_SPACE`, if set, wins); `gpu_memory_utilization` is
-    the fraction of GPU memory vLLM may take on CUDA. Extra keyword arguments go to `vllm.LLM`
-    (for example `max_num_seqs`).
+    the fraction of GPU memory vLLM may take on CUDA; `end_of_turn` is the token the chat
+    template closes a turn with, where responses stop too (vLLM stops at the tokenizer's EOS
+    and the generation config's itself). Extra keyword arguments go to `vllm.LLM` (for example
+    `max_num_seqs`).
     """
 
     def __init__(
@@ -104,6 +106,7 @@ class VLLMRolloutEngine:
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
         allow_download: bool = False,
+        end_of_turn: int | None = None,
         **engine_kwargs: Any,
     ) -> None:
         path = resolve_model_path(model_path, key="model.path", allow_download=allow_download)
@@ -123,6 +126,7 @@ class VLLMRolloutEngine:
         )
         self.bucket_bytes = max(1, int(bucket_mb * (1 << 20)))
         self.dtype = torch_dtype
+        self.turn_stops = [end_of_turn] if end_of_turn is not None else []
         self._live = engine_for(settings)
 
     @property
@@ -253,7 +257,10 @@ class VLLMRolloutEngine:
             "top_p": params.top_p,
             "top_k": params.top_k if params.top_k > 0 else 0,
             "max_tokens": params.max_new_tokens,
-            "stop_token_ids": list(params.stop_token_ids),
+            "stop_token_ids": [
+                *params.stop_token_ids,
+                *([] if params.ignore_eos else self.turn_stops),
+            ],
             "ignore_eos": params.ignore_eos,
             "logprobs": 0,  # the sampled token's log-prob only
             "detokenize": False,
