@@ -223,6 +223,13 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
     )
     target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
     assert gemma.decode(target) == "Answer: 3<end_of_turn>Answer: 7<end_of_turn>"
+    # a prompt/response row's response too; without the template, the EOS
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS[:1])
+    for templated, end in ((True, "<end_of_turn>"), (False, "<eos>")):
+        options = TextOptions(max_length=128, apply_chat_template=templated)
+        row = load_sft_dataset([rows], gemma, options)[0]
+        target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+        assert gemma.decode(target) == ROWS[0]["solution"] + end
     # Phi-3's closes a turn with <|end|> and a finished conversation with its EOS
     phi3 = chat_style(tok, "phi3")
     row = load_sft_dataset([path], phi3, TextOptions(max_length=128))[0]

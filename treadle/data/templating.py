@@ -320,6 +320,8 @@ def prompt_ids(
 
 
 def response_ids(tokenizer: PreTrainedTokenizerBase, text: str, options: TextOptions) -> list[int]:
-    """A response's ids as a rollout ends it: its content, then the EOS token."""
+    """A response's ids as a rollout ends it: its content, then the token the chat template
+    closes a turn with (:func:`end_of_turn`), or the EOS token for prompts without it."""
     ids = encode_response(tokenizer, text, allow_special=options.allow_special_tokens)
-    return [*ids, eos_token(tokenizer)[0]]
+    end = end_of_turn(tokenizer) if options.apply_chat_template else eos_token(tokenizer)
+    return [*ids, end[0]]
