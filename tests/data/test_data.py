@@ -176,14 +176,17 @@ def test_sft_example_masks_the_prompt(tok, tmp_path: Path):  # type: ignore[no-u
     assert target[-1] == tok.eos_token_id
 
 
+CHAT = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 1+2?"},
+    {"role": "assistant", "content": "Answer: 3"},
+    {"role": "user", "content": "And 3+4?"},
+    {"role": "assistant", "content": "Answer: 7"},
+]
+
+
 def test_sft_messages_train_on_assistant_turns_only(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is 1+2?"},
-        {"role": "assistant", "content": "Answer: 3"},
-        {"role": "user", "content": "And 3+4?"},
-        {"role": "assistant", "content": "Answer: 7"},
-    ]
+    messages = CHAT
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
     row = load_sft_dataset([path], tok, TextOptions(max_length=128))[0]
     target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
@@ -206,13 +209,7 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
     assert end_of_turn(tok) == (tok.eos_token_id, "<|im_end|>")  # ChatML: its EOS
     end = gemma.convert_tokens_to_ids("<end_of_turn>")
     assert end_of_turn(gemma) == (end, "<end_of_turn>") and end != gemma.eos_token_id
-    messages = [
-        {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": "What is 1+2?"},
-        {"role": "assistant", "content": "Answer: 3"},
-        {"role": "user", "content": "And 3+4?"},
-        {"role": "assistant", "content": "Answer: 7"},
-    ]
+    messages = CHAT
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
     row = load_sft_dataset([path], gemma, TextOptions(max_length=128))[0]
     assert gemma.decode(row["input_ids"]) == (
@@ -225,11 +222,11 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
     assert gemma.decode(target) == "Answer: 3<end_of_turn>Answer: 7<end_of_turn>"
     # a prompt/response row's response too; without the template, the EOS
     rows = write_jsonl(tmp_path / "rows.jsonl", ROWS[:1])
-    for templated, end in ((True, "<end_of_turn>"), (False, "<eos>")):
+    for templated, closer in ((True, "<end_of_turn>"), (False, "<eos>")):
         options = TextOptions(max_length=128, apply_chat_template=templated)
         row = load_sft_dataset([rows], gemma, options)[0]
         target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-        assert gemma.decode(target) == ROWS[0]["solution"] + end
+        assert gemma.decode(target) == ROWS[0]["solution"] + closer
     # Phi-3's closes a turn with <|end|> and a finished conversation with its EOS
     phi3 = chat_style(tok, "phi3")
     row = load_sft_dataset([path], phi3, TextOptions(max_length=128))[0]
