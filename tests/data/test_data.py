@@ -220,6 +220,13 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
     )
     target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
     assert gemma.decode(target) == "Answer: 3<end_of_turn>Answer: 7<end_of_turn>"
+    # the turn as the template writes it: Gemma's trims it, ChatML's keeps it as it is
+    spaced = [CHAT[1], {"role": "assistant", "content": " Answer: 3\n"}]
+    spaced_path = write_jsonl(tmp_path / "spaced.jsonl", [{"messages": spaced}])
+    for styled, turn in ((gemma, "Answer: 3<end_of_turn>"), (tok, " Answer: 3\n<|im_end|>")):
+        row = load_sft_dataset([spaced_path], styled, TextOptions(max_length=128))[0]
+        target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+        assert styled.decode(target) == turn
     # a prompt/response row's response too; without the template, the EOS
     rows = write_jsonl(tmp_path / "rows.jsonl", ROWS[:1])
     for templated, closer in ((True, "<end_of_turn>"), (False, "<eos>")):

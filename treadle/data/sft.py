@@ -111,8 +111,9 @@ def _sft_messages(
     everything else context.
 
     The template must render a conversation as a prefix of its continuations, and an assistant
-    turn as its content followed by its end-of-turn token (:func:`end_of_turn`: ChatML's
-    ``<|im_end|>``, Gemma's ``<end_of_turn>``), as most templates do.
+    turn as its content (or that content trimmed, as Gemma's does) followed by its end-of-turn
+    token (:func:`end_of_turn`: ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), as most
+    templates do; the target is the turn as the template writes it.
     """
     messages_key, allow_special = options.messages_key, options.allow_special_tokens
     messages = prompt_messages(
@@ -130,7 +131,13 @@ def _sft_messages(
         if i == 0:
             raise DataError(f"{record.where}: '{messages_key}' starts with an assistant turn")
         context = render_row(record, messages_key, tokenizer, messages[:i], generation=True)
-        if not context.startswith(done):
+        turns = render_row(record, messages_key, tokenizer, messages[: i + 1], generation=False)
+        if not (context.startswith(done) and turns.startswith(context)):
+            raise _template_error(record)
+        # the turn as the template writes it: its content, or that content trimmed (Gemma's)
+        rest, text = turns[len(context) :], message["content"]
+        content = next((c for c in (text, text.strip()) if rest.startswith(c + end_text)), None)
+        if content is None:
             raise _template_error(record)
         context_ids = encode_prompt(
             tokenizer,
@@ -140,15 +147,12 @@ def _sft_messages(
             allow_special=allow_special,
             specials=specials,
         )
-        content_ids = encode_response(tokenizer, message["content"], allow_special=allow_special)
+        content_ids = encode_response(tokenizer, content, allow_special=allow_special)
         turn_ids = [*content_ids, end_id]
         ids += context_ids + turn_ids
         mask += [0] * len(context_ids) + [1] * len(turn_ids)
-        done = context + message["content"] + end_text
+        done = context + content + end_text
         first = i + 1
-        turns = render_row(record, messages_key, tokenizer, messages[: i + 1], generation=False)
-        if not turns.startswith(done):
-            raise _template_error(record)
     if not any(mask):
         raise DataError(f"{record.where}: '{messages_key}' has no assistant turn to train on")
     return ids, mask
