@@ -146,6 +146,7 @@ def make_engine(
     s = role_engine(cfg, role, path)
     tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
     turn = template_end_of_turn(tok)
+    end_of_turn = turn[0] if turn is not None and turn[0] != tok.eos_token_id else None
     if s.engine == "vllm":
         from treadle.engines.vllm import VLLMRolloutEngine
 
@@ -156,7 +157,7 @@ def make_engine(
             max_model_len=s.max_model_len,
             bucket_mb=cfg.rollout.weight_sync_bucket_mb,
             allow_download=cfg.model.allow_download,
-            end_of_turn=turn[0] if turn else None,
+            end_of_turn=end_of_turn,
             **s.memory,
             **s.extra,
         )
@@ -167,7 +168,7 @@ def make_engine(
             "soft-cap this model puts on its attention scores (attn_logit_softcapping, as "
             "Gemma 2), which vLLM and the other caches apply: use dynamic or static"
         )
-    eos = stop_token_ids(tok.eos_token_id, model.generation_config, turn[0] if turn else None)
+    eos = stop_token_ids(tok.eos_token_id, model.generation_config, end_of_turn)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     return HFRolloutEngine(
         model.to(device),
