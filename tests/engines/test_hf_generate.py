@@ -306,7 +306,8 @@ def test_the_engine_stops_where_the_chat_template_closes_a_turn(tiny_task, tmp_p
     sampled = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
     free = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], sampled)
     ids = free.token_ids[0]
-    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i] and ids[i] != 0)
+    pad = tok.pad_token_id
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i] and ids[i] != pad)
     token = tok.convert_ids_to_tokens(ids[k])
     tok.add_special_tokens({"additional_special_tokens": [token]})  # its id stays
     tok.chat_template = "{% for m in messages %}{{ m['content'] + '" + token + "' }}{% endfor %}"
