@@ -66,6 +66,64 @@ def test_custom_loop_by_path_two_turns_masks_and_trains(long_task, length_reward
     assert any(not torch.equal(before[k], after[k]) for k in before)
 
 
+def test_a_gemma_model_s_turns_go_as_its_template_writes_them(long_task, length_reward, tmp_path):
+    """A tiny random Gemma 2 with Gemma 2's chat template (no system message, user and model
+    turns alternating, each closed by <end_of_turn>, not its EOS) through the two-turn loop and
+    the hf engine: the system prompt is in the first user turn, and between the model's turns
+    the loop puts exactly what the template writes (after <end_of_turn> its newline), and a
+    step runs on them."""
+    from dataclasses import replace
+
+    from tiny_models import TINY_SHAPE, chat_style
+
+    from treadle.data.templating import end_of_turn
+    from treadle.models.loading import load_tokenizer
+    from treadle.tasks.arithmetic import build_tiny_model
+
+    tok = chat_style(load_tokenizer(long_task["model"]), "gemma2")
+    shape = replace(TINY_SHAPE, arch="gemma2", max_positions=1152)
+    folder = build_tiny_model(tok, tmp_path / "gemma", shape, head_dim=32)
+    cfg = load_config(
+        None,
+        overrides(
+            long_task,
+            tmp_path / "run",
+            f"model.path={folder}",
+            "data.system_prompt=Be brief.",
+            "rollout.engine=hf",
+            "trainer.backend=local",
+            f"rollout.agent_loop={EXAMPLE_LOOP}:answer_then_check",
+            f"rollout.tools=[{CALCULATOR}]",
+            "rollout.max_response_length=160",
+            f"reward.function={length_reward}",
+        ),
+    )
+    trainer = RLTrainer(cfg)
+    try:
+        batch = trainer.source.sample(1, {})
+        metrics = trainer.run_step(1)
+    finally:
+        trainer.close()
+    end = end_of_turn(tok)[0]
+    # the system message (the system prompt, then the tools' instructions) opens the user turn
+    prompt = tok.decode(batch["prompts"][0], skip_special_tokens=False)
+    assert "<bos><start_of_turn>user\nBe brief.\n\n# Tools\n" in prompt
+    question = batch["prompt_text"][0]
+    assert prompt.endswith(f"\n\n{question}<end_of_turn>\n<start_of_turn>model\n")
+    mask, attention = batch["response_mask"], batch["response_attention_mask"]
+    assert batch["turns"].tolist() == [2.0] * 4
+    for row in range(4):
+        ids = batch["responses"][row].tolist()
+        first = next(i for i, m in enumerate(mask[row].tolist()) if m == 0)  # turn 1's end
+        note = next(i for i in range(first, len(ids)) if mask[row][i] == 1)  # turn 2's start
+        between = tok.decode(ids[first:note])
+        ended = ids[first - 1] == end  # turn 1 closed its turn, or was cut at its length
+        assert between.startswith("\n<start_of_turn>user\n" if ended else "<start_of_turn>user\n")
+        assert between.endswith("<end_of_turn>\n<start_of_turn>model\n")
+        assert int(attention[row].sum()) >= note
+    assert metrics["agent/turns_mean"] == 2.0 and metrics["agent/errors"] == 0.0
+
+
 def test_tools_loop_end_to_end_with_vllm_replicas(long_task, tmp_path, ray_session):
     out = tmp_path / "run"
     code, rows = tiny_runs.train(
