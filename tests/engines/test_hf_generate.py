@@ -340,6 +340,7 @@ def test_stop_token_ids_are_the_tokenizer_s_eos_then_the_generation_config_s(
     )
 
 
+@pytest.mark.slow  # imports vLLM (~7 s)
 def test_a_vllm_request_stops_at_the_template_s_end_of_turn_unless_it_ignores_eos():
     from treadle.engines.vllm import VLLMRolloutEngine
 
