@@ -7,6 +7,7 @@ end-to-end runs on the tiny model are in tests/rollout/test_agents_e2e.py.
 from __future__ import annotations
 
 import asyncio
+import copy
 import time
 
 import pytest
@@ -22,7 +23,14 @@ from treadle.agents.loops import (
     tool_loop,
 )
 from treadle.agents.registry import load_agent_loop
-from treadle.agents.tools import Tool, Toolbox, ToolCall, parse_tool_calls, tool_schema
+from treadle.agents.tools import (
+    Tool,
+    Toolbox,
+    ToolCall,
+    call_parser,
+    parse_tool_calls,
+    tool_schema,
+)
 from treadle.agents.trajectory import Trajectory
 from treadle.data import HERMES_TOOLS_PROMPT, tool_messages
 from treadle.data.templating import end_of_turn, render
@@ -178,7 +186,15 @@ class ScriptedReplica:
 
 
 def run_loop(
-    tok, script, loop=tool_loop, limits=None, copies=1, samples=None, eos=True, max_new_tokens=120
+    tok,
+    script,
+    loop=tool_loop,
+    limits=None,
+    copies=1,
+    samples=None,
+    eos=True,
+    max_new_tokens=120,
+    parse_calls=parse_tool_calls,
 ):
     replica = ScriptedReplica(tok, script, eos)
     client = RolloutClient([replica])
@@ -198,6 +214,7 @@ def run_loop(
             tools=toolbox(),
             limits=limits,
             max_concurrent=8,
+            parse_calls=parse_calls,
         )
     )
     client.close()
@@ -273,6 +290,44 @@ def test_the_tool_loop_on_templates_with_turns_of_their_own(tok, family):
     # the last turn continued the conversation exactly, and ended at the end of its turn
     answer = [*styled.encode("Answer: 42", add_special_tokens=False), end_id]
     assert t.all_token_ids == [*replica.calls[2][0].prompt_ids, *answer]
+
+
+@pytest.mark.slow  # imports vLLM (~7 s) for its parser
+def test_the_tools_loop_parses_calls_with_the_parser_rollout_tool_parser_names(tok):
+    """Llama 3's template asks for a bare JSON call; vLLM's llama3_json parser reads it, as the
+    endpoint's does, and the call runs."""
+    with pytest.raises(ConfigError, match=r"rollout\.tool_parser=llama3_json: .*<\|python_tag\|>"):
+        call_parser(tok, "llama3_json", toolbox().schemas)  # a tokenizer without its token
+    llama = copy.deepcopy(tok)
+    llama.add_special_tokens({"additional_special_tokens": ["<|python_tag|>"]})
+    parse = call_parser(llama, "llama3_json", toolbox().schemas)
+    call = '{"name": "add", "parameters": {"a": 2, "b": 40}}'
+    (t,), _ = run_loop(tok, [call, "Answer: 42"], parse_calls=parse)
+    assert (t.turns, t.info["tool_calls"], t.info["tool_errors"]) == (2, 1, 0)
+    assert "<tool_response>\n42\n</tool_response>" in tok.decode(t.token_ids)
+    assert parse("no call here") == []
+
+
+def test_calls_from_vllm_s_parsers_keep_their_ids_and_name_bad_arguments():
+    from types import SimpleNamespace
+
+    from treadle.agents.tools import _from_openai, result_messages
+
+    def call(arguments: str) -> dict:
+        return {"id": "abc123XYZ", "function": {"name": "add", "arguments": arguments}}
+
+    good = _from_openai(call('{"a": 2, "b": 40}'))
+    assert good == ToolCall("add", {"a": 2, "b": 40}, None, "abc123XYZ")
+    assert _from_openai(call("{nope")).error.startswith("the arguments of add are not valid JSON")
+    assert _from_openai(call("[1]")).error == "the arguments of add must be a JSON object"
+    # a template with a tool role gets the call's id and name with its result (Mistral's asks)
+    with_tools = SimpleNamespace(chat_template="{% if tools %}{{ tools }}{% endif %}")
+    assert result_messages(with_tools, ["42"], [good]) == [
+        {"role": "tool", "content": "42", "tool_call_id": "abc123XYZ", "name": "add"}
+    ]
+    assert result_messages(with_tools, ["42"], [ToolCall("add", {})]) == [
+        {"role": "tool", "content": "42"}  # (hermes: no id, as before)
+    ]
 
 
 def test_tool_errors_go_back_to_the_model_and_turns_are_bounded(tok):

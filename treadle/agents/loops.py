@@ -35,7 +35,7 @@ import torch
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from treadle.agents.tools import Toolbox, parse_tool_calls, result_messages
+from treadle.agents.tools import CallParser, Toolbox, parse_tool_calls, result_messages
 from treadle.agents.trajectory import Trajectory
 from treadle.data.templating import end_of_turn, render
 from treadle.engines.inference import SamplingParams
@@ -122,15 +122,18 @@ class AgentClient:
         session_id: str,
         endpoint: Any = None,
         pixel_values: torch.Tensor | None = None,
+        parse_calls: CallParser = parse_tool_calls,
     ) -> None:
         """``endpoint``: the run's OpenAI-compatible endpoint
         (:class:`~treadle.serving.endpoint.Endpoint`), for loops that run black-box agents.
         ``pixel_values``: the sample's pictures, sent with every request (their image tokens
-        are at the start of the conversation)."""
+        are at the start of the conversation). ``parse_calls``: the tool calls in a turn's
+        text (``rollout.tool_parser``'s, :func:`~treadle.agents.tools.call_parser`)."""
         self._batcher, self.tokenizer = batcher, tokenizer
         self.params, self.limits, self.session_id = params, limits, session_id
         self.endpoint = endpoint
         self.pixel_values = pixel_values
+        self.parse_calls = parse_calls
 
     def new_session(self) -> str:
         """A session id of its own (one trajectory's recorded calls on the endpoint)."""
@@ -253,7 +256,7 @@ async def tool_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Traj
         t.add_response(response)
         text = client.decode(response.token_ids)
         t.response_text = text
-        requested = parse_tool_calls(text)
+        requested = client.parse_calls(text)
         # A turn cut by its length still made the calls it closed (small models ramble on).
         if response.stop_reason == "length":
             requested = [c for c in requested if c.error is None]
@@ -266,7 +269,8 @@ async def tool_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Traj
         calls += len(results)
         errors += sum(r.error for r in results)
         seconds += sum(r.seconds for r in results)
-        messages = result_messages(client.tokenizer, [_cut(client, r.content) for r in results])
+        contents = [_cut(client, r.content) for r in results]
+        messages = result_messages(client.tokenizer, contents, requested)
         ids = client.encode_messages(messages, after=response.token_ids)
         if len(ids) >= client.remaining(t):  # no room left for the model to read and answer
             t.stop_reason = "length"
@@ -331,6 +335,7 @@ async def run_agents(
     max_concurrent: int,
     failures: Failures = Failures(),
     endpoint: Any = None,
+    parse_calls: CallParser = parse_tool_calls,
 ) -> AgentRuns:
     """``copies`` runs of ``loop`` on every sample (consecutive), run concurrently.
 
@@ -348,7 +353,14 @@ async def run_agents(
     async def one(sample: Sample, session: str) -> list[Trajectory]:
         async with gate:
             agent = AgentClient(
-                batcher, tokenizer, single, limits, session, endpoint, sample.pixel_values
+                batcher,
+                tokenizer,
+                single,
+                limits,
+                session,
+                endpoint,
+                sample.pixel_values,
+                parse_calls,
             )
             outcome = await _attempt(loop(agent, sample, tools), failures, client)
         if isinstance(outcome, list):

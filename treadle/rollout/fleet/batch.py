@@ -26,7 +26,7 @@ import torch
 
 from treadle.agents.loops import AgentLoop, Failures, Limits, single_turn, tool_loop
 from treadle.agents.registry import load_agent_loop
-from treadle.agents.tools import Toolbox
+from treadle.agents.tools import CallParser, Toolbox, call_parser, parse_tool_calls
 from treadle.agents.trajectory import Trajectory
 from treadle.config import Config
 from treadle.data import collate_prompts
@@ -60,21 +60,24 @@ class Agents:
     max_tool_response_tokens: int = 256
     max_concurrent: int = 256
     failures: Failures = field(default_factory=Failures)
+    parse_calls: CallParser = parse_tool_calls  # the tools loop's (rollout.tool_parser)
 
     @classmethod
     def from_config(cls, cfg: Config, tokenizer: Any) -> Agents:
         r = cfg.rollout
         loop = load_agent_loop(r.agent_loop, r.env)
         builtin = loop in (single_turn, tool_loop)  # they end within their requests' timeouts
+        tools = Toolbox.load(r.tools, r.tool_timeout_s)
         return cls(
             loop,
-            Toolbox.load(r.tools, r.tool_timeout_s),
+            tools,
             tokenizer,
             r.max_turns,
             None if loop is single_turn else cfg.response_length(),
             r.max_tool_response_tokens,
             r.max_concurrent_trajectories,
             Failures(None if builtin else r.agent_timeout_s, r.max_agent_error_frac),
+            call_parser(tokenizer, r.tool_parser, tools.schemas) if tools else parse_tool_calls,
         )
 
     def width(self, params: SamplingParams) -> int:

@@ -112,6 +112,7 @@ class Rollout:
             max_concurrent=a.max_concurrent,
             failures=a.failures,
             endpoint=self.endpoint,
+            parse_calls=a.parse_calls,
         )
         if count:
             self._count(runs)
