@@ -193,17 +193,16 @@ def call_parser(tokenizer: Any, name: str, schemas: list[dict[str, Any]]) -> Cal
 
 
 def _from_openai(call: dict[str, Any]) -> ToolCall:
-    function = call.get("function", {})
+    """A call as vLLM's parsers give it (OpenAI's JSON: id, function name and arguments)."""
+    function, call_id = call.get("function", {}), call.get("id")
     name, arguments = function.get("name"), function.get("arguments") or "{}"
     try:
         args = json.loads(arguments) if isinstance(arguments, str) else arguments
     except json.JSONDecodeError as e:
-        return ToolCall(
-            name, {}, f"the arguments of {name} are not valid JSON ({e.msg})", call.get("id")
-        )
+        return ToolCall(name, {}, f"the arguments of {name} are not valid JSON ({e.msg})", call_id)
     if not isinstance(args, dict):
-        return ToolCall(name, {}, f"the arguments of {name} must be a JSON object", call.get("id"))
-    return ToolCall(name, args, None, call.get("id"))
+        return ToolCall(name, {}, f"the arguments of {name} must be a JSON object", call_id)
+    return ToolCall(name, args, None, call_id)
 
 
 def _parse_call(body: str) -> ToolCall:
