@@ -22,20 +22,23 @@ def overrides(task, out, *extra: str) -> list[str]:
     )
 
 
-def test_custom_loop_by_path_two_turns_masks_and_trains(long_task, length_reward, tmp_path):
-    cfg = load_config(
-        None,
-        overrides(
-            long_task,
-            tmp_path / "run",
-            "rollout.engine=hf",
-            "trainer.backend=local",
-            f"rollout.agent_loop={EXAMPLE_LOOP}:answer_then_check",
-            f"rollout.tools=[{CALCULATOR}]",
-            "rollout.max_response_length=160",
-            f"reward.function={length_reward}",
-        ),
+def two_turns(task, out, reward: str, *extra: str) -> list[str]:
+    """The two-turn example loop with the calculator on the hf engine, in this process."""
+    return overrides(
+        task,
+        out,
+        "rollout.engine=hf",
+        "trainer.backend=local",
+        f"rollout.agent_loop={EXAMPLE_LOOP}:answer_then_check",
+        f"rollout.tools=[{CALCULATOR}]",
+        "rollout.max_response_length=160",
+        f"reward.function={reward}",
+        *extra,
     )
+
+
+def test_custom_loop_by_path_two_turns_masks_and_trains(long_task, length_reward, tmp_path):
+    cfg = load_config(None, two_turns(long_task, tmp_path / "run", length_reward))
     trainer = RLTrainer(cfg)
     try:
         m: dict[str, float] = {}
@@ -83,21 +86,8 @@ def test_a_gemma_model_s_turns_go_as_its_template_writes_them(long_task, length_
     tok = chat_style(load_tokenizer(long_task["model"]), "gemma2")
     shape = replace(TINY_SHAPE, arch="gemma2", max_positions=1152)
     folder = build_tiny_model(tok, tmp_path / "gemma", shape, head_dim=32)
-    cfg = load_config(
-        None,
-        overrides(
-            long_task,
-            tmp_path / "run",
-            f"model.path={folder}",
-            "data.system_prompt=Be brief.",
-            "rollout.engine=hf",
-            "trainer.backend=local",
-            f"rollout.agent_loop={EXAMPLE_LOOP}:answer_then_check",
-            f"rollout.tools=[{CALCULATOR}]",
-            "rollout.max_response_length=160",
-            f"reward.function={length_reward}",
-        ),
-    )
+    more = [f"model.path={folder}", "data.system_prompt=Be brief."]
+    cfg = load_config(None, two_turns(long_task, tmp_path / "run", length_reward, *more))
     trainer = RLTrainer(cfg)
     try:
         batch = trainer.source.sample(1, {})

@@ -349,19 +349,11 @@ async def run_agents(
     sessions = [client.new_id("s") for _ in samples]
     name = getattr(loop, "__qualname__", repr(loop))
     errors: list[str] = []
+    agent_client = functools.partial(AgentClient, batcher, tokenizer, single, limits)
 
     async def one(sample: Sample, session: str) -> list[Trajectory]:
         async with gate:
-            agent = AgentClient(
-                batcher,
-                tokenizer,
-                single,
-                limits,
-                session,
-                endpoint,
-                sample.pixel_values,
-                parse_calls,
-            )
+            agent = agent_client(session, endpoint, sample.pixel_values, parse_calls)
             outcome = await _attempt(loop(agent, sample, tools), failures, client)
         if isinstance(outcome, list):
             return outcome

@@ -89,11 +89,9 @@ class VLLMRolloutEngine:
     seed (sampling seeds come from `SamplingParams.seed`); `max_model_len` bounds prompt plus
     response tokens; `bucket_mb` is the size of one weight-sync message; `kv_cache_gib` sizes
     the KV cache on CPU (`VLLM_CPU_KVCACHE_SPACE`, if set, wins); `gpu_memory_utilization` is
-    the fraction of GPU memory vLLM may take on CUDA; `end_of_turn` is the token the chat
-    template closes a turn with, where responses stop too (vLLM stops at the tokenizer's EOS
-    and the generation config's itself). Extra keyword arguments go to `vllm.LLM` (for example
-    `max_num_seqs`).
-    """
+    the fraction of GPU memory vLLM may take on CUDA; responses stop at `end_of_turn` too (the
+    chat template's; vLLM stops at the EOS and the generation config's itself). Extra keyword
+    arguments go to `vllm.LLM` (for example `max_num_seqs`)."""
 
     def __init__(
         self,
