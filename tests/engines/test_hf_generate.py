@@ -318,6 +318,21 @@ def test_the_engine_stops_where_the_chat_template_closes_a_turn(tiny_task, tmp_p
     ignoring = dataclasses.replace(sampled, ignore_eos=True)
     again = make_engine(cfg, str(folder), torch.device("cpu")).generate([prompt], ignoring)
     assert again.token_ids[0] == ids  # (rollout.ignore_eos: every response to its length)
+    raw = load_config(None, [f"model.path={folder}", "data.apply_chat_template=false"])
+    plain = make_engine(raw, str(folder), torch.device("cpu")).generate([prompt], sampled)
+    assert plain.token_ids[0] == ids  # prompts without the template: their turns are not its
+
+
+def test_the_template_s_end_of_turn_stops_only_where_the_generation_config_lists_one_eos():
+    """Qwen2.5's base models (one EOS, <|endoftext|>; turns closed by <|im_end|>) get it; a
+    model that lists several stops (Gemma, Phi-3, gpt-oss) keeps its own list."""
+    from treadle.serving.replica import turn_stop
+
+    turn = (5, "<|im_end|>")
+    assert turn_stop(2, turn, None) == 5 and turn_stop(2, turn, 2) == 5
+    assert turn_stop(2, turn, [2]) == 5 and turn_stop(2, turn, [2, 9]) is None
+    assert turn_stop(2, turn, [5]) is None and turn_stop(5, turn, None) is None
+    assert turn_stop(2, None, None) is None
 
 
 @pytest.mark.parametrize(

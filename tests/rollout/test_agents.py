@@ -330,6 +330,34 @@ def test_calls_from_vllm_s_parsers_keep_their_ids_and_name_bad_arguments():
     ]
 
 
+def test_a_template_that_writes_today_s_date_goes_on_past_midnight(tok, monkeypatch):
+    """Llama 3.2's template writes today's date in its system turn: the base conversation the
+    loops cut appended messages from is rendered again when the date moved on (it was a
+    failed trajectory from then on)."""
+    import datetime
+
+    from transformers.utils import chat_template_utils
+
+    from treadle.agents.loops import AgentClient
+
+    dated = copy.deepcopy(tok)
+    dated.chat_template = "{{ strftime_now('%d %b %Y') }}\n" + str(tok.chat_template)
+    day = [datetime.datetime(2026, 12, 1, 23, 59)]
+
+    class Clock:
+        @staticmethod
+        def now(tz: object = None) -> datetime.datetime:
+            return day[0]
+
+    monkeypatch.setattr(chat_template_utils, "datetime", Clock)
+    client = AgentClient(None, dated, SamplingParams(), Limits(), "s")  # type: ignore[arg-type]
+    note = [{"role": "user", "content": "Check."}]
+    before = client.encode_messages(note)
+    day[0] += datetime.timedelta(minutes=2)
+    assert client.encode_messages(note) == before
+    assert dated.decode(before) == "<|im_start|>user\nCheck.<|im_end|>\n<|im_start|>assistant\n"
+
+
 def test_tool_errors_go_back_to_the_model_and_turns_are_bounded(tok):
     bad = '<tool_call>{"name": "nope", "arguments": {}}</tool_call>'
     (t,), _ = run_loop(tok, [bad] * 3, limits=Limits(3, 800, 32))

@@ -160,8 +160,10 @@ class AgentClient:
         end-of-turn token, the template's text that follows that token (ChatML's newline)
         comes first."""
         tok = self.tokenizer
-        base = _base_conversation(tok)
+        base = _base_conversation(tok, tok.chat_template)
         full_ids = _encode(tok, render(tok, [*base.messages, *messages], generation=True))
+        if full_ids[: len(base.ids)] != base.ids:  # the date a template writes moved on
+            base = _base_conversation.__wrapped__(tok, tok.chat_template)
         if full_ids[: len(base.ids)] != base.ids:
             raise AgentLoopError(
                 "the chat template renders the start of a conversation differently once these "
@@ -200,11 +202,11 @@ _BASES = (
 
 
 @functools.lru_cache(maxsize=8)
-def _base_conversation(tok: PreTrainedTokenizerBase) -> _Base:
+def _base_conversation(tok: PreTrainedTokenizerBase, template: Any) -> _Base:
     """The first base conversation the template renders, and goes on from, up to its last
-    end-of-turn token at least (rendered once per tokenizer). Its tokens are those it shares
-    with a longer conversation: Phi-3's template ends a conversation that does not go on
-    with its EOS."""
+    end-of-turn token at least (rendered once per tokenizer and template). Its tokens are
+    those it shares with a longer conversation: Phi-3's template ends a conversation that does
+    not go on with its EOS."""
     end_id = end_of_turn(tok)[0]
     for messages in _BASES:
         try:

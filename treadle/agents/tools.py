@@ -179,9 +179,11 @@ def call_parser(tokenizer: Any, name: str, schemas: list[dict[str, Any]]) -> Cal
         return parse_tool_calls
     parsers = ChatParsers(tokenizer, name, None)
     body = {"tools": schemas}
-    request = parsers.request(body)
-    try:  # builds vLLM's parser once: one that cannot read this tokenizer fails here
+    try:  # builds vLLM's parser once: one that cannot read the tokenizer or tools fails here
+        request = parsers.request(body)
         parsers.parse(" ", body, request)
+    except ConfigError:
+        raise
     except Exception as e:
         raise ConfigError(f"rollout.tool_parser={name}: {e}") from None
 

@@ -39,8 +39,10 @@ describe           nothing                                     name, node id and
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -145,11 +147,14 @@ def make_engine(
     the ``teacher`` section's, ``reward.judge.engine`` with the judge's."""
     s = role_engine(cfg, role, path)
     tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
-    turn = template_end_of_turn(tok)
-    end_of_turn = turn[0] if turn is not None and turn[0] != tok.eos_token_id else None
+    templated = cfg.reward.judge.chat_template if role == "judge" else cfg.data.apply_chat_template
+    turn = template_end_of_turn(tok) if templated else None
     if s.engine == "vllm":
         from treadle.engines.vllm import VLLMRolloutEngine
 
+        generation = Path(path) / "generation_config.json"
+        listed = json.loads(generation.read_text()) if generation.is_file() else {}
+        end_of_turn = turn_stop(tok.eos_token_id, turn, listed.get("eos_token_id"))
         return VLLMRolloutEngine(
             path,
             dtype=s.dtype,
@@ -168,6 +173,8 @@ def make_engine(
             "soft-cap this model puts on its attention scores (attn_logit_softcapping, as "
             "Gemma 2), which vLLM and the other caches apply: use dynamic or static"
         )
+    listed = getattr(model.generation_config, "eos_token_id", None)
+    end_of_turn = turn_stop(tok.eos_token_id, turn, listed)
     eos = stop_token_ids(tok.eos_token_id, model.generation_config, end_of_turn)
     pad = tok.pad_token_id if tok.pad_token_id is not None else eos[0]
     return HFRolloutEngine(
@@ -178,6 +185,20 @@ def make_engine(
         gpu_memory_utilization=s.memory["gpu_memory_utilization"],
         cache=s.cache,
     )
+
+
+def turn_stop(eos: int | None, turn: tuple[int, str] | None, listed: Any) -> int | None:
+    """The chat template's end of turn (``turn``) as one more stop of a response, where
+    neither the tokenizer's EOS nor the model's generation config (``listed``: its
+    ``eos_token_id``) names it and the config names one EOS at most: a base model trained with
+    the template (Qwen2.5's: EOS and config ``<|endoftext|>``, turns closed by ``<|im_end|>``).
+    A model whose config lists several stops has its turn's end among them, and a template
+    may close a turn with a token the model also writes inside one (gpt-oss's ``<|end|>``
+    after its reasoning, in some copies of its template)."""
+    ids = [i for i in (listed if isinstance(listed, list) else [listed]) if i is not None]
+    if turn is None or len(ids) > 1 or turn[0] == eos or turn[0] in ids:
+        return None
+    return turn[0]
 
 
 class ServesRollout:
