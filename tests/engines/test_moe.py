@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from tiny_models import random_lm
 
 from treadle.config.actor import LoraConfig
+from treadle.engines.inference import HFRolloutEngine
 from treadle.engines.lora import lora_scalings, merged_lora
 from treadle.models.loading import apply_lora, checkpoint_format, has_weight_conversions
 from treadle.runtime.errors import ConfigError
@@ -106,3 +107,19 @@ def test_lora_keeps_off_the_experts_peft_would_move_a_dense_mlp_s_names_onto(tmp
         "rollout's weights: leave it out (its other linear layers: k_proj, o_proj, q_proj, "
         "v_proj), or use 'all-linear'"
     )
+
+
+def test_the_hf_engine_takes_a_saved_buffer_and_refuses_a_tensor_that_does_not_fit():
+    """DeepSeek V3's router keeps a score-correction bias as a buffer its checkpoints hold,
+    so a weight update sends it: the transformers engine, which knew parameters only (every
+    update of such a model failed), copies it in place with the rest; a tensor of another
+    shape is refused by name (``copy_`` would have broadcast it)."""
+    model = random_lm("deepseek_v3")
+    engine = HFRolloutEngine(model, [0], 0)
+    new = {k: torch.randn_like(v) for k, v in model.state_dict().items()}
+    bias = "model.layers.1.mlp.gate.e_score_correction_bias"
+    assert bias in new and bias not in dict(model.named_parameters())
+    engine.update_weights(new.items())
+    assert all(torch.equal(t, new[k]) for k, t in model.state_dict().items())
+    with pytest.raises(ValueError, match=r"'model.norm.weight' of shape \(1,\) does not fit "):
+        engine.update_weights([("model.norm.weight", torch.zeros(1))])

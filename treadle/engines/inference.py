@@ -235,7 +235,9 @@ class HFRolloutEngine:
         self.micro_batch_size = micro_batch_size
         self.gpu_memory_utilization = gpu_memory_utilization
         self.cache = cache
-        self.params = dict(self.model.named_parameters())
+        # parameters and the buffers a checkpoint holds (DeepSeek V3's router bias), which a
+        # weight sync sends too
+        self.params = self.model.state_dict(keep_vars=True)
         self._pending: list[tuple[str, list[int], SamplingParams, torch.Tensor | None]] = []
 
     def chunk(self, prompts: list[list[int]], params: SamplingParams) -> int:
@@ -430,13 +432,19 @@ class HFRolloutEngine:
 
     @torch.no_grad()
     def update_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy new weights in place. Tied parameters share storage, so one copy serves both."""
+        """Copy new weights (and saved buffers) in place. Tied parameters share storage, so one
+        copy serves both."""
         for name, tensor in named_tensors:
             param = self.params.get(name)
             if param is None:
                 if name.endswith("lm_head.weight"):  # tied head: not a separate parameter here
                     continue
                 raise KeyError(f"rollout engine has no parameter named {name!r}")
+            if param.shape != tensor.shape:  # (copy_ would broadcast it in silence)
+                raise ValueError(
+                    f"weight {name!r} of shape {tuple(tensor.shape)} does not fit the rollout "
+                    f"engine's {tuple(param.shape)}"
+                )
             param.copy_(tensor.to(param.dtype))
 
     def sleep(self) -> None:
