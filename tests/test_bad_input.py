@@ -252,9 +252,9 @@ def test_lora_targets_a_mixture_of_experts_keeps_fused(env, capsys, tmp_path, ta
     """A Mixtral's files hold a matrix an expert (``experts.0.w1``) and a router (``gate``);
     transformers 5 holds the experts fused and the router as a module of its own, so neither
     is a linear layer to the run's peft (which refused them after start-up)."""
-    from tiny_models import tiny_moe
+    from tiny_models import tiny_family
 
-    folder = tiny_moe(tmp_path / "moe", env["model"])
+    folder = tiny_family(tmp_path / "moe", env["model"])
     result = check(
         env, capsys, f"model.path={folder}", "actor.lora.rank=4",
         f"actor.lora.target_modules=[q_proj, {target}]",

@@ -38,20 +38,38 @@ MOE_KEYS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 16,
         "shared_expert_intermediate_size": 32,
     },
+    # (vLLM cannot update its weights in place: a refused family)
+    "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},
+    # its second layer's experts; multi-head latent attention (as many key/value heads as
+    # query heads), its own head sizes
+    "deepseek_v3": {
+        "n_routed_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "n_group": 1,
+        "topk_group": 1,
+        "first_k_dense_replace": 1,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 16,
+        "qk_rope_head_dim": 4,
+        "qk_nope_head_dim": 4,
+        "v_head_dim": 8,
+    },
 }
 
 
 def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
     """An in-memory causal LM of ``arch`` (llama, qwen2, qwen3, gemma2, cohere, granite, or a
-    mixture of experts: mixtral, qwen3_moe, qwen2_moe) with random weights (seed 0): 2 layers
-    of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32; ``changes``: more config
-    keys."""
+    mixture of experts: mixtral, qwen3_moe, qwen2_moe, deepseek_v3) with random weights (seed
+    0): 2 layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32;
+    ``changes``: more config keys."""
     import torch
     import transformers
 
     name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
     name |= {"cohere": "Cohere", "granite": "Granite", "mixtral": "Mixtral"}
-    name |= {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe"}
+    name |= {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "deepseek_v3": "DeepseekV3"}
     head = {"head_dim": 8} if arch.startswith("qwen3") else {}  # (Qwen3's own default: 128)
     changes = {**MOE_KEYS.get(arch, {}), **head, **changes}
     config_cls = getattr(transformers, f"{name[arch]}Config")
@@ -64,18 +82,20 @@ def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
     return model_cls(config).float()
 
 
-def tiny_moe(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtral") -> Path:
-    """A tiny mixture of experts of ``arch`` (`MOE_KEYS`) with `TINY_SHAPE`'s attention (head
-    size 32, for vLLM's CPU attention) and 128 positions, random weights (seed 0), with the
-    tokenizer of the model folder ``tokenizer_from``, saved to ``out`` by ``save_pretrained``
-    (its experts one tensor per expert, as a hub checkpoint's)."""
+def tiny_family(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtral") -> Path:
+    """A tiny model of the family ``arch`` (a mixture of experts of `MOE_KEYS`, Mixtral by
+    default; or ``olmo2``, which vLLM runs on transformers' code) with `TINY_SHAPE`'s
+    attention (head size 32, for vLLM's CPU attention) and 128 positions, random weights
+    (seed 0), with the tokenizer of the model folder ``tokenizer_from``, saved to ``out`` by
+    ``save_pretrained`` (a mixture's experts one tensor per expert, as a hub checkpoint's)."""
     from treadle.models.loading import load_tokenizer
     from treadle.tasks.arithmetic import build_tiny_model
 
     shape = replace(TINY_SHAPE, arch=arch, max_positions=128)
     head = TINY_SHAPE.hidden_size // TINY_SHAPE.num_heads
     tokenizer = load_tokenizer(tokenizer_from)  # a fast tokenizer, typed as their base class
-    return build_tiny_model(tokenizer, out, shape, head_dim=head, **MOE_KEYS[arch])  # type: ignore[arg-type]
+    keys = MOE_KEYS.get(arch, {})
+    return build_tiny_model(tokenizer, out, shape, head_dim=head, **keys)  # type: ignore[arg-type]
 
 
 # Two chat templates as their models' tokenizer_config.json hold them, with turns of their own.

@@ -505,9 +505,9 @@ def test_a_mixture_of_experts_goes_out_as_its_files_and_loads_back(tiny_task, tm
     the weights vLLM is sent are named as the model's files, and a checkpoint's folder loads
     back into the engine (raw names, it was refused as not the run's model)."""
     from safetensors.torch import load_file
-    from tiny_models import tiny_moe
+    from tiny_models import tiny_family
 
-    folder = tiny_moe(tmp_path / "moe", tiny_task["model"])
+    folder = tiny_family(tmp_path / "moe", tiny_task["model"])
     group = WorkerGroup(
         GradWorker, world_size=1, backend="local", kwargs={"model_path": str(folder)}
     )

@@ -15,7 +15,9 @@ Choices:
   arguments say); a different folder or settings raises `ConfigError`.
 - **Host-process side effects undone.** Starting vLLM seeds the global RNGs and, on CPU,
   replaces `torch.set_num_threads` with a no-op: the RNG states, the thread count and the
-  function are restored after start. Not undone: when no torch.distributed group exists,
+  function are restored after start, and so are transformers' classes that vLLM decorates
+  for torch.compile where it runs a model with transformers' code (OLMo, SmolLM3, GPT-NeoX,
+  ...: :func:`_transformers_classes_kept`). Not undone: when no torch.distributed group exists,
   vLLM creates the default one (world size 1, gloo) and keeps it; in a Ray actor the rank's
   group exists first and vLLM works beside it.
 - **Checked at start.** vLLM's CPU attention supports head sizes 32, 64, 80, ...; a model with
@@ -188,7 +190,7 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
 def _start(settings: EngineSettings) -> LiveEngine:
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine lives in this process
     start = time.perf_counter()
-    with _preserve_host_state():
+    with _preserve_host_state(), _transformers_classes_kept():
         try:
             from vllm import LLM
         except Exception as e:
@@ -285,26 +287,99 @@ def _preserve_host_state() -> Iterator[None]:
             torch.cuda.set_rng_state_all(cuda_states)
 
 
+@contextlib.contextmanager
+def _transformers_classes_kept() -> Iterator[None]:
+    """Keep transformers' model classes as they are while vLLM starts in this process.
+
+    A model vLLM has no code of its own for (OLMo, OLMo 2, SmolLM3, GPT-NeoX, Phi, StarCoder2,
+    ...) runs on transformers' code ("transformers backend"), and vLLM decorates its decoder
+    class for torch.compile (``support_torch_compile``: a new ``__init__``, ``__call__`` and
+    base class) in place, for the whole process. The actor's model in this process is of that
+    class: it failed its first forward pass (``'Olmo2Model' object has no attribute
+    'do_not_compile'``). Here the decoration is watched as vLLM makes it; then vLLM's own
+    instances of the class get a subclass that holds it, and the class is put back as it was.
+    """
+    try:
+        from vllm.model_executor.models.transformers import base
+    except ImportError:  # vLLM without a transformers backend: nothing is decorated
+        yield
+        return
+    decorate = base.support_torch_compile
+    made: list[tuple[type, dict[str, Any], tuple[type, ...], Any, list[Any]]] = []
+
+    def watched(*args: Any, **kwargs: Any) -> Any:
+        wrap = decorate(**kwargs)
+
+        def apply(cls: type) -> type:
+            before, bases, instances = dict(vars(cls)), cls.__bases__, []
+            wrap(cls)
+            if cls.__bases__ != bases:  # (a class decorated already is left as it is)
+                init = vars(cls)["__init__"]
+
+                def recorded(self: Any, *a: Any, **k: Any) -> None:
+                    init(self, *a, **k)
+                    instances.append(self)
+
+                cls.__init__ = recorded  # type: ignore[misc]
+                made.append((cls, before, bases, init, instances))
+            return cls
+
+        return apply(args[0]) if args else apply
+
+    base.support_torch_compile = watched
+    try:
+        yield
+    finally:
+        base.support_torch_compile = decorate
+        for cls, before, bases, init, instances in made:
+            _give_back(cls, before, bases, init, instances)
+
+
+def _give_back(
+    cls: type, before: dict[str, Any], bases: tuple[type, ...], init: Any, instances: list[Any]
+) -> None:
+    """``cls`` as it was (``before``, ``bases``); its decorated ``instances`` in a subclass
+    holding the decoration (``init``: the decorated ``__init__``)."""
+    changed = {k: v for k, v in vars(cls).items() if before.get(k, _ABSENT) is not v}
+    changed["__init__"] = init
+    added = tuple(b for b in cls.__bases__ if b not in bases)
+    cls.__bases__ = bases
+    for name in changed:
+        if name in before:
+            setattr(cls, name, before[name])
+        elif name in vars(cls):
+            delattr(cls, name)
+    own = {**changed, "__module__": cls.__module__, "__qualname__": cls.__qualname__}
+    decorated = type(cls.__name__, (cls, *added), own)
+    for instance in instances:
+        instance.__class__ = decorated
+
+
+_ABSENT = object()
+
+
 class _DropMessages(logging.Filter):
-    def __init__(self, messages: set[str]) -> None:
+    def __init__(self, endings: tuple[str, ...]) -> None:
         super().__init__()
-        self.messages = messages
+        self.endings = endings
 
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() not in self.messages
+        return not record.getMessage().endswith(self.endings)
 
 
 def _quiet_benign_reload_warnings() -> None:
-    """Drop two warnings every reload gives: the rotary embedding (a cache, no weights) and a
-    tied LM head (its weight is the embedding's, re-tied after) get no weights of their own.
-    An untied head left unloaded is caught by the check in `update_weights`."""
+    """Drop two warnings every reload gives: a rotary embedding (a cache, no weights; its
+    class's name ends so: ``YaRNScalingRotaryEmbedding``...) and a tied LM head (its weight
+    is the embedding's, re-tied after) get no weights of their own. An untied head left
+    unloaded is caught by the check in `update_weights`; another layer, by the worker's
+    (`_kept_old_weights`)."""
     layerwise = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
     if not any(isinstance(f, _DropMessages) for f in layerwise.filters):
         layerwise.addFilter(
             _DropMessages(
-                {
+                (
                     "RotaryEmbedding: Failed to load weights",
                     "ParallelLMHead: Failed to load weights",
-                }
+                )
             )
         )

@@ -16,7 +16,8 @@ vLLM builds its worker class with this one mixed in (``worker_extension_cls``, n
   per bucket would be wrong: a layer whose pieces (q/k/v into `qkv_proj`, gate/up into
   `gate_up_proj`) straddle two buckets gets processed half-loaded. So the worker extension
   below (`TreadleWorkerExtension`, mixed into vLLM's worker) opens one reload, loads every
-  bucket into it, and closes it; parameters the stream did not cover are an error.
+  bucket into it, and closes it; parameters the stream did not cover are an error, and so
+  are those the reload kept as they were though the stream had them (`_kept_old_weights`).
 - **A mixture of experts on CPU.** vLLM's CPU experts repack their weights after the first
   load only; the reload is made to repack them too (`_prepack_cpu_experts_on_reload`).
 - **Tied embeddings.** With `tie_word_embeddings` the LM head shares the embedding's weight,
@@ -32,6 +33,8 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as load_safetensors_bytes
+
+from treadle.runtime.errors import ConfigError
 
 
 class TreadleWorkerExtension:
@@ -72,13 +75,24 @@ class TreadleWorkerExtension:
         from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
 
         model = self.model_runner.get_model()
+        tied = bool(getattr(self.model_config.hf_text_config, "tie_word_embeddings", False))
+        # (those the stream did not name are reported below, as unset)
+        kept = [name for name in _kept_old_weights(model, tied) if name in self._treadle_loaded]
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             finalize_layerwise_reload(model, self.model_config)
-            if getattr(self.model_config.hf_text_config, "tie_word_embeddings", False):
+            if tied:
                 _retie_lm_head(model)
         for reset in ("reset_lora_state", "reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
+        if kept:
+            raise ConfigError(
+                f"rollout.engine=vllm: vLLM kept the old weights of {len(kept)} parameters "
+                f"through a weight update (e.g. {kept[:2]}): its loader for "
+                f"{self.model_config.architectures[0]} copies them itself, past the in-place "
+                "reload, so the rollout would sample from stale weights; rollout.engine=hf "
+                "trains this model"
+            )
         params = {name for name, _ in model.named_parameters()}
         return sorted(params - self._treadle_loaded)
 
@@ -94,6 +108,25 @@ class TreadleWorkerExtension:
             loaded = self.model_runner.get_model().load_weights(weights)
         self._treadle_loaded.update(loaded or ())
         self.treadle_finish_weight_update()
+
+
+def _kept_old_weights(model: torch.nn.Module, tied: bool) -> list[str]:
+    """Parameters of the layers an open reload got nothing for, which closing it puts back
+    as they were (vLLM's warning "<layer>: Failed to load weights"). Where the stream had
+    them, the model's loader copied them itself, to the reload's placeholders on the meta
+    device, where they are lost (vLLM 0.32's gpt-oss: its experts and attention sinks). Not
+    counted: layers with buffers only (rotary embeddings) and a tied LM head."""
+    from vllm.model_executor.model_loader.reload.layerwise import get_layerwise_info
+
+    kept: list[str] = []
+    for prefix, layer in model.named_modules():
+        info = get_layerwise_info(layer)
+        if not info.can_load() or info.load_numel > 0 or info.kernel_tensors is None:
+            continue
+        if tied and prefix.endswith("lm_head"):
+            continue
+        kept += [f"{prefix}.{name}" for name in info.kernel_tensors[0]]
+    return kept
 
 
 def _prepack_cpu_experts_on_reload(model: torch.nn.Module) -> None:
