@@ -38,6 +38,18 @@ MOE_KEYS: dict[str, dict[str, Any]] = {
         "moe_intermediate_size": 16,
         "shared_expert_intermediate_size": 32,
     },
+    # Gated DeltaNet (a linear attention: a state along the sequence) and full attention
+    "qwen3_next": {
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "shared_expert_intermediate_size": 16,
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 8,
+        "linear_value_head_dim": 8,
+        "layer_types": ["linear_attention", "full_attention"],
+    },
     # (vLLM cannot update its weights in place: a refused family)
     "gpt_oss": {"num_local_experts": 4, "num_experts_per_tok": 2},
     # its second layer's experts; multi-head latent attention (as many key/value heads as
@@ -60,16 +72,17 @@ MOE_KEYS: dict[str, dict[str, Any]] = {
 
 
 def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
-    """An in-memory causal LM of ``arch`` (llama, qwen2, qwen3, gemma2, cohere, granite, or a
-    mixture of experts: mixtral, qwen3_moe, qwen2_moe, deepseek_v3) with random weights (seed
-    0): 2 layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64, float32;
-    ``changes``: more config keys."""
+    """An in-memory causal LM of ``arch`` (llama, qwen2, qwen3, gemma2, cohere, granite, lfm2,
+    or a mixture of experts: mixtral, qwen3_moe, qwen2_moe, deepseek_v3, qwen3_next) with
+    random weights (seed 0): 2 layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64,
+    float32; ``changes``: more config keys."""
     import torch
     import transformers
 
     name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
     name |= {"cohere": "Cohere", "granite": "Granite", "mixtral": "Mixtral"}
     name |= {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "deepseek_v3": "DeepseekV3"}
+    name |= {"qwen3_next": "Qwen3Next", "lfm2": "Lfm2"}
     head = {"head_dim": 8} if arch.startswith("qwen3") else {}  # (Qwen3's own default: 128)
     changes = {**MOE_KEYS.get(arch, {}), **head, **changes}
     config_cls = getattr(transformers, f"{name[arch]}Config")

@@ -7,13 +7,16 @@ on the padded batch, full-vocabulary float32 log-softmax, the PPO-clip loss by h
 from __future__ import annotations
 
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_models import random_lm
 
 from treadle.config import load_config
-from treadle.controller import Collect, Dispatch, WorkerGroup, register
-from treadle.engines.heads import LogProbHead, LogProbRequest, PairTerm
+from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
+from treadle.engines.fsdp import TrainEngine
+from treadle.engines.heads import LogProbHead, LogProbRequest, PairTerm, row_state_layers
 from treadle.engines.packing import (
     balance_ranks,
     balanced_order,
@@ -26,6 +29,7 @@ from treadle.engines.packing import (
 from treadle.engines.value import ValueHead
 from treadle.models.loading import load_causal_lm, load_value_model
 from treadle.protocol import Batch
+from treadle.runtime.errors import ConfigError
 from treadle.workers import ActorRolloutRefWorker, micro_batches
 from treadle.workers.objectives import PolicyGradient, optimizer_step
 
@@ -207,6 +211,65 @@ def test_packing_with_16_token_rows_puts_several_sequences_in_a_row(tiny_task):
     ids, mask = joined(uneven_batch(vocab=100))
     rows = pack(ids, mask, label_positions(mask, 8), 16).input_ids.shape[0]
     assert rows < 6 and int(mask.sum()) <= 16 * rows
+
+
+class ForwardWorker(Worker):
+    def __init__(self, rank, world_size, addr, port, *, model_path: str, **options) -> None:
+        super().__init__(rank, world_size, addr, port)
+        self.engine = TrainEngine(load_causal_lm(model_path), chunk_size=4, **options)
+
+    @register(Dispatch.ALL, Collect.RANK0)
+    def log_probs(self, ids: torch.Tensor, mask: torch.Tensor, r: int) -> torch.Tensor:
+        with torch.no_grad():
+            return self.engine.log_probs(ids, mask, r)[0]
+
+
+@pytest.mark.parametrize(
+    ("arch", "changes", "kind"),
+    [
+        ("qwen3_next", {}, "linear_attention"),
+        ("lfm2", {"layer_types": ["conv", "full_attention"]}, "conv"),
+    ],
+)
+def test_a_model_with_a_state_along_the_sequence_is_not_packed(arch, changes, kind, tmp_path):
+    """A linear attention's recurrence (Qwen3-Next, Qwen3.5) or a convolution (LFM2) runs
+    along a packed row: a sequence saw the ones before it (Qwen3-Next's log-probs off by up
+    to 0.2). The engine's forwards run on the padded batch instead, and give each sequence's
+    own log-probs; sequence parallel, which splits a sequence over ranks, is refused."""
+    model = random_lm(arch, **changes)
+    assert row_state_layers(model.config) == kind
+    model.save_pretrained(tmp_path)
+    batch = uneven_batch(vocab=64)
+    ids, mask = joined(batch)
+    rmask = batch["response_mask"].bool()
+    with torch.no_grad():  # the truth: each sequence alone, without padding
+        alone = [model(ids[i][mask[i].bool()][None]).logits[0].float() for i in range(len(ids))]
+    want = torch.zeros(rmask.shape)
+    for i, logits in enumerate(alone):
+        n = int(rmask[i].sum())
+        logp = torch.log_softmax(logits[-n - 1 : -1], -1)
+        want[i, :n] = logp.gather(-1, batch["responses"][i, :n, None])[:, 0]
+    options = {"row_tokens": 1000, "share_prompts": True}
+    kwargs = {"model_path": str(tmp_path), **options}
+    group = WorkerGroup(ForwardWorker, world_size=1, backend="local", kwargs=kwargs)
+    try:
+        got = group.log_probs(ids, mask, 8)
+    finally:
+        group.shutdown()
+    torch.testing.assert_close(got[rmask], want[rmask], atol=1e-5, rtol=1e-5)
+    rows = pack(ids, mask, label_positions(mask, 8), 1000).input_ids.shape[0]
+    assert rows == 1  # packed, all six sequences would have shared a row
+    refused = (
+        rf"actor\.sequence_parallel_size > 1 splits each sequence over ranks, and the model's "
+        rf"'{kind}' layers carry a state along it: set it to 1"
+    )
+    with pytest.raises(ConfigError, match=refused):
+        TrainEngine(model, chunk_size=4, row_tokens=1000, meshes=SimpleNamespace(sp_group=1))
+
+
+def test_a_decoder_of_attention_alone_packs():
+    assert row_state_layers(random_lm("qwen3").config) is None
+    assert row_state_layers(random_lm("gemma2").config) is None  # (sliding attention)
 
 
 def test_packed_values_equal_padded_values(tiny_task):

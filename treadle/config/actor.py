@@ -135,7 +135,10 @@ class ActorConfig(Section):
     remove_padding: bool = Field(
         True,
         description="Forward passes (actor, reference) on packed sequences: no compute on pad "
-        "tokens, attention kept within each sequence; same results as the padded forward.",
+        "tokens, attention kept within each sequence; same results as the padded forward. "
+        "Not for a model with layers that carry a state along the sequence (a convolution or "
+        "a linear attention: LFM2, Qwen3-Next, Qwen3.5, Mamba hybrids): it runs padded, and "
+        "sequence_parallel_size must be 1.",
     )
     pack_row_tokens: int = Field(
         256,

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -59,7 +60,7 @@ from torch.utils._pytree import tree_map_only
 
 from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.flops import UpdateRate
-from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
+from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest, row_state_layers
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
@@ -77,6 +78,8 @@ from treadle.models.loading import (
 from treadle.protocol import Batch
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.faults import failpoint
+
+logger = logging.getLogger("treadle")
 
 
 def shard_model(
@@ -350,6 +353,15 @@ class TrainEngine:
         defer_gradient_sync: bool = True,
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
+        row_state = row_state_layers(lm.config)
+        if row_state is not None and meshes is not None and meshes.sp_group is not None:
+            raise ConfigError(
+                f"{section}.sequence_parallel_size > 1 splits each sequence over ranks, and the "
+                f"model's {row_state!r} layers carry a state along it: set it to 1"
+            )
+        if row_state is not None and row_tokens is not None:  # packed rows would mix them
+            logger.info("%s: forwards run on the padded batch (%r layers)", section, row_state)
+            row_tokens = None
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
