@@ -7,7 +7,6 @@ on the padded batch, full-vocabulary float32 log-softmax, the PPO-clip loss by h
 from __future__ import annotations
 
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from tiny_models import random_lm
 from treadle.config import load_config
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.fsdp import TrainEngine
-from treadle.engines.heads import LogProbHead, LogProbRequest, PairTerm, row_state_layers
+from treadle.engines.heads import LogProbHead, LogProbRequest, PairTerm
 from treadle.engines.packing import (
     balance_ranks,
     balanced_order,
@@ -27,6 +26,7 @@ from treadle.engines.packing import (
     token_micro_batches,
 )
 from treadle.engines.value import ValueHead
+from treadle.models.folders import row_state_layers
 from treadle.models.loading import load_causal_lm, load_value_model
 from treadle.protocol import Batch
 from treadle.runtime.errors import ConfigError
@@ -235,7 +235,7 @@ def test_a_model_with_a_state_along_the_sequence_is_not_packed(arch, changes, ki
     """A linear attention's recurrence (Qwen3-Next, Qwen3.5) or a convolution (LFM2) runs
     along a packed row: a sequence saw the ones before it (Qwen3-Next's log-probs off by up
     to 0.2). The engine's forwards run on the padded batch instead, and give each sequence's
-    own log-probs; sequence parallel, which splits a sequence over ranks, is refused."""
+    own log-probs."""
     model = random_lm(arch, **changes)
     assert row_state_layers(model.config) == kind
     model.save_pretrained(tmp_path)
@@ -259,17 +259,36 @@ def test_a_model_with_a_state_along_the_sequence_is_not_packed(arch, changes, ki
     torch.testing.assert_close(got[rmask], want[rmask], atol=1e-5, rtol=1e-5)
     rows = pack(ids, mask, label_positions(mask, 8), 1000).input_ids.shape[0]
     assert rows == 1  # packed, all six sequences would have shared a row
-    refused = (
-        rf"actor\.sequence_parallel_size > 1 splits each sequence over ranks, and the model's "
-        rf"'{kind}' layers carry a state along it: set it to 1"
-    )
-    with pytest.raises(ConfigError, match=refused):
-        TrainEngine(model, chunk_size=4, row_tokens=1000, meshes=SimpleNamespace(sp_group=1))
 
 
 def test_a_decoder_of_attention_alone_packs():
     assert row_state_layers(random_lm("qwen3").config) is None
     assert row_state_layers(random_lm("gemma2").config) is None  # (sliding attention)
+    assert row_state_layers({"model_type": "rwkv"}) == "rwkv"  # (no layer types)
+    vlm = {"model_type": "qwen3_5", "text_config": {"layer_types": ["full_attention", "conv"]}}
+    assert row_state_layers(vlm) == "conv"
+
+
+def test_sequence_parallel_and_the_paged_cache_refuse_a_state_along_the_sequence(
+    tiny_task, tmp_path
+):
+    """Sequence parallel splits each sequence over ranks, and transformers' paged cache holds
+    attention keys and values only ("Invalid layer type: linear_attention" mid-rollout)."""
+    from treadle.config.rules import parallel_model_problems
+    from treadle.models.loading import load_tokenizer, save_tokenizer
+    from treadle.serving.replica import make_engine
+
+    model = random_lm("qwen3_next")
+    assert list(parallel_model_problems("actor", 1, 2, model.config.to_dict())) == [
+        "actor.sequence_parallel_size=2: the model's 'linear_attention' layers carry a state "
+        "along the sequence, which sequence parallel splits over ranks: set it to 1"
+    ]
+    assert list(parallel_model_problems("actor", 2, 1, model.config.to_dict())) == []
+    model.save_pretrained(tmp_path)
+    save_tokenizer(load_tokenizer(tiny_task["model"]), tmp_path)
+    cfg = load_config(None, [f"model.path={tmp_path}", "rollout.cache_implementation=paged"])
+    with pytest.raises(ConfigError, match=r"^rollout\.cache_implementation=paged: .*'linear_"):
+        make_engine(cfg, str(tmp_path), torch.device("cpu"))
 
 
 def test_packed_values_equal_padded_values(tiny_task):

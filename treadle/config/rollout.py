@@ -48,7 +48,8 @@ class RolloutConfig(Section):
         "decoding step (torch.compile, CUDA graphs), again for a new batch size or cache length. "
         "paged: transformers' continuous batching on a paged cache (fast with flash-attn "
         "installed; without it its attention spans every sequence in flight); text prompts "
-        "only, and with top_k/top_p its log-probs are of the truncated distribution (as vLLM's).",
+        "only, attention layers only (not Qwen3.5's linear attention nor LFM2's convolutions), "
+        "and with top_k/top_p its log-probs are of the truncated distribution (as vLLM's).",
     )
     weight_sync_bucket_mb: float = Field(
         64, gt=0, description="vllm engine: size of one weight-sync message, MiB."

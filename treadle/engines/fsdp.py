@@ -60,13 +60,14 @@ from torch.utils._pytree import tree_map_only
 
 from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.flops import UpdateRate
-from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest, row_state_layers
+from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, rank0_reads, save_optimizer, save_schedule
 from treadle.engines.weights import CastTensors
 from treadle.models.checkpoint import CheckpointError
+from treadle.models.folders import row_state_layers
 from treadle.models.loading import (
     ADAPTER_DIR,
     checkpoint_format,
@@ -354,11 +355,6 @@ class TrainEngine:
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
         row_state = row_state_layers(lm.config)
-        if row_state is not None and meshes is not None and meshes.sp_group is not None:
-            raise ConfigError(
-                f"{section}.sequence_parallel_size > 1 splits each sequence over ranks, and the "
-                f"model's {row_state!r} layers carry a state along it: set it to 1"
-            )
         if row_state is not None and row_tokens is not None:  # packed rows would mix them
             logger.info("%s: forwards run on the padded batch (%r layers)", section, row_state)
             row_tokens = None

@@ -139,27 +139,6 @@ def _packed_hidden(
     return decoder(position_ids=layout.position_ids, use_cache=False, **inputs).last_hidden_state
 
 
-# Layer types (transformers' ``config.layer_types``) whose state runs along the sequence: a
-# convolution, a recurrence or a linear attention (Mamba, Gated DeltaNet...). In a packed row
-# a sequence would see the ones before it (Qwen3-Next: states off by 0.06, 0.23 with shared
-# prompts), and a sequence-parallel rank would see its piece of the row alone.
-ROW_STATE_LAYERS = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba"})
-# Such models whose config lists no layer types.
-ROW_STATE_MODELS = frozenset({"rwkv", "xlstm", "recurrent_gemma", "lfm2_moe"})
-
-
-def row_state_layers(config: Any) -> str | None:
-    """The first layer type of the decoder of ``config`` that carries a state along the
-    sequence (`ROW_STATE_LAYERS`), or its model type (`ROW_STATE_MODELS`); ``None`` for a
-    decoder whose tokens meet through attention alone, which packed rows keep exact."""
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    types = [t for t in getattr(config, "layer_types", None) or () if t in ROW_STATE_LAYERS]
-    if types:
-        return str(types[0])
-    model_type = getattr(config, "model_type", None)
-    return model_type if model_type in ROW_STATE_MODELS else None
-
-
 SHARED_ATTENTION = ("sdpa", "eager")
 """The attention implementations that take :func:`pack_shared`'s 4-D mask as given."""
 

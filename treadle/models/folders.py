@@ -196,3 +196,29 @@ def load_tokenizer(
             del _LOADED[next(iter(_LOADED))]
         _LOADED[memo] = tokenizer
     return tokenizer
+
+
+# Layer types (transformers' ``config.layer_types``) whose state runs along the sequence: a
+# convolution, a recurrence or a linear attention (Mamba, Gated DeltaNet...). In a packed row
+# a sequence would see the ones before it (Qwen3-Next: states off by 0.06, 0.23 with shared
+# prompts), and a sequence-parallel rank its piece of the sequence alone.
+ROW_STATE_LAYERS = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba"})
+# Such models whose config lists no layer types.
+ROW_STATE_MODELS = frozenset({"rwkv", "xlstm", "recurrent_gemma", "lfm2_moe"})
+
+
+def row_state_layers(config: Any) -> str | None:
+    """The first layer type of the decoder of ``config`` (a transformers config, or its
+    ``config.json`` as a dict) that carries a state along the sequence (`ROW_STATE_LAYERS`),
+    or its model type (`ROW_STATE_MODELS`); ``None`` for a decoder whose tokens meet through
+    attention alone, which packed rows and sequence parallel keep exact."""
+    if isinstance(config, dict):
+        text = config.get("text_config") or config
+        types, model_type = text.get("layer_types"), text.get("model_type")
+    else:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        types, model_type = getattr(text, "layer_types", None), getattr(text, "model_type", None)
+    found = [t for t in types or () if t in ROW_STATE_LAYERS]
+    if found:
+        return str(found[0])
+    return str(model_type) if model_type in ROW_STATE_MODELS else None

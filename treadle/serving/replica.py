@@ -52,7 +52,7 @@ from treadle.controller import Collect, Dispatch, register
 from treadle.controller.groups.worker import gpu_index
 from treadle.data.templating import template_end_of_turn
 from treadle.engines.inference import Cache, HFRolloutEngine, RolloutEngine, stop_token_ids
-from treadle.models.folders import model_config
+from treadle.models.folders import model_config, row_state_layers
 from treadle.models.loading import load_causal_lm, load_tokenizer, soft_caps_attention
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.precision import rollout_dtype
@@ -172,6 +172,13 @@ def make_engine(
             "rollout.cache_implementation=paged: transformers' paged attention drops the "
             "soft-cap this model puts on its attention scores (attn_logit_softcapping, as "
             "Gemma 2), which vLLM and the other caches apply: use dynamic or static"
+        )
+    row_state = row_state_layers(model.config)
+    if s.cache == "paged" and row_state is not None:
+        raise ConfigError(
+            f"rollout.cache_implementation=paged: transformers' paged cache holds attention "
+            f"keys and values only, not the state of the model's {row_state!r} layers: use "
+            "dynamic or static"
         )
     listed = getattr(model.generation_config, "eos_token_id", None)
     end_of_turn = turn_stop(tok.eos_token_id, turn, listed)

@@ -19,6 +19,7 @@ from treadle.config.frozen import FrozenModelConfig
 from treadle.config.rollout import RolloutConfig
 from treadle.config.run import Sections
 from treadle.config.trainer import TrainerConfig
+from treadle.models.folders import row_state_layers
 
 
 def check_frozen(key: str, section: FrozenModelConfig, cfg: Sections) -> Iterator[str]:
@@ -136,7 +137,8 @@ def parallel_model_problems(
 ) -> Iterator[str]:
     """The model's shape (its ``config.json``) allows ``section``'s layout: tensor parallel
     divides the attention heads, the key/value heads and the MLP width, sequence parallel
-    the heads and key/value heads and is not asked to soft-cap attention scores. Read by
+    the heads and key/value heads, and is not asked to soft-cap attention scores nor to split
+    layers with a state along the sequence (a linear attention, a convolution). Read by
     ``treadle check`` and by the engine at start-up."""
     heads = model_config.get("num_attention_heads")
     shape = {
@@ -155,6 +157,12 @@ def parallel_model_problems(
                     f"{section}.{key}={size} must divide the model's {name}={value}: "
                     "choose a divisor of it"
                 )
+    row_state = row_state_layers(model_config)
+    if sp > 1 and row_state is not None:
+        yield (
+            f"{section}.sequence_parallel_size={sp}: the model's {row_state!r} layers carry a "
+            "state along the sequence, which sequence parallel splits over ranks: set it to 1"
+        )
     softcap = model_config.get("attn_logit_softcapping")
     if sp > 1 and softcap is not None:
         yield (
