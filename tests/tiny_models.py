@@ -73,7 +73,7 @@ MOE_KEYS: dict[str, dict[str, Any]] = {
 
 def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
     """An in-memory causal LM of ``arch`` (llama, qwen2, qwen3, gemma2, cohere, granite, lfm2,
-    or a mixture of experts: mixtral, qwen3_moe, qwen2_moe, deepseek_v3, qwen3_next) with
+    or a mixture of experts: mixtral, qwen3_moe, qwen2_moe, deepseek_v3, qwen3_next, gpt_oss) with
     random weights (seed 0): 2 layers of 4 heads (2 key/value heads) of 8, a vocabulary of 64,
     float32; ``changes``: more config keys."""
     import torch
@@ -82,7 +82,7 @@ def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
     name = {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
     name |= {"cohere": "Cohere", "granite": "Granite", "mixtral": "Mixtral"}
     name |= {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "deepseek_v3": "DeepseekV3"}
-    name |= {"qwen3_next": "Qwen3Next", "lfm2": "Lfm2"}
+    name |= {"qwen3_next": "Qwen3Next", "lfm2": "Lfm2", "gpt_oss": "GptOss"}
     head = {"head_dim": 8} if arch.startswith("qwen3") else {}  # (Qwen3's own default: 128)
     changes = {**MOE_KEYS.get(arch, {}), **head, **changes}
     config_cls = getattr(transformers, f"{name[arch]}Config")

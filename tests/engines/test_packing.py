@@ -6,6 +6,7 @@ on the padded batch, full-vocabulary float32 log-softmax, the PPO-clip loss by h
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -26,7 +27,7 @@ from treadle.engines.packing import (
     token_micro_batches,
 )
 from treadle.engines.value import ValueHead
-from treadle.models.folders import row_state_layers
+from treadle.models.folders import UNPACKED_MODELS, packing_problem, row_state_layers
 from treadle.models.loading import load_causal_lm, load_value_model
 from treadle.protocol import Batch
 from treadle.runtime.errors import ConfigError
@@ -225,19 +226,21 @@ class ForwardWorker(Worker):
 
 
 @pytest.mark.parametrize(
-    ("arch", "changes", "kind"),
+    ("arch", "changes", "why"),
     [
-        ("qwen3_next", {}, "linear_attention"),
-        ("lfm2", {"layer_types": ["conv", "full_attention"]}, "conv"),
+        ("qwen3_next", {}, "its 'linear_attention' layers carry a state along the sequence"),
+        ("lfm2", {"layer_types": ["conv", "full_attention"], "initializer_range": 0.5}, "its .c"),
+        ("gpt_oss", {"attn": "eager"}, r"its attention mask \(gpt_oss\) ignores where packed"),
     ],
+    ids=["qwen3_next", "lfm2", "gpt_oss"],
 )
-def test_a_model_with_a_state_along_the_sequence_is_not_packed(arch, changes, kind, tmp_path):
+def test_a_model_whose_packed_sequences_would_meet_is_not_packed(arch, changes, why, tmp_path):
     """A linear attention's recurrence (Qwen3-Next, Qwen3.5) or a convolution (LFM2) runs
-    along a packed row: a sequence saw the ones before it (Qwen3-Next's log-probs off by up
-    to 0.2). The engine's forwards run on the padded batch instead, and give each sequence's
-    own log-probs."""
+    along a packed row, and gpt-oss builds one causal mask over the whole row: a sequence saw
+    the ones before it (Qwen3-Next's log-probs off by up to 0.2). The engine's forwards run on
+    the padded batch instead, and give each sequence's own log-probs."""
     model = random_lm(arch, **changes)
-    assert row_state_layers(model.config) == kind
+    assert re.match(why, packing_problem(model.config) or "")
     model.save_pretrained(tmp_path)
     batch = uneven_batch(vocab=64)
     ids, mask = joined(batch)
@@ -259,6 +262,32 @@ def test_a_model_with_a_state_along_the_sequence_is_not_packed(arch, changes, ki
     torch.testing.assert_close(got[rmask], want[rmask], atol=1e-5, rtol=1e-5)
     rows = pack(ids, mask, label_positions(mask, 8), 1000).input_ids.shape[0]
     assert rows == 1  # packed, all six sequences would have shared a row
+
+
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "qwen2", "mistral", "phi3", "olmo2", "gemma3_text", "gpt_oss", "opt", "bloom", "mpt"],
+)
+def test_the_decoders_listed_unpacked_are_those_whose_masks_mix_packed_sequences(arch):
+    """`UNPACKED_MODELS` against transformers itself: a row of two sequences marked by their
+    position ids, the second one's logits against it alone."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
+    sizes |= {"num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
+    sizes |= {"max_position_embeddings": 64, "pad_token_id": 0}
+    config = AutoConfig.for_model(arch, **sizes)
+    attention = "eager" if arch in ("gpt_oss", "bloom", "mpt") else "sdpa"  # (their only one)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attention).eval()
+    ids = torch.randint(3, 60, (1, 11))
+    with torch.no_grad():
+        positions = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6]])
+        packed = model(input_ids=ids, position_ids=positions, use_cache=False).logits[:, 4:]
+        alone = model(input_ids=ids[:, 4:], use_cache=False).logits
+    mixed = (packed - alone).abs().max().item() > 1e-4
+    assert mixed == (arch in UNPACKED_MODELS)
+    assert mixed == (packing_problem(config) is not None)
 
 
 def test_a_decoder_of_attention_alone_packs():

@@ -67,7 +67,7 @@ from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, rank0_reads, save_optimizer, save_schedule
 from treadle.engines.weights import CastTensors
 from treadle.models.checkpoint import CheckpointError
-from treadle.models.folders import row_state_layers
+from treadle.models.folders import packing_problem
 from treadle.models.loading import (
     ADAPTER_DIR,
     checkpoint_format,
@@ -354,9 +354,9 @@ class TrainEngine:
         defer_gradient_sync: bool = True,
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
-        row_state = row_state_layers(lm.config)
-        if row_state is not None and row_tokens is not None:  # packed rows would mix them
-            logger.info("%s: forwards run on the padded batch (%r layers)", section, row_state)
+        unpacked = packing_problem(lm.config)
+        if unpacked is not None and row_tokens is not None:  # packed rows would mix sequences
+            logger.info("%s: forwards run on the padded batch: %s", section, unpacked)
             row_tokens = None
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -215,8 +215,11 @@ def ulysses_attention(
             "through treadle.engines.parallel.sequence_parallel_forward, and needs a model "
             "whose layers pass their forward's keyword arguments on to the attention"
         )
-    group = module.sequence_group
+    group: Any = module.sequence_group
     q, k, v = (heads_to_sequence(t, group) for t in (query, key, value))
+    if kwargs.get("s_aux") is not None:  # attention sinks, one a head: this rank's heads'
+        heads = q.shape[1]
+        kwargs["s_aux"] = kwargs["s_aux"].narrow(0, dist.get_rank(group) * heads, heads)
     out = segment_attention(module, q, k, v, sequence_segments, **kwargs)
     return sequence_to_heads(out, group), None
 
@@ -255,11 +258,42 @@ def segment_attention(
         return torch.cat([segment_attention(module, *r[:3], [r[3]], **kwargs) for r in rows], 0)
     lengths = [e - a for a, e in segments[0]]
     qs, ks, vs = (t.split(lengths, 2) for t in (query, key, value))
+    attend = sink_attention if kwargs.get("s_aux") is not None else sdpa_attention
     parts = [
-        sdpa_attention(module, q, k, v, _window_mask(n, window, query.device), **kwargs)[0]
+        attend(module, q, k, v, _window_mask(n, window, query.device), **kwargs)[0]
         for q, k, v, n in zip(qs, ks, vs, lengths, strict=True)
     ]
     return torch.cat(parts, 1)
+
+
+def sink_attention(
+    module: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    allowed: torch.Tensor | None,
+    *,
+    s_aux: torch.Tensor,
+    scaling: float,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Causal attention of one sequence ``[b, heads, s, d]`` (``allowed``: a window's bool
+    mask) with a sink a head (``s_aux``, gpt-oss's ``sinks``): a logit beside every query's
+    scores that takes its share of the softmax and adds nothing to the output, as the model's
+    own eager attention computes it (sdpa has no sinks: dropping them put log-probs 0.16 off).
+    ``[b, s, heads, d]`` out, as ``sdpa_attention``'s."""
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    scores = torch.matmul(query, key.transpose(2, 3)) * scaling
+    length = query.shape[2]
+    if allowed is None:
+        allowed = torch.ones(length, length, dtype=torch.bool, device=query.device).tril()
+    scores = scores.masked_fill(~allowed, torch.finfo(scores.dtype).min)
+    sinks = s_aux.reshape(1, -1, 1, 1).expand(*scores.shape[:3], 1).to(scores.dtype)
+    logits = torch.cat([scores, sinks], -1)
+    logits = logits - logits.max(-1, keepdim=True).values
+    weights = torch.softmax(logits, -1)[..., :-1].to(value.dtype)
+    return torch.matmul(weights, value).transpose(1, 2).contiguous(), None
 
 
 def _window_mask(length: int, window: int | None, device: torch.device) -> torch.Tensor | None:

@@ -212,13 +212,40 @@ def row_state_layers(config: Any) -> str | None:
     ``config.json`` as a dict) that carries a state along the sequence (`ROW_STATE_LAYERS`),
     or its model type (`ROW_STATE_MODELS`); ``None`` for a decoder whose tokens meet through
     attention alone, which packed rows and sequence parallel keep exact."""
+    types, model_type = _decoder_kinds(config)
+    found = [t for t in types if t in ROW_STATE_LAYERS]
+    if found:
+        return found[0]
+    return model_type if model_type in ROW_STATE_MODELS else None
+
+
+def _decoder_kinds(config: Any) -> tuple[list[str], str | None]:
+    """The layer types and model type of the decoder of ``config`` (a config or a dict)."""
     if isinstance(config, dict):
         text = config.get("text_config") or config
         types, model_type = text.get("layer_types"), text.get("model_type")
     else:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         types, model_type = getattr(text, "layer_types", None), getattr(text, "model_type", None)
-    found = [t for t in types or () if t in ROW_STATE_LAYERS]
-    if found:
-        return str(found[0])
-    return str(model_type) if model_type in ROW_STATE_MODELS else None
+    return [str(t) for t in types or ()], (str(model_type) if model_type else None)
+
+
+# Decoders whose attention mask ignores the packed sequences that position ids mark: their
+# forward builds one causal mask over the whole row (gpt-oss, Falcon, OPT...) or has no
+# positions at all (ALiBi: BLOOM, MPT). Measured with transformers 5.19: a row's second
+# sequence off by 0.004-0.7 against it alone (tests/engines/test_packing.py keeps the list).
+UNPACKED_MODELS = frozenset(
+    {"gpt_oss", "afmoe", "falcon", "bloom", "mpt", "opt", "biogpt", "openai-gpt", "xglm", "cpmant"}
+)
+
+
+def packing_problem(config: Any) -> str | None:
+    """Why packed rows would not keep each sequence of a decoder of ``config`` (a
+    transformers config or its dict) to itself, in words; ``None`` where they do."""
+    state = row_state_layers(config)
+    if state is not None:
+        return f"its {state!r} layers carry a state along the sequence"
+    model_type = _decoder_kinds(config)[1]
+    if model_type in UNPACKED_MODELS:
+        return f"its attention mask ({model_type}) ignores where packed sequences begin"
+    return None
