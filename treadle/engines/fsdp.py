@@ -354,8 +354,11 @@ class TrainEngine:
         defer_gradient_sync: bool = True,
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
+        # (sequence parallel's attention takes each sequence alone; the rules refuse it where
+        # a layer carries a state along the sequence)
+        split = meshes is not None and meshes.sp_group is not None
         unpacked = packing_problem(lm.config)
-        if unpacked is not None and row_tokens is not None:  # packed rows would mix sequences
+        if unpacked is not None and row_tokens is not None and not split:  # rows would mix them
             logger.info("%s: forwards run on the padded batch: %s", section, unpacked)
             row_tokens = None
         if gradient_checkpointing and trainable:
