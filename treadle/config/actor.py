@@ -137,8 +137,9 @@ class ActorConfig(Section):
         description="Forward passes (actor, reference) on packed sequences: no compute on pad "
         "tokens, attention kept within each sequence; same results as the padded forward. "
         "Not for a model with layers that carry a state along the sequence (a convolution or "
-        "a linear attention: LFM2, Qwen3-Next, Qwen3.5, Mamba hybrids): it runs padded, and "
-        "sequence_parallel_size must be 1.",
+        "a linear attention: LFM2, Qwen3-Next, Qwen3.5, Mamba hybrids; sequence_parallel_size "
+        "must be 1 there) nor one whose attention mask ignores packed sequences (gpt-oss, "
+        "Falcon, OPT, BLOOM...): those run padded.",
     )
     pack_row_tokens: int = Field(
         256,
