@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from tiny_models import random_lm
 
 from treadle.config import load_config
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
-from treadle.engines.fsdp import TrainEngine
+from treadle.engines.fsdp import TrainEngine, packed_row_tokens
 from treadle.engines.heads import LogProbHead, LogProbRequest, PairTerm
 from treadle.engines.packing import (
     balance_ranks,
@@ -288,6 +289,14 @@ def test_the_decoders_listed_unpacked_are_those_whose_masks_mix_packed_sequences
     mixed = (packed - alone).abs().max().item() > 1e-4
     assert mixed == (arch in UNPACKED_MODELS)
     assert mixed == (packing_problem(config) is not None)
+
+
+def test_sequence_parallel_keeps_the_rows_its_attention_splits_into_sequences_itself():
+    """gpt-oss's mask mixes packed sequences, sequence parallel's attention never reads it."""
+    gpt_oss, split = random_lm("gpt_oss", attn="eager").config, SimpleNamespace(sp_group=1)
+    assert packed_row_tokens(gpt_oss, 256, None, "actor") is None
+    assert packed_row_tokens(gpt_oss, 256, split, "actor") == 256
+    assert packed_row_tokens(random_lm("llama").config, 256, None, "actor") == 256
 
 
 def test_a_decoder_of_attention_alone_packs():

@@ -320,6 +320,21 @@ def adamw(
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: factor(s + 1))
 
 
+def packed_row_tokens(
+    config: Any, row_tokens: int | None, meshes: Meshes | None, section: str
+) -> int | None:
+    """``row_tokens``, or ``None`` (forwards on the padded batch) for a model whose packed
+    sequences would meet (:func:`~treadle.models.folders.packing_problem`). Sequence
+    parallel's attention takes each sequence alone, so it keeps its packed rows (the rules
+    refuse it where a layer carries a state along the sequence)."""
+    split = meshes is not None and meshes.sp_group is not None
+    unpacked = packing_problem(config)
+    if unpacked is None or row_tokens is None or split:
+        return row_tokens
+    logger.info("%s: forwards run on the padded batch: %s", section, unpacked)
+    return None
+
+
 class TrainEngine:
     """FSDP2 model + AdamW + lr schedule (default constant). ``trainable=False``: a frozen
     reference.
@@ -354,13 +369,7 @@ class TrainEngine:
         defer_gradient_sync: bool = True,
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
-        # (sequence parallel's attention takes each sequence alone; the rules refuse it where
-        # a layer carries a state along the sequence)
-        split = meshes is not None and meshes.sp_group is not None
-        unpacked = packing_problem(lm.config)
-        if unpacked is not None and row_tokens is not None and not split:  # rows would mix them
-            logger.info("%s: forwards run on the padded batch: %s", section, unpacked)
-            row_tokens = None
+        row_tokens = packed_row_tokens(lm.config, row_tokens, meshes, section)
         if gradient_checkpointing and trainable:
             lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         # The FSDP2 root: a head around the LM (log-probs by default), now an FSDPModule.
