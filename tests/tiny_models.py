@@ -28,8 +28,9 @@ def tiny_model(out: str | Path, tokenizer_from: str | Path, seed: int = 0, **cha
     return build_tiny_model(tokenizer, out, shape, seed=seed)  # type: ignore[arg-type]
 
 
-# A mixture of experts' own keys, by architecture: 4 experts of which 2 a token.
-MOE_KEYS: dict[str, dict[str, Any]] = {
+# A family's own keys, by architecture: a mixture of experts' 4 experts of which 2 a token,
+# a linear attention's heads.
+FAMILY_KEYS: dict[str, dict[str, Any]] = {
     "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16},
     "qwen2_moe": {
@@ -48,6 +49,14 @@ MOE_KEYS: dict[str, dict[str, Any]] = {
         "linear_num_value_heads": 2,
         "linear_key_head_dim": 8,
         "linear_value_head_dim": 8,
+        "layer_types": ["linear_attention", "full_attention"],
+    },
+    # Gated DeltaNet and full attention, dense (no transformers token classification)
+    "qwen3_5_text": {
+        "linear_num_key_heads": 1,
+        "linear_num_value_heads": 2,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"],
     },
     # (vLLM cannot update its weights in place: a refused family)
@@ -84,7 +93,7 @@ def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
     name |= {"qwen3_moe": "Qwen3Moe", "qwen2_moe": "Qwen2Moe", "deepseek_v3": "DeepseekV3"}
     name |= {"qwen3_next": "Qwen3Next", "lfm2": "Lfm2", "gpt_oss": "GptOss"}
     head = {"head_dim": 8} if arch.startswith("qwen3") else {}  # (Qwen3's own default: 128)
-    changes = {**MOE_KEYS.get(arch, {}), **head, **changes}
+    changes = {**FAMILY_KEYS.get(arch, {}), **head, **changes}
     config_cls = getattr(transformers, f"{name[arch]}Config")
     model_cls = getattr(transformers, f"{name[arch]}ForCausalLM")
     sizes = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 64}
@@ -96,8 +105,8 @@ def random_lm(arch: str = "llama", attn: str = "sdpa", **changes: Any) -> Any:
 
 
 def tiny_family(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtral") -> Path:
-    """A tiny model of the family ``arch`` (a mixture of experts of `MOE_KEYS`, Mixtral by
-    default; or ``olmo2``, which vLLM runs on transformers' code) with `TINY_SHAPE`'s
+    """A tiny model of the family ``arch`` (`FAMILY_KEYS`, Mixtral by default; or ``olmo2``,
+    which vLLM runs on transformers' code) with `TINY_SHAPE`'s
     attention (head size 32, for vLLM's CPU attention) and 128 positions, random weights
     (seed 0), with the tokenizer of the model folder ``tokenizer_from``, saved to ``out`` by
     ``save_pretrained`` (a mixture's experts one tensor per expert, as a hub checkpoint's)."""
@@ -107,7 +116,7 @@ def tiny_family(out: str | Path, tokenizer_from: str | Path, arch: str = "mixtra
     shape = replace(TINY_SHAPE, arch=arch, max_positions=128)
     head = TINY_SHAPE.hidden_size // TINY_SHAPE.num_heads
     tokenizer = load_tokenizer(tokenizer_from)  # a fast tokenizer, typed as their base class
-    keys = MOE_KEYS.get(arch, {})
+    keys = FAMILY_KEYS.get(arch, {})
     return build_tiny_model(tokenizer, out, shape, head_dim=head, **keys)  # type: ignore[arg-type]
 
 

@@ -8,6 +8,7 @@ than a stack trace from deep inside transformers. Weights are written as safeten
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import shutil
@@ -119,16 +120,16 @@ def load_value_model(
 
     A value model is the ``*ForTokenClassification`` model of the folder's architecture with
     one label: its decoder plus a linear ``score`` head, one number per position (as verl's
-    critic). From a causal LM folder the head is new and starts at zero, so a fresh critic
-    predicts 0 everywhere; from a value-model folder (saved by treadle) it is loaded. Decoder
-    weights that do not match config.json are a `ConfigError`, as in `load_causal_lm`.
+    critic). For a family transformers has none of (Gemma 3, OLMo 2, Qwen3.5, Granite,
+    Cohere...), one is made as transformers makes its own (:func:`_token_classification`).
+    From a causal LM folder the head is new and starts at zero, so a fresh critic predicts 0
+    everywhere; from a value-model folder (saved by treadle) it is loaded. Decoder weights
+    that do not match config.json are a `ConfigError`, as in `load_causal_lm`.
     """
-    from transformers import AutoModelForTokenClassification
-
     resolved, torch_dtype = _model_folder(path, dtype, key, allow_download)
     failed = f"{key}: cannot load a value model from '{path}'"
-    auto = AutoModelForTokenClassification
-    model, info = _from_pretrained(auto, resolved, torch_dtype, failed, num_labels=1)
+    value_class = _token_classification(resolved, failed)
+    model, info = _from_pretrained(value_class, resolved, torch_dtype, failed, num_labels=1)
     # From a causal LM folder the new score head is missing and the LM's own head (lm_head)
     # is left over: both are expected; anything else of the decoder is a damaged folder.
     prefix = f"{model.base_model_prefix}."
@@ -148,6 +149,49 @@ def load_value_model(
             for p in model.score.parameters():
                 p.zero_()
     return model
+
+
+def _token_classification(folder: str, failed: str) -> Any:
+    """The class a value model of ``folder``'s family loads with (:func:`value_class`)."""
+    from transformers import AutoConfig
+
+    try:
+        config_class = type(AutoConfig.from_pretrained(folder))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{failed}: {e}") from e
+    made = value_class(config_class)
+    if made is None:
+        raise ConfigError(f"{failed}: transformers has no causal LM of {config_class.__name__}")
+    return made
+
+
+def value_class(config_class: type) -> Any:
+    """transformers' ``AutoModelForTokenClassification`` where it knows the family of
+    ``config_class``; else a ``<Family>ForTokenClassification`` made as transformers makes its
+    own, its ``GenericForTokenClassification`` over the family's pretrained-model class (the
+    decoder as ``model``, a linear ``score``), so a causal LM's folder and a value model saved
+    from it both load (their architectures name it; a reward model's rule reads the suffix).
+    ``None`` for a family without a causal LM."""
+    from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+
+    if config_class in AutoModelForTokenClassification._model_mapping:
+        return AutoModelForTokenClassification
+    if config_class not in AutoModelForCausalLM._model_mapping:
+        return None
+    causal: Any = AutoModelForCausalLM._model_mapping[config_class]
+    pretrained = next(b for b in causal.__mro__[1:] if b.__name__.endswith("PreTrainedModel"))
+    name = causal.__name__.replace("ForCausalLM", "ForTokenClassification")
+    return _made_class(name, pretrained, config_class)
+
+
+@functools.cache
+def _made_class(name: str, pretrained: type, config_class: type) -> type:
+    """One class per family and process (a saved model's class, compared by identity), of
+    ``config_class`` (Qwen3.5's pretrained-model class is its vision-language model's)."""
+    from transformers.modeling_layers import GenericForTokenClassification
+
+    own = {"__module__": __name__, "config_class": config_class}
+    return type(name, (GenericForTokenClassification, pretrained), own)
 
 
 def _check_weights_match(
@@ -250,18 +294,14 @@ def save_hf_folder(
     holds exactly what transformers writes itself (tied embeddings stored once, the generation
     config). The model is built on the meta device and takes the given tensors without a copy.
     """
-    from transformers import (
-        AutoModelForCausalLM,
-        AutoModelForImageTextToText,
-        AutoModelForTokenClassification,
-    )
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     value_model = any(a.endswith("ForTokenClassification") for a in config.architectures or [])
-    auto: Any = AutoModelForTokenClassification if value_model else AutoModelForCausalLM
+    auto: Any = value_class(type(config)) if value_model else AutoModelForCausalLM
     if hasattr(config, "vision_config"):
         auto = AutoModelForImageTextToText
     with torch.device("meta"):
-        model = auto.from_config(config)
+        model = auto.from_config(config) if hasattr(auto, "from_config") else auto(config)
     result = model.load_state_dict(dict(state_dict), strict=False, assign=True)
     if result.unexpected_keys:
         raise ValueError(f"state dict has keys the model lacks: {result.unexpected_keys[:5]}")
