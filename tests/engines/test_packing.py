@@ -303,6 +303,13 @@ def test_a_decoder_of_attention_alone_packs():
     assert row_state_layers(random_lm("qwen3").config) is None
     assert row_state_layers(random_lm("gemma2").config) is None  # (sliding attention)
     assert row_state_layers({"model_type": "rwkv"}) == "rwkv"  # (no layer types)
+    # Jamba's layer types are a property: its config.json and to_dict() have none
+    from transformers import JambaConfig
+
+    jamba = JambaConfig(num_hidden_layers=2, attn_layer_period=2, attn_layer_offset=1)
+    assert row_state_layers(jamba) == "linear_attention"
+    assert row_state_layers(jamba.to_dict()) == "jamba"
+    assert row_state_layers({"model_type": "lfm2", "layer_types": ["full_attention"]}) is None
     vlm = {"model_type": "qwen3_5", "text_config": {"layer_types": ["full_attention", "conv"]}}
     assert row_state_layers(vlm) == "conv"
 

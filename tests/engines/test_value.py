@@ -12,7 +12,7 @@ from tiny_models import tiny_family
 from treadle.controller import Collect, Dispatch, Worker, WorkerGroup, register
 from treadle.engines.fsdp import TrainEngine
 from treadle.engines.value import ValueHead, last_token_values
-from treadle.models.loading import load_tokenizer, load_value_model, save_hf_folder
+from treadle.models.loading import load_tokenizer, load_value_model, save_hf_folder, value_class
 from treadle.protocol import Batch
 
 
@@ -95,6 +95,27 @@ def test_value_model_starts_at_zero_trains_saves_and_reloads(
         torch.testing.assert_close(group.values(batch)["values"], trained, atol=1e-5, rtol=1e-5)
     finally:
         group.shutdown()
+
+
+def test_a_made_value_model_keeps_the_family_s_decoder_prefix_and_name(tmp_path):
+    """GPT-J's checkpoints hold its decoder as ``transformer``, not ``model``: a value model
+    made with the wrong prefix found none of it. Gemma 3's causal LM is its vision-language
+    model's ``ForConditionalGeneration``: the name comes from the pretrained-model class, so a
+    saved critic's architecture ends as a value model's must."""
+    from transformers import Gemma3Config, GPTJConfig, GPTJForCausalLM
+
+    made = value_class(GPTJConfig)
+    assert (made.__name__, made.base_model_prefix) == ("GPTJForTokenClassification", "transformer")
+    assert value_class(Gemma3Config).__name__ == "Gemma3ForTokenClassification"
+    config = GPTJConfig(vocab_size=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)
+    torch.manual_seed(0)
+    lm = GPTJForCausalLM(config)
+    lm.save_pretrained(tmp_path)
+    value = load_value_model(tmp_path)  # (a decoder weight missing is a ConfigError)
+    assert torch.equal(
+        value.transformer.h[1].mlp.fc_in.weight, lm.transformer.h[1].mlp.fc_in.weight
+    )
+    assert value.config.architectures == ["GPTJForTokenClassification"]
 
 
 def test_last_token_values_padded_and_packed_equal_a_plain_forward(tiny_task):

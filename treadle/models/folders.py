@@ -203,19 +203,30 @@ def load_tokenizer(
 # a sequence would see the ones before it (Qwen3-Next: states off by 0.06, 0.23 with shared
 # prompts), and a sequence-parallel rank its piece of the sequence alone.
 ROW_STATE_LAYERS = frozenset({"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba"})
-# Such models whose config lists no layer types.
-ROW_STATE_MODELS = frozenset({"rwkv", "xlstm", "recurrent_gemma", "lfm2_moe"})
+# Such models by type, for a config that does not list its layer types (a ``config.json``, a
+# ``to_dict()``: Jamba's and Mamba's are properties, Qwen3-Next's files may give an interval).
+ROW_STATE_MODELS = frozenset(
+    {
+        *("rwkv", "xlstm", "recurrent_gemma", "mamba", "mamba2", "falcon_mamba", "falcon_h1"),
+        *("jamba", "bamba", "zamba", "zamba2", "nemotron_h", "granitemoehybrid", "minimax"),
+        *("lfm2", "lfm2_moe", "lfm2_vl", "kimi_linear", "olmo_hybrid", "qwen3_next", "zaya"),
+        *("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen4_exp"),
+        *("qwen4_exp_text", "inkling_text"),
+    }
+)
 
 
 def row_state_layers(config: Any) -> str | None:
     """The first layer type of the decoder of ``config`` (a transformers config, or its
     ``config.json`` as a dict) that carries a state along the sequence (`ROW_STATE_LAYERS`),
-    or its model type (`ROW_STATE_MODELS`); ``None`` for a decoder whose tokens meet through
-    attention alone, which packed rows and sequence parallel keep exact."""
+    or, where it lists none, its model type (`ROW_STATE_MODELS`); ``None`` for a decoder whose
+    tokens meet through attention alone, which packed rows and sequence parallel keep exact."""
     types, model_type = _decoder_kinds(config)
     found = [t for t in types if t in ROW_STATE_LAYERS]
     if found:
         return found[0]
+    if types:  # the layer types say: attention alone
+        return None
     return model_type if model_type in ROW_STATE_MODELS else None
 
 

@@ -180,7 +180,7 @@ def value_class(config_class: type) -> Any:
         return None
     causal: Any = AutoModelForCausalLM._model_mapping[config_class]
     pretrained = next(b for b in causal.__mro__[1:] if b.__name__.endswith("PreTrainedModel"))
-    name = causal.__name__.replace("ForCausalLM", "ForTokenClassification")
+    name = pretrained.__name__.removesuffix("PreTrainedModel") + "ForTokenClassification"
     return _made_class(name, pretrained, config_class)
 
 
@@ -190,7 +190,9 @@ def _made_class(name: str, pretrained: type, config_class: type) -> type:
     ``config_class`` (Qwen3.5's pretrained-model class is its vision-language model's)."""
     from transformers.modeling_layers import GenericForTokenClassification
 
-    own = {"__module__": __name__, "config_class": config_class}
+    # the decoder where the family's checkpoints hold it (GPT-J's "transformer"...)
+    prefix = pretrained.base_model_prefix or "model"  # type: ignore[attr-defined]
+    own = {"__module__": __name__, "config_class": config_class, "base_model_prefix": prefix}
     return type(name, (GenericForTokenClassification, pretrained), own)
 
 
@@ -298,7 +300,7 @@ def save_hf_folder(
 
     value_model = any(a.endswith("ForTokenClassification") for a in config.architectures or [])
     auto: Any = value_class(type(config)) if value_model else AutoModelForCausalLM
-    if hasattr(config, "vision_config"):
+    if hasattr(config, "vision_config") and not value_model:
         auto = AutoModelForImageTextToText
     with torch.device("meta"):
         model = auto.from_config(config) if hasattr(auto, "from_config") else auto(config)

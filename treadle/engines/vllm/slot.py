@@ -301,7 +301,7 @@ def _transformers_classes_kept() -> Iterator[None]:
     """
     try:
         from vllm.model_executor.models.transformers import base
-    except ImportError:  # vLLM without a transformers backend: nothing is decorated
+    except Exception:  # (no transformers backend, or no vLLM: `_start` says so, as a ConfigError)
         yield
         return
     decorate = base.support_torch_compile
