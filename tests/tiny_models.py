@@ -148,6 +148,31 @@ PHI3_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% else %}{{ eos_token }}{% endif %}"
 )
+# Mistral's tool calling (its v0.3 instruct models' template, abridged): a turn's calls as
+# [TOOL_CALLS] with their ids, each result as [TOOL_RESULTS] naming its call's id, and both
+# refused unless the id has nine characters.
+_NINE = (
+    "{% if not {0} is defined or {0} | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}"
+    "{% endif %}"
+)
+MISTRAL_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ '[SYSTEM_PROMPT] ' + message['content'] + '[/SYSTEM_PROMPT]' }}"
+    "{% elif message['role'] == 'user' %}"
+    "{% if tools and loop.last %}{{ '[AVAILABLE_TOOLS] ' + tools | tojson + '[/AVAILABLE_TOOLS]' }}"
+    "{% endif %}{{ '[INST] ' + message['content'] + '[/INST]' }}"
+    "{% elif message['role'] == 'assistant' and message.tool_calls %}{{ '[TOOL_CALLS] [' }}"
+    "{% for call in message.tool_calls %}" + _NINE.replace("{0}", "call.id") + "{{ {'name': "
+    "call.function.name, 'arguments': call.function.arguments, 'id': call.id} | tojson }}"
+    "{% if not loop.last %}{{ ', ' }}{% endif %}{% endfor %}{{ ']' + eos_token }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' ' + message['content'] + eos_token }}"
+    "{% elif message['role'] == 'tool' %}" + _NINE.replace("{0}", "message.tool_call_id") + ""
+    "{{ '[TOOL_RESULTS] {\"content\": ' + message['content'] + ', \"call_id\": \"' "
+    "+ message.tool_call_id + '\"}[/TOOL_RESULTS]' }}"
+    "{% endif %}{% endfor %}"
+)
 CHAT_STYLES: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma2": (
         GEMMA2_TEMPLATE,
@@ -164,6 +189,19 @@ CHAT_STYLES: dict[str, tuple[str, dict[str, Any]]] = {
             "additional_special_tokens": ["<|system|>", "<|user|>", "<|assistant|>", "<|end|>"],
         },
     ),
+    "mistral": (
+        MISTRAL_TEMPLATE,
+        {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "additional_special_tokens": [
+                f"[{end}{name}]"
+                for name in ("INST", "SYSTEM_PROMPT", "AVAILABLE_TOOLS", "TOOL_RESULTS")
+                for end in ("", "/")
+            ]
+            + ["[TOOL_CALLS]"],
+        },
+    ),
 }
 
 
@@ -176,5 +214,24 @@ def chat_style(tokenizer: Any, family: str) -> Any:
     template, specials = CHAT_STYLES[family]
     tok = copy.deepcopy(tokenizer)
     tok.add_special_tokens(specials)
+    tok.chat_template = template
+    return tok
+
+
+def shipped_style(tokenizer: Any, name: str) -> Any:
+    """A copy of ``tokenizer`` with a chat template as its model ships it, from TRL's copies
+    (``trl/chat_templates/<name>.jinja``: ``gptoss``, ``gemma4``, ``smolvlm``, ``qwen3``, ...),
+    the special tokens it writes added (``<|call|>``, ``<turn|>``, ``<end_of_utterance>``)."""
+    import copy
+    import re
+
+    import trl
+
+    template = (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
+    specials = r"<\|[\w\"]+\|?>|<[\w\"]+\|>|<[a-z_]+_of_[a-z_]+>|\[/?[A-Z_]+\]"
+    tok = copy.deepcopy(tokenizer)
+    tok.add_special_tokens(
+        {"additional_special_tokens": sorted(set(re.findall(specials, template)))}
+    )
     tok.chat_template = template
     return tok

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from pathlib import Path
@@ -11,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 from jinja2 import TemplateError
-from tiny_models import chat_style
+from tiny_models import chat_style, shipped_style
 
 from treadle.data import (
     ResumableSampler,
@@ -249,6 +250,54 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
         DataError, match=r"bad\.jsonl row 1: the chat template refuses field 'prompt': Conversation"
     ):
         load(gemma, [bad])
+
+
+def test_a_template_that_reads_content_as_parts_gets_the_row_s_text(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """SmolVLM's template (Idefics3's, LLaVA-NeXT's) loops over a message's content as a list
+    of parts and writes a plain string as nothing: a prompt was the bare headers, the model
+    never read the question. A template that writes no content at all is refused by row."""
+    smolvlm = shipped_style(tok, "smolvlm")
+    ds = load(smolvlm, [write_jsonl(tmp_path / "train.jsonl", ROWS)])
+    rendered = "<|im_start|>User: What is 47+38?<end_of_utterance>\nAssistant:"
+    assert ds[1]["prompt_ids"] == smolvlm.encode(rendered, add_special_tokens=False)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    row = load_sft_dataset([path], smolvlm, TextOptions(max_length=128))[0]
+    assert smolvlm.decode(row["input_ids"]) == (
+        "<|im_start|>System: Be brief.<end_of_utterance>\nUser: What is 1+2?<end_of_utterance>\n"
+        "Assistant: Answer: 3<end_of_utterance>\nUser: And 3+4?<end_of_utterance>\n"
+        "Assistant: Answer: 7<end_of_utterance>"
+    )
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert smolvlm.decode(target) == " Answer: 3<end_of_utterance> Answer: 7<end_of_utterance>"
+    blind = copy.deepcopy(tok)
+    blind.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% endfor %}"
+    with pytest.raises(
+        DataError,
+        match=r"train\.jsonl row 1: the chat template renders field 'prompt' without the text "
+        r"of its user message 'What is 1\+2\?'",
+    ):
+        load(blind, [write_jsonl(tmp_path / "train.jsonl", ROWS)])
+
+
+def test_multi_turn_sft_on_a_template_that_rewrites_earlier_turns(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """Qwen3's template writes the last assistant turn after an empty thinking block and an
+    earlier one without it, so no rendering is a prefix of the next: the conversation is its
+    rendering of the whole, each assistant turn found in it (refused before)."""
+    qwen3 = shipped_style(tok, "qwen3")
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    row = load_sft_dataset([path], qwen3, TextOptions(max_length=256))[0]
+    whole = qwen3.apply_chat_template(CHAT, tokenize=False)
+    assert "<think>" in whole.split("And 3+4?")[1] and "<think>" not in whole.split("And 3+4?")[0]
+    assert qwen3.decode(row["input_ids"]) == whole.removesuffix("\n")
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert qwen3.decode(target) == "Answer: 3<|im_end|>Answer: 7<|im_end|>"
+    # a user message that ends as an assistant turn does is context, not the turn
+    echo = [{"role": "user", "content": "Say 3"}, {"role": "assistant", "content": "3"}]
+    row = load_sft_dataset(
+        [write_jsonl(tmp_path / "echo.jsonl", [{"messages": echo}])], qwen3, TextOptions()
+    )[0]
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert qwen3.decode(target) == "3<|im_end|>" and qwen3.decode(row["input_ids"]).count("3") == 2
 
 
 def test_sft_errors_and_length_filter(tok, tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -12,7 +12,7 @@ import time
 
 import pytest
 import torch
-from tiny_models import chat_style
+from tiny_models import chat_style, shipped_style
 
 from treadle.agents.loops import (
     AgentLoopError,
@@ -28,7 +28,9 @@ from treadle.agents.tools import (
     Toolbox,
     ToolCall,
     call_parser,
+    numbered,
     parse_tool_calls,
+    result_messages,
     tool_schema,
 )
 from treadle.agents.trajectory import Trajectory
@@ -164,7 +166,8 @@ def test_schemas_go_into_the_system_message_without_template_support(tiny_task):
 
 class ScriptedReplica:
     """Answers each request with the next scripted text (+ the template's end-of-turn token,
-    the tokenizer's EOS on ChatML), log-prob -0.25 per token."""
+    the tokenizer's EOS on ChatML, or the token a ``(text, token)`` item names), log-prob -0.25
+    per token."""
 
     def __init__(self, tok, script: list[str], eos: bool = True) -> None:
         self.name, self.tok, self.script = "scripted", tok, list(script)
@@ -176,9 +179,11 @@ class ScriptedReplica:
         self.calls.append(list(requests))
         out = []
         for r in requests:
-            text = self.script.pop(0)
+            text, end = self.script.pop(0), self.end
+            if isinstance(text, tuple):
+                text, end = text[0], self.tok.convert_tokens_to_ids(text[1])
             ids = self.tok(text, add_special_tokens=False)["input_ids"]
-            ids = [*ids, self.end] if self.eos else ids
+            ids = [*ids, end] if self.eos else ids
             ids = ids[: r.params.max_new_tokens]
             stop = "length" if len(ids) == r.params.max_new_tokens or not self.eos else "stop"
             out.append(Response(r.request_id, ids, [-0.25] * len(ids), stop, 3, self.name))
@@ -290,6 +295,86 @@ def test_the_tool_loop_on_templates_with_turns_of_their_own(tok, family):
     # the last turn continued the conversation exactly, and ended at the end of its turn
     answer = [*styled.encode("Answer: 42", add_special_tokens=False), end_id]
     assert t.all_token_ids == [*replica.calls[2][0].prompt_ids, *answer]
+
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 40}}</tool_call>'
+
+
+@pytest.mark.parametrize(
+    ("family", "stop", "between"),
+    [
+        # gpt-oss's refuses a tool message without an assistant message holding its call
+        (
+            "gptoss",
+            "<|call|>",
+            '<|start|>functions.add to=assistant<|channel|>commentary<|message|>"42"<|end|>'
+            "<|start|>assistant",
+        ),
+        # Gemma 4's writes the result into the turn of the call, which goes on after it (and a
+        # tool message without that turn as nothing at all)
+        ("gemma4", "<|tool_response>", 'response:add{value:<|"|>42<|"|>}<tool_response|>'),
+        # Qwen3's writes the last assistant turn with an empty thinking block, an earlier one
+        # without: the results still start right after the model's <|im_end|>
+        (
+            "qwen3",
+            "<|im_end|>",
+            "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+            "<|im_start|>assistant\n",
+        ),
+        # Mistral's (v0.3 style) wants the call's nine-character id with its result
+        (
+            "mistral",
+            "</s>",
+            '[TOOL_RESULTS] {"content": 42, "call_id": "call00000"}[/TOOL_RESULTS]',
+        ),
+    ],
+)
+def test_tool_results_follow_the_turn_of_their_calls_as_the_template_writes_it(
+    tok, family, stop, between
+):
+    """The loop renders a turn's results after an assistant message holding its calls, and
+    appends the template's text from the token the model ended its turn with."""
+    styled = shipped_style(tok, family) if family != "mistral" else chat_style(tok, "mistral")
+    (t,), replica = run_loop(styled, [(CALL, stop), "Answer: 42"])
+    assert (t.turns, t.stop_reason, t.info["tool_calls"]) == (2, "stop", 1)
+    first = [*styled.encode(CALL, add_special_tokens=False), styled.convert_tokens_to_ids(stop)]
+    second_prompt = list(replica.calls[1][0].prompt_ids)
+    assert second_prompt[: len(t.prompt_ids) + len(first)] == t.prompt_ids + first
+    assert styled.decode(second_prompt[len(t.prompt_ids) + len(first) :]) == between
+
+
+def test_a_tool_message_the_template_writes_without_its_content_fails_the_trajectory(tok):
+    """Gemma 4's template writes a tool message only inside the turn of its call: appended on
+    its own it would be nothing, and the model would never read the result."""
+    from treadle.agents.loops import AgentClient, AgentLoopError
+
+    gemma4 = shipped_style(tok, "gemma4")
+    client = AgentClient(None, gemma4, SamplingParams(), Limits(), "s")  # type: ignore[arg-type]
+    result = [{"role": "tool", "content": "42"}]
+    with pytest.raises(AgentLoopError, match="renders a 'tool' message here without its content"):
+        client.encode_messages(result, after=[gemma4.convert_tokens_to_ids("<turn|>")])
+    calls = numbered([ToolCall("add", {"a": 2, "b": 40})])
+    result = result_messages(gemma4, ["42"], calls)  # (with the call's id, which it looks up)
+    ids = client.encode_messages(
+        result, after=[gemma4.convert_tokens_to_ids("<|tool_response>")], calls=calls
+    )
+    assert gemma4.decode(ids) == 'response:add{value:<|"|>42<|"|>}<tool_response|>'
+
+
+def test_a_turn_cut_by_its_length_is_closed_before_what_follows_it(tok):
+    """A model turn that did not end with the template's end-of-turn token gets it before the
+    appended messages: the model then reads the conversation as the template writes it."""
+    from treadle.agents.loops import AgentClient
+
+    client = AgentClient(None, tok, SamplingParams(), Limits(), "s")  # type: ignore[arg-type]
+    note = [{"role": "user", "content": "Check."}]
+    cut = tok.encode("Answer: 4", add_special_tokens=False)
+    closed = "<|im_end|>\n<|im_start|>user\nCheck.<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.decode(client.encode_messages(note, after=cut)) == closed
+    ended = [*cut, tok.convert_tokens_to_ids("<|im_end|>")]
+    assert tok.decode(client.encode_messages(note, after=ended)) == closed.removeprefix(
+        "<|im_end|>"
+    )
 
 
 @pytest.mark.slow  # imports vLLM (~7 s) for its parser

@@ -108,7 +108,9 @@ def test_a_gemma_model_s_turns_go_as_its_template_writes_them(long_task, length_
         note = next(i for i in range(first, len(ids)) if mask[row][i] == 1)  # turn 2's start
         between = tok.decode(ids[first:note])
         ended = ids[first - 1] == end  # turn 1 closed its turn, or was cut at its length
-        assert between.startswith("\n<start_of_turn>user\n" if ended else "<start_of_turn>user\n")
+        # (a turn cut at its length is closed as the template closes one)
+        opens = "\n<start_of_turn>user\n" if ended else "<end_of_turn>\n<start_of_turn>user\n"
+        assert between.startswith(opens)
         assert between.endswith("<end_of_turn>\n<start_of_turn>model\n")
         assert int(attention[row].sum()) >= note
     assert metrics["agent/turns_mean"] == 2.0 and metrics["agent/errors"] == 0.0

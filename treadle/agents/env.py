@@ -45,6 +45,7 @@ from typing import Any
 from treadle.agents.loops import AgentClient, AgentLoop, Sample
 from treadle.agents.tools import Toolbox
 from treadle.agents.trajectory import Trajectory
+from treadle.data.templating import render
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.plugins import load_callable, require_call
 
@@ -164,10 +165,7 @@ def _prompt_ids(client: AgentClient, observation: str) -> list[int]:
     """The first observation as the conversation's first user message, then the model's
     header (the tokenizer's chat template)."""
     tok = client.tokenizer
-    text = tok.apply_chat_template(
-        [{"role": "user", "content": observation}], add_generation_prompt=True, tokenize=False
-    )
-    assert isinstance(text, str)
+    text = render(tok, [{"role": "user", "content": observation}], generation=True)
     return list(tok(text, add_special_tokens=False)["input_ids"])
 
 

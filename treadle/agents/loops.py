@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
+import json
 import logging
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -35,9 +36,21 @@ import torch
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from treadle.agents.tools import CallParser, Toolbox, parse_tool_calls, result_messages
+from treadle.agents.tools import (
+    CallParser,
+    Toolbox,
+    ToolCall,
+    numbered,
+    parse_tool_calls,
+    result_messages,
+)
 from treadle.agents.trajectory import Trajectory
-from treadle.data.templating import end_of_turn, render
+from treadle.data.templating import (
+    end_of_turn,
+    render,
+    supports_tools,
+    template_end_of_turn,
+)
 from treadle.engines.inference import SamplingParams
 from treadle.runtime.errors import TreadleError
 from treadle.serving.client import RolloutClient, RolloutError
@@ -153,13 +166,26 @@ class AgentClient:
         return await self._batcher.submit(request)
 
     def encode_messages(
-        self, messages: list[dict[str, Any]], after: Sequence[int] = ()
+        self,
+        messages: list[dict[str, Any]],
+        after: Sequence[int] = (),
+        calls: Sequence[ToolCall] = (),
     ) -> list[int]:
         """Tokens of chat ``messages`` appended to a conversation, then the header of the
         model's next turn. ``after``: the model's last turn; if it ended with the template's
         end-of-turn token, the template's text that follows that token (ChatML's newline)
-        comes first."""
+        comes first, and if it did not (cut by its length), that token does (where the
+        template writes one). ``calls``: the tool calls of that turn, which the messages
+        answer: a template with tool support reads them as an assistant message with
+        ``tool_calls`` before the messages (gpt-oss's and Mistral's refuse a tool message
+        without one; Gemma 4's writes the results into that turn); the turn's tokens stay the
+        model's own."""
         tok = self.tokenizer
+        if calls and supports_tools(tok):
+            ids = _after_calls(tok, messages, after, calls)
+            if ids is not None:
+                return ids
+        _check_shown(tok, messages)
         base = _base_conversation(tok, tok.chat_template)
         full_ids = _encode(tok, render(tok, [*base.messages, *messages], generation=True))
         if full_ids[: len(base.ids)] != base.ids:  # the date a template writes moved on
@@ -170,8 +196,11 @@ class AgentClient:
                 f"messages follow it (roles {[m.get('role') for m in messages]}), so they "
                 "cannot be appended to the model's turn token for token"
             )
-        tail = base.after_end if after and after[-1] == base.end_id else []
-        return tail + full_ids[len(base.ids) :]
+        if not after:
+            return full_ids[len(base.ids) :]
+        writes_end = template_end_of_turn(tok) is not None
+        closed = [base.end_id] if after[-1] != base.end_id and writes_end else []
+        return closed + base.after_end + full_ids[len(base.ids) :]
 
     def remaining(self, trajectory: Trajectory) -> int:
         """Tokens of the trajectory's budget still free."""
@@ -215,9 +244,7 @@ def _base_conversation(tok: PreTrainedTokenizerBase, template: Any) -> _Base:
             longer_ids = _encode(tok, render(tok, longer, generation=True))
         except TemplateError:
             continue
-        shared = 0
-        while shared < min(len(ids), len(longer_ids)) and ids[shared] == longer_ids[shared]:
-            shared += 1
+        shared = _shared(ids, longer_ids)
         if end_id in ids[:shared]:
             last = shared - 1 - ids[:shared][::-1].index(end_id)
             return _Base(messages, ids[:shared], end_id, ids[last + 1 : shared])
@@ -228,6 +255,98 @@ def _base_conversation(tok: PreTrainedTokenizerBase, template: Any) -> _Base:
         "(tried a system and a user message, then a user and an assistant message), so an "
         "agent loop cannot append tool results or observations to a turn"
     )
+
+
+_MARK = "treadlemark"  # a message's content where the loops look for where it is written
+
+
+def _marked(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{**messages[0], "content": _MARK}, *messages[1:]]
+
+
+def _check_shown(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -> None:
+    """A template that renders the first message without its content (Gemma 4's writes a tool
+    message only inside the assistant turn of its call) fails the trajectory, named."""
+    if not messages:
+        return
+    base = _base_conversation(tok, tok.chat_template)
+    if _MARK not in render(tok, [*base.messages, *_marked(messages)], generation=True):
+        raise AgentLoopError(
+            f"the chat template renders a {messages[0].get('role')!r} message here without its "
+            "content, so the model would never read it"
+            + (
+                " (pass the turn's tool calls: encode_messages(..., calls=))"
+                if supports_tools(tok)
+                else ""
+            )
+        )
+
+
+def _after_calls(
+    tok: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    after: Sequence[int],
+    calls: Sequence[ToolCall],
+) -> list[int] | None:
+    """:meth:`AgentClient.encode_messages` after an assistant message holding ``calls``: the
+    template's text from the token that ends that turn (the one the model stopped at, else the
+    template's end of turn) to the next turn's header. None where the template renders no such
+    turn (the caller then appends the messages as after any turn)."""
+    base = _base_conversation(tok, tok.chat_template)
+    start = render(tok, list(base.messages), generation=False)
+    specials = set(tok.all_special_ids)
+    stops = [after[-1]] if after and after[-1] in specials else []
+    stops += [base.end_id] if base.end_id not in stops else []
+    for turn in (_calls_turn(calls, as_json=False), _calls_turn(calls, as_json=True)):
+        conversation = [*base.messages, turn]
+        try:
+            marked = render(tok, [*conversation, *_marked(messages)], generation=True)
+            text = render(tok, [*conversation, *messages], generation=True)
+        except (TemplateError, TypeError):  # (DeepSeek V3's adds arguments to a string)
+            continue
+        at = marked.find(_MARK)
+        if at < 0:
+            raise AgentLoopError(
+                f"the chat template renders a {messages[0].get('role')!r} message after a tool "
+                "call without its content, so the model would never read it"
+            )
+        turn_start = _shared(start, marked)
+        for stop in stops:
+            token = str(tok.convert_ids_to_tokens(stop))
+            end = marked.rfind(token, turn_start, at)
+            if end >= 0 and text[: end + len(token)] == marked[: end + len(token)]:
+                ids = _encode(tok, text[end + len(token) :])
+                return ids if after and after[-1] == stop else [stop, *ids]
+        return None
+    return None
+
+
+def _calls_turn(calls: Sequence[ToolCall], *, as_json: bool) -> dict[str, Any]:
+    """The assistant message of a turn's calls, their arguments as an object (as templates
+    write them) or a JSON string (DeepSeek V3's)."""
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {
+                "type": "function",
+                "id": c.id,
+                "function": {
+                    "name": c.name or "",
+                    "arguments": json.dumps(c.arguments) if as_json else c.arguments,
+                },
+            }
+            for c in calls
+        ],
+    }
+
+
+def _shared(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How long a prefix ``a`` and ``b`` share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def _encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:
@@ -272,8 +391,9 @@ async def tool_loop(client: AgentClient, sample: Sample, tools: Toolbox) -> Traj
         errors += sum(r.error for r in results)
         seconds += sum(r.seconds for r in results)
         contents = [_cut(client, r.content) for r in results]
+        requested = numbered(requested)
         messages = result_messages(client.tokenizer, contents, requested)
-        ids = client.encode_messages(messages, after=response.token_ids)
+        ids = client.encode_messages(messages, after=response.token_ids, calls=requested)
         if len(ids) >= client.remaining(t):  # no room left for the model to read and answer
             t.stop_reason = "length"
             break

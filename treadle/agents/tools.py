@@ -31,7 +31,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
@@ -224,6 +224,12 @@ def _parse_call(body: str) -> ToolCall:
 
 
 # ----------------------------------------------------------------------------- chat rendering
+
+
+def numbered(calls: Sequence[ToolCall]) -> list[ToolCall]:
+    """``calls`` with an id each: a call whose parser gave none (hermes) gets ``call00000``,
+    ``call00001``, ... (nine letters and digits: Mistral's template refuses other ids)."""
+    return [c if c.id is not None else replace(c, id=f"call{i:05d}") for i, c in enumerate(calls)]
 
 
 def result_messages(

@@ -110,15 +110,52 @@ def _sft_messages(
     """Multi-turn: every assistant turn (content + end-of-turn token) is a target,
     everything else context.
 
-    The template must render a conversation as a prefix of its continuations, and an assistant
-    turn as its content (or that content trimmed, as Gemma's does) followed by its end-of-turn
-    token (:func:`end_of_turn`: ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), as most
-    templates do; the target is the turn as the template writes it.
+    The template must write an assistant turn as its content (or that content trimmed, as
+    Gemma's does, or after a space, as SmolVLM's) followed by its end-of-turn token
+    (:func:`end_of_turn`: ChatML's ``<|im_end|>``, Gemma's ``<end_of_turn>``), as most
+    templates do; the target is the turn as the template writes it. Where the template
+    renders a conversation as a prefix of its continuations, each turn's context is what the
+    model was given for it (:func:`_turn_by_turn`); where it does not (Qwen3's drops an earlier
+    turn's thinking block once a user message follows), the conversation is the template's
+    rendering of the whole of it (:func:`_in_one_render`).
     """
-    messages_key, allow_special = options.messages_key, options.allow_special_tokens
     messages = prompt_messages(
-        record, messages_key, require(record, messages_key, "messages"), options.system_prompt
+        record,
+        options.messages_key,
+        require(record, options.messages_key, "messages"),
+        options.system_prompt,
     )
+    if messages[0]["role"] == "assistant":
+        raise DataError(f"{record.where}: '{options.messages_key}' starts with an assistant turn")
+    try:
+        ids, mask = _turn_by_turn(record, tokenizer, options, messages)
+    except _NotAPrefix:
+        ids, mask = _in_one_render(record, tokenizer, options, messages)
+    if not any(mask):
+        raise DataError(
+            f"{record.where}: '{options.messages_key}' has no assistant turn to train on"
+        )
+    return ids, mask
+
+
+class _NotAPrefix(Exception):
+    """The template writes a conversation differently once more turns follow."""
+
+
+def _written(text: str, end_text: str) -> tuple[str, ...]:
+    """How a template may write an assistant turn's ``text``, up to its end-of-turn token."""
+    return tuple(c + end_text for c in (text, text.strip(), " " + text.strip()))
+
+
+def _turn_by_turn(
+    record: Record,
+    tokenizer: PreTrainedTokenizerBase,
+    options: TextOptions,
+    messages: list[dict[str, str]],
+) -> tuple[list[int], list[int]]:
+    """Each assistant turn after its context: the template's rendering of the conversation up
+    to it with the generation prompt, which each longer rendering must start with."""
+    key, allow_special = options.messages_key, options.allow_special_tokens
     end_id, end_text = end_of_turn(tokenizer)
     specials = special_strings(tokenizer)
     ids: list[int] = []
@@ -128,17 +165,14 @@ def _sft_messages(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        if i == 0:
-            raise DataError(f"{record.where}: '{messages_key}' starts with an assistant turn")
-        context = render_row(record, messages_key, tokenizer, messages[:i], generation=True)
-        turns = render_row(record, messages_key, tokenizer, messages[: i + 1], generation=False)
+        context = render_row(record, key, tokenizer, messages[:i], generation=True)
+        turns = render_row(record, key, tokenizer, messages[: i + 1], generation=False)
         if not (context.startswith(done) and turns.startswith(context)):
-            raise _template_error(record)
-        # the turn as the template writes it: its content, or that content trimmed (Gemma's)
-        rest, text = turns[len(context) :], message["content"]
-        content = next((c for c in (text, text.strip()) if rest.startswith(c + end_text)), None)
-        if content is None:
-            raise _template_error(record)
+            raise _NotAPrefix
+        rest = turns[len(context) :]
+        written = [w for w in _written(message["content"], end_text) if rest.startswith(w)]
+        if not written:
+            raise _NotAPrefix
         context_ids = encode_prompt(
             tokenizer,
             context[len(done) :],
@@ -147,22 +181,64 @@ def _sft_messages(
             allow_special=allow_special,
             specials=specials,
         )
-        content_ids = encode_response(tokenizer, content, allow_special=allow_special)
-        turn_ids = [*content_ids, end_id]
+        content = written[0].removesuffix(end_text)
+        turn_ids = [*encode_response(tokenizer, content, allow_special=allow_special), end_id]
         ids += context_ids + turn_ids
         mask += [0] * len(context_ids) + [1] * len(turn_ids)
-        done = context + content + end_text
+        done = context + written[0]
         first = i + 1
-    if not any(mask):
-        raise DataError(f"{record.where}: '{messages_key}' has no assistant turn to train on")
+    return ids, mask
+
+
+def _in_one_render(
+    record: Record,
+    tokenizer: PreTrainedTokenizerBase,
+    options: TextOptions,
+    messages: list[dict[str, str]],
+) -> tuple[list[int], list[int]]:
+    """The whole conversation as the template renders it, each assistant turn found in it in
+    order (after the text of the messages before it)."""
+    key, allow_special = options.messages_key, options.allow_special_tokens
+    end_id, end_text = end_of_turn(tokenizer)
+    specials = special_strings(tokenizer)
+    text = render_row(record, key, tokenizer, messages, generation=False)
+    ids: list[int] = []
+    mask: list[int] = []
+    at = 0  # where the text not yet turned into tokens starts
+    seen = 0  # where the last message found in the text ends
+    first = 0  # the first message not yet turned into tokens
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            found = text.find(message["content"].strip(), seen)
+            seen = found + len(message["content"].strip()) if found >= 0 else seen
+            continue
+        places = [(text.find(w, seen), w) for w in _written(message["content"], end_text)]
+        places = [(where, w) for where, w in places if where >= 0]
+        if not places:
+            raise _template_error(record)
+        where, written = min(places)
+        context_ids = encode_prompt(
+            tokenizer,
+            text[at:where],
+            [m["content"] for m in messages[first:i]],
+            templated=True,
+            allow_special=allow_special,
+            specials=specials,
+        )
+        content = written.removesuffix(end_text)
+        turn_ids = [*encode_response(tokenizer, content, allow_special=allow_special), end_id]
+        ids += context_ids + turn_ids
+        mask += [0] * len(context_ids) + [1] * len(turn_ids)
+        at = seen = where + len(written)
+        first = i + 1
     return ids, mask
 
 
 def _template_error(record: Record) -> DataError:
     return DataError(
-        f"{record.where}: the chat template does not render the conversation as a prefix of "
-        "its continuations with assistant turns as content + end-of-turn token, which "
-        "multi-turn SFT needs; use prompt/response columns instead"
+        f"{record.where}: the chat template does not write the conversation's assistant turns "
+        "as their content + end-of-turn token, which multi-turn SFT needs; use "
+        "prompt/response columns instead"
     )
 
 

@@ -132,11 +132,22 @@ def render_row(
     generation: bool,
     tools: list[dict[str, Any]] | None = None,
 ) -> str:
-    """:func:`render` for a data row: a template that refuses it names the file, row and field."""
+    """:func:`render` for a data row: a template that refuses it, or renders it without a user
+    message's text, names the file, row and field."""
     try:
-        return render(tokenizer, messages, generation=generation, tools=tools)
+        text = render(tokenizer, messages, generation=generation, tools=tools)
     except TemplateError as e:
         raise DataError(f"{record.where}: the chat template refuses field '{key}': {e}") from e
+    for m in messages:
+        content = m.get("content")
+        if m.get("role") == "user" and isinstance(content, str) and content.strip() not in text:
+            raise DataError(
+                f"{record.where}: the chat template renders field '{key}' without the text of "
+                f"its user message {content.strip()[:60]!r}, so the model would never read it; "
+                "give model.path's tokenizer a template that writes message content (or set "
+                "data.apply_chat_template=false)"
+            )
+    return text
 
 
 def _apply(
@@ -145,11 +156,44 @@ def _apply(
     generation: bool,
     kwargs: dict[str, Any],
 ) -> str:
+    if takes_parts(tokenizer):
+        messages = [as_parts(m) for m in messages]
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=generation, tokenize=False, **kwargs
     )
     assert isinstance(text, str)
     return text
+
+
+def takes_parts(tokenizer: PreTrainedTokenizerBase) -> bool:
+    """Whether the chat template reads a message's content only as a list of parts
+    (``[{"type": "text", "text": ...}]``): SmolVLM's, Idefics3's and LLaVA-NeXT's loop over
+    the content and render a plain string as nothing."""
+    template = tokenizer.chat_template
+    return isinstance(template, str) and _takes_parts(tokenizer, template)
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_parts(tokenizer: PreTrainedTokenizerBase, template: str) -> bool:
+    def shows(content: Any) -> bool:
+        messages = [{"role": "user", "content": content}]
+        try:
+            text = tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False
+            )
+        except Exception:  # a probe: a template that wants more shows nothing
+            return False
+        return isinstance(text, str) and _PROBE in text
+
+    return not shows(_PROBE) and shows([{"type": "text", "text": _PROBE}])
+
+
+def as_parts(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with a string content as one text part (other content as it is)."""
+    content = message.get("content")
+    if not isinstance(content, str):
+        return message
+    return {**message, "content": [{"type": "text", "text": content}]}
 
 
 def _system_folded(messages: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
