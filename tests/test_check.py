@@ -655,6 +655,25 @@ def test_chat_template_that_fails_names_the_file(env, capsys) -> None:  # type: 
     )
 
 
+def test_a_chat_template_variable_the_template_never_reads_is_named(env, capsys) -> None:  # type: ignore[no-untyped-def]
+    folder = Path(model_copy(env, "thinking"))
+    template = (folder / "chat_template.jinja").read_text()
+    reads = "{% if enable_thinking is defined and enable_thinking is false %}{% endif %}"
+    (folder / "chat_template.jinja").write_text(reads + template)
+    read = f"model.tokenizer_path={folder}"
+    assert check(env, capsys, read, "data.chat_template_kwargs={enable_thinking: false}")[0] == 0
+    assert_bad(
+        check(env, capsys, read, "data.chat_template_kwargs={enable_thinkng: false}"),
+        r"data\.chat_template_kwargs\.enable_thinkng: the chat template of .*thinking' never "
+        r"reads 'enable_thinkng', so it would change nothing",
+    )
+    assert_bad(
+        check(env, capsys, "data.chat_template_kwargs={add_generation_prompt: false}"),
+        r"data\.chat_template_kwargs\.add_generation_prompt: 'add_generation_prompt' is set by "
+        "treadle itself",
+    )
+
+
 # --- the reward function -----------------------------------------------------------------------
 
 REWARDS = {

@@ -300,6 +300,28 @@ def test_multi_turn_sft_on_a_template_that_rewrites_earlier_turns(tok, tmp_path:
     assert qwen3.decode(target) == "3<|im_end|>" and qwen3.decode(row["input_ids"]).count("3") == 2
 
 
+def test_chat_template_kwargs_reach_every_rendering(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """data.chat_template_kwargs (verl's apply_chat_template_kwargs): Qwen3's template with
+    enable_thinking false opens the model's turn with an empty thinking block, in prompts and
+    in SFT rows; the tokenizer that holds them is another object than the plain one."""
+    from treadle.models.folders import load_tokenizer as load_folder
+
+    folder = tmp_path / "qwen3"
+    shipped_style(tok, "qwen3").save_pretrained(folder)
+    plain = load_folder(folder)
+    quiet = load_folder(folder, template_kwargs={"enable_thinking": False})
+    assert quiet is not plain and quiet is load_folder(
+        folder, template_kwargs={"enable_thinking": False}
+    )
+    path = write_jsonl(tmp_path / "train.jsonl", ROWS[:1])
+    header = "<|im_start|>user\nWhat is 1+2?<|im_end|>\n<|im_start|>assistant\n"
+    assert plain.decode(load(plain, [path])[0]["prompt_ids"]) == header
+    thinking = header + "<think>\n\n</think>\n\n"
+    assert quiet.decode(load(quiet, [path])[0]["prompt_ids"]) == thinking
+    row = load_sft_dataset([path], quiet, TextOptions(max_length=128))[0]
+    assert quiet.decode(row["input_ids"]) == thinking + ROWS[0]["solution"] + "<|im_end|>"
+
+
 def test_sft_errors_and_length_filter(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
     path = write_jsonl(tmp_path / "train.jsonl", [ROWS[0], {"prompt": "What is 2+2?"}])
     with pytest.raises(DataError) as info:

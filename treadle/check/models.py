@@ -48,7 +48,9 @@ def check_models(cfg: Config, kind: Kind, summary: list[str], problems: list[str
     if path or m.tokenizer_path:
         key = "model.tokenizer_path" if m.tokenizer_path else "model.path"
         try:
-            found = Tokenizer(m.tokenizer_path or path, key, m.allow_download, path)
+            found = Tokenizer(
+                m.tokenizer_path or path, key, m.allow_download, path, cfg.data.chat_template_kwargs
+            )
             found.size()  # (loads it, unless this folder's tokenizer loaded before)
             tokenizer = found
         except ConfigError as e:
@@ -212,10 +214,18 @@ class Tokenizer:
     (a hub id, a model folder that does not resolve, an image processor) keeps nothing.
     """
 
-    def __init__(self, path: str, key: str, allow_download: bool, model: str) -> None:
+    def __init__(
+        self,
+        path: str,
+        key: str,
+        allow_download: bool,
+        model: str,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> None:
         from treadle.models.folders import PROCESSOR_FILES, WEIGHTS, resolve_model_path
 
         self.path, self.key, self.allow_download = path, key, allow_download
+        self.template_kwargs = template_kwargs
         self._tokenizer: Any = None
         folder = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
         self.prints: list[Any] | None = None
@@ -235,12 +245,17 @@ class Tokenizer:
             from treadle.models.folders import load_tokenizer
 
             self._tokenizer = load_tokenizer(
-                self.path, key=self.key, allow_download=self.allow_download
+                self.path,
+                key=self.key,
+                allow_download=self.allow_download,
+                template_kwargs=self.template_kwargs,
             )
         return self._tokenizer
 
     def size(self) -> int:
         """``len(tokenizer)``, remembered for its files."""
+        if self.template_kwargs:
+            self.load()  # (which checks that its chat template reads them)
         key = ["tokenizer", self.prints]
         size = cache.lookup("tokenizer", key) if self.prints is not None else None
         if isinstance(size, int):

@@ -206,6 +206,14 @@ class DataConfig(Section):
     )
     apply_chat_template: bool = Field(True, description="Render prompts with the chat template.")
     system_prompt: str | None = Field(None, description="Optional system message for prompts.")
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Variables every rendering of the policy's chat template gets (prompts, "
+        "SFT and preference rows, agent turns, the endpoint), as verl's "
+        "data.apply_chat_template_kwargs and TRL's chat_template_kwargs: {enable_thinking: "
+        "false} opens Qwen3's turns with an empty thinking block. Each must be a variable the "
+        "template reads.",
+    )
     batch_size: int = Field(16, gt=0, description="Prompts per RL step (SFT: samples per step).")
     shuffle: bool = Field(True, description="Shuffle the data every epoch.")
     sampler: Literal["uniform", "pass_rate"] = Field(

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, check_messages, require
+from treadle.models.folders import TEMPLATE_KWARGS
 from treadle.runtime.errors import ConfigError, DataError
 
 HERMES_TOOLS_PROMPT = """# Tools
@@ -159,7 +160,11 @@ def _apply(
     if takes_parts(tokenizer):
         messages = [as_parts(m) for m in messages]
     text = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=generation, tokenize=False, **kwargs
+        messages,
+        add_generation_prompt=generation,
+        tokenize=False,
+        **getattr(tokenizer, TEMPLATE_KWARGS, {}),
+        **kwargs,
     )
     assert isinstance(text, str)
     return text
@@ -179,7 +184,10 @@ def _takes_parts(tokenizer: PreTrainedTokenizerBase, template: str) -> bool:
         messages = [{"role": "user", "content": content}]
         try:
             text = tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False
+                messages,
+                add_generation_prompt=True,
+                tokenize=False,
+                **getattr(tokenizer, TEMPLATE_KWARGS, {}),
             )
         except Exception:  # a probe: a template that wants more shows nothing
             return False

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -161,22 +162,35 @@ WEIGHTS = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".msgpack", ".h5")  #
 _LOADED: dict[tuple[Any, ...], PreTrainedTokenizerBase] = {}  # load_tokenizer's, by its files
 
 
+TEMPLATE_KWARGS = "treadle_template_kwargs"  # the tokenizer's attribute: see load_tokenizer
+_NOT_TEMPLATE_KWARGS = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+
+
 def load_tokenizer(
-    path: str | Path, *, key: str = "model.path", allow_download: bool = False
+    path: str | Path,
+    *,
+    key: str = "model.path",
+    allow_download: bool = False,
+    template_kwargs: Mapping[str, Any] | None = None,
 ) -> PreTrainedTokenizerBase:
     """The tokenizer of the model folder (or, with `allow_download`, hub id) at `path`.
 
     A process loads a folder's tokenizer once while the folder's files stay as they were (its
     files other than weights, by name, size and modification time): a run's driver asks for it
     at the check, for the prompts, the held-out prompts and the rollout (SmolLM2's takes ~0.3 s
-    each). The object is shared: callers read it and never change its settings."""
+    each). The object is shared: callers read it and never change its settings.
+
+    ``template_kwargs`` (``data.chat_template_kwargs``): variables every rendering of its chat
+    template gets (``treadle.data.templating.render``), held by the tokenizer object; each
+    must be one the template reads."""
     resolved = resolve_model_path(path, key=key, need="tokenizer", allow_download=allow_download)
     folder = Path(resolved)
+    extra = dict(template_kwargs or {})
     memo: tuple[Any, ...] | None = None  # None: a hub id, not remembered
     if folder.is_dir():
         stats = [(f.name, f.stat()) for f in sorted(folder.iterdir()) if f.is_file()]
         files = [(n, st.st_size, st.st_mtime_ns) for n, st in stats if not n.endswith(WEIGHTS)]
-        memo = (str(folder.resolve()), *files)
+        memo = (str(folder.resolve()), json.dumps(extra, sort_keys=True, default=str), *files)
         if memo in _LOADED:
             return _LOADED[memo]
     from treadle.models.hf_facts import tokenizer_class
@@ -191,11 +205,31 @@ def load_tokenizer(
         tokenizer = found.from_pretrained(resolved)
     except (OSError, ValueError) as e:
         raise ConfigError(f"{key}: cannot load a tokenizer from '{path}': {e}") from e
+    if extra:
+        _check_template_kwargs(tokenizer, extra, path)
+        setattr(tokenizer, TEMPLATE_KWARGS, extra)
     if memo is not None:
         if len(_LOADED) >= 4:  # a process uses one or two: keep the newest few
             del _LOADED[next(iter(_LOADED))]
         _LOADED[memo] = tokenizer
     return tokenizer
+
+
+def _check_template_kwargs(
+    tokenizer: PreTrainedTokenizerBase, extra: dict[str, Any], path: str | Path
+) -> None:
+    """A ConfigError for a variable the chat template never reads (it would change nothing)."""
+    template = tokenizer.chat_template
+    text = template if isinstance(template, str) else json.dumps(template or "")
+    for name in extra:
+        where = f"data.chat_template_kwargs.{name}"
+        if name in _NOT_TEMPLATE_KWARGS:
+            raise ConfigError(f"{where}: '{name}' is set by treadle itself; remove it")
+        if not re.search(rf"\b{re.escape(name)}\b", text):
+            raise ConfigError(
+                f"{where}: the chat template of '{path}' never reads '{name}', so it would "
+                "change nothing; remove it, or give the template that reads it"
+            )
 
 
 # Layer types (transformers' ``config.layer_types``) whose state runs along the sequence: a

@@ -146,7 +146,10 @@ def make_engine(
     says: ``rollout.engine`` with the ``rollout`` section's settings, ``teacher.engine`` with
     the ``teacher`` section's, ``reward.judge.engine`` with the judge's."""
     s = role_engine(cfg, role, path)
-    tok = load_tokenizer(s.tokenizer or path, allow_download=cfg.model.allow_download)
+    kwargs = cfg.data.chat_template_kwargs if role == "rollout" else None
+    tok = load_tokenizer(
+        s.tokenizer or path, allow_download=cfg.model.allow_download, template_kwargs=kwargs
+    )
     templated = cfg.reward.judge.chat_template if role == "judge" else cfg.data.apply_chat_template
     turn = template_end_of_turn(tok) if templated else None
     if s.engine == "vllm":

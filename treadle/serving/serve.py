@@ -35,7 +35,11 @@ def serve(cfg: Config, on_ready: Callable[[Endpoint], None]) -> None:
     """Serve ``cfg.model.path`` until interrupted; ``on_ready(endpoint)`` once it listens."""
     m, r = cfg.model, cfg.rollout
     with quiet_start():  # the engine's C-level messages and progress bars: to the log file
-        tokenizer = load_tokenizer(m.tokenizer_path or m.path, allow_download=m.allow_download)
+        tokenizer = load_tokenizer(
+            m.tokenizer_path or m.path,
+            allow_download=m.allow_download,
+            template_kwargs=cfg.data.chat_template_kwargs,
+        )
         device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         server = RolloutServer(make_engine(cfg, m.path, device), "local replica")
     client = RolloutClient(

@@ -33,7 +33,9 @@ def listed(files: list[str], key: str, what: str = "") -> list[str]:
 def tokenizer(cfg: Config) -> Any:
     """The run's tokenizer: ``model.tokenizer_path``, else the model's."""
     return load_tokenizer(
-        cfg.model.tokenizer_path or cfg.model.path, allow_download=cfg.model.allow_download
+        cfg.model.tokenizer_path or cfg.model.path,
+        allow_download=cfg.model.allow_download,
+        template_kwargs=cfg.data.chat_template_kwargs,
     )
 
 

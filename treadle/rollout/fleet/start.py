@@ -46,7 +46,9 @@ def start_rollout(
 
     ``version``: the version of the weights at ``actor_path`` (the step they come from)."""
     tok = load_tokenizer(
-        cfg.model.tokenizer_path or actor_path, allow_download=cfg.model.allow_download
+        cfg.model.tokenizer_path or actor_path,
+        allow_download=cfg.model.allow_download,
+        template_kwargs=cfg.data.chat_template_kwargs,
     )
 
     def decode(tokens: list[list[int]]) -> list[str]:
