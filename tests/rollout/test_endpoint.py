@@ -419,7 +419,37 @@ def test_a_tool_call_in_history_is_rendered_for_the_next_turn(tok):
     answer, (call,) = scripted(tok, ["It is 5."], scenario)
     assert answer.choices[0].message.content == "It is 5."
     assert answer.choices[0].finish_reason == "stop"
-    assert "<|im_start|>tool\n5<|im_end|>" in tok.decode(call.prompt_ids)
+    # (the tiny model's ChatML template has no tool support: the tools loop's Hermes text)
+    sent = tok.decode(call.prompt_ids)
+    assert '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>' in sent
+    assert "<|im_start|>user\n<tool_response>\n5\n</tool_response><|im_end|>" in sent
+
+
+@pytest.mark.parametrize("family", ["gemma3", "phi3_5"])
+def test_tool_turns_on_a_template_without_tool_support_are_written_as_hermes_text(tok, family):
+    """Gemma 3's template raises on a tool message and Phi-3.5's writes none (the result was
+    lost); the model was told Hermes' format in the system message, so its calls go back as
+    <tool_call> blocks in its turn and a run of results as one user turn of <tool_response>
+    blocks, as the tools loop writes them."""
+    from tiny_models import shipped_style
+
+    from treadle.serving.completions import chat_prompt_ids
+
+    styled = shipped_style(tok, family)
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    history = [
+        {"role": "user", "content": "What is 2+3?"},
+        {"role": "assistant", "content": "Let me add.", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+        {"role": "tool", "tool_call_id": "c1", "content": "6"},
+    ]
+    text = styled.decode(chat_prompt_ids(styled, history, TOOLS))
+    assert "<tool_call>\n{" in text.split("What is 2+3?")[0]  # (Hermes' instructions)
+    turns = text.split("What is 2+3?")[1]
+    assert 'Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 2}}\n</tool_call>' in turns
+    results = "<tool_response>\n5\n</tool_response>\n<tool_response>\n6\n</tool_response>"
+    user = {"gemma3": "<start_of_turn>user\n", "phi3_5": "<|user|>\n"}[family]
+    assert user + results in turns
 
 
 def test_stop_strings_cut_the_text_and_keep_the_sampled_tokens(tok):

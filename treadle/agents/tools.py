@@ -36,7 +36,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
-from treadle.data.templating import supports_tools
+from treadle.data.templating import supports_tools, tool_responses
 from treadle.runtime.errors import ConfigError
 from treadle.runtime.plugins import load_callable
 from treadle.serving.parsers import DEFAULT_TOOL_PARSER, ChatParsers
@@ -245,5 +245,4 @@ def result_messages(
             if call.id is not None:
                 message.update(tool_call_id=call.id, name=call.name or "")
         return messages
-    blocks = "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in contents)
-    return [{"role": "user", "content": blocks}]
+    return [{"role": "user", "content": tool_responses(contents)}]

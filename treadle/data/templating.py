@@ -13,6 +13,7 @@ the whole text), so their ids do not change.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import re
@@ -68,6 +69,47 @@ def tool_messages(
     return [{"role": "system", "content": text}, *messages], {}
 
 
+def tool_responses(contents: Sequence[str]) -> str:
+    """A turn's tool results as one user message's text for a template without tool support:
+    a ``<tool_response>`` block each, as Qwen2.5's template renders consecutive tool messages."""
+    return "\n".join(f"<tool_response>\n{c}\n</tool_response>" for c in contents)
+
+
+def hermes_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``messages`` for a template without tool support, written as the Hermes instructions
+    (:func:`tool_messages`) tell the model to: an assistant message's ``tool_calls`` as
+    ``<tool_call>`` blocks after its content, a run of ``tool`` messages as one user message
+    (:func:`tool_responses`). Messages without either are kept as they are."""
+    out: list[dict[str, Any]] = []
+    results: list[str] = []  # the run of tool messages not yet written
+    for m in [*messages, None]:
+        if m is not None and m.get("role") == "tool":
+            results.append(str(m.get("content") or ""))
+            continue
+        if results:
+            out.append({"role": "user", "content": tool_responses(results)})
+            results = []
+        if m is None:
+            break
+        calls = m.get("tool_calls") if m.get("role") == "assistant" else None
+        if not calls:
+            out.append(m)
+            continue
+        blocks = [f"<tool_call>\n{json.dumps(_hermes_call(c))}\n</tool_call>" for c in calls]
+        text = "\n".join([*([m["content"]] if m.get("content") else []), *blocks])
+        out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": text})
+    return out
+
+
+def _hermes_call(call: Any) -> dict[str, Any]:
+    function = call.get("function", call) if isinstance(call, dict) else {}
+    arguments = function.get("arguments", {})
+    if isinstance(arguments, str):
+        with contextlib.suppress(json.JSONDecodeError):  # (else written as given)
+            arguments = json.loads(arguments)
+    return {"name": function.get("name"), "arguments": arguments}
+
+
 def pad_or_eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if pad is None:
@@ -111,8 +153,13 @@ def render(
 ) -> str:
     """The chat template's text of ``messages``. A template that refuses a system message
     (Gemma 2's raises) gets it at the start of the first user message, as Gemma 3's own
-    template writes it."""
+    template writes it; one without tool support gets tool calls and results in Hermes' text
+    (:func:`hermes_turns`)."""
     kwargs: dict[str, Any] = {}
+    if not supports_tools(tokenizer) and any(
+        m.get("role") == "tool" or m.get("tool_calls") for m in messages
+    ):
+        messages = hermes_turns(messages)
     if tools:
         messages, kwargs = tool_messages(tokenizer, messages, tools)
     try:
