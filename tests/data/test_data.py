@@ -298,6 +298,19 @@ def test_multi_turn_sft_on_a_template_that_rewrites_earlier_turns(tok, tmp_path:
     )[0]
     target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
     assert qwen3.decode(target) == "3<|im_end|>" and qwen3.decode(row["input_ids"]).count("3") == 2
+    # turns with their reasoning: the template keeps the last one's, drops the earlier one's
+    thought = [
+        CHAT[1],
+        {"role": "assistant", "content": "<think>\nadd them\n</think>\n\nAnswer: 3"},
+        CHAT[3],
+        {"role": "assistant", "content": "<think>\nadd\n</think>\n\nAnswer: 7"},
+    ]
+    path = write_jsonl(tmp_path / "thought.jsonl", [{"messages": thought}])
+    row = load_sft_dataset([path], qwen3, TextOptions(max_length=256))[0]
+    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
+    assert qwen3.decode(target) == (
+        "Answer: 3<|im_end|><think>\nadd\n</think>\n\nAnswer: 7<|im_end|>"
+    )
 
 
 def test_chat_template_kwargs_reach_every_rendering(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
