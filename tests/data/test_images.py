@@ -42,6 +42,26 @@ def test_prompts_carry_image_tokens_and_pixel_values(shapes_task) -> None:
     assert not torch.equal(batch[PIXELS][0], batch[PIXELS][1])  # the rows' own pictures
 
 
+def test_smolvlm_s_template_writes_the_pictures_and_the_text_where_its_model_reads_them(
+    shapes_task,
+) -> None:
+    """SmolVLM's own template reads content as parts: the pictures go in as image parts before
+    the text (``User:<image>How many...``), not before its first header (and the text was not
+    written at all)."""
+    from tiny_models import shipped_style
+
+    folder = shapes_task["model"]
+    smolvlm = shipped_style(load_tokenizer(folder), "smolvlm")
+    records = read_records([shapes_task["test"]], "data.val_files")[:2]
+    picture = "<fake_token_around_image><global-img>" + "<image>" * 16 + "<fake_token_around_image>"
+    for row in prompt_dataset(records, smolvlm, options(folder)).rows:
+        assert smolvlm.decode(row["prompt_ids"]) == (
+            f"<|im_start|>User:{picture}How many shapes are in the picture?<end_of_utterance>\n"
+            "Assistant:"
+        )
+        assert row["pixel_values"].shape == (1, 3, 64, 64)
+
+
 def test_sft_rows_carry_pixel_values_and_train_on_the_answer(shapes_task) -> None:
     folder = shapes_task["model"]
     tok = load_tokenizer(folder)

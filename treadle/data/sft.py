@@ -146,7 +146,7 @@ def _written(text: str, end_text: str) -> tuple[str, ...]:
     """How a template may write an assistant turn's ``text``, up to its end-of-turn token: as
     it is, trimmed, after a space, or (a reasoning model's earlier turn, as Qwen3's writes
     one) without its ``<think>`` block."""
-    answer = (text.split("</think>")[-1].strip(),) if "</think>" in text else ()
+    answer = (text.rsplit("</think>", maxsplit=1)[-1].strip(),) if "</think>" in text else ()
     return tuple(c + end_text for c in (text, text.strip(), " " + text.strip(), *answer))
 
 

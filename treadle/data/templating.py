@@ -318,8 +318,34 @@ def prompt_text(
         roles = ", ".join(m["role"] for m in messages)
         raise DataError(f"{record.where}: field '{key}' has no user message (its roles: {roles})")
     shown = value if isinstance(value, str) else users[-1]
-    text = render_row(record, key, tokenizer, messages, generation=True, tools=tools)
+    text = _with_pictures(record, key, tokenizer, options, messages, tools)
+    if text is None:
+        text = render_row(record, key, tokenizer, messages, generation=True, tools=tools)
     return shown, text, [m["content"] for m in messages]
+
+
+def _with_pictures(
+    record: Record,
+    key: str,
+    tokenizer: PreTrainedTokenizerBase,
+    options: TextOptions,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None,
+) -> str | None:
+    """A prompt with pictures where the template reads message parts (SmolVLM's): its last
+    user message as an image part per picture, then its text, so that the template writes the
+    processor's placeholders where its model reads them (``User:<image>...``). None where the
+    row has no pictures, the template writes strings only, or its image parts are not the
+    processor's placeholders (the caller's rendering then gets them after the header)."""
+    pictures = record.row.get(options.images_key)
+    if options.processor is None or not pictures or not takes_parts(tokenizer):
+        return None
+    n = len(pictures) if isinstance(pictures, list) else 1
+    last = max(i for i, m in enumerate(messages) if m["role"] == "user")
+    parts = [{"type": "image"}] * n + [{"type": "text", "text": messages[last]["content"]}]
+    shown = [*messages[:last], {**messages[last], "content": parts}, *messages[last + 1 :]]
+    text = render_row(record, key, tokenizer, shown, generation=True, tools=tools)
+    return text if text.count(options.processor.placeholder) == n else None
 
 
 def special_strings(tokenizer: PreTrainedTokenizerBase) -> list[str]:
