@@ -343,6 +343,17 @@ def test_tool_results_follow_the_turn_of_their_calls_as_the_template_writes_it(
     assert styled.decode(second_prompt[len(t.prompt_ids) + len(first) :]) == between
 
 
+def test_named_chat_templates_run_the_loops_as_their_default_does(tok):
+    """Hermes 2's and Command R's tokenizers hold named templates (``default``, ``tool_use``): a
+    dict, which the loops' caches could not take (every trajectory failed, unhashable)."""
+    named = copy.deepcopy(tok)
+    named.chat_template = {"default": tok.chat_template, "tool_use": tok.chat_template}
+    assert end_of_turn(named) == end_of_turn(tok)
+    (t,), _ = run_loop(named, [CALL, "Answer: 42"])
+    (plain,), _ = run_loop(tok, [CALL, "Answer: 42"])
+    assert t.turns == 2 and t.all_token_ids == plain.all_token_ids
+
+
 def test_a_tool_message_the_template_writes_without_its_content_fails_the_trajectory(tok):
     """Gemma 4's template writes a tool message only inside the turn of its call: appended on
     its own it would be nothing, and the model would never read the result."""

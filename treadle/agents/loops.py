@@ -50,6 +50,7 @@ from treadle.data.templating import (
     render,
     supports_tools,
     template_end_of_turn,
+    template_key,
 )
 from treadle.engines.inference import SamplingParams
 from treadle.runtime.errors import TreadleError
@@ -186,10 +187,10 @@ class AgentClient:
             if ids is not None:
                 return ids
         _check_shown(tok, messages)
-        base = _base_conversation(tok, tok.chat_template)
+        base = _base_conversation(tok, template_key(tok))
         full_ids = _encode(tok, render(tok, [*base.messages, *messages], generation=True))
         if full_ids[: len(base.ids)] != base.ids:  # the date a template writes moved on
-            base = _base_conversation.__wrapped__(tok, tok.chat_template)
+            base = _base_conversation.__wrapped__(tok, template_key(tok))
         if full_ids[: len(base.ids)] != base.ids:
             raise AgentLoopError(
                 "the chat template renders the start of a conversation differently once these "
@@ -269,7 +270,7 @@ def _check_shown(tok: PreTrainedTokenizerBase, messages: list[dict[str, Any]]) -
     message only inside the assistant turn of its call) fails the trajectory, named."""
     if not messages:
         return
-    base = _base_conversation(tok, tok.chat_template)
+    base = _base_conversation(tok, template_key(tok))
     if _MARK not in render(tok, [*base.messages, *_marked(messages)], generation=True):
         raise AgentLoopError(
             f"the chat template renders a {messages[0].get('role')!r} message here without its "
@@ -292,7 +293,7 @@ def _after_calls(
     template's text from the token that ends that turn (the one the model stopped at, else the
     template's end of turn) to the next turn's header. None where the template renders no such
     turn (the caller then appends the messages as after any turn)."""
-    base = _base_conversation(tok, tok.chat_template)
+    base = _base_conversation(tok, template_key(tok))
     start = render(tok, list(base.messages), generation=False)
     specials = set(tok.all_special_ids)
     stops = [after[-1]] if after and after[-1] in specials else []

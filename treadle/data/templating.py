@@ -46,9 +46,7 @@ For each function call, return a json object with function name and arguments wi
 
 def supports_tools(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the tokenizer's chat template renders ``tools=`` itself."""
-    template = tokenizer.chat_template
-    text = template if isinstance(template, str) else json.dumps(template)
-    return "tools" in (text or "")
+    return "tools" in (template_key(tokenizer) or "")
 
 
 def tool_messages(
@@ -221,8 +219,18 @@ def takes_parts(tokenizer: PreTrainedTokenizerBase) -> bool:
     """Whether the chat template reads a message's content only as a list of parts
     (``[{"type": "text", "text": ...}]``): SmolVLM's, Idefics3's and LLaVA-NeXT's loop over
     the content and render a plain string as nothing."""
+    key = template_key(tokenizer)
+    return key is not None and _takes_parts(tokenizer, key)
+
+
+def template_key(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The tokenizer's chat template as one string, for the caches of what it renders: the
+    template, or its named templates (Hermes 2's and Command R's ``default`` and
+    ``tool_use``) as JSON; None without one."""
     template = tokenizer.chat_template
-    return isinstance(template, str) and _takes_parts(tokenizer, template)
+    if not template:
+        return None
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
 
 
 @functools.lru_cache(maxsize=8)
@@ -276,8 +284,8 @@ def end_of_turn(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str]:
 def template_end_of_turn(tokenizer: PreTrainedTokenizerBase) -> tuple[int, str] | None:
     """:func:`end_of_turn` without the EOS fallback: None without a template or where it
     writes no special token after a turn's text."""
-    template = tokenizer.chat_template
-    return _end_of_turn(tokenizer, template) if isinstance(template, str) else None
+    key = template_key(tokenizer)
+    return _end_of_turn(tokenizer, key) if key is not None else None
 
 
 @functools.lru_cache(maxsize=8)
