@@ -311,6 +311,19 @@ def test_multi_turn_sft_on_a_template_that_rewrites_earlier_turns(tok, tmp_path:
     assert qwen3.decode(target) == (
         "Answer: 3<|im_end|><think>\nadd\n</think>\n\nAnswer: 7<|im_end|>"
     )
+    # an earlier turn of reasoning alone: its (empty) answer after its own header, not the
+    # user's <|im_end|> before it
+    silent = [CHAT[1], {"role": "assistant", "content": "<think>x</think>"}, *thought[2:]]
+    path = write_jsonl(tmp_path / "silent.jsonl", [{"messages": silent}])
+    row = load_sft_dataset([path], qwen3, TextOptions(max_length=256))[0]
+    context = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if not m]
+    assert qwen3.decode(context).startswith("<|im_start|>user\nWhat is 1+2?<|im_end|>\n")
+    # a last turn whose thinking block the template rewrites (no newlines around it): refused,
+    # not trained on its answer alone
+    compact = [CHAT[1], {"role": "assistant", "content": "<think>add them</think>Answer: 3"}]
+    path = write_jsonl(tmp_path / "compact.jsonl", [{"messages": compact}])
+    with pytest.raises(DataError, match=r"compact\.jsonl row 1: the chat template does not write"):
+        load_sft_dataset([path], qwen3, TextOptions(max_length=256))
 
 
 def test_chat_template_kwargs_reach_every_rendering(tok, tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -343,6 +343,23 @@ def test_tool_results_follow_the_turn_of_their_calls_as_the_template_writes_it(
     assert styled.decode(second_prompt[len(t.prompt_ids) + len(first) :]) == between
 
 
+@pytest.mark.parametrize(
+    ("family", "closing"),
+    [("gptoss", "<|call|>"), ("gemma4", "<|tool_response>"), ("qwen3", "<|im_end|>")],
+)
+def test_a_call_turn_cut_by_its_length_is_closed_as_the_template_closes_one(tok, family, closing):
+    """A turn cut by its length after complete calls gets the token the template writes after
+    a call turn (gpt-oss's <|call|>, Gemma 4's <|tool_response>: not their end of turn), then
+    the results."""
+    styled = shipped_style(tok, family)
+    (t,), replica = run_loop(styled, [CALL, "Answer: 42"], eos=False)
+    assert t.turns == 2 and t.info["tool_calls"] == 1
+    first = styled.encode(CALL, add_special_tokens=False)
+    second_prompt = list(replica.calls[1][0].prompt_ids)
+    between = styled.decode(second_prompt[len(t.prompt_ids) + len(first) :])
+    assert between.startswith(closing) and "42" in between
+
+
 def test_named_chat_templates_run_the_loops_as_their_default_does(tok):
     """Hermes 2's and Command R's tokenizers hold named templates (``default``, ``tool_use``): a
     dict, which the loops' caches could not take (every trajectory failed, unhashable)."""
@@ -385,6 +402,11 @@ def test_a_turn_cut_by_its_length_is_closed_before_what_follows_it(tok):
     ended = [*cut, tok.convert_tokens_to_ids("<|im_end|>")]
     assert tok.decode(client.encode_messages(note, after=ended)) == closed.removeprefix(
         "<|im_end|>"
+    )
+    # a turn ended by another of the model's stop tokens is not closed again
+    other = [*cut, tok.convert_tokens_to_ids("<|pad|>")]
+    assert tok.decode(client.encode_messages(note, after=other)) == closed.removeprefix(
+        "<|im_end|>\n"
     )
 
 

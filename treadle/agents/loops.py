@@ -28,6 +28,7 @@ import dataclasses
 import functools
 import json
 import logging
+import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,6 +49,8 @@ from treadle.agents.trajectory import Trajectory
 from treadle.data.templating import (
     end_of_turn,
     render,
+    shared_length,
+    special_strings,
     supports_tools,
     template_end_of_turn,
     template_key,
@@ -175,8 +178,8 @@ class AgentClient:
         """Tokens of chat ``messages`` appended to a conversation, then the header of the
         model's next turn. ``after``: the model's last turn; if it ended with the template's
         end-of-turn token, the template's text that follows that token (ChatML's newline)
-        comes first, and if it did not (cut by its length), that token does (where the
-        template writes one). ``calls``: the tool calls of that turn, which the messages
+        comes first, and if it was cut by its length, that token does (where the template
+        writes one). ``calls``: the tool calls of that turn, which the messages
         answer: a template with tool support reads them as an assistant message with
         ``tool_calls`` before the messages (gpt-oss's and Mistral's refuse a tool message
         without one; Gemma 4's writes the results into that turn); the turn's tokens stay the
@@ -197,8 +200,8 @@ class AgentClient:
                 f"messages follow it (roles {[m.get('role') for m in messages]}), so they "
                 "cannot be appended to the model's turn token for token"
             )
-        if not after:
-            return full_ids[len(base.ids) :]
+        if not after or (after[-1] != base.end_id and after[-1] in tok.all_special_ids):
+            return full_ids[len(base.ids) :]  # (stopped at another of its stop tokens)
         writes_end = template_end_of_turn(tok) is not None
         closed = [base.end_id] if after[-1] != base.end_id and writes_end else []
         return closed + base.after_end + full_ids[len(base.ids) :]
@@ -221,6 +224,7 @@ class _Base:
     ids: list[int]
     end_id: int
     after_end: list[int]
+    text: str  # the conversation's rendering (as the last one)
 
 
 # Tried in turn (Gemma 2's template takes no system message and alternates user and model
@@ -240,17 +244,18 @@ def _base_conversation(tok: PreTrainedTokenizerBase, template: Any) -> _Base:
     end_id = end_of_turn(tok)[0]
     for messages in _BASES:
         try:
-            ids = _encode(tok, render(tok, list(messages), generation=False))
+            text = render(tok, list(messages), generation=False)
             longer = [*messages, {"role": "user", "content": "y"}]
             longer_ids = _encode(tok, render(tok, longer, generation=True))
         except TemplateError:
             continue
-        shared = _shared(ids, longer_ids)
+        ids = _encode(tok, text)
+        shared = shared_length(ids, longer_ids)
         if end_id in ids[:shared]:
             last = shared - 1 - ids[:shared][::-1].index(end_id)
-            return _Base(messages, ids[:shared], end_id, ids[last + 1 : shared])
+            return _Base(messages, ids[:shared], end_id, ids[last + 1 : shared], text)
         if shared == len(ids):  # a template that writes no end-of-turn token
-            return _Base(messages, ids, end_id, [])
+            return _Base(messages, ids, end_id, [], text)
     raise AgentLoopError(
         "the tokenizer's chat template renders no conversation that a longer one starts with "
         "(tried a system and a user message, then a user and an assistant message), so an "
@@ -290,11 +295,15 @@ def _after_calls(
     calls: Sequence[ToolCall],
 ) -> list[int] | None:
     """:meth:`AgentClient.encode_messages` after an assistant message holding ``calls``: the
-    template's text from the token that ends that turn (the one the model stopped at, else the
-    template's end of turn) to the next turn's header. None where the template renders no such
-    turn (the caller then appends the messages as after any turn)."""
+    template's text from the token that ends that turn to the next turn's header. That token
+    is the one the model stopped at or the template's end of turn, found after the turn's
+    start; else (a turn cut by its length on gpt-oss's template, which closes a call with
+    ``<|call|>``) the last special token the template writes for the turn, which then goes
+    first. None where the template renders no such turn (the caller then appends the
+    messages as after any turn)."""
+    if not messages:
+        return None
     base = _base_conversation(tok, template_key(tok))
-    start = render(tok, list(base.messages), generation=False)
     specials = set(tok.all_special_ids)
     stops = [after[-1]] if after and after[-1] in specials else []
     stops += [base.end_id] if base.end_id not in stops else []
@@ -303,6 +312,7 @@ def _after_calls(
         try:
             marked = render(tok, [*conversation, *_marked(messages)], generation=True)
             text = render(tok, [*conversation, *messages], generation=True)
+            closing = render(tok, conversation, generation=False)
         except (TemplateError, TypeError):  # (DeepSeek V3's adds arguments to a string)
             continue
         at = marked.find(_MARK)
@@ -311,15 +321,34 @@ def _after_calls(
                 f"the chat template renders a {messages[0].get('role')!r} message after a tool "
                 "call without its content, so the model would never read it"
             )
-        turn_start = _shared(start, marked)
-        for stop in stops:
-            token = str(tok.convert_ids_to_tokens(stop))
-            end = marked.rfind(token, turn_start, at)
-            if end >= 0 and text[: end + len(token)] == marked[: end + len(token)]:
-                ids = _encode(tok, text[end + len(token) :])
-                return ids if after and after[-1] == stop else [stop, *ids]
+        turn_start = shared_length(base.text, marked)
+        ends = [(s, marked.rfind(_token(tok, s), turn_start, at)) for s in stops]
+        ends = [(s, where + len(_token(tok, s))) for s, where in ends if where >= 0]
+        ends += _specials_in(tok, closing, turn_start, shared_length(closing, marked))[-1:]
+        for stop, cut in ends:
+            if text[:cut] == marked[:cut]:
+                ids = _encode(tok, text[cut:])
+                return ids if after and after[-1] in specials else [stop, *ids]
         return None
     return None
+
+
+def _token(tok: PreTrainedTokenizerBase, token_id: int) -> str:
+    return str(tok.convert_ids_to_tokens(token_id))
+
+
+def _specials_in(
+    tok: PreTrainedTokenizerBase, text: str, start: int, end: int
+) -> list[tuple[int, int]]:
+    """``(token id, where it ends)`` of the special tokens ``text[start:end]`` writes."""
+    strings = special_strings(tok)
+    if not strings:
+        return []
+    pattern = re.compile("|".join(re.escape(s) for s in strings))
+    found = [
+        (tok.convert_tokens_to_ids(m.group()), m.end()) for m in pattern.finditer(text, start, end)
+    ]
+    return [(token_id, at) for token_id, at in found if isinstance(token_id, int)]
 
 
 def _calls_turn(calls: Sequence[ToolCall], *, as_json: bool) -> dict[str, Any]:
@@ -340,14 +369,6 @@ def _calls_turn(calls: Sequence[ToolCall], *, as_json: bool) -> dict[str, Any]:
             for c in calls
         ],
     }
-
-
-def _shared(a: Sequence[Any], b: Sequence[Any]) -> int:
-    """How long a prefix ``a`` and ``b`` share."""
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
 
 
 def _encode(tok: PreTrainedTokenizerBase, text: str) -> list[int]:

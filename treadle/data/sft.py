@@ -30,6 +30,7 @@ from treadle.data.templating import (
     prompt_text,
     render_row,
     response_ids,
+    shared_length,
     special_strings,
 )
 from treadle.runtime.errors import DataError
@@ -144,10 +145,8 @@ class _NotAPrefix(Exception):
 
 def _written(text: str, end_text: str) -> tuple[str, ...]:
     """How a template may write an assistant turn's ``text``, up to its end-of-turn token: as
-    it is, trimmed, after a space, or (a reasoning model's earlier turn, as Qwen3's writes
-    one) without its ``<think>`` block."""
-    answer = (text.rsplit("</think>", maxsplit=1)[-1].strip(),) if "</think>" in text else ()
-    return tuple(c + end_text for c in (text, text.strip(), " " + text.strip(), *answer))
+    it is, trimmed, or after a space."""
+    return tuple(c + end_text for c in (text, text.strip(), " " + text.strip()))
 
 
 def _turn_by_turn(
@@ -200,7 +199,10 @@ def _in_one_render(
     messages: list[dict[str, str]],
 ) -> tuple[list[int], list[int]]:
     """The whole conversation as the template renders it, each assistant turn found in it in
-    order (after the text of the messages before it)."""
+    order, after the turn's header (what the template writes for the conversation before it
+    with the generation prompt, as far as the whole starts with it). A turn with reasoning
+    (``<think>...</think>``) that the template writes without it (Qwen3's earlier turns) is
+    its answer alone; written otherwise (its thinking block rewritten), it is refused."""
     key, allow_special = options.messages_key, options.allow_special_tokens
     end_id, end_text = end_of_turn(tokenizer)
     specials = special_strings(tokenizer)
@@ -208,14 +210,18 @@ def _in_one_render(
     ids: list[int] = []
     mask: list[int] = []
     at = 0  # where the text not yet turned into tokens starts
-    seen = 0  # where the last message found in the text ends
     first = 0  # the first message not yet turned into tokens
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
-            found = text.find(message["content"].strip(), seen)
-            seen = found + len(message["content"].strip()) if found >= 0 else seen
             continue
-        places = [(text.find(w, seen), w) for w in _written(message["content"], end_text)]
+        header = render_row(record, key, tokenizer, messages[:i], generation=True)
+        start = max(at, shared_length(header, text))
+        places = [(text.find(w, start), w) for w in _written(message["content"], end_text)]
+        if "</think>" in message["content"]:
+            answer = message["content"].rsplit("</think>", maxsplit=1)[-1].strip() + end_text
+            where = text.find(answer, start)
+            if where >= 0 and "<think>" not in text[start:where]:
+                places.append((where, answer))
         places = [(where, w) for where, w in places if where >= 0]
         if not places:
             raise _template_error(record)
@@ -232,7 +238,7 @@ def _in_one_render(
         turn_ids = [*encode_response(tokenizer, content, allow_special=allow_special), end_id]
         ids += context_ids + turn_ids
         mask += [0] * len(context_ids) + [1] * len(turn_ids)
-        at = seen = where + len(written)
+        at = where + len(written)
         first = i + 1
     return ids, mask
 

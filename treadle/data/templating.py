@@ -82,7 +82,7 @@ def hermes_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     results: list[str] = []  # the run of tool messages not yet written
     for m in [*messages, None]:
         if m is not None and m.get("role") == "tool":
-            results.append(str(m.get("content") or ""))
+            results.append(_text_of(m.get("content")))
             continue
         if results:
             out.append({"role": "user", "content": tool_responses(results)})
@@ -94,13 +94,21 @@ def hermes_turns(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
             out.append(m)
             continue
         blocks = [f"<tool_call>\n{json.dumps(_hermes_call(c))}\n</tool_call>" for c in calls]
-        text = "\n".join([*([m["content"]] if m.get("content") else []), *blocks])
+        said = _text_of(m.get("content"))
+        text = "\n".join([*([said] if said else []), *blocks])
         out.append({k: v for k, v in m.items() if k != "tool_calls"} | {"content": text})
     return out
 
 
+def _text_of(content: Any) -> str:
+    """A message's content as text: a string, or its text parts one after the other."""
+    if isinstance(content, list):
+        return "".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+    return str(content or "")
+
+
 def _hermes_call(call: Any) -> dict[str, Any]:
-    function = call.get("function", call) if isinstance(call, dict) else {}
+    function = (call.get("function") or call) if isinstance(call, dict) else {}
     arguments = function.get("arguments", {})
     if isinstance(arguments, str):
         with contextlib.suppress(json.JSONDecodeError):  # (else written as given)
@@ -354,6 +362,14 @@ def _with_pictures(
     shown = [*messages[:last], {**messages[last], "content": parts}, *messages[last + 1 :]]
     text = render_row(record, key, tokenizer, shown, generation=True, tools=tools)
     return text if text.count(options.processor.placeholder) == n else None
+
+
+def shared_length(a: Sequence[Any], b: Sequence[Any]) -> int:
+    """How long a prefix ``a`` and ``b`` (texts, token ids) share."""
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
 
 
 def special_strings(tokenizer: PreTrainedTokenizerBase) -> list[str]:
