@@ -228,10 +228,23 @@ def shipped_style(tokenizer: Any, name: str) -> Any:
     import trl
 
     template = (Path(trl.__file__).parent / "chat_templates" / f"{name}.jinja").read_text()
-    specials = r"<\|[\w\"]+\|?>|<[\w\"]+\|>|<[a-z_]+_of_[a-z_]+>|\[/?[A-Z_]+\]"
+    specials = r"<\|[\w\"]+\|?>|<[\w\"]+\|>|<[a-z_]+_of_[a-z_]+>|\[/?[A-Z_]+\]|<｜[^｜<>]*｜>"
     tok = copy.deepcopy(tokenizer)
     tok.add_special_tokens(
         {"additional_special_tokens": sorted(set(re.findall(specials, template)))}
     )
+    if "bos_token" in template and tok.bos_token is None:  # (Llama 3.0's adds text to it)
+        tok.add_special_tokens({"bos_token": "<bos>"})
+    if "</s>" in template:  # (LLaVA-NeXT's writes Mistral's EOS as text)
+        tok.add_special_tokens({"eos_token": "</s>"})
     tok.chat_template = template
     return tok
+
+
+def shipped_templates() -> list[str]:
+    """The names :func:`shipped_style` takes: TRL's copies of templates as models ship them
+    (not its training variants)."""
+    import trl
+
+    folder = Path(trl.__file__).parent / "chat_templates"
+    return sorted(p.stem for p in folder.glob("*.jinja") if not p.stem.endswith("_training"))

@@ -328,7 +328,9 @@ def _after_calls(
         for stop, cut in ends:
             if text[:cut] == marked[:cut]:
                 ids = _encode(tok, text[cut:])
-                return ids if after and after[-1] in specials else [stop, *ids]
+                # (not closed again where the model stopped at another of its stop tokens)
+                ended = after and (after[-1] == stop or (after[-1] in specials and stop in stops))
+                return ids if ended else [stop, *ids]
         return None
     return None
 
