@@ -12,7 +12,7 @@ import pandas as pd
 import pytest
 import torch
 from jinja2 import TemplateError
-from tiny_models import chat_style, shipped_style
+from tiny_models import chat_style, shipped_style, shipped_templates
 
 from treadle.data import (
     ResumableSampler,
@@ -46,6 +46,13 @@ ROWS = [
     {"prompt": "What is 47+38?", "answer": 85, "solution": ar.worked_solution(47, "+", 38)},
     {"prompt": "What is 9-4?", "answer": "5", "solution": "9-4: 9-4=5. Answer: 5"},
 ]
+
+
+def trained(tok, row) -> str:  # type: ignore[no-untyped-def]
+    """The text of an SFT row's targets."""
+    return str(
+        tok.decode([t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m])
+    )
 
 
 def load(tok, files, **kwargs):  # type: ignore[no-untyped-def]
@@ -172,9 +179,8 @@ def test_sft_example_masks_the_prompt(tok, tmp_path: Path):  # type: ignore[no-u
     n = len(prompt_ids)
     assert row["input_ids"][:n] == prompt_ids
     assert row["loss_mask"] == [0] * n + [1] * (len(row["input_ids"]) - n)
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert tok.decode(target) == ar.worked_solution(47, "+", 38) + "<|im_end|>"
-    assert target[-1] == tok.eos_token_id
+    assert trained(tok, row) == ar.worked_solution(47, "+", 38) + "<|im_end|>"
+    assert row["input_ids"][-1] == tok.eos_token_id and row["loss_mask"][-1] == 1
 
 
 CHAT = [
@@ -190,8 +196,7 @@ def test_sft_messages_train_on_assistant_turns_only(tok, tmp_path: Path):  # typ
     messages = CHAT
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": messages}])
     row = load_sft_dataset([path], tok, TextOptions(max_length=128))[0]
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert tok.decode(target) == "Answer: 3<|im_end|>Answer: 7<|im_end|>"
+    assert trained(tok, row) == "Answer: 3<|im_end|>Answer: 7<|im_end|>"
     full = tok.apply_chat_template(messages, tokenize=False)
     assert tok.decode(row["input_ids"]) == full.removesuffix("\n")
     no_reply = write_jsonl(tmp_path / "bad.jsonl", [{"messages": messages[:2]}])
@@ -219,27 +224,23 @@ def test_a_template_that_takes_no_system_message_and_ends_turns_with_its_own_tok
         "<start_of_turn>user\nAnd 3+4?<end_of_turn>\n"
         "<start_of_turn>model\nAnswer: 7<end_of_turn>"
     )
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert gemma.decode(target) == "Answer: 3<end_of_turn>Answer: 7<end_of_turn>"
+    assert trained(gemma, row) == "Answer: 3<end_of_turn>Answer: 7<end_of_turn>"
     # the turn as the template writes it: Gemma's trims it, ChatML's keeps it as it is
     spaced = [CHAT[1], {"role": "assistant", "content": " Answer: 3\n"}]
     spaced_path = write_jsonl(tmp_path / "spaced.jsonl", [{"messages": spaced}])
     for styled, turn in ((gemma, "Answer: 3<end_of_turn>"), (tok, " Answer: 3\n<|im_end|>")):
         row = load_sft_dataset([spaced_path], styled, TextOptions(max_length=128))[0]
-        target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-        assert styled.decode(target) == turn
+        assert trained(styled, row) == turn
     # a prompt/response row's response too; without the template, the EOS
     rows = write_jsonl(tmp_path / "rows.jsonl", ROWS[:1])
     for templated, closer in ((True, "<end_of_turn>"), (False, "<eos>")):
         options = TextOptions(max_length=128, apply_chat_template=templated)
         row = load_sft_dataset([rows], gemma, options)[0]
-        target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-        assert gemma.decode(target) == ROWS[0]["solution"] + closer
+        assert trained(gemma, row) == ROWS[0]["solution"] + closer
     # Phi-3's closes a turn with <|end|> and a finished conversation with its EOS
     phi3 = chat_style(tok, "phi3")
     row = load_sft_dataset([path], phi3, TextOptions(max_length=128))[0]
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert phi3.decode(target) == "Answer: 3<|end|>Answer: 7<|end|>"
+    assert trained(phi3, row) == "Answer: 3<|end|>Answer: 7<|end|>"
     # A refusal that is not about the system message is the template's own, and a data row's
     # names its file, row and field.
     two_users = [messages[1], messages[3]]
@@ -267,8 +268,7 @@ def test_a_template_that_reads_content_as_parts_gets_the_row_s_text(tok, tmp_pat
         "Assistant: Answer: 3<end_of_utterance>\nUser: And 3+4?<end_of_utterance>\n"
         "Assistant: Answer: 7<end_of_utterance>"
     )
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert smolvlm.decode(target) == " Answer: 3<end_of_utterance> Answer: 7<end_of_utterance>"
+    assert trained(smolvlm, row) == " Answer: 3<end_of_utterance> Answer: 7<end_of_utterance>"
     blind = copy.deepcopy(tok)
     blind.chat_template = "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% endfor %}"
     with pytest.raises(
@@ -289,15 +289,13 @@ def test_multi_turn_sft_on_a_template_that_rewrites_earlier_turns(tok, tmp_path:
     whole = qwen3.apply_chat_template(CHAT, tokenize=False)
     assert "<think>" in whole.split("And 3+4?")[1] and "<think>" not in whole.split("And 3+4?")[0]
     assert qwen3.decode(row["input_ids"]) == whole.removesuffix("\n")
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert qwen3.decode(target) == "Answer: 3<|im_end|>Answer: 7<|im_end|>"
+    assert trained(qwen3, row) == "Answer: 3<|im_end|>Answer: 7<|im_end|>"
     # a user message that ends as an assistant turn does is context, not the turn
     echo = [{"role": "user", "content": "Say 3"}, {"role": "assistant", "content": "3"}]
     row = load_sft_dataset(
         [write_jsonl(tmp_path / "echo.jsonl", [{"messages": echo}])], qwen3, TextOptions()
     )[0]
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert qwen3.decode(target) == "3<|im_end|>" and qwen3.decode(row["input_ids"]).count("3") == 2
+    assert trained(qwen3, row) == "3<|im_end|>" and qwen3.decode(row["input_ids"]).count("3") == 2
     # turns with their reasoning: the template keeps the last one's, drops the earlier one's
     thought = [
         CHAT[1],
@@ -307,8 +305,7 @@ def test_multi_turn_sft_on_a_template_that_rewrites_earlier_turns(tok, tmp_path:
     ]
     path = write_jsonl(tmp_path / "thought.jsonl", [{"messages": thought}])
     row = load_sft_dataset([path], qwen3, TextOptions(max_length=256))[0]
-    target = [t for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m]
-    assert qwen3.decode(target) == (
+    assert trained(qwen3, row) == (
         "Answer: 3<|im_end|><think>\nadd\n</think>\n\nAnswer: 7<|im_end|>"
     )
     # an earlier turn of reasoning alone: its (empty) answer after its own header, not the
@@ -541,3 +538,69 @@ def test_special_token_text_in_chat_turns_stays_text(tok, tmp_path: Path):  # ty
     assert ex["input_ids"].count(eos) == 2  # closing the user turn, and the assistant's EOS
     old = load_sft_dataset([path], tok, TextOptions(max_length=128, allow_special_tokens=True))[0]
     assert old["input_ids"].count(eos) == 4
+
+
+# --- chat templates as their models ship them ------------------------------------------------
+
+# All TRL 1.16 keeps a copy of (41: Qwen2.5-3.8, gpt-oss, Gemma 1-4, Llama 3-3.2, DeepSeek, GLM
+# 4.5, Phi-3, LFM2, Nemotron 3, Cohere, SmolVLM...). Multi-turn rows are refused on gpt-oss's
+# (it closes an earlier turn with <|end|>, the last with <|return|>, the token the model stops
+# at) and GLM 4.5's (no token after a turn).
+NO_MULTI_TURN_SFT = {"gptoss", "glm4moe"}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add.",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+]
+
+
+def test_the_shipped_templates_are_all_here():
+    names = set(shipped_templates())
+    assert len(names) == 41 and names >= NO_MULTI_TURN_SFT  # (TRL 1.16's)
+
+
+@pytest.mark.parametrize("name", shipped_templates())
+def test_a_shipped_template_keeps_the_text_and_the_results(tok, tmp_path: Path, name: str):  # type: ignore[no-untyped-def]
+    """On the tiny tokenizer with the template's special tokens: a prompt row, a
+    prompt/response SFT row, a multi-turn SFT row, tool results appended by the agent loops
+    and a tool conversation through the endpoint each keep the user's text and the results."""
+    from treadle.agents.loops import AgentClient, Limits
+    from treadle.agents.tools import ToolCall, numbered, result_messages
+    from treadle.engines.inference import SamplingParams
+    from treadle.serving.completions import chat_prompt_ids
+
+    styled = shipped_style(tok, name)
+    rows = write_jsonl(tmp_path / "rows.jsonl", ROWS[:1])
+    chat = write_jsonl(tmp_path / "chat.jsonl", [{"messages": CHAT}])
+    options = TextOptions(max_prompt_length=4096, max_length=4096)
+    prompt = styled.decode(load(styled, [rows], max_prompt_length=4096)[0]["prompt_ids"])
+    assert "What is 1+2?" in prompt
+    end_id, end = end_of_turn(styled)
+    assert (
+        trained(styled, load_sft_dataset([rows], styled, options)[0]) == ROWS[0]["solution"] + end
+    )
+    if name in NO_MULTI_TURN_SFT:
+        with pytest.raises(DataError, match="does not write the conversation's assistant turns"):
+            load_sft_dataset([chat], styled, options)
+    else:
+        turns = trained(styled, load_sft_dataset([chat], styled, options)[0])
+        assert turns.replace(" Answer", "Answer") == f"Answer: 3{end}Answer: 7{end}"
+    # the tools loop's results after a call turn the model ended as the template ends a turn
+    client = AgentClient(None, styled, SamplingParams(), Limits(), "s")  # type: ignore[arg-type]
+    calls = numbered([ToolCall("add", {"a": 1})])
+    results = result_messages(styled, ["42"], calls)
+    assert "42" in styled.decode(client.encode_messages(results, after=[5, end_id], calls=calls))
+    # an OpenAI client's conversation with a call and its result, through the endpoint
+    call = {"id": "abcdefghi", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    history = [
+        *CHAT[:2],
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": "42", "tool_call_id": "abcdefghi", "name": "add"},
+    ]
+    sent = styled.decode(chat_prompt_ids(styled, history, TOOLS))
+    assert "42" in sent.split("What is 1+2?")[1]

@@ -128,19 +128,23 @@ def _sft_messages(
     )
     if messages[0]["role"] == "assistant":
         raise DataError(f"{record.where}: '{options.messages_key}' starts with an assistant turn")
+    key = options.messages_key
     try:
-        ids, mask = _turn_by_turn(record, tokenizer, options, messages)
+        pieces = _turn_by_turn(record, tokenizer, key, messages)
     except _NotAPrefix:
-        ids, mask = _in_one_render(record, tokenizer, options, messages)
-    if not any(mask):
-        raise DataError(
-            f"{record.where}: '{options.messages_key}' has no assistant turn to train on"
-        )
-    return ids, mask
+        pieces = _in_one_render(record, tokenizer, key, messages)
+    if not pieces:
+        raise DataError(f"{record.where}: '{key}' has no assistant turn to train on")
+    return _encoded(tokenizer, options, pieces)
 
 
 class _NotAPrefix(Exception):
     """The template writes a conversation differently once more turns follow."""
+
+
+# A turn to train on: the rendered text before it (from the previous turn's end), the contents
+# of the messages in that text, the turn as written up to its end-of-turn token.
+_Piece = tuple[str, list[str], str]
 
 
 def _written(text: str, end_text: str) -> tuple[str, ...]:
@@ -150,20 +154,14 @@ def _written(text: str, end_text: str) -> tuple[str, ...]:
 
 
 def _turn_by_turn(
-    record: Record,
-    tokenizer: PreTrainedTokenizerBase,
-    options: TextOptions,
-    messages: list[dict[str, str]],
-) -> tuple[list[int], list[int]]:
+    record: Record, tokenizer: PreTrainedTokenizerBase, key: str, messages: list[dict[str, str]]
+) -> list[_Piece]:
     """Each assistant turn after its context: the template's rendering of the conversation up
     to it with the generation prompt, which each longer rendering must start with."""
-    key, allow_special = options.messages_key, options.allow_special_tokens
-    end_id, end_text = end_of_turn(tokenizer)
-    specials = special_strings(tokenizer)
-    ids: list[int] = []
-    mask: list[int] = []
-    done = ""  # the rendered text already turned into tokens
-    first = 0  # the first message not yet turned into tokens
+    end_text = end_of_turn(tokenizer)[1]
+    pieces: list[_Piece] = []
+    done = ""  # the rendered text already taken
+    first = 0  # the first message not yet taken
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -175,42 +173,24 @@ def _turn_by_turn(
         written = [w for w in _written(message["content"], end_text) if rest.startswith(w)]
         if not written:
             raise _NotAPrefix
-        context_ids = encode_prompt(
-            tokenizer,
-            context[len(done) :],
-            [m["content"] for m in messages[first:i]],
-            templated=True,
-            allow_special=allow_special,
-            specials=specials,
-        )
-        content = written[0].removesuffix(end_text)
-        turn_ids = [*encode_response(tokenizer, content, allow_special=allow_special), end_id]
-        ids += context_ids + turn_ids
-        mask += [0] * len(context_ids) + [1] * len(turn_ids)
-        done = context + written[0]
-        first = i + 1
-    return ids, mask
+        pieces.append((context[len(done) :], [m["content"] for m in messages[first:i]], written[0]))
+        done, first = context + written[0], i + 1
+    return pieces
 
 
 def _in_one_render(
-    record: Record,
-    tokenizer: PreTrainedTokenizerBase,
-    options: TextOptions,
-    messages: list[dict[str, str]],
-) -> tuple[list[int], list[int]]:
+    record: Record, tokenizer: PreTrainedTokenizerBase, key: str, messages: list[dict[str, str]]
+) -> list[_Piece]:
     """The whole conversation as the template renders it, each assistant turn found in it in
     order, after the turn's header (what the template writes for the conversation before it
     with the generation prompt, as far as the whole starts with it). A turn with reasoning
     (``<think>...</think>``) that the template writes without it (Qwen3's earlier turns) is
     its answer alone; written otherwise (its thinking block rewritten), it is refused."""
-    key, allow_special = options.messages_key, options.allow_special_tokens
-    end_id, end_text = end_of_turn(tokenizer)
-    specials = special_strings(tokenizer)
+    end_text = end_of_turn(tokenizer)[1]
     text = render_row(record, key, tokenizer, messages, generation=False)
-    ids: list[int] = []
-    mask: list[int] = []
-    at = 0  # where the text not yet turned into tokens starts
-    first = 0  # the first message not yet turned into tokens
+    pieces: list[_Piece] = []
+    at = 0  # where the text not yet taken starts
+    first = 0  # the first message not yet taken
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -226,10 +206,26 @@ def _in_one_render(
         if not places:
             raise _template_error(record)
         where, written = min(places)
+        pieces.append((text[at:where], [m["content"] for m in messages[first:i]], written))
+        at, first = where + len(written), i + 1
+    return pieces
+
+
+def _encoded(
+    tokenizer: PreTrainedTokenizerBase, options: TextOptions, pieces: list[_Piece]
+) -> tuple[list[int], list[int]]:
+    """``(ids, loss mask)`` of the turns: each context as a templated prompt (its messages'
+    special-token strings stay text), each turn's content as a response, then the
+    end-of-turn token; the turns are the targets."""
+    end_id, end_text = end_of_turn(tokenizer)
+    specials, allow_special = special_strings(tokenizer), options.allow_special_tokens
+    ids: list[int] = []
+    mask: list[int] = []
+    for context, contents, written in pieces:
         context_ids = encode_prompt(
             tokenizer,
-            text[at:where],
-            [m["content"] for m in messages[first:i]],
+            context,
+            contents,
             templated=True,
             allow_special=allow_special,
             specials=specials,
@@ -238,8 +234,6 @@ def _in_one_render(
         turn_ids = [*encode_response(tokenizer, content, allow_special=allow_special), end_id]
         ids += context_ids + turn_ids
         mask += [0] * len(context_ids) + [1] * len(turn_ids)
-        at = where + len(written)
-        first = i + 1
     return ids, mask
 
 

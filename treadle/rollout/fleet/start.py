@@ -43,7 +43,6 @@ def start_rollout(
     """Replicas as ``rollout.placement`` says, a client over them. Split: the replicas of
     ``spawned`` (:func:`spawn_rollout`) or, not given, replicas started here from ``actor_path``
     in a pool reserved here; waited for here, and killed with their pool if this fails.
-
     ``version``: the version of the weights at ``actor_path`` (the step they come from)."""
     tok = load_tokenizer(
         cfg.model.tokenizer_path or actor_path,
