@@ -83,6 +83,42 @@ def test_file_without_pair_columns_says_which_keys_to_set(tok, tmp_path: Path): 
     assert len(load_pairs(cfg, [path], "data.train_files")) == 1
 
 
+def test_pairs_whose_prompt_is_the_conversation_both_start_with(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """TRL's implicit-prompt format (Anthropic HH, UltraFeedback binarized): no prompt column,
+    chosen and rejected whole conversations that differ in their last, assistant message.
+    The shared messages are the prompt, rendered as an explicit one is; DPO and KTO read it."""
+    from treadle.data import load_unpaired_dataset
+
+    asked = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "1+2?"}]
+    answer = lambda text: [{"role": "assistant", "content": text}]  # noqa: E731
+    implicit = {
+        "chosen": [*asked, *answer("Answer: 3")],
+        "rejected": [*asked, *answer("Answer: 4")],
+    }
+    explicit = {"prompt": asked, "chosen": "Answer: 3", "rejected": "Answer: 4"}
+    got = load(tok, write_jsonl(tmp_path / "hh.jsonl", [implicit]))[0]
+    want = load(tok, write_jsonl(tmp_path / "explicit.jsonl", [explicit]))[0]
+    assert {k: got[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")} == {
+        k: want[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")
+    }
+    assert got["prompt_text"] == "1+2?"
+    options = TextOptions(max_prompt_length=64, max_response_length=48)
+    examples = load_unpaired_dataset([str(tmp_path / "hh.jsonl")], tok, options)
+    assert [r["completion_ids"] for r in examples.rows] == [
+        want["chosen_ids"],
+        want["rejected_ids"],
+    ]
+    # conversations that part before their last message are not a pair
+    two = {**implicit, "rejected": [*asked, *answer("Hm."), *asked[1:], *answer("Answer: 4")]}
+    with pytest.raises(
+        DataError,
+        match=r"hh2\.jsonl row 1: without a 'prompt' field \(data\.prompt_key\), 'chosen' and "
+        r"'rejected' must be conversations that differ only in their last message, the "
+        r"assistant's \(they share 2 message\(s\), then have 1 and 3\)",
+    ):
+        load(tok, write_jsonl(tmp_path / "hh2.jsonl", [two]))
+
+
 @pytest.mark.parametrize(
     ("bad_row", "message"),
     [

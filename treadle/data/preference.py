@@ -1,9 +1,10 @@
 """Preference data: pairs (DPO, reward models) and unpaired examples (KTO).
 
 - **Pairs**: a prompt, rendered as the RL prompts are, with a chosen and a rejected response
-  (text, or one assistant message), each tokenized as a rollout's response: content + EOS. A
-  file without the chosen/rejected columns fails naming the file and the keys to set
-  (``data.chosen_key``, ``data.rejected_key``).
+  (text, or one assistant message), each tokenized as a rollout's response: content + EOS; or,
+  without a prompt, two whole conversations that differ in their last message (TRL's
+  implicit prompt, :func:`implicit_prompt`). A file without the chosen/rejected columns fails
+  naming the file and the keys to set (``data.chosen_key``, ``data.rejected_key``).
 - **Unpaired examples**: a prompt, a completion and a boolean label (desirable or not), TRL's
   unpaired preference format; a file of pairs is read as two examples per pair (chosen
   desirable, rejected not).
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, TypedDict
@@ -62,9 +64,18 @@ def _ground_truth(record: Record, options: TextOptions) -> str:
 
 
 def _check_pair_columns(records: list[Record], keys: dict[str, str], config_key: str) -> None:
-    """Every file has the prompt/chosen/rejected columns, else say which keys to set."""
+    """Every file has the prompt/chosen/rejected columns (the prompt may be implicit:
+    :func:`implicit_prompt`), else say which keys to set."""
+    conversations = {r.file for r in records if isinstance(r.row.get(keys["chosen_key"]), list)} - {
+        r.file for r in records if not isinstance(r.row.get(keys["chosen_key"]), list)
+    }
     for file, columns in _columns_by_file(records).items():
-        missing = [f"'{col}' (data.{key})" for key, col in keys.items() if col not in columns]
+        implicit = {"prompt_key"} if file in conversations else set()
+        missing = [
+            f"'{col}' (data.{key})"
+            for key, col in keys.items()
+            if col not in columns and key not in implicit
+        ]
         if missing:
             raise DataError(
                 f"{config_key}: {file} has no column {', '.join(missing)}; its columns are "
@@ -72,6 +83,32 @@ def _check_pair_columns(records: list[Record], keys: dict[str, str], config_key:
                 "a rejected response: set data.prompt_key, data.chosen_key and "
                 "data.rejected_key to the columns that hold them"
             )
+
+
+def implicit_prompt(record: Record, options: TextOptions) -> Record:
+    """A pair row without a prompt whose chosen and rejected are whole conversations (TRL's
+    implicit-prompt format: Anthropic HH, UltraFeedback binarized) as one with its prompt: the
+    messages both start with, each response its last assistant message. Other rows as they
+    are."""
+    o = options
+    chosen, rejected = record.row.get(o.chosen_key), record.row.get(o.rejected_key)
+    if record.row.get(o.prompt_key) is not None or not isinstance(chosen, list):
+        return record
+    chosen = check_messages(record, o.chosen_key, chosen)
+    rejected = check_messages(record, o.rejected_key, rejected)
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    ends = (chosen[n:], rejected[n:])
+    if not n or any(len(end) != 1 or end[0]["role"] != "assistant" for end in ends):
+        raise DataError(
+            f"{record.where}: without a '{o.prompt_key}' field (data.prompt_key), "
+            f"'{o.chosen_key}' and '{o.rejected_key}' must be conversations that differ only in "
+            f"their last message, the assistant's (they share {n} message(s), then have "
+            f"{len(ends[0])} and {len(ends[1])})"
+        )
+    row = {**record.row, o.prompt_key: chosen[:n], o.chosen_key: ends[0], o.rejected_key: ends[1]}
+    return dataclasses.replace(record, row=row)
 
 
 def response_text(record: Record, key: str) -> str:
@@ -89,6 +126,7 @@ def response_text(record: Record, key: str) -> str:
 
 
 def _pair_row(record: Record, tokenizer: PreTrainedTokenizerBase, options: TextOptions) -> PairRow:
+    record = implicit_prompt(record, options)
     shown, text, contents = prompt_text(record, options.prompt_key, tokenizer, options)
     chosen = response_text(record, options.chosen_key)
     rejected = response_text(record, options.rejected_key)
@@ -223,6 +261,7 @@ def _examples(
 ) -> list[UnpairedRow]:
     """The row's example, or a pair's two (chosen: desirable, then rejected)."""
     o = options
+    record = implicit_prompt(record, o) if pairs else record
     shown, text, contents = prompt_text(record, o.prompt_key, tokenizer, o)
     if pairs:
         examples = [
