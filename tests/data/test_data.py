@@ -345,6 +345,26 @@ def test_chat_template_kwargs_reach_every_rendering(tok, tmp_path: Path):  # typ
     assert quiet.decode(row["input_ids"]) == thinking + ROWS[0]["solution"] + "<|im_end|>"
 
 
+def test_sft_text_rows_are_learned_whole(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
+    """TRL's language-modeling rows ({"text": ...}, data.text_key): every token a target after
+    the first, then the EOS; a special-token string in the text stays text; which command a
+    config of them is for is SFT, unless the rows have prompts (RL's)."""
+    from treadle.check.kind import infer_kind
+    from treadle.config import load_config
+
+    text = "1+2: 1+2=3. Answer: 3 <|im_end|>"
+    path = write_jsonl(tmp_path / "text.jsonl", [{"text": text}])
+    row = load_sft_dataset([path], tok, TextOptions(max_length=128))[0]
+    plain = tok.encode(text, add_special_tokens=False, split_special_tokens=True)
+    assert row["input_ids"] == [*plain, tok.eos_token_id]
+    assert row["loss_mask"] == [0] + [1] * len(plain)
+    assert trained(tok, row) == text[1:] + "<|im_end|>"
+    cfg = load_config(None, [f"data.train_files=[{path}]"])
+    assert infer_kind(cfg)[0] == "sft"
+    beside = write_jsonl(tmp_path / "prompts.jsonl", [{"prompt": "What is 1+2?", "text": "x"}])
+    assert infer_kind(load_config(None, [f"data.train_files=[{beside}]"]))[0] == "train"
+
+
 def test_sft_errors_and_length_filter(tok, tmp_path: Path):  # type: ignore[no-untyped-def]
     path = write_jsonl(tmp_path / "train.jsonl", [ROWS[0], {"prompt": "What is 2+2?"}])
     with pytest.raises(DataError) as info:

@@ -90,8 +90,11 @@ def _by_data(cfg: Config) -> tuple[Kind, str]:
         ("kto", f"labelled completions ({', '.join(unpaired)})"),
         ("sft", f"responses to learn ({d.response_key})"),
         ("sft", f"conversations to learn ({d.messages_key})"),
+        ("sft", f"text to learn whole ({d.text_key}) and no prompts"),
     ]
-    needs = [set(pairs), set(unpaired), {d.response_key}, {d.messages_key}]
+    needs = [set(pairs), set(unpaired), {d.response_key}, {d.messages_key}, {d.text_key}]
+    if d.prompt_key in columns:  # (a text column beside the prompts: RL's rows)
+        kinds, needs = kinds[:-1], needs[:-1]
     for (kind, what), needed in zip(kinds, needs, strict=True):
         if needed <= columns:
             # (rows with answers too train RL as well: the demo's SFT and GRPO share them)

@@ -185,6 +185,11 @@ class DataConfig(Section):
     messages_key: Key = Field(
         "messages", description="SFT: column of multi-turn chat messages (loss on assistant turns)."
     )
+    text_key: Key = Field(
+        "text",
+        description="SFT: column of plain text to learn whole (TRL's language-modeling rows: "
+        "loss on every token, then the EOS), for a row with neither a prompt nor messages.",
+    )
     images_key: Key = Field(
         "images",
         description="Column of a row's pictures (file paths relative to the data file, or "

@@ -25,6 +25,7 @@ class TextOptions:
     answer_key: str | None = "answer"  # None: prompts have no ground truth (reward models)
     response_key: str = "solution"  # SFT
     messages_key: str = "messages"  # SFT, multi-turn chat
+    text_key: str = "text"  # SFT, plain text learned whole
     images_key: str = "images"  # a row's pictures (vision-language models)
     chosen_key: str = "chosen"  # pairs
     rejected_key: str = "rejected"

@@ -21,9 +21,12 @@ from treadle.data.readers import Record, as_text, read_records, require
 from treadle.data.rows import Rows, keep, kept_within
 from treadle.data.templating import (
     check_template,
+    encode,
+    encode_plain,
     encode_prompt,
     encode_response,
     end_of_turn,
+    eos_token,
     pad_or_eos_id,
     prompt_ids,
     prompt_messages,
@@ -84,14 +87,17 @@ def _sft_example(
     record: Record, tokenizer: PreTrainedTokenizerBase, options: TextOptions
 ) -> tuple[list[int], list[int], torch.Tensor | None]:
     """``(ids, loss_mask, pixel values or None)`` of a prompt/response row (its prompt through
-    the image processor when it has pictures) or a chat (``messages_key``) row."""
-    key = options.messages_key
-    if record.row.get(options.prompt_key) is None and record.row.get(key) is not None:
+    the image processor when it has pictures), a chat (``messages_key``) row or a plain text
+    (``text_key``) row."""
+    row, key = record.row, options.messages_key
+    if row.get(options.prompt_key) is None and row.get(key) is not None:
         if not options.apply_chat_template:
             raise DataError(f"{record.where}: '{key}' needs data.apply_chat_template=true")
-        if record.row.get(options.images_key):
+        if row.get(options.images_key):
             raise DataError(f"{record.where}: images go with prompt/response rows, not '{key}'")
         return *_sft_messages(record, tokenizer, options), None
+    if row.get(options.prompt_key) is None and row.get(options.text_key) is not None:
+        return *_sft_text(record, tokenizer, options), None
     _, text, contents = prompt_text(record, options.prompt_key, tokenizer, options)
     response = as_text(require(record, options.response_key, "response"))
     pictures = image_prompt(record, options.images_key, text, options.processor)
@@ -136,6 +142,20 @@ def _sft_messages(
     if not pieces:
         raise DataError(f"{record.where}: '{key}' has no assistant turn to train on")
     return _encoded(tokenizer, options, pieces)
+
+
+def _sft_text(
+    record: Record, tokenizer: PreTrainedTokenizerBase, options: TextOptions
+) -> tuple[list[int], list[int]]:
+    """A plain text row (TRL's language-modeling format): its tokens with the tokenizer's BOS
+    where it has one, then its EOS; every token after the first is a target."""
+    text = as_text(require(record, options.text_key, "text"))
+    if options.allow_special_tokens:
+        ids = encode(tokenizer, text, special=True)
+    else:
+        ids = encode_plain(tokenizer, text, bos=True)
+    ids = [*ids, eos_token(tokenizer)[0]]
+    return ids, [0] + [1] * (len(ids) - 1)
 
 
 class _NotAPrefix(Exception):
