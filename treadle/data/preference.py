@@ -66,9 +66,9 @@ def _ground_truth(record: Record, options: TextOptions) -> str:
 def _check_pair_columns(records: list[Record], keys: dict[str, str], config_key: str) -> None:
     """Every file has the prompt/chosen/rejected columns (the prompt may be implicit:
     :func:`implicit_prompt`), else say which keys to set."""
-    conversations = {r.file for r in records if isinstance(r.row.get(keys["chosen_key"]), list)} - {
-        r.file for r in records if not isinstance(r.row.get(keys["chosen_key"]), list)
-    }
+    chosen = keys["chosen_key"]
+    texts = {r.file for r in records if not isinstance(r.row.get(chosen), list)}
+    conversations = {r.file for r in records} - texts
     for file, columns in _columns_by_file(records).items():
         implicit = {"prompt_key"} if file in conversations else set()
         missing = [
