@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -50,12 +49,13 @@ from treadle.data.templating import (
     end_of_turn,
     render,
     shared_length,
+    special_pattern,
     special_strings,
     supports_tools,
     template_end_of_turn,
-    template_key,
 )
 from treadle.engines.inference import SamplingParams
+from treadle.models.folders import template_key
 from treadle.runtime.errors import TreadleError
 from treadle.serving.client import RolloutClient, RolloutError
 from treadle.serving.server import Request, Response
@@ -346,7 +346,7 @@ def _specials_in(
     strings = special_strings(tok)
     if not strings:
         return []
-    pattern = re.compile("|".join(re.escape(s) for s in strings))
+    pattern = special_pattern(strings)
     found = [
         (tok.convert_tokens_to_ids(m.group()), m.end()) for m in pattern.finditer(text, start, end)
     ]

@@ -126,15 +126,10 @@ def _sft_messages(
     turn's thinking block once a user message follows), the conversation is the template's
     rendering of the whole of it (:func:`_in_one_render`).
     """
-    messages = prompt_messages(
-        record,
-        options.messages_key,
-        require(record, options.messages_key, "messages"),
-        options.system_prompt,
-    )
-    if messages[0]["role"] == "assistant":
-        raise DataError(f"{record.where}: '{options.messages_key}' starts with an assistant turn")
     key = options.messages_key
+    messages = prompt_messages(record, key, require(record, key, "messages"), options.system_prompt)
+    if messages[0]["role"] == "assistant":
+        raise DataError(f"{record.where}: '{key}' starts with an assistant turn")
     try:
         pieces = _turn_by_turn(record, tokenizer, key, messages)
     except _NotAPrefix:

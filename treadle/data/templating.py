@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 
 from treadle.data.options import TextOptions
 from treadle.data.readers import Record, check_messages, require
-from treadle.models.folders import TEMPLATE_KWARGS
+from treadle.models.folders import TEMPLATE_KWARGS, template_key
 from treadle.runtime.errors import ConfigError, DataError
 
 HERMES_TOOLS_PROMPT = """# Tools
@@ -109,11 +109,16 @@ def _text_of(content: Any) -> str:
 
 def _hermes_call(call: Any) -> dict[str, Any]:
     function = (call.get("function") or call) if isinstance(call, dict) else {}
-    arguments = function.get("arguments", {})
+    return {"name": function.get("name"), "arguments": as_object(function.get("arguments", {}))}
+
+
+def as_object(arguments: Any) -> Any:
+    """A tool call's arguments as chat templates write them: a JSON string parsed (one that
+    does not parse, and anything else, as given)."""
     if isinstance(arguments, str):
-        with contextlib.suppress(json.JSONDecodeError):  # (else written as given)
-            arguments = json.loads(arguments)
-    return {"name": function.get("name"), "arguments": arguments}
+        with contextlib.suppress(json.JSONDecodeError):
+            return json.loads(arguments)
+    return arguments
 
 
 def pad_or_eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
@@ -212,6 +217,17 @@ def _apply(
 ) -> str:
     if takes_parts(tokenizer):
         messages = [as_parts(m) for m in messages]
+    return _template(tokenizer, messages, generation, kwargs)
+
+
+def _template(
+    tokenizer: PreTrainedTokenizerBase,
+    messages: list[dict[str, Any]],
+    generation: bool,
+    kwargs: dict[str, Any],
+) -> str:
+    """The template's text of ``messages`` as given, with the tokenizer's template variables
+    (``data.chat_template_kwargs``)."""
     text = tokenizer.apply_chat_template(
         messages,
         add_generation_prompt=generation,
@@ -231,30 +247,13 @@ def takes_parts(tokenizer: PreTrainedTokenizerBase) -> bool:
     return key is not None and _takes_parts(tokenizer, key)
 
 
-def template_key(tokenizer: PreTrainedTokenizerBase) -> str | None:
-    """The tokenizer's chat template as one string, for the caches of what it renders: the
-    template, or its named templates (Hermes 2's and Command R's ``default`` and
-    ``tool_use``) as JSON; None without one."""
-    template = tokenizer.chat_template
-    if not template:
-        return None
-    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
-
-
 @functools.lru_cache(maxsize=8)
 def _takes_parts(tokenizer: PreTrainedTokenizerBase, template: str) -> bool:
     def shows(content: Any) -> bool:
-        messages = [{"role": "user", "content": content}]
         try:
-            text = tokenizer.apply_chat_template(
-                messages,
-                add_generation_prompt=True,
-                tokenize=False,
-                **getattr(tokenizer, TEMPLATE_KWARGS, {}),
-            )
+            return _PROBE in _template(tokenizer, [{"role": "user", "content": content}], True, {})
         except Exception:  # a probe: a template that wants more shows nothing
             return False
-        return isinstance(text, str) and _PROBE in text
 
     return not shows(_PROBE) and shows([{"type": "text", "text": _PROBE}])
 
@@ -305,7 +304,7 @@ def _end_of_turn(tokenizer: PreTrainedTokenizerBase, template: str) -> tuple[int
         return None
     after = text[text.rfind(_PROBE) + len(_PROBE) :]
     specials = special_strings(tokenizer)
-    match = re.search("|".join(re.escape(s) for s in specials), after) if specials else None
+    match = special_pattern(specials).search(after) if specials else None
     if match is None:
         return None
     token_id = tokenizer.convert_tokens_to_ids(match.group())
@@ -377,6 +376,11 @@ def special_strings(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     return sorted({str(t) for t in tokenizer.all_special_tokens if t}, key=len, reverse=True)
 
 
+def special_pattern(specials: Sequence[str]) -> re.Pattern[str]:
+    """A regex of ``specials`` (:func:`special_strings`: the longest first matches first)."""
+    return re.compile("|".join(re.escape(s) for s in specials))
+
+
 def spells_special(specials: list[str], texts: Sequence[str]) -> bool:
     return any(s in text for text in texts for s in specials)
 
@@ -404,7 +408,7 @@ def encode_rendered(
         if at >= 0:
             spans.append((at, at + len(content)))
             pos = at + len(content)
-    pattern = re.compile("|".join(re.escape(s) for s in specials))
+    pattern = special_pattern(specials)
     ids: list[int] = []
     start = 0
     for match in pattern.finditer(text):

@@ -215,12 +215,21 @@ def load_tokenizer(
     return tokenizer
 
 
+def template_key(tokenizer: PreTrainedTokenizerBase) -> str | None:
+    """The tokenizer's chat template as one string, for the caches of what it renders: the
+    template, or its named templates (Hermes 2's and Command R's ``default`` and
+    ``tool_use``) as JSON; None without one."""
+    template = tokenizer.chat_template
+    if not template:
+        return None
+    return template if isinstance(template, str) else json.dumps(template, sort_keys=True)
+
+
 def _check_template_kwargs(
     tokenizer: PreTrainedTokenizerBase, extra: dict[str, Any], path: str | Path
 ) -> None:
     """A ConfigError for a variable the chat template never reads (it would change nothing)."""
-    template = tokenizer.chat_template
-    text = template if isinstance(template, str) else json.dumps(template or "")
+    text = template_key(tokenizer) or ""
     for name in extra:
         where = f"data.chat_template_kwargs.{name}"
         if name in _NOT_TEMPLATE_KWARGS:

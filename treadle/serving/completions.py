@@ -11,12 +11,10 @@ sample), the returned text ends before the stop string, as vLLM does.
 
 from __future__ import annotations
 
-import contextlib
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from treadle.data.templating import encode, encode_prompt, render, special_strings
+from treadle.data.templating import as_object, encode, encode_prompt, render, special_strings
 from treadle.serving.openai_api import ApiError
 from treadle.serving.server import Response
 
@@ -44,8 +42,7 @@ def _arguments_as_objects(message: dict[str, Any]) -> dict[str, Any]:
     for call in calls:
         function = call.get("function") if isinstance(call, dict) else None
         if isinstance(function, dict) and isinstance(function.get("arguments"), str):
-            with contextlib.suppress(json.JSONDecodeError):
-                function = {**function, "arguments": json.loads(function["arguments"])}
+            function = {**function, "arguments": as_object(function["arguments"])}
             out.append({**call, "function": function})
         else:
             out.append(call)
