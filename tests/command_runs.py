@@ -56,6 +56,18 @@ CASES: dict[str, Case] = {
         ("reward.overlong_buffer_len=4", "algorithm.mask_truncated=false"),
         rl=True,
     ),
+    # actor, reference and critic wait in host memory (weights and moments), back for each use
+    "offload": Case(
+        "train",
+        "examples/arithmetic/ppo.yaml",
+        (
+            "critic.warmup_steps=0",
+            "algorithm.kl_coef=0.01",
+            "actor.offload_params=true",
+            "actor.offload_optimizer=true",
+        ),
+        rl=True,
+    ),
     "lora": Case("train", "examples/lora/grpo_lora.yaml", ("actor.lora.rank=4",), rl=True),
     "prime": Case("train", "examples/prime/prime.yaml", rl=True),  # the implicit PRM
     "sft": Case("sft", "examples/arithmetic/sft.yaml"),

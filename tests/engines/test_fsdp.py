@@ -125,6 +125,26 @@ class GradWorker(Worker):
         return ratio, before, self._weights()
 
     @register(Dispatch.ALL, Collect.RANK0)
+    def waiting_steps(self, batch: Batch, forget: bool = False) -> tuple[list, list[set], list]:
+        """Three optimizer steps under the device double, the engine waiting after each as a
+        worker has it wait (:meth:`TrainEngine.offload`): the weights after them, where the
+        optimizer's state was between steps, whether the weights were away. ``forget``: the
+        moments are not brought back before a step."""
+        from device_double import TwoDevices, place  # (tests/: not on a Ray worker's path)
+
+        if forget:
+            self.engine.residence.moments_in = lambda optimizer: None
+        places, away = [], []
+        with TwoDevices():
+            for _ in range(3):
+                self.engine.train_step(batch.split(2), self._nll)
+                self.engine.offload()
+                states = self.engine.optimizer.state.values()
+                places.append({place(v) for state in states for v in state.values()})
+                away.append(self.engine.residence.weights_away)
+        return self._weights(), places, away
+
+    @register(Dispatch.ALL, Collect.RANK0)
     def zero_gradient_step(self, batch: Batch) -> tuple[dict, list, list, list, list]:
         """A step with a gradient, then one whose gradient is exactly 0: the second's metrics,
         the weights and AdamW's state before and after it."""
@@ -593,6 +613,34 @@ def test_a_step_whose_gradient_is_zero_moves_nothing(tiny_task):
     assert len(adam) == len(adam_after) == len(before)
     for s, t in zip(adam, adam_after, strict=True):  # the step count and the moments as they were
         assert s.keys() == t.keys() and all(torch.equal(s[k], t[k]) for k in s)
+
+
+def test_weights_and_moments_that_wait_on_the_host_train_as_resident_ones(tiny_task):
+    """actor.offload_params and actor.offload_optimizer: the weights go to host memory where the
+    engine waits, the moments after every step, and each comes back for its use; the weights
+    of three steps are those of an engine that kept them. Under the device double the moments
+    are on the host between steps (a GPU's memory freed), and a step they are not brought back
+    for fails, as it would on a GPU ("cuda:0 and cpu")."""
+    from device_double import DeviceMixError
+
+    batch, path = make_batch(vocab=100), str(tiny_task["model"])
+
+    def run(offload: bool, forget: bool = False):
+        options = {"offload_params": offload, "offload_optimizer": offload}
+        kwargs = {"model_path": path, **options}
+        group = WorkerGroup(GradWorker, world_size=1, backend="local", kwargs=kwargs)
+        try:
+            return group.waiting_steps(batch, forget)
+        finally:
+            group.shutdown()
+
+    kept, places, away = run(False)
+    assert places == [{"device"}] * 3 and away == [False] * 3
+    weights, places, away = run(True)
+    assert places == [{"host"}] * 3 and away == [True] * 3
+    assert all(torch.equal(a, b) for a, b in zip(weights, kept, strict=True))
+    with pytest.raises(DeviceMixError, match="_fused_adamw_ mixes host and device"):
+        run(True, forget=True)
 
 
 def test_a_checkpoint_s_rng_state_holds_the_gpu_s(monkeypatch, tmp_path):

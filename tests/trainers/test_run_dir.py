@@ -134,7 +134,8 @@ def test_a_missing_rng_file_is_an_error_not_skipped(run):
 
     from treadle.engines.fsdp import TrainEngine
 
-    engine = SimpleNamespace(load_optimizer=lambda path: None, lora=False)
+    home = SimpleNamespace(weights_in=lambda: None)  # (the weights are where they were)
+    engine = SimpleNamespace(load_optimizer=lambda path: None, lora=False, residence=home)
     with pytest.raises(CheckpointError, match=r"rng_rank1\.safetensors is missing"):
         TrainEngine.load_checkpoint(engine, run / "checkpoints" / "step_3", 1)  # type: ignore[arg-type]
 

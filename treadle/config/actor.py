@@ -102,6 +102,21 @@ class ActorConfig(Section):
     gradient_checkpointing: bool = Field(
         False, description="Recompute decoder activations in backward (less memory, ~1/3 slower)."
     )
+    offload_params: bool = Field(
+        False,
+        description="Weights in host memory while they wait, back on the device for each "
+        "use (verl's param_offload), for every training engine: the actor's from its weight "
+        "sync to the next step's first pass over it (the rollout generates with the memory), "
+        "the reference's, a critic's and a reward model's between their passes. On a GPU it "
+        "frees their size (float32: 4 bytes a parameter) at the cost of a copy each way over "
+        "the host link; on a CPU nothing moves.",
+    )
+    offload_optimizer: bool = Field(
+        False,
+        description="AdamW's moments (8 bytes a trained parameter) in host memory except "
+        "during the optimizer step (verl's optimizer_offload), for every trained engine: "
+        "forwards, backwards and generation run without them.",
+    )
     defer_gradient_sync: bool = Field(
         True,
         description="Reduce-scatter the gradients across data-parallel ranks once an "

@@ -62,6 +62,7 @@ from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.flops import UpdateRate
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
 from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
+from treadle.engines.offload import Residence
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
 from treadle.engines.state import load_optimizer, rank0_reads, save_optimizer, save_schedule
@@ -344,6 +345,8 @@ class TrainEngine:
     LM as ``.lm``. ``row_tokens`` set: forwards run packed, without padding
     (:func:`response_hidden`), with ``share_prompts`` a prompt several rows share computed
     once. ``compute_dtype``: mixed precision (:func:`shard_model`).
+    ``offload_params``, ``offload_optimizer``: weights and moments in host memory while they
+    wait (:mod:`treadle.engines.offload`; :meth:`offload` says when the weights go).
     ``meshes``: tensor-parallel layers or Ulysses attention
     (:mod:`treadle.engines.parallel`), ``section`` the config section that asked for them.
     """
@@ -367,6 +370,8 @@ class TrainEngine:
         meshes: Meshes | None = None,
         section: str = "actor",
         defer_gradient_sync: bool = True,
+        offload_params: bool = False,
+        offload_optimizer: bool = False,
     ) -> None:
         use_cpu_float32_backward()  # bfloat16 attention's backward on CPU (see the module)
         row_tokens = packed_row_tokens(lm.config, row_tokens, meshes, section)
@@ -391,6 +396,7 @@ class TrainEngine:
         self.tensor_parallel = meshes is not None and meshes.tp_mesh is not None
         dp_mesh = meshes.dp_mesh if meshes is not None else None
         self.module: Any = shard_model(lm, root, compute_dtype, dp_mesh)
+        self.residence = Residence(self.module, offload_params, offload_optimizer and trainable)
         self.rate = UpdateRate(self.module, section, meshes.layout.group_size if meshes else 1)
         self.lora = is_lora(lm)
         self.adapters_off = False  # set on the reference view of a LoRA actor
@@ -411,12 +417,26 @@ class TrainEngine:
     @property
     def device(self) -> torch.device:
         """Where the caller put the model, and :meth:`train_step` puts each micro-batch."""
-        return next(iter(self.module.parameters())).device
+        return self.residence.home
+
+    def offload(self) -> None:
+        """The weights to host memory until this engine's next use, with ``offload_params``
+        (else nothing): its worker calls it where the engine waits. Not a reference view's (the
+        actor's weights: :meth:`without_adapters`)."""
+        if not self.adapters_off:
+            self.residence.weights_out()
+
+    def loaded(self) -> Any:
+        """The FSDP2 module, its weights on the device (brought back if offloaded): for a
+        caller that runs it directly (a value model's forward)."""
+        self.residence.weights_in()
+        return self.module
 
     def forward(self, request: LogProbRequest) -> LogProbOutput:
         """The head's forward on ``request`` (a reference view of a LoRA engine: with the
         adapters disabled); without gradients when it asks for ``sum_pi_squared`` or the
         full vocabulary."""
+        self.residence.weights_in()
         off = self.module.lm.disable_adapter() if self.adapters_off else contextlib.nullcontext()
         grad_free = request.sum_pi_squared or request.full_vocab
         with off, torch.no_grad() if grad_free else contextlib.nullcontext():
@@ -480,6 +500,7 @@ class TrainEngine:
         :meth:`step`, and its model FLOP rate (:class:`~treadle.engines.flops.UpdateRate`).
         """
         sums: dict[str, float] = defaultdict(float)
+        self.residence.weights_in()
         with self.rate.measure(prefix) as speed:
             for i, micro in enumerate(micros):
                 last = i == len(micros) - 1
@@ -508,8 +529,10 @@ class TrainEngine:
         lr = self.scheduler.get_last_lr()[0]
         ratio = 0.0  # a step skipped changes nothing
         if math.isfinite(grad_norm) and grad_norm > 0:
+            self.residence.moments_in(self.optimizer)
             self.optimizer.step()
             ratio = update_ratio(self.optimizer)
+            self.residence.moments_out(self.optimizer)
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return {"grad_norm": grad_norm, "lr": float(lr), "update_ratio": ratio}
@@ -518,6 +541,7 @@ class TrainEngine:
         self, dtype: torch.dtype | None = None, as_saved: bool = False
     ) -> Iterator[Named]:
         """:func:`model_tensors` of this engine's model."""
+        self.residence.weights_in()
         return model_tensors(self.module, self.lora, dtype, as_saved)
 
     # -------------------------------------------------------------- checkpoint
@@ -530,6 +554,7 @@ class TrainEngine:
         learning-rate schedule alone), this rank's RNG state. Every rank must call it (the
         full tensors are collectives)."""
         out.mkdir(parents=True, exist_ok=True)
+        self.residence.weights_in()
         if self.lora:
             adapters = {
                 name.replace(".default.", "."): t.cpu().clone()
@@ -547,8 +572,10 @@ class TrainEngine:
                 failpoint("write", int(step) if step.isdigit() else 0, weights)
                 save_hf_folder(state, self.module.lm.config, tokenizer, out / "model")
         assert self.optimizer is not None and self.scheduler is not None
-        if with_optimizer:
+        if with_optimizer:  # (gathered over the ranks where the moments are at home)
+            self.residence.moments_in(self.optimizer)
             save_optimizer(self.module, self.optimizer, self.scheduler, out, rank)
+            self.residence.moments_out(self.optimizer)
         elif rank == 0:
             save_schedule(self.scheduler, out)
         save_file(rng_state(), str(out / f"rng_rank{rank}.safetensors"))
@@ -557,6 +584,7 @@ class TrainEngine:
     def load_checkpoint(self, out: Path, rank: int) -> None:
         """Optimizer and RNG of :meth:`save_checkpoint`; the weights were loaded at start
         (LoRA: the base model's; the adapters are loaded here)."""
+        self.residence.weights_in()
         if self.lora:
             load_adapters(self.module, out / ADAPTER_DIR)
         elif (out / ADAPTER_DIR).is_dir():
@@ -570,6 +598,7 @@ class TrainEngine:
     def load_weights(self, out: Path) -> None:
         """The model weights of the checkpoint ``out`` (``model/``; LoRA: ``adapter/``), not its
         optimizer or RNG: for evaluating a run's checkpoints one after another."""
+        self.residence.weights_in()
         if self.lora:
             load_adapters(self.module, out / ADAPTER_DIR)
         elif (out / "model").is_dir():
@@ -583,4 +612,6 @@ class TrainEngine:
     def load_optimizer(self, path: Path) -> None:
         """The optimizer state and schedule :meth:`save_checkpoint` wrote to ``path``."""
         assert self.optimizer is not None and self.scheduler is not None
+        self.residence.weights_in()  # (the state is loaded where the parameters are)
         load_optimizer(self.module, self.optimizer, self.scheduler, path)
+        self.residence.moments_out(self.optimizer)

@@ -51,6 +51,8 @@ engine and server in the same process: ``init_teacher`` loads it, ``teacher_gene
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -141,6 +143,7 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
         )
         timer.done("rollout_engine")
         self.weight_sync: WeightSyncGroup | None = None  # split: rank 0 -> the replicas
+        self._wait()
 
     @property
     def actor(self) -> TrainEngine:
@@ -154,9 +157,17 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
 
     # ------------------------------------------------------------------ rollout
 
+    def _wait(self) -> None:
+        """Actor and reference wait (the rollout generates next): in host memory with
+        ``actor.offload_params``."""
+        self.engine.offload()
+        if self.ref is not None:
+            self.ref.offload()
+
     @register(Dispatch.ALL, Collect.RANK0)
     def sync_weights(self, version: int) -> int:
         """The actor's full weights to the rollout as ``version``; returns the bytes moved.
+        Then the actor waits for the next step (:meth:`_wait`).
 
         Every rank walks the full tensors (gathering one is a collective). Colocated: each
         rank hands them, cast to the rollout's dtype where they are (on the device), to its own
@@ -164,6 +175,11 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
         place; vLLM's cuts them into safetensors buckets). Split: rank 0 broadcasts them in
         buckets. A tied output head goes once, as the embedding (``full_tensors``). vLLM gets
         them as the model's files hold them (``full_state(as_saved=True)``)."""
+        moved = self._send_weights(version)
+        self._wait()
+        return moved
+
+    def _send_weights(self, version: int) -> int:
         r = self.cfg.rollout
         dtype = getattr(torch, rollout_dtype(r.dtype, self.cfg.model.dtype))
         as_saved = r.engine == "vllm"  # vLLM loads the files' format; the hf engine is the model
@@ -194,8 +210,14 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
 
     # ------------------------------------------------------------------ log-probs
 
-    def _reference(self, why: str = "") -> TrainEngine:
-        return self.policy().reference(why)
+    @contextlib.contextmanager
+    def _reference(self, why: str = "") -> Iterator[TrainEngine]:
+        """The reference for one pass, after which it waits (:meth:`TrainEngine.offload`)."""
+        ref = self.policy().reference(why)
+        try:
+            yield ref
+        finally:
+            ref.offload()
 
     @torch.no_grad()
     def _token_log_probs(
@@ -241,7 +263,8 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
         Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("ref_log_probs",)
     )
     def compute_ref_log_probs(self, batch: Batch) -> Batch:
-        logp, _ = self._token_log_probs(self._reference(" (kl_coef=0)"), batch)
+        with self._reference(" (kl_coef=0)") as ref:
+            logp, _ = self._token_log_probs(ref, batch)
         return Batch.from_dict(tensors={"ref_log_probs": logp})
 
     @torch.no_grad()
@@ -260,7 +283,8 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
     @register(Dispatch.DP, Collect.CONCAT, reads=PAIRS, returns=REF_PAIRS)
     def compute_ref_pair_log_probs(self, batch: Batch) -> Batch:
         """The reference's ``ref_chosen_logps``, ``ref_rejected_logps`` ``[B]``."""
-        return self._pair_columns(self._reference(), batch, "ref_")
+        with self._reference() as ref:
+            return self._pair_columns(ref, batch, "ref_")
 
     @torch.no_grad()
     def _unpaired_columns(self, engine: TrainEngine, batch: Batch, prefix: str) -> Batch:
@@ -282,7 +306,8 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
     @register(Dispatch.DP, Collect.CONCAT, reads=UNPAIRED, returns=("ref_logps", "ref_kl_logps"))
     def compute_ref_unpaired_log_probs(self, batch: Batch) -> Batch:
         """The reference's ``ref_logps`` and ``ref_kl_logps`` ``[B]``."""
-        return self._unpaired_columns(self._reference(), batch, "ref_")
+        with self._reference() as ref:
+            return self._unpaired_columns(ref, batch, "ref_")
 
     # ------------------------------------------------------------------ training
 

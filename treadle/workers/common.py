@@ -40,8 +40,9 @@ if TYPE_CHECKING:  # imported where an engine is built: the driver does not need
 def engine_options(cfg: Config) -> dict[str, Any]:
     """How every training engine (actor, reference, critic, reward model) runs its forward:
     packed without padding (``actor.remove_padding``), a shared prompt computed once
-    (``actor.share_prompts``), in ``actor.mixed_precision``; and when its update reduces the
-    gradients (``actor.defer_gradient_sync``)."""
+    (``actor.share_prompts``), in ``actor.mixed_precision``; when its update reduces the
+    gradients (``actor.defer_gradient_sync``); what waits in host memory
+    (``actor.offload_params``, ``actor.offload_optimizer``)."""
     a = cfg.actor
     return {
         "chunk_size": a.logprob_chunk_size,
@@ -49,6 +50,8 @@ def engine_options(cfg: Config) -> dict[str, Any]:
         "share_prompts": a.shares_prompts(),
         "compute_dtype": torch.bfloat16 if compute_bf16(a.mixed_precision) else None,
         "defer_gradient_sync": a.defer_gradient_sync,
+        "offload_params": a.offload_params,
+        "offload_optimizer": a.offload_optimizer,
     }
 
 

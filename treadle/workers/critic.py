@@ -75,16 +75,18 @@ class CriticWorker(TrainingWorker):
             section="critic",
         )
         self.dp_group = self.meshes.dp_group if self.meshes is not None else None
+        self.engine.offload()  # (actor.offload_params: until its first values)
 
     def _values(self, mb: Batch) -> torch.Tensor:
         ids, mask = prompt_response(mb, self.device)
-        values: torch.Tensor = self.engine.module(ids, mask, mb["responses"].shape[1])
+        values: torch.Tensor = self.engine.loaded()(ids, mask, mb["responses"].shape[1])
         return values  # 0 on padding (ValueHead)
 
     @register(Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("values",))
     def compute_values(self, batch: Batch) -> Batch:
         with torch.no_grad():
             parts = [self._values(mb).cpu() for mb in batch.split(self.micro)]
+        self.engine.offload()  # (actor.offload_params: until the update)
         return Batch.from_dict(tensors={"values": torch.cat(parts)})
 
     @register(
@@ -95,6 +97,7 @@ class CriticWorker(TrainingWorker):
         minis = ppo_mini_batches(batch, self.epochs, self.mini)
         metrics = mean_over_steps(self._critic_step, minis) | self._data_metrics(batch)
         release_heap()  # (treadle.runtime.memory)
+        self.engine.offload()  # (actor.offload_params: until the next step's values)
         return metrics
 
     def _critic_step(self, mb: Batch) -> dict[str, float]:

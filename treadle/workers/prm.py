@@ -79,6 +79,7 @@ class ImplicitPRMWorker(TrainingWorker):
             if path
         )
         self.ref = train_engine(self.load_lm(ref, ref_key), **options, trainable=False)
+        self._wait()
 
     def _log_ratio(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """``log π_prm - log π_ref`` of each response token (gradient through the PRM), and
@@ -108,6 +109,7 @@ class ImplicitPRMWorker(TrainingWorker):
                 q, ref = self._log_ratio(mb)
                 ratios.append(q.float().cpu())
                 refs.append(ref.float().cpu())
+        self._wait()
         return Batch.from_dict(
             tensors={"prm_log_ratio": torch.cat(ratios), "prm_ref_log_probs": torch.cat(refs)}
         )
@@ -141,6 +143,7 @@ class ImplicitPRMWorker(TrainingWorker):
             out = self.engine.train_step(mb.split(self.micro), loss_fn)
             norms.append(out["grad_norm"])
             lr = out["lr"]
+        self._wait()
         return Batch.from_dict(
             tensors={
                 "prm_log_ratio": torch.cat(ratios),
@@ -149,6 +152,11 @@ class ImplicitPRMWorker(TrainingWorker):
             },
             meta={"prime/grad_norm": sum(norms) / len(norms), "prime/lr": lr},
         )
+
+    def _wait(self) -> None:
+        """PRM and reference between passes: in host memory with ``actor.offload_params``."""
+        self.engine.offload()
+        self.ref.offload()
 
     def _loss(self, q: torch.Tensor, micro: Batch) -> torch.Tensor:
         labels = micro["prm_labels"].to(q)

@@ -56,6 +56,7 @@ class RewardModelWorker(RoleWorker):
         config = self.cfg
         path = config.reward.model_path or ""
         self.engine = value_engine(config, path, "reward.model_path", False)
+        self.engine.offload()  # (actor.offload_params: until its first scores)
 
     @register(
         Dispatch.DP, Collect.CONCAT, reads=SEQUENCES, optional=ATTENTION, returns=("rm_scores",)
@@ -65,7 +66,8 @@ class RewardModelWorker(RoleWorker):
         with torch.no_grad():
             for mb in batch.split(self.cfg.reward.micro_batch_size):
                 ids, mask = prompt_response(mb, self.device)
-                scores.append(last_token_values(self.engine.module, ids, mask).cpu())
+                scores.append(last_token_values(self.engine.loaded(), ids, mask).cpu())
+        self.engine.offload()  # (actor.offload_params: until the next step's scores)
         return Batch.from_dict(tensors={"rm_scores": torch.cat(scores)})
 
 
@@ -94,7 +96,7 @@ class RewardTrainerWorker(TrainingWorker):
 
     def _scores(self, mb: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask, _, _ = pair_sequences(mb, self.device)
-        scores = last_token_values(self.engine.module, ids, mask)
+        scores = last_token_values(self.engine.loaded(), ids, mask)
         return scores[: len(mb)], scores[len(mb) :]
 
     @register(Dispatch.DP, Collect.MEAN, reads=PAIRS)
