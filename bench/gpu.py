@@ -4,6 +4,7 @@
     python bench/gpu.py --workloads smollm2 --steps 3 --warmup 1
     python bench/gpu.py --tiny               # a tiny model and a few tokens: runs on a CPU
     python bench/gpu.py --cache dynamic,static,paged   # treadle's hf engine on each KV cache
+    python bench/gpu.py --cache dynamic,dynamic+offload  # + weights and moments offloaded
     python bench/gpu.py --deadline-s 330     # what fits in 330 s (a lent GPU's minutes)
     python bench/gpu.py --profile dynamic    # + one step profiled (trainer.profile_steps)
 
@@ -42,8 +43,11 @@ samples, fewer a call only if `rollout.gpu_memory_utilization` leaves less room)
 weights into it after the update. `--cache dynamic,static,paged` runs treadle's side once on
 each KV cache (`rollout.cache_implementation`; static: preallocated, its decoding step compiled
 by transformers on a GPU; paged: transformers' continuous batching) against one TRL run, a table
-and ratio lines for each (`<workload> static` in the ratio lines). The rewards differ (TRL's
-last-number check, treadle's length rule) and change only the advantages' values, not the work.
+and ratio lines for each (`<workload> static` in the ratio lines). A cache named with
+`+offload` (`dynamic+offload`) runs treadle's side on it with what waits in host memory
+(`actor.offload_params` and `actor.offload_optimizer`): its memory against its time. The
+rewards differ (TRL's last-number check, treadle's length rule) and change only the
+advantages' values, not the work.
 
 Measured per step: step (TRL: `on_step_begin` to `on_step_end`; treadle: `timing/step`),
 generation (TRL's `_generate_single_turn`; treadle `timing/generate`), training (TRL: the step
@@ -85,6 +89,7 @@ GIB = float(1 << 30)
 REWARD = "def score(prompt, response, ground_truth):\n    return (len(response) % 7) / 6\n"
 CHAT_TEMPLATE = "{% for message in messages %}{{ message['content'] }}{% endfor %}"
 CACHES = ("dynamic", "static", "paged")  # rollout.cache_implementation's values
+OFFLOAD = "+offload"  # a cache named so: treadle's side with actor.offload_params/_optimizer
 
 
 @dataclass(frozen=True)
@@ -230,9 +235,10 @@ def treadle_overrides(
     args: argparse.Namespace, wl: Workload, paths: dict[str, Path], cache: str
 ) -> list[str]:
     """treadle's run of the workload: the local backend, the hf engine on ``cache`` (see the
-    docstring)."""
+    docstring; ``<cache>+offload``: with what waits in host memory)."""
     rows, bf16 = wl.prompts * wl.n, args.precision == "bf16"
     profiled = cache in args.profile  # one more step, profiled, not measured
+    offload = cache.endswith(OFFLOAD)
     return [
         f"model.path={paths['model']}",
         "model.dtype=float32",
@@ -244,7 +250,7 @@ def treadle_overrides(
         "data.shuffle=false",
         f"data.max_prompt_length={args.prompt_tokens}",
         "rollout.engine=hf",
-        f"rollout.cache_implementation={cache}",
+        f"rollout.cache_implementation={cache.removesuffix(OFFLOAD)}",
         f"rollout.n={wl.n}",
         "rollout.temperature=1.0",
         f"rollout.max_new_tokens={wl.new_tokens}",
@@ -261,6 +267,7 @@ def treadle_overrides(
         f"actor.max_tokens_per_micro_batch={args.micro_tokens}",
         f"actor.gradient_checkpointing={str(bf16).lower()}",
         "actor.skip_zero_advantage=false",  # equal work: TRL computes every row
+        *(["actor.offload_params=true", "actor.offload_optimizer=true"] if offload else []),
         "trainer.backend=local",
         f"trainer.output_dir={run_folder(paths, cache)}",
         f"trainer.total_steps={profiled_step(args) if profiled else args.warmup + args.steps}",
@@ -645,7 +652,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "GPU; float32 on a CPU). bf16 on a CPU runs the GPU's settings there, a dry run",
     )
     p.add_argument(
-        "--cache", default="dynamic", help="treadle's KV caches, of dynamic, static and paged"
+        "--cache",
+        default="dynamic",
+        help="treadle's KV caches, of dynamic, static and paged, each also as <cache>+offload "
+        "(what waits in host memory)",
     )
     p.add_argument(
         "--profile",
@@ -673,8 +683,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.workloads:
         p.error(f"--workloads: unknown {unknown}; choose from smollm2, 1.4b (or --tiny)")
     args.caches = [c.strip() for c in args.cache.split(",")]
-    if not set(args.caches) <= set(CACHES) or len(set(args.caches)) < len(args.caches):
-        p.error(f"--cache: {args.cache!r}; give some of {', '.join(CACHES)}, each once")
+    known = {*CACHES, *(c + OFFLOAD for c in CACHES)}
+    if not set(args.caches) <= known or len(set(args.caches)) < len(args.caches):
+        p.error(f"--cache: {args.cache!r}; give some of {', '.join(CACHES)} (each may end "
+                f"with {OFFLOAD}), each once")  # fmt: skip
     args.profile = [c.strip() for c in args.profile.split(",") if c.strip()]
     if not set(args.profile) <= set(args.caches):
         p.error(f"--profile: {args.profile} are not among --cache {args.caches}")

@@ -119,7 +119,15 @@ def test_the_tiny_flag_the_workloads_and_the_caches(bench, tmp_path):
     with pytest.raises(SystemExit):
         bench.parse_args(["--workloads", "smollm2,7b", "--device", "cpu"])
     assert bench.parse_args(["--cache", "paged", "--device", "cpu"]).caches == ["paged"]
-    for bad in ("compiled", "static,static"):
+    offload = bench.parse_args(["--tiny", "--device", "cpu", "--cache", "dynamic,static+offload"])
+    keys = bench.treadle_overrides(offload, bench.WORKLOADS["tiny"], paths, "static+offload")
+    assert "rollout.cache_implementation=static" in keys
+    assert {"actor.offload_params=true", "actor.offload_optimizer=true"} <= set(keys)
+    assert not any(
+        "offload" in k
+        for k in bench.treadle_overrides(both, bench.WORKLOADS["tiny"], paths, "static")
+    )
+    for bad in ("compiled", "static,static", "offload", "dynamic+offload,dynamic+offload"):
         with pytest.raises(SystemExit):
             bench.parse_args(["--cache", bad, "--device", "cpu"])
 

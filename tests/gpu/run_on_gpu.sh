@@ -4,9 +4,9 @@
 #           test, in 4 processes (240 s at most); then bench/sp_attention.py (60 s at most)
 #   bench   bench/gpu.py, both workloads, treadle on each KV cache (dynamic; then static, its
 #           decoding step compiled; then paged, transformers' continuous batching, last: without
-#           flash-attn its attention spans the whole batch) against one TRL run, within
-#           --deadline-s; treadle's side on the dynamic cache profiles one more step
-#           (trainer.profile_steps)
+#           flash-attn its attention spans the whole batch; then dynamic+offload, what waits
+#           in host memory) against one TRL run, within --deadline-s; treadle's side on the
+#           dynamic cache profiles one more step (trainer.profile_steps)
 #   all     both, one after the other, in 575 s: tests, then bench with the time left
 # A session is lent 15 minutes of device time, the machine's start (1-2 min) included, and one
 # call runs 10 minutes at most: so call `all` once, with timeout_s=600, and give the machine
@@ -25,7 +25,8 @@
 # bench.txt, sides.tgz (each side's log, step records and profile table) and traces.tar.
 # A dry run of the bench's GPU settings on the CPU, with the image's torch and transformers
 # in front (PYTHONPATH) where they are unpacked:
-#   python bench/gpu.py --tiny --device cpu --precision bf16 --cache dynamic,static,paged \
+#   python bench/gpu.py --tiny --device cpu --precision bf16 \
+#     --cache dynamic,static,paged,dynamic+offload \
 #     --profile dynamic --steps 2 --warmup 1 --workdir /tmp/dry
 set -u
 what=${1:-all}
@@ -58,8 +59,8 @@ if [ "$what" = bench ] || [ "$what" = all ]; then
   # all: what is left of 575 s (the call's 600 less the copying back); bench alone: 540 s
   left=540
   [ "$what" = all ] && left=$(( 575 - SECONDS ))
-  python3 bench/gpu.py --cache dynamic,static,paged --profile dynamic --steps 2 --warmup 1 \
-    --deadline-s "$left" --workdir /tmp/gpu_bench 2>&1 | tee "$out/bench.txt"
+  python3 bench/gpu.py --cache dynamic,static,paged,dynamic+offload --profile dynamic \
+    --steps 2 --warmup 1 --deadline-s "$left" --workdir /tmp/gpu_bench 2>&1 | tee "$out/bench.txt"
   # each side's log, step records and profile table, by workload, in one file (8 files at most
   # come back, 16 MiB each); the profiles' traces in another, the 1.4b one left out if too big
   cd /tmp/gpu_bench
