@@ -102,6 +102,25 @@ def test_a_step_moves_only_the_adapters_and_the_rollout_gets_peft_merged_weights
         torch.testing.assert_close(v, want[k], rtol=0, atol=1e-7)
 
 
+def test_a_bfloat16_base_trains_float32_adapters(tiny_task, one_rank):
+    """model.dtype=bfloat16 with LoRA: the frozen base in bfloat16 (2 bytes a parameter, the
+    memory a GPU run saves), the adapters and their AdamW moments in float32 (peft's
+    autocast_adapter_dtype), and a step moves every adapter, in float32."""
+    model = tiny_task["model"]
+    lm = load_causal_lm(model, torch.bfloat16)
+    engine = TrainEngine(apply_lora(lm, LoraConfig(rank=4, alpha=8), model), chunk_size=64, lr=1e-2)
+    named = dict(engine.module.named_parameters())
+    dtypes = {(p.dtype, p.requires_grad) for p in named.values()}
+    assert dtypes == {(torch.bfloat16, False), (torch.float32, True)}
+    before = {n: p.full_tensor().clone() for n, p in named.items() if p.requires_grad}
+    vocab = engine.module.lm.config.vocab_size
+    step(engine, vocab), step(engine, vocab)  # (B starts at 0: A moves from the second)
+    assert engine.optimizer is not None
+    moments = [v for state in engine.optimizer.state.values() for v in state.values()]
+    assert moments and {v.dtype for v in moments if v.dim() > 0} == {torch.float32}
+    assert all(not torch.equal(before[n], named[n].full_tensor()) for n in before)
+
+
 def test_a_checkpoint_holds_the_adapters_and_without_optimizer_resume_warns(
     tiny_task, one_rank, tmp_path, caplog
 ):
