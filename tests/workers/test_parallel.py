@@ -26,7 +26,14 @@ from treadle.workers.objectives import PolicyGradient
 
 PROMPT, RESPONSE = 5, 6
 LAYOUTS = {
-    "tp": ("actor.tensor_parallel_size=2", "critic.tensor_parallel_size=2"),
+    # with what waits in host memory (a no-op move on a CPU, through FSDP2's and DTensor's
+    # handling of a tensor-parallel model all the same): the one rank's numbers keep theirs
+    "tp": (
+        "actor.tensor_parallel_size=2",
+        "critic.tensor_parallel_size=2",
+        "actor.offload_params=true",
+        "actor.offload_optimizer=true",
+    ),
     "sp": ("actor.sequence_parallel_size=2", "critic.sequence_parallel_size=2"),
 }
 
