@@ -217,6 +217,63 @@ def test_a_compiled_static_cache_reads_weights_updated_in_place(tiny_task):
     assert before != after  # the update changed the answers
 
 
+def test_an_engine_asleep_holds_its_weights_in_host_memory_and_wakes_with_the_synced_ones(
+    tiny_task,
+):
+    """``sleep_to_host`` (on CUDA by default): asleep, every weight's data is its host copy (the
+    device's let go; a tied head still the embedding); a weight sync while asleep writes into
+    the copies, one while awake is copied at the next sleep; awake, the engine answers as one
+    that never slept and took the same syncs."""
+    path = str(tiny_task["model"])
+    tok = load_tokenizer(path)
+    engines = [
+        HFRolloutEngine(load_causal_lm(path, torch.float32).eval(), [tok.eos_token_id], 0, **kw)
+        for kw in ({"sleep_to_host": True}, {})
+    ]
+    slept, kept = engines
+    assert slept.host is not None and kept.host is None  # (on CPU, by default: nothing moves)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=8, ignore_eos=True)
+    ps = prompts(tok)
+    first = kept.generate(ps, params).token_ids
+    assert slept.generate(ps, params).token_ids == first
+    weights = slept.host.tensors
+    awake = [t.data_ptr() for t in weights]
+    g = torch.Generator().manual_seed(1)
+    for sync in range(3):
+        new = {
+            n: p.detach() + 0.5 * torch.randn(p.shape, generator=g) for n, p in kept.params.items()
+        }
+        if sync < 2:
+            slept.sleep()
+            slept.sleep()  # (twice: once)
+            host = [t.data_ptr() for t in weights]
+            assert host == [h.data_ptr() for h in slept.host.host]
+            assert not set(host) & set(awake)
+        for engine in engines:  # syncs 0 and 1 while asleep, 2 while awake
+            engine.update_weights(new.items())
+        slept.wake()
+        slept.wake()
+        awake = [t.data_ptr() for t in weights]
+        assert not set(awake) & set(host)
+        if slept.model.config.tie_word_embeddings:
+            assert slept.model.lm_head.weight is slept.model.get_input_embeddings().weight
+        answers = kept.generate(ps, params).token_ids
+        assert slept.generate(ps, params).token_ids == answers != first
+    slept.sleep()  # after a sync while awake: the copies take the new weights
+    slept.wake()
+    assert slept.generate(ps, params).token_ids == answers
+
+
+def test_the_engine_sleeps_to_host_on_cuda_but_not_with_a_static_cache(tiny_task, monkeypatch):
+    path = str(tiny_task["model"])
+    model = load_causal_lm(path, torch.float32).eval()
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.Tensor, "device", property(lambda t: cuda))
+    caches = ("dynamic", "paged", "static")
+    engines = [HFRolloutEngine(model, [0], 0, cache=c) for c in caches]
+    assert [e.host is not None for e in engines] == [True, True, False]
+
+
 def test_rollout_cache_implementation_reaches_the_engine(tiny_task):
     from treadle.config import load_config
     from treadle.serving.replica import make_engine

@@ -74,6 +74,7 @@ from torch import nn
 
 from treadle.data.images import stack_pixels
 from treadle.engines.generation_memory import chunk_size, generation_budget, sequence_bytes
+from treadle.engines.offload import HostCopy
 from treadle.engines.paged import generate_paged
 from treadle.engines.sampling import NEUTRAL, processors
 
@@ -218,7 +219,9 @@ class HFRolloutEngine:
     ``micro_batch_size``: sequences a ``generate`` call takes at most; ``gpu_memory_utilization``
     (CUDA): the fraction of the device's memory the process may hold while generating, which
     may make the chunks smaller; ``cache``: ``generate``'s KV cache (see the module
-    docstring)."""
+    docstring); ``sleep_to_host``: whether :meth:`sleep` moves the weights to host memory
+    (:class:`~treadle.engines.offload.HostCopy`; None: on CUDA, but not with a static cache,
+    whose compiled decoding step's CUDA graphs hold the weights' addresses)."""
 
     def __init__(
         self,
@@ -228,6 +231,7 @@ class HFRolloutEngine:
         micro_batch_size: int = 64,
         gpu_memory_utilization: float = 0.5,
         cache: Cache = "dynamic",
+        sleep_to_host: bool | None = None,
     ) -> None:
         self.model: Any = model.eval()  # a transformers model with .generate
         self.eos = list(eos_token_ids)
@@ -238,6 +242,10 @@ class HFRolloutEngine:
         # parameters and the buffers a checkpoint holds (DeepSeek V3's router bias), which a
         # weight sync sends too
         self.params = self.model.state_dict(keep_vars=True)
+        if sleep_to_host is None:
+            on_cuda = next(self.model.parameters()).device.type == "cuda"
+            sleep_to_host = on_cuda and cache != "static"
+        self.host = HostCopy(self.params.values()) if sleep_to_host else None
         self._pending: list[tuple[str, list[int], SamplingParams, torch.Tensor | None]] = []
 
     def chunk(self, prompts: list[list[int]], params: SamplingParams) -> int:
@@ -446,9 +454,16 @@ class HFRolloutEngine:
                     f"engine's {tuple(param.shape)}"
                 )
             param.copy_(tensor.to(param.dtype))
+        if self.host is not None:
+            self.host.changed()
 
     def sleep(self) -> None:
-        """Nothing to free on CPU; the weights are a private copy that stays."""
+        """The weights to host memory, with ``sleep_to_host`` (the KV cache is ``generate``'s
+        and gone after each call); otherwise nothing (on CPU the memory is the same)."""
+        if self.host is not None:
+            self.host.sleep()
 
     def wake(self) -> None:
-        """See :meth:`sleep`."""
+        """Undo :meth:`sleep`."""
+        if self.host is not None:
+            self.host.wake()

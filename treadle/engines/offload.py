@@ -21,11 +21,14 @@ moments together, 18 GB, about 1.5 s a step); off by default, as in verl. The ca
 allocator's freed blocks go back to the driver (``empty_cache``), so an engine outside torch's
 allocator (vLLM's sleep-mode pool) sees the memory too. On a CPU host and device are the same
 memory and nothing moves.
+
+The transformers rollout engine's weights (:class:`HostCopy`) sleep in host memory too, where
+its server puts it to sleep (colocated on CUDA, between generations, as vLLM's sleep level 1).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -79,3 +82,46 @@ def _move_state(optimizer: torch.optim.Optimizer, move: Callable[[Tensor], Tenso
 def _release() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+class HostCopy:
+    """A rollout engine's weights in host memory while it sleeps: each tensor's data swapped
+    for a pinned host copy (the same tensor objects: a tied head stays tied, and a weight sync
+    while asleep writes into the copies), swapped back on the device at :meth:`wake`.
+
+    The copies stay after a wake, and a sleep that follows no weight change since
+    (:meth:`changed`) only lets the device's go: with the weights synced while asleep, a step
+    moves them once, host to device, besides the sync's own device-to-host copy."""
+
+    def __init__(self, tensors: Iterable[Tensor]) -> None:
+        self.tensors = list({id(t): t for t in tensors}.values())  # tied: one copy
+        self.home = self.tensors[0].device
+        self.host: list[Tensor] = []  # made at the first sleep
+        self.current = False  # the copies hold the weights as they are
+        self.asleep = False
+
+    def sleep(self) -> None:
+        """The weights to host memory (a copy only where :meth:`changed` since the last)."""
+        if self.asleep:
+            return
+        if not self.host:
+            pin = self.home.type == "cuda"
+            self.host = [torch.empty_like(t, device="cpu", pin_memory=pin) for t in self.tensors]
+        if not self.current:
+            for host, t in zip(self.host, self.tensors, strict=True):
+                host.copy_(t)
+        for host, t in zip(self.host, self.tensors, strict=True):
+            t.data = host
+        self.asleep = self.current = True
+
+    def wake(self) -> None:
+        """The weights back on the device."""
+        if self.asleep:
+            for host, t in zip(self.host, self.tensors, strict=True):
+                t.data = host.to(self.home, non_blocking=True, copy=True)
+            self.asleep = False
+
+    def changed(self) -> None:
+        """The device's weights changed while awake: the next sleep copies them."""
+        if not self.asleep:
+            self.current = False
