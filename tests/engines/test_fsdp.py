@@ -646,10 +646,11 @@ def test_weights_and_moments_that_wait_on_the_host_train_as_resident_ones(tiny_t
 def test_a_checkpoint_s_rng_state_holds_the_gpu_s(monkeypatch, tmp_path):
     """On a GPU dropout (LoRA's) draws from the GPU's generator: a checkpoint keeps its state
     beside the CPU's, and a resume restores it (a stand-in GPU here); a checkpoint without it
-    (saved on a CPU) restores the CPU's alone."""
-    from safetensors.torch import load_file, save_file
+    (saved on a CPU) restores the CPU's alone; a rank without one is named."""
+    from safetensors.torch import save_file
 
-    from treadle.engines.fsdp import rng_state, set_rng_state
+    from treadle.engines.state import load_rng_state, save_rng_state
+    from treadle.models.checkpoint import CheckpointError
 
     gpu = {"state": torch.arange(16, dtype=torch.uint8)}
 
@@ -659,12 +660,15 @@ def test_a_checkpoint_s_rng_state_holds_the_gpu_s(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", get_gpu_state)
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda s: gpu.update(state=s.clone()))
-    save_file(rng_state(), str(tmp_path / "rng.safetensors"))
+    save_rng_state(tmp_path, 0)
     cpu = torch.get_rng_state()
     torch.rand(3)
     gpu["state"] = torch.zeros(16, dtype=torch.uint8)
-    set_rng_state(load_file(str(tmp_path / "rng.safetensors")))
+    load_rng_state(tmp_path, 0)
     assert torch.equal(torch.get_rng_state(), cpu)
     assert torch.equal(gpu["state"], torch.arange(16, dtype=torch.uint8))
-    set_rng_state({"torch": cpu})  # a CPU's checkpoint: the GPU's state is left as it is
+    save_file({"torch": cpu}, str(tmp_path / "rng_rank1.safetensors"))  # a CPU's checkpoint
+    load_rng_state(tmp_path, 1)  # the GPU's state is left as it is
     assert torch.equal(gpu["state"], torch.arange(16, dtype=torch.uint8))
+    with pytest.raises(CheckpointError, match=r"rng_rank2\.safetensors is missing: .* by fewer"):
+        load_rng_state(tmp_path, 2)  # (a run resumed on more ranks than saved it)

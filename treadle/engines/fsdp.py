@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -65,7 +65,14 @@ from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalin
 from treadle.engines.offload import Residence
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
-from treadle.engines.state import load_optimizer, rank0_reads, save_optimizer, save_schedule
+from treadle.engines.state import (
+    load_optimizer,
+    load_rng_state,
+    rank0_reads,
+    save_optimizer,
+    save_rng_state,
+    save_schedule,
+)
 from treadle.engines.weights import CastTensors
 from treadle.models.checkpoint import CheckpointError
 from treadle.models.folders import packing_problem
@@ -275,34 +282,6 @@ def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> N
 
     options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=True)
     set_model_state_dict(module, rank0_reads(read), options=options)
-
-
-def rng_state() -> dict[str, torch.Tensor]:
-    """This process's random state for a checkpoint: the CPU generator's (``torch``) and, on a
-    GPU, the GPU's (``cuda``), which a GPU's dropout (LoRA's among them) draws from."""
-    state = {"torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def load_rng_state(out: Path, rank: int) -> None:
-    """This rank's random state from the checkpoint ``out`` (:func:`set_rng_state`)."""
-    rng = out / f"rng_rank{rank}.safetensors"
-    if not rng.is_file():
-        raise CheckpointError(
-            f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
-            "resume with the same actor.world_size, or set trainer.resume=false"
-        )
-    set_rng_state(load_file(str(rng)))
-
-
-def set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Restore :func:`rng_state`'s ``state``; its GPU part where both it and a GPU are here
-    (a checkpoint saved on a CPU resumes on a GPU, and the other way round)."""
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
 
 
 def adamw(
@@ -578,7 +557,7 @@ class TrainEngine:
             self.residence.moments_out(self.optimizer)
         elif rank == 0:
             save_schedule(self.scheduler, out)
-        save_file(rng_state(), str(out / f"rng_rank{rank}.safetensors"))
+        save_rng_state(out, rank)
         dist.barrier()
 
     def load_checkpoint(self, out: Path, rank: int) -> None:

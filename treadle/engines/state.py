@@ -1,9 +1,11 @@
-"""A training engine's optimizer state on disk: safetensors and JSON, no pickle.
+"""A training engine's optimizer and random state on disk: safetensors and JSON, no pickle.
 
 :func:`save_optimizer` gathers the sharded AdamW state to rank 0 and writes its tensors as
 ``optimizer.safetensors`` and its parameter groups and learning-rate schedule as
 ``optimizer.json``; :func:`save_schedule` writes the schedule alone (``trainer.save_optimizer
 =false``); :func:`load_optimizer` reads either back into the sharded optimizer.
+:func:`save_rng_state` and :func:`load_rng_state`: each rank's random state, so a resumed run
+draws what the run it resumes would have.
 """
 
 from __future__ import annotations
@@ -132,3 +134,35 @@ def _jsonable(value: object) -> object:
     if isinstance(value, tuple):
         return list(value)
     return str(value)
+
+
+def save_rng_state(out: Path, rank: int) -> None:
+    """This rank's random state into the checkpoint ``out``: the CPU generator's and, on a GPU,
+    the GPU's, which a GPU's dropout (LoRA's among them) draws from."""
+    save_file(_rng_state(), str(out / f"rng_rank{rank}.safetensors"))
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def load_rng_state(out: Path, rank: int) -> None:
+    """This rank's random state from the checkpoint ``out``."""
+    rng = out / f"rng_rank{rank}.safetensors"
+    if not rng.is_file():
+        raise CheckpointError(
+            f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
+            "resume with the same actor.world_size, or set trainer.resume=false"
+        )
+    _set_rng_state(load_file(str(rng)))
+
+
+def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
+    """Restore :func:`_rng_state`'s ``state``; its GPU part where both it and a GPU are here
+    (a checkpoint saved on a CPU resumes on a GPU, and the other way round)."""
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
