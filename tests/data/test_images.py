@@ -143,6 +143,39 @@ def test_a_missing_or_corrupt_picture_names_file_and_row(
         )
 
 
+def test_a_processor_that_does_not_load_names_model_path_and_the_fix(
+    shapes_task, tmp_path, monkeypatch
+) -> None:
+    """A damaged processor file, and transformers 5.17's refusal of SmolVLM's PIL image
+    processor without torchvision (its words, copied), are one DataError naming model.path."""
+    import transformers
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(shapes_task["model"], damaged)
+    (damaged / "processor_config.json").write_text("{not json")
+    with pytest.raises(DataError, match=f"^model.path: cannot load the processor of '{damaged}': "):
+        load_image_processor(str(damaged))
+    words = (
+        "Could not load any image processor class for x. The model configuration resolves to "
+        "the following image processor classes: pil: Idefics3ImageProcessorPil, torchvision: "
+        "Idefics3ImageProcessor. None of these classes could be imported. Missing optional "
+        "dependencies: torchvision."
+    )
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise ValueError(words)
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", refuse)
+    old = tmp_path / "old_transformers"
+    shutil.copytree(shapes_task["model"], old)
+    with pytest.raises(DataError) as e:
+        load_image_processor(str(old))
+    assert str(e.value) == (
+        f"model.path: cannot load the processor of '{old}': {words[:-1]}; pip install torchvision "
+        "or a newer transformers"
+    )
+
+
 def test_pictures_for_a_text_only_model_are_an_error(shapes_task, tiny_task) -> None:
     assert load_image_processor(str(tiny_task["model"])) is None
     records = read_records([shapes_task["test"]], "data.train_files")[:2]

@@ -75,7 +75,14 @@ def load_image_processor(path: str) -> ImageProcessor | None:
         return None
     from transformers import AutoProcessor  # (its import imports torch)
 
-    processor = AutoProcessor.from_pretrained(path)
+    try:
+        processor = AutoProcessor.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        # transformers 5.17 without torchvision: "None of these classes could be imported", a
+        # PIL image processor (SmolVLM's) taken for a torchvision one; 5.19 loads it
+        why = str(e).rstrip(".")
+        fix = "; pip install torchvision or a newer transformers" if "torchvision" in why else ""
+        raise DataError(f"model.path: cannot load the processor of '{path}': {why}{fix}") from None
     placeholder = getattr(processor, "image_token", None)
     if placeholder is None:
         raise DataError(f"model.path: the processor of '{path}' names no image token")
