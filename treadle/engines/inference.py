@@ -243,8 +243,7 @@ class HFRolloutEngine:
         # weight sync sends too
         self.params = self.model.state_dict(keep_vars=True)
         if sleep_to_host is None:
-            on_cuda = next(self.model.parameters()).device.type == "cuda"
-            sleep_to_host = on_cuda and cache != "static"
+            sleep_to_host = cache != "static" and next(model.parameters()).device.type == "cuda"
         self.host = HostCopy(self.params.values()) if sleep_to_host else None
         self._pending: list[tuple[str, list[int], SamplingParams, torch.Tensor | None]] = []
 
@@ -368,7 +367,7 @@ class HFRolloutEngine:
             ids[row, : len(sequences[i])] = torch.tensor(sequences[i])
             mask[row, : len(sequences[i])] = 1
         first = min(starts[i] for i in chunk) - 1  # the first position whose logits are used
-        kwargs = {"logits_to_keep": width - first} if self._keeps_logits() else {}
+        kwargs = {"logits_to_keep": width - first} if _keeps_logits(self.model) else {}
         logits = self.model(input_ids=ids.to(device), attention_mask=mask.to(device), **kwargs)
         logits = logits.logits
         offset = width - logits.shape[1]  # kept: positions offset..width-1
@@ -387,10 +386,6 @@ class HFRolloutEngine:
                 top = ([[] for _ in seq[start:]], [[] for _ in seq[start:]])
             out.append(Scored(chosen.cpu().tolist(), *top))
         return out
-
-    def _keeps_logits(self) -> bool:
-        """Whether the model's forward takes ``logits_to_keep`` (transformers' causal LMs)."""
-        return "logits_to_keep" in inspect.signature(self.model.forward).parameters
 
     def add_request(
         self,
@@ -467,3 +462,8 @@ class HFRolloutEngine:
         """Undo :meth:`sleep`."""
         if self.host is not None:
             self.host.wake()
+
+
+def _keeps_logits(model: nn.Module) -> bool:
+    """Whether ``model``'s forward takes ``logits_to_keep`` (transformers' causal LMs)."""
+    return "logits_to_keep" in inspect.signature(model.forward).parameters
