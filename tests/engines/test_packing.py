@@ -297,6 +297,8 @@ def test_sequence_parallel_keeps_the_rows_its_attention_splits_into_sequences_it
     assert packed_row_tokens(gpt_oss, 256, None, "actor") is None
     assert packed_row_tokens(gpt_oss, 256, split, "actor") == 256
     assert packed_row_tokens(random_lm("llama").config, 256, None, "actor") == 256
+    with pytest.raises(ConfigError, match=r"^critic\.sequence_parallel_size > 1 splits packed"):
+        packed_row_tokens(gpt_oss, None, split, "critic")  # (the padded batch: no rows to split)
 
 
 def test_a_decoder_of_attention_alone_packs():

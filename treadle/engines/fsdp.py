@@ -306,8 +306,13 @@ def packed_row_tokens(
     """``row_tokens``, or ``None`` (forwards on the padded batch) for a model whose packed
     sequences would meet (:func:`~treadle.models.folders.packing_problem`). Sequence
     parallel's attention takes each sequence alone, so it keeps its packed rows (the rules
-    refuse it where a layer carries a state along the sequence)."""
+    refuse it where a layer carries a state along the sequence), and needs them."""
     split = meshes is not None and meshes.sp_group is not None
+    if split and row_tokens is None:
+        raise ConfigError(
+            f"{section}.sequence_parallel_size > 1 splits packed rows: set "
+            "actor.remove_padding=true"
+        )
     unpacked = packing_problem(config)
     if unpacked is None or row_tokens is None or split:
         return row_tokens
@@ -366,11 +371,6 @@ class TrainEngine:
         # Tensor-parallel layers or Ulysses attention first, then FSDP2 over data-parallel ranks.
         parallelize(lm, meshes, section)
         if meshes is not None and meshes.sp_group is not None:
-            if row_tokens is None:
-                raise ConfigError(
-                    f"{section}.sequence_parallel_size > 1 splits packed rows: set "
-                    "actor.remove_padding=true"
-                )
             root.sequence_group = meshes.sp_group
         self.tensor_parallel = meshes is not None and meshes.tp_mesh is not None
         dp_mesh = meshes.dp_mesh if meshes is not None else None
