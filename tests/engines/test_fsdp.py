@@ -213,10 +213,10 @@ class GradWorker(Worker):
         were, and how many files this rank read."""
         from safetensors.torch import save_file
 
-        from treadle.engines import fsdp
+        from treadle.engines import full_weights
 
         e = self.engine
-        full = {name: t.clone() for name, t in fsdp.full_tensors(e.module)}
+        full = {name: t.clone() for name, t in full_weights.full_tensors(e.module)}
         if self.rank == 0:
             save_file(full, str(Path(folder) / "model.safetensors"))
         dist.barrier()
@@ -225,8 +225,8 @@ class GradWorker(Worker):
         with torch.no_grad():
             for p in e.module.parameters():
                 p.add_(1.0)
-        with counted_reads(fsdp) as reads:
-            fsdp.load_full_weights(e.module, Path(folder))
+        with counted_reads(full_weights) as reads:
+            full_weights.load_full_weights(e.module, Path(folder))
         return all(torch.equal(b, a) for b, a in zip(before, shards(), strict=True)), len(reads)
 
     @register(Dispatch.ALL, Collect.RANK0)
@@ -234,23 +234,25 @@ class GradWorker(Worker):
         """The names ``full_state(as_saved=True)`` sends vLLM, and whether the weights of a
         checkpoint, loaded back over changed weights (as ``treadle eval`` does), are as they
         were."""
+        from treadle.engines.checkpoint import load_weights, save_checkpoint
+
         e = self.engine
         sent = [name for name, _ in e.full_state(as_saved=True)]
-        e.save_checkpoint(Path(folder), self.rank, None, with_optimizer=False)
+        save_checkpoint(e, Path(folder), self.rank, None, with_optimizer=False)
         before = [p.to_local().clone() for p in e.module.parameters()]
         with torch.no_grad():
             for p in e.module.parameters():
                 p.add_(1.0)
-        e.load_weights(Path(folder))
+        load_weights(e, Path(folder))
         after = [p.to_local() for p in e.module.parameters()]
         return sent, all(torch.equal(b, a) for b, a in zip(before, after, strict=True))
 
     @register(Dispatch.ALL, Collect.RANK0)
     def weights_load_error(self, folder: str) -> str:
-        from treadle.engines import fsdp
+        from treadle.engines.full_weights import load_full_weights
 
         try:
-            fsdp.load_full_weights(self.engine.module, Path(folder))
+            load_full_weights(self.engine.module, Path(folder))
         except Exception as e:
             return f"{type(e).__name__}: {e}"
         return "no error"
@@ -289,13 +291,13 @@ class GradWorker(Worker):
         parameters, and whether the embedding it yields is the output head's weight."""
         from torch.distributed.tensor import DTensor
 
-        from treadle.engines import fsdp
+        from treadle.engines.full_weights import full_tensors
 
         gathers: list[torch.Size] = []
         real = DTensor.full_tensor
         DTensor.full_tensor = lambda t, *a, **k: gathers.append(t.shape) or real(t, *a, **k)  # type: ignore[method-assign]
         try:
-            full = dict(fsdp.full_tensors(self.engine.module))
+            full = dict(full_tensors(self.engine.module))
         finally:
             DTensor.full_tensor = real  # type: ignore[method-assign]
         head = self.engine.module.lm.lm_head.weight.full_tensor()

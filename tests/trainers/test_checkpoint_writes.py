@@ -136,7 +136,7 @@ def test_a_full_disk_at_step_2_stops_the_run_and_the_rerun_resumes_from_step_1(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ):
-    from treadle.engines import fsdp
+    from treadle.engines import checkpoint
 
     reward = tmp_path / "dies_once.py"
     reward.write_text(tiny_runs.DIES_ONCE)
@@ -153,7 +153,7 @@ def test_a_full_disk_at_step_2_stops_the_run_and_the_rerun_resumes_from_step_1(
         "reward.num_workers=1",
         f"reward.function={reward}:score",
     )
-    real = fsdp.save_hf_folder
+    real = checkpoint.save_hf_folder
     target = out / "checkpoints" / "step_2.tmp" / "model"
 
     def full_at_step_2(state: Any, config: Any, tokenizer: Any, out_dir: Path) -> Path:
@@ -161,7 +161,7 @@ def test_a_full_disk_at_step_2_stops_the_run_and_the_rerun_resumes_from_step_1(
             raise _enospc(target / "model.safetensors")
         return real(state, config, tokenizer, out_dir)
 
-    monkeypatch.setattr(fsdp, "save_hf_folder", full_at_step_2)
+    monkeypatch.setattr(checkpoint, "save_hf_folder", full_at_step_2)
     code, rows = tiny_runs.train(out, keys)
     err = capsys.readouterr().err
     step_1 = out / "checkpoints" / "step_1"
@@ -177,7 +177,7 @@ def test_a_full_disk_at_step_2_stops_the_run_and_the_rerun_resumes_from_step_1(
     assert rows[0]["reward/worker_restarts"] == 1.0  # the reward's process died once, went on
     before = load_file(str(step_1 / "model" / "model.safetensors"))
 
-    monkeypatch.setattr(fsdp, "save_hf_folder", real)
+    monkeypatch.setattr(checkpoint, "save_hf_folder", real)
     code, rows = tiny_runs.train(out, keys)
     said = capsys.readouterr()
     assert code == 0, said.err

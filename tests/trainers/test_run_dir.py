@@ -129,15 +129,16 @@ def test_an_unfinished_temporary_checkpoint_is_ignored_and_rotation_keeps_the_ne
     ]
 
 
-def test_a_missing_rng_file_is_an_error_not_skipped(run):
+def test_a_missing_rng_file_is_an_error_not_skipped(run, monkeypatch):
     from types import SimpleNamespace
 
-    from treadle.engines.fsdp import TrainEngine
+    from treadle.engines import checkpoint
 
-    home = SimpleNamespace(weights_in=lambda: None)  # (the weights are where they were)
-    engine = SimpleNamespace(load_optimizer=lambda path: None, lora=False, residence=home)
+    monkeypatch.setattr(checkpoint, "load_optimizer", lambda *args: None)  # (no optimizer here)
+    home = SimpleNamespace(weights_in=lambda: None, moments_out=lambda optimizer: None)
+    engine = SimpleNamespace(lora=False, residence=home, optimizer=1, scheduler=1, module=None)
     with pytest.raises(CheckpointError, match=r"rng_rank1\.safetensors is missing"):
-        TrainEngine.load_checkpoint(engine, run / "checkpoints" / "step_3", 1)  # type: ignore[arg-type]
+        checkpoint.load_checkpoint(engine, run / "checkpoints" / "step_3", 1)  # type: ignore[arg-type]
 
 
 def test_final_model_is_a_copy_that_outlives_the_checkpoint(run):

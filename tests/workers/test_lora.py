@@ -19,6 +19,7 @@ from peft import PeftModel
 from safetensors.torch import load_file
 
 from treadle.config import LoraConfig, load_config
+from treadle.engines.checkpoint import load_checkpoint, save_checkpoint
 from treadle.engines.fsdp import TrainEngine
 from treadle.models.checkpoint import CheckpointError, holds_adapters
 from treadle.models.loading import apply_lora, load_causal_lm, load_tokenizer
@@ -130,8 +131,8 @@ def test_a_checkpoint_holds_the_adapters_and_without_optimizer_resume_warns(
     vocab = engine.module.lm.config.vocab_size
     step(engine, vocab)
     step(engine, vocab)
-    engine.save_checkpoint(tmp_path / "a", 0, tok)
-    engine.save_checkpoint(tmp_path / "b", 0, tok, with_optimizer=False)
+    save_checkpoint(engine, tmp_path / "a", 0, tok)
+    save_checkpoint(engine, tmp_path / "b", 0, tok, with_optimizer=False)
     assert holds_adapters(tmp_path / "a") and not (tmp_path / "a" / "model").exists()
     saved = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
     assert saved and all(".lora_A.weight" in k or ".lora_B.weight" in k for k in saved)
@@ -146,20 +147,20 @@ def test_a_checkpoint_holds_the_adapters_and_without_optimizer_resume_warns(
     # Resume onto a fresh base: the same adapters and optimizer, so the same next step.
     expected = step(engine, vocab)
     again = lora_engine(model)
-    again.load_checkpoint(tmp_path / "a", 0)
+    load_checkpoint(again, tmp_path / "a", 0)
     assert step(again, vocab) == pytest.approx(expected, rel=1e-6)
     fresh = lora_engine(model)
     with caplog.at_level(logging.WARNING, logger="treadle"):
-        fresh.load_checkpoint(tmp_path / "b", 0)
+        load_checkpoint(fresh, tmp_path / "b", 0)
     assert "holds no optimizer state (trainer.save_optimizer=false)" in caplog.text
     assert fresh.scheduler is not None and engine.scheduler is not None
     assert fresh.scheduler.last_epoch == 2
     # A rank that does not match the checkpoint's adapters is one clear error.
     other = apply_lora(load_causal_lm(model), LoraConfig(rank=2), model)
     with pytest.raises(CheckpointError, match=r"actor\.lora"):
-        TrainEngine(other, chunk_size=64).load_checkpoint(tmp_path / "a", 0)
+        load_checkpoint(TrainEngine(other, chunk_size=64), tmp_path / "a", 0)
     with pytest.raises(CheckpointError, match=r"holds LoRA adapters .* actor\.lora\.rank"):
-        TrainEngine(load_causal_lm(model), chunk_size=64).load_checkpoint(tmp_path / "a", 0)
+        load_checkpoint(TrainEngine(load_causal_lm(model), chunk_size=64), tmp_path / "a", 0)
 
 
 @pytest.mark.parametrize(

@@ -24,15 +24,17 @@ Choices:
   On CPU, attention that needs gradients computes in float32 (:mod:`treadle.engines.attention`:
   torch's bfloat16 kernel is the slower one there).
 - Log-probs are of ``logits / temperature``: the policy that the rollout engine samples from.
-- Full (unsharded) tensors are produced one parameter at a time for weight sync and saving,
-  so the whole model never sits twice in memory beyond one parameter.
+- Full (unsharded) tensors are produced one parameter at a time for weight sync and saving
+  (:mod:`treadle.engines.full_weights`), so the whole model never sits twice in memory beyond
+  one parameter.
 - LoRA (a peft model as ``lm``, :func:`treadle.models.loading.apply_lora`): the optimizer holds the
   trainable parameters only (the adapters); :meth:`TrainEngine.full_state` gives merged
   weights (``W + scaling * B @ A``) under the base model's names, so rollout engines need no
   LoRA support; a checkpoint holds the adapters, not the base; the reference is the same
   engine with its adapters disabled (:meth:`TrainEngine.without_adapters`)
   (:mod:`treadle.engines.lora`).
-- The optimizer state is written as safetensors and JSON (:mod:`treadle.engines.state`).
+- An engine's checkpoint (:mod:`treadle.engines.checkpoint`): its model as an HF folder, the
+  optimizer state as safetensors and JSON (:mod:`treadle.engines.state`), each rank's RNG.
 - Tensor and sequence parallelism (:mod:`treadle.engines.parallel`) are applied before FSDP2;
   :meth:`TrainEngine.full_state`, checkpoints and weight sync see full tensors as without them.
 """
@@ -46,47 +48,25 @@ import logging
 import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-from safetensors.torch import load_file
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.utils._pytree import tree_map_only
 
 from treadle.engines.attention import use_cpu_float32_backward
 from treadle.engines.flops import UpdateRate
+from treadle.engines.full_weights import Named, model_tensors
 from treadle.engines.heads import LogProbHead, LogProbOutput, LogProbRequest
-from treadle.engines.lora import is_adapter, is_lora, load_adapters, lora_scalings, merged_lora
+from treadle.engines.lora import is_lora
 from treadle.engines.offload import Residence
 from treadle.engines.parallel import Meshes, parallelize
 from treadle.engines.schedule import LrSchedule
-from treadle.engines.state import (
-    load_optimizer,
-    load_rng_state,
-    rank0_reads,
-    save_optimizer,
-    save_rng_state,
-    save_schedule,
-)
-from treadle.engines.weights import CastTensors
-from treadle.models.checkpoint import CheckpointError
 from treadle.models.folders import packing_problem
-from treadle.models.loading import (
-    ADAPTER_DIR,
-    checkpoint_format,
-    has_weight_conversions,
-    load_causal_lm,
-    save_adapter,
-    save_hf_folder,
-)
 from treadle.protocol import Batch
 from treadle.runtime.errors import ConfigError
-from treadle.runtime.faults import failpoint
 
 logger = logging.getLogger("treadle")
 
@@ -200,88 +180,6 @@ def _over_shards(shards: Any, local: torch.Tensor) -> torch.Tensor:
     mesh, placements = shards
     partial = [Partial() if p.is_shard() else Replicate() for p in placements]
     return DTensor.from_local(local, mesh, partial, run_check=False).full_tensor()
-
-
-def full_tensors(
-    module: nn.Module, prefix: str = "lm.", only: Callable[[str], bool] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (HF name, full tensor) one parameter/buffer at a time; all ranks must iterate.
-
-    ``only``: the names (before removing ``prefix``) to yield; the others are not gathered. A
-    tensor under two names (a tied output embedding: ``lm_head.weight`` is the embedding's
-    parameter) is gathered and yielded once, under its first name: the state dict lists it
-    twice, and a weight sync or a save gathered the embedding twice."""
-    seen: set[int] = set()
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in seen or (only is not None and not only(name)):
-            continue
-        seen.add(id(tensor))
-        local = tensor.detach()
-        yield (
-            name.removeprefix(prefix),
-            local.full_tensor() if isinstance(local, DTensor) else local,
-        )
-
-
-Named = tuple[str, torch.Tensor]
-
-
-def model_tensors(
-    module: nn.Module, lora: bool, dtype: torch.dtype | None = None, as_saved: bool = False
-) -> Iterator[Named]:
-    """The full tensors of the model ``module`` holds as ``.lm``, under its HF names (``lora``:
-    merged into the base weights); ``dtype``: floats cast to it as each is gathered;
-    ``as_saved``: then named and laid out as ``save_pretrained`` writes them, which is what
-    vLLM loads (`checkpoint_format`: a mixture of experts' fused experts, one per expert, a
-    layer held at a time)."""
-    lm: Any = module.lm
-    state: Iterator[Named] = full_tensors(module)
-    if lora:
-        state, lm = merged_lora(state, lora_scalings(lm)), lm.get_base_model()
-    if dtype is not None:
-        state = iter(CastTensors(state, dtype))
-    return checkpoint_format(lm, state) if as_saved else state
-
-
-def load_full_weights(module: nn.Module, folder: Path, prefix: str = "lm.") -> None:
-    """The weights of the HF folder ``folder`` (its ``*.safetensors``) into the sharded
-    ``module``. Rank 0 alone reads the files and sends them a tensor at a time, each rank
-    keeping its shard (every rank reading them held the whole model in host memory at once);
-    a model whose files differ from its parameters (a mixture of experts' fused experts, see
-    `checkpoint_format`) is read through transformers, which converts them.
-    A tensor the module lacks, or a parameter the folder lacks (but a tied output embedding,
-    stored once), is a CheckpointError, on every rank."""
-
-    lm = getattr(module, prefix.rstrip("."), None)
-
-    def read() -> dict[str, Any]:  # (set_model_state_dict's value type)
-        files = sorted(folder.glob("*.safetensors"))
-        if not files:
-            raise CheckpointError(f"{folder} holds no *.safetensors weights")
-        state: dict[str, Any] = {}
-        if lm is not None and has_weight_conversions(lm):  # the files are not as the model
-            dtype = next(iter(module.parameters())).dtype
-            try:
-                loaded = load_causal_lm(folder, dtype, key=str(folder))
-            except ConfigError as e:
-                raise CheckpointError(f"{e}: is it the run's model?") from None
-            state.update({prefix + k: v for k, v in loaded.state_dict().items()})
-        else:
-            for f in files:
-                state.update({prefix + k: v for k, v in load_file(str(f)).items()})
-        names = set(module.state_dict())
-        tied = bool(getattr(getattr(lm, "config", None), "tie_word_embeddings", False))
-        missing = names - set(state) - ({f"{prefix}lm_head.weight"} if tied else set())
-        unknown = set(state) - names
-        if missing or unknown:
-            raise CheckpointError(
-                f"{folder} does not hold this model's weights (missing: "
-                f"{sorted(missing)[:3]}, unknown: {sorted(unknown)[:3]}): is it the run's model?"
-            )
-        return state
-
-    options = StateDictOptions(full_state_dict=True, strict=False, broadcast_from_rank0=True)
-    set_model_state_dict(module, rank0_reads(read), options=options)
 
 
 def adamw(
@@ -522,75 +420,3 @@ class TrainEngine:
         """:func:`model_tensors` of this engine's model."""
         self.residence.weights_in()
         return model_tensors(self.module, self.lora, dtype, as_saved)
-
-    # -------------------------------------------------------------- checkpoint
-
-    def save_checkpoint(
-        self, out: Path, rank: int, tokenizer: Any, with_optimizer: bool = True
-    ) -> None:
-        """``out/model`` (an HF folder, written by rank 0; LoRA: ``out/adapter``, the adapters
-        only), the optimizer gathered to rank 0 (unless not ``with_optimizer``: then the
-        learning-rate schedule alone), this rank's RNG state. Every rank must call it (the
-        full tensors are collectives)."""
-        out.mkdir(parents=True, exist_ok=True)
-        self.residence.weights_in()
-        if self.lora:
-            adapters = {
-                name.replace(".default.", "."): t.cpu().clone()
-                for name, t in full_tensors(self.module, only=is_adapter)
-                if rank == 0
-            }
-            if rank == 0:
-                config = self.module.lm.peft_config["default"]
-                save_adapter(adapters, config, tokenizer, out / ADAPTER_DIR)
-        else:
-            state = {name: t.cpu().clone() for name, t in self.full_state() if rank == 0}
-            if rank == 0:
-                step = out.name.removesuffix(".tmp").removeprefix("step_")  # step_<N>.tmp
-                weights = out / "model" / "model.safetensors"
-                failpoint("write", int(step) if step.isdigit() else 0, weights)
-                save_hf_folder(state, self.module.lm.config, tokenizer, out / "model")
-        assert self.optimizer is not None and self.scheduler is not None
-        if with_optimizer:  # (gathered over the ranks where the moments are at home)
-            self.residence.moments_in(self.optimizer)
-            save_optimizer(self.module, self.optimizer, self.scheduler, out, rank)
-            self.residence.moments_out(self.optimizer)
-        elif rank == 0:
-            save_schedule(self.scheduler, out)
-        save_rng_state(out, rank)
-        dist.barrier()
-
-    def load_checkpoint(self, out: Path, rank: int) -> None:
-        """Optimizer and RNG of :meth:`save_checkpoint`; the weights were loaded at start
-        (LoRA: the base model's; the adapters are loaded here)."""
-        self.residence.weights_in()
-        if self.lora:
-            load_adapters(self.module, out / ADAPTER_DIR)
-        elif (out / ADAPTER_DIR).is_dir():
-            raise CheckpointError(
-                f"{out} holds LoRA adapters (adapter/): resume it with the run's "
-                "actor.lora.rank, or set trainer.resume=false"
-            )
-        self.load_optimizer(out)
-        load_rng_state(out, rank)
-
-    def load_weights(self, out: Path) -> None:
-        """The model weights of the checkpoint ``out`` (``model/``; LoRA: ``adapter/``), not its
-        optimizer or RNG: for evaluating a run's checkpoints one after another."""
-        self.residence.weights_in()
-        if self.lora:
-            load_adapters(self.module, out / ADAPTER_DIR)
-        elif (out / "model").is_dir():
-            load_full_weights(self.module, out / "model")
-        else:
-            raise CheckpointError(
-                f"{out} holds LoRA adapters (adapter/), not a model/: evaluate it with the "
-                "run's actor.lora"
-            )
-
-    def load_optimizer(self, path: Path) -> None:
-        """The optimizer state and schedule :meth:`save_checkpoint` wrote to ``path``."""
-        assert self.optimizer is not None and self.scheduler is not None
-        self.residence.weights_in()  # (the state is loaded where the parameters are)
-        load_optimizer(self.module, self.optimizer, self.scheduler, path)
-        self.residence.moments_out(self.optimizer)

@@ -5,7 +5,7 @@ into buckets of about ``rollout.weight_sync_bucket_mb``, each safetensors bytes,
 shapes and dtypes travel with the data and nothing is unpickled on arrival. The split path
 broadcasts them to the replicas (:mod:`treadle.serving.weight_sync`), and vLLM's engine loads
 them so. The colocated path hands the engine its named tensors where they are, on the device
-(:meth:`treadle.workers.actor.ActorRolloutRefWorker.sync_weights`): the hf engine copies them
+(:meth:`treadle.workers.sender.SendsWeights.sync_weights`): the hf engine copies them
 into its weights in place, with no trip through the host.
 """
 

@@ -7,7 +7,9 @@ module                   what it holds
                          (threads, device, process group, config); :class:`~.base.
                          TrainingWorker`: the checkpoints of a trained engine
 :mod:`.actor`            :class:`ActorRolloutRefWorker`: the policy (actor + rollout engine +
-                         reference, colocated): log-probs, weight sync, one update
+                         reference, colocated): log-probs, one update
+:mod:`.sender`           :class:`~.sender.SendsWeights`: the policy's weights to its rollout
+                         (colocated in memory, split over the weight-sync group)
 :mod:`.objectives`       what the policy trains on: PPO's family, SFT, DPO's, KTO; the one
                          update loop
 :mod:`.critic`           :class:`CriticWorker`: PPO's value model

@@ -41,12 +41,13 @@ train_kto                   UNPAIRED + labels, ref_logps,          metrics kto/*
 The rollout side: ``rollout_generate`` and ``rollout_score``
 (:class:`~treadle.serving.replica.ServesRollout`, the interface every process holding a replica
 has) serve requests from this rank's colocated replica (``rollout.placement=colocated``), and
-``sync_weights`` sends the actor's weights to the rollout, in memory (colocated) or over the
-weight-sync group (split). A colocated teacher (``treadle distill``,
-``teacher.placement=colocated``, :class:`~treadle.serving.replica.ServesTeacher`) is a second
-engine and server in the same process: ``init_teacher`` loads it, ``teacher_generate`` and
-``teacher_score`` serve it; a colocated LLM judge (``reward.judge``,
-:class:`~treadle.serving.replica.ServesJudge`) likewise, with ``init_judge``.
+``sync_weights`` (:class:`~treadle.workers.sender.SendsWeights`) sends the actor's weights to
+the rollout, in memory (colocated) or over the weight-sync group (split). A colocated teacher
+(``treadle distill``, ``teacher.placement=colocated``,
+:class:`~treadle.serving.replica.ServesTeacher`) is a second engine and server in the same
+process: ``init_teacher`` loads it, ``teacher_generate`` and ``teacher_score`` serve it; a
+colocated LLM judge (``reward.judge``, :class:`~treadle.serving.replica.ServesJudge`) likewise,
+with ``init_judge``.
 """
 
 from __future__ import annotations
@@ -59,18 +60,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from treadle.algorithms import UNPAIRED_LOSSES
-from treadle.controller import Collect, Dispatch, free_port, register
+from treadle.controller import Collect, Dispatch, register
 from treadle.data.images import PIXELS
 from treadle.engines.heads import LogProbRequest
-from treadle.engines.weights import CastTensors, weight_buckets
 from treadle.models.checkpoint import read_state
 from treadle.models.loading import apply_lora
 from treadle.protocol import Batch
-from treadle.runtime.precision import rollout_dtype
 from treadle.serving.replica import ServesJudge, ServesRollout, ServesTeacher, make_engine
 from treadle.serving.server import RolloutServer
-from treadle.serving.weight_sync import WeightSyncGroup
-from treadle.workers.base import TrainingWorker
 from treadle.workers.common import (
     ATTENTION,
     PAIRS,
@@ -98,12 +95,13 @@ from treadle.workers.objectives import (
     Unpaired,
     update,
 )
+from treadle.workers.sender import SendsWeights
 
 if TYPE_CHECKING:  # imported where an engine is built: the driver does not need FSDP
     from treadle.engines.fsdp import TrainEngine
 
 
-class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingWorker):
+class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, SendsWeights):
     """Actor + rollout engine + reference (+ a colocated teacher), in one process per rank."""
 
     role = "actor"
@@ -142,7 +140,6 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
             else None
         )
         timer.done("rollout_engine")
-        self.weight_sync: WeightSyncGroup | None = None  # split: rank 0 -> the replicas
         self._wait()
 
     @property
@@ -154,59 +151,6 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
         """The engines an objective trains and reads, with the config as it is now."""
         dp_group = self.meshes.dp_group if self.meshes is not None else None
         return Policy(self.cfg, self.engine, self.ref, self.device, self.layout.dp, dp_group)
-
-    # ------------------------------------------------------------------ rollout
-
-    def _wait(self) -> None:
-        """Actor and reference wait (the rollout generates next): in host memory with
-        ``actor.offload_params``."""
-        self.engine.offload()
-        if self.ref is not None:
-            self.ref.offload()
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def sync_weights(self, version: int) -> int:
-        """The actor's full weights to the rollout as ``version``; returns the bytes moved.
-        Then the actor waits for the next step (:meth:`_wait`).
-
-        Every rank walks the full tensors (gathering one is a collective). Colocated: each
-        rank hands them, cast to the rollout's dtype where they are (on the device), to its own
-        replica's engine, one tensor at a time (the hf engine copies each into its weights in
-        place; vLLM's cuts them into safetensors buckets). Split: rank 0 broadcasts them in
-        buckets. A tied output head goes once, as the embedding (``full_tensors``). vLLM gets
-        them as the model's files hold them (``full_state(as_saved=True)``)."""
-        moved = self._send_weights(version)
-        self._wait()
-        return moved
-
-    def _send_weights(self, version: int) -> int:
-        r = self.cfg.rollout
-        dtype = getattr(torch, rollout_dtype(r.dtype, self.cfg.model.dtype))
-        as_saved = r.engine == "vllm"  # vLLM loads the files' format; the hf engine is the model
-        if self.server is not None:
-            tensors = CastTensors(self.engine.full_state(dtype, as_saved))  # (counts the bytes)
-            self.server.update_weights(tensors, version)
-            return tensors.bytes
-        bucket = max(1, int(r.weight_sync_bucket_mb * (1 << 20)))
-        buckets = weight_buckets(self.engine.full_state(dtype, as_saved), bucket, dtype)
-        if self.weight_sync is not None:
-            return self.weight_sync.send(buckets)
-        for _ in self.engine.full_state():  # ranks > 0 of split: join the gathers only
-            pass
-        return 0
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def weight_sync_address(self) -> tuple[str, int]:
-        """Where rank 0 will listen for the weight-sync group: its node's address, a free port."""
-        import ray
-
-        return ray.util.get_node_ip_address(), free_port()
-
-    @register(Dispatch.ALL, Collect.RANK0)
-    def init_weight_sync(self, addr: str, port: int, world_size: int) -> None:
-        """Rank 0 joins the weight-sync group as its rank 0 (the replicas join as 1..R)."""
-        if self.rank == 0:
-            self.weight_sync = WeightSyncGroup(addr, port, 0, world_size)
 
     # ------------------------------------------------------------------ log-probs
 
@@ -360,7 +304,9 @@ class ActorRolloutRefWorker(ServesRollout, ServesTeacher, ServesJudge, TrainingW
     def load_weights(self, path: str) -> None:
         """The model weights of checkpoint ``path`` (LoRA: its adapters), without optimizer or
         RNG; :meth:`sync_weights` then gives them to the rollout (``treadle eval RUN_DIR``)."""
-        self.engine.load_weights(Path(path))
+        from treadle.engines.checkpoint import load_weights  # (where an engine was built)
+
+        load_weights(self.engine, Path(path))
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:

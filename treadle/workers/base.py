@@ -107,11 +107,15 @@ class TrainingWorker(RoleWorker):
     def save_checkpoint(self, path: str, with_optimizer: bool = True) -> None:
         """The model as an HF folder ``path/model`` (LoRA: the adapters only) by rank 0, the
         optimizer gathered (unless trainer.save_optimizer=false), RNG per rank."""
+        from treadle.engines.checkpoint import save_checkpoint  # (where an engine was built)
+
         with_optimizer = with_optimizer and self.cfg.trainer.save_optimizer
-        self.engine.save_checkpoint(Path(path), self.rank, self.tokenizer, with_optimizer)
+        save_checkpoint(self.engine, Path(path), self.rank, self.tokenizer, with_optimizer)
 
     @register(Dispatch.ALL, Collect.RANK0)
     def load_checkpoint(self, path: str) -> None:
         """Optimizer and RNG (LoRA: and the adapters); the weights were loaded at start from
         ``path/model``."""
-        self.engine.load_checkpoint(Path(path), self.rank)
+        from treadle.engines.checkpoint import load_checkpoint
+
+        load_checkpoint(self.engine, Path(path), self.rank)
