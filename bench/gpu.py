@@ -11,14 +11,15 @@
 Prints, per workload, each side's step time (median of `--steps` after `--warmup`), its
 generation and training time, generated tokens/s and peak memory, the update's model FLOPs
 (:func:`update_flops`) and each side's TFLOP/s in its training time (on an H100/H200/A100/L40S
-also the share of its bf16 peak: MFU), then the ratio lines last: `ratio step_time treadle/trl
-<workload>: <r>` for every workload, then `ratio peak_memory ...`. The sides run one at a time:
-every workload's TRL run and treadle's on the first `--cache`, then treadle's on the other
-caches in their order, the workload of the most decoding steps first. One that fails, or is
-still running at `--deadline-s` (killed then, and the later ones not started), is named in the
-report with its reason, the others' numbers still printed; one killed or failed after more
-than `--warmup` steps (in the profiled step after them, say) is measured on those, and the
-report says where and why it stopped. The script then exits with 1.
+also the share of its bf16 peak: MFU), the README's table in Markdown (a row per workload and
+KV cache: step time and peak memory of each side, their ratios), then the ratio lines last:
+`ratio step_time treadle/trl <workload>: <r>` for every workload, then `ratio peak_memory ...`.
+The sides run one at a time: every workload's TRL run and treadle's on the first `--cache`,
+then treadle's on the other caches in their order, the workload of the most decoding steps
+first. One that fails, or is still running at `--deadline-s` (killed then, and the later ones
+not started), is named in the report with its reason, the others' numbers still printed; one
+killed or failed after more than `--warmup` steps (in the profiled step after them, say) is
+measured on those, and the report says where and why it stopped. The script then exits with 1.
 
 The workloads (`WORKLOADS`): SmolLM2-135M's shape, 8 prompts x 4 samples x 64 new tokens; a
 1.39 B model of Qwen2.5-1.5B's shape with SmolLM2's vocabulary (49,152), 32 x 8 x 256; `tiny`
@@ -492,6 +493,7 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
     lines = header(args)
     columns = GPU_COLUMNS if args.device == "cuda" else CPU_COLUMNS
     results = {}
+    rows = []  # (workload, cache, TRL's summary, treadle's): the README's table
     for name, sides in measured.items():
         wl = WORKLOADS[name]
         lines += [
@@ -522,6 +524,7 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
                 )
             else:
                 results[name if len(args.caches) == 1 else f"{name} {cache}"] = (trl, ours)
+                rows.append((name, cache, trl, ours))
                 lines += [
                     *base.format_table(trl, ours, columns),
                     *base.workload_warnings(trl, ours),
@@ -537,7 +540,27 @@ def report(args: argparse.Namespace, measured: dict[str, dict[str, Any]]) -> lis
         if trl is not None:
             lines.append(base.trl_breakdown(sides["trl"]["steps"], args.warmup))
         lines.append(flops_line(args, name, {"TRL": trl, **treadle}))
-    return [*lines, "", *base.ratio_lines(results, RATIOS)]
+    return [*lines, "", *readme_table(args, rows), "", *base.ratio_lines(results, RATIOS)]
+
+
+def readme_table(args: argparse.Namespace, rows: list[tuple[str, str, dict, dict]]) -> list[str]:
+    """The README's table ("On a GPU"), in Markdown: a row per workload and KV cache measured
+    against TRL, its step time and peak memory (on a GPU: allocated) and their ratios."""
+    if not rows:
+        return []
+    memory = "peak GiB" if args.device == "cuda" else "peak RSS GiB"
+    lines = [
+        "the README's table:",
+        f"| workload | KV cache | step s, TRL | step s, treadle | treadle/TRL | {memory}, TRL "
+        f"| {memory}, treadle | treadle/TRL |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, cache, trl, ours in rows:
+        wl = WORKLOADS[name]
+        work = f"{wl.title}, {wl.prompts} x {wl.n} x {wl.new_tokens}"
+        step, peak = (f"{trl[k]:.2f} | {ours[k]:.2f} | {ours[k] / trl[k]:.2f}" for _, k in RATIOS)
+        lines.append(f"| {work} | {cache} | {step} | {peak} |")
+    return lines
 
 
 def update_flops(wl: Workload, prompt_tokens: int) -> float:

@@ -174,6 +174,14 @@ def test_one_trl_run_against_each_cache(bench):
     ]
     titles = [line for line in lines if line.startswith("treadle on the")]
     assert titles == ["treadle on the dynamic KV cache:", "treadle on the static KV cache:"]
+    table = lines.index("the README's table:")
+    assert lines[table + 3 : table + 6] == [  # (peak RSS: 2 GiB each side)
+        "| a tiny Llama (the script's own check, on a CPU), 2 x 2 x 4 | dynamic | 4.00 | 2.00 "
+        "| 0.50 | 2.00 | 2.00 | 1.00 |",
+        "| a tiny Llama (the script's own check, on a CPU), 2 x 2 x 4 | static | 4.00 | 1.00 "
+        "| 0.25 | 2.00 | 2.00 | 1.00 |",
+        "",
+    ]
 
 
 def test_the_sides_run_in_order_of_what_matters_most(bench):

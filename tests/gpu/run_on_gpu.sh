@@ -22,7 +22,8 @@
 #     typing_extensions==4.16.0 datasets==5.2.0 dill multiprocess xxhash cloudpickle trl==1.16.0 \
 #     pytest-xdist==3.8.0 execnet==2.1.2 peft==0.21.2
 # and give the run tool carry=[".whl"]. What it prints goes to $OUT: gpu.txt, tests.txt,
-# bench.txt, sides.tgz (each side's log, step records and profile table) and traces.tar.
+# bench.txt (its end: the README's table, in Markdown, then the ratio lines), sides.tgz (each
+# side's log, step records and profile table) and traces.tar.
 # A dry run of the bench's GPU settings on the CPU, with the image's torch and transformers
 # in front (PYTHONPATH) where they are unpacked:
 #   python bench/gpu.py --tiny --device cpu --precision bf16 \
