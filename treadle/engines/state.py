@@ -137,32 +137,24 @@ def _jsonable(value: object) -> object:
 
 
 def save_rng_state(out: Path, rank: int) -> None:
-    """This rank's random state into the checkpoint ``out``: the CPU generator's and, on a GPU,
-    the GPU's, which a GPU's dropout (LoRA's among them) draws from."""
-    save_file(_rng_state(), str(out / f"rng_rank{rank}.safetensors"))
-
-
-def _rng_state() -> dict[str, torch.Tensor]:
+    """This rank's random state into the checkpoint ``out``: the CPU generator's (``torch``)
+    and, on a GPU, the GPU's (``cuda``), which a GPU's dropout (LoRA's among them) draws from."""
     state = {"torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
-    return state
+    save_file(state, str(out / f"rng_rank{rank}.safetensors"))
 
 
 def load_rng_state(out: Path, rank: int) -> None:
-    """This rank's random state from the checkpoint ``out``."""
+    """This rank's random state from the checkpoint ``out``; its GPU part where both it and a
+    GPU are here (a checkpoint saved on a CPU resumes on a GPU, and the other way round)."""
     rng = out / f"rng_rank{rank}.safetensors"
     if not rng.is_file():
         raise CheckpointError(
             f"{rng} is missing: the checkpoint was saved by fewer ranks, or damaged; "
             "resume with the same actor.world_size, or set trainer.resume=false"
         )
-    _set_rng_state(load_file(str(rng)))
-
-
-def _set_rng_state(state: dict[str, torch.Tensor]) -> None:
-    """Restore :func:`_rng_state`'s ``state``; its GPU part where both it and a GPU are here
-    (a checkpoint saved on a CPU resumes on a GPU, and the other way round)."""
+    state = load_file(str(rng))
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
