@@ -91,7 +91,9 @@ def packed_and_parallel(lm, ids: torch.Tensor, group) -> tuple:
 
 
 def assert_same(want, got, want_grads, grads) -> None:
-    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # float32 rounding: up to 1.4e-6 for gpt-oss's states over 12 seeds on an AVX-512 Xeon (a
+    # left-out sink is off by 0.16)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     assert grads.keys() == want_grads.keys()
     for name, g in want_grads.items():
         scale = max(1.0, g.abs().max().item())  # (gpt-oss's reach 1,700: float32 rounding)
@@ -110,7 +112,7 @@ def test_each_packed_sequence_attends_within_itself(sp_group, arch, changes):
     lm = random_lm(arch, **changes)
     if changes:
         assert lm.config.layer_types == ["full_attention", "sliding_attention"]
-    ids = torch.randint(0, 64, POSITIONS.shape)
+    ids = torch.randint(0, 64, POSITIONS.shape, generator=torch.Generator().manual_seed(0))
     assert_same(*packed_and_parallel(lm, ids, sp_group))
     with pytest.raises(RuntimeError, match="sequence-parallel attention got no sequence_segments"):
         lm.model(input_ids=ids, position_ids=POSITIONS, use_cache=False)
@@ -131,7 +133,7 @@ def test_attention_sinks_take_their_share_of_each_softmax(sp_group):
     out, a 2-rank run's log-probs were off by 0.16 against the engine's."""
     lm = sunk_gpt_oss()
     assert lm.config.layer_types == ["sliding_attention", "full_attention"]
-    ids = torch.randint(0, 64, POSITIONS.shape)
+    ids = torch.randint(0, 64, POSITIONS.shape, generator=torch.Generator().manual_seed(0))
     assert_same(*packed_and_parallel(lm, ids, sp_group))
 
 
