@@ -8,7 +8,13 @@ import torch
 from tiny_models import random_lm
 
 from treadle.engines.heads import LogProbHead, LogProbRequest, can_share_prompts
-from treadle.engines.packing import label_positions, pack, pack_shared, prompt_groups
+from treadle.engines.packing import (
+    PackedLayout,
+    label_positions,
+    pack,
+    pack_shared,
+    prompt_groups,
+)
 from treadle.protocol import Batch
 
 
@@ -131,6 +137,32 @@ def test_without_a_shared_prompt_it_is_pack():
 
 
 # ----------------------------------------------------------------------------- exactness
+
+
+def test_a_shared_states_gradients_add_up_in_the_same_order_every_time():
+    """A shared prompt's last state is gathered once per response. Indexing's backward on the
+    CPU adds the repeated rows from two threads at once: 20 backward passes of this gather
+    gave 20 different gradients (the last bits), and runs beside a busy core parted. The
+    layout's gather adds them in order."""
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 512, 64, generator=g, requires_grad=True)
+    gather = torch.randint(0, 8, (8192,), generator=g)  # 8 states, ~1,000 readers each
+    weights = torch.randn(len(gather), 64, generator=g)
+    empty = torch.zeros(0, dtype=torch.long)
+    layout = PackedLayout(empty, empty, empty.bool(), gather, empty)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # (indexing's backward adds from one thread with one)
+    try:
+        seen = []
+        for _ in range(10):
+            hidden.grad = None
+            (layout.label_states(hidden) * weights).sum().backward()
+            seen.append(hidden.grad.clone())
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(seen[0], other) for other in seen[1:])
+    want = torch.zeros(1024, 64).index_add_(0, gather, weights).view(2, 512, 64)
+    torch.testing.assert_close(seen[0], want)
 
 
 def padded_log_probs(model, ids, mask, r: int) -> torch.Tensor:

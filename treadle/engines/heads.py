@@ -97,12 +97,12 @@ def response_hidden(
                 position_ids=layout.position_ids,
                 use_cache=False,
             ).last_hidden_state
-            return hidden.flatten(0, 1)[layout.gather], where
+            return layout.label_states(hidden), where
     layout = pack(input_ids, attention_mask, where, row_tokens, hidden_size=h)
     hidden = _packed_hidden(
         lm, layout, (input_ids, attention_mask), row_tokens, sequence_group, pixel_values
     )
-    return hidden.flatten(0, 1)[layout.gather], where
+    return layout.label_states(hidden), where
 
 
 def _packed_hidden(

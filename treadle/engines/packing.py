@@ -163,6 +163,23 @@ class PackedLayout:
     # say it all
     attention_mask: torch.Tensor | None = None
 
+    def label_states(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The states at ``gather`` of the packed rows' ``hidden`` ``[rows, width, H]``:
+        ``[N, H]``, with a backward that adds a state's gradients in the same order every run.
+
+        ``gather`` repeats a state where rows share a prompt (:func:`pack_shared`: its last
+        state predicts every response's first token). Indexing's backward on the CPU adds
+        repeated rows from several threads at once, in whatever order they come
+        (``torch.use_deterministic_algorithms`` lists it): beside a busy core the last bits of
+        the gradients changed from run to run, and the demo's RL line by 2 points.
+        ``index_select``'s backward (``index_add_``) adds them in order on the CPU; on CUDA it
+        is ``index_add_`` that adds atomically and indexing's backward that sorts, so there
+        indexing stays."""
+        flat = hidden.flatten(0, 1)
+        if flat.device.type == "cpu":
+            return flat.index_select(0, self.gather)
+        return flat[self.gather]
+
     def packed_pixels(self, pixel_values: torch.Tensor) -> torch.Tensor:
         """A batch's pictures ``[B, images, 3, H, W]`` as the packed rows' one sample
         ``[1, B * images, 3, H, W]``, in the order of their image tokens (all-zero padding
