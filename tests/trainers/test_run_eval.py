@@ -92,17 +92,12 @@ def test_checkpoints_give_the_numbers_their_steps_logged(tiny_task, tmp_path, ca
 
 
 @pytest.mark.slow
-def test_checkpoints_through_vllm_replicas_under_ray(tiny_task, ray_session, tmp_path, capsys):
-    """The same through vLLM (the replica in the actor's Ray process): weights synced into it
-    per checkpoint."""
-    _train_then_evaluate(tiny_task, tmp_path, capsys, "rollout.engine=vllm")
-
-
-@pytest.mark.slow
 @pytest.mark.parametrize("family", ["mixtral", "olmo2"])
 def test_model_families_vllm_runs_its_own_way(family, tiny_task, ray_session, tmp_path, capsys):
-    """Through vLLM, the actor's log-probs of every step's samples are vLLM's and the
-    checkpoints load back, for two families vLLM runs its own way:
+    """The same through vLLM under Ray (the replica in the actor's Ray process, weights synced
+    into it per checkpoint), where the actor's log-probs of every step's samples are vLLM's and
+    the checkpoints load back, for two families vLLM runs its own way (the default family, a
+    Llama, runs through vLLM under Ray in `tests/rollout/test_fleet.py` and elsewhere):
 
     - a Mixtral, whose experts transformers 5 holds fused (its files: a matrix an expert): the
       weights vLLM is sent are as the files hold them, and on CPU its experts are repacked
