@@ -4,9 +4,7 @@ as objects and saved folders, and algorithm.plugins."""
 from __future__ import annotations
 
 import json
-import os
 import runpy
-import subprocess
 import sys
 from pathlib import Path
 
@@ -253,38 +251,6 @@ def test_a_bad_plugin_is_one_line_naming_algorithm_plugins(tmp_path):
     assert cfg.algorithm.plugins == [str(Path("missing.py").absolute())]
     with pytest.raises(ConfigError, match=r"^algorithm\.plugins: file '.*missing\.py' does not"):
         check_algorithm(cfg, "train")
-
-
-@pytest.mark.slow
-def test_the_plugin_example_trains_from_the_command_line(tiny_task, tmp_path):
-    """examples/plugins: the README's custom estimator, named in a config, runs a step."""
-    task = Path(tiny_task["train"]).parent
-    args = [
-        "examples/plugins/grpo.yaml",
-        f"model.path={tiny_task['model']}",
-        f"data.train_files=[{task / 'train.jsonl'}]",
-        "data.val_files=[]",
-        "data.batch_size=4",
-        "rollout.engine=hf",
-        "rollout.n=2",
-        "rollout.max_new_tokens=6",
-        "actor.ppo_mini_batch_size=8",
-        "actor.micro_batch_size=8",
-        "reward.num_workers=0",
-        "trainer.backend=local",
-        "trainer.total_steps=1",
-        f"trainer.output_dir={tmp_path / 'run'}",
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-    done = subprocess.run(
-        [sys.executable, "-m", "treadle", "train", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr[-2000:]
-    cfg = load_config(tmp_path / "run" / "config.yaml")
-    assert cfg.algorithm.adv_estimator == "my_baseline"
-    assert cfg.algorithm.plugins == [str(ROOT / "examples" / "plugins" / "my_estimator.py")]
-    assert json.loads((tmp_path / "run" / "metrics.jsonl").read_text())["step"] == 1
 
 
 def test_distill_with_a_dataset_and_a_python_reward(tiny_task, tmp_path):

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from treadle.config import load_config
 from treadle.tracking.sinks import ConsoleLogger
 from treadle.tracking.tracker import read_metrics
 
@@ -37,6 +38,8 @@ def test_a_plain_console_prints_one_line_per_step_with_eta():
 
 @pytest.mark.slow
 def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, length_reward, tmp_path):
+    """The run is examples/plugins' (the README's custom advantage estimator, named in its
+    config): its process also shows that a plug-in trains from the command line."""
     run = tmp_path / "run"
     proc = subprocess.run(
         [
@@ -44,7 +47,7 @@ def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, lengt
             "-m",
             "treadle",
             "train",
-            "examples/arithmetic/grpo.yaml",
+            "examples/plugins/grpo.yaml",
             f"model.path={tiny_task['model']}",
             f"data.train_files=[{tiny_task['train']}]",
             f"data.val_files=[{tiny_task['test']}]",
@@ -66,14 +69,14 @@ def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, lengt
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
         check=False,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", proc.stdout)  # no colour codes, no \r
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("treadle: RL (grpo advantages, ppo loss, rollout hf colocated, ")
+    assert lines[0].startswith("treadle: RL (my_baseline advantages, ppo loss, rollout hf ")
     assert lines[0].endswith("3 steps, in this process (trainer.backend=local)")
     assert lines[1] == f"  writes to {run}: config.yaml, logs/, metrics.jsonl"
     steps = [line for line in lines if line.startswith("step ")]
@@ -86,6 +89,10 @@ def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, lengt
     ]
     assert len(lines) == 2 + 3 + 3  # nothing else
     assert proc.stderr == ""
+    cfg = load_config(run / "config.yaml")
+    assert cfg.algorithm.adv_estimator == "my_baseline"
+    assert cfg.algorithm.plugins == [str(ROOT / "examples" / "plugins" / "my_estimator.py")]
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
     samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
     assert [s["step"] for s in samples] == [2, 2, 2, 3, 3, 3]
     for s in samples:
