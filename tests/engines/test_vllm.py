@@ -303,6 +303,34 @@ def test_unsupported_head_size_is_a_config_error(tiny_task, tmp_path):
         _check_cpu_head_size(str(narrow))
 
 
+def test_vllm_starts_beside_a_frozen_heap_and_a_failed_start_thaws_it():
+    """vLLM's start collects the whole heap five times, then freezes it (`_heap_frozen`): it
+    starts with every object already there frozen, so those collections pass them by, and a
+    start that fails leaves the collector as it found it."""
+    import gc
+
+    from treadle.engines.vllm.slot import _heap_frozen
+
+    was_frozen = gc.get_freeze_count() > 0  # by the session's engine, if it ran already
+    gc.unfreeze()
+    here = [[]]  # a container: the collector tracks it
+    try:
+        with _heap_frozen():
+            assert gc.get_freeze_count() > 0
+            assert not any(o is here for o in gc.get_objects())
+            made = [[]]
+            assert any(o is made for o in gc.get_objects())
+        assert gc.get_freeze_count() > 0  # started: frozen, as vLLM leaves it
+        gc.unfreeze()
+        with pytest.raises(ConfigError, match="did not start"), _heap_frozen():
+            raise ConfigError("did not start")
+        assert gc.get_freeze_count() == 0
+        assert any(o is here for o in gc.get_objects())
+    finally:
+        if was_frozen:
+            gc.freeze()
+
+
 def test_start_failures_are_config_errors(vllm_session, vllm_model, monkeypatch):
     from treadle.engines import vllm
     from treadle.engines.vllm import slot
