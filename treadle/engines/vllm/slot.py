@@ -276,9 +276,10 @@ def _heap_frozen() -> Iterator[None]:
     While it starts, vLLM runs five full collections (two in its loader, three before its
     engine core, here in this process, freezes the heap: vLLM 0.32 ``freeze_gc_heap``), each
     through every object of the process: torch's, transformers', the actor's model. Collected
-    once and frozen here first, they scan only what vLLM makes: a start 0.85 s shorter (median
-    of 6 starts each, 5.85 s against 6.7, the tiny model on a 2-core CPU). The heap ends frozen
-    as vLLM leaves it anyway; a start that fails thaws it, unless it was frozen before."""
+    once and frozen here first, they scan only what vLLM makes: the tiny model's start 6.62 ->
+    5.69 s in this process (medians of 6, a 2-core CPU), the tests' vLLM runs under Ray, whose
+    actors hold their models, ~4 s a start (docs/findings.md, "Start-up"). The heap ends frozen as
+    vLLM leaves it anyway; a start that fails thaws it, unless it was frozen before."""
     thawed = gc.get_freeze_count() == 0
     gc.collect()
     gc.freeze()
