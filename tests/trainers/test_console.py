@@ -69,14 +69,15 @@ def test_a_piped_rl_run_prints_a_line_per_step_and_logs_samples(tiny_task, lengt
         cwd=ROOT,
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         check=False,
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr
     assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f]", proc.stdout)  # no colour codes, no \r
     lines = proc.stdout.splitlines()
-    assert lines[0].startswith("treadle: RL (my_baseline advantages, ppo loss, rollout hf ")
+    headline = "treadle: RL (my_baseline advantages, ppo loss, rollout hf colocated, "
+    assert lines[0].startswith(headline)
     assert lines[0].endswith("3 steps, in this process (trainer.backend=local)")
     assert lines[1] == f"  writes to {run}: config.yaml, logs/, metrics.jsonl"
     steps = [line for line in lines if line.startswith("step ")]
